@@ -1,0 +1,153 @@
+//! Copy backends: engines that perform one strided 2D copy at a time.
+//!
+//! An engine knows rects and pointers, nothing of heads or TP: the plan decides what to copy, the
+//! engine only how. The host engine is always built; the HIP engine needs the `hip` feature.
+
+use std::ffi::c_void;
+
+use crate::error::{Error, Result};
+use crate::plan::CopyRect;
+
+/// Performs the rects of a plan on one pair of base pointers at a time.
+pub trait CopyEngine {
+    /// Short name for messages ("host", "hip").
+    fn name(&self) -> &'static str;
+
+    /// Copies `rect` from `src_base` to `dst_base`.
+    ///
+    /// # Safety
+    /// Every row of the rect must be readable at `src_base + src_offset + r * src_pitch` and
+    /// writable at `dst_base + dst_offset + r * dst_pitch` for `width` bytes, for the whole time
+    /// the engine may touch it (until [`CopyEngine::finish`] for asynchronous engines).
+    unsafe fn copy_rect(
+        &mut self,
+        dst_base: *mut u8,
+        src_base: *const u8,
+        rect: &CopyRect,
+    ) -> Result<()>;
+
+    /// Called once after the last rect: synchronous engines have nothing left to do, the HIP
+    /// engine waits for its stream when asked to.
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// CPU copies, synchronous: a contiguous rect is one `memmove`, any other rect one per row.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostEngine;
+
+impl CopyEngine for HostEngine {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    unsafe fn copy_rect(
+        &mut self,
+        dst_base: *mut u8,
+        src_base: *const u8,
+        rect: &CopyRect,
+    ) -> Result<()> {
+        // The caller validated every offset against capacities that fit in isize, so the
+        // conversions to usize are lossless.
+        let (mut src, mut dst) = (rect.src_offset as usize, rect.dst_offset as usize);
+        let (rows, len) = if rect.is_contiguous() {
+            (1, rect.bytes() as usize)
+        } else {
+            (rect.height, rect.width as usize)
+        };
+        for _ in 0..rows {
+            // SAFETY: the caller guarantees each row is in bounds; `copy` (memmove) stays
+            // defined even if a caller passes overlapping source and destination buffers.
+            unsafe { std::ptr::copy(src_base.add(src), dst_base.add(dst), len) };
+            src += rect.src_pitch as usize;
+            dst += rect.dst_pitch as usize;
+        }
+        Ok(())
+    }
+}
+
+/// Which engine `mori_send_kvcache` should use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// HIP when built with it and a device is present, else host.
+    Auto,
+    /// CPU copies.
+    Host,
+    /// `hipMemcpy2DAsync` on the caller's stream.
+    Hip,
+}
+
+/// Options of one send, as the C ABI's `MoriSendOptions` carries them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendOptions {
+    /// Requested backend.
+    pub backend: Backend,
+    /// Wait for the copies to finish before returning (HIP; host copies always have).
+    pub synchronize: bool,
+    /// `hipStream_t` for HIP; must be NULL for the host backend.
+    pub stream: *mut c_void,
+}
+
+impl Default for SendOptions {
+    fn default() -> Self {
+        SendOptions {
+            backend: Backend::Auto,
+            synchronize: false,
+            stream: std::ptr::null_mut(),
+        }
+    }
+}
+
+/// True when the HIP engine is compiled in and the runtime reports at least one device.
+pub fn hip_device_present() -> bool {
+    hip::device_present().is_ok()
+}
+
+/// Resolves `options` to an engine, or says why the requested backend cannot run.
+pub fn open_engine(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
+    let use_hip = match options.backend {
+        Backend::Auto => hip_device_present(),
+        Backend::Host => false,
+        Backend::Hip => true,
+    };
+    if use_hip {
+        return hip::open(options);
+    }
+    if !options.stream.is_null() {
+        let why = if options.backend == Backend::Auto {
+            "AUTO chose the host backend because no HIP device is available, and host copies \
+             take no stream"
+        } else {
+            "the host backend runs on the CPU and takes no stream"
+        };
+        return Err(Error::InvalidArgument(format!(
+            "options.stream is {:p} but {why} (pass NULL, or request MORI_BACKEND_HIP)",
+            options.stream
+        )));
+    }
+    Ok(Box::new(HostEngine))
+}
+
+/// Until the HIP engine lands (the `hip` feature), the HIP backend is a clear refusal, never a
+/// silent host fallback.
+mod hip {
+    use super::{CopyEngine, SendOptions};
+    use crate::error::{Error, Result};
+
+    fn not_built() -> Error {
+        Error::BackendUnavailable(
+            "the HIP backend is not built in: this libmori_tp was compiled without the `hip` \
+             cargo feature (rebuild with `cargo build --release --features hip`)"
+                .into(),
+        )
+    }
+
+    pub(super) fn device_present() -> Result<()> {
+        Err(not_built())
+    }
+
+    pub(super) fn open(_options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
+        Err(not_built())
+    }
+}

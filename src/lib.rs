@@ -1,0 +1,25 @@
+//! # mori-tp
+//!
+//! Moves LLM KV cache between a prefill engine and a decode engine that shard attention over
+//! different tensor-parallel (TP) sizes, and gets the head arithmetic right for every valid layout.
+//!
+//! Read top-down:
+//! - [`slice`]: which heads each rank owns, which prefill rank sends which head, and the byte slice
+//!   a (prefill rank, decode rank) pair moves inside each token. The math lives here.
+//! - [`plan`]: a request's page pairs as coalesced strided copies (rects) or contiguous segments.
+//! - [`backend`]: engines that perform one rect (host `memmove`, HIP `hipMemcpy2DAsync`).
+//! - [`send`]: validation of buffers against a plan, then the copies.
+//!
+//! The behaviour is fixed by `CONTRACT.md`; the C header is the reference for C and C++ users.
+
+pub mod backend;
+pub mod error;
+pub mod plan;
+pub mod send;
+pub mod slice;
+
+pub use backend::{Backend, CopyEngine, HostEngine, SendOptions};
+pub use error::{Error, Result, Side};
+pub use plan::{CopyRect, Plan, Segment, plan, plan_segments};
+pub use send::{KvBuffers, SendReport, send, send_host};
+pub use slice::{Action, Pairing, SliceConfig, SliceParams, Topology, TpSide, slice_config};

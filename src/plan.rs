@@ -1,0 +1,451 @@
+//! Copy plans: a request's page pairs turned into strided 2D copies (rects), or into the same
+//! bytes as contiguous 1D segments for RDMA batch writes.
+//!
+//! A run of page pairs whose indices both go up by one is one rect of `run * page_size` rows, so
+//! a request costs one copy per maximal run instead of one per token.
+
+use crate::error::{Error, Result, Side};
+use crate::slice::{Action, SliceConfig};
+
+/// One strided 2D copy (`hipMemcpy2DAsync`): `height` rows of `width` bytes, row `r` read at
+/// `src_offset + r * src_pitch` and written at `dst_offset + r * dst_pitch`. Offsets are relative
+/// to each buffer's base.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CopyRect {
+    /// Byte offset of the first source row.
+    pub src_offset: u64,
+    /// Byte offset of the first destination row.
+    pub dst_offset: u64,
+    /// Bytes between source rows (bytes per source token).
+    pub src_pitch: u64,
+    /// Bytes between destination rows (bytes per destination token).
+    pub dst_pitch: u64,
+    /// Bytes per row (the head slice).
+    pub width: u64,
+    /// Rows (tokens).
+    pub height: u64,
+}
+
+impl CopyRect {
+    /// True when the rows are back to back on both sides, so the rect is one contiguous block.
+    pub fn is_contiguous(&self) -> bool {
+        self.width == self.src_pitch && self.width == self.dst_pitch
+    }
+
+    /// Bytes the rect moves.
+    pub fn bytes(&self) -> u64 {
+        self.width * self.height
+    }
+
+    /// The rect as contiguous segments: one for a contiguous rect, else one per row.
+    pub fn segments(&self) -> impl Iterator<Item = Segment> + use<> {
+        let rect = *self;
+        let (rows, length) = if rect.is_contiguous() {
+            (1, rect.bytes())
+        } else {
+            (rect.height, rect.width)
+        };
+        (0..rows).map(move |row| Segment {
+            src_offset: rect.src_offset + row * rect.src_pitch,
+            dst_offset: rect.dst_offset + row * rect.dst_pitch,
+            length,
+        })
+    }
+}
+
+/// One contiguous copy of `length` bytes, offsets relative to each buffer's base.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Segment {
+    /// Byte offset in the source buffer.
+    pub src_offset: u64,
+    /// Byte offset in the destination buffer.
+    pub dst_offset: u64,
+    /// Bytes to copy.
+    pub length: u64,
+}
+
+/// The highest page a request touches on one side, kept to check buffer capacities in O(1) and
+/// to name the culprit when one is too small.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HighestPage {
+    /// Index into the page array.
+    position: usize,
+    /// The page index itself.
+    page: u32,
+    /// `(page + 1) * item_len`: the bytes a buffer needs to hold that page.
+    end: u64,
+}
+
+/// A validated request: a slice config and its page pairs, ready to yield rects or segments.
+///
+/// Construction checks everything that does not depend on the buffers: the config's
+/// consistency, that no page index is negative, and that no byte offset overflows `u64`. After
+/// that, producing the plan cannot fail.
+#[derive(Clone, Debug)]
+pub struct Plan<'a> {
+    config: SliceConfig,
+    src_pages: &'a [u32],
+    dst_pages: &'a [u32],
+    runs: usize,
+    rows: u64,
+    src_highest: Option<HighestPage>,
+    dst_highest: Option<HighestPage>,
+}
+
+/// Reinterprets page indices already known to be non-negative.
+fn as_unsigned(pages: &[i32]) -> &[u32] {
+    // SAFETY: i32 and u32 have the same size and alignment, and every element was checked >= 0,
+    // so each reads back as the same value.
+    unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u32>(), pages.len()) }
+}
+
+fn check_non_negative(side: Side, pages: &[i32]) -> Result<()> {
+    match pages.iter().position(|&page| page < 0) {
+        None => Ok(()),
+        Some(position) => Err(Error::OutOfBounds(format!(
+            "{side}: page index {} at position {position} is negative",
+            pages[position]
+        ))),
+    }
+}
+
+fn highest_page(side: Side, pages: &[u32], item_len: u64) -> Result<Option<HighestPage>> {
+    let Some((position, &page)) = pages.iter().enumerate().max_by_key(|&(_, &page)| page) else {
+        return Ok(None);
+    };
+    let end = (u64::from(page) + 1).checked_mul(item_len).ok_or_else(|| {
+        Error::OutOfBounds(format!(
+            "{side}: page {page} at position {position} ends at byte ({page} + 1) * item_len \
+             {item_len}, which overflows u64"
+        ))
+    })?;
+    Ok(Some(HighestPage {
+        position,
+        page,
+        end,
+    }))
+}
+
+impl<'a> Plan<'a> {
+    /// Validates `config` and the page pairs `src_pages[i] -> dst_pages[i]`.
+    pub fn new(config: &SliceConfig, src_pages: &'a [i32], dst_pages: &'a [i32]) -> Result<Self> {
+        config.validate()?;
+        if src_pages.len() != dst_pages.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} source pages but {} destination pages (they are paired one to one)",
+                src_pages.len(),
+                dst_pages.len()
+            )));
+        }
+        check_non_negative(Side::Prefill, src_pages)?;
+        check_non_negative(Side::Decode, dst_pages)?;
+        let (src_pages, dst_pages) = (as_unsigned(src_pages), as_unsigned(dst_pages));
+        // Every offset the plan produces lies below the end of the highest page of its side, so
+        // checking that one product is enough to rule out overflow everywhere.
+        let src_highest = highest_page(Side::Prefill, src_pages, config.src_item_len)?;
+        let dst_highest = highest_page(Side::Decode, dst_pages, config.dst_item_len)?;
+        let rows = (src_pages.len() as u64)
+            .checked_mul(u64::from(config.page_size))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{} pages of {} tokens overflow u64",
+                    src_pages.len(),
+                    config.page_size
+                ))
+            })?;
+        let breaks = src_pages
+            .windows(2)
+            .zip(dst_pages.windows(2))
+            .filter(|(s, d)| !(s[1] == s[0] + 1 && d[1] == d[0] + 1))
+            .count();
+        let runs = if src_pages.is_empty() { 0 } else { breaks + 1 };
+        Ok(Plan {
+            config: *config,
+            src_pages,
+            dst_pages,
+            runs,
+            rows,
+            src_highest,
+            dst_highest,
+        })
+    }
+
+    /// The validated config.
+    pub fn config(&self) -> &SliceConfig {
+        &self.config
+    }
+
+    /// True when the config moves bytes (action `Send`).
+    pub fn sends(&self) -> bool {
+        self.config.action == Action::Send
+    }
+
+    /// Number of rects: one per maximal run of adjacent page pairs, 0 unless the pair sends.
+    pub fn num_rects(&self) -> usize {
+        if self.sends() { self.runs } else { 0 }
+    }
+
+    /// Number of segments: one per rect when rows are contiguous on both sides, else one per row.
+    pub fn num_segments(&self) -> Result<usize> {
+        if !self.sends() {
+            return Ok(0);
+        }
+        if self.config.is_contiguous() {
+            return Ok(self.runs);
+        }
+        usize::try_from(self.rows).map_err(|_| {
+            Error::InvalidArgument(format!("{} segments do not fit in usize", self.rows))
+        })
+    }
+
+    /// Bytes moved per buffer (per layer K or V).
+    pub fn bytes_per_buffer(&self) -> u64 {
+        if self.sends() {
+            self.rows * self.config.heads_bytes_per_token_to_send
+        } else {
+            0
+        }
+    }
+
+    /// Bytes each source buffer must hold for every page of the request (0 when empty).
+    pub fn src_bytes_needed(&self) -> u64 {
+        self.src_highest.map_or(0, |h| h.end)
+    }
+
+    /// Bytes each destination buffer must hold for every page of the request (0 when empty).
+    pub fn dst_bytes_needed(&self) -> u64 {
+        self.dst_highest.map_or(0, |h| h.end)
+    }
+
+    /// Checks that every page of the request lies inside buffers of the given capacities.
+    pub fn check_capacity(&self, src_capacity: u64, dst_capacity: u64) -> Result<()> {
+        for (side, highest, capacity, name) in [
+            (
+                Side::Prefill,
+                self.src_highest,
+                src_capacity,
+                "src_capacity",
+            ),
+            (Side::Decode, self.dst_highest, dst_capacity, "dst_capacity"),
+        ] {
+            if let Some(h) = highest.filter(|h| h.end > capacity) {
+                return Err(Error::OutOfBounds(format!(
+                    "{side}: page {} at position {} ends at byte {}, past {name} {capacity}",
+                    h.page, h.position, h.end
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The rects, one per maximal run, in input order. Empty unless the pair sends.
+    pub fn rects(&self) -> Rects<'_> {
+        let pages = if self.sends() {
+            self.src_pages.len()
+        } else {
+            0
+        };
+        Rects {
+            plan: self,
+            next: 0,
+            end: pages,
+        }
+    }
+
+    /// The segments: each rect's rows in order, or the whole rect when it is contiguous.
+    pub fn segments(&self) -> impl Iterator<Item = Segment> + '_ {
+        self.rects().flat_map(|rect| rect.segments())
+    }
+}
+
+/// Iterator over the rects of a [`Plan`].
+#[derive(Clone, Debug)]
+pub struct Rects<'p> {
+    plan: &'p Plan<'p>,
+    next: usize,
+    end: usize,
+}
+
+impl Iterator for Rects<'_> {
+    type Item = CopyRect;
+
+    fn next(&mut self) -> Option<CopyRect> {
+        if self.next >= self.end {
+            return None;
+        }
+        let (src, dst) = (self.plan.src_pages, self.plan.dst_pages);
+        let start = self.next;
+        let mut stop = start + 1;
+        while stop < self.end && src[stop] == src[stop - 1] + 1 && dst[stop] == dst[stop - 1] + 1 {
+            stop += 1;
+        }
+        self.next = stop;
+        let c = &self.plan.config;
+        // No overflow: Plan::new checked the end of the highest page of each side.
+        Some(CopyRect {
+            src_offset: u64::from(src[start]) * c.src_item_len + c.src_head_slice_offset,
+            dst_offset: u64::from(dst[start]) * c.dst_item_len + c.dst_head_slice_offset,
+            src_pitch: c.bytes_per_token_src,
+            dst_pitch: c.bytes_per_token_dst,
+            width: c.heads_bytes_per_token_to_send,
+            height: (stop - start) as u64 * u64::from(c.page_size),
+        })
+    }
+}
+
+/// The rects of a request, collected.
+pub fn plan(config: &SliceConfig, src_pages: &[i32], dst_pages: &[i32]) -> Result<Vec<CopyRect>> {
+    Ok(Plan::new(config, src_pages, dst_pages)?.rects().collect())
+}
+
+/// The segments of a request, collected.
+pub fn plan_segments(
+    config: &SliceConfig,
+    src_pages: &[i32],
+    dst_pages: &[i32],
+) -> Result<Vec<Segment>> {
+    Ok(Plan::new(config, src_pages, dst_pages)?
+        .segments()
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 2 tokens per page; source tokens of 40 bytes, destination tokens of 20; the pair moves the
+    /// 20 bytes at offset 20 of each source token into offset 0 of each destination token.
+    fn config() -> SliceConfig {
+        SliceConfig {
+            action: Action::Send,
+            page_size: 2,
+            first_head: 1,
+            num_heads: 1,
+            src_item_len: 80,
+            dst_item_len: 40,
+            bytes_per_token_src: 40,
+            bytes_per_token_dst: 20,
+            src_head_slice_offset: 20,
+            dst_head_slice_offset: 0,
+            heads_bytes_per_token_to_send: 20,
+        }
+    }
+
+    fn rect(src_page: u64, dst_page: u64, pages: u64) -> CopyRect {
+        CopyRect {
+            src_offset: src_page * 80 + 20,
+            dst_offset: dst_page * 40,
+            src_pitch: 40,
+            dst_pitch: 20,
+            width: 20,
+            height: pages * 2,
+        }
+    }
+
+    #[test]
+    fn adjacent_pairs_on_both_sides_coalesce_into_one_rect_per_maximal_run() {
+        // Runs: 3,4,5 -> 7,8,9 | 9,10 -> 1,2 | 2 -> 3 | 3 -> 5 (source adjacent, destination not).
+        let rects = plan(&config(), &[3, 4, 5, 9, 10, 2, 3], &[7, 8, 9, 1, 2, 3, 5]).unwrap();
+        assert_eq!(
+            rects,
+            vec![rect(3, 7, 3), rect(9, 1, 2), rect(2, 3, 1), rect(3, 5, 1)]
+        );
+        let p = Plan::new(&config(), &[3, 4, 5, 9, 10, 2, 3], &[7, 8, 9, 1, 2, 3, 5]).unwrap();
+        assert_eq!(p.num_rects(), 4);
+        assert_eq!(p.bytes_per_buffer(), 7 * 2 * 20);
+        assert_eq!(
+            (p.src_bytes_needed(), p.dst_bytes_needed()),
+            (11 * 80, 10 * 40)
+        );
+    }
+
+    #[test]
+    fn a_descending_or_repeated_page_breaks_the_run() {
+        let rects = plan(&config(), &[5, 4, 4], &[0, 1, 2]).unwrap();
+        assert_eq!(rects, vec![rect(5, 0, 1), rect(4, 1, 1), rect(4, 2, 1)]);
+    }
+
+    #[test]
+    fn narrow_slices_become_one_segment_per_token_row() {
+        let segments = plan_segments(&config(), &[3, 4], &[7, 8]).unwrap();
+        let expected: Vec<Segment> = (0..4)
+            .map(|row| Segment {
+                src_offset: 3 * 80 + 20 + row * 40,
+                dst_offset: 7 * 40 + row * 20,
+                length: 20,
+            })
+            .collect();
+        assert_eq!(segments, expected);
+        assert_eq!(
+            Plan::new(&config(), &[3, 4], &[7, 8])
+                .unwrap()
+                .num_segments(),
+            Ok(4)
+        );
+    }
+
+    #[test]
+    fn whole_token_slices_become_one_segment_per_run() {
+        let c = SliceConfig {
+            src_item_len: 40,
+            bytes_per_token_src: 20,
+            src_head_slice_offset: 0,
+            first_head: 0,
+            ..config()
+        };
+        let segments = plan_segments(&c, &[3, 4, 8], &[7, 8, 9]).unwrap();
+        assert_eq!(
+            segments,
+            vec![
+                Segment {
+                    src_offset: 120,
+                    dst_offset: 280,
+                    length: 80
+                },
+                Segment {
+                    src_offset: 320,
+                    dst_offset: 360,
+                    length: 40
+                },
+            ]
+        );
+        assert_eq!(
+            Plan::new(&c, &[3, 4, 8], &[7, 8, 9])
+                .unwrap()
+                .num_segments(),
+            Ok(2)
+        );
+    }
+
+    #[test]
+    fn pairs_that_do_not_send_plan_nothing_but_still_check_their_pages() {
+        let skip = SliceConfig {
+            action: Action::SkipReplica,
+            first_head: 0,
+            num_heads: 0,
+            src_head_slice_offset: 0,
+            heads_bytes_per_token_to_send: 0,
+            ..config()
+        };
+        let p = Plan::new(&skip, &[1, 2], &[3, 4]).unwrap();
+        assert_eq!(
+            (p.num_rects(), p.num_segments(), p.rects().count()),
+            (0, Ok(0), 0)
+        );
+        assert!(matches!(
+            Plan::new(&skip, &[1, -2], &[3, 4]),
+            Err(Error::OutOfBounds(_))
+        ));
+    }
+
+    #[test]
+    fn unequal_page_array_lengths_are_refused() {
+        let err = Plan::new(&config(), &[1, 2], &[3]).unwrap_err();
+        assert_eq!(
+            err,
+            Error::InvalidArgument(
+                "2 source pages but 1 destination pages (they are paired one to one)".into()
+            )
+        );
+    }
+}
