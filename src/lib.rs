@@ -9,11 +9,13 @@
 //! - [`plan`]: a request's page pairs as coalesced strided copies (rects) or contiguous segments.
 //! - [`backend`]: engines that perform one rect (host `memmove`, HIP `hipMemcpy2DAsync`).
 //! - [`send`]: validation of buffers against a plan, then the copies.
+//! - `ffi`: the C ABI of `include/mori_tp.h`, a thin layer over the above.
 //!
 //! The behaviour is fixed by `CONTRACT.md`; the C header is the reference for C and C++ users.
 
 pub mod backend;
 pub mod error;
+pub mod ffi;
 pub mod plan;
 pub mod send;
 pub mod slice;
