@@ -1,0 +1,234 @@
+/*
+ * A C program that uses mori-tp only through include/mori_tp.h and the library: the struct
+ * layouts of the contract, a full heterogeneous-TP transfer between host buffers checked byte
+ * for byte, the plan functions with their size query, and one call for each refusal class.
+ * Exits 0 after printing "all checks passed".
+ */
+#include "mori_tp.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+
+#define CHECK(cond)                                                                  \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+            failures++;                                                              \
+        }                                                                            \
+    } while (0)
+
+/* Checks a status and that the last error message mentions `needle`. */
+static void expect(MoriStatus got, MoriStatus want, const char *needle, int line) {
+    const char *message = mori_last_error_message();
+    if (got != want) {
+        fprintf(stderr, "line %d: got %s, want %s (%s)\n", line, mori_status_str(got),
+                mori_status_str(want), message);
+        failures++;
+    } else if (needle != NULL && strstr(message, needle) == NULL) {
+        fprintf(stderr, "line %d: message \"%s\" lacks \"%s\"\n", line, message, needle);
+        failures++;
+    }
+}
+#define EXPECT(call, want, needle) expect((call), (want), (needle), __LINE__)
+
+static void check_layout(void) {
+    CHECK(sizeof(MoriStatus) == 4);
+    CHECK(sizeof(MoriTpSliceParams) == 40);
+    CHECK(offsetof(MoriTpSliceParams, decode_tp_rank) == 12);
+    CHECK(offsetof(MoriTpSliceParams, page_size) == 20);
+    CHECK(offsetof(MoriTpSliceParams, dst_item_len) == 32);
+    CHECK(sizeof(MoriTpSliceConfig) == 72);
+    CHECK(offsetof(MoriTpSliceConfig, num_heads) == 12);
+    CHECK(offsetof(MoriTpSliceConfig, bytes_per_token_src) == 32);
+    CHECK(offsetof(MoriTpSliceConfig, heads_bytes_per_token_to_send) == 64);
+    CHECK(sizeof(MoriCopyRect) == 48 && offsetof(MoriCopyRect, height) == 40);
+    CHECK(sizeof(MoriSegment) == 24 && offsetof(MoriSegment, length) == 16);
+    CHECK(offsetof(MoriKvBuffers, num_buffers) == 2 * sizeof(void *));
+    CHECK(offsetof(MoriSendOptions, stream) == 8);
+    CHECK(MORI_TP_ACTION_NOT_PAIRED == 0 && MORI_TP_ACTION_SEND == 1 && MORI_TP_ACTION_SKIP_REPLICA == 2);
+    CHECK(MORI_BACKEND_AUTO == 0 && MORI_BACKEND_HOST == 1 && MORI_BACKEND_HIP == 2);
+    CHECK(MORI_SEND_SYNCHRONIZE == 1);
+    CHECK(MORI_OK == 0 && MORI_ERR_PANIC == 10);
+    CHECK(mori_abi_version() == MORI_TP_ABI_VERSION);
+    CHECK(strlen(mori_version()) > 0);
+    CHECK(strcmp(mori_status_str(MORI_ERR_GPU), "MORI_ERR_GPU") == 0);
+    CHECK(strcmp(mori_status_str(1234), "MORI_ERR_UNKNOWN") == 0);
+}
+
+/* 4 KV heads of 32 bytes, prefill TP 2 (2 heads per rank), decode TP 8 (each head on 2 ranks),
+ * page size 4, 2 layers x (K, V): a layout where the seed formula sends the wrong heads. */
+enum { H = 4, P = 2, D = 8, BPH = 32, PAGE = 4, BUFS = 4, SRC_PAGES = 10, DST_PAGES = 12, REQ = 6 };
+#define SRC_ITEM ((uint64_t)PAGE * (H / P) * BPH)
+#define DST_ITEM ((uint64_t)PAGE * 1 * BPH)
+
+static uint8_t head_byte(int buffer, int page, int token, int head, int byte) {
+    return (uint8_t)(buffer * 53 + page * 29 + token * 11 + head * 97 + byte * 3 + 1);
+}
+
+static void full_transfer(void) {
+    /* Runs: 7,8,9 -> 1,2,3 | 0 -> 11 | 4,5 -> 6,7 */
+    const int32_t src_pages[REQ] = {7, 8, 9, 0, 4, 5};
+    const int32_t dst_pages[REQ] = {1, 2, 3, 11, 6, 7};
+    static uint8_t src[P][BUFS][SRC_PAGES * SRC_ITEM];
+    static uint8_t dst[D][BUFS][DST_PAGES * DST_ITEM];
+    int p, d, b, i, k;
+    size_t rects_total = 0;
+
+    for (p = 0; p < P; p++)
+        for (b = 0; b < BUFS; b++)
+            for (i = 0; i < (int)(SRC_PAGES * SRC_ITEM); i++) {
+                int page = i / (int)SRC_ITEM, token = (i % (int)SRC_ITEM) / (2 * BPH);
+                int head = p * 2 + (i % (2 * BPH)) / BPH;
+                src[p][b][i] = head_byte(b, page, token, head, i % BPH);
+            }
+    memset(dst, 0xEE, sizeof dst);
+
+    for (p = 0; p < P; p++) {
+        for (d = 0; d < D; d++) {
+            MoriTpSliceParams params = {P, 0, D, 0, H, PAGE, SRC_ITEM, DST_ITEM};
+            MoriTpSliceConfig config;
+            const void *srcs[BUFS];
+            void *dsts[BUFS];
+            MoriKvBuffers buffers;
+            MoriSendOptions options = {MORI_BACKEND_HOST, MORI_SEND_SYNCHRONIZE, NULL};
+            size_t n = 0, n_seg = 0;
+            MoriCopyRect rects[REQ];
+            MoriSegment segments[REQ * PAGE];
+
+            params.prefill_tp_rank = (uint32_t)p;
+            params.decode_tp_rank = (uint32_t)d;
+            EXPECT(mori_tp_slice_config(&params, &config), MORI_OK, NULL);
+            /* decode rank d owns head d/2, which prefill rank d/4 holds at slot (d/2)%2 */
+            if (p == d / 4) {
+                CHECK(config.action == MORI_TP_ACTION_SEND);
+                CHECK(config.first_head == (uint32_t)(d / 2) && config.num_heads == 1);
+                CHECK(config.src_head_slice_offset == (uint64_t)((d / 2) % 2) * BPH);
+                CHECK(config.dst_head_slice_offset == 0);
+                CHECK(config.heads_bytes_per_token_to_send == BPH);
+            } else {
+                CHECK(config.action == MORI_TP_ACTION_NOT_PAIRED);
+            }
+
+            EXPECT(mori_tp_plan(&config, src_pages, dst_pages, REQ, NULL, 0, &n),
+                   config.action == MORI_TP_ACTION_SEND ? MORI_ERR_BUFFER_TOO_SMALL : MORI_OK, NULL);
+            EXPECT(mori_tp_plan(&config, src_pages, dst_pages, REQ, rects, REQ, &n), MORI_OK, NULL);
+            EXPECT(mori_tp_plan_segments(&config, src_pages, dst_pages, REQ, segments, REQ * PAGE, &n_seg),
+                   MORI_OK, NULL);
+            if (config.action == MORI_TP_ACTION_SEND) {
+                CHECK(n == 3);
+                CHECK(rects[0].src_offset == 7 * SRC_ITEM + config.src_head_slice_offset);
+                CHECK(rects[0].dst_offset == 1 * DST_ITEM && rects[0].height == 3 * PAGE);
+                CHECK(rects[0].src_pitch == 2 * BPH && rects[0].dst_pitch == BPH);
+                /* the decode token is exactly the slice: contiguous only on that side, so rows */
+                CHECK(n_seg == REQ * PAGE);
+                CHECK(segments[1].src_offset == rects[0].src_offset + 2 * BPH);
+                CHECK(segments[1].dst_offset == rects[0].dst_offset + BPH && segments[1].length == BPH);
+            } else {
+                CHECK(n == 0 && n_seg == 0);
+            }
+            rects_total += n;
+
+            for (b = 0; b < BUFS; b++) {
+                srcs[b] = src[p][b];
+                dsts[b] = dst[d][b];
+            }
+            buffers.src = srcs;
+            buffers.dst = dsts;
+            buffers.num_buffers = BUFS;
+            buffers.src_capacity = sizeof src[p][0];
+            buffers.dst_capacity = sizeof dst[d][0];
+            EXPECT(mori_send_kvcache(&config, &buffers, src_pages, dst_pages, REQ, &options), MORI_OK, NULL);
+        }
+    }
+    CHECK(rects_total == 3 * D);
+
+    for (d = 0; d < D; d++)
+        for (b = 0; b < BUFS; b++)
+            for (i = 0; i < (int)(DST_PAGES * DST_ITEM); i++) {
+                int page = i / (int)DST_ITEM, token = (i % (int)DST_ITEM) / BPH;
+                uint8_t want = 0xEE;
+                for (k = 0; k < REQ; k++)
+                    if (dst_pages[k] == page)
+                        want = head_byte(b, src_pages[k], token, d / 2, i % BPH);
+                if (dst[d][b][i] != want) {
+                    fprintf(stderr, "decode rank %d buffer %d byte %d: %u != %u\n", d, b, i,
+                            dst[d][b][i], want);
+                    failures++;
+                    return;
+                }
+            }
+}
+
+static void refusals(void) {
+    MoriTpSliceParams good = {2, 1, 8, 3, 4, 4, SRC_ITEM, DST_ITEM};
+    MoriTpSliceParams bad;
+    MoriTpSliceConfig config, edited;
+    const int32_t pages[2] = {0, 1};
+    const int32_t negative[2] = {0, -5};
+    const int32_t far[2] = {0, 12};
+    uint8_t srcbuf[SRC_PAGES * SRC_ITEM], dstbuf[DST_PAGES * DST_ITEM], before[sizeof dstbuf];
+    const void *srcs[1];
+    void *dsts[1];
+    MoriKvBuffers buffers;
+    MoriSendOptions hip = {MORI_BACKEND_HIP, 0, NULL};
+    MoriCopyRect rects[1];
+    size_t n = 0;
+
+    memset(srcbuf, 1, sizeof srcbuf);
+    memset(dstbuf, 2, sizeof dstbuf);
+    memcpy(before, dstbuf, sizeof dstbuf);
+    srcs[0] = srcbuf;
+    dsts[0] = dstbuf;
+    buffers.src = srcs;
+    buffers.dst = dsts;
+    buffers.num_buffers = 1;
+    buffers.src_capacity = sizeof srcbuf;
+    buffers.dst_capacity = sizeof dstbuf;
+
+    good.prefill_tp_rank = 0; /* decode rank 3 owns head 1, held by prefill rank 0 */
+    EXPECT(mori_tp_slice_config(&good, &config), MORI_OK, NULL);
+    CHECK(config.action == MORI_TP_ACTION_SEND);
+
+    EXPECT(mori_tp_slice_config(NULL, &config), MORI_ERR_NULL_POINTER, "params is NULL");
+    bad = good;
+    bad.decode_tp_rank = 8;
+    EXPECT(mori_tp_slice_config(&bad, &config), MORI_ERR_INVALID_ARGUMENT, "tp_rank 8");
+    bad = good;
+    bad.prefill_tp_size = 3;
+    EXPECT(mori_tp_slice_config(&bad, &config), MORI_ERR_TOPOLOGY, "tp_size 3 and total_kv_heads 4");
+    bad = good;
+    bad.dst_item_len = DST_ITEM / 2; /* fp8 on the decode side against bf16 */
+    EXPECT(mori_tp_slice_config(&bad, &config), MORI_ERR_LAYOUT_MISMATCH,
+           "bytes_per_head 16 != prefill side bytes_per_head 32");
+    edited = config;
+    edited.heads_bytes_per_token_to_send = 2 * BPH; /* wider than the 32-byte decode token */
+    edited.num_heads = 2;
+    EXPECT(mori_send_kvcache(&edited, &buffers, pages, pages, 2, NULL), MORI_ERR_SLICE_OVERFLOW,
+           "offset 32 of width 64 ends past the 64-byte token slot");
+    EXPECT(mori_send_kvcache(&config, &buffers, negative, pages, 2, NULL), MORI_ERR_OUT_OF_BOUNDS,
+           "page index -5 at position 1 is negative");
+    EXPECT(mori_send_kvcache(&config, &buffers, pages, far, 2, NULL), MORI_ERR_OUT_OF_BOUNDS,
+           "page 12 at position 1");
+    EXPECT(mori_tp_plan(&config, pages, pages, 2, rects, 0, &n), MORI_ERR_BUFFER_TOO_SMALL, "needs 1 entries");
+    CHECK(n == 1);
+    EXPECT(mori_send_kvcache(&config, &buffers, pages, pages, 2, &hip), MORI_ERR_BACKEND_UNAVAILABLE,
+           "backend unavailable");
+    CHECK(memcmp(before, dstbuf, sizeof dstbuf) == 0);
+}
+
+int main(void) {
+    check_layout();
+    full_transfer();
+    refusals();
+    if (failures != 0) {
+        fprintf(stderr, "%d checks failed\n", failures);
+        return 1;
+    }
+    printf("abi_test.c: all checks passed (mori-tp %s, ABI %u)\n", mori_version(), mori_abi_version());
+    return 0;
+}

@@ -1,0 +1,192 @@
+// A C++17 program that links mori-tp through include/mori_tp.h: a transfer where both sides
+// replicate the KV heads with a non-integer TP ratio (2 KV heads, prefill TP 6, decode TP 4),
+// checked byte for byte, the plan size query, and one call per refusal class, the way a C++
+// runtime would wrap the C API. Exits 0 after printing "all checks passed".
+#include "mori_tp.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const char *what, int line) {
+    if (!ok) {
+        std::fprintf(stderr, "line %d: check failed: %s\n", line, what);
+        ++failures;
+    }
+}
+#define CHECK(cond) check((cond), #cond, __LINE__)
+
+// The error-handling wrapper a C++ caller writes once: status -> exception with the message.
+struct MoriError : std::runtime_error {
+    MoriStatus status;
+    MoriError(MoriStatus s, const char *message)
+        : std::runtime_error(std::string(mori_status_str(s)) + ": " + message), status(s) {}
+};
+
+void ok(MoriStatus status) {
+    if (status != MORI_OK) throw MoriError(status, mori_last_error_message());
+}
+
+void expect_error(MoriStatus got, MoriStatus want, const char *needle, int line) {
+    const std::string message = mori_last_error_message();
+    if (got != want || message.find(needle) == std::string::npos) {
+        std::fprintf(stderr, "line %d: got %s (%s), want %s mentioning \"%s\"\n", line,
+                     mori_status_str(got), message.c_str(), mori_status_str(want), needle);
+        ++failures;
+    }
+}
+#define EXPECT_ERROR(call, want, needle) expect_error((call), (want), (needle), __LINE__)
+
+constexpr uint32_t kHeads = 2, kPrefill = 6, kDecode = 4, kPage = 2, kHeadBytes = 24;
+constexpr uint32_t kBuffers = 2;  // one layer: K and V
+constexpr uint64_t kItem = uint64_t{kPage} * kHeadBytes;  // every rank holds exactly one head
+constexpr size_t kPages = 9;
+
+uint8_t head_byte(uint32_t buffer, int32_t page, uint32_t token, uint32_t head, uint32_t byte) {
+    return static_cast<uint8_t>(buffer * 71 + page * 13 + token * 5 + head * 101 + byte + 7);
+}
+
+// Head owned by a rank of a replicated side (TP > heads): rank / (TP / heads).
+uint32_t owned_head(uint32_t tp, uint32_t rank) { return rank / (tp / kHeads); }
+
+void transfer() {
+    const std::vector<int32_t> src_pages = {3, 4, 0, 8, 6, 7};
+    const std::vector<int32_t> dst_pages = {5, 6, 8, 0, 1, 2};
+    using Buffers = std::vector<std::vector<uint8_t>>;
+    std::vector<Buffers> src(kPrefill, Buffers(kBuffers, std::vector<uint8_t>(kPages * kItem)));
+    std::vector<Buffers> dst(kDecode, Buffers(kBuffers, std::vector<uint8_t>(kPages * kItem, 0x5A)));
+    for (uint32_t p = 0; p < kPrefill; ++p)
+        for (uint32_t b = 0; b < kBuffers; ++b)
+            for (size_t i = 0; i < src[p][b].size(); ++i)
+                src[p][b][i] = head_byte(b, static_cast<int32_t>(i / kItem),
+                                         static_cast<uint32_t>(i % kItem / kHeadBytes),
+                                         owned_head(kPrefill, p), i % kHeadBytes);
+
+    std::vector<int> senders(kDecode, 0);
+    for (uint32_t p = 0; p < kPrefill; ++p) {
+        for (uint32_t d = 0; d < kDecode; ++d) {
+            const MoriTpSliceParams params{kPrefill, p, kDecode, d, kHeads, kPage, kItem, kItem};
+            MoriTpSliceConfig config{};
+            ok(mori_tp_slice_config(&params, &config));
+            const bool shares = owned_head(kPrefill, p) == owned_head(kDecode, d);
+            CHECK(shares == (config.action != MORI_TP_ACTION_NOT_PAIRED));
+            if (config.action == MORI_TP_ACTION_SEND) {
+                ++senders[d];
+                CHECK(config.heads_bytes_per_token_to_send == kHeadBytes);
+                CHECK(config.bytes_per_token_src == kHeadBytes);  // whole-token copies
+            }
+
+            size_t needed = 0;
+            const MoriStatus query = mori_tp_plan_segments(&config, src_pages.data(), dst_pages.data(),
+                                                           src_pages.size(), nullptr, 0, &needed);
+            CHECK(query == (needed == 0 ? MORI_OK : MORI_ERR_BUFFER_TOO_SMALL));
+            std::vector<MoriSegment> segments(needed);
+            size_t written = 0;
+            ok(mori_tp_plan_segments(&config, src_pages.data(), dst_pages.data(), src_pages.size(),
+                                     segments.data(), segments.size(), &written));
+            CHECK(written == needed);
+            if (config.action == MORI_TP_ACTION_SEND) {
+                // Runs 3,4->5,6 | 0->8 | 8->0 | 6,7->1,2; whole tokens make each run one segment.
+                CHECK(needed == 4);
+                CHECK(segments[0].src_offset == 3 * kItem && segments[0].length == 2 * kItem);
+            }
+
+            std::vector<const void *> s;
+            std::vector<void *> t;
+            for (uint32_t b = 0; b < kBuffers; ++b) {
+                s.push_back(src[p][b].data());
+                t.push_back(dst[d][b].data());
+            }
+            const MoriKvBuffers buffers{s.data(), t.data(), kBuffers, kPages * kItem, kPages * kItem};
+            ok(mori_send_kvcache(&config, &buffers, src_pages.data(), dst_pages.data(),
+                                 src_pages.size(), nullptr));
+        }
+    }
+    for (uint32_t d = 0; d < kDecode; ++d) CHECK(senders[d] == 1);
+
+    for (uint32_t d = 0; d < kDecode; ++d)
+        for (uint32_t b = 0; b < kBuffers; ++b)
+            for (size_t i = 0; i < dst[d][b].size(); ++i) {
+                const int32_t page = static_cast<int32_t>(i / kItem);
+                uint8_t want = 0x5A;
+                for (size_t k = 0; k < dst_pages.size(); ++k)
+                    if (dst_pages[k] == page)
+                        want = head_byte(b, src_pages[k], static_cast<uint32_t>(i % kItem / kHeadBytes),
+                                         owned_head(kDecode, d), i % kHeadBytes);
+                if (dst[d][b][i] != want) {
+                    std::fprintf(stderr, "decode rank %u buffer %u byte %zu wrong\n", d, b, i);
+                    ++failures;
+                    return;
+                }
+            }
+}
+
+void refusals() {
+    const MoriTpSliceParams good{kPrefill, 0, kDecode, 0, kHeads, kPage, kItem, kItem};
+    MoriTpSliceConfig config{};
+    ok(mori_tp_slice_config(&good, &config));
+
+    MoriTpSliceParams bad = good;
+    bad.page_size = 0;
+    EXPECT_ERROR(mori_tp_slice_config(&bad, &config), MORI_ERR_INVALID_ARGUMENT, "page_size is 0");
+    bad = good;
+    bad.decode_tp_size = 3;
+    EXPECT_ERROR(mori_tp_slice_config(&bad, &config), MORI_ERR_TOPOLOGY, "nearest valid tp sizes: 2 and 4");
+    bad = good;
+    bad.src_item_len = kItem + 1;
+    EXPECT_ERROR(mori_tp_slice_config(&bad, &config), MORI_ERR_LAYOUT_MISMATCH, "src_item_len 49");
+    EXPECT_ERROR(mori_tp_slice_config(&good, nullptr), MORI_ERR_NULL_POINTER, "out is NULL");
+
+    MoriTpSliceConfig edited = config;
+    edited.dst_head_slice_offset = kHeadBytes;
+    size_t n = 0;
+    EXPECT_ERROR(mori_tp_plan(&edited, nullptr, nullptr, 0, nullptr, 0, &n), MORI_ERR_SLICE_OVERFLOW,
+                 "decode side");
+    const int32_t pages[] = {1, 2};
+    EXPECT_ERROR(mori_tp_plan(&config, pages, pages, 2, nullptr, 0, &n), MORI_ERR_BUFFER_TOO_SMALL, "needs 1");
+
+    std::vector<uint8_t> src(kItem), dst(kItem, 0x33);
+    const void *s[] = {src.data()};
+    void *t[] = {dst.data()};
+    const MoriKvBuffers buffers{s, t, 1, kItem, kItem};
+    EXPECT_ERROR(mori_send_kvcache(&config, &buffers, pages, pages, 2, nullptr), MORI_ERR_OUT_OF_BOUNDS,
+                 "page 2 at position 1 ends at byte 144, past src_capacity 48");
+    const MoriSendOptions hip{MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, nullptr};
+    const int32_t zero[] = {0};
+    EXPECT_ERROR(mori_send_kvcache(&config, &buffers, zero, zero, 1, &hip), MORI_ERR_BACKEND_UNAVAILABLE,
+                 "backend unavailable");
+    CHECK(dst == std::vector<uint8_t>(kItem, 0x33));
+
+    try {
+        ok(mori_tp_slice_config(&bad, &config));
+        CHECK(false);
+    } catch (const MoriError &e) {
+        CHECK(e.status == MORI_ERR_LAYOUT_MISMATCH);
+        CHECK(std::string(e.what()).rfind("MORI_ERR_LAYOUT_MISMATCH: mori_tp_slice_config:", 0) == 0);
+    }
+}
+
+}  // namespace
+
+int main() {
+    try {
+        transfer();
+        refusals();
+    } catch (const std::exception &e) {
+        std::fprintf(stderr, "unexpected failure: %s\n", e.what());
+        return 1;
+    }
+    if (failures != 0) {
+        std::fprintf(stderr, "%d checks failed\n", failures);
+        return 1;
+    }
+    std::printf("abi_test.cpp: all checks passed (mori-tp %s)\n", mori_version());
+    return 0;
+}

@@ -1,0 +1,272 @@
+//! The header and the libraries from C and C++: the header compiles alone as C99 and C++17 with
+//! every warning an error; tests/c/abi_test.c and abi_test.cpp link the static and the shared
+//! library with the README's flags, also under AddressSanitizer, and through the README's CMake
+//! block; and the static library carries no code of the CLI's or the tests' dependencies.
+//!
+//! Needs `cc` and `c++` (gcc/g++ or clang); CMake is optional unless MORI_TP_REQUIRE_TOOLS=1
+//! (CI sets it, so nothing is silently skipped there).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The system libraries a C program links next to libmori_tp.a (from
+/// `cargo rustc --lib -- --print native-static-libs`); the README lists exactly these.
+const STATIC_LIBS: &str = "-lpthread -ldl -lm -lrt -lutil -lgcc_s";
+/// How the README links the shared library.
+const SHARED_LINK: &str = "-lmori_tp -Wl,-rpath,";
+const STRICT: &[&str] = &["-Wall", "-Wextra", "-Werror", "-pedantic"];
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// target/<profile>, where cargo put libmori_tp.a and libmori_tp.so for this test run.
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
+    assert!(
+        dir.join("libmori_tp.a").is_file() && dir.join("libmori_tp.so").is_file(),
+        "cargo did not build libmori_tp.a and libmori_tp.so in {}",
+        dir.display()
+    );
+    dir.to_path_buf()
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let dir = lib_dir().join("c-tests").join(name);
+    std::fs::create_dir_all(&dir).expect("create the C test output directory");
+    dir
+}
+
+fn run(command: &mut Command) -> String {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        output.status.success(),
+        "{command:?} failed ({}):\n{text}",
+        output.status
+    );
+    text
+}
+
+fn tool_present(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Compiles `source` into `exe` with `compiler`, the strict flags and `extra` arguments.
+fn compile(compiler: &str, std: &str, source: &str, exe: &Path, extra: &[String]) {
+    let mut command = Command::new(compiler);
+    command
+        .arg(format!("-std={std}"))
+        .args(STRICT)
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg(root().join("tests/c").join(source))
+        .args(extra)
+        .arg("-o")
+        .arg(exe);
+    run(&mut command);
+}
+
+fn static_link() -> Vec<String> {
+    let mut args = vec![lib_dir().join("libmori_tp.a").display().to_string()];
+    args.extend(STATIC_LIBS.split(' ').map(String::from));
+    args
+}
+
+fn shared_link() -> Vec<String> {
+    let dir = lib_dir().display().to_string();
+    vec![
+        format!("-L{dir}"),
+        "-lmori_tp".into(),
+        format!("-Wl,-rpath,{dir}"),
+    ]
+}
+
+fn asan() -> Vec<String> {
+    vec![
+        "-fsanitize=address".into(),
+        "-fno-omit-frame-pointer".into(),
+        "-g".into(),
+    ]
+}
+
+fn run_program(exe: &Path, expected: &str) {
+    let output = run(Command::new(exe).env("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=1"));
+    assert!(
+        output.contains(expected),
+        "{} printed:\n{output}",
+        exe.display()
+    );
+}
+
+#[test]
+fn the_header_compiles_alone_as_c99_and_as_cpp17() {
+    let dir = out_dir("header");
+    compile(
+        "cc",
+        "c99",
+        "header_alone.c",
+        &dir.join("alone_c"),
+        &["-c".into()],
+    );
+    compile(
+        "c++",
+        "c++17",
+        "header_alone.c",
+        &dir.join("alone_cpp"),
+        &["-x".into(), "c++".into(), "-c".into()],
+    );
+}
+
+#[test]
+fn the_c_program_passes_linked_static_shared_and_under_asan() {
+    let dir = out_dir("c");
+    let expected = "abi_test.c: all checks passed";
+    for (name, mut link) in [
+        ("static", static_link()),
+        ("shared", shared_link()),
+        ("asan", static_link()),
+    ] {
+        if name == "asan" {
+            link.extend(asan());
+        }
+        let exe = dir.join(format!("abi_test_{name}"));
+        compile("cc", "c99", "abi_test.c", &exe, &link);
+        run_program(&exe, expected);
+    }
+}
+
+#[test]
+fn the_cpp_program_passes_linked_static_shared_and_under_asan() {
+    let dir = out_dir("cpp");
+    let expected = "abi_test.cpp: all checks passed";
+    for (name, mut link) in [
+        ("static", static_link()),
+        ("shared", shared_link()),
+        ("asan", static_link()),
+    ] {
+        if name == "asan" {
+            link.extend(asan());
+        }
+        let exe = dir.join(format!("abi_test_{name}"));
+        compile("c++", "c++17", "abi_test.cpp", &exe, &link);
+        run_program(&exe, expected);
+    }
+}
+
+#[test]
+fn the_readme_cmake_block_builds_and_links_both_libraries() {
+    if !tool_present("cmake") {
+        assert!(
+            std::env::var_os("MORI_TP_REQUIRE_TOOLS").is_none(),
+            "cmake is missing but MORI_TP_REQUIRE_TOOLS is set"
+        );
+        eprintln!("skipped: cmake is not installed");
+        return;
+    }
+    let build = out_dir("cmake");
+    run(Command::new("cmake")
+        .arg("-S")
+        .arg(root().join("tests/c"))
+        .arg("-B")
+        .arg(&build)
+        .arg(format!("-DMORI_TP_DIR={}", root().display()))
+        .arg(format!("-DMORI_TP_LIB_DIR={}", lib_dir().display())));
+    run(Command::new("cmake").arg("--build").arg(&build));
+    run_program(
+        &build.join("abi_test_c_static"),
+        "abi_test.c: all checks passed",
+    );
+    run_program(
+        &build.join("abi_test_cpp_shared"),
+        "abi_test.cpp: all checks passed",
+    );
+}
+
+#[test]
+fn the_readme_shows_the_linking_that_these_tests_run() {
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+    assert!(
+        readme.contains(STATIC_LIBS),
+        "README must list the static link flags {STATIC_LIBS:?}"
+    );
+    assert!(
+        readme.contains(SHARED_LINK),
+        "README must show the shared link {SHARED_LINK:?}"
+    );
+    let cmake = std::fs::read_to_string(root().join("tests/c/CMakeLists.txt")).expect("CMakeLists");
+    let start = cmake.find("# >>> link mori-tp").expect("start marker");
+    let end = cmake.find("# <<< link mori-tp").expect("end marker");
+    let block = cmake[start..end].trim_end();
+    assert!(
+        readme.contains(block),
+        "README must show tests/c/CMakeLists.txt's link block verbatim:\n{block}"
+    );
+}
+
+#[test]
+fn the_static_library_carries_no_cli_or_test_dependencies() {
+    let archive = lib_dir().join("libmori_tp.a");
+    let symbols = run(Command::new("nm").arg("--defined-only").arg(&archive));
+    assert!(
+        symbols.contains("mori_send_kvcache"),
+        "nm shows no mori-tp symbols"
+    );
+    for unwanted in ["clap", "serde_json", "cbindgen", "criterion"] {
+        let hits = symbols.lines().filter(|l| l.contains(unwanted)).count();
+        assert_eq!(
+            hits, 0,
+            "libmori_tp.a defines {hits} symbols from {unwanted}"
+        );
+    }
+}
+
+#[test]
+fn the_library_prints_only_when_mori_tp_log_is_set() {
+    let exe = out_dir("log").join("abi_test_log");
+    compile("cc", "c99", "abi_test.c", &exe, &static_link());
+    let quiet = Command::new(&exe)
+        .env_remove("MORI_TP_LOG")
+        .output()
+        .expect("run abi_test");
+    assert!(quiet.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&quiet.stderr),
+        "",
+        "the library printed without MORI_TP_LOG"
+    );
+
+    let loud = Command::new(&exe)
+        .env("MORI_TP_LOG", "debug")
+        .output()
+        .expect("run abi_test");
+    assert!(loud.status.success());
+    let log = String::from_utf8_lossy(&loud.stderr);
+    // Failures with their message, and one canary per distinct layout (not one per pair).
+    assert!(
+        log.contains("mori_tp_slice_config: invalid topology: prefill side: tp_size 3"),
+        "{log}"
+    );
+    let canaries = log.lines().filter(|l| l.contains("first config")).count();
+    assert!(
+        log.contains("layout total_kv_heads=4 prefill_tp=2 decode_tp=8"),
+        "{log}"
+    );
+    assert_eq!(
+        canaries, 1,
+        "abi_test.c computes configs for one valid layout:\n{log}"
+    );
+}
