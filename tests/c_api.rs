@@ -20,23 +20,28 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// target/<profile>, where cargo put libmori_tp.a and libmori_tp.so for this test run.
+/// Where cargo put libmori_tp.a and libmori_tp.so for this test run: `cargo test` leaves them in
+/// target/<profile>/deps (next to this test binary); `cargo build` also copies them one level up.
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    assert!(
-        dir.join("libmori_tp.a").is_file() && dir.join("libmori_tp.so").is_file(),
-        "cargo did not build libmori_tp.a and libmori_tp.so in {}",
-        dir.display()
-    );
-    dir.to_path_buf()
+    let deps = exe.parent().expect("target/<profile>/deps");
+    let candidates = [deps, deps.parent().expect("target/<profile>")];
+    candidates
+        .iter()
+        .find(|dir| dir.join("libmori_tp.a").is_file() && dir.join("libmori_tp.so").is_file())
+        .unwrap_or_else(|| {
+            panic!("cargo built no libmori_tp.a and libmori_tp.so in {candidates:?}")
+        })
+        .to_path_buf()
 }
 
 fn out_dir(name: &str) -> PathBuf {
-    let dir = lib_dir().join("c-tests").join(name);
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .expect("target/<profile>/deps")
+        .join("c-tests")
+        .join(name);
     std::fs::create_dir_all(&dir).expect("create the C test output directory");
     dir
 }
