@@ -55,7 +55,7 @@ from ._errors import (
 try:  # numpy is optional: used when the caller passes numpy arrays or asks for array output.
     import numpy as _np
 except ImportError:  # pragma: no cover - depends on the environment
-    _np = None
+    _np = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy
@@ -396,14 +396,13 @@ def plan(config: SliceConfig, src_pages: PageIndices, dst_pages: PageIndices) ->
     """
 
     def allocate(count: int) -> Tuple[Any, Any]:
-        rects = (_ffi.MoriCopyRect * count)()
-        return rects, ctypes.addressof(rects)
+        # MoriCopyRect is six uint64_t: n rects are 6n 'Q' items, written in place.
+        rects = array.array("Q", [0]) * (6 * count)
+        return rects, rects.buffer_info()[0]
 
     rects = _plan_into(_lib.mori_tp_plan, config, src_pages, dst_pages, allocate, "plan")
-    return [
-        CopyRect(r.src_offset, r.dst_offset, r.src_pitch, r.dst_pitch, r.width, r.height)
-        for r in rects
-    ]
+    fields = iter(rects.tolist())
+    return list(map(CopyRect._make, zip(*[fields] * 6)))
 
 
 def plan_segments(
@@ -451,7 +450,7 @@ def plan_segments(
 
         def allocate(count: int) -> Tuple[Any, Any]:
             # MoriSegment is three uint64_t, so n segments are 3n 'Q' items, written in place.
-            segments = array.array("Q", bytes(24 * count))
+            segments = array.array("Q", [0]) * (3 * count)
             return segments, segments.buffer_info()[0]
 
     segments = _plan_into(

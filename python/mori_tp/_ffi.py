@@ -13,7 +13,7 @@ import ctypes
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 #: MORI_TP_ABI_VERSION of the header these declarations follow.
 ABI_VERSION = 1
@@ -230,7 +230,7 @@ def check_layout(abi_version: int, pointer_size: int) -> Optional[str]:
     return None
 
 
-def load() -> "tuple[ctypes.CDLL, Path]":
+def load() -> Tuple[ctypes.CDLL, Path]:
     """Loads the library, declares every function and checks the ABI."""
     path = find_library()
     try:
