@@ -34,7 +34,17 @@ import ctypes
 import enum
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    List,
+    NamedTuple,
+    NoReturn,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from . import _ffi
 from ._errors import (
@@ -122,7 +132,7 @@ class Action(enum.IntEnum):
     SKIP_REPLICA = 2
 
 
-def _raise_last(status: int) -> None:
+def _raise_last(status: int) -> NoReturn:
     """Raises the exception for a failing status with this thread's last library message."""
     message = _lib.mori_last_error_message().decode("utf-8", "replace")
     raise error_for(status, message)
@@ -332,6 +342,9 @@ def _pages_arg(pages: PageIndices, name: str) -> Tuple[int, int, Any]:
     alive. ``array.array('i')`` and contiguous numpy int32 arrays are used in place."""
     if _np is not None and isinstance(pages, _np.ndarray):
         return _numpy_pages(pages, name)
+    if isinstance(pages, (str, bytes, bytearray)):
+        # array.array would read bytes as raw int32 values.
+        raise TypeError(f"{name} must be a sequence of ints, not {type(pages).__name__}")
     if not (isinstance(pages, array.array) and pages.typecode == "i"):
         try:
             pages = array.array("i", pages)
@@ -346,8 +359,8 @@ def _pages_arg(pages: PageIndices, name: str) -> Tuple[int, int, Any]:
 def _page_pairs(
     src_pages: PageIndices, dst_pages: PageIndices, where: str
 ) -> Tuple[int, int, int, Tuple[Any, Any]]:
-    src_address, src_len, src_owner = _pages_arg(src_pages, "src_pages")
-    dst_address, dst_len, dst_owner = _pages_arg(dst_pages, "dst_pages")
+    src_address, src_len, src_owner = _pages_arg(src_pages, f"{where}: src_pages")
+    dst_address, dst_len, dst_owner = _pages_arg(dst_pages, f"{where}: dst_pages")
     if src_len != dst_len:
         raise InvalidArgumentError(
             f"{where}: {src_len} source pages but {dst_len} destination pages "

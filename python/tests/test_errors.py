@@ -138,7 +138,7 @@ class PageRefusalsTest(ErrorTestCase):
 
     def test_a_page_that_does_not_fit_in_int32_is_out_of_bounds(self):
         self.assertRaisesNaming(
-            mori_tp.OutOfBoundsError, ["src_pages[2] = 2147483648", "int32"],
+            mori_tp.OutOfBoundsError, ["plan: src_pages[2] = 2147483648", "int32"],
             mori_tp.plan, self.config, [0, 1, 2**31], [0, 1, 2],
         )
 
@@ -149,8 +149,11 @@ class PageRefusalsTest(ErrorTestCase):
         )
 
     def test_non_integer_pages_are_a_type_error(self):
-        with self.assertRaisesRegex(TypeError, "src_pages must be a sequence of ints"):
+        with self.assertRaisesRegex(TypeError, "plan: src_pages must be a sequence of ints"):
             mori_tp.plan(self.config, [0.5], [0])
+        # Bytes would otherwise be read as raw int32 values: b"\x01\0\0\0" as page 1.
+        with self.assertRaisesRegex(TypeError, "dst_pages must be a sequence of ints, not bytes"):
+            mori_tp.plan(self.config, [1], b"\x01\0\0\0")
 
     def test_a_too_small_output_array_is_buffer_too_small(self):
         # The Python functions always size their output first, so this class is only reachable
