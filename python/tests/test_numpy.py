@@ -1,10 +1,12 @@
-"""numpy inputs and array output. numpy is optional: these tests skip when it is not installed,
-except the ones that check the package works (and says so) without it."""
+"""numpy inputs and array output. numpy is optional: these tests skip when it is not installed
+(except the ones that check the package works, and says so, without it), unless
+MORI_TP_REQUIRE_TOOLS is set, as CI sets it, so that nothing is silently skipped there."""
 
 from __future__ import annotations
 
 import array
 import ctypes
+import os
 import unittest
 from unittest import mock
 
@@ -13,7 +15,9 @@ from layouts import Layout, fragmented_request
 
 try:
     import numpy as np
-except ImportError:
+except ImportError as error:
+    if "MORI_TP_REQUIRE_TOOLS" in os.environ:
+        raise ImportError("numpy is missing but MORI_TP_REQUIRE_TOOLS is set") from error
     np = None
 
 needs_numpy = unittest.skipIf(np is None, "numpy is not installed")
