@@ -1,0 +1,571 @@
+"""mori_tp: correct KV-cache head slices between prefill and decode engines with different
+tensor-parallel sizes, for Python serving stacks.
+
+A thin ctypes binding of ``libmori_tp`` (the C ABI of ``include/mori_tp.h``)::
+
+    import mori_tp
+
+    config = mori_tp.slice_config(
+        prefill_tp_size=2, prefill_tp_rank=0, decode_tp_size=8, decode_tp_rank=3,
+        total_kv_heads=4, page_size=16,
+        src_item_len=16 * 2 * 256, dst_item_len=16 * 1 * 256,
+    )
+    if config.action is mori_tp.Action.SEND:
+        local, remote, sizes = mori_tp.plan_segments(config, src_pages, dst_pages)
+
+The library is found through the ``MORI_TP_LIBRARY`` environment variable (the exact file), then
+inside and beside this package directory, then in the crate's ``target/release`` and
+``target/debug``. Import fails with ImportError if it is missing, or if its ABI version or
+struct layout differs from what this package was written for.
+
+Page indices may be lists (or any sequence) of ints, ``array.array('i')``, or numpy integer
+arrays; ``array.array('i')`` and C-contiguous numpy int32 arrays are passed to the library by
+address, without a copy. numpy is optional: only ``plan_segments(..., as_arrays=True)``
+needs it.
+
+Every failure raises a :class:`MoriError` subclass whose message names the offending values;
+a call that raises has changed nothing (a failed :func:`send_kvcache` writes no byte).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import enum
+import operator
+from dataclasses import dataclass
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    List,
+    NamedTuple,
+    NoReturn,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+from . import _ffi
+from ._errors import (
+    BackendUnavailableError,
+    BufferTooSmallError,
+    GpuError,
+    InternalError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    MoriError,
+    NullPointerError,
+    OutOfBoundsError,
+    SliceOverflowError,
+    TopologyError,
+    error_for,
+)
+
+try:  # numpy is optional: used when the caller passes numpy arrays or asks for array output.
+    import numpy as _np
+except ImportError:  # pragma: no cover - depends on the environment
+    _np = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy
+
+__all__ = [
+    "ABI_VERSION",
+    "Action",
+    "BackendUnavailableError",
+    "BufferTooSmallError",
+    "CopyRect",
+    "GpuError",
+    "InternalError",
+    "InvalidArgumentError",
+    "LayoutMismatchError",
+    "MoriError",
+    "NullPointerError",
+    "OutOfBoundsError",
+    "PageIndices",
+    "SliceConfig",
+    "SliceOverflowError",
+    "TopologyError",
+    "library_path",
+    "library_version",
+    "plan",
+    "plan_segments",
+    "send_kvcache",
+    "slice_config",
+]
+
+_lib, _library_path = _ffi.load()
+
+#: The MORI_TP_ABI_VERSION this package speaks; the loaded library was checked to match.
+ABI_VERSION: int = _ffi.ABI_VERSION
+
+#: Path of the libmori_tp that was loaded.
+library_path: str = str(_library_path)
+
+_INT32_MIN = -(1 << 31)
+_INT32_MAX = (1 << 31) - 1
+
+if array.array("i").itemsize != 4 or array.array("Q").itemsize != 8:  # pragma: no cover
+    raise ImportError("mori_tp: needs array typecodes 'i' of 4 bytes and 'Q' of 8 bytes")
+
+#: Page indices: a sequence of ints, an ``array.array('i')``, or a 1-D numpy integer array.
+PageIndices = Union[Sequence[int], "array.array[int]", "numpy.ndarray"]
+
+
+def library_version() -> str:
+    """The loaded library's version (``mori_version()``), e.g. ``"0.1.0"``."""
+    return _lib.mori_version().decode()
+
+
+__version__: str = library_version()
+
+
+class Action(enum.IntEnum):
+    """What a (prefill rank, decode rank) pair does (``MoriTpAction``). Only SEND moves bytes."""
+
+    #: The two ranks share no KV head.
+    NOT_PAIRED = 0
+    #: The prefill rank is the one that sends the heads it shares with the decode rank.
+    SEND = 1
+    #: The ranks share heads, but another prefill rank (a replica) sends them.
+    SKIP_REPLICA = 2
+
+
+def _raise_last(status: int) -> NoReturn:
+    """Raises the exception for a failing status with this thread's last library message."""
+    message = _lib.mori_last_error_message().decode("utf-8", "replace")
+    raise error_for(status, message)
+
+
+def _unsigned(value: Any, name: str, bits: int, where: str) -> int:
+    """``value`` as an int that fits ``uint<bits>_t``: ctypes would silently wrap it otherwise."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}: {name} must be an int, not {type(value).__name__}") from None
+    if not 0 <= number < (1 << bits):
+        raise InvalidArgumentError(
+            f"{where}: {name} {number} does not fit in uint{bits}_t (0..{(1 << bits) - 1})"
+        )
+    return number
+
+
+_U32_FIELDS = ("page_size", "first_head", "num_heads")
+_U64_FIELDS = (
+    "src_item_len",
+    "dst_item_len",
+    "bytes_per_token_src",
+    "bytes_per_token_dst",
+    "src_head_slice_offset",
+    "dst_head_slice_offset",
+    "heads_bytes_per_token_to_send",
+)
+
+
+@dataclass(frozen=True)
+class SliceConfig:
+    """What one (prefill rank, decode rank) pair moves inside every token
+    (``MoriTpSliceConfig``). Immutable; get one from :func:`slice_config`.
+
+    A config built or edited by hand (for example with ``dataclasses.replace``) is re-validated
+    by every function that takes one, and refused if its fields disagree.
+    """
+
+    #: SEND, SKIP_REPLICA or NOT_PAIRED.
+    action: Action
+    #: Tokens per page.
+    page_size: int
+    #: Global index of the first KV head moved (0 when not SEND).
+    first_head: int
+    #: KV heads moved per token (0 when not SEND).
+    num_heads: int
+    #: Bytes of one source page (``page_size * bytes_per_token_src``).
+    src_item_len: int
+    #: Bytes of one destination page.
+    dst_item_len: int
+    #: Bytes of one source token: the source row pitch.
+    bytes_per_token_src: int
+    #: Bytes of one destination token: the destination row pitch.
+    bytes_per_token_dst: int
+    #: Byte offset of the slice inside a source token (0 when not SEND).
+    src_head_slice_offset: int
+    #: Byte offset of the slice inside a destination token (0 when not SEND).
+    dst_head_slice_offset: int
+    #: Slice width in bytes, ``num_heads * bytes_per_head`` (0 when not SEND).
+    heads_bytes_per_token_to_send: int
+
+    def __post_init__(self) -> None:
+        action = self.action
+        if not isinstance(action, Action):
+            number = operator.index(action)
+            try:
+                action = Action(number)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"SliceConfig: action {number} is not an Action "
+                    "(0 NOT_PAIRED, 1 SEND, 2 SKIP_REPLICA)"
+                ) from None
+            object.__setattr__(self, "action", action)
+        for names, bits in ((_U32_FIELDS, 32), (_U64_FIELDS, 64)):
+            for name in names:
+                value = _unsigned(getattr(self, name), name, bits, "SliceConfig")
+                object.__setattr__(self, name, value)
+
+    def _as_c(self) -> _ffi.MoriTpSliceConfig:
+        return _ffi.MoriTpSliceConfig(
+            int(self.action),
+            self.page_size,
+            self.first_head,
+            self.num_heads,
+            self.src_item_len,
+            self.dst_item_len,
+            self.bytes_per_token_src,
+            self.bytes_per_token_dst,
+            self.src_head_slice_offset,
+            self.dst_head_slice_offset,
+            self.heads_bytes_per_token_to_send,
+        )
+
+
+class CopyRect(NamedTuple):
+    """One strided 2D copy (``MoriCopyRect``, the arguments of one ``hipMemcpy2DAsync``):
+    ``height`` rows of ``width`` bytes, row ``r`` read at ``src_offset + r * src_pitch`` and
+    written at ``dst_offset + r * dst_pitch``. Offsets are relative to each buffer's base."""
+
+    src_offset: int
+    dst_offset: int
+    src_pitch: int
+    dst_pitch: int
+    width: int
+    height: int
+
+
+def slice_config(
+    *,
+    prefill_tp_size: int,
+    prefill_tp_rank: int,
+    decode_tp_size: int,
+    decode_tp_rank: int,
+    total_kv_heads: int,
+    page_size: int,
+    src_item_len: int,
+    dst_item_len: int,
+) -> SliceConfig:
+    """The slice prefill rank ``prefill_tp_rank`` moves to decode rank ``decode_tp_rank``.
+
+    Args:
+        prefill_tp_size: P, the prefill engine's tensor-parallel size.
+        prefill_tp_rank: p, the sending prefill rank (< P).
+        decode_tp_size: D, the decode engine's tensor-parallel size.
+        decode_tp_rank: d, the receiving decode rank (< D).
+        total_kv_heads: H, the model's KV heads before TP (``num_key_value_heads``; 1 for MLA
+            and MQA). Each TP size must divide H or be a multiple of it.
+        page_size: tokens per page, the same on both sides.
+        src_item_len: bytes of one page of one layer buffer on rank p.
+        dst_item_len: bytes of one page of one layer buffer on rank d.
+
+    Returns:
+        The pair's :class:`SliceConfig`. Exactly one prefill rank gets ``Action.SEND`` for each
+        (decode rank, head); the others get SKIP_REPLICA or NOT_PAIRED and move nothing.
+
+    Raises:
+        InvalidArgumentError: a zero size or length, a rank out of range, a value that does not
+            fit its C type.
+        TopologyError: H and a TP size divide neither way, or H is 0.
+        LayoutMismatchError: an item length that does not split into page_size tokens of whole
+            heads, or bytes per head that differ between the sides (dtype or head_dim differ).
+    """
+    where = "slice_config"
+    params = _ffi.MoriTpSliceParams(
+        _unsigned(prefill_tp_size, "prefill_tp_size", 32, where),
+        _unsigned(prefill_tp_rank, "prefill_tp_rank", 32, where),
+        _unsigned(decode_tp_size, "decode_tp_size", 32, where),
+        _unsigned(decode_tp_rank, "decode_tp_rank", 32, where),
+        _unsigned(total_kv_heads, "total_kv_heads", 32, where),
+        _unsigned(page_size, "page_size", 32, where),
+        _unsigned(src_item_len, "src_item_len", 64, where),
+        _unsigned(dst_item_len, "dst_item_len", 64, where),
+    )
+    out = _ffi.MoriTpSliceConfig()
+    status = _lib.mori_tp_slice_config(ctypes.byref(params), ctypes.byref(out))
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+    return SliceConfig(
+        Action(out.action),
+        out.page_size,
+        out.first_head,
+        out.num_heads,
+        out.src_item_len,
+        out.dst_item_len,
+        out.bytes_per_token_src,
+        out.bytes_per_token_dst,
+        out.src_head_slice_offset,
+        out.dst_head_slice_offset,
+        out.heads_bytes_per_token_to_send,
+    )
+
+
+def _first_outside_int32(values: Any, name: str) -> OutOfBoundsError:
+    for position, value in enumerate(values):
+        number = operator.index(value)
+        if not _INT32_MIN <= number <= _INT32_MAX:
+            return OutOfBoundsError(
+                f"{name}[{position}] = {number} does not fit in int32 (page indices are int32_t)"
+            )
+    return OutOfBoundsError(f"{name}: a page index does not fit in int32")
+
+
+def _numpy_pages(pages: "numpy.ndarray", name: str) -> Tuple[int, int, Any]:
+    if pages.ndim != 1:
+        raise InvalidArgumentError(f"{name} must be one-dimensional, not of shape {pages.shape}")
+    if pages.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, not {pages.dtype}")
+    if pages.dtype != _np.int32 or not pages.flags.c_contiguous:
+        # Checked before converting, because the conversion would wrap large values silently.
+        if pages.dtype.itemsize >= 4 and pages.size:
+            outside = pages > _INT32_MAX
+            if pages.dtype.kind == "i":
+                outside |= pages < _INT32_MIN
+            if outside.any():
+                first = int(_np.flatnonzero(outside)[0])
+                raise OutOfBoundsError(
+                    f"{name}[{first}] = {int(pages[first])} does not fit in int32 "
+                    "(page indices are int32_t)"
+                )
+        pages = _np.ascontiguousarray(pages, dtype=_np.int32)
+    return pages.__array_interface__["data"][0], len(pages), pages
+
+
+def _pages_arg(pages: PageIndices, name: str) -> Tuple[int, int, Any]:
+    """(address, length, owner) of ``pages`` as contiguous int32; ``owner`` keeps the memory
+    alive. ``array.array('i')`` and contiguous numpy int32 arrays are used in place."""
+    if _np is not None and isinstance(pages, _np.ndarray):
+        return _numpy_pages(pages, name)
+    if isinstance(pages, (str, bytes, bytearray)):
+        # array.array would read bytes as raw int32 values.
+        raise TypeError(f"{name} must be a sequence of ints, not {type(pages).__name__}")
+    if not (isinstance(pages, array.array) and pages.typecode == "i"):
+        try:
+            pages = array.array("i", pages)
+        except OverflowError:
+            raise _first_outside_int32(pages, name) from None
+        except TypeError as error:
+            raise TypeError(f"{name} must be a sequence of ints: {error}") from None
+    address, length = pages.buffer_info()
+    return address, length, pages
+
+
+def _page_pairs(
+    src_pages: PageIndices, dst_pages: PageIndices, where: str
+) -> Tuple[int, int, int, Tuple[Any, Any]]:
+    src_address, src_len, src_owner = _pages_arg(src_pages, f"{where}: src_pages")
+    dst_address, dst_len, dst_owner = _pages_arg(dst_pages, f"{where}: dst_pages")
+    if src_len != dst_len:
+        raise InvalidArgumentError(
+            f"{where}: {src_len} source pages but {dst_len} destination pages "
+            "(they are paired one to one)"
+        )
+    return src_address, dst_address, src_len, (src_owner, dst_owner)
+
+
+def _c_config(config: SliceConfig, where: str) -> _ffi.MoriTpSliceConfig:
+    if not isinstance(config, SliceConfig):
+        raise TypeError(f"{where}: config must be a SliceConfig, not {type(config).__name__}")
+    return config._as_c()
+
+
+def _plan_into(function: Any, config: SliceConfig, src_pages: PageIndices,
+               dst_pages: PageIndices, allocate: Any, where: str) -> Any:
+    """Runs a plan function twice: the size query, then into ``allocate(n)``'s buffer."""
+    c_config = _c_config(config, where)
+    src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
+    needed = ctypes.c_size_t()
+    status = function(ctypes.byref(c_config), src, dst, num_pages, None, 0, ctypes.byref(needed))
+    if status not in (_ffi.MORI_OK, _ffi.MORI_ERR_BUFFER_TOO_SMALL):
+        _raise_last(status)
+    count = needed.value
+    out, address = allocate(count)
+    if count:
+        status = function(
+            ctypes.byref(c_config), src, dst, num_pages, address, count, ctypes.byref(needed)
+        )
+        if status != _ffi.MORI_OK:
+            _raise_last(status)
+    return out
+
+
+def plan(config: SliceConfig, src_pages: PageIndices, dst_pages: PageIndices) -> List[CopyRect]:
+    """The strided 2D copies of one request: one :class:`CopyRect` per maximal run of pages.
+
+    Page ``src_pages[i]`` of the prefill rank goes to page ``dst_pages[i]`` of the decode rank.
+    Adjacent pairs where both indices go up by one form a run; a run of n pages is one rect of
+    ``n * page_size`` rows. Empty unless ``config.action`` is SEND (the pages are still checked).
+
+    Raises:
+        InvalidArgumentError: page lists of different lengths, or inconsistent config fields.
+        OutOfBoundsError: a negative page index, or one that does not fit in int32.
+        SliceOverflowError, LayoutMismatchError: a hand-edited config that does not fit.
+    """
+
+    def allocate(count: int) -> Tuple[Any, Any]:
+        # MoriCopyRect is six uint64_t: n rects are 6n 'Q' items, written in place.
+        rects = array.array("Q", [0]) * (6 * count)
+        return rects, rects.buffer_info()[0]
+
+    rects = _plan_into(_lib.mori_tp_plan, config, src_pages, dst_pages, allocate, "plan")
+    fields = iter(rects.tolist())
+    return list(map(CopyRect._make, zip(*[fields] * 6)))
+
+
+def plan_segments(
+    config: SliceConfig,
+    src_pages: PageIndices,
+    dst_pages: PageIndices,
+    *,
+    as_arrays: bool = False,
+) -> Tuple[Any, Any, Any]:
+    """The same bytes as :func:`plan`, as contiguous copies for batch-write transfer APIs.
+
+    One segment per token row of each run, except that when the slice is a whole token on both
+    sides (the pair moves every head of both ranks) a run of pages is one segment.
+
+    Args:
+        config: from :func:`slice_config`.
+        src_pages, dst_pages: paired page indices (see :data:`PageIndices`).
+        as_arrays: return numpy ``uint64`` arrays instead of lists (needs numpy). The library
+            writes the segments straight into one ``(n, 3)`` array and the three results are
+            its columns (strided views, no copy): use this to do arithmetic on the offsets, for
+            example ``base_ptr + local_offsets``, without building Python ints.
+
+    Returns:
+        ``(local_offsets, remote_offsets, sizes)``: byte offsets into the source buffer, byte
+        offsets into the destination buffer and lengths, relative to each buffer's base. The
+        same for every layer's K and V buffer: add each buffer's base address.
+
+    Raises:
+        InvalidArgumentError, OutOfBoundsError, SliceOverflowError, LayoutMismatchError: as
+            for :func:`plan`.
+        ImportError: ``as_arrays=True`` without numpy installed.
+    """
+    if as_arrays:
+        if _np is None:
+            raise ImportError(
+                "plan_segments(as_arrays=True) needs numpy, which is not installed "
+                "(pip install numpy, or use the default list output)"
+            )
+
+        def allocate(count: int) -> Tuple[Any, Any]:
+            segments = _np.empty((count, 3), dtype=_np.uint64)
+            return segments, segments.__array_interface__["data"][0]
+
+    else:
+
+        def allocate(count: int) -> Tuple[Any, Any]:
+            # MoriSegment is three uint64_t, so n segments are 3n 'Q' items, written in place.
+            segments = array.array("Q", [0]) * (3 * count)
+            return segments, segments.buffer_info()[0]
+
+    segments = _plan_into(
+        _lib.mori_tp_plan_segments, config, src_pages, dst_pages, allocate, "plan_segments"
+    )
+    if as_arrays:
+        return segments[:, 0], segments[:, 1], segments[:, 2]
+    view = memoryview(segments)
+    return view[0::3].tolist(), view[1::3].tolist(), view[2::3].tolist()
+
+
+_BACKENDS = {
+    "auto": _ffi.MORI_BACKEND_AUTO,
+    "host": _ffi.MORI_BACKEND_HOST,
+    "hip": _ffi.MORI_BACKEND_HIP,
+}
+
+
+def _pointer_array(pointers: Sequence[int], name: str) -> Any:
+    values = [_unsigned(p, f"{name}[{i}]", 64, "send_kvcache") for i, p in enumerate(pointers)]
+    return (ctypes.c_void_p * len(values))(*values)
+
+
+def send_kvcache(
+    config: SliceConfig,
+    src_ptrs: Sequence[int],
+    dst_ptrs: Sequence[int],
+    *,
+    src_capacity: int,
+    dst_capacity: int,
+    src_pages: PageIndices,
+    dst_pages: PageIndices,
+    backend: str = "auto",
+    stream: Optional[int] = None,
+    synchronize: bool = False,
+) -> None:
+    """Copies one request's slice: every rect of the plan, from each ``src_ptrs[i]`` to
+    ``dst_ptrs[i]``.
+
+    Everything is validated before the first byte moves: a call that raises wrote nothing. A
+    config that is not SEND passes the same checks and moves nothing.
+
+    Args:
+        config: from :func:`slice_config`.
+        src_ptrs: base addresses of the prefill rank's buffers (K of each layer, then V of each
+            layer; MLA: one latent buffer per layer), e.g. ``tensor.data_ptr()``.
+        dst_ptrs: the matching buffers of the decode rank, in the same order.
+        src_capacity: bytes in each source buffer; every source page must end within it.
+        dst_capacity: bytes in each destination buffer.
+        src_pages, dst_pages: paired page indices (see :data:`PageIndices`).
+        backend: ``"auto"`` (HIP when built in and a device is present, else host), ``"host"``
+            (CPU copies; both sides host memory) or ``"hip"`` (``hipMemcpy2DAsync``).
+        stream: a ``hipStream_t`` as an int (e.g. a torch stream's ``cuda_stream``); None is the
+            null stream. Must be None for host copies.
+        synchronize: wait for the copies before returning (HIP; host copies always have).
+
+    Raises:
+        NullPointerError: a buffer address is 0.
+        InvalidArgumentError: buffer or page lists of different lengths, an unknown backend, a
+            stream with host copies, a value that does not fit its C type.
+        OutOfBoundsError: a negative page index, or a page that ends past its capacity.
+        BackendUnavailableError: HIP requested but not built in, or no device.
+        GpuError: the HIP runtime failed.
+    """
+    where = "send_kvcache"
+    c_config = _c_config(config, where)
+    if len(src_ptrs) != len(dst_ptrs):
+        raise InvalidArgumentError(
+            f"{where}: {len(src_ptrs)} source buffers but {len(dst_ptrs)} destination buffers "
+            "(they are paired one to one)"
+        )
+    if backend not in _BACKENDS:
+        raise InvalidArgumentError(
+            f"{where}: backend {backend!r} is not one of {', '.join(map(repr, _BACKENDS))}"
+        )
+    if stream is not None and not isinstance(stream, int):
+        raise TypeError(
+            f"{where}: stream must be an int handle or None, not {type(stream).__name__} "
+            "(pass e.g. torch_stream.cuda_stream)"
+        )
+    src_array = _pointer_array(src_ptrs, "src_ptrs")
+    dst_array = _pointer_array(dst_ptrs, "dst_ptrs")
+    buffers = _ffi.MoriKvBuffers(
+        ctypes.cast(src_array, ctypes.POINTER(ctypes.c_void_p)),
+        ctypes.cast(dst_array, ctypes.POINTER(ctypes.c_void_p)),
+        len(src_array),
+        _unsigned(src_capacity, "src_capacity", 64, where),
+        _unsigned(dst_capacity, "dst_capacity", 64, where),
+    )
+    options = _ffi.MoriSendOptions(
+        _BACKENDS[backend],
+        _ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0,
+        _unsigned(stream, "stream", 64, where) if stream else None,
+    )
+    src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
+    status = _lib.mori_send_kvcache(
+        ctypes.byref(c_config),
+        ctypes.byref(buffers),
+        src,
+        dst,
+        num_pages,
+        ctypes.byref(options),
+    )
+    if status != _ffi.MORI_OK:
+        _raise_last(status)

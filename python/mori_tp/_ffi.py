@@ -1,0 +1,252 @@
+"""Finding libmori_tp, and its C ABI (``include/mori_tp.h``) declared for ctypes.
+
+Nothing here is public: ``mori_tp`` wraps these declarations in Python types and exceptions.
+Every struct mirrors the header field for field, in order; every exported function gets its
+``argtypes`` and ``restype``. At import the library's ABI version and the ctypes struct sizes
+are checked against what this file was written for, so a stale or foreign library fails loudly
+at ``import mori_tp`` instead of corrupting memory later.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+#: MORI_TP_ABI_VERSION of the header these declarations follow.
+ABI_VERSION = 1
+
+#: Environment variable naming the exact library file to load.
+LIBRARY_ENV = "MORI_TP_LIBRARY"
+
+# Status codes (MoriStatus), CONTRACT.md section 4.
+MORI_OK = 0
+MORI_ERR_BUFFER_TOO_SMALL = 7
+
+# MoriSendOptions.flags bit.
+MORI_SEND_SYNCHRONIZE = 1
+
+# MoriBackend values.
+MORI_BACKEND_AUTO = 0
+MORI_BACKEND_HOST = 1
+MORI_BACKEND_HIP = 2
+
+
+class MoriTpSliceParams(ctypes.Structure):
+    _fields_ = [
+        ("prefill_tp_size", ctypes.c_uint32),
+        ("prefill_tp_rank", ctypes.c_uint32),
+        ("decode_tp_size", ctypes.c_uint32),
+        ("decode_tp_rank", ctypes.c_uint32),
+        ("total_kv_heads", ctypes.c_uint32),
+        ("page_size", ctypes.c_uint32),
+        ("src_item_len", ctypes.c_uint64),
+        ("dst_item_len", ctypes.c_uint64),
+    ]
+
+
+class MoriTpSliceConfig(ctypes.Structure):
+    _fields_ = [
+        ("action", ctypes.c_uint32),
+        ("page_size", ctypes.c_uint32),
+        ("first_head", ctypes.c_uint32),
+        ("num_heads", ctypes.c_uint32),
+        ("src_item_len", ctypes.c_uint64),
+        ("dst_item_len", ctypes.c_uint64),
+        ("bytes_per_token_src", ctypes.c_uint64),
+        ("bytes_per_token_dst", ctypes.c_uint64),
+        ("src_head_slice_offset", ctypes.c_uint64),
+        ("dst_head_slice_offset", ctypes.c_uint64),
+        ("heads_bytes_per_token_to_send", ctypes.c_uint64),
+    ]
+
+
+class MoriCopyRect(ctypes.Structure):
+    _fields_ = [
+        ("src_offset", ctypes.c_uint64),
+        ("dst_offset", ctypes.c_uint64),
+        ("src_pitch", ctypes.c_uint64),
+        ("dst_pitch", ctypes.c_uint64),
+        ("width", ctypes.c_uint64),
+        ("height", ctypes.c_uint64),
+    ]
+
+
+class MoriSegment(ctypes.Structure):
+    _fields_ = [
+        ("src_offset", ctypes.c_uint64),
+        ("dst_offset", ctypes.c_uint64),
+        ("length", ctypes.c_uint64),
+    ]
+
+
+class MoriKvBuffers(ctypes.Structure):
+    _fields_ = [
+        ("src", ctypes.POINTER(ctypes.c_void_p)),  # const void *const *
+        ("dst", ctypes.POINTER(ctypes.c_void_p)),  # void *const *
+        ("num_buffers", ctypes.c_size_t),
+        ("src_capacity", ctypes.c_uint64),
+        ("dst_capacity", ctypes.c_uint64),
+    ]
+
+
+class MoriSendOptions(ctypes.Structure):
+    _fields_ = [
+        ("backend", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+#: sizeof of each struct in include/mori_tp.h on a 64-bit (LP64 or LLP64) platform.
+EXPECTED_SIZES = {
+    MoriTpSliceParams: 40,
+    MoriTpSliceConfig: 72,
+    MoriCopyRect: 48,
+    MoriSegment: 24,
+    MoriKvBuffers: 40,
+    MoriSendOptions: 16,
+}
+
+_STATUS = ctypes.c_int32
+_CONFIG_P = ctypes.POINTER(MoriTpSliceConfig)
+
+# Page arrays and plan outputs are declared as addresses (void *) rather than typed pointers:
+# numpy and array.array buffers are then passed by their address with no ctypes wrapper object
+# per call. Their element types are int32_t, MoriCopyRect and MoriSegment, as in the header.
+SIGNATURES = {
+    "mori_tp_slice_config": (
+        _STATUS,
+        [ctypes.POINTER(MoriTpSliceParams), _CONFIG_P],
+    ),
+    "mori_tp_plan": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_void_p,  # const int32_t *dst_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.c_void_p,  # MoriCopyRect *out
+            ctypes.c_size_t,  # capacity
+            ctypes.POINTER(ctypes.c_size_t),  # out_len
+        ],
+    ),
+    "mori_tp_plan_segments": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_void_p,  # const int32_t *dst_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.c_void_p,  # MoriSegment *out
+            ctypes.c_size_t,  # capacity
+            ctypes.POINTER(ctypes.c_size_t),  # out_len
+        ],
+    ),
+    "mori_send_kvcache": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.POINTER(MoriKvBuffers),
+            ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_void_p,  # const int32_t *dst_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.POINTER(MoriSendOptions),
+        ],
+    ),
+    "mori_status_str": (ctypes.c_char_p, [_STATUS]),
+    "mori_last_error_message": (ctypes.c_char_p, []),
+    "mori_version": (ctypes.c_char_p, []),
+    "mori_abi_version": (ctypes.c_uint32, []),
+}
+
+
+def library_file_name() -> str:
+    """The platform's file name for the mori_tp shared library."""
+    if sys.platform == "darwin":
+        return "libmori_tp.dylib"
+    if sys.platform == "win32":
+        return "mori_tp.dll"
+    return "libmori_tp.so"
+
+
+def candidate_paths() -> List[Path]:
+    """Where the library is looked for when MORI_TP_LIBRARY is unset, in order.
+
+    Inside the package directory (where a wheel ships it), beside it, then the crate's
+    ``target/release`` and ``target/debug`` when the package runs from a checkout.
+    """
+    package_dir = Path(__file__).resolve().parent
+    crate_dir = package_dir.parent.parent
+    name = library_file_name()
+    return [
+        package_dir / name,
+        package_dir.parent / name,
+        crate_dir / "target" / "release" / name,
+        crate_dir / "target" / "debug" / name,
+    ]
+
+
+def find_library() -> Path:
+    """The library file to load, or ImportError naming every place that was tried."""
+    explicit = os.environ.get(LIBRARY_ENV)
+    if explicit:
+        # An explicit choice that is wrong must not silently fall back to another build.
+        path = Path(explicit)
+        if not path.is_file():
+            raise ImportError(
+                f"mori_tp: {LIBRARY_ENV} is set to {explicit!r}, which is not a file"
+            )
+        return path
+    tried = candidate_paths()
+    for path in tried:
+        if path.is_file():
+            return path
+    listed = "\n  ".join(str(p) for p in tried)
+    raise ImportError(
+        f"mori_tp: cannot find {library_file_name()}; build it with `cargo build --release` "
+        f"in the mori-tp crate, or set {LIBRARY_ENV} to its path. Tried:\n  {listed}"
+    )
+
+
+def check_layout(abi_version: int, pointer_size: int) -> Optional[str]:
+    """Why the loaded library or this interpreter does not match these declarations, or None."""
+    if abi_version != ABI_VERSION:
+        return (
+            f"the library has ABI version {abi_version}, but this mori_tp package was written "
+            f"for ABI version {ABI_VERSION}; use the package and library of the same build"
+        )
+    if pointer_size != 8:
+        return f"mori_tp supports 64-bit platforms only (pointer size {pointer_size} bytes)"
+    for struct, expected in EXPECTED_SIZES.items():
+        actual = ctypes.sizeof(struct)
+        if actual != expected:
+            return (
+                f"ctypes lays {struct.__name__} out in {actual} bytes, "
+                f"but the C header's is {expected} bytes"
+            )
+    return None
+
+
+def load() -> Tuple[ctypes.CDLL, Path]:
+    """Loads the library, declares every function and checks the ABI."""
+    path = find_library()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise ImportError(f"mori_tp: cannot load {path}: {error}") from error
+    for name, (restype, argtypes) in SIGNATURES.items():
+        try:
+            function = getattr(lib, name)
+        except AttributeError:
+            raise ImportError(
+                f"mori_tp: {path} does not export {name}; is it a libmori_tp build?"
+            ) from None
+        function.restype = restype
+        function.argtypes = argtypes
+    problem = check_layout(lib.mori_abi_version(), ctypes.sizeof(ctypes.c_void_p))
+    if problem is not None:
+        raise ImportError(f"mori_tp: {path}: {problem}")
+    return lib, path
