@@ -33,13 +33,14 @@ fn json_of(args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).expect("stdout is one JSON value")
 }
 
-/// The built-in models, with the figures of their public config.json files (issue 6):
-/// (name, KV heads, head_dim, layers, attention).
+/// The built-in models, with the figures of their public config.json files (issue 6 lists all
+/// but qwen2.5-72b): (name, KV heads, head_dim, layers, attention).
 const MODELS: &[(&str, u32, u32, u32, &str)] = &[
     ("llama-3.1-8b", 8, 128, 32, "GQA"),
     ("llama-3.1-70b", 8, 128, 80, "GQA"),
     ("qwen2.5-1.5b", 2, 128, 28, "GQA"),
     ("qwen2.5-7b", 4, 128, 28, "GQA"),
+    ("qwen2.5-72b", 8, 128, 80, "GQA"),
     ("qwen3-8b", 8, 128, 36, "GQA"),
     ("qwen3-30b-a3b", 4, 128, 48, "GQA"),
     ("mixtral-8x7b", 8, 128, 32, "GQA"),
@@ -124,6 +125,8 @@ fn presets_list_every_model_with_its_kv_figures() {
         let buffers = if attention == "MLA" { 1 } else { 2 };
         assert_eq!(entry["buffers_per_layer"], buffers, "{name}");
     }
+    // A new preset must be added above, so that the tests below cover it too.
+    assert_eq!(list.len(), MODELS.len(), "presets not listed in MODELS");
     let text = mori_tp(&["presets"]);
     assert_eq!(code(&text), 0);
     for (name, ..) in MODELS {
