@@ -1,0 +1,427 @@
+//! Which model a deployment serves: a built-in preset, a Hugging Face `config.json`, or numbers
+//! given on the command line. Only the figures that shape the KV cache matter here: KV heads,
+//! head dimension, layers, and whether attention keeps K and V or one MLA latent per layer.
+
+use std::fmt;
+
+use serde_json::{Map, Value};
+
+/// How a model stores its KV cache, as far as the transfer is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// Multi-head attention: as many KV heads as query heads; separate K and V.
+    Mha,
+    /// Grouped-query attention: fewer KV heads than query heads; separate K and V.
+    Gqa,
+    /// Multi-query attention: one KV head; separate K and V.
+    Mqa,
+    /// Multi-head latent attention (DeepSeek): one latent "head" per token per layer, no V.
+    Mla,
+    /// Separate K and V, query heads unknown (numbers given on the command line).
+    KeyValue,
+}
+
+impl Attention {
+    /// Short name for output and JSON.
+    pub fn label(self) -> &'static str {
+        match self {
+            Attention::Mha => "MHA",
+            Attention::Gqa => "GQA",
+            Attention::Mqa => "MQA",
+            Attention::Mla => "MLA",
+            Attention::KeyValue => "K/V",
+        }
+    }
+
+    /// KV buffers per layer: K and V, or the single MLA latent buffer.
+    pub fn buffers_per_layer(self) -> u32 {
+        if self == Attention::Mla { 1 } else { 2 }
+    }
+
+    /// The label for a model with separate K and V, from its query and KV head counts.
+    fn of_heads(query_heads: Option<u32>, kv_heads: u32) -> Attention {
+        match query_heads {
+            None => Attention::KeyValue,
+            Some(_) if kv_heads == 1 => Attention::Mqa,
+            Some(q) if q == kv_heads => Attention::Mha,
+            Some(_) => Attention::Gqa,
+        }
+    }
+}
+
+/// The KV-cache shape of a model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Model {
+    /// Preset name or the config.json path.
+    pub name: String,
+    /// `H`: KV heads before tensor parallelism (1 for MLA and MQA).
+    pub kv_heads: u32,
+    /// Elements per KV head (MLA: `kv_lora_rank + qk_rope_head_dim`).
+    pub head_dim: u32,
+    /// Transformer layers.
+    pub layers: u32,
+    /// How the cache is stored.
+    pub attention: Attention,
+}
+
+/// A built-in model.
+#[derive(Clone, Copy, Debug)]
+pub struct Preset {
+    pub name: &'static str,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub layers: u32,
+    pub attention: Attention,
+}
+
+/// The built-in models. Every figure comes from the model's public Hugging Face `config.json`:
+/// `num_key_value_heads`, `head_dim` (or `hidden_size / num_attention_heads` where the config
+/// has no `head_dim`), `num_hidden_layers`; GLM-4 from `multi_query_group_num`, `kv_channels`,
+/// `num_layers`; DeepSeek-V3 from `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (one latent head).
+pub const PRESETS: &[Preset] = &[
+    // meta-llama/Llama-3.1-8B: hidden 4096 / 32 heads, 8 KV heads, 32 layers.
+    preset("llama-3.1-8b", 8, 128, 32, Attention::Gqa),
+    // meta-llama/Llama-3.1-70B: hidden 8192 / 64 heads, 8 KV heads, 80 layers.
+    preset("llama-3.1-70b", 8, 128, 80, Attention::Gqa),
+    // Qwen/Qwen2.5-1.5B: hidden 1536 / 12 heads, 2 KV heads, 28 layers.
+    preset("qwen2.5-1.5b", 2, 128, 28, Attention::Gqa),
+    // Qwen/Qwen2.5-7B: hidden 3584 / 28 heads, 4 KV heads, 28 layers.
+    preset("qwen2.5-7b", 4, 128, 28, Attention::Gqa),
+    // Qwen/Qwen2.5-72B: hidden 8192 / 64 heads, 8 KV heads, 80 layers.
+    preset("qwen2.5-72b", 8, 128, 80, Attention::Gqa),
+    // Qwen/Qwen3-8B: head_dim 128, 8 KV heads, 36 layers.
+    preset("qwen3-8b", 8, 128, 36, Attention::Gqa),
+    // Qwen/Qwen3-30B-A3B: head_dim 128, 4 KV heads, 48 layers.
+    preset("qwen3-30b-a3b", 4, 128, 48, Attention::Gqa),
+    // mistralai/Mixtral-8x7B-v0.1: hidden 4096 / 32 heads, 8 KV heads, 32 layers.
+    preset("mixtral-8x7b", 8, 128, 32, Attention::Gqa),
+    // THUDM/glm-4-9b: multi_query_group_num 2, kv_channels 128, num_layers 40.
+    preset("glm-4-9b", 2, 128, 40, Attention::Gqa),
+    // openai/gpt-oss-120b: head_dim 64, 8 KV heads, 36 layers.
+    preset("gpt-oss-120b", 8, 64, 36, Attention::Gqa),
+    // deepseek-ai/DeepSeek-V3: kv_lora_rank 512 + qk_rope_head_dim 64, 61 layers.
+    preset("deepseek-v3", 1, 576, 61, Attention::Mla),
+];
+
+const fn preset(
+    name: &'static str,
+    kv_heads: u32,
+    head_dim: u32,
+    layers: u32,
+    attention: Attention,
+) -> Preset {
+    Preset {
+        name,
+        kv_heads,
+        head_dim,
+        layers,
+        attention,
+    }
+}
+
+/// The preset called `name`, if any.
+pub fn preset_by_name(name: &str) -> Option<&'static Preset> {
+    PRESETS.iter().find(|p| p.name == name)
+}
+
+impl From<&Preset> for Model {
+    fn from(p: &Preset) -> Self {
+        Model {
+            name: p.name.to_string(),
+            kv_heads: p.kv_heads,
+            head_dim: p.head_dim,
+            layers: p.layers,
+            attention: p.attention,
+        }
+    }
+}
+
+/// Element type of the KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Dtype {
+    Bf16,
+    Fp16,
+    Fp8,
+    Fp32,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> u32 {
+        match self {
+            Dtype::Bf16 | Dtype::Fp16 => 2,
+            Dtype::Fp8 => 1,
+            Dtype::Fp32 => 4,
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp8 => "fp8",
+            Dtype::Fp32 => "fp32",
+        })
+    }
+}
+
+/// Reads a positive integer field; a missing or `null` field is `None`.
+fn positive(obj: &Map<String, Value>, key: &str) -> Result<Option<u32>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => match value.as_u64().and_then(|n| u32::try_from(n).ok()) {
+            Some(n) if n > 0 => Ok(Some(n)),
+            _ => Err(format!(
+                "`{key}` is {value}, expected a positive integer below 2^32"
+            )),
+        },
+    }
+}
+
+fn required(obj: &Map<String, Value>, key: &str, why: &str) -> Result<u32, String> {
+    positive(obj, key)?.ok_or_else(|| format!("`{key}` is missing ({why})"))
+}
+
+/// `hidden_size / num_attention_heads`, the head dimension of configs without `head_dim`.
+fn head_dim_from_hidden(obj: &Map<String, Value>, fallback_for: &str) -> Result<u32, String> {
+    let why = format!("needed to derive the head dimension without `{fallback_for}`");
+    let hidden = required(obj, "hidden_size", &why)?;
+    let heads = required(obj, "num_attention_heads", &why)?;
+    if hidden % heads != 0 {
+        return Err(format!(
+            "`hidden_size` {hidden} is not a multiple of `num_attention_heads` {heads}, so the \
+             head dimension is unclear; add `{fallback_for}` to the config"
+        ));
+    }
+    Ok(hidden / heads)
+}
+
+/// Reads the KV-cache shape from the text of a Hugging Face `config.json`.
+///
+/// - MLA (DeepSeek) when `kv_lora_rank` is present: one latent head of
+///   `kv_lora_rank + qk_rope_head_dim` elements per layer, no separate V (its
+///   `num_key_value_heads` describes the attention computation, not the cache, and is ignored).
+/// - GLM (ChatGLM, GLM-4): `multi_query_group_num` KV heads (when `multi_query_attention` is not
+///   false) of `kv_channels` elements.
+/// - Otherwise `num_key_value_heads`, else `num_attention_heads`; `head_dim`, else
+///   `kv_channels`, else `hidden_size / num_attention_heads`.
+///
+/// Layers are `num_hidden_layers` (GLM: `num_layers`). Multimodal configs that keep the language
+/// model under `text_config` are read from there.
+pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
+    let root: Value =
+        serde_json::from_str(text).map_err(|e| format!("{name} is not valid JSON: {e}"))?;
+    let parse = || -> Result<Model, String> {
+        let mut obj = root
+            .as_object()
+            .ok_or("the top level is not a JSON object")?;
+        let has_layers = |o: &Map<String, Value>| {
+            o.get("num_hidden_layers").is_some() || o.get("num_layers").is_some()
+        };
+        if !has_layers(obj) {
+            if let Some(text_config) = obj.get("text_config").and_then(Value::as_object) {
+                obj = text_config;
+            }
+        }
+        let layers = match positive(obj, "num_hidden_layers")? {
+            Some(n) => n,
+            None => required(obj, "num_layers", "and so is `num_hidden_layers`")?,
+        };
+        let query_heads = positive(obj, "num_attention_heads")?;
+
+        if let Some(rank) = positive(obj, "kv_lora_rank")? {
+            let rope = required(
+                obj,
+                "qk_rope_head_dim",
+                "an MLA model (it has `kv_lora_rank`) caches kv_lora_rank + qk_rope_head_dim",
+            )?;
+            let head_dim = rank
+                .checked_add(rope)
+                .ok_or("kv_lora_rank + qk_rope_head_dim overflows 32 bits")?;
+            return Ok(Model {
+                name: name.to_string(),
+                kv_heads: 1,
+                head_dim,
+                layers,
+                attention: Attention::Mla,
+            });
+        }
+
+        let glm_groups = positive(obj, "multi_query_group_num")?;
+        let multi_query = obj.get("multi_query_attention").and_then(Value::as_bool);
+        if let (Some(groups), true) = (glm_groups, multi_query != Some(false)) {
+            let head_dim = match positive(obj, "kv_channels")? {
+                Some(d) => d,
+                None => head_dim_from_hidden(obj, "kv_channels")?,
+            };
+            return Ok(Model {
+                name: name.to_string(),
+                kv_heads: groups,
+                head_dim,
+                layers,
+                attention: Attention::of_heads(query_heads, groups),
+            });
+        }
+
+        let kv_heads = match positive(obj, "num_key_value_heads")? {
+            Some(h) => h,
+            None => required(
+                obj,
+                "num_attention_heads",
+                "and so is `num_key_value_heads`: the KV head count is unknown",
+            )?,
+        };
+        let head_dim = match positive(obj, "head_dim")? {
+            Some(d) => d,
+            // GLM names it kv_channels.
+            None => match positive(obj, "kv_channels")? {
+                Some(d) => d,
+                None => head_dim_from_hidden(obj, "head_dim")?,
+            },
+        };
+        Ok(Model {
+            name: name.to_string(),
+            kv_heads,
+            head_dim,
+            layers,
+            attention: Attention::of_heads(query_heads, kv_heads),
+        })
+    };
+    parse().map_err(|e| format!("{name}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Model, String> {
+        from_config_json(text, "config.json")
+    }
+
+    #[test]
+    fn gqa_config_without_head_dim_derives_it_from_hidden_size() {
+        // The shape of Llama-3.1-8B's config.
+        let m = parse(
+            r#"{"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "num_hidden_layers": 32, "head_dim": null}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (m.kv_heads, m.head_dim, m.layers, m.attention),
+            (8, 128, 32, Attention::Gqa)
+        );
+    }
+
+    #[test]
+    fn an_explicit_head_dim_wins_over_hidden_size() {
+        // Qwen3 and gpt-oss state head_dim, which differs from hidden_size / heads.
+        let m = parse(
+            r#"{"hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "head_dim": 64, "num_hidden_layers": 36}"#,
+        )
+        .unwrap();
+        assert_eq!((m.kv_heads, m.head_dim, m.layers), (8, 64, 36));
+    }
+
+    #[test]
+    fn a_config_without_kv_heads_is_multi_head_attention() {
+        let m =
+            parse(r#"{"hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12}"#)
+                .unwrap();
+        assert_eq!(
+            (m.kv_heads, m.head_dim, m.attention),
+            (12, 64, Attention::Mha)
+        );
+    }
+
+    #[test]
+    fn mla_caches_one_latent_head_and_ignores_num_key_value_heads() {
+        // The shape of DeepSeek-V3's config: 128 KV heads in attention, one latent in the cache.
+        let m = parse(
+            r#"{"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128,
+                "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                "v_head_dim": 128, "num_hidden_layers": 61}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (m.kv_heads, m.head_dim, m.layers, m.attention),
+            (1, 576, 61, Attention::Mla)
+        );
+        assert_eq!(m.attention.buffers_per_layer(), 1);
+    }
+
+    #[test]
+    fn mla_without_rope_dim_is_refused_by_name() {
+        let err = parse(r#"{"kv_lora_rank": 512, "num_hidden_layers": 61}"#).unwrap_err();
+        assert!(err.contains("qk_rope_head_dim"), "{err}");
+    }
+
+    #[test]
+    fn glm_reads_query_groups_kv_channels_and_num_layers() {
+        // The shape of GLM-4-9B's config.
+        let m = parse(
+            r#"{"hidden_size": 4096, "num_attention_heads": 32, "multi_query_attention": true,
+                "multi_query_group_num": 2, "kv_channels": 128, "num_layers": 40}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (m.kv_heads, m.head_dim, m.layers, m.attention),
+            (2, 128, 40, Attention::Gqa)
+        );
+    }
+
+    #[test]
+    fn glm_with_multi_query_off_has_one_kv_head_per_query_head() {
+        let m = parse(
+            r#"{"hidden_size": 4096, "num_attention_heads": 32, "multi_query_attention": false,
+                "multi_query_group_num": 2, "kv_channels": 128, "num_layers": 28}"#,
+        )
+        .unwrap();
+        assert_eq!((m.kv_heads, m.head_dim), (32, 128));
+    }
+
+    #[test]
+    fn a_multimodal_config_is_read_from_its_text_config() {
+        let m = parse(
+            r#"{"model_type": "llava", "vision_config": {"hidden_size": 1024},
+                "text_config": {"hidden_size": 4096, "num_attention_heads": 32,
+                                "num_key_value_heads": 8, "num_hidden_layers": 32}}"#,
+        )
+        .unwrap();
+        assert_eq!((m.kv_heads, m.head_dim, m.layers), (8, 128, 32));
+    }
+
+    #[test]
+    fn missing_or_malformed_fields_are_named() {
+        let err = parse(r#"{"num_attention_heads": 32, "hidden_size": 4096}"#).unwrap_err();
+        assert!(
+            err.contains("num_layers") && err.contains("missing"),
+            "{err}"
+        );
+        let err = parse(
+            r#"{"num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": -8,
+                "head_dim": 64}"#,
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("num_key_value_heads") && err.contains("-8"),
+            "{err}"
+        );
+        let err =
+            parse(r#"{"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 100}"#)
+                .unwrap_err();
+        assert!(err.contains("100") && err.contains('3'), "{err}");
+        assert!(parse("{not json").unwrap_err().contains("not valid JSON"));
+        assert!(parse("[1, 2]").unwrap_err().contains("not a JSON object"));
+    }
+
+    #[test]
+    fn preset_names_are_unique() {
+        let mut names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), PRESETS.len());
+    }
+}

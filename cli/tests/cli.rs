@@ -1,0 +1,637 @@
+//! Runs the `mori-tp` binary as a user would and checks what it prints and how it exits against
+//! the contract (restated here, independently of the program) and against the library itself.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use mori_tp::{Action, SliceParams, slice_config};
+use serde_json::Value;
+
+fn mori_tp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mori-tp"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn code(out: &Output) -> i32 {
+    out.status.code().expect("exited, not killed")
+}
+
+fn json_of(args: &[&str]) -> Value {
+    let out = mori_tp(args);
+    assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON value")
+}
+
+/// The built-in models, with the figures of their public config.json files (issue 6 lists all
+/// but qwen2.5-72b): (name, KV heads, head_dim, layers, attention).
+const MODELS: &[(&str, u32, u32, u32, &str)] = &[
+    ("llama-3.1-8b", 8, 128, 32, "GQA"),
+    ("llama-3.1-70b", 8, 128, 80, "GQA"),
+    ("qwen2.5-1.5b", 2, 128, 28, "GQA"),
+    ("qwen2.5-7b", 4, 128, 28, "GQA"),
+    ("qwen2.5-72b", 8, 128, 80, "GQA"),
+    ("qwen3-8b", 8, 128, 36, "GQA"),
+    ("qwen3-30b-a3b", 4, 128, 48, "GQA"),
+    ("mixtral-8x7b", 8, 128, 32, "GQA"),
+    ("glm-4-9b", 2, 128, 40, "GQA"),
+    ("gpt-oss-120b", 8, 64, 36, "GQA"),
+    ("deepseek-v3", 1, 576, 61, "MLA"),
+];
+
+fn heads_of(model: &str) -> u32 {
+    MODELS
+        .iter()
+        .find(|m| m.0 == model)
+        .expect("a known model")
+        .1
+}
+
+/// Contract section 3: a TP size works when it divides the KV heads or is a multiple of them.
+fn valid_tp(heads: u32, tp: u32) -> bool {
+    heads % tp == 0 || tp % heads == 0
+}
+
+/// Contract section 3: the heads rank `r` of a side with TP size `t` owns.
+fn owned(heads: u32, t: u32, r: u32) -> std::ops::Range<u32> {
+    if t <= heads {
+        r * heads / t..(r + 1) * heads / t
+    } else {
+        let h = r / (t / heads);
+        h..h + 1
+    }
+}
+
+/// Contract section 3: the one prefill rank that sends head `h` to decode rank `d`.
+fn sender(heads: u32, p_size: u32, d_size: u32, d: u32, h: u32) -> u32 {
+    let first = |t: u32| (0..t).find(|&r| owned(heads, t, r).contains(&h)).unwrap();
+    let (rs, rd) = ((p_size / heads).max(1), (d_size / heads).max(1));
+    first(p_size) + (d - first(d_size)) * rs / rd
+}
+
+/// The distinct (prefill rank, decode rank) pairs that send under the contract.
+fn sending_pairs(heads: u32, p_size: u32, d_size: u32) -> Vec<(u32, u32)> {
+    let mut pairs: Vec<(u32, u32)> = (0..d_size)
+        .flat_map(|d| {
+            owned(heads, d_size, d).map(move |h| (sender(heads, p_size, d_size, d, h), d))
+        })
+        .collect();
+    pairs.sort_unstable();
+    pairs.dedup();
+    pairs
+}
+
+fn dtype_bytes(dtype: &str) -> u64 {
+    match dtype {
+        "fp8" => 1,
+        "bf16" | "fp16" => 2,
+        "fp32" => 4,
+        other => panic!("unknown dtype {other}"),
+    }
+}
+
+/// A file under this test binary's scratch directory.
+fn scratch_file(name: &str, contents: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mori-tp-cli-tests");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn presets_list_every_model_with_its_kv_figures() {
+    let list = json_of(&["presets", "--json"]);
+    let list = list.as_array().expect("an array");
+    for &(name, heads, head_dim, layers, attention) in MODELS {
+        let entry = list
+            .iter()
+            .find(|e| e["name"] == name)
+            .unwrap_or_else(|| panic!("{name} is not a preset"));
+        assert_eq!(entry["kv_heads"], heads, "{name}");
+        assert_eq!(entry["head_dim"], head_dim, "{name}");
+        assert_eq!(entry["layers"], layers, "{name}");
+        assert_eq!(entry["attention"], attention, "{name}");
+        let buffers = if attention == "MLA" { 1 } else { 2 };
+        assert_eq!(entry["buffers_per_layer"], buffers, "{name}");
+    }
+    // A new preset must be added above, so that the tests below cover it too.
+    assert_eq!(list.len(), MODELS.len(), "presets not listed in MODELS");
+    let text = mori_tp(&["presets"]);
+    assert_eq!(code(&text), 0);
+    for (name, ..) in MODELS {
+        assert!(
+            stdout(&text).contains(name),
+            "{name} missing from the table"
+        );
+    }
+}
+
+#[test]
+fn every_preset_plans_exactly_the_tp_sizes_the_divisibility_rule_allows() {
+    // 6 and 12 tell 2, 4 and 8 heads apart; 3 is valid for none of the presets but MLA.
+    const SIZES: [u32; 8] = [1, 2, 3, 4, 6, 8, 12, 16];
+    for &(model, heads, ..) in MODELS {
+        for p in SIZES {
+            for d in SIZES {
+                let (p_text, d_text) = (p.to_string(), d.to_string());
+                let args = [
+                    "plan",
+                    "--model",
+                    model,
+                    "--prefill-tp",
+                    &p_text,
+                    "--decode-tp",
+                    &d_text,
+                ];
+                let out = mori_tp(&args);
+                if valid_tp(heads, p) && valid_tp(heads, d) {
+                    assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+                    assert!(stdout(&out).contains("valid layout"), "{args:?}");
+                } else {
+                    assert_eq!(code(&out), 3, "{args:?} should be refused");
+                    let err = stderr(&out);
+                    for (side, t) in [("prefill side", p), ("decode side", d)] {
+                        let named =
+                            err.contains(&format!("{side}: tp_size {t} and total_kv_heads"));
+                        assert_eq!(named, !valid_tp(heads, t), "{args:?}: {err}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Checks a `plan --json` output pair by pair against the library's slice_config, and against
+/// the contract's sender rule.
+fn check_plan_json(model: &str, p_size: u32, d_size: u32, page_size: u32, dtype: &str) {
+    let (heads, head_dim, layers, attention) = MODELS
+        .iter()
+        .find(|m| m.0 == model)
+        .map(|m| (m.1, m.2, m.3, m.4))
+        .unwrap();
+    let args = [
+        "plan".to_string(),
+        "--json".into(),
+        "--model".into(),
+        model.into(),
+        "--prefill-tp".into(),
+        p_size.to_string(),
+        "--decode-tp".into(),
+        d_size.to_string(),
+        "--page-size".into(),
+        page_size.to_string(),
+        "--dtype".into(),
+        dtype.into(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let plan = json_of(&args);
+    assert_eq!(plan["prefill_tp"], p_size);
+    assert_eq!(plan["decode_tp"], d_size);
+    assert_eq!(plan["model"]["kv_heads"], heads);
+    assert_eq!(plan["model"]["head_dim"], head_dim);
+
+    let bytes_per_head = u64::from(head_dim) * dtype_bytes(dtype);
+    let item = |t: u32| u64::from(page_size) * u64::from((heads / t).max(1)) * bytes_per_head;
+    let pairs: BTreeMap<(u64, u64), &Value> = plan["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|pair| {
+            let key = (
+                pair["prefill_rank"].as_u64().unwrap(),
+                pair["decode_rank"].as_u64().unwrap(),
+            );
+            (key, pair)
+        })
+        .collect();
+    let senders = sending_pairs(heads, p_size, d_size);
+    let buffers = u64::from(layers) * if attention == "MLA" { 1 } else { 2 };
+    for d in 0..d_size {
+        let mut received = 0;
+        for p in 0..p_size {
+            let lib = slice_config(&SliceParams {
+                prefill_tp_size: p_size,
+                prefill_tp_rank: p,
+                decode_tp_size: d_size,
+                decode_tp_rank: d,
+                total_kv_heads: heads,
+                page_size,
+                src_item_len: item(p_size),
+                dst_item_len: item(d_size),
+            })
+            .unwrap();
+            let Some(pair) = pairs.get(&(u64::from(p), u64::from(d))) else {
+                assert_eq!(lib.action, Action::NotPaired, "pair ({p}, {d}) left out");
+                continue;
+            };
+            let action = match lib.action {
+                Action::Send => "send",
+                Action::SkipReplica => "skip_replica",
+                Action::NotPaired => panic!("pair ({p}, {d}) shares no head but is listed"),
+            };
+            assert_eq!(pair["action"], action, "({p}, {d})");
+            assert_eq!(pair["first_head"], lib.first_head, "({p}, {d})");
+            assert_eq!(pair["num_heads"], lib.num_heads, "({p}, {d})");
+            assert_eq!(
+                pair["src_head_slice_offset"], lib.src_head_slice_offset,
+                "({p}, {d})"
+            );
+            assert_eq!(
+                pair["dst_head_slice_offset"], lib.dst_head_slice_offset,
+                "({p}, {d})"
+            );
+            assert_eq!(
+                pair["heads_bytes_per_token_to_send"], lib.heads_bytes_per_token_to_send,
+                "({p}, {d})"
+            );
+            assert_eq!(
+                action == "send",
+                senders.contains(&(p, d)),
+                "({p}, {d}) against the contract's sender rule"
+            );
+            if action == "send" {
+                received += lib.heads_bytes_per_token_to_send;
+            }
+        }
+        // Every decode rank receives all of its token, once.
+        assert_eq!(
+            received,
+            item(d_size) / u64::from(page_size),
+            "decode rank {d}"
+        );
+        let rank = &plan["decode_ranks"][d as usize];
+        assert_eq!(
+            rank["bytes_per_token"],
+            received * buffers,
+            "decode rank {d}"
+        );
+    }
+}
+
+#[test]
+fn json_plans_of_replicated_layouts_match_the_library_pair_by_pair() {
+    // Prefill replicates heads (P > H): replicas must skip.
+    check_plan_json("llama-3.1-8b", 16, 2, 16, "fp8");
+    // Decode replicates heads (D > H) while prefill does not: the layout stacks get wrong.
+    check_plan_json("qwen2.5-7b", 2, 8, 1, "bf16");
+    // Both sides replicate, at different ratios.
+    check_plan_json("qwen2.5-1.5b", 4, 16, 4, "fp16");
+    // MLA: one latent head, replicated on every rank of both sides.
+    check_plan_json("deepseek-v3", 8, 4, 64, "bf16");
+}
+
+#[test]
+fn a_gqa_config_json_plans_like_the_preset_it_describes() {
+    // The fields of Llama-3.1-8B's config.json that matter, without head_dim.
+    let path = scratch_file(
+        "llama-config.json",
+        r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "num_hidden_layers": 32, "intermediate_size": 14336, "torch_dtype": "bfloat16"}"#,
+    );
+    let path = path.to_str().unwrap();
+    let from_config = json_of(&["plan", "--json", "--config", path, "--prefill-tp", "4"]);
+    let model = &from_config["model"];
+    assert_eq!(
+        (&model["kv_heads"], &model["head_dim"], &model["layers"]),
+        (&Value::from(8), &Value::from(128), &Value::from(32))
+    );
+    assert_eq!(model["attention"], "GQA");
+    let from_preset = json_of(&[
+        "plan",
+        "--json",
+        "--model",
+        "llama-3.1-8b",
+        "--prefill-tp",
+        "4",
+    ]);
+    assert_eq!(from_config["pairs"], from_preset["pairs"]);
+    assert_eq!(from_config["decode_ranks"], from_preset["decode_ranks"]);
+}
+
+#[test]
+fn an_mla_config_json_caches_one_latent_head_and_no_v() {
+    // DeepSeek-V3's shape: num_key_value_heads describes attention, not the cache.
+    let path = scratch_file(
+        "deepseek-config.json",
+        r#"{"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
+            "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128, "v_head_dim": 128, "num_hidden_layers": 61}"#,
+    );
+    let path = path.to_str().unwrap();
+    let plan = json_of(&[
+        "plan",
+        "--json",
+        "--config",
+        path,
+        "--prefill-tp",
+        "8",
+        "--decode-tp",
+        "4",
+    ]);
+    let model = &plan["model"];
+    assert_eq!(model["kv_heads"], 1);
+    assert_eq!(model["head_dim"], 512 + 64);
+    assert_eq!(model["buffers_per_layer"], 1);
+    assert_eq!(model["attention"], "MLA");
+    let pairs = plan["pairs"].as_array().unwrap();
+    // One head on every rank: all 32 pairs share it; one sender per decode rank.
+    assert_eq!(pairs.len(), 32);
+    let sends: Vec<&Value> = pairs.iter().filter(|p| p["action"] == "send").collect();
+    assert_eq!(sends.len(), 4);
+    for send in sends {
+        assert_eq!(send["heads_bytes_per_token_to_send"], 576 * 2);
+    }
+    for rank in plan["decode_ranks"].as_array().unwrap() {
+        assert_eq!(rank["bytes_per_token"], 576 * 2 * 61);
+    }
+    let sim = mori_tp(&[
+        "simulate",
+        "--config",
+        path,
+        "--prefill-tp",
+        "8",
+        "--decode-tp",
+        "4",
+        "--page-size",
+        "64",
+        "--tokens",
+        "500",
+        "--layers-limit",
+        "2",
+    ]);
+    assert_eq!(code(&sim), 0, "{}{}", stdout(&sim), stderr(&sim));
+}
+
+#[test]
+fn a_glm_config_json_uses_query_groups_and_kv_channels() {
+    // GLM-4-9B's shape: no num_key_value_heads, no num_hidden_layers.
+    let path = scratch_file(
+        "glm-config.json",
+        r#"{"model_type": "chatglm", "hidden_size": 4096, "num_attention_heads": 32,
+            "multi_query_attention": true, "multi_query_group_num": 2, "kv_channels": 128,
+            "num_layers": 40, "padded_vocab_size": 151552}"#,
+    );
+    let path = path.to_str().unwrap();
+    let plan = json_of(&[
+        "plan",
+        "--json",
+        "--config",
+        path,
+        "--prefill-tp",
+        "1",
+        "--decode-tp",
+        "4",
+    ]);
+    let model = &plan["model"];
+    assert_eq!(
+        (&model["kv_heads"], &model["head_dim"], &model["layers"]),
+        (&Value::from(2), &Value::from(128), &Value::from(40))
+    );
+    // Decode TP 4 over 2 heads: each decode rank gets one 256-byte head from prefill rank 0.
+    let pairs = plan["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 4);
+    for (d, pair) in pairs.iter().enumerate() {
+        assert_eq!(pair["action"], "send");
+        assert_eq!(pair["first_head"], d / 2);
+        assert_eq!(pair["src_head_slice_offset"], (d / 2) * 256);
+        assert_eq!(pair["heads_bytes_per_token_to_send"], 256);
+    }
+    let refused = mori_tp(&["plan", "--config", path, "--prefill-tp", "3"]);
+    assert_eq!(code(&refused), 3);
+    assert!(
+        stderr(&refused).contains("tp_size 3 and total_kv_heads 2"),
+        "{}",
+        stderr(&refused)
+    );
+}
+
+/// The valid TP sizes just below and above `t` for `heads` KV heads (below is at least 1).
+fn nearest_valid(t: u32, heads: u32) -> (u32, u32) {
+    let below = (1..t).rev().find(|&s| valid_tp(heads, s)).unwrap_or(1);
+    let above = (t + 1..).find(|&s| valid_tp(heads, s)).unwrap();
+    (below, above)
+}
+
+#[test]
+fn an_invalid_layout_exits_3_naming_the_values_and_the_nearest_valid_sizes() {
+    for (model, p, d, bad) in [
+        ("qwen2.5-7b", 3, 8, 3),
+        ("llama-3.1-70b", 8, 12, 12),
+        ("glm-4-9b", 2, 5, 5),
+    ] {
+        let heads = heads_of(model);
+        for command in ["plan", "simulate"] {
+            let out = mori_tp(&[
+                command,
+                "--model",
+                model,
+                "--prefill-tp",
+                &p.to_string(),
+                "--decode-tp",
+                &d.to_string(),
+            ]);
+            assert_eq!(code(&out), 3, "{command} {model} {p} {d}");
+            let err = stderr(&out);
+            assert!(err.contains(model), "{err}");
+            assert!(
+                err.contains(&format!("tp_size {bad} and total_kv_heads {heads}")),
+                "{err}"
+            );
+            let (below, above) = nearest_valid(bad, heads);
+            assert!(
+                err.contains(&format!("nearest valid tp sizes: {below} and {above}")),
+                "{err}"
+            );
+        }
+    }
+    // A model described by hand is checked the same way.
+    let out = mori_tp(&[
+        "plan",
+        "--kv-heads",
+        "6",
+        "--head-dim",
+        "64",
+        "--decode-tp",
+        "4",
+    ]);
+    assert_eq!(code(&out), 3);
+    assert!(stderr(&out).contains("tp_size 4 and total_kv_heads 6"));
+}
+
+#[test]
+fn bad_usage_exits_2_without_output() {
+    let not_json = scratch_file("not-json.json", "{\"num_hidden_layers\": ");
+    let no_heads = scratch_file("no-heads.json", r#"{"num_hidden_layers": 4}"#);
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["frobnicate"],
+        vec!["--tokens", "5"],
+        vec!["plan", "--model", "no-such-model"],
+        vec!["plan", "--prefill-tp", "0"],
+        vec!["plan", "--decode-tp", "two"],
+        vec!["plan", "--kv-heads", "8"],
+        vec![
+            "plan",
+            "--model",
+            "qwen2.5-7b",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "64",
+        ],
+        vec!["plan", "--model", "qwen2.5-7b", "--config", "config.json"],
+        vec!["plan", "--dtype", "int3"],
+        vec!["simulate", "--fragmentation", "1.5"],
+        vec!["plan", "--config", "/no/such/dir/config.json"],
+        vec!["plan", "--config", not_json.to_str().unwrap()],
+        vec!["plan", "--config", no_heads.to_str().unwrap()],
+    ];
+    for args in cases {
+        let out = mori_tp(&args);
+        assert_eq!(code(&out), 2, "{args:?}: {}", stderr(&out));
+        assert!(stdout(&out).is_empty(), "{args:?}");
+        assert!(!stderr(&out).trim().is_empty(), "{args:?}");
+    }
+}
+
+/// Runs `simulate`, expects success, and returns its output.
+fn simulate(args: &[&str]) -> String {
+    let mut all = vec!["simulate"];
+    all.extend_from_slice(args);
+    let out = mori_tp(&all);
+    assert_eq!(code(&out), 0, "{all:?}: {}{}", stdout(&out), stderr(&out));
+    stdout(&out)
+}
+
+/// The number just before `word` on the line starting with `label`.
+fn number_before(output: &str, label: &str, word: &str) -> u64 {
+    let line = output
+        .lines()
+        .find(|l| l.starts_with(label))
+        .unwrap_or_else(|| panic!("no `{label}` line in:\n{output}"));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let at = words
+        .iter()
+        .position(|w| w.starts_with(word))
+        .unwrap_or_else(|| panic!("no `{word}` in `{line}`"));
+    words[at - 1].replace(',', "").parse().unwrap()
+}
+
+#[test]
+fn simulate_verifies_small_layouts_and_counts_what_the_contract_predicts() {
+    // (model arguments, KV heads, P, D); every model here keeps K and V and has 2 layers or more.
+    let cases: [(&[&str], u32, u32, u32); 3] = [
+        (&["--model", "llama-3.1-8b"], 8, 16, 2),
+        (&["--model", "qwen2.5-7b"], 4, 2, 8),
+        // A non-integer ratio between the sides (P/D = 3/2).
+        (
+            &["--kv-heads", "12", "--head-dim", "40", "--layers", "3"],
+            12,
+            6,
+            4,
+        ),
+    ];
+    let (tokens, page_size, layers_limit) = (190u64, 4u64, 2u64);
+    for (model, heads, p, d) in cases {
+        let (p_text, d_text) = (p.to_string(), d.to_string());
+        let mut args = model.to_vec();
+        args.extend_from_slice(&[
+            "--prefill-tp",
+            &p_text,
+            "--decode-tp",
+            &d_text,
+            "--page-size",
+            "4",
+            "--tokens",
+            "190",
+            "--layers-limit",
+            "2",
+            "--fragmentation",
+            "0.3",
+            "--seed",
+            "9",
+        ]);
+        let out = simulate(&args);
+        assert!(out.trim_end().ends_with("OK"), "{out}");
+        assert!(out.contains("verified: all"), "{out}");
+        let pairs = sending_pairs(heads, p, d).len() as u64;
+        assert_eq!(number_before(&out, "sent:", "pair"), pairs, "{out}");
+        let pages = tokens.div_ceil(page_size);
+        assert_eq!(number_before(&out, "request:", "page"), pages, "{out}");
+        // Each sending pair issues one copy per run of pages per buffer (K and V of each layer);
+        // a per-token plan, one per token.
+        let buffers = layers_limit * 2;
+        let runs = number_before(&out, "request:", "run");
+        assert!(runs > 1 && runs < pages, "a fragmented request: {out}");
+        assert_eq!(
+            number_before(&out, "copies:", "strided"),
+            runs * pairs * buffers,
+            "{out}"
+        );
+        assert_eq!(
+            number_before(&out, "copies:", "("),
+            pages * page_size * pairs * buffers,
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn with_no_arguments_it_simulates_the_default_deployment() {
+    let out = mori_tp(&[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("qwen2.5-7b from prefill TP 2 to decode TP 8"),
+        "{text}"
+    );
+    assert!(text.contains("mori_send_kvcache"), "{text}");
+    assert!(text.contains("verified: all"), "{text}");
+    assert!(text.trim_end().ends_with("OK"), "{text}");
+}
+
+#[test]
+fn help_explains_the_tool_to_a_newcomer() {
+    let out = mori_tp(&["--help"]);
+    assert_eq!(code(&out), 0);
+    let text = stdout(&out);
+    for needle in [
+        "prefill",
+        "decode",
+        "tensor-parallel",
+        "plan",
+        "simulate",
+        "presets",
+        "Exit status",
+    ] {
+        assert!(text.contains(needle), "--help lacks {needle}:\n{text}");
+    }
+    let plan = stdout(&mori_tp(&["plan", "--help"]));
+    for needle in [
+        "--model",
+        "--config",
+        "--kv-heads",
+        "--prefill-tp",
+        "--json",
+    ] {
+        assert!(plan.contains(needle), "plan --help lacks {needle}:\n{plan}");
+    }
+    let sim = stdout(&mori_tp(&["simulate", "--help"]));
+    for needle in ["--tokens", "--layers-limit", "--seed", "--fragmentation"] {
+        assert!(
+            sim.contains(needle),
+            "simulate --help lacks {needle}:\n{sim}"
+        );
+    }
+}
