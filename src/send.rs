@@ -80,6 +80,10 @@ pub unsafe fn send(
     if !plan.sends() {
         return Ok(report);
     }
+    engine.prepare(
+        plan.bytes_per_buffer()
+            .saturating_mul(buffers.src.len() as u64),
+    );
     for (buffer, (&src, &dst)) in buffers.src.iter().zip(buffers.dst).enumerate() {
         for (index, rect) in plan.rects().enumerate() {
             // SAFETY: `validate` checked every page of the plan against the capacities the
@@ -117,5 +121,5 @@ pub fn send_host(plan: &Plan<'_>, src: &[&[u8]], dst: &mut [&mut [u8]]) -> Resul
     };
     // SAFETY: every pointer comes from a live slice at least as long as its side's capacity, and
     // the `&mut` slices cannot alias each other or the sources.
-    unsafe { send(plan, &buffers, &mut HostEngine) }
+    unsafe { send(plan, &buffers, &mut HostEngine::default()) }
 }

@@ -8,6 +8,9 @@ use std::ffi::c_void;
 use crate::error::{Error, Result};
 use crate::plan::CopyRect;
 
+mod host;
+pub use host::HostEngine;
+
 /// Performs the rects of a plan on one pair of base pointers at a time.
 pub trait CopyEngine {
     /// Short name for messages ("host", "hip").
@@ -26,43 +29,13 @@ pub trait CopyEngine {
         rect: &CopyRect,
     ) -> Result<()>;
 
-    /// Called once after the last rect: synchronous engines have nothing left to do, the HIP
+    /// Called once before the first rect with the bytes the whole send will write, so an engine
+    /// can pick its strategy (the host engine bypasses the caches for large sends).
+    fn prepare(&mut self, _total_bytes: u64) {}
+
+    /// Called once after the last rect: the host engine orders its streaming stores, the HIP
     /// engine waits for its stream when asked to.
     fn finish(&mut self) -> Result<()> {
-        Ok(())
-    }
-}
-
-/// CPU copies, synchronous: a contiguous rect is one `memmove`, any other rect one per row.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct HostEngine;
-
-impl CopyEngine for HostEngine {
-    fn name(&self) -> &'static str {
-        "host"
-    }
-
-    unsafe fn copy_rect(
-        &mut self,
-        dst_base: *mut u8,
-        src_base: *const u8,
-        rect: &CopyRect,
-    ) -> Result<()> {
-        // The caller validated every offset against capacities that fit in isize, so the
-        // conversions to usize are lossless.
-        let (mut src, mut dst) = (rect.src_offset as usize, rect.dst_offset as usize);
-        let (rows, len) = if rect.is_contiguous() {
-            (1, rect.bytes() as usize)
-        } else {
-            (rect.height, rect.width as usize)
-        };
-        for _ in 0..rows {
-            // SAFETY: the caller guarantees each row is in bounds; `copy` (memmove) stays
-            // defined even if a caller passes overlapping source and destination buffers.
-            unsafe { std::ptr::copy(src_base.add(src), dst_base.add(dst), len) };
-            src += rect.src_pitch as usize;
-            dst += rect.dst_pitch as usize;
-        }
         Ok(())
     }
 }
@@ -126,7 +99,7 @@ pub fn open_engine(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
             options.stream
         )));
     }
-    Ok(Box::new(HostEngine))
+    Ok(Box::new(HostEngine::default()))
 }
 
 /// Until the HIP engine lands (the `hip` feature), the HIP backend is a clear refusal, never a

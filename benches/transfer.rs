@@ -1,0 +1,456 @@
+//! mori-tp against today's per-token approach and against memcpy, measured side by side in one
+//! run. `cargo bench --bench transfer` runs everything and ends with a table of ratios;
+//! BENCHMARKS.md explains the numbers and records the latest ones.
+//!
+//! Everything goes through the C ABI a runtime would call (`mori_tp::ffi`).
+
+use std::ffi::c_void;
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::ptr::null_mut;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput};
+use mori_tp::ffi::*;
+
+// ---------------------------------------------------------------------------------------------
+// Inputs
+
+/// splitmix64, so every run plans the same fragmented request.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Page pairs for `pages` pages: one contiguous run, or runs of 1 to 16 pages scattered over a
+/// pool twice the request's size on each side (what a paged allocator hands out under load).
+fn request(pages: usize, fragmented: bool) -> (Vec<i32>, Vec<i32>) {
+    if !fragmented {
+        return ((0..pages as i32).collect(), (0..pages as i32).collect());
+    }
+    let mut rng = Rng(pages as u64);
+    let (mut src, mut dst) = (Vec::with_capacity(pages), Vec::with_capacity(pages));
+    let (mut src_next, mut dst_next) = (0i32, 0i32);
+    while src.len() < pages {
+        let run = (1 + rng.next() % 16).min((pages - src.len()) as u64) as i32;
+        // Independent gaps on each side break runs exactly where an allocator would.
+        src_next += (rng.next() % 3) as i32;
+        dst_next += (rng.next() % 3) as i32;
+        src.extend(src_next..src_next + run);
+        dst.extend(dst_next..dst_next + run);
+        src_next += run;
+        dst_next += run;
+    }
+    (src, dst)
+}
+
+fn slice_config(params: &MoriTpSliceParams) -> MoriTpSliceConfig {
+    let mut config = MoriTpSliceConfig::default();
+    // SAFETY: valid pointers.
+    let status = unsafe { mori_tp_slice_config(params, &mut config) };
+    assert_eq!(status, MORI_OK, "{params:?}");
+    config
+}
+
+/// Llama-3.1-70B (8 KV heads, head_dim 128, bf16) from prefill TP 4 to decode TP 8: each decode
+/// token takes one 256-byte head out of a 512-byte prefill token.
+fn llama70b_config(page_size: u32) -> MoriTpSliceConfig {
+    let bytes_per_head = 128 * 2;
+    slice_config(&MoriTpSliceParams {
+        prefill_tp_size: 4,
+        prefill_tp_rank: 1,
+        decode_tp_size: 8,
+        decode_tp_rank: 3,
+        total_kv_heads: 8,
+        page_size,
+        src_item_len: u64::from(page_size) * 2 * bytes_per_head,
+        dst_item_len: u64::from(page_size) * bytes_per_head,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Today's approach, written the way serving stacks build their transfer lists
+
+/// One (src, dst, len) entry per page per token slot.
+fn per_token_plan(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32]) -> Vec<(u64, u64, u64)> {
+    let tokens = config.page_size as usize;
+    let mut out = Vec::with_capacity(src.len() * tokens);
+    for (&s, &d) in src.iter().zip(dst) {
+        let (s_page, d_page) = (
+            s as u64 * config.src_item_len,
+            d as u64 * config.dst_item_len,
+        );
+        for slot in 0..tokens as u64 {
+            out.push((
+                s_page + slot * config.bytes_per_token_src + config.src_head_slice_offset,
+                d_page + slot * config.bytes_per_token_dst + config.dst_head_slice_offset,
+                config.heads_bytes_per_token_to_send,
+            ));
+        }
+    }
+    out
+}
+
+fn plan_rects(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32], out: &mut Vec<MoriCopyRect>) {
+    let mut len = 0;
+    // SAFETY: arrays valid for their lengths; out has capacity for the whole plan.
+    let status = unsafe {
+        mori_tp_plan(
+            config,
+            src.as_ptr(),
+            dst.as_ptr(),
+            src.len(),
+            out.as_mut_ptr(),
+            out.capacity(),
+            &mut len,
+        )
+    };
+    assert_eq!(status, MORI_OK);
+    // SAFETY: the library initialised `len` entries.
+    unsafe { out.set_len(len) };
+}
+
+fn plan_segments(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32], out: &mut Vec<MoriSegment>) {
+    let mut len = 0;
+    // SAFETY: as above.
+    let status = unsafe {
+        mori_tp_plan_segments(
+            config,
+            src.as_ptr(),
+            dst.as_ptr(),
+            src.len(),
+            out.as_mut_ptr(),
+            out.capacity(),
+            &mut len,
+        )
+    };
+    assert_eq!(status, MORI_OK);
+    // SAFETY: the library initialised `len` entries.
+    unsafe { out.set_len(len) };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Benchmarks
+
+fn bench_slice_config(c: &mut Criterion) {
+    // Every rank pair of a mix of layouts: GQA, MLA, both sides replicated, non-integer ratio.
+    let mut all = Vec::new();
+    for (heads, p_tp, d_tp) in [
+        (8, 2, 8),
+        (8, 16, 4),
+        (4, 2, 8),
+        (1, 8, 16),
+        (2, 6, 4),
+        (12, 6, 4),
+    ] {
+        let per = |tp: u32| u64::from((heads / tp).max(1)) * 256 * 16;
+        for p in 0..p_tp {
+            for d in 0..d_tp {
+                all.push(MoriTpSliceParams {
+                    prefill_tp_size: p_tp,
+                    prefill_tp_rank: p,
+                    decode_tp_size: d_tp,
+                    decode_tp_rank: d,
+                    total_kv_heads: heads,
+                    page_size: 16,
+                    src_item_len: per(p_tp),
+                    dst_item_len: per(d_tp),
+                });
+            }
+        }
+    }
+    let mut group = c.benchmark_group("slice_config");
+    group.throughput(Throughput::Elements(all.len() as u64));
+    group.bench_function("mix_of_layouts", |b| {
+        let mut out = MoriTpSliceConfig::default();
+        b.iter(|| {
+            for params in &all {
+                // SAFETY: valid pointers.
+                let status = unsafe { mori_tp_slice_config(params, &mut out) };
+                black_box((status, &out));
+            }
+        })
+    });
+    group.finish();
+}
+
+/// (tokens, page size, fragmented)
+const PLAN_CASES: [(usize, u32, bool); 8] = [
+    (32 * 1024, 1, false),
+    (32 * 1024, 1, true),
+    (32 * 1024, 16, false),
+    (32 * 1024, 16, true),
+    (128 * 1024, 1, false),
+    (128 * 1024, 1, true),
+    (128 * 1024, 16, false),
+    (128 * 1024, 16, true),
+];
+
+fn plan_case_name(tokens: usize, page_size: u32, fragmented: bool) -> String {
+    let layout = if fragmented {
+        "fragmented"
+    } else {
+        "contiguous"
+    };
+    format!("{}k_tokens/page{page_size}/{layout}", tokens / 1024)
+}
+
+fn bench_plans(c: &mut Criterion) {
+    for (tokens, page_size, fragmented) in PLAN_CASES {
+        let config = llama70b_config(page_size);
+        let (src, dst) = request(tokens / page_size as usize, fragmented);
+        let mut rects = Vec::with_capacity(src.len());
+        let mut segments = Vec::with_capacity(tokens);
+        let name = plan_case_name(tokens, page_size, fragmented);
+        let mut group = c.benchmark_group(format!("plan/{name}"));
+        group.throughput(Throughput::Elements(tokens as u64));
+        group.bench_function("mori_tp_plan", |b| {
+            b.iter(|| plan_rects(&config, black_box(&src), &dst, &mut rects))
+        });
+        group.bench_function("mori_tp_plan_segments", |b| {
+            b.iter(|| plan_segments(&config, black_box(&src), &dst, &mut segments))
+        });
+        group.bench_function("per_token", |b| {
+            b.iter(|| black_box(per_token_plan(&config, black_box(&src), &dst)))
+        });
+        group.finish();
+    }
+}
+
+/// Row widths of the host-copy benchmark, in bytes.
+const WIDTHS: [u64; 5] = [128, 256, 512, 1024, 4096];
+/// 32 layers, K and V.
+const COPY_BUFFERS: usize = 64;
+/// Bytes moved per iteration over all buffers: far beyond the caches of the machine.
+const COPY_BYTES: u64 = 64 << 20;
+
+/// The three shapes a head slice takes, as (name, prefill TP, decode TP) over 8 KV heads:
+/// decode tokens hold one of two prefill heads (rows strided on the source), prefill tokens one of
+/// two decode heads (strided on the destination), or equal TP (whole tokens, contiguous runs).
+const SHAPES: [(&str, u32, u32); 3] = [
+    ("strided_src", 4, 8),
+    ("strided_dst", 8, 4),
+    ("whole_token", 8, 8),
+];
+
+/// The pair (rank 1, its first decode partner) of a shape, with one head of `width` bytes, for as
+/// many tokens as make COPY_BYTES over all buffers, in pages of 16 tokens.
+fn copy_config(prefill_tp: u32, decode_tp: u32, width: u64) -> (MoriTpSliceConfig, usize) {
+    let page_size = 16u32;
+    let tokens = (COPY_BYTES / COPY_BUFFERS as u64 / width) as usize;
+    let heads_per = |tp: u32| u64::from(8 / tp);
+    let config = slice_config(&MoriTpSliceParams {
+        prefill_tp_size: prefill_tp,
+        prefill_tp_rank: 1,
+        decode_tp_size: decode_tp,
+        // The decode rank that owns prefill rank 1's first head.
+        decode_tp_rank: (heads_per(prefill_tp) / heads_per(decode_tp)) as u32,
+        total_kv_heads: 8,
+        page_size,
+        src_item_len: u64::from(page_size) * heads_per(prefill_tp) * width,
+        dst_item_len: u64::from(page_size) * heads_per(decode_tp) * width,
+    });
+    assert_eq!(config.action, MORI_TP_ACTION_SEND);
+    assert_eq!(config.heads_bytes_per_token_to_send, width);
+    (config, tokens / page_size as usize)
+}
+
+/// Bytes that are not all alike, so no page is shared or zero-filled behind the benchmark's back.
+fn noise(len: u64, seed: u64) -> Vec<u8> {
+    let mut rng = Rng(seed);
+    let mut out = Vec::with_capacity(len as usize + 8);
+    while (out.len() as u64) < len {
+        out.extend_from_slice(&rng.next().to_le_bytes());
+    }
+    out.truncate(len as usize);
+    out
+}
+
+fn bench_host_copies(c: &mut Criterion) {
+    let flat_src = noise(COPY_BYTES, 1);
+    let mut flat_dst = noise(COPY_BYTES, 2);
+    for (shape, prefill_tp, decode_tp) in SHAPES {
+        for width in WIDTHS {
+            let (config, pages) = copy_config(prefill_tp, decode_tp, width);
+            let (src_pages, dst_pages) = request(pages, true);
+            let src_capacity = (pages as u64 * 2 + 64) * config.src_item_len;
+            let dst_capacity = (pages as u64 * 2 + 64) * config.dst_item_len;
+            let src: Vec<Vec<u8>> = (0..COPY_BUFFERS)
+                .map(|b| noise(src_capacity, b as u64))
+                .collect();
+            let mut dst: Vec<Vec<u8>> = (0..COPY_BUFFERS)
+                .map(|b| noise(dst_capacity, 1000 + b as u64))
+                .collect();
+            let src_ptrs: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
+            let dst_ptrs: Vec<*mut c_void> =
+                dst.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+            let buffers = MoriKvBuffers {
+                src: src_ptrs.as_ptr(),
+                dst: dst_ptrs.as_ptr(),
+                num_buffers: COPY_BUFFERS,
+                src_capacity,
+                dst_capacity,
+            };
+            let options = MoriSendOptions {
+                backend: MORI_BACKEND_HOST,
+                flags: 0,
+                stream: null_mut(),
+            };
+            let mut segments = Vec::with_capacity(pages * 16);
+            plan_segments(&config, &src_pages, &dst_pages, &mut segments);
+            let per_token = per_token_plan(&config, &src_pages, &dst_pages);
+
+            let mut group = c.benchmark_group(format!("copy/{shape}/width{width}"));
+            group.throughput(Throughput::Bytes(COPY_BYTES));
+            group
+                .sample_size(10)
+                .measurement_time(Duration::from_secs(3));
+            group.bench_function("send_kvcache_host", |b| {
+                b.iter(|| {
+                    // SAFETY: every buffer holds every page of the request.
+                    let status = unsafe {
+                        mori_send_kvcache(
+                            &config,
+                            &buffers,
+                            src_pages.as_ptr(),
+                            dst_pages.as_ptr(),
+                            pages,
+                            &options,
+                        )
+                    };
+                    assert_eq!(status, MORI_OK);
+                })
+            });
+            group.bench_function("memcpy_same_bytes", |b| {
+                b.iter(|| flat_dst.copy_from_slice(black_box(&flat_src)))
+            });
+            group.bench_function("per_token_segments", |b| {
+                b.iter(|| {
+                    for (&s, &d) in src_ptrs.iter().zip(&dst_ptrs) {
+                        for &(src_offset, dst_offset, len) in &per_token {
+                            // SAFETY: the per-token entries lie inside the buffers.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    s.cast::<u8>().add(src_offset as usize),
+                                    d.cast::<u8>().add(dst_offset as usize),
+                                    len as usize,
+                                )
+                            }
+                        }
+                    }
+                })
+            });
+            group.finish();
+            black_box(&segments);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ratios, from the estimates criterion just wrote
+
+/// When this run started: estimates older than this come from an earlier run and are ignored.
+static START: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
+
+/// Mean time in nanoseconds of one benchmark of this run, from criterion's estimates file.
+fn mean_ns(group: &str, function: &str) -> Option<f64> {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+    // criterion stores group "a/b" in the directory "a_b".
+    let path = target
+        .join("criterion")
+        .join(group.replace('/', "_"))
+        .join(function)
+        .join("new/estimates.json");
+    let written = std::fs::metadata(&path).and_then(|m| m.modified()).ok()?;
+    if written < *START.get()? {
+        return None;
+    }
+    let text = std::fs::read_to_string(path).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    json["mean"]["point_estimate"].as_f64()
+}
+
+fn print_ratios() {
+    println!("\n== ratios measured in this run (benchmarks not run now are left out) ==");
+    if let Some(t) = mean_ns("slice_config", "mix_of_layouts") {
+        let calls = 8 * 2 + 16 * 4 + 2 * 8 + 8 * 16 + 6 * 4 + 6 * 4;
+        println!(
+            "slice_config: {:.1} ns per call ({:.1} M calls/s)",
+            t / calls as f64,
+            calls as f64 / t * 1e3
+        );
+    }
+    println!(
+        "\n{:<32} {:>10} {:>10} {:>10} {:>12} {:>12}",
+        "plan", "rects", "per-token", "fewer x", "per-token/", "per-token/"
+    );
+    println!(
+        "{:<32} {:>10} {:>10} {:>10} {:>12} {:>12}",
+        "", "", "entries", "", "plan time", "segs time"
+    );
+    for (tokens, page_size, fragmented) in PLAN_CASES {
+        let name = plan_case_name(tokens, page_size, fragmented);
+        let config = llama70b_config(page_size);
+        let (src, dst) = request(tokens / page_size as usize, fragmented);
+        let mut rects = Vec::with_capacity(src.len());
+        plan_rects(&config, &src, &dst, &mut rects);
+        let per_token = per_token_plan(&config, &src, &dst).len();
+        let group = format!("plan/{name}");
+        let (Some(rect), Some(segs), Some(tok)) = (
+            mean_ns(&group, "mori_tp_plan"),
+            mean_ns(&group, "mori_tp_plan_segments"),
+            mean_ns(&group, "per_token"),
+        ) else {
+            continue;
+        };
+        println!(
+            "{name:<32} {:>10} {per_token:>10} {:>10.1} {:>12.1} {:>12.2}",
+            rects.len(),
+            per_token as f64 / rects.len() as f64,
+            tok / rect,
+            tok / segs
+        );
+    }
+    println!(
+        "\n{:<28} {:>10} {:>14} {:>22}",
+        "host copy", "send GB/s", "send / memcpy", "per-token time / send"
+    );
+    for (shape, _, _) in SHAPES {
+        for width in WIDTHS {
+            let group = format!("copy/{shape}/width{width}");
+            let (Some(send), Some(memcpy), Some(per_token)) = (
+                mean_ns(&group, "send_kvcache_host"),
+                mean_ns(&group, "memcpy_same_bytes"),
+                mean_ns(&group, "per_token_segments"),
+            ) else {
+                continue;
+            };
+            println!(
+                "{:<28} {:>10.2} {:>14.2} {:>22.2}",
+                format!("{shape}, {width} B rows"),
+                COPY_BYTES as f64 / send,
+                memcpy / send,
+                per_token / send
+            );
+        }
+    }
+}
+
+fn main() {
+    START.get_or_init(std::time::SystemTime::now);
+    let mut c = Criterion::default().configure_from_args();
+    bench_slice_config(&mut c);
+    bench_plans(&mut c);
+    bench_host_copies(&mut c);
+    c.final_summary();
+    print_ratios();
+}
