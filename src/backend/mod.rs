@@ -1,12 +1,17 @@
 //! Copy backends: engines that perform one strided 2D copy at a time.
 //!
 //! An engine knows rects and pointers, nothing of heads or TP: the plan decides what to copy, the
-//! engine only how. The host engine is always built; the HIP engine needs the `hip` feature.
+//! engine only how. The host engine is always built; the HIP engine's marshalling is always built
+//! too (see [`hip`]), but only the `hip` feature links it to the real HIP runtime.
 
 use std::ffi::c_void;
 
 use crate::error::{Error, Result};
 use crate::plan::CopyRect;
+
+// Rust-side engine internals, not C API: cbindgen must not copy them into the header.
+/// cbindgen:ignore
+pub mod hip;
 
 /// Performs the rects of a plan on one pair of base pointers at a time.
 pub trait CopyEngine {
@@ -26,8 +31,8 @@ pub trait CopyEngine {
         rect: &CopyRect,
     ) -> Result<()>;
 
-    /// Called once after the last rect: synchronous engines have nothing left to do, the HIP
-    /// engine waits for its stream when asked to.
+    /// Called once after the last rect, or after the rect that failed: synchronous engines have
+    /// nothing left to do, the HIP engine waits for its stream when asked to.
     fn finish(&mut self) -> Result<()> {
         Ok(())
     }
@@ -127,27 +132,4 @@ pub fn open_engine(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
         )));
     }
     Ok(Box::new(HostEngine))
-}
-
-/// Until the HIP engine lands (the `hip` feature), the HIP backend is a clear refusal, never a
-/// silent host fallback.
-mod hip {
-    use super::{CopyEngine, SendOptions};
-    use crate::error::{Error, Result};
-
-    fn not_built() -> Error {
-        Error::BackendUnavailable(
-            "the HIP backend is not built in: this libmori_tp was compiled without the `hip` \
-             cargo feature (rebuild with `cargo build --release --features hip`)"
-                .into(),
-        )
-    }
-
-    pub(super) fn device_present() -> Result<()> {
-        Err(not_built())
-    }
-
-    pub(super) fn open(_options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
-        Err(not_built())
-    }
 }
