@@ -1,0 +1,212 @@
+//! The HIP backend through the C ABI, on whatever runtime this build links: none (built without
+//! the `hip` feature), libamdhip64 with no device (it answers hipErrorNoDevice), or a real GPU.
+//! Requesting HIP never crashes: it either refuses with MORI_ERR_BACKEND_UNAVAILABLE and a
+//! message that says why, or moves the bytes exactly; AUTO always moves them.
+//!
+//! MORI_TP_REQUIRE_HIP=1 (CI's `--features hip` run) makes a build without the feature a
+//! failure; MORI_TP_REQUIRE_HIP_DEVICE=1 (a GPU runner) makes a missing device a failure.
+
+mod common;
+
+use std::ffi::CStr;
+use std::ptr::null_mut;
+
+use common::{Sender, fragmented_request, odd_deployments, transfer};
+use mori_tp::backend::hip_device_present;
+use mori_tp::ffi::*;
+
+fn required(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "1")
+}
+
+fn last_error() -> String {
+    // SAFETY: the library returns a valid NUL-terminated string, never NULL.
+    unsafe { CStr::from_ptr(mori_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// A sender that goes through mori_send_kvcache with `options` and must return MORI_OK.
+fn ffi_sender(options: Option<MoriSendOptions>) -> Box<Sender<'static>> {
+    Box::new(move |plan, request, src, dst| {
+        let config = MoriTpSliceConfig::from(plan.config());
+        let src_ptrs: Vec<*const std::ffi::c_void> =
+            src.iter().map(|b| b.as_ptr().cast()).collect();
+        let dst_ptrs: Vec<*mut std::ffi::c_void> =
+            dst.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+        let buffers = MoriKvBuffers {
+            src: src_ptrs.as_ptr(),
+            dst: dst_ptrs.as_ptr(),
+            num_buffers: src_ptrs.len(),
+            src_capacity: src.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
+            dst_capacity: dst.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
+        };
+        let options_ptr = options.as_ref().map_or(std::ptr::null(), |o| o as *const _);
+        // SAFETY: every pointer comes from a live slice or vector that outlives the call, and
+        // the copies are complete on return (host backend, or HIP with MORI_SEND_SYNCHRONIZE).
+        let status = unsafe {
+            mori_send_kvcache(
+                &config,
+                &buffers,
+                request.src_pages.as_ptr(),
+                request.dst_pages.as_ptr(),
+                request.src_pages.len(),
+                options_ptr,
+            )
+        };
+        assert_eq!(status, MORI_OK, "{}", last_error());
+        None
+    })
+}
+
+/// Prints why a test that needs a HIP device does nothing here, or fails when one is required.
+fn skip_without_device(test: &str) -> bool {
+    if hip_device_present() {
+        return false;
+    }
+    assert!(
+        !required("MORI_TP_REQUIRE_HIP_DEVICE"),
+        "{test}: MORI_TP_REQUIRE_HIP_DEVICE=1 but no HIP device is usable"
+    );
+    eprintln!("skipped {test}: no HIP device (or built without the `hip` feature)");
+    true
+}
+
+#[test]
+fn ci_that_requires_hip_gets_a_build_with_the_hip_backend() {
+    let built_with_hip = cfg!(feature = "hip");
+    if built_with_hip {
+        return;
+    }
+    if required("MORI_TP_REQUIRE_HIP") {
+        panic!("MORI_TP_REQUIRE_HIP=1 but this test was built without `--features hip`");
+    }
+    eprintln!("note: built without the `hip` feature; the HIP runtime is not linked");
+}
+
+#[test]
+fn requesting_hip_without_a_device_is_backend_unavailable_and_writes_nothing() {
+    if hip_device_present() {
+        eprintln!("skipped: a HIP device is present, so MORI_BACKEND_HIP is available");
+        return;
+    }
+    let src = vec![7u8; 4 * 64];
+    let mut dst = vec![9u8; 4 * 32];
+    // 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), page size 1.
+    let params = MoriTpSliceParams {
+        prefill_tp_size: 2,
+        prefill_tp_rank: 1,
+        decode_tp_size: 4,
+        decode_tp_rank: 3,
+        total_kv_heads: 8,
+        page_size: 1,
+        src_item_len: 64,
+        dst_item_len: 32,
+    };
+    let mut config = MoriTpSliceConfig::default();
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { mori_tp_slice_config(&params, &mut config) },
+        MORI_OK
+    );
+    let (srcs, dsts) = ([src.as_ptr().cast()], [dst.as_mut_ptr().cast()]);
+    let buffers = MoriKvBuffers {
+        src: srcs.as_ptr(),
+        dst: dsts.as_ptr(),
+        num_buffers: 1,
+        src_capacity: src.len() as u64,
+        dst_capacity: dst.len() as u64,
+    };
+    let pages = [0, 1, 3];
+    for flags in [0, MORI_SEND_SYNCHRONIZE] {
+        let options = MoriSendOptions {
+            backend: MORI_BACKEND_HIP,
+            flags,
+            stream: null_mut(),
+        };
+        // SAFETY: valid pointers and lengths.
+        let status = unsafe {
+            mori_send_kvcache(
+                &config,
+                &buffers,
+                pages.as_ptr(),
+                pages.as_ptr(),
+                3,
+                &options,
+            )
+        };
+        let message = last_error();
+        assert_eq!(status, MORI_ERR_BACKEND_UNAVAILABLE, "{message}");
+        assert!(
+            message.starts_with("mori_send_kvcache: backend unavailable: "),
+            "{message}"
+        );
+        if cfg!(feature = "hip") {
+            // "... hipGetDeviceCount returned hipErrorNoDevice (100) ..." or "... reports 0".
+            assert!(
+                message.contains("needs a HIP device, but hipGetDeviceCount"),
+                "{message}"
+            );
+            let named = message.contains("reports 0")
+                || message
+                    .split("returned hip")
+                    .nth(1)
+                    .and_then(|rest| rest.split_once(" (")?.1.split_once(')'))
+                    .is_some_and(|(code, _)| code.parse::<i32>().is_ok());
+            assert!(
+                named,
+                "the message names the HIP error and its number: {message}"
+            );
+        } else {
+            assert!(
+                message.contains("without the `hip` cargo feature"),
+                "{message}"
+            );
+        }
+        assert!(dst.iter().all(|&b| b == 9), "a refused call writes nothing");
+    }
+}
+
+#[test]
+fn auto_moves_every_byte_with_or_without_a_device() {
+    // Without a device AUTO is the host backend; with one it is HIP on pageable host memory
+    // (legal with hipMemcpyDefault, and synchronous). Either way the bytes must land.
+    for options in [
+        None,
+        Some(MoriSendOptions {
+            backend: MORI_BACKEND_AUTO,
+            flags: MORI_SEND_SYNCHRONIZE,
+            stream: null_mut(),
+        }),
+    ] {
+        odd_deployments(&mut *ffi_sender(options));
+        let request = fragmented_request(42, 4);
+        transfer(8, 256, 4, 2, 8, 16, &request, &mut *ffi_sender(options));
+    }
+}
+
+#[test]
+fn the_real_runtime_moves_host_memory_byte_exact_when_a_device_is_present() {
+    if skip_without_device("the_real_runtime_moves_host_memory_byte_exact") {
+        return;
+    }
+    let options = Some(MoriSendOptions {
+        backend: MORI_BACKEND_HIP,
+        flags: MORI_SEND_SYNCHRONIZE,
+        stream: null_mut(),
+    });
+    odd_deployments(&mut *ffi_sender(options));
+    for (heads, bph, p_tp, d_tp) in [(4, 256, 2, 8), (8, 128, 8, 2), (1, 1152, 4, 2)] {
+        let request = fragmented_request(u64::from(heads * 100 + p_tp * 10 + d_tp), 6);
+        transfer(
+            heads,
+            bph,
+            4,
+            p_tp,
+            d_tp,
+            16,
+            &request,
+            &mut *ffi_sender(options),
+        );
+    }
+}
