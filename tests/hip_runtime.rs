@@ -9,6 +9,7 @@
 mod common;
 
 use std::ffi::CStr;
+use std::process::Command;
 use std::ptr::null_mut;
 
 use common::{Sender, fragmented_request, odd_deployments, transfer};
@@ -84,15 +85,12 @@ fn ci_that_requires_hip_gets_a_build_with_the_hip_backend() {
     eprintln!("note: built without the `hip` feature; the HIP runtime is not linked");
 }
 
-#[test]
-fn requesting_hip_without_a_device_is_backend_unavailable_and_writes_nothing() {
-    if hip_device_present() {
-        eprintln!("skipped: a HIP device is present, so MORI_BACKEND_HIP is available");
-        return;
-    }
-    let src = vec![7u8; 4 * 64];
-    let mut dst = vec![9u8; 4 * 32];
-    // 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), page size 1.
+/// One small send over host memory: 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair
+/// (1, 3), one-token pages 0, 1, 3 (two rects), two buffers. Returns the status, the message
+/// (if it failed) and whether every destination byte is still what it was.
+fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
+    let src = [vec![7u8; 4 * 64], vec![8u8; 4 * 64]];
+    let mut dst = [vec![9u8; 4 * 32], vec![9u8; 4 * 32]];
     let params = MoriTpSliceParams {
         prefill_tp_size: 2,
         prefill_tp_rank: 1,
@@ -109,33 +107,49 @@ fn requesting_hip_without_a_device_is_backend_unavailable_and_writes_nothing() {
         unsafe { mori_tp_slice_config(&params, &mut config) },
         MORI_OK
     );
-    let (srcs, dsts) = ([src.as_ptr().cast()], [dst.as_mut_ptr().cast()]);
+    let srcs = [src[0].as_ptr().cast(), src[1].as_ptr().cast()];
+    let [d0, d1] = &mut dst;
+    let dsts = [d0.as_mut_ptr().cast(), d1.as_mut_ptr().cast()];
     let buffers = MoriKvBuffers {
         src: srcs.as_ptr(),
         dst: dsts.as_ptr(),
-        num_buffers: 1,
-        src_capacity: src.len() as u64,
-        dst_capacity: dst.len() as u64,
+        num_buffers: 2,
+        src_capacity: 4 * 64,
+        dst_capacity: 4 * 32,
     };
     let pages = [0, 1, 3];
+    // SAFETY: valid pointers and lengths; the copies are complete on return or refused.
+    let status = unsafe {
+        mori_send_kvcache(
+            &config,
+            &buffers,
+            pages.as_ptr(),
+            pages.as_ptr(),
+            3,
+            options,
+        )
+    };
+    let message = if status == MORI_OK {
+        String::new()
+    } else {
+        last_error()
+    };
+    (status, message, dst.iter().flatten().all(|&b| b == 9))
+}
+
+#[test]
+fn requesting_hip_without_a_device_is_backend_unavailable_and_writes_nothing() {
+    if hip_device_present() {
+        eprintln!("skipped: a HIP device is present, so MORI_BACKEND_HIP is available");
+        return;
+    }
     for flags in [0, MORI_SEND_SYNCHRONIZE] {
         let options = MoriSendOptions {
             backend: MORI_BACKEND_HIP,
             flags,
             stream: null_mut(),
         };
-        // SAFETY: valid pointers and lengths.
-        let status = unsafe {
-            mori_send_kvcache(
-                &config,
-                &buffers,
-                pages.as_ptr(),
-                pages.as_ptr(),
-                3,
-                &options,
-            )
-        };
-        let message = last_error();
+        let (status, message, unchanged) = small_send(&options);
         assert_eq!(status, MORI_ERR_BACKEND_UNAVAILABLE, "{message}");
         assert!(
             message.starts_with("mori_send_kvcache: backend unavailable: "),
@@ -163,7 +177,7 @@ fn requesting_hip_without_a_device_is_backend_unavailable_and_writes_nothing() {
                 "{message}"
             );
         }
-        assert!(dst.iter().all(|&b| b == 9), "a refused call writes nothing");
+        assert!(unchanged, "a refused call writes nothing");
     }
 }
 
@@ -208,5 +222,106 @@ fn the_real_runtime_moves_host_memory_byte_exact_when_a_device_is_present() {
             &request,
             &mut *ffi_sender(options),
         );
+    }
+}
+
+/// Set in the environment of the child processes below.
+const CHILD: &str = "MORI_TP_FAKE_HIP_CHILD";
+
+/// Runs `fake_runtime_child` in a child process whose HIP runtime functions are those of
+/// tests/fake_hip (LD_PRELOAD): host memory behind hipMalloc, copies done at once, strict about
+/// bounds and pitches, defined against HIP's own prototypes. That drives the library's real
+/// extern declarations of libamdhip64 (argument order, integer statuses, hipGetErrorName) with a
+/// device present, on machines without one.
+#[test]
+fn the_real_hip_bindings_work_against_a_stand_in_runtime_with_a_device() {
+    let built_with_hip = cfg!(feature = "hip");
+    if !built_with_hip {
+        eprintln!("skipped: built without the `hip` feature");
+        return;
+    }
+    let fake = match common::build_fake_hip() {
+        Ok(path) => path,
+        Err(why) => {
+            assert!(
+                !required("MORI_TP_REQUIRE_HIP"),
+                "MORI_TP_REQUIRE_HIP=1 but {why}"
+            );
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let exe = std::env::current_exe().expect("test executable path");
+    for copy_status in [None, Some("999")] {
+        let mut child = Command::new(&exe);
+        child
+            .args(["--exact", "fake_runtime_child", "--ignored", "--nocapture"])
+            .env("LD_PRELOAD", &fake)
+            .env(CHILD, "1")
+            .env_remove("FAKE_HIP_DEVICES")
+            .env_remove("FAKE_HIP_COPY_STATUS");
+        if let Some(status) = copy_status {
+            child.env("FAKE_HIP_COPY_STATUS", status);
+        }
+        let output = child.output().expect("run the child test");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(
+            output.status.success() && text.contains("1 passed"),
+            "FAKE_HIP_COPY_STATUS={copy_status:?}:\n{text}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "run by the_real_hip_bindings_work_against_a_stand_in_runtime_with_a_device"]
+fn fake_runtime_child() {
+    if std::env::var_os(CHILD).is_none() {
+        eprintln!("skipped: runs only as a child of the stand-in runtime test");
+        return;
+    }
+    assert!(
+        hip_device_present(),
+        "the stand-in runtime reports a device"
+    );
+    let sync = MoriSendOptions {
+        backend: MORI_BACKEND_HIP,
+        flags: MORI_SEND_SYNCHRONIZE,
+        stream: null_mut(),
+    };
+    match std::env::var("FAKE_HIP_COPY_STATUS") {
+        Ok(code) => {
+            // Every hipMemcpy2DAsync fails with `code`: the first copy's failure is reported.
+            let (status, message, unchanged) = small_send(&sync);
+            assert_eq!(status, MORI_ERR_GPU, "{message}");
+            for part in [
+                "mori_send_kvcache: GPU error: hipMemcpy2DAsync(",
+                &format!("returned hipErrorUnknown ({code})"),
+                "(buffer 0 of 2, rect 0 of 2",
+            ] {
+                assert!(message.contains(part), "{message:?} lacks {part:?}");
+            }
+            assert!(unchanged, "the failing copy wrote nothing");
+        }
+        Err(_) => {
+            let (status, message, unchanged) = small_send(&sync);
+            assert_eq!((status, unchanged), (MORI_OK, false), "{message}");
+            // AUTO chose HIP: it takes a stream, which the host backend refuses.
+            let mut fake_stream = 0u8;
+            let auto = MoriSendOptions {
+                backend: MORI_BACKEND_AUTO,
+                flags: MORI_SEND_SYNCHRONIZE,
+                stream: (&raw mut fake_stream).cast(),
+            };
+            let (status, message, _) = small_send(&auto);
+            assert_eq!(status, MORI_OK, "{message}");
+            // Every byte, through libamdhip64's entry points.
+            odd_deployments(&mut *ffi_sender(Some(sync)));
+            let request = fragmented_request(7, 5);
+            transfer(8, 128, 4, 2, 8, 16, &request, &mut *ffi_sender(Some(sync)));
+        }
     }
 }

@@ -5,6 +5,8 @@
 
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use mori_tp::{Action, Plan, SendReport, SliceParams, slice_config};
 
@@ -461,4 +463,51 @@ pub fn odd_deployments(send: &mut Sender<'_>) {
         let request = fragmented_request(u64::from(h * 1000 + p_tp * 10 + d_tp), 5);
         transfer(h, 12, 2, p_tp, d_tp, 4, &request, send);
     }
+}
+
+/// Builds tests/fake_hip/fake_hip.cpp (a host-memory stand-in for libamdhip64's functions, for
+/// LD_PRELOAD) with `c++` against the installed HIP headers; Err says what is missing.
+pub fn build_fake_hip() -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake_hip");
+    std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    // The HIP install hip-sys linked against: `hipconfig -p`, else the compiler's default paths.
+    let include = Command::new("hipconfig")
+        .arg("-p")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| Path::new(String::from_utf8_lossy(&o.stdout).trim()).join("include"));
+    let library = out.join("libfake_hip.so");
+    let partial = out.join(format!("libfake_hip.so.{}", std::process::id()));
+    let mut compile = Command::new("c++");
+    compile.args([
+        "-std=c++17",
+        "-O1",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-shared",
+        "-fPIC",
+    ]);
+    compile.arg("-D__HIP_PLATFORM_AMD__");
+    if let Some(include) = include {
+        compile.arg("-I").arg(include);
+    }
+    compile
+        .arg(root.join("tests/fake_hip/fake_hip.cpp"))
+        .arg("-o")
+        .arg(&partial);
+    let output = compile
+        .output()
+        .map_err(|e| format!("cannot run c++ ({e}): a C++ compiler is needed"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "c++ could not build tests/fake_hip/fake_hip.cpp (are the HIP headers installed? \
+             Debian: libamdhip64-dev):\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    std::fs::rename(&partial, &library).map_err(|e| format!("rename: {e}"))?;
+    Ok(library)
 }
