@@ -1,9 +1,10 @@
 //! The HIP copy engine: one `hipMemcpy2DAsync` per rect, on the caller's stream.
 //!
-//! The few runtime functions the engine calls sit behind [`HipRuntime`], so that the argument
-//! marshalling is the same code whether the runtime is the real `libamdhip64` ([`LibHip`], the
-//! only implementation in the library, built with the `hip` feature) or a recording stand-in
-//! that a test supplies to run the byte-exact transfer tests on any machine.
+//! The few runtime functions the engine calls sit behind
+//! [`HipRuntime`](crate::backend::hip::HipRuntime), so that the argument marshalling is the same
+//! code whether the runtime is the real `libamdhip64` (`LibHip`, the only implementation in the
+//! library, built with the `hip` feature) or a recording stand-in that a test supplies to run the
+//! byte-exact transfer tests on any machine.
 //!
 //! The engine never calls `hipSetDevice`: a copy runs on the device of the caller's stream (for
 //! the NULL stream, the caller's current device), and `hipGetDeviceCount` does not change the
@@ -66,7 +67,7 @@ pub struct Memcpy2dAsync {
     pub stream: *mut c_void,
 }
 
-/// The HIP runtime functions the engine uses. [`LibHip`] calls `libamdhip64`; tests supply a
+/// The HIP runtime functions the engine uses. `LibHip` calls `libamdhip64`; tests supply a
 /// runtime that records the calls and performs them on host memory.
 pub trait HipRuntime {
     /// `hipGetDeviceCount`: the number of devices, or the status it failed with.
