@@ -446,9 +446,14 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  * width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, then
  * hipStreamSynchronize if MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still
  * be running on return, and the buffers must stay valid until the stream reaches them.
- * Pageable host memory passed to HIP is legal but makes each copy synchronous; pin it
- * (hipHostMalloc / hipHostRegister) for asynchronous copies. AUTO is HIP when the library is
- * built with it and a device is present, else HOST.
+ * hipMemcpyDefault lets either side be device memory, a peer device's memory (enable peer
+ * access first) or host memory. Pageable host memory is legal but makes each copy synchronous
+ * and slow; pin it (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on
+ * the stream's device (the NULL stream: the calling thread's current device); mori-tp never
+ * calls hipSetDevice, so the current device is left as it was. D2D copies are fastest when
+ * width, pitches and offsets are multiples of 16 bytes (see the README for real models).
+ * AUTO is HIP when the library is built with it and a device is present (the device count is
+ * read once per process), else HOST.
  *
  * @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
  * @param[in] buffers    Source and destination buffers and their capacities. Must not be NULL.
@@ -467,8 +472,9 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  *   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
  *   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past its capacity;
  *   MORI_ERR_BACKEND_UNAVAILABLE if HIP is requested but not built in or no device is present;
- *   MORI_ERR_GPU if the HIP runtime fails (the message names the error, buffer and rect; copies
- *   issued before the failure may have landed);
+ *   MORI_ERR_GPU if the HIP runtime fails (the message names the HIP error with its number, and
+ *   the buffer and rect; copies issued before the failure may have landed, and with
+ *   MORI_SEND_SYNCHRONIZE they have completed before the call returns);
  *   MORI_ERR_PANIC on an internal error.
  *
  * # Safety

@@ -88,14 +88,24 @@ pub unsafe fn send(
         for (index, rect) in plan.rects().enumerate() {
             // SAFETY: `validate` checked every page of the plan against the capacities the
             // caller vouches for, and every rect lies inside its pages.
-            unsafe { engine.copy_rect(dst, src, &rect) }.map_err(|e| match e {
-                Error::Gpu(msg) => Error::Gpu(format!(
-                    "{msg} (buffer {buffer} of {}, rect {index} of {}: {rect:?})",
-                    buffers.src.len(),
-                    plan.num_rects()
-                )),
-                other => other,
-            })?;
+            if let Err(error) = unsafe { engine.copy_rect(dst, src, &rect) } {
+                let error = match error {
+                    Error::Gpu(msg) => Error::Gpu(format!(
+                        "{msg} (buffer {buffer} of {}, rect {index} of {}: {rect:?})",
+                        buffers.src.len(),
+                        plan.num_rects()
+                    )),
+                    other => other,
+                };
+                // A caller who asked to synchronize may free the buffers as soon as we return,
+                // so the copies already issued are waited for even though a later one failed.
+                return Err(match (error, engine.finish()) {
+                    (Error::Gpu(msg), Err(Error::Gpu(also))) => {
+                        Error::Gpu(format!("{msg}; then {also}"))
+                    }
+                    (error, _) => error,
+                });
+            }
             report.copies += 1;
             report.bytes += rect.bytes();
         }

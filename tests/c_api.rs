@@ -85,19 +85,39 @@ fn compile(compiler: &str, std: &str, source: &str, exe: &Path, extra: &[String]
     run(&mut command);
 }
 
+/// With the HIP backend built in (`--features hip`) a program also links libamdhip64, from the
+/// HIP install `hipconfig -p` names (what hip-sys linked against), else the default paths.
+fn hip_link() -> Vec<String> {
+    if !cfg!(feature = "hip") {
+        return Vec::new();
+    }
+    let mut args = Vec::new();
+    let root = Command::new("hipconfig").arg("-p").output().ok();
+    if let Some(output) = root.filter(|o| o.status.success()) {
+        let lib = Path::new(String::from_utf8_lossy(&output.stdout).trim()).join("lib");
+        args.push(format!("-L{}", lib.display()));
+        args.push(format!("-Wl,-rpath,{}", lib.display()));
+    }
+    args.push("-lamdhip64".into());
+    args
+}
+
 fn static_link() -> Vec<String> {
     let mut args = vec![lib_dir().join("libmori_tp.a").display().to_string()];
     args.extend(STATIC_LIBS.split(' ').map(String::from));
+    args.extend(hip_link());
     args
 }
 
 fn shared_link() -> Vec<String> {
     let dir = lib_dir().display().to_string();
-    vec![
+    let mut args = vec![
         format!("-L{dir}"),
         "-lmori_tp".into(),
         format!("-Wl,-rpath,{dir}"),
-    ]
+    ];
+    args.extend(hip_link());
+    args
 }
 
 fn asan() -> Vec<String> {
@@ -189,7 +209,11 @@ fn the_readme_cmake_block_builds_and_links_both_libraries() {
         .arg("-B")
         .arg(&build)
         .arg(format!("-DMORI_TP_DIR={}", root().display()))
-        .arg(format!("-DMORI_TP_LIB_DIR={}", lib_dir().display())));
+        .arg(format!("-DMORI_TP_LIB_DIR={}", lib_dir().display()))
+        .arg(format!(
+            "-DMORI_TP_HIP={}",
+            if cfg!(feature = "hip") { "ON" } else { "OFF" }
+        )));
     run(Command::new("cmake").arg("--build").arg(&build));
     run_program(
         &build.join("abi_test_c_static"),

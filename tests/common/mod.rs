@@ -4,6 +4,11 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use std::ops::Range;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use mori_tp::{Action, Plan, SendReport, SliceParams, slice_config};
 
 /// KV head counts the property tests cover.
 pub const HEAD_COUNTS: [u32; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64];
@@ -237,4 +242,272 @@ pub fn expected_decode(initial: &SideBuffers, request: &Request) -> Vec<Vec<Vec<
         }
     }
     expected
+}
+
+/// A model's KV geometry: heads, elements per head, and whether V has its own buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct Model {
+    pub name: &'static str,
+    pub kv_heads: u32,
+    pub head_dim: usize,
+    pub separate_v: bool,
+}
+
+pub const MODELS: [Model; 8] = [
+    Model {
+        name: "llama-3.1-8b",
+        kv_heads: 8,
+        head_dim: 128,
+        separate_v: true,
+    },
+    Model {
+        name: "llama-3.1-70b",
+        kv_heads: 8,
+        head_dim: 128,
+        separate_v: true,
+    },
+    Model {
+        name: "qwen2.5-7b",
+        kv_heads: 4,
+        head_dim: 128,
+        separate_v: true,
+    },
+    Model {
+        name: "qwen3-30b-a3b",
+        kv_heads: 4,
+        head_dim: 128,
+        separate_v: true,
+    },
+    Model {
+        name: "qwen2.5-1.5b",
+        kv_heads: 2,
+        head_dim: 128,
+        separate_v: true,
+    },
+    Model {
+        name: "glm-4-9b",
+        kv_heads: 2,
+        head_dim: 128,
+        separate_v: true,
+    },
+    Model {
+        name: "gpt-oss-120b",
+        kv_heads: 8,
+        head_dim: 64,
+        separate_v: true,
+    },
+    // MLA: one latent "head" of kv_lora_rank 512 + qk_rope_head_dim 64 elements, no V buffer.
+    Model {
+        name: "deepseek-v3",
+        kv_heads: 1,
+        head_dim: 576,
+        separate_v: false,
+    },
+];
+
+pub const TP_SIZES: [u32; 5] = [1, 2, 4, 8, 16];
+/// bf16 and fp8.
+pub const DTYPE_BYTES: [usize; 2] = [2, 1];
+pub const PAGE_SIZES: [usize; 2] = [1, 16];
+pub const LAYERS: usize = 2;
+
+/// (H, P, D): non-integer ratios, both sides replicated, MQA with odd TP sizes.
+pub const ODD_DEPLOYMENTS: [(u32, u32, u32); 6] = [
+    (12, 6, 4),
+    (12, 4, 6),
+    (4, 12, 8),
+    (3, 6, 12),
+    (2, 6, 4),
+    (1, 3, 5),
+];
+
+/// How a test moves the bytes of one plan (made from `request`'s pages) from `src[i]` into
+/// `dst[i]`: host copies, the HIP engine on a recording runtime, or the C ABI. It checks what it
+/// can about its own path and returns the report, or None where the path gives none (the C ABI).
+pub type Sender<'a> =
+    dyn FnMut(&Plan<'_>, &Request, &[&[u8]], &mut [&mut [u8]]) -> Option<SendReport> + 'a;
+
+pub struct Outcome {
+    /// Copies the sender reported (0 from a sender that reports none).
+    pub copies: usize,
+    pub pages: usize,
+}
+
+/// Runs every (prefill rank, decode rank) pair of one deployment through `send` and checks
+/// every decode byte.
+#[allow(clippy::too_many_arguments)] // one deployment's geometry, named at each call site
+pub fn transfer(
+    heads: u32,
+    bytes_per_head: usize,
+    num_buffers: usize,
+    p_tp: u32,
+    d_tp: u32,
+    page_size: usize,
+    request: &Request,
+    send: &mut Sender<'_>,
+) -> Outcome {
+    let src = SideBuffers::identified(
+        heads,
+        p_tp,
+        page_size,
+        bytes_per_head,
+        request.src_capacity_pages,
+        num_buffers,
+    );
+    let initial = SideBuffers::sentinel(
+        heads,
+        d_tp,
+        page_size,
+        bytes_per_head,
+        request.dst_capacity_pages,
+        num_buffers,
+    );
+    let mut dst = initial.ranks.clone();
+    let mut copies = 0;
+    for p in 0..p_tp {
+        for d in 0..d_tp {
+            let config = slice_config(&SliceParams {
+                prefill_tp_size: p_tp,
+                prefill_tp_rank: p,
+                decode_tp_size: d_tp,
+                decode_tp_rank: d,
+                total_kv_heads: heads,
+                page_size: page_size as u32,
+                src_item_len: src.item_len() as u64,
+                dst_item_len: initial.item_len() as u64,
+            })
+            .unwrap();
+            let plan = Plan::new(&config, &request.src_pages, &request.dst_pages).unwrap();
+            let src_bufs: Vec<&[u8]> = src.ranks[p as usize].iter().map(Vec::as_slice).collect();
+            let mut dst_bufs: Vec<&mut [u8]> =
+                dst[d as usize].iter_mut().map(Vec::as_mut_slice).collect();
+            if let Some(report) = send(&plan, request, &src_bufs, &mut dst_bufs) {
+                if config.action == Action::Send {
+                    assert_eq!(report.copies, plan.num_rects() * num_buffers);
+                } else {
+                    assert_eq!(report.copies, 0);
+                }
+                copies += report.copies;
+            }
+        }
+    }
+    let expected = expected_decode(&initial, request);
+    for d in 0..d_tp as usize {
+        for b in 0..num_buffers {
+            if dst[d][b] != expected[d][b] {
+                let at = dst[d][b]
+                    .iter()
+                    .zip(&expected[d][b])
+                    .position(|(a, e)| a != e)
+                    .unwrap();
+                panic!(
+                    "decode rank {d} buffer {b}: first wrong byte at {at} (page {}, byte {} of \
+                     the page)",
+                    at / initial.item_len(),
+                    at % initial.item_len()
+                );
+            }
+        }
+    }
+    Outcome {
+        copies,
+        pages: request.src_pages.len(),
+    }
+}
+
+/// Every model x dtype x page size x (P, D) of the tables above, through `send`, byte for byte;
+/// returns the number of deployments run.
+pub fn every_model_deployment(send: &mut Sender<'_>) -> usize {
+    let mut deployments = 0;
+    for (m, model) in MODELS.iter().enumerate() {
+        let num_buffers = if model.separate_v { 2 * LAYERS } else { LAYERS };
+        for &dtype in &DTYPE_BYTES {
+            for &page_size in &PAGE_SIZES {
+                for &p_tp in &TP_SIZES {
+                    for &d_tp in &TP_SIZES {
+                        assert!(valid_tp(model.kv_heads, p_tp) && valid_tp(model.kv_heads, d_tp));
+                        let seed = (m as u64) << 32 | u64::from(p_tp) << 16 | u64::from(d_tp);
+                        let runs = if page_size == 1 { 7 } else { 3 };
+                        let request = fragmented_request(seed ^ page_size as u64, runs);
+                        let outcome = catch_unwind(AssertUnwindSafe(|| {
+                            transfer(
+                                model.kv_heads,
+                                model.head_dim * dtype,
+                                num_buffers,
+                                p_tp,
+                                d_tp,
+                                page_size,
+                                &request,
+                                &mut *send,
+                            )
+                        }));
+                        if outcome.is_err() {
+                            panic!(
+                                "{} dtype_bytes={dtype} page_size={page_size} P={p_tp} D={d_tp} \
+                                 {request:?}",
+                                model.name
+                            );
+                        }
+                        deployments += 1;
+                    }
+                }
+            }
+        }
+    }
+    deployments
+}
+
+/// The deployments of [`ODD_DEPLOYMENTS`] through `send`, byte for byte.
+pub fn odd_deployments(send: &mut Sender<'_>) {
+    for (h, p_tp, d_tp) in ODD_DEPLOYMENTS {
+        let request = fragmented_request(u64::from(h * 1000 + p_tp * 10 + d_tp), 5);
+        transfer(h, 12, 2, p_tp, d_tp, 4, &request, send);
+    }
+}
+
+/// Builds tests/fake_hip/fake_hip.cpp (a host-memory stand-in for libamdhip64's functions, for
+/// LD_PRELOAD) with `c++` against the installed HIP headers; Err says what is missing.
+pub fn build_fake_hip() -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake_hip");
+    std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    // The HIP install hip-sys linked against: `hipconfig -p`, else the compiler's default paths.
+    let include = Command::new("hipconfig")
+        .arg("-p")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| Path::new(String::from_utf8_lossy(&o.stdout).trim()).join("include"));
+    let library = out.join("libfake_hip.so");
+    let partial = out.join(format!("libfake_hip.so.{}", std::process::id()));
+    let mut compile = Command::new("c++");
+    compile.args([
+        "-std=c++17",
+        "-O1",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-shared",
+        "-fPIC",
+    ]);
+    compile.arg("-D__HIP_PLATFORM_AMD__");
+    if let Some(include) = include {
+        compile.arg("-I").arg(include);
+    }
+    compile
+        .arg(root.join("tests/fake_hip/fake_hip.cpp"))
+        .arg("-o")
+        .arg(&partial);
+    let output = compile
+        .output()
+        .map_err(|e| format!("cannot run c++ ({e}): a C++ compiler is needed"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "c++ could not build tests/fake_hip/fake_hip.cpp (are the HIP headers installed? \
+             Debian: libamdhip64-dev):\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    std::fs::rename(&partial, &library).map_err(|e| format!("rename: {e}"))?;
+    Ok(library)
 }

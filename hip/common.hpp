@@ -1,0 +1,92 @@
+// Helpers shared by the HIP programs: error checks, the "no device" protocol, and the
+// contract's head ownership restated independently of the library.
+#pragma once
+
+#include <hip/hip_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "mori_tp.h"
+
+// Exit codes: 0 passed, 1 failed, 77 skipped (no HIP device; the automake convention).
+constexpr int kPassed = 0;
+constexpr int kFailed = 1;
+constexpr int kSkipped = 77;
+
+#define HIP_OK(call)                                                                        \
+    do {                                                                                    \
+        hipError_t hip_ok_status_ = (call);                                                 \
+        if (hip_ok_status_ != hipSuccess) {                                                 \
+            std::fprintf(stderr, "%s:%d: %s failed: %s (%d)\n", __FILE__, __LINE__, #call,  \
+                         hipGetErrorName(hip_ok_status_), static_cast<int>(hip_ok_status_)); \
+            std::exit(kFailed);                                                             \
+        }                                                                                   \
+    } while (0)
+
+#define MORI_OK_OR_DIE(call)                                                                  \
+    do {                                                                                      \
+        MoriStatus mori_ok_status_ = (call);                                                  \
+        if (mori_ok_status_ != MORI_OK) {                                                     \
+            std::fprintf(stderr, "%s:%d: %s returned %s: %s\n", __FILE__, __LINE__, #call,    \
+                         mori_status_str(mori_ok_status_), mori_last_error_message());        \
+            std::exit(kFailed);                                                               \
+        }                                                                                     \
+    } while (0)
+
+// The heads rank `rank` of a side with TP size `tp` owns (contract section 3).
+struct HeadRange {
+    uint32_t first;
+    uint32_t count;
+};
+
+inline HeadRange owned_heads(uint32_t heads, uint32_t tp, uint32_t rank) {
+    if (tp <= heads) {
+        return {rank * (heads / tp), heads / tp};
+    }
+    return {rank / (tp / heads), 1};
+}
+
+// Returns -1 when a HIP device is present. Otherwise checks that libmori_tp refuses
+// MORI_BACKEND_HIP cleanly (MORI_ERR_BACKEND_UNAVAILABLE, naming hipGetDeviceCount: proof that
+// the library was built with the HIP backend and does not crash without a GPU), prints the skip
+// line and returns 77, or returns 1 if the library misbehaves.
+inline int skip_without_device(const char *program) {
+    if (mori_abi_version() != MORI_TP_ABI_VERSION) {
+        std::fprintf(stderr, "%s: libmori_tp ABI %u, header ABI %u\n", program, mori_abi_version(),
+                     MORI_TP_ABI_VERSION);
+        return kFailed;
+    }
+    int count = 0;
+    hipError_t status = hipGetDeviceCount(&count);
+    if (status == hipSuccess && count > 0) {
+        return -1;
+    }
+    // 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token pages.
+    const MoriTpSliceParams params = {2, 1, 4, 3, 8, 1, 64, 32};
+    MoriTpSliceConfig config;
+    MORI_OK_OR_DIE(mori_tp_slice_config(&params, &config));
+    uint8_t src[64] = {1}, dst[32] = {2};
+    const void *srcs[1] = {src};
+    void *dsts[1] = {dst};
+    const MoriKvBuffers buffers = {srcs, dsts, 1, sizeof src, sizeof dst};
+    const int32_t page[1] = {0};
+    const MoriSendOptions hip = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, nullptr};
+    MoriStatus sent = mori_send_kvcache(&config, &buffers, page, page, 1, &hip);
+    const char *message = mori_last_error_message();
+    if (sent != MORI_ERR_BACKEND_UNAVAILABLE || std::strstr(message, "hipGetDeviceCount") == nullptr) {
+        std::fprintf(stderr,
+                     "%s: without a device, MORI_BACKEND_HIP returned %s (%s); expected "
+                     "MORI_ERR_BACKEND_UNAVAILABLE naming hipGetDeviceCount (is libmori_tp.a "
+                     "built with --features hip?)\n",
+                     program, mori_status_str(sent), message);
+        return kFailed;
+    }
+    std::printf("%s: skipped: no HIP device (hipGetDeviceCount: %s (%d), %d devices); "
+                "libmori_tp refuses MORI_BACKEND_HIP with MORI_ERR_BACKEND_UNAVAILABLE as it "
+                "should\n",
+                program, hipGetErrorName(status), static_cast<int>(status), count);
+    return kSkipped;
+}

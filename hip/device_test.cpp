@@ -1,0 +1,356 @@
+// Device test of mori_send_kvcache's HIP backend on real GPU memory.
+//
+// For several heterogeneous-TP layouts it allocates per-layer K and V buffers for every prefill
+// and decode rank with hipMalloc, fills them, moves every (prefill rank, decode rank) pair's
+// slice with mori_send_kvcache (MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, on a created stream and
+// on the null stream), copies the decode buffers back and checks them byte for byte against an
+// independent statement of the contract. It then does the same transfer through a packed
+// staging buffer per pair (gather on the prefill side, scatter on the decode side, asynchronous
+// on one stream), checking the staging bytes too, and checks that a refused call writes nothing.
+//
+// Exit: 0 passed, 1 failed, 77 "skipped: no HIP device".
+
+#include <cinttypes>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+
+namespace {
+
+struct Layout {
+    const char *name;
+    uint32_t heads;        // H: total KV heads (1 for MLA)
+    uint32_t head_dim;     // elements per head
+    uint32_t dtype_bytes;  // 2 = bf16, 1 = fp8
+    uint32_t page_size;    // tokens per page
+    uint32_t prefill_tp;
+    uint32_t decode_tp;
+    uint32_t layers;
+    bool separate_v;       // K and V buffers per layer (false: one MLA latent buffer)
+};
+
+const Layout kLayouts[] = {
+    {"qwen2.5-7b bf16, prefill TP 2 -> decode TP 8", 4, 128, 2, 16, 2, 8, 2, true},
+    {"llama-3.1-70b fp8, prefill TP 8 -> decode TP 2", 8, 128, 1, 16, 8, 2, 2, true},
+    {"gpt-oss-120b bf16 head_dim 64, prefill TP 4 -> decode TP 16", 8, 64, 2, 16, 4, 16, 2, true},
+    {"12 heads fp8 head_dim 64, prefill TP 6 -> decode TP 4", 12, 64, 1, 8, 6, 4, 2, true},
+    {"deepseek-v3 MLA bf16, prefill TP 8 -> decode TP 4", 1, 576, 2, 16, 8, 4, 2, false},
+};
+
+// A fragmented request: four runs of 3, 1, 2 and 4 pages, out of order on both sides.
+const int32_t kSrcPages[] = {3, 4, 5, 9, 0, 1, 12, 13, 14, 15};
+const int32_t kDstPages[] = {7, 8, 9, 1, 4, 5, 10, 11, 12, 13};
+constexpr size_t kPages = sizeof kSrcPages / sizeof kSrcPages[0];
+constexpr uint64_t kSrcCapacityPages = 16;
+constexpr uint64_t kDstCapacityPages = 14;
+
+// Source bytes: a hash of (buffer, page, token, global head, byte), so any misplaced byte shows.
+uint8_t pattern(uint32_t buffer, uint32_t page, uint32_t token, uint32_t head, uint32_t byte) {
+    uint32_t x = buffer * 0x9E3779B1u ^ page * 0x85EBCA77u ^ token * 0xC2B2AE3Du ^
+                 head * 0x27D4EB2Fu ^ byte * 0x165667B1u;
+    x ^= x >> 15;
+    x *= 0x2C1B3C6Du;
+    x ^= x >> 12;
+    return static_cast<uint8_t>(x);
+}
+
+// Destination bytes before the transfer: depend on rank, buffer and position, on no head.
+uint8_t sentinel(uint32_t rank, uint32_t buffer, uint64_t offset) {
+    return static_cast<uint8_t>(0xA5u ^ (rank * 7u) ^ (buffer * 13u) ^ static_cast<uint32_t>(offset * 31u));
+}
+
+struct Side {
+    uint32_t tp;
+    uint64_t bytes_per_token;
+    uint64_t item_len;
+    uint64_t capacity;
+    // ranks[r][b]: device buffer b of rank r.
+    std::vector<std::vector<void *>> ranks;
+};
+
+int failures = 0;
+
+void fail(const std::string &what) {
+    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+    failures++;
+}
+
+class Test {
+  public:
+    explicit Test(const Layout &l)
+        : l_(l), bph_(uint64_t{l.head_dim} * l.dtype_bytes), buffers_(l.layers * (l.separate_v ? 2 : 1)) {
+        src_ = make_side(l.prefill_tp, kSrcCapacityPages);
+        dst_ = make_side(l.decode_tp, kDstCapacityPages);
+        staged_ = make_side(l.decode_tp, kDstCapacityPages);
+        HIP_OK(hipStreamCreate(&stream_));
+    }
+
+    ~Test() {
+        for (Side *side : {&src_, &dst_, &staged_}) {
+            for (auto &rank : side->ranks) {
+                for (void *p : rank) {
+                    (void)hipFree(p);
+                }
+            }
+        }
+        (void)hipStreamDestroy(stream_);
+    }
+
+    void run() {
+        std::printf("%s: %u buffers, %" PRIu64 " bytes per head\n", l_.name, buffers_, bph_);
+        fill();
+        direct();
+        verify(dst_, "direct");
+        refused_call_writes_nothing();
+        staged();
+        verify(staged_, "gather + scatter");
+    }
+
+  private:
+    Side make_side(uint32_t tp, uint64_t capacity_pages) {
+        Side side;
+        side.tp = tp;
+        side.bytes_per_token = owned_heads(l_.heads, tp, 0).count * bph_;
+        side.item_len = l_.page_size * side.bytes_per_token;
+        side.capacity = capacity_pages * side.item_len;
+        side.ranks.resize(tp);
+        for (auto &rank : side.ranks) {
+            rank.resize(buffers_);
+            for (void *&p : rank) {
+                HIP_OK(hipMalloc(&p, side.capacity));
+            }
+        }
+        return side;
+    }
+
+    void fill() {
+        std::vector<uint8_t> host(src_.capacity);
+        for (uint32_t p = 0; p < src_.tp; p++) {
+            const HeadRange owned = owned_heads(l_.heads, src_.tp, p);
+            for (uint32_t b = 0; b < buffers_; b++) {
+                for (uint64_t at = 0; at < src_.capacity; at++) {
+                    const uint64_t token_index = at / src_.bytes_per_token;
+                    const uint64_t in_token = at % src_.bytes_per_token;
+                    host[at] = pattern(b, static_cast<uint32_t>(token_index / l_.page_size),
+                                       static_cast<uint32_t>(token_index % l_.page_size),
+                                       owned.first + static_cast<uint32_t>(in_token / bph_),
+                                       static_cast<uint32_t>(in_token % bph_));
+                }
+                HIP_OK(hipMemcpy(src_.ranks[p][b], host.data(), src_.capacity, hipMemcpyHostToDevice));
+            }
+        }
+        for (Side *side : {&dst_, &staged_}) {
+            std::vector<uint8_t> init(side->capacity);
+            for (uint32_t d = 0; d < side->tp; d++) {
+                for (uint32_t b = 0; b < buffers_; b++) {
+                    for (uint64_t at = 0; at < side->capacity; at++) {
+                        init[at] = sentinel(d, b, at);
+                    }
+                    HIP_OK(hipMemcpy(side->ranks[d][b], init.data(), side->capacity, hipMemcpyHostToDevice));
+                }
+            }
+        }
+        HIP_OK(hipDeviceSynchronize());
+    }
+
+    MoriTpSliceConfig config(uint32_t p, uint32_t d) const {
+        const MoriTpSliceParams params = {l_.prefill_tp, p, l_.decode_tp, d, l_.heads, l_.page_size,
+                                          src_.item_len, dst_.item_len};
+        MoriTpSliceConfig config;
+        MORI_OK_OR_DIE(mori_tp_slice_config(&params, &config));
+        return config;
+    }
+
+    static MoriKvBuffers buffers(const std::vector<void *> &src, const std::vector<void *> &dst,
+                                 uint64_t src_capacity, uint64_t dst_capacity) {
+        return MoriKvBuffers{src.data(), dst.data(), src.size(),
+                             src_capacity, dst_capacity};
+    }
+
+    // Every pair, straight from the prefill buffers into the decode buffers.
+    void direct() {
+        int sends = 0;
+        for (uint32_t p = 0; p < l_.prefill_tp; p++) {
+            for (uint32_t d = 0; d < l_.decode_tp; d++) {
+                const MoriTpSliceConfig c = config(p, d);
+                const MoriKvBuffers kv = buffers(src_.ranks[p], dst_.ranks[d], src_.capacity, dst_.capacity);
+                // Alternate the created stream and the null stream.
+                const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE,
+                                                 (p + d) % 2 == 0 ? stream_ : nullptr};
+                MORI_OK_OR_DIE(mori_send_kvcache(&c, &kv, kSrcPages, kDstPages, kPages, &options));
+                sends += c.action == MORI_TP_ACTION_SEND;
+            }
+        }
+        // Each (decode rank, head) has exactly one sender.
+        const uint32_t expected = l_.decode_tp * owned_heads(l_.heads, l_.decode_tp, 0).count;
+        int pairs_heads = 0;
+        for (uint32_t p = 0; p < l_.prefill_tp; p++) {
+            for (uint32_t d = 0; d < l_.decode_tp; d++) {
+                pairs_heads += static_cast<int>(config(p, d).num_heads);
+            }
+        }
+        if (pairs_heads != static_cast<int>(expected)) {
+            fail(std::string(l_.name) + ": sending pairs move " + std::to_string(pairs_heads) +
+                 " (decode rank, head) slots, expected " + std::to_string(expected));
+        }
+        std::printf("  direct: %d sending pairs\n", sends);
+    }
+
+    // Every pair through a packed staging buffer: gather (async), scatter (synchronize).
+    void staged() {
+        const MoriSendOptions async = {MORI_BACKEND_HIP, 0, stream_};
+        const MoriSendOptions sync = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, stream_};
+        std::vector<int32_t> packed(kPages);
+        for (size_t i = 0; i < kPages; i++) {
+            packed[i] = static_cast<int32_t>(i);
+        }
+        for (uint32_t p = 0; p < l_.prefill_tp; p++) {
+            for (uint32_t d = 0; d < l_.decode_tp; d++) {
+                const MoriTpSliceConfig c = config(p, d);
+                if (c.action != MORI_TP_ACTION_SEND) {
+                    continue;
+                }
+                const uint64_t width = c.heads_bytes_per_token_to_send;
+                const uint64_t staging_bytes = kPages * l_.page_size * width;
+                std::vector<void *> staging(buffers_);
+                for (void *&s : staging) {
+                    HIP_OK(hipMalloc(&s, staging_bytes));
+                }
+                // The staging side holds exactly the slice: pitch = width, offset 0.
+                MoriTpSliceConfig gather = c;
+                gather.dst_item_len = l_.page_size * width;
+                gather.bytes_per_token_dst = width;
+                gather.dst_head_slice_offset = 0;
+                MoriTpSliceConfig scatter = c;
+                scatter.src_item_len = l_.page_size * width;
+                scatter.bytes_per_token_src = width;
+                scatter.src_head_slice_offset = 0;
+                const MoriKvBuffers in = buffers(src_.ranks[p], staging, src_.capacity, staging_bytes);
+                const MoriKvBuffers out = buffers(staging, staged_.ranks[d], staging_bytes, staged_.capacity);
+                MORI_OK_OR_DIE(mori_send_kvcache(&gather, &in, kSrcPages, packed.data(), kPages, &async));
+                MORI_OK_OR_DIE(mori_send_kvcache(&scatter, &out, packed.data(), kDstPages, kPages, &sync));
+                verify_staging(staging, staging_bytes, c, p, d);
+                for (void *s : staging) {
+                    HIP_OK(hipFree(s));
+                }
+            }
+        }
+    }
+
+    void verify_staging(const std::vector<void *> &staging, uint64_t bytes, const MoriTpSliceConfig &c,
+                        uint32_t p, uint32_t d) {
+        std::vector<uint8_t> host(bytes);
+        for (uint32_t b = 0; b < buffers_; b++) {
+            HIP_OK(hipMemcpy(host.data(), staging[b], bytes, hipMemcpyDeviceToHost));
+            uint64_t at = 0;
+            for (size_t i = 0; i < kPages; i++) {
+                for (uint32_t t = 0; t < l_.page_size; t++) {
+                    for (uint32_t k = 0; k < c.num_heads; k++) {
+                        for (uint64_t x = 0; x < bph_; x++, at++) {
+                            const uint8_t want = pattern(b, static_cast<uint32_t>(kSrcPages[i]), t,
+                                                         c.first_head + k, static_cast<uint32_t>(x));
+                            if (host[at] != want) {
+                                fail(std::string(l_.name) + ": staging of pair (" + std::to_string(p) +
+                                     ", " + std::to_string(d) + ") buffer " + std::to_string(b) +
+                                     ": wrong byte at " + std::to_string(at));
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // What decode rank d's buffer b must hold: its sentinel, except its own heads of the
+    // requested pages, which hold the source pattern.
+    std::vector<uint8_t> expected(const Side &side, uint32_t d, uint32_t b) const {
+        std::vector<uint8_t> want(side.capacity);
+        for (uint64_t at = 0; at < side.capacity; at++) {
+            want[at] = sentinel(d, b, at);
+        }
+        const HeadRange owned = owned_heads(l_.heads, side.tp, d);
+        for (size_t i = 0; i < kPages; i++) {
+            for (uint32_t t = 0; t < l_.page_size; t++) {
+                for (uint32_t k = 0; k < owned.count; k++) {
+                    const uint64_t base = kDstPages[i] * side.item_len + t * side.bytes_per_token + k * bph_;
+                    for (uint64_t x = 0; x < bph_; x++) {
+                        want[base + x] = pattern(b, static_cast<uint32_t>(kSrcPages[i]), t, owned.first + k,
+                                                 static_cast<uint32_t>(x));
+                    }
+                }
+            }
+        }
+        return want;
+    }
+
+    void verify(const Side &side, const char *how) {
+        std::vector<uint8_t> got(side.capacity);
+        for (uint32_t d = 0; d < side.tp; d++) {
+            for (uint32_t b = 0; b < buffers_; b++) {
+                HIP_OK(hipMemcpy(got.data(), side.ranks[d][b], side.capacity, hipMemcpyDeviceToHost));
+                const std::vector<uint8_t> want = expected(side, d, b);
+                for (uint64_t at = 0; at < side.capacity; at++) {
+                    if (got[at] != want[at]) {
+                        fail(std::string(l_.name) + " (" + how + "): decode rank " + std::to_string(d) +
+                             " buffer " + std::to_string(b) + ": first wrong byte at " + std::to_string(at) +
+                             " (page " + std::to_string(at / side.item_len) + ", byte " +
+                             std::to_string(at % side.item_len) + " of the page)");
+                        break;
+                    }
+                }
+            }
+        }
+        std::printf("  %s: every decode byte checked\n", how);
+    }
+
+    // A page one past the decode capacity: MORI_ERR_OUT_OF_BOUNDS, and no byte written.
+    void refused_call_writes_nothing() {
+        const MoriTpSliceConfig c = config(0, 0);
+        const MoriKvBuffers kv = buffers(src_.ranks[0], dst_.ranks[0], src_.capacity, dst_.capacity);
+        const int32_t src_pages[2] = {0, 1};
+        const int32_t dst_pages[2] = {0, static_cast<int32_t>(kDstCapacityPages)};
+        const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, stream_};
+        const MoriStatus status = mori_send_kvcache(&c, &kv, src_pages, dst_pages, 2, &options);
+        if (status != MORI_ERR_OUT_OF_BOUNDS) {
+            fail(std::string(l_.name) + ": a page past capacity returned " + mori_status_str(status) + ": " +
+                 mori_last_error_message());
+        }
+        verify(dst_, "after a refused call");
+    }
+
+    const Layout &l_;
+    uint64_t bph_;
+    uint32_t buffers_;
+    Side src_, dst_, staged_;
+    hipStream_t stream_ = nullptr;
+};
+
+}  // namespace
+
+int main() {
+    const int skip = skip_without_device("device_test");
+    if (skip >= 0) {
+        return skip;
+    }
+    int device = -1;
+    HIP_OK(hipGetDevice(&device));
+    hipDeviceProp_t props;
+    HIP_OK(hipGetDeviceProperties(&props, device));
+    std::printf("device_test: device %d, %s (%s)\n", device, props.name, props.gcnArchName);
+    for (const Layout &layout : kLayouts) {
+        Test(layout).run();
+    }
+    int after = -1;
+    HIP_OK(hipGetDevice(&after));
+    if (after != device) {
+        fail("the current device changed from " + std::to_string(device) + " to " + std::to_string(after));
+    }
+    if (failures != 0) {
+        std::fprintf(stderr, "device_test: %d failures\n", failures);
+        return kFailed;
+    }
+    std::printf("device_test: all checks passed\n");
+    return kPassed;
+}

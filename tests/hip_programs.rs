@@ -1,0 +1,127 @@
+//! Builds the HIP programs of hip/ with hipcc against include/mori_tp.h and the libmori_tp.a this
+//! `cargo test --features hip` just built, and runs them: each must pass (exit 0) on a machine
+//! with a HIP device, or exit 77 with "skipped: no HIP device" (after checking that the library
+//! refuses MORI_BACKEND_HIP cleanly) on one without.
+//!
+//! Then it runs them again over tests/fake_hip (LD_PRELOAD: host memory behind the HIP calls), where
+//! they must pass: that checks the programs' own logic (layouts, expected bytes, staging configs,
+//! timing) on machines without a GPU. It says nothing about a GPU.
+//!
+//! Needs the `hip` feature and hipcc (HIPCC overrides the compiler). Without them the test says
+//! so and skips, unless MORI_TP_REQUIRE_HIP=1 (CI), which makes either missing a failure;
+//! MORI_TP_REQUIRE_HIP_DEVICE=1 (a GPU runner) makes a skip for want of a device a failure.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn required(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "1")
+}
+
+/// Skips with `why`, or fails when CI requires the HIP toolchain.
+fn skip(why: &str) {
+    assert!(
+        !required("MORI_TP_REQUIRE_HIP"),
+        "MORI_TP_REQUIRE_HIP=1 but {why}"
+    );
+    eprintln!("skipped: {why}");
+}
+
+fn text(output: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+#[test]
+fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand_in() {
+    let built_with_hip = cfg!(feature = "hip");
+    if !built_with_hip {
+        skip("built without `--features hip`: the hip/ programs need the HIP backend");
+        return;
+    }
+    let hipcc = std::env::var("HIPCC").unwrap_or_else(|_| "hipcc".into());
+    let found = Command::new(&hipcc)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        skip(&format!(
+            "{hipcc} is not installed (Debian: apt install hipcc)"
+        ));
+        return;
+    }
+    // cargo test builds libmori_tp.a with this run's features next to the test executables.
+    let exe = std::env::current_exe().expect("test executable path");
+    let lib = exe
+        .parent()
+        .expect("target/<profile>/deps")
+        .join("libmori_tp.a");
+    assert!(lib.is_file(), "cargo did not build {}", lib.display());
+    let build = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hip-programs");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let make = Command::new("make")
+        .arg("-C")
+        .arg(root.join("hip"))
+        .arg(format!("HIPCC={hipcc}"))
+        .arg(format!("MORI_TP_LIB={}", lib.display()))
+        .arg(format!("BUILD={}", build.display()))
+        .output()
+        .expect("run make");
+    let log = text(&make);
+    assert!(make.status.success(), "make -C hip failed:\n{log}");
+    assert!(log.contains("built for: gfx90a"), "{log}");
+
+    for (program, args, passed) in [
+        ("device_test", &[][..], "device_test: all checks passed"),
+        ("bench", &["--quick"][..], "ratio"),
+    ] {
+        let output = Command::new(build.join(program))
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+        let out = text(&output);
+        match output.status.code() {
+            Some(0) => assert!(
+                out.contains(passed),
+                "{program} exited 0 but printed:\n{out}"
+            ),
+            Some(77) => {
+                assert!(
+                    out.contains(&format!("{program}: skipped: no HIP device")),
+                    "{program} exited 77 but printed:\n{out}"
+                );
+                assert!(
+                    !required("MORI_TP_REQUIRE_HIP_DEVICE"),
+                    "MORI_TP_REQUIRE_HIP_DEVICE=1 but {program} found no device:\n{out}"
+                );
+                eprint!("{out}");
+            }
+            code => panic!("{program} {args:?} failed ({code:?}):\n{out}"),
+        }
+    }
+
+    let fake = common::build_fake_hip().unwrap_or_else(|why| panic!("{why}"));
+    for (program, args, passed) in [
+        ("device_test", &[][..], "device_test: all checks passed"),
+        ("bench", &["--quick"][..], "4096  16384   4096 fragmented"),
+    ] {
+        let output = Command::new(build.join(program))
+            .args(args)
+            .env("LD_PRELOAD", &fake)
+            .env_remove("FAKE_HIP_DEVICES")
+            .env_remove("FAKE_HIP_COPY_STATUS")
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+        let out = text(&output);
+        assert!(
+            output.status.code() == Some(0) && out.contains("fake_hip") && out.contains(passed),
+            "{program} over the stand-in runtime ({:?}):\n{out}",
+            output.status
+        );
+    }
+}
