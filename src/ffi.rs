@@ -532,16 +532,16 @@ unsafe fn plan_from_raw<'a>(
     Plan::new(&config, src_pages, dst_pages)
 }
 
-/// Writes `needed` to `*out_len` and the entries into `out` if they fit.
+/// Writes `needed` to `*out_len` and, if the entries fit, lets `fill` write them into `out`.
 ///
 /// # Safety
 /// As for mori_tp_plan.
 unsafe fn write_plan<T>(
-    entries: impl Iterator<Item = T>,
     needed: usize,
     out: *mut T,
     capacity: usize,
     out_len: *mut usize,
+    fill: impl FnOnce(&mut [T]),
 ) -> Result<()> {
     // SAFETY: valid or NULL per the caller; NULL with capacity > 0 is refused.
     let out = unsafe { try_slice_mut(out, capacity, "out") }?;
@@ -550,9 +550,7 @@ unsafe fn write_plan<T>(
     if needed > capacity {
         return Err(Error::BufferTooSmall { needed, capacity });
     }
-    for (slot, entry) in out.iter_mut().zip(entries) {
-        *slot = entry;
-    }
+    fill(&mut out[..needed]);
     Ok(())
 }
 
@@ -606,9 +604,14 @@ pub unsafe extern "C" fn mori_tp_plan(
         }
         // SAFETY: the caller's pointers, as documented above.
         let plan = unsafe { plan_from_raw(config, src_pages, dst_pages, num_pages) }?;
-        let rects = plan.rects().map(MoriCopyRect::from);
         // SAFETY: as above; out_len checked non-NULL.
-        unsafe { write_plan(rects, plan.num_rects(), out, capacity, out_len) }
+        unsafe {
+            write_plan(plan.num_rects(), out, capacity, out_len, |out| {
+                for (slot, rect) in out.iter_mut().zip(plan.rects()) {
+                    *slot = rect.into();
+                }
+            })
+        }
     })
 }
 
@@ -636,9 +639,17 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
         }
         // SAFETY: the caller's pointers, as documented above.
         let plan = unsafe { plan_from_raw(config, src_pages, dst_pages, num_pages) }?;
-        let segments = plan.segments().map(MoriSegment::from);
         // SAFETY: as above; out_len checked non-NULL.
-        unsafe { write_plan(segments, plan.num_segments()?, out, capacity, out_len) }
+        unsafe {
+            write_plan(plan.num_segments()?, out, capacity, out_len, |out| {
+                let mut slots = out.iter_mut();
+                plan.for_each_segment(|segment| {
+                    if let Some(slot) = slots.next() {
+                        *slot = segment.into();
+                    }
+                });
+            })
+        }
     })
 }
 

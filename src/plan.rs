@@ -67,13 +67,19 @@ pub struct Segment {
 /// The highest page a request touches on one side, kept to check buffer capacities in O(1) and
 /// to name the culprit when one is too small.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct HighestPage {
-    /// Index into the page array.
-    position: usize,
+struct HighestPage<'a> {
+    /// The side's page array, to find the culprit's position for a message.
+    pages: &'a [u32],
     /// The page index itself.
     page: u32,
     /// `(page + 1) * item_len`: the bytes a buffer needs to hold that page.
     end: u64,
+}
+
+impl HighestPage<'_> {
+    fn position(&self) -> usize {
+        self.pages.iter().position(|&p| p == self.page).unwrap_or(0)
+    }
 }
 
 /// A validated request: a slice config and its page pairs, ready to yield rects or segments.
@@ -88,8 +94,8 @@ pub struct Plan<'a> {
     dst_pages: &'a [u32],
     runs: usize,
     rows: u64,
-    src_highest: Option<HighestPage>,
-    dst_highest: Option<HighestPage>,
+    src_highest: Option<HighestPage<'a>>,
+    dst_highest: Option<HighestPage<'a>>,
 }
 
 /// Reinterprets page indices already known to be non-negative.
@@ -99,29 +105,54 @@ fn as_unsigned(pages: &[i32]) -> &[u32] {
     unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u32>(), pages.len()) }
 }
 
-fn check_non_negative(side: Side, pages: &[i32]) -> Result<()> {
-    match pages.iter().position(|&page| page < 0) {
-        None => Ok(()),
-        Some(position) => Err(Error::OutOfBounds(format!(
-            "{side}: page index {} at position {position} is negative",
-            pages[position]
-        ))),
+/// One pass over the page pairs: any negative index, the highest page of each side, and the
+/// number of places where a run of adjacent pairs breaks. The loop has no early exit and no
+/// bounds checks, so it runs at memory speed; positions are only looked up when something fails.
+fn scan(src: &[i32], dst: &[i32]) -> (bool, i32, i32, usize) {
+    let (mut ored, mut src_max, mut dst_max, mut breaks) = (0i32, 0i32, 0i32, 0usize);
+    let (mut prev_src, mut prev_dst) = (i32::MIN, i32::MIN);
+    for (&s, &d) in src.iter().zip(dst) {
+        ored |= s | d;
+        src_max = src_max.max(s);
+        dst_max = dst_max.max(d);
+        // Wrapping: a negative or i32::MAX predecessor is refused anyway.
+        breaks += usize::from(s != prev_src.wrapping_add(1) || d != prev_dst.wrapping_add(1));
+        (prev_src, prev_dst) = (s, d);
     }
+    (ored < 0, src_max, dst_max, breaks)
 }
 
-fn highest_page(side: Side, pages: &[u32], item_len: u64) -> Result<Option<HighestPage>> {
-    let Some((position, &page)) = pages.iter().enumerate().max_by_key(|&(_, &page)| page) else {
+fn negative_page(side: Side, pages: &[i32]) -> Option<Error> {
+    let position = pages.iter().position(|&page| page < 0)?;
+    Some(Error::OutOfBounds(format!(
+        "{side}: page index {} at position {position} is negative",
+        pages[position]
+    )))
+}
+
+/// The highest page of one side and the bytes a buffer needs to hold it.
+fn highest_page(
+    side: Side,
+    pages: &[u32],
+    max: u32,
+    item_len: u64,
+) -> Result<Option<HighestPage<'_>>> {
+    if pages.is_empty() {
         return Ok(None);
+    }
+    let end = (u64::from(max) + 1).checked_mul(item_len);
+    // Positions are only for messages: found lazily, when a check fails.
+    let position = || pages.iter().position(|&page| page == max).unwrap_or(0);
+    let Some(end) = end else {
+        return Err(Error::OutOfBounds(format!(
+            "{side}: page {max} at position {} ends at byte ({max} + 1) * item_len {item_len}, \
+             which overflows u64",
+            position()
+        )));
     };
-    let end = (u64::from(page) + 1).checked_mul(item_len).ok_or_else(|| {
-        Error::OutOfBounds(format!(
-            "{side}: page {page} at position {position} ends at byte ({page} + 1) * item_len \
-             {item_len}, which overflows u64"
-        ))
-    })?;
     Ok(Some(HighestPage {
-        position,
-        page,
+        pages,
+        page: max,
         end,
     }))
 }
@@ -137,13 +168,23 @@ impl<'a> Plan<'a> {
                 dst_pages.len()
             )));
         }
-        check_non_negative(Side::Prefill, src_pages)?;
-        check_non_negative(Side::Decode, dst_pages)?;
+        let (negative, src_max, dst_max, breaks) = scan(src_pages, dst_pages);
+        if negative {
+            let error = negative_page(Side::Prefill, src_pages)
+                .or_else(|| negative_page(Side::Decode, dst_pages));
+            return Err(error.unwrap_or_else(|| Error::Panic("a negative page vanished".into())));
+        }
         let (src_pages, dst_pages) = (as_unsigned(src_pages), as_unsigned(dst_pages));
         // Every offset the plan produces lies below the end of the highest page of its side, so
         // checking that one product is enough to rule out overflow everywhere.
-        let src_highest = highest_page(Side::Prefill, src_pages, config.src_item_len)?;
-        let dst_highest = highest_page(Side::Decode, dst_pages, config.dst_item_len)?;
+        let src_highest = highest_page(
+            Side::Prefill,
+            src_pages,
+            src_max as u32,
+            config.src_item_len,
+        )?;
+        let dst_highest =
+            highest_page(Side::Decode, dst_pages, dst_max as u32, config.dst_item_len)?;
         let rows = (src_pages.len() as u64)
             .checked_mul(u64::from(config.page_size))
             .ok_or_else(|| {
@@ -153,12 +194,8 @@ impl<'a> Plan<'a> {
                     config.page_size
                 ))
             })?;
-        let breaks = src_pages
-            .windows(2)
-            .zip(dst_pages.windows(2))
-            .filter(|(s, d)| !(s[1] == s[0] + 1 && d[1] == d[0] + 1))
-            .count();
-        let runs = if src_pages.is_empty() { 0 } else { breaks + 1 };
+        // The first pair always "breaks" from the sentinel predecessor: one run per break.
+        let runs = breaks;
         Ok(Plan {
             config: *config,
             src_pages,
@@ -231,7 +268,9 @@ impl<'a> Plan<'a> {
             if let Some(h) = highest.filter(|h| h.end > capacity) {
                 return Err(Error::OutOfBounds(format!(
                     "{side}: page {} at position {} ends at byte {}, past {name} {capacity}",
-                    h.page, h.position, h.end
+                    h.page,
+                    h.position(),
+                    h.end
                 )));
             }
         }
@@ -255,6 +294,38 @@ impl<'a> Plan<'a> {
     /// The segments: each rect's rows in order, or the whole rect when it is contiguous.
     pub fn segments(&self) -> impl Iterator<Item = Segment> + '_ {
         self.rects().flat_map(|rect| rect.segments())
+    }
+
+    /// Calls `f` with every segment, in the order of [`Plan::segments`]: the same result as a
+    /// tight loop over pages and token slots, for callers that fill large arrays.
+    pub fn for_each_segment(&self, mut f: impl FnMut(Segment)) {
+        if !self.sends() {
+            return;
+        }
+        if self.config.is_contiguous() {
+            self.rects().for_each(|rect| {
+                f(Segment {
+                    src_offset: rect.src_offset,
+                    dst_offset: rect.dst_offset,
+                    length: rect.bytes(),
+                })
+            });
+            return;
+        }
+        let c = &self.config;
+        let length = c.heads_bytes_per_token_to_send;
+        for (&s, &d) in self.src_pages.iter().zip(self.dst_pages) {
+            // No overflow: Plan::new checked the end of the highest page of each side.
+            let src = u64::from(s) * c.src_item_len + c.src_head_slice_offset;
+            let dst = u64::from(d) * c.dst_item_len + c.dst_head_slice_offset;
+            for slot in 0..u64::from(c.page_size) {
+                f(Segment {
+                    src_offset: src + slot * c.bytes_per_token_src,
+                    dst_offset: dst + slot * c.bytes_per_token_dst,
+                    length,
+                });
+            }
+        }
     }
 }
 
@@ -414,6 +485,40 @@ mod tests {
                 .unwrap()
                 .num_segments(),
             Ok(2)
+        );
+    }
+
+    #[test]
+    fn the_fast_segment_loop_yields_exactly_the_rect_rows() {
+        let whole = SliceConfig {
+            src_item_len: 40,
+            bytes_per_token_src: 20,
+            src_head_slice_offset: 0,
+            first_head: 0,
+            ..config()
+        };
+        let (src, dst) = ([3, 4, 5, 9, 10, 2, 3, 0], [7, 8, 9, 1, 2, 3, 5, 6]);
+        for c in [config(), whole] {
+            let plan = Plan::new(&c, &src, &dst).unwrap();
+            let mut fast = Vec::new();
+            plan.for_each_segment(|s| fast.push(s));
+            assert_eq!(fast, plan.segments().collect::<Vec<_>>());
+            assert_eq!(fast.len(), plan.num_segments().unwrap());
+        }
+    }
+
+    #[test]
+    fn the_first_negative_page_is_named_whichever_side_it_is_on() {
+        let err = |src: &[i32], dst: &[i32]| Plan::new(&config(), src, dst).unwrap_err();
+        assert_eq!(
+            err(&[0, 1, 2], &[4, -7, 5]),
+            Error::OutOfBounds("decode side: page index -7 at position 1 is negative".into())
+        );
+        assert_eq!(
+            err(&[0, i32::MIN, 2], &[4, -7, 5]),
+            Error::OutOfBounds(
+                "prefill side: page index -2147483648 at position 1 is negative".into()
+            )
         );
     }
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
     Any,
+    Callable,
     List,
     NamedTuple,
     NoReturn,
@@ -376,44 +377,99 @@ def _c_config(config: SliceConfig, where: str) -> _ffi.MoriTpSliceConfig:
 
 
 def _plan_into(function: Any, config: SliceConfig, src_pages: PageIndices,
-               dst_pages: PageIndices, allocate: Any, where: str) -> Any:
-    """Runs a plan function twice: the size query, then into ``allocate(n)``'s buffer."""
+               dst_pages: PageIndices, allocate: Any, where: str,
+               upper_bound: Optional[Callable[[int], int]] = None) -> Tuple[Any, int]:
+    """Runs a plan function into ``allocate(n)``'s buffer; returns ``(buffer, entries)``.
+
+    With ``upper_bound(num_pages)`` (for allocators whose buffers cost nothing until written,
+    such as ``numpy.empty``) one call into a buffer that large does; otherwise a size query comes
+    first, so that the buffer is exactly as large as the plan.
+    """
     c_config = _c_config(config, where)
     src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
     needed = ctypes.c_size_t()
-    status = function(ctypes.byref(c_config), src, dst, num_pages, None, 0, ctypes.byref(needed))
-    if status not in (_ffi.MORI_OK, _ffi.MORI_ERR_BUFFER_TOO_SMALL):
-        _raise_last(status)
-    count = needed.value
-    out, address = allocate(count)
-    if count:
-        status = function(
-            ctypes.byref(c_config), src, dst, num_pages, address, count, ctypes.byref(needed)
-        )
-        if status != _ffi.MORI_OK:
+    if upper_bound is not None and upper_bound(num_pages) <= _SPECULATIVE_ENTRIES:
+        capacity = upper_bound(num_pages)
+        out, address = allocate(capacity)
+    else:
+        status = function(ctypes.byref(c_config), src, dst, num_pages, None, 0,
+                          ctypes.byref(needed))
+        if status not in (_ffi.MORI_OK, _ffi.MORI_ERR_BUFFER_TOO_SMALL):
             _raise_last(status)
-    return out
+        capacity = needed.value
+        out, address = allocate(capacity)
+    status = function(ctypes.byref(c_config), src, dst, num_pages, address if capacity else None,
+                      capacity, ctypes.byref(needed))
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+    return out, needed.value
 
 
-def plan(config: SliceConfig, src_pages: PageIndices, dst_pages: PageIndices) -> List[CopyRect]:
+def _trimmed(out: "numpy.ndarray", count: int) -> "numpy.ndarray":
+    """The first ``count`` rows, in an array of their own when the bound reserved more (a
+    copy of the few entries actually written, so the reservation is released)."""
+    return out if len(out) == count else out[:count].copy()
+
+
+# Above this many entries the exact size is asked for first instead of reserving the bound.
+_SPECULATIVE_ENTRIES = 1 << 24
+
+
+def _require_numpy(where: str) -> None:
+    if _np is None:
+        raise ImportError(
+            f"{where}(as_arrays=True) needs numpy, which is not installed "
+            "(pip install numpy, or use the default list output)"
+        )
+
+
+def _numpy_allocate(columns: int) -> Callable[[int], Tuple[Any, Any]]:
+    def allocate(count: int) -> Tuple[Any, Any]:
+        # np.empty costs nothing per entry until the library writes it.
+        out = _np.empty((count, columns), dtype=_np.uint64)
+        return out, out.__array_interface__["data"][0]
+
+    return allocate
+
+
+def plan(
+    config: SliceConfig,
+    src_pages: PageIndices,
+    dst_pages: PageIndices,
+    *,
+    as_arrays: bool = False,
+) -> Union[List[CopyRect], "numpy.ndarray"]:
     """The strided 2D copies of one request: one :class:`CopyRect` per maximal run of pages.
 
     Page ``src_pages[i]`` of the prefill rank goes to page ``dst_pages[i]`` of the decode rank.
     Adjacent pairs where both indices go up by one form a run; a run of n pages is one rect of
     ``n * page_size`` rows. Empty unless ``config.action`` is SEND (the pages are still checked).
 
+    Args:
+        config: from :func:`slice_config`.
+        src_pages, dst_pages: paired page indices (see :data:`PageIndices`).
+        as_arrays: return one numpy ``uint64`` array of shape ``(n, 6)`` instead of a list, its
+            columns in :class:`CopyRect` field order (needs numpy). No Python object per rect.
+
     Raises:
         InvalidArgumentError: page lists of different lengths, or inconsistent config fields.
         OutOfBoundsError: a negative page index, or one that does not fit in int32.
         SliceOverflowError, LayoutMismatchError: a hand-edited config that does not fit.
+        ImportError: ``as_arrays=True`` without numpy installed.
     """
+    if as_arrays:
+        _require_numpy("plan")
+        # A plan has at most one rect per page.
+        rects, count = _plan_into(_lib.mori_tp_plan, config, src_pages, dst_pages,
+                                  _numpy_allocate(6), "plan", upper_bound=lambda pages: pages)
+        return _trimmed(rects, count)
 
     def allocate(count: int) -> Tuple[Any, Any]:
         # MoriCopyRect is six uint64_t: n rects are 6n 'Q' items, written in place.
         rects = array.array("Q", [0]) * (6 * count)
         return rects, rects.buffer_info()[0]
 
-    rects = _plan_into(_lib.mori_tp_plan, config, src_pages, dst_pages, allocate, "plan")
+    rects, _ = _plan_into(_lib.mori_tp_plan, config, src_pages, dst_pages, allocate, "plan")
     fields = iter(rects.tolist())
     return list(map(CopyRect._make, zip(*[fields] * 6)))
 
@@ -449,28 +505,24 @@ def plan_segments(
         ImportError: ``as_arrays=True`` without numpy installed.
     """
     if as_arrays:
-        if _np is None:
-            raise ImportError(
-                "plan_segments(as_arrays=True) needs numpy, which is not installed "
-                "(pip install numpy, or use the default list output)"
-            )
+        _require_numpy("plan_segments")
+        # At most one segment per token row; contiguous plans need one per run, fewer still.
+        rows = config.page_size
+        segments, count = _plan_into(
+            _lib.mori_tp_plan_segments, config, src_pages, dst_pages, _numpy_allocate(3),
+            "plan_segments", upper_bound=lambda pages: pages * rows,
+        )
+        segments = _trimmed(segments, count)
+        return segments[:, 0], segments[:, 1], segments[:, 2]
 
-        def allocate(count: int) -> Tuple[Any, Any]:
-            segments = _np.empty((count, 3), dtype=_np.uint64)
-            return segments, segments.__array_interface__["data"][0]
+    def allocate(count: int) -> Tuple[Any, Any]:
+        # MoriSegment is three uint64_t, so n segments are 3n 'Q' items, written in place.
+        segments = array.array("Q", [0]) * (3 * count)
+        return segments, segments.buffer_info()[0]
 
-    else:
-
-        def allocate(count: int) -> Tuple[Any, Any]:
-            # MoriSegment is three uint64_t, so n segments are 3n 'Q' items, written in place.
-            segments = array.array("Q", [0]) * (3 * count)
-            return segments, segments.buffer_info()[0]
-
-    segments = _plan_into(
+    segments, _ = _plan_into(
         _lib.mori_tp_plan_segments, config, src_pages, dst_pages, allocate, "plan_segments"
     )
-    if as_arrays:
-        return segments[:, 0], segments[:, 1], segments[:, 2]
     view = memoryview(segments)
     return view[0::3].tolist(), view[1::3].tolist(), view[2::3].tolist()
 

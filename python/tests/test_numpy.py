@@ -5,6 +5,7 @@ MORI_TP_REQUIRE_TOOLS is set, as CI sets it, so that nothing is silently skipped
 from __future__ import annotations
 
 import array
+import dataclasses
 import ctypes
 import os
 import unittest
@@ -109,6 +110,27 @@ class ArrayOutputTest(unittest.TestCase):
                 self.assertEqual(got.dtype, np.uint64)
                 self.assertEqual(got.shape, (len(want),))
                 self.assertEqual(got.tolist(), want)
+
+    def test_rect_array_output_equals_the_list_output_row_for_row(self):
+        for p, d in LAYOUT.pairs():
+            config = LAYOUT.config(p, d)
+            rects = mori_tp.plan(config, REQUEST.src_pages, REQUEST.dst_pages)
+            array_rects = mori_tp.plan(config, REQUEST.src_pages, REQUEST.dst_pages,
+                                       as_arrays=True)
+            self.assertEqual(array_rects.dtype, np.uint64)
+            self.assertEqual(array_rects.shape, (len(rects), 6))
+            self.assertEqual([mori_tp.CopyRect(*row) for row in array_rects.tolist()], rects)
+            # Only as many rows as the plan has, not the one-per-page bound reserved for it.
+            self.assertTrue(array_rects.base is None or array_rects.base.shape[0] == len(rects))
+
+    def test_whole_token_segments_reserve_no_more_than_they_return(self):
+        # Equal TP: whole tokens, one segment per run although a row bound was reserved.
+        layout = dataclasses.replace(LAYOUT, d_tp=LAYOUT.p_tp)
+        config = layout.config(0, 0)
+        local, remote, sizes = mori_tp.plan_segments(config, [0, 1, 2, 5], [3, 4, 5, 0],
+                                                     as_arrays=True)
+        self.assertEqual(sizes.tolist(), [3 * config.src_item_len, config.src_item_len])
+        self.assertEqual(local.base.shape, (2, 3))
 
     def test_the_three_columns_are_views_of_one_array_the_library_filled(self):
         config = LAYOUT.config(0, 1)
