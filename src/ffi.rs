@@ -642,12 +642,7 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
         // SAFETY: as above; out_len checked non-NULL.
         unsafe {
             write_plan(plan.num_segments()?, out, capacity, out_len, |out| {
-                let mut slots = out.iter_mut();
-                plan.for_each_segment(|segment| {
-                    if let Some(slot) = slots.next() {
-                        *slot = segment.into();
-                    }
-                });
+                plan.fill_segments(out, MoriSegment::from);
             })
         }
     })

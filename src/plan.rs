@@ -296,36 +296,55 @@ impl<'a> Plan<'a> {
         self.rects().flat_map(|rect| rect.segments())
     }
 
-    /// Calls `f` with every segment, in the order of [`Plan::segments`]: the same result as a
-    /// tight loop over pages and token slots, for callers that fill large arrays.
-    pub fn for_each_segment(&self, mut f: impl FnMut(Segment)) {
+    /// Writes every segment, in the order of [`Plan::segments`], into the front of `out`, and
+    /// returns how many it wrote: the fast path for callers that fill large arrays (a loop over
+    /// pages and token slots, no per-entry bounds checks).
+    ///
+    /// # Panics
+    /// If `out` is shorter than [`Plan::num_segments`].
+    pub fn fill_segments<T>(&self, out: &mut [T], convert: impl Fn(Segment) -> T) -> usize {
         if !self.sends() {
-            return;
+            return 0;
         }
         if self.config.is_contiguous() {
-            self.rects().for_each(|rect| {
-                f(Segment {
+            let mut written = 0;
+            for (slot, rect) in out.iter_mut().zip(self.rects()) {
+                *slot = convert(Segment {
                     src_offset: rect.src_offset,
                     dst_offset: rect.dst_offset,
                     length: rect.bytes(),
-                })
-            });
-            return;
+                });
+                written += 1;
+            }
+            assert_eq!(
+                written, self.runs,
+                "fill_segments: output shorter than the plan"
+            );
+            return written;
         }
         let c = &self.config;
-        let length = c.heads_bytes_per_token_to_send;
-        for (&s, &d) in self.src_pages.iter().zip(self.dst_pages) {
+        let rows = c.page_size as usize;
+        let needed = self.src_pages.len() * rows;
+        assert!(
+            out.len() >= needed,
+            "fill_segments: output shorter than the plan"
+        );
+        let pages = self.src_pages.iter().zip(self.dst_pages);
+        for (page_rows, (&s, &d)) in out[..needed].chunks_exact_mut(rows).zip(pages) {
             // No overflow: Plan::new checked the end of the highest page of each side.
-            let src = u64::from(s) * c.src_item_len + c.src_head_slice_offset;
-            let dst = u64::from(d) * c.dst_item_len + c.dst_head_slice_offset;
-            for slot in 0..u64::from(c.page_size) {
-                f(Segment {
-                    src_offset: src + slot * c.bytes_per_token_src,
-                    dst_offset: dst + slot * c.bytes_per_token_dst,
-                    length,
+            let mut src = u64::from(s) * c.src_item_len + c.src_head_slice_offset;
+            let mut dst = u64::from(d) * c.dst_item_len + c.dst_head_slice_offset;
+            for slot in page_rows {
+                *slot = convert(Segment {
+                    src_offset: src,
+                    dst_offset: dst,
+                    length: c.heads_bytes_per_token_to_send,
                 });
+                src += c.bytes_per_token_src;
+                dst += c.bytes_per_token_dst;
             }
         }
+        needed
     }
 }
 
@@ -500,10 +519,15 @@ mod tests {
         let (src, dst) = ([3, 4, 5, 9, 10, 2, 3, 0], [7, 8, 9, 1, 2, 3, 5, 6]);
         for c in [config(), whole] {
             let plan = Plan::new(&c, &src, &dst).unwrap();
-            let mut fast = Vec::new();
-            plan.for_each_segment(|s| fast.push(s));
-            assert_eq!(fast, plan.segments().collect::<Vec<_>>());
-            assert_eq!(fast.len(), plan.num_segments().unwrap());
+            let mut fast = vec![Segment::default(); plan.num_segments().unwrap() + 2];
+            let written = plan.fill_segments(&mut fast, |s| s);
+            assert_eq!(written, plan.num_segments().unwrap());
+            assert_eq!(fast[..written], plan.segments().collect::<Vec<_>>()[..]);
+            assert_eq!(
+                fast[written..],
+                [Segment::default(); 2],
+                "nothing past the plan"
+            );
         }
     }
 
