@@ -98,11 +98,29 @@ fn per_token_plan(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32]) -> Vec<(
     out
 }
 
-fn plan_rects(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32], out: &mut Vec<MoriCopyRect>) {
+/// The signature `mori_tp_plan` and `mori_tp_plan_segments` share.
+type PlanFn<T> = unsafe extern "C" fn(
+    *const MoriTpSliceConfig,
+    *const i32,
+    *const i32,
+    usize,
+    *mut T,
+    usize,
+    *mut usize,
+) -> MoriStatus;
+
+/// Runs a plan function into `out`, whose capacity must hold the whole plan.
+fn plan_into<T>(
+    function: PlanFn<T>,
+    config: &MoriTpSliceConfig,
+    src: &[i32],
+    dst: &[i32],
+    out: &mut Vec<T>,
+) {
     let mut len = 0;
     // SAFETY: arrays valid for their lengths; out has capacity for the whole plan.
     let status = unsafe {
-        mori_tp_plan(
+        function(
             config,
             src.as_ptr(),
             dst.as_ptr(),
@@ -117,23 +135,12 @@ fn plan_rects(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32], out: &mut Ve
     unsafe { out.set_len(len) };
 }
 
+fn plan_rects(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32], out: &mut Vec<MoriCopyRect>) {
+    plan_into(mori_tp_plan, config, src, dst, out);
+}
+
 fn plan_segments(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32], out: &mut Vec<MoriSegment>) {
-    let mut len = 0;
-    // SAFETY: as above.
-    let status = unsafe {
-        mori_tp_plan_segments(
-            config,
-            src.as_ptr(),
-            dst.as_ptr(),
-            src.len(),
-            out.as_mut_ptr(),
-            out.capacity(),
-            &mut len,
-        )
-    };
-    assert_eq!(status, MORI_OK);
-    // SAFETY: the library initialised `len` entries.
-    unsafe { out.set_len(len) };
+    plan_into(mori_tp_plan_segments, config, src, dst, out);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -156,40 +156,32 @@ fn the_header_compiles_alone_as_c99_and_as_cpp17() {
     );
 }
 
-#[test]
-fn the_c_program_passes_linked_static_shared_and_under_asan() {
-    let dir = out_dir("c");
-    let expected = "abi_test.c: all checks passed";
-    for (name, mut link) in [
+/// Builds `source` linked statically, dynamically and statically under AddressSanitizer, and runs
+/// each build.
+fn build_and_run_three_ways(compiler: &str, std: &str, source: &str) {
+    let dir = out_dir(source);
+    let expected = format!("{source}: all checks passed");
+    let mut asan_link = static_link();
+    asan_link.extend(asan());
+    for (name, link) in [
         ("static", static_link()),
         ("shared", shared_link()),
-        ("asan", static_link()),
+        ("asan", asan_link),
     ] {
-        if name == "asan" {
-            link.extend(asan());
-        }
         let exe = dir.join(format!("abi_test_{name}"));
-        compile("cc", "c99", "abi_test.c", &exe, &link);
-        run_program(&exe, expected);
+        compile(compiler, std, source, &exe, &link);
+        run_program(&exe, &expected);
     }
 }
 
 #[test]
+fn the_c_program_passes_linked_static_shared_and_under_asan() {
+    build_and_run_three_ways("cc", "c99", "abi_test.c");
+}
+
+#[test]
 fn the_cpp_program_passes_linked_static_shared_and_under_asan() {
-    let dir = out_dir("cpp");
-    let expected = "abi_test.cpp: all checks passed";
-    for (name, mut link) in [
-        ("static", static_link()),
-        ("shared", shared_link()),
-        ("asan", static_link()),
-    ] {
-        if name == "asan" {
-            link.extend(asan());
-        }
-        let exe = dir.join(format!("abi_test_{name}"));
-        compile("c++", "c++17", "abi_test.cpp", &exe, &link);
-        run_program(&exe, expected);
-    }
+    build_and_run_three_ways("c++", "c++17", "abi_test.cpp");
 }
 
 #[test]
