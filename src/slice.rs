@@ -109,16 +109,32 @@ impl TpSide {
     }
 }
 
-/// The valid TP sizes just below and just above `tp_size` for `heads` KV heads.
+/// The valid TP sizes just below and just above an invalid `tp_size` for `heads` KV heads.
 ///
-/// Valid sizes are the divisors and the multiples of `heads`; the one below is at least 1.
+/// Valid sizes are the multiples of `heads` (above it) and its divisors (below it). Computed
+/// directly, in at most `sqrt(heads)` steps, so absurd inputs cannot stall an error message.
 pub fn nearest_valid_tp_sizes(tp_size: u32, heads: u32) -> (u32, u32) {
-    let valid = |t: u32| t > 0 && (heads % t == 0 || t % heads == 0);
-    let below = (1..tp_size).rev().find(|&t| valid(t)).unwrap_or(1);
-    // Multiples of `heads` are `heads` apart, so both searches stop within `heads` steps.
-    let above = (tp_size.saturating_add(1)..=u32::MAX)
-        .find(|&t| valid(t))
-        .unwrap_or(tp_size);
+    if heads == 0 {
+        return (1, 1);
+    }
+    if tp_size > heads {
+        let below = tp_size / heads * heads;
+        return (below, below.checked_add(heads).unwrap_or(below));
+    }
+    let (mut below, mut above) = (1, heads);
+    let mut i = 1u32;
+    while u64::from(i) * u64::from(i) <= u64::from(heads) {
+        if heads % i == 0 {
+            for divisor in [i, heads / i] {
+                if divisor < tp_size {
+                    below = below.max(divisor);
+                } else if divisor > tp_size {
+                    above = above.min(divisor);
+                }
+            }
+        }
+        i += 1;
+    }
     (below, above)
 }
 
@@ -445,5 +461,44 @@ impl SliceConfig {
     pub fn is_contiguous(&self) -> bool {
         self.heads_bytes_per_token_to_send == self.bytes_per_token_src
             && self.heads_bytes_per_token_to_send == self.bytes_per_token_dst
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_valid_tp_sizes_are_the_neighbouring_divisors_or_multiples() {
+        assert_eq!(nearest_valid_tp_sizes(3, 8), (2, 4));
+        assert_eq!(nearest_valid_tp_sizes(8, 12), (6, 12));
+        assert_eq!(nearest_valid_tp_sizes(5, 12), (4, 6));
+        assert_eq!(nearest_valid_tp_sizes(12, 8), (8, 16));
+        assert_eq!(nearest_valid_tp_sizes(3, 2), (2, 4));
+        // A prime head count just above a huge TP size: no search through billions of sizes.
+        assert_eq!(
+            nearest_valid_tp_sizes(4_294_967_290, 4_294_967_291),
+            (1, 4_294_967_291)
+        );
+        // No valid size above u32::MAX - 1: both neighbours are the one below.
+        assert_eq!(
+            nearest_valid_tp_sizes(u32::MAX, 2),
+            (u32::MAX - 1, u32::MAX - 1)
+        );
+        // Every answer is valid, and nothing valid lies strictly between it and tp_size.
+        for heads in 1..=64u32 {
+            for tp in 1..=200u32 {
+                let valid = |t: u32| heads % t == 0 || t % heads == 0;
+                if valid(tp) {
+                    continue;
+                }
+                let (below, above) = nearest_valid_tp_sizes(tp, heads);
+                assert!(valid(below) && valid(above) && below < tp && tp < above);
+                assert!(
+                    (below + 1..above).all(|t| t == tp || !valid(t)),
+                    "H={heads} T={tp}"
+                );
+            }
+        }
     }
 }
