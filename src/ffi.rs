@@ -1,6 +1,6 @@
 //! The C ABI: the types and functions of `include/mori_tp.h`.
 //!
-//! Thin glue over the safe core: every function runs its body inside [`boundary`], which catches
+//! Thin glue over the safe core: every function runs its body inside `boundary`, which catches
 //! panics, maps the core's [`Error`] to a status code and stores its message as this thread's last
 //! error. Pointers are checked before use and outputs are written only on success.
 //!

@@ -4,12 +4,14 @@
 //! different tensor-parallel (TP) sizes, and gets the head arithmetic right for every valid layout.
 //!
 //! Read top-down:
-//! - [`slice`]: which heads each rank owns, which prefill rank sends which head, and the byte slice
-//!   a (prefill rank, decode rank) pair moves inside each token. The math lives here.
-//! - [`plan`]: a request's page pairs as coalesced strided copies (rects) or contiguous segments.
+//! - [`slice`](mod@slice): which heads each rank owns, which prefill rank sends which head, and
+//!   the byte slice a (prefill rank, decode rank) pair moves inside each token. The math lives
+//!   here.
+//! - [`plan`](mod@plan): a request's page pairs as coalesced strided copies (rects) or contiguous
+//!   segments.
 //! - [`backend`]: engines that perform one rect (host `memmove`, HIP `hipMemcpy2DAsync`).
-//! - [`send`]: validation of buffers against a plan, then the copies.
-//! - `ffi`: the C ABI of `include/mori_tp.h`, a thin layer over the above.
+//! - [`send`](mod@send): validation of buffers against a plan, then the copies.
+//! - [`ffi`]: the C ABI of `include/mori_tp.h`, a thin layer over the above.
 //!
 //! The behaviour is fixed by `CONTRACT.md`; the C header is the reference for C and C++ users.
 
