@@ -36,21 +36,6 @@ impl CopyRect {
     pub fn bytes(&self) -> u64 {
         self.width * self.height
     }
-
-    /// The rect as contiguous segments: one for a contiguous rect, else one per row.
-    pub fn segments(&self) -> impl Iterator<Item = Segment> + use<> {
-        let rect = *self;
-        let (rows, length) = if rect.is_contiguous() {
-            (1, rect.bytes())
-        } else {
-            (rect.height, rect.width)
-        };
-        (0..rows).map(move |row| Segment {
-            src_offset: rect.src_offset + row * rect.src_pitch,
-            dst_offset: rect.dst_offset + row * rect.dst_pitch,
-            length,
-        })
-    }
 }
 
 /// One contiguous copy of `length` bytes, offsets relative to each buffer's base.
@@ -291,13 +276,8 @@ impl<'a> Plan<'a> {
         }
     }
 
-    /// The segments: each rect's rows in order, or the whole rect when it is contiguous.
-    pub fn segments(&self) -> impl Iterator<Item = Segment> + '_ {
-        self.rects().flat_map(|rect| rect.segments())
-    }
-
-    /// Writes every segment, in the order of [`Plan::segments`], into the front of `out`, and
-    /// returns how many it wrote: the fast path for callers that fill large arrays (a loop over
+    /// Writes every segment into the front of `out` and returns how many it wrote: each rect's
+    /// rows in order, or the whole rect when it is contiguous on both sides (a loop over
     /// pages and token slots, no per-entry bounds checks).
     ///
     /// # Panics
@@ -394,9 +374,10 @@ pub fn plan_segments(
     src_pages: &[i32],
     dst_pages: &[i32],
 ) -> Result<Vec<Segment>> {
-    Ok(Plan::new(config, src_pages, dst_pages)?
-        .segments()
-        .collect())
+    let plan = Plan::new(config, src_pages, dst_pages)?;
+    let mut segments = vec![Segment::default(); plan.num_segments()?];
+    plan.fill_segments(&mut segments, |segment| segment);
+    Ok(segments)
 }
 
 #[cfg(test)]
@@ -522,7 +503,23 @@ mod tests {
             let mut fast = vec![Segment::default(); plan.num_segments().unwrap() + 2];
             let written = plan.fill_segments(&mut fast, |s| s);
             assert_eq!(written, plan.num_segments().unwrap());
-            assert_eq!(fast[..written], plan.segments().collect::<Vec<_>>()[..]);
+            // The reference: every row of every rect, or the whole rect when contiguous.
+            let rows: Vec<Segment> = plan
+                .rects()
+                .flat_map(|r| {
+                    let (n, len) = if r.is_contiguous() {
+                        (1, r.bytes())
+                    } else {
+                        (r.height, r.width)
+                    };
+                    (0..n).map(move |row| Segment {
+                        src_offset: r.src_offset + row * r.src_pitch,
+                        dst_offset: r.dst_offset + row * r.dst_pitch,
+                        length: len,
+                    })
+                })
+                .collect();
+            assert_eq!(fast[..written], rows[..]);
             assert_eq!(
                 fast[written..],
                 [Segment::default(); 2],
