@@ -4,6 +4,8 @@
 //! Everything here is pure integer arithmetic on the numbers of `CONTRACT.md` sections 2 and 3.
 //! Nothing knows about C, GPUs or buffers.
 
+#![forbid(unsafe_code)]
+
 use std::ops::Range;
 
 use crate::error::{Error, Result, Side};
