@@ -498,7 +498,7 @@ fn a_bad_request_gets_the_same_refusal_whatever_backend_it_asks_for() {
 
 #[test]
 fn misaligned_struct_pointers_are_refused_like_misaligned_arrays() {
-    let mut f = Fixture::new();
+    let f = Fixture::new();
     // A config one byte into a larger buffer: readable, but not aligned for MoriTpSliceConfig.
     let mut storage = [0u64; 16];
     let c = config();
