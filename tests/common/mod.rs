@@ -29,79 +29,9 @@ pub fn owned_heads(heads: u32, tp: u32, rank: u32) -> Range<u32> {
     }
 }
 
-/// splitmix64: a tiny deterministic generator, so failures reproduce from the seed alone.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next_u64() % (hi - lo + 1)
-    }
-
-    pub fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            let j = self.range(0, i as u64) as usize;
-            items.swap(i, j);
-        }
-    }
-}
-
-/// A request: page pairs plus the page counts each side's buffers hold.
-#[derive(Clone, Debug)]
-pub struct Request {
-    pub src_pages: Vec<i32>,
-    pub dst_pages: Vec<i32>,
-    pub src_capacity_pages: usize,
-    pub dst_capacity_pages: usize,
-}
-
-/// Lays runs of the given lengths out in a shuffled order with random gaps; returns each run's
-/// first page (in the original run order) and the pages needed to hold them all.
-fn lay_out(rng: &mut Rng, runs: &[usize]) -> (Vec<usize>, usize) {
-    let mut order: Vec<usize> = (0..runs.len()).collect();
-    rng.shuffle(&mut order);
-    let mut starts = vec![0; runs.len()];
-    let mut next = rng.range(0, 2) as usize;
-    for &run in &order {
-        starts[run] = next;
-        next += runs[run] + rng.range(0, 2) as usize;
-    }
-    (starts, next + 1)
-}
-
-/// A fragmented request of `runs` runs of 1..=4 pages: each run is contiguous on both sides,
-/// the runs sit in shuffled order with gaps, independently on each side.
-pub fn fragmented_request(seed: u64, runs: usize) -> Request {
-    let mut rng = Rng::new(seed);
-    let lengths: Vec<usize> = (0..runs).map(|_| rng.range(1, 4) as usize).collect();
-    let (src_starts, src_capacity_pages) = lay_out(&mut rng, &lengths);
-    let (dst_starts, dst_capacity_pages) = lay_out(&mut rng, &lengths);
-    let mut request = Request {
-        src_pages: Vec::new(),
-        dst_pages: Vec::new(),
-        src_capacity_pages,
-        dst_capacity_pages,
-    };
-    for (run, &len) in lengths.iter().enumerate() {
-        for k in 0..len {
-            request.src_pages.push((src_starts[run] + k) as i32);
-            request.dst_pages.push((dst_starts[run] + k) as i32);
-        }
-    }
-    request
-}
+/// The one seeded generator and fragmented-request generator, shared with the benchmarks and
+/// the CLI.
+pub use mori_tp_testkit::{Request, RunLengths, fragmented_request};
 
 /// The bytes of one head of one token: the first 8 identify (buffer, page, token, global head),
 /// the rest are a ramp, so a misplaced or shifted copy cannot go unnoticed.
@@ -427,8 +357,9 @@ pub fn every_model_deployment(send: &mut Sender<'_>) -> usize {
                     for &d_tp in &TP_SIZES {
                         assert!(valid_tp(model.kv_heads, p_tp) && valid_tp(model.kv_heads, d_tp));
                         let seed = (m as u64) << 32 | u64::from(p_tp) << 16 | u64::from(d_tp);
-                        let runs = if page_size == 1 { 7 } else { 3 };
-                        let request = fragmented_request(seed ^ page_size as u64, runs);
+                        let pages = if page_size == 1 { 17 } else { 7 };
+                        let request =
+                            fragmented_request(seed ^ page_size as u64, pages, RunLengths::UpTo(4));
                         let outcome = catch_unwind(AssertUnwindSafe(|| {
                             transfer(
                                 model.kv_heads,
@@ -460,7 +391,8 @@ pub fn every_model_deployment(send: &mut Sender<'_>) -> usize {
 /// The deployments of [`ODD_DEPLOYMENTS`] through `send`, byte for byte.
 pub fn odd_deployments(send: &mut Sender<'_>) {
     for (h, p_tp, d_tp) in ODD_DEPLOYMENTS {
-        let request = fragmented_request(u64::from(h * 1000 + p_tp * 10 + d_tp), 5);
+        let seed = u64::from(h * 1000 + p_tp * 10 + d_tp);
+        let request = fragmented_request(seed, 12, RunLengths::UpTo(4));
         transfer(h, 12, 2, p_tp, d_tp, 4, &request, send);
     }
 }
