@@ -1,10 +1,15 @@
 //! A deployment: a model served by a prefill engine of TP size P and a decode engine of TP size D,
-//! validated by the library. The byte sizes of pages follow `CONTRACT.md` section 2: a rank's
-//! heads sit contiguous inside each token, each `head_dim * dtype` bytes.
+//! validated by the library. The byte sizes of pages follow the layout the header describes: a
+//! rank's heads sit contiguous inside each token, each `head_dim * dtype` bytes.
 
 use mori_tp::{Error, Side, SliceConfig, SliceParams, Topology, TpSide, slice_config};
 
 use crate::model::{Dtype, Model};
+
+/// The largest TP size `mori-tp` accepts on either side. Output grows with the pairs that share
+/// heads (up to P x D for MLA), so a bound keeps every command's time and memory bounded: at
+/// 1024 x 1024, `plan --json` lists a million pairs. Real engines stay far below it.
+pub const MAX_TP_SIZE: u32 = 1024;
 
 /// A model, a dtype, a page size and both TP sizes, checked by the library.
 #[derive(Clone, Debug)]
@@ -23,20 +28,101 @@ pub struct Layout {
     pub dst_item_len: u64,
 }
 
-/// Why a layout cannot run: the library's messages, one per problem.
+/// One reason a layout cannot run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// For people: names the side, the values and what would work.
+    pub message: String,
+    /// The numbers of a TP size that does not fit the model's KV heads.
+    pub topology: Option<TopologyProblem>,
+}
+
+/// A TP size that neither divides the model's KV heads nor is a multiple of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopologyProblem {
+    pub side: Side,
+    pub tp_size: u32,
+    pub kv_heads: u32,
+    /// The valid sizes nearest to `tp_size`: the one below and the one above, where each exists.
+    pub nearest: Vec<u32>,
+}
+
+/// Why a layout cannot run: one problem per side or check that failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayoutError {
     pub summary: String,
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
+}
+
+impl LayoutError {
+    /// An error whose problems are the library's messages.
+    fn from_library(summary: String, errors: &[Error]) -> LayoutError {
+        let problems = errors
+            .iter()
+            .map(|e| Problem {
+                message: e.to_string(),
+                topology: None,
+            })
+            .collect();
+        LayoutError { summary, problems }
+    }
 }
 
 impl std::fmt::Display for LayoutError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.summary)?;
         for problem in &self.problems {
-            write!(f, "\n  {problem}")?;
+            write!(f, "\n  {}", problem.message)?;
         }
         Ok(())
+    }
+}
+
+/// The valid TP sizes nearest to `tp_size` for `heads` KV heads: the largest valid size below
+/// and the smallest above, each where one exists in `u32` (valid sizes are the divisors of
+/// `heads` and its multiples). Direct arithmetic, at most `sqrt(heads)` steps.
+pub fn nearest_valid_tp_sizes(tp_size: u32, heads: u32) -> Vec<u32> {
+    let (below, above) = if tp_size > heads {
+        let below = tp_size / heads * heads;
+        (Some(below), below.checked_add(heads))
+    } else {
+        let (mut below, mut above) = (None, None);
+        let mut i = 1u32;
+        while u64::from(i) * u64::from(i) <= u64::from(heads) {
+            if heads % i == 0 {
+                for divisor in [i, heads / i] {
+                    if divisor < tp_size {
+                        below = below.max(Some(divisor));
+                    } else if divisor > tp_size {
+                        above = Some(above.map_or(divisor, |a: u32| a.min(divisor)));
+                    }
+                }
+            }
+            i += 1;
+        }
+        (below, above)
+    };
+    below.into_iter().chain(above).collect()
+}
+
+/// The message for a TP size that does not fit the model's heads, in the library's words.
+fn topology_problem(side: Side, tp_size: u32, heads: u32) -> Problem {
+    let nearest = nearest_valid_tp_sizes(tp_size, heads);
+    let listed: Vec<String> = nearest.iter().map(u32::to_string).collect();
+    let message = format!(
+        "invalid topology: {side}: tp_size {tp_size} and total_kv_heads {heads} divide neither \
+         way (one must be a multiple of the other; nearest valid tp size{}: {})",
+        if nearest.len() == 1 { "" } else { "s" },
+        listed.join(" and ")
+    );
+    Problem {
+        message,
+        topology: Some(TopologyProblem {
+            side,
+            tp_size,
+            kv_heads: heads,
+            nearest,
+        }),
     }
 }
 
@@ -55,38 +141,46 @@ impl Layout {
             "{} ({} KV heads) cannot run with prefill TP {prefill_tp} and decode TP {decode_tp}:",
             model.name, model.kv_heads
         );
-        let fail = |problems: Vec<String>| LayoutError {
-            summary: summary.clone(),
-            problems,
-        };
-        let sides = [
-            TpSide::new(Side::Prefill, prefill_tp, model.kv_heads),
-            TpSide::new(Side::Decode, decode_tp, model.kv_heads),
-        ];
-        let mut problems: Vec<String> = sides
-            .iter()
-            .filter_map(|side| side.as_ref().err().map(Error::to_string))
-            .collect();
-        // Both sides report the same message for a model without heads.
-        problems.dedup();
-        if !problems.is_empty() {
-            return Err(fail(problems));
+        let fail = |error: Error| LayoutError::from_library(summary.clone(), &[error]);
+        let mut problems = Vec::new();
+        for (side, tp_size) in [(Side::Prefill, prefill_tp), (Side::Decode, decode_tp)] {
+            match TpSide::new(side, tp_size, model.kv_heads) {
+                Ok(_) => {}
+                // The sizes are checked here rather than quoted: the library's message can name
+                // one nearest size twice when the next multiple overflows 32 bits.
+                Err(Error::Topology(_)) if model.kv_heads > 0 => {
+                    problems.push(topology_problem(side, tp_size, model.kv_heads));
+                }
+                Err(other) => {
+                    let error = LayoutError::from_library(String::new(), &[other]);
+                    // Both sides report the same message for a model without heads.
+                    if !problems.contains(&error.problems[0]) {
+                        problems.extend(error.problems);
+                    }
+                }
+            }
         }
-        let topology = Topology::new(model.kv_heads, prefill_tp, decode_tp)
-            .map_err(|e| fail(vec![e.to_string()]))?;
+        if !problems.is_empty() {
+            return Err(LayoutError { summary, problems });
+        }
+        let topology = Topology::new(model.kv_heads, prefill_tp, decode_tp).map_err(fail)?;
 
         let bytes_per_head = u64::from(model.head_dim) * u64::from(dtype.bytes());
         let item_len = |side: &TpSide| {
             bytes_per_head
                 .checked_mul(u64::from(side.heads_per_rank()))
                 .and_then(|b| b.checked_mul(u64::from(page_size)))
-                .ok_or_else(|| {
-                    fail(vec![format!(
-                        "{}: a page of {page_size} tokens x {} heads x {bytes_per_head} bytes \
-                         overflows 64 bits",
-                        side.side(),
-                        side.heads_per_rank()
-                    )])
+                .ok_or_else(|| LayoutError {
+                    summary: summary.clone(),
+                    problems: vec![Problem {
+                        message: format!(
+                            "{}: a page of {page_size} tokens x {} heads x {bytes_per_head} \
+                             bytes overflows 64 bits",
+                            side.side(),
+                            side.heads_per_rank()
+                        ),
+                        topology: None,
+                    }],
                 })
         };
         let layout = Layout {
@@ -99,9 +193,7 @@ impl Layout {
             bytes_per_head,
         };
         // The library has the last word on the byte layout of every pair.
-        layout
-            .slice_config(0, 0)
-            .map_err(|e| fail(vec![e.to_string()]))?;
+        layout.slice_config(0, 0).map_err(fail)?;
         Ok(layout)
     }
 
@@ -215,6 +307,44 @@ pub fn human_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The definition, by search: valid sizes divide the heads or are multiples of them.
+    fn nearest_by_search(tp_size: u32, heads: u32) -> Vec<u32> {
+        let valid = |t: u32| heads % t == 0 || t % heads == 0;
+        let below = (1..tp_size).rev().find(|&t| valid(t));
+        let above = (tp_size + 1..=4 * heads + tp_size).find(|&t| valid(t));
+        below.into_iter().chain(above).collect()
+    }
+
+    #[test]
+    fn nearest_valid_sizes_are_the_closest_divisors_or_multiples() {
+        for heads in 1..=40 {
+            for tp_size in 1..=130 {
+                if heads % tp_size != 0 && tp_size % heads != 0 {
+                    assert_eq!(
+                        nearest_valid_tp_sizes(tp_size, heads),
+                        nearest_by_search(tp_size, heads),
+                        "tp_size {tp_size}, heads {heads}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_size_whose_next_multiple_overflows_gets_one_nearest_size_not_the_same_twice() {
+        assert_eq!(nearest_valid_tp_sizes(u32::MAX, 4), vec![u32::MAX - 3]);
+        assert_eq!(nearest_valid_tp_sizes(u32::MAX, 2), vec![u32::MAX - 1]);
+        assert_eq!(nearest_valid_tp_sizes(u32::MAX - 2, 8), vec![u32::MAX - 7]);
+        let problem = topology_problem(Side::Prefill, u32::MAX, 4);
+        assert!(
+            problem
+                .message
+                .ends_with("nearest valid tp size: 4294967292)"),
+            "{}",
+            problem.message
+        );
+    }
 
     #[test]
     fn numbers_print_for_people() {
