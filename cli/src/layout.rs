@@ -54,20 +54,6 @@ pub struct LayoutError {
     pub problems: Vec<Problem>,
 }
 
-impl LayoutError {
-    /// An error whose problems are the library's messages.
-    fn from_library(summary: String, errors: &[Error]) -> LayoutError {
-        let problems = errors
-            .iter()
-            .map(|e| Problem {
-                message: e.to_string(),
-                topology: None,
-            })
-            .collect();
-        LayoutError { summary, problems }
-    }
-}
-
 impl std::fmt::Display for LayoutError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.summary)?;
@@ -78,51 +64,30 @@ impl std::fmt::Display for LayoutError {
     }
 }
 
-/// The valid TP sizes nearest to `tp_size` for `heads` KV heads: the largest valid size below
-/// and the smallest above, each where one exists in `u32` (valid sizes are the divisors of
-/// `heads` and its multiples). Direct arithmetic, at most `sqrt(heads)` steps.
-pub fn nearest_valid_tp_sizes(tp_size: u32, heads: u32) -> Vec<u32> {
-    let (below, above) = if tp_size > heads {
-        let below = tp_size / heads * heads;
-        (Some(below), below.checked_add(heads))
-    } else {
-        let (mut below, mut above) = (None, None);
-        let mut i = 1u32;
-        while u64::from(i) * u64::from(i) <= u64::from(heads) {
-            if heads % i == 0 {
-                for divisor in [i, heads / i] {
-                    if divisor < tp_size {
-                        below = below.max(Some(divisor));
-                    } else if divisor > tp_size {
-                        above = Some(above.map_or(divisor, |a: u32| a.min(divisor)));
-                    }
-                }
-            }
-            i += 1;
+impl Problem {
+    /// A problem in the library's words, with its numbers where it is about a TP size.
+    fn from_library(error: &Error) -> Problem {
+        let topology = match *error {
+            Error::IndivisibleTp {
+                side,
+                tp_size,
+                total_kv_heads,
+                nearest_below,
+                nearest_above,
+            } => Some(TopologyProblem {
+                side,
+                tp_size,
+                kv_heads: total_kv_heads,
+                nearest: std::iter::once(nearest_below)
+                    .chain(nearest_above)
+                    .collect(),
+            }),
+            _ => None,
+        };
+        Problem {
+            message: error.to_string(),
+            topology,
         }
-        (below, above)
-    };
-    below.into_iter().chain(above).collect()
-}
-
-/// The message for a TP size that does not fit the model's heads, in the library's words.
-fn topology_problem(side: Side, tp_size: u32, heads: u32) -> Problem {
-    let nearest = nearest_valid_tp_sizes(tp_size, heads);
-    let listed: Vec<String> = nearest.iter().map(u32::to_string).collect();
-    let message = format!(
-        "invalid topology: {side}: tp_size {tp_size} and total_kv_heads {heads} divide neither \
-         way (one must be a multiple of the other; nearest valid tp size{}: {})",
-        if nearest.len() == 1 { "" } else { "s" },
-        listed.join(" and ")
-    );
-    Problem {
-        message,
-        topology: Some(TopologyProblem {
-            side,
-            tp_size,
-            kv_heads: heads,
-            nearest,
-        }),
     }
 }
 
@@ -141,22 +106,18 @@ impl Layout {
             "{} ({} KV heads) cannot run with prefill TP {prefill_tp} and decode TP {decode_tp}:",
             model.name, model.kv_heads
         );
-        let fail = |error: Error| LayoutError::from_library(summary.clone(), &[error]);
-        let mut problems = Vec::new();
+        let fail = |error: Error| LayoutError {
+            summary: summary.clone(),
+            problems: vec![Problem::from_library(&error)],
+        };
+        // Each side on its own, so that both are reported when both are wrong.
+        let mut problems: Vec<Problem> = Vec::new();
         for (side, tp_size) in [(Side::Prefill, prefill_tp), (Side::Decode, decode_tp)] {
-            match TpSide::new(side, tp_size, model.kv_heads) {
-                Ok(_) => {}
-                // The sizes are checked here rather than quoted: the library's message can name
-                // one nearest size twice when the next multiple overflows 32 bits.
-                Err(Error::Topology(_)) if model.kv_heads > 0 => {
-                    problems.push(topology_problem(side, tp_size, model.kv_heads));
-                }
-                Err(other) => {
-                    let error = LayoutError::from_library(String::new(), &[other]);
-                    // Both sides report the same message for a model without heads.
-                    if !problems.contains(&error.problems[0]) {
-                        problems.extend(error.problems);
-                    }
+            if let Err(error) = TpSide::new(side, tp_size, model.kv_heads) {
+                let problem = Problem::from_library(&error);
+                // Both sides report the same problem for a model without heads.
+                if !problems.contains(&problem) {
+                    problems.push(problem);
                 }
             }
         }
@@ -205,6 +166,20 @@ impl Layout {
     /// `D`.
     pub fn decode_tp(&self) -> u32 {
         self.topology.decode().tp_size()
+    }
+
+    /// The heads prefill rank `p` owns (`p` below the prefill TP size).
+    pub fn prefill_heads(&self, p: u32) -> std::ops::Range<u32> {
+        let side = self.topology.prefill();
+        side.owned_heads(p)
+            .expect("a prefill rank below its TP size")
+    }
+
+    /// The heads decode rank `d` owns (`d` below the decode TP size).
+    pub fn decode_heads(&self, d: u32) -> std::ops::Range<u32> {
+        let side = self.topology.decode();
+        side.owned_heads(d)
+            .expect("a decode rank below its TP size")
     }
 
     /// KV buffers per rank over `layers` layers: K and V of each layer, or one MLA latent.
@@ -307,44 +282,6 @@ pub fn human_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The definition, by search: valid sizes divide the heads or are multiples of them.
-    fn nearest_by_search(tp_size: u32, heads: u32) -> Vec<u32> {
-        let valid = |t: u32| heads % t == 0 || t % heads == 0;
-        let below = (1..tp_size).rev().find(|&t| valid(t));
-        let above = (tp_size + 1..=4 * heads + tp_size).find(|&t| valid(t));
-        below.into_iter().chain(above).collect()
-    }
-
-    #[test]
-    fn nearest_valid_sizes_are_the_closest_divisors_or_multiples() {
-        for heads in 1..=40 {
-            for tp_size in 1..=130 {
-                if heads % tp_size != 0 && tp_size % heads != 0 {
-                    assert_eq!(
-                        nearest_valid_tp_sizes(tp_size, heads),
-                        nearest_by_search(tp_size, heads),
-                        "tp_size {tp_size}, heads {heads}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn a_size_whose_next_multiple_overflows_gets_one_nearest_size_not_the_same_twice() {
-        assert_eq!(nearest_valid_tp_sizes(u32::MAX, 4), vec![u32::MAX - 3]);
-        assert_eq!(nearest_valid_tp_sizes(u32::MAX, 2), vec![u32::MAX - 1]);
-        assert_eq!(nearest_valid_tp_sizes(u32::MAX - 2, 8), vec![u32::MAX - 7]);
-        let problem = topology_problem(Side::Prefill, u32::MAX, 4);
-        assert!(
-            problem
-                .message
-                .ends_with("nearest valid tp size: 4294967292)"),
-            "{}",
-            problem.message
-        );
-    }
 
     #[test]
     fn numbers_print_for_people() {

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::io::{self, Write};
 use std::ops::Range;
 
-use mori_tp::{Action, SliceConfig};
+use mori_tp::{Action, SliceConfig, Staging, staging_for, staging_len};
 use serde_json::{Value, json};
 
 use crate::layout::{Layout, LayoutError, grouped, heads_text, human_bytes};
@@ -24,6 +24,11 @@ pub struct Pair {
     pub shared_heads: Range<u32>,
     /// The prefill rank that sends the shared heads (this one, for a sending pair).
     pub sent_by: u32,
+    /// The staging an RDMA connector should use (`staging_for`; none for a replica).
+    pub staging: Staging,
+    /// Bytes of one staging region for a request, over every buffer of every layer: what each
+    /// staged side sets aside (0 for a replica).
+    pub staging_bytes: u64,
 }
 
 impl Pair {
@@ -61,30 +66,41 @@ pub fn request_tokens(layout: &Layout, tokens: u32) -> u64 {
 /// Decode rank `d` with its pairs and totals.
 pub fn decode_rank(layout: &Layout, d: u32, tokens: u32) -> Result<DecodeRank, LayoutError> {
     let topology = &layout.topology;
-    let (prefill, decode) = (topology.prefill(), topology.decode());
-    let heads = decode.owned_heads(d);
+    let prefill = topology.prefill();
+    // The library answers None or Err only for ranks and heads outside the layout; every rank
+    // and head here comes from it.
+    const IN_RANGE: &str = "ranks below their TP sizes, heads below the model's";
+    let heads = layout.decode_heads(d);
     // The prefill ranks owning any of these heads are consecutive: from the first owner of the
     // first head to the last replica of the last one.
-    let first = prefill.first_owner(heads.start);
-    let last = prefill.first_owner(heads.end - 1) + prefill.replication() - 1;
+    let first = prefill.first_owner(heads.start).expect(IN_RANGE);
+    let last = prefill.first_owner(heads.end - 1).expect(IN_RANGE) + prefill.replication() - 1;
     let mut pairs = Vec::new();
     for p in first..=last {
-        let pairing = topology.pairing(p, d);
+        let pairing = topology.pairing(p, d).expect(IN_RANGE);
         if pairing.action == Action::NotPaired {
             continue;
         }
-        let config = layout.slice_config(p, d).map_err(|e| LayoutError {
+        let fail = |e: mori_tp::Error| LayoutError {
             summary: format!("prefill rank {p} -> decode rank {d}:"),
             problems: vec![crate::layout::Problem {
                 message: e.to_string(),
                 topology: None,
             }],
-        })?;
+        };
+        let config = layout.slice_config(p, d).map_err(fail)?;
+        let staging = staging_for(&config).map_err(fail)?;
+        let pages = request_tokens(layout, tokens) / u64::from(layout.page_size);
+        let per_buffer = staging_len(&config, pages as usize).map_err(fail)?;
         pairs.push(Pair {
             prefill_rank: p,
             decode_rank: d,
             config,
-            sent_by: topology.sender(d, pairing.shared_heads.start),
+            staging,
+            staging_bytes: per_buffer.saturating_mul(layout.buffers(layout.model.layers)),
+            sent_by: topology
+                .sender(d, pairing.shared_heads.start)
+                .expect(IN_RANGE),
             shared_heads: pairing.shared_heads,
         });
     }
@@ -110,6 +126,40 @@ pub fn decode_ranks(
     tokens: u32,
 ) -> impl Iterator<Item = Result<DecodeRank, LayoutError>> + '_ {
     (0..layout.decode_tp()).map(move |d| decode_rank(layout, d, tokens))
+}
+
+/// The JSON name of a staging mode, as the C enum `MoriTpStaging` names it.
+pub fn staging_name(staging: Staging) -> &'static str {
+    match staging {
+        Staging::None => "none",
+        Staging::Src => "src",
+        Staging::Dst => "dst",
+        Staging::Both => "both",
+    }
+}
+
+/// What an RDMA connector does for a sending pair with its staging, in words: who packs, who
+/// unpacks, and the staging bytes per request. (Each side `staging_for` leaves alone has a token
+/// slot exactly as wide as the slice, so its runs of pages are contiguous.)
+fn staging_text(pair: &Pair) -> String {
+    let (p, d) = (pair.prefill_rank, pair.decode_rank);
+    let bytes = human_bytes(pair.staging_bytes);
+    match pair.staging {
+        Staging::None => {
+            "RDMA staging none: the slice is the whole token on both sides; a segment per run"
+                .into()
+        }
+        Staging::Src => format!(
+            "RDMA staging src: prefill rank {p} packs {bytes} per request; a segment per run"
+        ),
+        Staging::Dst => format!(
+            "RDMA staging dst: a segment per run into {bytes} per request; decode rank {d} unpacks"
+        ),
+        Staging::Both => format!(
+            "RDMA staging both: prefill rank {p} packs {bytes} per request, a segment per buffer, \
+             decode rank {d} unpacks"
+        ),
+    }
 }
 
 fn action_name(action: Action) -> &'static str {
@@ -148,7 +198,14 @@ fn write_pair_json(out: &mut dyn Write, pair: &Pair) -> io::Result<()> {
         pair.shared_heads.start,
         pair.shared_heads.end,
     )?;
-    if !pair.sends() {
+    if pair.sends() {
+        write!(
+            out,
+            ",\"staging\":\"{}\",\"staging_bytes_per_request\":{}",
+            staging_name(pair.staging),
+            pair.staging_bytes
+        )?;
+    } else {
         write!(out, ",\"sent_by\":{}", pair.sent_by)?;
     }
     out.write_all(b"}")
@@ -319,6 +376,7 @@ fn rank_text(layout: &Layout, rank: &DecodeRank, tokens: u32) -> String {
                 c.dst_head_slice_offset + width,
                 c.bytes_per_token_dst,
             );
+            let _ = writeln!(out, "    {}", staging_text(pair));
             i += 1;
             continue;
         }

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use mori_tp::backend::open_engine;
 use mori_tp::{
-    Action, Backend, CopyEngine, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, send,
-    send_host,
+    Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, Staging,
+    pack, pack_host, plan_transfer, send, send_host, staging_for, staging_len, unpack, unpack_host,
 };
 use mori_tp_testkit::{Request, RunLengths, fragmented_request, mix};
 
@@ -78,15 +78,26 @@ pub struct SendStats {
     /// (decode rank, prefill rank, first head, heads) of every sending pair.
     pub senders: Vec<(u32, u32, u32, u32)>,
     /// Pairs the library marked as replicas (nothing to send).
-    pub replicas_skipped: u32,
+    pub replicas_skipped: u64,
     /// Strided 2D copies issued: rects of each pair's plan times buffers.
     pub copies: u64,
-    /// Copies a planner issuing one per token per pair per buffer would need.
+    /// Copies (or RDMA segments) a planner issuing one per token per pair per buffer would need.
     pub per_token_copies: u64,
     /// Bytes moved.
     pub bytes: u64,
     /// Time spent inside the library's send.
     pub elapsed: Duration,
+    /// Segments an RDMA engine gets for the direct transfer (pages to pages), over all pairs
+    /// and buffers.
+    pub direct_segments: u64,
+    /// Segments an RDMA engine gets with the staging `staging_for` chooses.
+    pub staged_segments: u64,
+    /// Sending pairs per staging mode, in the order of [`Staging::ALL`].
+    pub staging_modes: [u64; 4],
+    /// Staging bytes per request over all pairs: each staged side's region.
+    pub staging_bytes: u64,
+    /// Time spent packing, moving the segments and unpacking.
+    pub staged_elapsed: Duration,
 }
 
 /// What the check of every decode byte found.
@@ -111,8 +122,10 @@ pub struct Simulation<'a> {
     pattern: Pattern,
     /// `src[p][b]`: buffer `b` of prefill rank `p` (K of each layer, then V of each layer).
     src: Vec<Vec<Vec<u8>>>,
-    /// `dst[d][b]`: buffer `b` of decode rank `d`.
+    /// `dst[d][b]`: buffer `b` of decode rank `d`, written by the direct transfer.
     dst: Vec<Vec<Vec<u8>>>,
+    /// The same, written by the staged transfer (pack, segments, unpack).
+    dst_staged: Vec<Vec<Vec<u8>>>,
     /// The HIP engine, when `--backend hip` asked for it; host copies need none.
     engine: Option<Box<dyn CopyEngine>>,
 }
@@ -127,10 +140,14 @@ impl<'a> Simulation<'a> {
         let buffers = layout.buffers(layers);
         // The request's page counts bound the capacities: each run adds at most 2 free pages.
         let worst_pages = 3 * pages as u128 + 3;
+        // Prefill buffers, decode buffers twice (direct and staged), and one pair's staging
+        // regions, each at most a page's slot per page and buffer.
+        let item = u128::from(layout.src_item_len.max(layout.dst_item_len));
         let memory = u128::from(buffers)
             * worst_pages
             * (u128::from(layout.prefill_tp()) * u128::from(layout.src_item_len)
-                + u128::from(layout.decode_tp()) * u128::from(layout.dst_item_len));
+                + 2 * u128::from(layout.decode_tp()) * u128::from(layout.dst_item_len)
+                + 2 * item);
         if memory > u128::from(MEMORY_LIMIT) || worst_pages > i32::MAX as u128 {
             return Err(SimError::TooLarge(format!(
                 "simulating {} tokens over {layers} layers of {} prefill and {} decode ranks could \
@@ -149,9 +166,13 @@ impl<'a> Simulation<'a> {
                 open_engine(&SendOptions {
                     backend: Backend::Hip,
                     synchronize: true,
+                    copy_kernel: false,
                     stream: std::ptr::null_mut(),
                 })
-                .map_err(|e| SimError::Backend(e.to_string()))?,
+                .map_err(|e| match e {
+                    Error::BackendUnavailable { .. } => SimError::Backend(e.to_string()),
+                    other => SimError::Library(other.to_string()),
+                })?,
             ),
         };
         let request = fragmented_request(
@@ -167,11 +188,10 @@ impl<'a> Simulation<'a> {
             words_per_head: layout.bytes_per_head.div_ceil(8),
         };
         let buffers = buffers as usize;
-        let prefill = layout.topology.prefill();
         let bph = layout.bytes_per_head as usize;
         let src = (0..layout.prefill_tp())
             .map(|p| {
-                let heads = prefill.owned_heads(p);
+                let heads = layout.prefill_heads(p);
                 (0..buffers)
                     .map(|b| {
                         let len = request.src_capacity_pages as u64 * layout.src_item_len;
@@ -190,7 +210,7 @@ impl<'a> Simulation<'a> {
             })
             .collect();
         let dst_len = (request.dst_capacity_pages as u64 * layout.dst_item_len) as usize;
-        let dst = (0..layout.decode_tp())
+        let dst: Vec<Vec<Vec<u8>>> = (0..layout.decode_tp())
             .map(|_| vec![vec![SENTINEL; dst_len]; buffers])
             .collect();
         Ok(Simulation {
@@ -199,6 +219,7 @@ impl<'a> Simulation<'a> {
             request,
             pattern,
             src,
+            dst_staged: dst.clone(),
             dst,
             engine,
         })
@@ -214,7 +235,7 @@ impl<'a> Simulation<'a> {
         let total = |ranks: &[Vec<Vec<u8>>]| -> u64 {
             ranks.iter().flatten().map(|b| b.len() as u64).sum()
         };
-        total(&self.src) + total(&self.dst)
+        total(&self.src) + total(&self.dst) + total(&self.dst_staged)
     }
 
     /// Sends one pair's slice of every buffer with the chosen backend, following the plan the
@@ -254,38 +275,152 @@ impl<'a> Simulation<'a> {
         Ok((report, start.elapsed()))
     }
 
-    /// Every pair the library says sends: its slice, its plan, and the copies.
-    pub fn send_all(&mut self) -> Result<SendStats, String> {
+    /// One pair's staged transfer, as an RDMA connector would run it: the prefill rank packs
+    /// (when `staging_for` stages its side), the transport copies every segment of
+    /// `plan_transfer` for every buffer (done here in host memory), the decode rank unpacks
+    /// (when its side is staged), into the staged decode buffers. Returns the staging, the
+    /// segments per buffer and the staging bytes of both sides.
+    pub fn stage_pair(
+        &mut self,
+        p: u32,
+        d: u32,
+        config: &SliceConfig,
+    ) -> Result<(Staging, u64, u64), String> {
+        let r = &self.request;
+        let buffers = self.src[p as usize].len();
+        let staging = staging_for(config).map_err(|e| e.to_string())?;
+        let segments = plan_transfer(config, staging, &r.src_pages, &r.dst_pages)
+            .map_err(|e| e.to_string())?;
+        let len = staging_len(config, r.src_pages.len()).map_err(|e| e.to_string())? as usize;
+        let region = |stage: bool, fill: u8| vec![fill; if stage { buffers * len } else { 0 }];
+        // A sentinel in the decode region too, so an unpack of bytes never moved would show.
+        let mut src_region = region(staging.stages_src(), 0);
+        let mut dst_region = region(staging.stages_dst(), SENTINEL);
+        let src: Vec<&[u8]> = self.src[p as usize].iter().map(Vec::as_slice).collect();
+        let dst = &mut self.dst_staged[d as usize];
+        if staging.stages_src() {
+            match &mut self.engine {
+                None => pack_host(config, &src, &r.src_pages, &mut src_region),
+                Some(engine) => {
+                    let ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+                    // SAFETY: live buffers of the stated lengths; the region is a separate
+                    // allocation; the engine synchronizes before returning.
+                    unsafe {
+                        pack(
+                            config,
+                            &ptrs,
+                            src[0].len() as u64,
+                            &r.src_pages,
+                            src_region.as_mut_ptr(),
+                            src_region.len() as u64,
+                            engine.as_mut(),
+                        )
+                    }
+                }
+            }
+            .map_err(|e| format!("pack: {e}"))?;
+        }
+        // The transport: the same segment list on every buffer, from the packed region or the
+        // pages, into the decode region or the pages.
+        for b in 0..buffers {
+            let from: &[u8] = if staging.stages_src() {
+                &src_region[b * len..(b + 1) * len]
+            } else {
+                src[b]
+            };
+            let to: &mut [u8] = if staging.stages_dst() {
+                &mut dst_region[b * len..(b + 1) * len]
+            } else {
+                &mut dst[b]
+            };
+            for (i, s) in segments.iter().enumerate() {
+                let (from_at, to_at) = (s.src_offset as usize, s.dst_offset as usize);
+                let n = s.length as usize;
+                let (Some(bytes), true) = (from.get(from_at..from_at + n), to_at + n <= to.len())
+                else {
+                    return Err(format!(
+                        "plan_transfer segment {i} of {} ({s:?}) leaves buffer {b} ({} source, {}                          destination bytes)",
+                        segments.len(),
+                        from.len(),
+                        to.len()
+                    ));
+                };
+                to[to_at..to_at + n].copy_from_slice(bytes);
+            }
+        }
+        if staging.stages_dst() {
+            let mut dst_bufs: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
+            match &mut self.engine {
+                None => unpack_host(config, &dst_region, &mut dst_bufs, &r.dst_pages),
+                Some(engine) => {
+                    let capacity = dst_bufs[0].len() as u64;
+                    let ptrs: Vec<*mut u8> = dst_bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+                    // SAFETY: as for pack, the other way round.
+                    unsafe {
+                        unpack(
+                            config,
+                            dst_region.as_ptr(),
+                            dst_region.len() as u64,
+                            &ptrs,
+                            capacity,
+                            &r.dst_pages,
+                            engine.as_mut(),
+                        )
+                    }
+                }
+            }
+            .map_err(|e| format!("unpack: {e}"))?;
+        }
+        let staged_bytes = (src_region.len() + dst_region.len()) as u64;
+        Ok((staging, segments.len() as u64, staged_bytes))
+    }
+
+    /// Every pair the library says sends, moved twice: directly (its plan's strided copies) into
+    /// the decode buffers, and staged (pack, segments, unpack) into the staged decode buffers.
+    pub fn send_all(&mut self, tokens: u32) -> Result<SendStats, String> {
         let mut stats = SendStats::default();
         let buffers = self.buffers() as u64;
-        let tokens = self.request.src_pages.len() as u64 * u64::from(self.layout.page_size);
-        for d in 0..self.layout.decode_tp() {
-            for p in 0..self.layout.prefill_tp() {
-                let failed =
-                    |e: mori_tp::Error| format!("prefill rank {p} -> decode rank {d}: {e}");
-                let config = self.layout.slice_config(p, d).map_err(failed)?;
-                match config.action {
-                    Action::Send => {}
-                    Action::SkipReplica => {
-                        stats.replicas_skipped += 1;
-                        continue;
-                    }
-                    Action::NotPaired => continue,
+        let request_tokens = self.request.src_pages.len() as u64 * u64::from(self.layout.page_size);
+        let layout = self.layout;
+        for rank in crate::plan::decode_ranks(layout, tokens) {
+            let rank = rank.map_err(|e| e.to_string())?;
+            for pair in &rank.pairs {
+                let (p, d, config) = (pair.prefill_rank, pair.decode_rank, &pair.config);
+                if !pair.sends() {
+                    stats.replicas_skipped += 1;
+                    continue;
                 }
-                let (report, elapsed) = self.send_pair(p, d, &config).map_err(failed)?;
+                let failed = |e: String| format!("prefill rank {p} -> decode rank {d}: {e}");
+                let (report, elapsed) = self
+                    .send_pair(p, d, config)
+                    .map_err(|e| failed(e.to_string()))?;
                 stats.copies += report.copies as u64;
-                stats.per_token_copies += tokens * buffers;
+                stats.per_token_copies += request_tokens * buffers;
                 stats.bytes += report.bytes;
                 stats
                     .senders
                     .push((d, p, config.first_head, config.num_heads));
                 stats.elapsed += elapsed;
+                let r = &self.request;
+                let direct = Plan::new(config, &r.src_pages, &r.dst_pages)
+                    .and_then(|plan| plan.num_segments())
+                    .map_err(|e| failed(e.to_string()))?;
+                stats.direct_segments += direct as u64 * buffers;
+
+                let start = Instant::now();
+                let (staging, segments, staged_bytes) =
+                    self.stage_pair(p, d, config).map_err(failed)?;
+                stats.staged_elapsed += start.elapsed();
+                stats.staged_segments += segments * buffers;
+                stats.staging_bytes += staged_bytes;
+                let mode = Staging::ALL.iter().position(|&m| m == staging);
+                stats.staging_modes[mode.expect("one of the modes")] += 1;
             }
         }
         Ok(stats)
     }
 
-    /// `layer 3 V`: the contract orders buffers K of each layer, then V of each layer.
+    /// `layer 3 V`: buffers are K of each layer, then V of each layer (the header's order).
     fn buffer_name(&self, buffer: usize) -> String {
         let layers = self.layers as usize;
         match (
@@ -298,10 +433,20 @@ impl<'a> Simulation<'a> {
         }
     }
 
+    /// Checks every byte of every decode buffer the direct transfer wrote.
+    pub fn verify(&self) -> Verification {
+        self.verify_buffers(&self.dst)
+    }
+
+    /// Checks every byte of every decode buffer the staged transfer wrote.
+    pub fn verify_staged(&self) -> Verification {
+        self.verify_buffers(&self.dst_staged)
+    }
+
     /// Checks every byte of every decode buffer: the pages of the request hold, for each head
     /// the rank owns, exactly the bytes of the source page paired with it; every other page still
     /// holds the sentinel.
-    pub fn verify(&self) -> Verification {
+    fn verify_buffers(&self, dst: &[Vec<Vec<u8>>]) -> Verification {
         const SHOWN: usize = 5;
         let layout = self.layout;
         let page_size = u64::from(layout.page_size);
@@ -319,8 +464,8 @@ impl<'a> Simulation<'a> {
                 v.first_wrong.push(place);
             }
         };
-        for (d, buffers) in self.dst.iter().enumerate() {
-            let owned = layout.topology.decode().owned_heads(d as u32);
+        for (d, buffers) in dst.iter().enumerate() {
+            let owned = layout.decode_heads(d as u32);
             for (b, buffer) in buffers.iter().enumerate() {
                 v.bytes_checked += buffer.len() as u64;
                 for (page, bytes) in buffer.chunks_exact(item).enumerate() {
@@ -380,6 +525,12 @@ impl<'a> Simulation<'a> {
     fn dst_mut(&mut self, d: usize, b: usize) -> &mut Vec<u8> {
         &mut self.dst[d][b]
     }
+
+    /// A decode buffer of the staged transfer, for tests that damage it on purpose.
+    #[cfg(test)]
+    fn dst_staged_mut(&mut self, d: usize, b: usize) -> &mut Vec<u8> {
+        &mut self.dst_staged[d][b]
+    }
 }
 
 /// A note on what makes a layout interesting, from the library's view of both sides.
@@ -417,11 +568,22 @@ pub enum SimError {
     Library(String),
 }
 
+/// A staging mode in words: who packs and who unpacks.
+pub fn staging_words(staging: Staging) -> &'static str {
+    match staging {
+        Staging::None => "no staging (pages to pages)",
+        Staging::Src => "src staging (prefill packs)",
+        Staging::Dst => "dst staging (decode unpacks)",
+        Staging::Both => "both sides staged (prefill packs, decode unpacks)",
+    }
+}
+
 /// Runs the whole simulation and returns its report, and whether every byte was right.
 pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimError> {
     let mut sim = Simulation::new(layout, options)?;
-    let stats = sim.send_all().map_err(SimError::Library)?;
+    let stats = sim.send_all(options.tokens).map_err(SimError::Library)?;
     let v = sim.verify();
+    let staged = sim.verify_staged();
     let r = &sim.request;
     let pages = r.src_pages.len() as u64;
     let tokens = pages * u64::from(layout.page_size);
@@ -483,7 +645,7 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
                 BackendArg::Host => "the library's host engine (send_host)",
                 BackendArg::Hip => "the library's HIP engine (hipMemcpy2DAsync, host buffers)",
             },
-            plural(u64::from(stats.replicas_skipped), "pair"),
+            plural(stats.replicas_skipped, "pair"),
         ),
     );
     out += &labelled(
@@ -509,31 +671,64 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
             },
         ),
     );
+    out += &labelled(
+        "segments:",
+        &format!(
+            "an RDMA engine (MORI-IO, Mooncake, NIXL) would get {} per-token segments, {} direct \
+             (mori_tp_plan_segments: pages to pages), {} staged (mori_tp_plan_transfer with \
+             staging_for's choice)",
+            grouped(stats.per_token_copies),
+            grouped(stats.direct_segments),
+            grouped(stats.staged_segments),
+        ),
+    );
+    let modes: Vec<String> = Staging::ALL
+        .iter()
+        .zip(stats.staging_modes)
+        .filter(|&(_, n)| n > 0)
+        .map(|(&mode, n)| format!("{} on {}", staging_words(mode), plural(n, "pair")))
+        .collect();
+    out += &labelled(
+        "staging:",
+        &format!(
+            "{}; {} of staging per request; pack, segments and unpack took {:.1} ms",
+            modes.join(", "),
+            human_bytes(stats.staging_bytes),
+            stats.staged_elapsed.as_secs_f64() * 1e3,
+        ),
+    );
     let once = stats.bytes == v.bytes_owned;
-    let ok = v.bytes_wrong == 0 && once;
+    let ok = v.bytes_wrong == 0 && once && staged.bytes_wrong == 0;
     if ok {
         out += &labelled(
             "verified:",
             &format!(
-                "all {} decode bytes. Each decode rank's requested pages hold exactly the source \
-                 bytes of the heads it owns, every other byte still holds the sentinel, and bytes \
-                 moved = bytes owned, so no head was sent twice.",
+                "all {} decode bytes, twice: after the direct copies and after the staged path \
+                 (pack, segments, unpack). Each decode rank's requested pages hold exactly the \
+                 source bytes of the heads it owns, every other byte still holds the sentinel, \
+                 and bytes moved = bytes owned, so no head was sent twice.",
                 grouped(v.bytes_checked),
             ),
         );
         out += "OK\n";
     } else {
-        out += &format!(
-            "MISMATCH: {} of {} decode bytes wrong\n",
-            grouped(v.bytes_wrong),
-            grouped(v.bytes_checked)
-        );
-        for place in &v.first_wrong {
-            out += &format!("  {place}\n");
+        for (path, v) in [("direct", &v), ("staged", &staged)] {
+            if v.bytes_wrong == 0 {
+                continue;
+            }
+            out += &format!(
+                "MISMATCH ({path}): {} of {} decode bytes wrong\n",
+                grouped(v.bytes_wrong),
+                grouped(v.bytes_checked)
+            );
+            for place in &v.first_wrong {
+                out += &format!("  {place}\n");
+            }
         }
         if !once {
             out += &format!(
-                "  {} bytes moved, but the decode ranks own {} bytes of the requested pages\n",
+                "MISMATCH: {} bytes moved, but the decode ranks own {} bytes of the requested \
+                 pages\n",
                 grouped(stats.bytes),
                 grouped(v.bytes_owned)
             );
@@ -566,7 +761,7 @@ mod tests {
     fn a_correct_transfer_verifies_and_moves_each_owned_byte_once() {
         let l = layout("qwen2.5-7b", 4, 2, 8);
         let mut sim = Simulation::new(&l, &options()).unwrap();
-        let stats = sim.send_all().unwrap();
+        let stats = sim.send_all(options().tokens).unwrap();
         let v = sim.verify();
         assert_eq!(v.bytes_wrong, 0, "{:?}", v.first_wrong);
         assert_eq!(stats.bytes, v.bytes_owned);
@@ -574,10 +769,80 @@ mod tests {
     }
 
     #[test]
+    fn every_staging_mode_verifies_with_the_segments_its_mode_promises() {
+        // (model, P, D, the staging of every sending pair, segments per pair and buffer)
+        let l = |m, p, d| layout(m, 4, p, d);
+        let runs = |sim: &Simulation| sim.request.runs() as u64;
+        let custom = Layout::new(
+            crate::model::Model {
+                name: "12 heads".into(),
+                kv_heads: 12,
+                head_dim: 40,
+                layers: 2,
+                attention: crate::model::Attention::KeyValue,
+                torch_dtype: None,
+            },
+            Dtype::Fp8,
+            4,
+            6,
+            4,
+        )
+        .unwrap();
+        for (layout, modes) in [
+            // Narrower decode slots: the prefill rank packs.
+            (l("qwen2.5-7b", 2, 8), [0, 8, 0, 0]),
+            // Narrower prefill slots: the decode rank unpacks.
+            (l("llama-3.1-8b", 8, 2), [0, 0, 8, 0]),
+            // Whole tokens: no staging.
+            (l("llama-3.1-8b", 2, 2), [2, 0, 0, 0]),
+            // 12 heads, 6 -> 4: two-head slices into three-head slots (dst), and one-head
+            // slices out of two-head slots into three-head slots (both).
+            (custom, [0, 0, 4, 4]),
+        ] {
+            let mut sim = Simulation::new(&layout, &options()).unwrap();
+            let stats = sim.send_all(options().tokens).unwrap();
+            assert_eq!(stats.staging_modes, modes, "{}", layout.model.name);
+            let v = sim.verify_staged();
+            assert_eq!(
+                v.bytes_wrong, 0,
+                "{}: {:?}",
+                layout.model.name, v.first_wrong
+            );
+            assert_eq!(v.bytes_owned, sim.verify().bytes_owned);
+            // A segment per run and buffer, except with both sides staged: one per buffer.
+            let buffers = sim.buffers() as u64;
+            let per_pair = modes[0] + modes[1] + modes[2];
+            assert_eq!(
+                stats.staged_segments,
+                (per_pair * runs(&sim) + modes[3]) * buffers,
+                "{}",
+                layout.model.name
+            );
+        }
+    }
+
+    #[test]
+    fn a_damaged_byte_of_the_staged_path_is_found() {
+        let l = layout("qwen2.5-7b", 4, 2, 8);
+        let mut sim = Simulation::new(&l, &options()).unwrap();
+        sim.send_all(options().tokens).unwrap();
+        let page = sim.request.dst_pages[2] as usize;
+        sim.dst_staged_mut(3, 1)[page * l.dst_item_len as usize] ^= 1;
+        assert_eq!(sim.verify().bytes_wrong, 0);
+        let v = sim.verify_staged();
+        assert_eq!(v.bytes_wrong, 1);
+        assert!(
+            v.first_wrong[0].starts_with("decode rank 3, layer 1 K"),
+            "{:?}",
+            v.first_wrong
+        );
+    }
+
+    #[test]
     fn one_damaged_byte_is_found_and_located() {
         let l = layout("llama-3.1-8b", 2, 16, 4);
         let mut sim = Simulation::new(&l, &options()).unwrap();
-        sim.send_all().unwrap();
+        sim.send_all(options().tokens).unwrap();
         let page = sim.request.dst_pages[5] as usize;
         let offset = page * l.dst_item_len as usize + 3;
         sim.dst_mut(1, 2)[offset] ^= 0x40;
@@ -594,7 +859,7 @@ mod tests {
     fn a_write_outside_the_request_is_found() {
         let l = layout("qwen2.5-7b", 1, 4, 4);
         let mut sim = Simulation::new(&l, &options()).unwrap();
-        sim.send_all().unwrap();
+        sim.send_all(options().tokens).unwrap();
         let free = (0..sim.request.dst_capacity_pages as i32)
             .find(|p| !sim.request.dst_pages.contains(p))
             .expect("a free page between runs") as usize;
@@ -611,7 +876,7 @@ mod tests {
         // of today's stacks; the data names the head, so the check fails.
         let l = layout("qwen2.5-7b", 4, 2, 8);
         let mut sim = Simulation::new(&l, &options()).unwrap();
-        sim.send_all().unwrap();
+        sim.send_all(options().tokens).unwrap();
         let wrong = l.slice_config(0, 0).unwrap();
         sim.send_pair(0, 2, &wrong).unwrap();
         let v = sim.verify();

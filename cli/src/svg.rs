@@ -290,7 +290,7 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
     // Boxes last, on top of the line ends.
     let idle: Vec<bool> = out_arrows.iter().map(|&n| n == 0).collect();
     for (p, slot) in prefill.iter().enumerate() {
-        let heads = layout.topology.prefill().owned_heads(p as u32);
+        let heads = layout.prefill_heads(p as u32);
         let note = if idle[p] { " (replica)" } else { "" };
         rank_box(
             &mut svg,
