@@ -227,8 +227,11 @@ pub fn labelled(label: &str, text: &str) -> String {
     let indent = 10;
     let mut out = format!("{label:<indent$}");
     let mut column = indent;
+    // A unit stays on the line of its number.
+    const UNITS: [&str; 7] = ["B", "kB", "MB", "GB", "TB", "PB", "EB"];
     for (i, word) in text.split(' ').enumerate() {
-        if i > 0 && column + 1 + word.len() > WIDTH {
+        let unit = UNITS.contains(&word.trim_end_matches([',', ';', ')', '.']));
+        if i > 0 && column + 1 + word.len() > WIDTH && !unit {
             out += &format!("\n{:indent$}", "");
             column = indent;
         } else if i > 0 {
@@ -294,6 +297,8 @@ mod tests {
         assert_eq!(heads_text(3..4), "head 3");
         assert_eq!(heads_text(0..4), "heads 0-3");
         assert_eq!(labelled("note:", "a b"), "note:     a b\n");
+        let units = labelled("memory:", &format!("{}365.7 MB here", "w ".repeat(42)));
+        assert!(units.contains("365.7 MB\n"), "{units}");
         let long = labelled("x", &"word ".repeat(40));
         assert!(long.lines().all(|line| line.len() <= 100), "{long}");
         assert!(

@@ -71,8 +71,10 @@ enum Command {
     #[command(
         long_about = "Check a layout and show, for each decode rank, which prefill rank sends it \
                       which KV heads, at which byte offsets inside each token, which prefill \
-                      ranks skip because another replica sends the same head, and how many bytes \
-                      the decode rank receives per token and per request.\n\n\
+                      ranks skip because another replica sends the same head, which staging an \
+                      RDMA connector should use for each sending pair (staging_for: who packs, \
+                      who unpacks, the staging bytes per request), and how many bytes the decode \
+                      rank receives per token and per request.\n\n\
                       A layout works only if each TP size divides the model's KV head count or \
                       is a multiple of it; otherwise mori-tp exits with status 3 and names the \
                       nearest valid TP sizes (with --json, as a JSON error object on stdout)."
@@ -88,9 +90,13 @@ enum Command {
                       says must send, plans a fragmented list of pages and copies it with the \
                       library's host engine (or its HIP engine with --backend hip), and checks \
                       every decode byte: the requested pages must hold exactly the heads each \
-                      decode rank owns, everything else must be untouched. Prints the copies \
-                      issued, compared with a per-token copy plan, the bytes moved and the copy \
-                      speed. Exits with status 1 on any wrong byte.\n\n\
+                      decode rank owns, everything else must be untouched. Then moves every \
+                      pair again the way an RDMA connector would with staging: pack, copy the \
+                      segments of plan_transfer, unpack, into a second set of decode buffers, \
+                      checked the same way. Prints the copies issued, compared with a per-token \
+                      copy plan, the segments an RDMA engine would get (per token, direct, \
+                      staged), the bytes moved and the copy speed. Exits with status 1 on any \
+                      wrong byte.\n\n\
                       Only the first --layers-limit layers are simulated (every layer moves the \
                       same way) to keep memory modest."
     )]
@@ -267,9 +273,10 @@ struct PlanArgs {
     deployment: DeploymentArgs,
 
     /// Print one JSON object instead of text: {"model", "prefill_tp", "decode_tp", ..., "pairs":
-    /// [one per pair that shares a head], "decode_ranks": [one per decode rank]}. Head ranges
-    /// are half-open [first, end): "shared_heads": [2, 4] means heads 2 and 3. On a layout that
-    /// cannot work, prints {"error": {...}} instead, with the same exit status.
+    /// [one per pair that shares a head; sending pairs carry "staging": "none", "src", "dst" or
+    /// "both" and "staging_bytes_per_request"], "decode_ranks": [one per decode rank]}. Head
+    /// ranges are half-open [first, end): "shared_heads": [2, 4] means heads 2 and 3. On a
+    /// layout that cannot work, prints {"error": {...}} instead, with the same exit status.
     #[arg(long)]
     json: bool,
 
