@@ -12,7 +12,7 @@ use std::ffi::CStr;
 use std::process::Command;
 use std::ptr::null_mut;
 
-use common::{RunLengths, Sender, fragmented_request, odd_deployments, transfer};
+use common::{Sender, fragmented_request, odd_deployments, transfer};
 use mori_tp::backend::hip_device_present;
 use mori_tp::ffi::*;
 
@@ -194,7 +194,7 @@ fn auto_moves_every_byte_with_or_without_a_device() {
         }),
     ] {
         odd_deployments(&mut *ffi_sender(options));
-        let request = fragmented_request(42, 10, RunLengths::UpTo(4));
+        let request = fragmented_request(42, 4);
         transfer(8, 256, 4, 2, 8, 16, &request, &mut *ffi_sender(options));
     }
 }
@@ -211,11 +211,7 @@ fn the_real_runtime_moves_host_memory_byte_exact_when_a_device_is_present() {
     });
     odd_deployments(&mut *ffi_sender(options));
     for (heads, bph, p_tp, d_tp) in [(4, 256, 2, 8), (8, 128, 8, 2), (1, 1152, 4, 2)] {
-        let request = fragmented_request(
-            u64::from(heads * 100 + p_tp * 10 + d_tp),
-            15,
-            RunLengths::UpTo(4),
-        );
+        let request = fragmented_request(u64::from(heads * 100 + p_tp * 10 + d_tp), 6);
         transfer(
             heads,
             bph,
@@ -324,7 +320,7 @@ fn fake_runtime_child() {
             assert_eq!(status, MORI_OK, "{message}");
             // Every byte, through libamdhip64's entry points.
             odd_deployments(&mut *ffi_sender(Some(sync)));
-            let request = fragmented_request(7, 12, RunLengths::UpTo(4));
+            let request = fragmented_request(7, 5);
             transfer(8, 128, 4, 2, 8, 16, &request, &mut *ffi_sender(Some(sync)));
         }
     }

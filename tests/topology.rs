@@ -220,7 +220,9 @@ fn the_worked_examples_of_reference_md_hold() {
         (4, 2, 8, |d| vec![(d / 2, d / 4)]),
         (8, 8, 2, |d| (4 * d..4 * d + 4).map(|h| (h, h)).collect()),
         (8, 16, 4, |d| vec![(2 * d, 4 * d), (2 * d + 1, 4 * d + 2)]),
-        (12, 6, 4, |d| (3 * d..3 * d + 3).map(|h| (h, h / 2)).collect()),
+        (12, 6, 4, |d| {
+            (3 * d..3 * d + 3).map(|h| (h, h / 2)).collect()
+        }),
         (1, 8, 4, |d| vec![(0, 2 * d)]),
     ];
     for (h, p_tp, d_tp, expected) in rows {

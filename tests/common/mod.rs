@@ -29,9 +29,14 @@ pub fn owned_heads(heads: u32, tp: u32, rank: u32) -> Range<u32> {
     }
 }
 
-/// The one seeded generator and fragmented-request generator, shared with the benchmarks and
-/// the CLI.
-pub use mori_tp_testkit::{Request, RunLengths, fragmented_request};
+pub use mori_tp_testkit::Request;
+
+/// A fragmented request of `runs` runs of 1 to 4 pages, each run contiguous on both sides, the
+/// runs in a shuffled order with free pages between them, independently on each side: the
+/// generator the benchmarks and the CLI share (crates/testkit).
+pub fn fragmented_request(seed: u64, runs: usize) -> Request {
+    mori_tp_testkit::fragmented_runs(seed, runs, 4)
+}
 
 /// The bytes of one head of one token: the first 8 identify (buffer, page, token, global head),
 /// the rest are a ramp, so a misplaced or shifted copy cannot go unnoticed.
@@ -357,9 +362,8 @@ pub fn every_model_deployment(send: &mut Sender<'_>) -> usize {
                     for &d_tp in &TP_SIZES {
                         assert!(valid_tp(model.kv_heads, p_tp) && valid_tp(model.kv_heads, d_tp));
                         let seed = (m as u64) << 32 | u64::from(p_tp) << 16 | u64::from(d_tp);
-                        let pages = if page_size == 1 { 17 } else { 7 };
-                        let request =
-                            fragmented_request(seed ^ page_size as u64, pages, RunLengths::UpTo(4));
+                        let runs = if page_size == 1 { 7 } else { 3 };
+                        let request = fragmented_request(seed ^ page_size as u64, runs);
                         let outcome = catch_unwind(AssertUnwindSafe(|| {
                             transfer(
                                 model.kv_heads,
@@ -391,8 +395,7 @@ pub fn every_model_deployment(send: &mut Sender<'_>) -> usize {
 /// The deployments of [`ODD_DEPLOYMENTS`] through `send`, byte for byte.
 pub fn odd_deployments(send: &mut Sender<'_>) {
     for (h, p_tp, d_tp) in ODD_DEPLOYMENTS {
-        let seed = u64::from(h * 1000 + p_tp * 10 + d_tp);
-        let request = fragmented_request(seed, 12, RunLengths::UpTo(4));
+        let request = fragmented_request(u64::from(h * 1000 + p_tp * 10 + d_tp), 5);
         transfer(h, 12, 2, p_tp, d_tp, 4, &request, send);
     }
 }

@@ -115,12 +115,27 @@ pub fn fragmented_request(seed: u64, pages: usize, lengths: RunLengths) -> Reque
             }
         }
     }
-    let (src_starts, src_capacity_pages) = place(&mut rng, &runs);
-    let (dst_starts, dst_capacity_pages) = place(&mut rng, &runs);
+    laid_out(&mut rng, &runs)
+}
+
+/// `runs` runs of 1 to `max_run` pages each (uniformly), laid out as [`fragmented_request`]
+/// lays them out: for tests that care about the number of runs rather than of pages.
+pub fn fragmented_runs(seed: u64, runs: usize, max_run: usize) -> Request {
+    let mut rng = Rng::new(seed);
+    let lengths: Vec<usize> = (0..runs)
+        .map(|_| rng.range(1, max_run.max(1) as u64) as usize)
+        .collect();
+    laid_out(&mut rng, &lengths)
+}
+
+/// The request whose runs have these lengths, each side in its own shuffled order.
+fn laid_out(rng: &mut Rng, runs: &[usize]) -> Request {
+    let (src_starts, src_capacity_pages) = place(rng, runs);
+    let (dst_starts, dst_capacity_pages) = place(rng, runs);
     let expand = |starts: &[usize]| -> Vec<i32> {
         starts
             .iter()
-            .zip(&runs)
+            .zip(runs)
             .flat_map(|(&start, &len)| (start..start + len).map(|page| page as i32))
             .collect()
     };
@@ -231,6 +246,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn fragmented_runs_draws_exactly_that_many_runs() {
+        for seed in 0..20 {
+            let r = fragmented_runs(seed, 7, 4);
+            assert_eq!(r.runs(), 7);
+            let pages = r.src_pages.len();
+            assert!((7..=28).contains(&pages), "{pages}");
+            check(&r, pages);
+        }
+        assert_eq!(fragmented_runs(1, 0, 4).runs(), 0);
     }
 
     #[test]
