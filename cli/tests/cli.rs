@@ -1,6 +1,6 @@
 //! Runs the `mori-tp` binary as a user would and checks what it prints and how it exits against
-//! the documented rules (restated here, independently of the program) and against the library
-//! itself.
+//! the rules of REFERENCE.md (restated here, independently of the program) and against the
+//! library itself.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -58,12 +58,12 @@ fn heads_of(model: &str) -> u32 {
         .1
 }
 
-/// The validity rule: a TP size works when it divides the KV heads or is a multiple of them.
+/// REFERENCE.md section 3: a TP size works when it divides the KV heads or is a multiple of them.
 fn valid_tp(heads: u32, tp: u32) -> bool {
     heads % tp == 0 || tp % heads == 0
 }
 
-/// The ownership rule: the heads rank `r` of a side with TP size `t` owns.
+/// REFERENCE.md section 3, ownership: the heads rank `r` of a side with TP size `t` owns.
 fn owned(heads: u32, t: u32, r: u32) -> std::ops::Range<u32> {
     if t <= heads {
         r * heads / t..(r + 1) * heads / t
@@ -73,7 +73,7 @@ fn owned(heads: u32, t: u32, r: u32) -> std::ops::Range<u32> {
     }
 }
 
-/// The sender rule: the one prefill rank that sends head `h` to decode rank `d`.
+/// REFERENCE.md section 3, the sender rule: the one prefill rank that sends head `h` to decode rank `d`.
 fn sender(heads: u32, p_size: u32, d_size: u32, d: u32, h: u32) -> u32 {
     let first = |t: u32| (0..t).find(|&r| owned(heads, t, r).contains(&h)).unwrap();
     let (rs, rd) = ((p_size / heads).max(1), (d_size / heads).max(1));
