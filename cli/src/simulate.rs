@@ -151,7 +151,8 @@ impl<'a> Simulation<'a> {
         if memory > u128::from(MEMORY_LIMIT) || worst_pages > i32::MAX as u128 {
             return Err(SimError::TooLarge(format!(
                 "simulating {} tokens over {layers} layers of {} prefill and {} decode ranks could \
-                 need up to {} of host memory (limit {}); lower --tokens or --layers-limit",
+                 need up to {} of host memory (limit {}); lower --tokens, --layers-limit or the \
+                 TP sizes",
                 options.tokens,
                 layout.prefill_tp(),
                 layout.decode_tp(),
