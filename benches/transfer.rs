@@ -12,43 +12,26 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use mori_tp::ffi::*;
+use mori_tp_testkit::{Request, Rng, RunLengths, fragmented_request};
 
 // ---------------------------------------------------------------------------------------------
 // Inputs
 
-/// splitmix64, so every run plans the same fragmented request.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
-/// Page pairs for `pages` pages: one contiguous run, or runs of 1 to 16 pages scattered over a
-/// pool twice the request's size on each side (what a paged allocator hands out under load).
-fn request(pages: usize, fragmented: bool) -> (Vec<i32>, Vec<i32>) {
+/// Page pairs for `pages` pages: one contiguous run, or runs of 1 to 16 pages in a shuffled order
+/// with free pages between them on each side (what a paged allocator hands out under load), from
+/// the generator the tests and the CLI share, seeded by the page count so every run plans the
+/// same request.
+fn request(pages: usize, fragmented: bool) -> Request {
     if !fragmented {
-        return ((0..pages as i32).collect(), (0..pages as i32).collect());
+        let all: Vec<i32> = (0..pages as i32).collect();
+        return Request {
+            src_pages: all.clone(),
+            dst_pages: all,
+            src_capacity_pages: pages,
+            dst_capacity_pages: pages,
+        };
     }
-    let mut rng = Rng(pages as u64);
-    let (mut src, mut dst) = (Vec::with_capacity(pages), Vec::with_capacity(pages));
-    let (mut src_next, mut dst_next) = (0i32, 0i32);
-    while src.len() < pages {
-        let run = (1 + rng.next() % 16).min((pages - src.len()) as u64) as i32;
-        // Independent gaps on each side break runs exactly where an allocator would.
-        src_next += (rng.next() % 3) as i32;
-        dst_next += (rng.next() % 3) as i32;
-        src.extend(src_next..src_next + run);
-        dst.extend(dst_next..dst_next + run);
-        src_next += run;
-        dst_next += run;
-    }
-    (src, dst)
+    fragmented_request(pages as u64, pages, RunLengths::UpTo(16))
 }
 
 fn slice_config(params: &MoriTpSliceParams) -> MoriTpSliceConfig {
@@ -212,7 +195,11 @@ fn plan_case_name(tokens: usize, page_size: u32, fragmented: bool) -> String {
 fn bench_plans(c: &mut Criterion) {
     for (tokens, page_size, fragmented) in PLAN_CASES {
         let config = llama70b_config(page_size);
-        let (src, dst) = request(tokens / page_size as usize, fragmented);
+        let Request {
+            src_pages: src,
+            dst_pages: dst,
+            ..
+        } = request(tokens / page_size as usize, fragmented);
         let mut rects = Vec::with_capacity(src.len());
         let mut segments = Vec::with_capacity(tokens);
         let name = plan_case_name(tokens, page_size, fragmented);
@@ -271,10 +258,10 @@ fn copy_config(prefill_tp: u32, decode_tp: u32, width: u64) -> (MoriTpSliceConfi
 
 /// Bytes that are not all alike, so no page is shared or zero-filled behind the benchmark's back.
 fn noise(len: u64, seed: u64) -> Vec<u8> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut out = Vec::with_capacity(len as usize + 8);
     while (out.len() as u64) < len {
-        out.extend_from_slice(&rng.next().to_le_bytes());
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
     out.truncate(len as usize);
     out
@@ -286,9 +273,10 @@ fn bench_host_copies(c: &mut Criterion) {
     for (shape, prefill_tp, decode_tp) in SHAPES {
         for width in WIDTHS {
             let (config, pages) = copy_config(prefill_tp, decode_tp, width);
-            let (src_pages, dst_pages) = request(pages, true);
-            let src_capacity = (pages as u64 * 2 + 64) * config.src_item_len;
-            let dst_capacity = (pages as u64 * 2 + 64) * config.dst_item_len;
+            let request = request(pages, true);
+            let (src_pages, dst_pages) = (&request.src_pages, &request.dst_pages);
+            let src_capacity = request.src_capacity_pages as u64 * config.src_item_len;
+            let dst_capacity = request.dst_capacity_pages as u64 * config.dst_item_len;
             let src: Vec<Vec<u8>> = (0..COPY_BUFFERS)
                 .map(|b| noise(src_capacity, b as u64))
                 .collect();
@@ -311,8 +299,8 @@ fn bench_host_copies(c: &mut Criterion) {
                 stream: null_mut(),
             };
             let mut segments = Vec::with_capacity(pages * 16);
-            plan_segments(&config, &src_pages, &dst_pages, &mut segments);
-            let per_token = per_token_plan(&config, &src_pages, &dst_pages);
+            plan_segments(&config, src_pages, dst_pages, &mut segments);
+            let per_token = per_token_plan(&config, src_pages, dst_pages);
 
             let mut group = c.benchmark_group(format!("copy/{shape}/width{width}"));
             group.throughput(Throughput::Bytes(COPY_BYTES));
@@ -671,7 +659,11 @@ fn print_ratios() {
     for (tokens, page_size, fragmented) in PLAN_CASES {
         let name = plan_case_name(tokens, page_size, fragmented);
         let config = llama70b_config(page_size);
-        let (src, dst) = request(tokens / page_size as usize, fragmented);
+        let Request {
+            src_pages: src,
+            dst_pages: dst,
+            ..
+        } = request(tokens / page_size as usize, fragmented);
         let mut rects = Vec::with_capacity(src.len());
         plan_rects(&config, &src, &dst, &mut rects);
         let per_token = per_token_plan(&config, &src, &dst).len();

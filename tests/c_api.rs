@@ -246,7 +246,14 @@ fn the_static_library_carries_no_cli_or_test_dependencies() {
         symbols.contains("mori_send_kvcache"),
         "nm shows no mori-tp symbols"
     );
-    for unwanted in ["clap", "serde_json", "cbindgen", "criterion"] {
+    for unwanted in [
+        "clap",
+        "serde_json",
+        "cbindgen",
+        "criterion",
+        "mori_tp_testkit",
+        "roxmltree",
+    ] {
         let hits = symbols.lines().filter(|l| l.contains(unwanted)).count();
         assert_eq!(
             hits, 0,
