@@ -419,7 +419,11 @@ fn plan_transfer(
 }
 
 fn bench_staging_plans(c: &mut Criterion) {
-    let (src, dst) = request(STAGING_TOKENS / 16, true);
+    let Request {
+        src_pages: src,
+        dst_pages: dst,
+        ..
+    } = request(STAGING_TOKENS / 16, true);
     for (name, heads, prefill_tp, decode_tp) in STAGING_LAYOUTS {
         let config = staging_config(heads, prefill_tp, decode_tp);
         let staging = staging_for(&config);
@@ -452,18 +456,20 @@ fn bench_pack_unpack(c: &mut Criterion) {
     for (shape, prefill_tp, decode_tp) in [("pack", 4, 8), ("unpack", 8, 4)] {
         for width in [256u64, 1024] {
             let (config, pages) = copy_config(prefill_tp, decode_tp, width);
-            let (src_pages, dst_pages) = request(pages, true);
+            let request = request(pages, true);
+            let (src_pages, dst_pages) = (&request.src_pages, &request.dst_pages);
             let (pitch, item, page_list) = if shape == "pack" {
-                (config.bytes_per_token_src, config.src_item_len, &src_pages)
+                (config.bytes_per_token_src, config.src_item_len, src_pages)
             } else {
-                (config.bytes_per_token_dst, config.dst_item_len, &dst_pages)
+                (config.bytes_per_token_dst, config.dst_item_len, dst_pages)
             };
             let offset = if shape == "pack" {
                 config.src_head_slice_offset
             } else {
                 config.dst_head_slice_offset
             };
-            let capacity = (pages as u64 * 2 + 64) * item;
+            let capacity_pages = request.src_capacity_pages.max(request.dst_capacity_pages);
+            let capacity = capacity_pages as u64 * item;
             let mut paged: Vec<Vec<u8>> = (0..COPY_BUFFERS)
                 .map(|b| noise(capacity, 7 + b as u64))
                 .collect();
@@ -589,7 +595,11 @@ fn print_staging_ratios() {
         "{:<14} {:>8} {:>10} {:>10} {:>10} {:>12} {:>14} {:>14}",
         "", "", "segments", "segments", "segments", "per-token", "staged t", "staged t"
     );
-    let (src, dst) = request(STAGING_TOKENS / 16, true);
+    let Request {
+        src_pages: src,
+        dst_pages: dst,
+        ..
+    } = request(STAGING_TOKENS / 16, true);
     for (name, heads, prefill_tp, decode_tp) in STAGING_LAYOUTS {
         let config = staging_config(heads, prefill_tp, decode_tp);
         let staging = staging_for(&config);
