@@ -1,5 +1,6 @@
 //! What a packager relies on: the shared library's SONAME is its ABI version, and the header's
-//! version macros are the crate's version, the one mori_version() reports.
+//! version macros are the crate's version, the one mori_version() reports. And what a new user
+//! relies on: running the README's example compiles no dev-dependency.
 
 use std::ffi::CStr;
 use std::path::PathBuf;
@@ -75,5 +76,72 @@ fn the_header_version_macros_are_the_crate_version_that_mori_version_reports() {
     assert_eq!(
         reported.to_str().unwrap(),
         format!("{MORI_TP_VERSION_MAJOR}.{MORI_TP_VERSION_MINOR}.{MORI_TP_VERSION_PATCH}")
+    );
+}
+
+/// `cargo run --example simulate` compiles the dev-dependencies of the package that owns the
+/// example, and finds it only in a default workspace member. The README offers the example as
+/// the light way to see the Rust API, so its package must have none (the root's are cbindgen and
+/// criterion).
+#[test]
+fn the_readme_example_runs_from_the_root_without_compiling_dev_dependencies() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let output = Command::new(cargo)
+        .args([
+            "metadata",
+            "--no-deps",
+            "--offline",
+            "--format-version",
+            "1",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cargo metadata");
+    assert!(
+        output.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let owners: Vec<&serde_json::Value> = metadata["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .filter(|package| {
+            package["targets"].as_array().unwrap().iter().any(|target| {
+                target["name"] == "simulate"
+                    && target["kind"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|k| k == "example")
+            })
+        })
+        .collect();
+    assert_eq!(
+        owners.len(),
+        1,
+        "exactly one package has the example simulate"
+    );
+    let owner = owners[0];
+    let defaults = metadata["workspace_default_members"]
+        .as_array()
+        .expect("workspace_default_members");
+    assert!(
+        defaults.contains(&owner["id"]),
+        "{} must be a default member for `cargo run --example simulate` at the root",
+        owner["name"]
+    );
+    let dev: Vec<&serde_json::Value> = owner["dependencies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|dependency| dependency["kind"] == "dev")
+        .map(|dependency| &dependency["name"])
+        .collect();
+    assert!(
+        dev.is_empty(),
+        "{} has dev-dependencies {dev:?}, which `cargo run --example simulate` compiles",
+        owner["name"]
     );
 }
