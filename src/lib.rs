@@ -8,12 +8,16 @@
 //!   the byte slice a (prefill rank, decode rank) pair moves inside each token. The math lives
 //!   here.
 //! - [`plan`](mod@plan): a request's page pairs as coalesced strided copies (rects) or contiguous
-//!   segments.
-//! - [`backend`]: engines that perform one rect (host `memmove`, HIP `hipMemcpy2DAsync`).
-//! - [`send`](mod@send): validation of buffers against a plan, then the copies.
+//!   segments, between two sides that are each page buffers or a dense staging area.
+//! - [`staging`](mod@staging): staged transfers for RDMA engines (pack, one short segment list,
+//!   unpack).
+//! - [`backend`]: engines that perform a call's rects (host copies, HIP `hipMemcpy2DAsync` or
+//!   one copy-kernel launch).
+//! - [`send`](mod@send): validation of buffers against a plan, then the copies; pack and unpack.
 //! - [`ffi`]: the C ABI of `include/mori_tp.h`, a thin layer over the above.
 //!
-//! The behaviour is fixed by `CONTRACT.md`; the C header is the reference for C and C++ users.
+//! `REFERENCE.md` explains the model and the promises (ownership, the sender rule, layouts,
+//! staging, the ABI conventions); the C header is the reference for C and C++ users.
 
 pub mod backend;
 pub mod error;
@@ -21,9 +25,16 @@ pub mod ffi;
 pub mod plan;
 pub mod send;
 pub mod slice;
+// Rust API, not C API: cbindgen must not turn the `Staging` enum into an opaque C type (the C
+// ABI's staging values are MoriTpStaging in ffi.rs).
+/// cbindgen:ignore
+pub mod staging;
 
 pub use backend::{Backend, CopyEngine, HostEngine, SendOptions};
-pub use error::{Error, Result, Side};
-pub use plan::{CopyRect, Plan, Segment, plan, plan_segments};
-pub use send::{KvBuffers, SendReport, send, send_host};
+pub use error::{Error, ErrorClass, Result, Side};
+pub use plan::{CopyRect, Plan, Segment, SideGeometry, plan, plan_segments};
+pub use send::{
+    CopyJob, KvBuffers, SendReport, pack, pack_host, send, send_host, unpack, unpack_host,
+};
 pub use slice::{Action, Pairing, SliceConfig, SliceParams, Topology, TpSide, slice_config};
+pub use staging::{Staging, plan_transfer, staging_for, staging_len};

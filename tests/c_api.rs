@@ -260,6 +260,14 @@ fn the_library_prints_only_when_mori_tp_log_is_set() {
         log.contains("mori_tp_slice_config: invalid topology: prefill side: tp_size 3"),
         "{log}"
     );
+    // abi_test.c asks mori_tp_plan for its size (out = NULL, capacity = 0) once per sending
+    // pair: those answers are not failures and are not logged as such. Its one real refusal
+    // (an array of capacity 0 that is not NULL) is.
+    let too_small = log
+        .lines()
+        .filter(|l| l.contains("mori_tp_plan: buffer too small"))
+        .count();
+    assert_eq!(too_small, 1, "size queries logged as failures:\n{log}");
     let canaries = log.lines().filter(|l| l.contains("first config")).count();
     assert!(
         log.contains("layout total_kv_heads=4 prefill_tp=2 decode_tp=8"),

@@ -1,4 +1,4 @@
-//! Helpers shared by the integration tests: an independent statement of the contract's head
+//! Helpers shared by the integration tests: an independent statement of REFERENCE.md's head
 //! ownership, deterministic fragmented requests, and KV buffers whose bytes identify what they
 //! hold.
 #![allow(dead_code)] // each test binary uses a different subset
@@ -13,12 +13,12 @@ use mori_tp::{Action, Plan, SendReport, SliceParams, slice_config};
 /// KV head counts the property tests cover.
 pub const HEAD_COUNTS: [u32; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64];
 
-/// Contract section 3: a side is valid when H and T divide one way or the other.
+/// REFERENCE.md section 3: a side is valid when H and T divide one way or the other.
 pub fn valid_tp(heads: u32, tp: u32) -> bool {
     heads % tp == 0 || tp % heads == 0
 }
 
-/// Contract section 3, restated independently of the library: the heads rank `r` owns.
+/// REFERENCE.md section 3, restated independently of the library: the heads rank `r` owns.
 pub fn owned_heads(heads: u32, tp: u32, rank: u32) -> Range<u32> {
     if tp <= heads {
         let per = heads / tp;
