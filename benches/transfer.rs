@@ -350,7 +350,8 @@ fn bench_host_copies(c: &mut Criterion) {
 
 /// The staged-transfer layouts: (name, KV heads, prefill TP, decode TP), each with 128-element
 /// bf16 heads (256 bytes): prefill tokens wider than decode tokens (tp2to8, tp4to8), the reverse
-/// (tp8to2), and a non-integer ratio (12 heads, 6 -> 4: equal slots, no staging needed).
+/// (tp8to2), and a non-integer ratio (12 heads, 6 -> 4: a prefill rank's 2 heads land in part of
+/// a decode rank's 3-head token, so the decode side is staged).
 const STAGING_LAYOUTS: [(&str, u32, u32, u32); 4] = [
     ("tp2to8", 4, 2, 8),
     ("tp8to2", 8, 8, 2),
