@@ -10,9 +10,13 @@
  *   destination bases]
  * (64 * num_rects + 16 * num_buffers bytes; every part stays 8-byte aligned), then calls
  * hipModuleLaunchKernel(function, grid.x, grid.y, 1, MORI_COPY_BLOCK_THREADS, 1, 1, 0, stream,
- * params, NULL) with params[0] = &args (a MoriCopyKernelArgs whose pointers point into that
- * allocation). The grid is any size; mori_copy_grid below gives the one that covers the work
- * with one block per tile, and the kernel strides over the rest when a dimension is capped.
+ * NULL, extra) with extra = {HIP_LAUNCH_PARAM_BUFFER_POINTER, &args, HIP_LAUNCH_PARAM_BUFFER_SIZE,
+ * &size, HIP_LAUNCH_PARAM_END}, where args is a MoriCopyKernelArgs whose pointers point into that
+ * allocation and size = sizeof args: the struct is the whole kernel-argument buffer. (`extra`
+ * rather than kernelParams because HIP 5.2's header still says kernelParams is not implemented;
+ * `extra` works with every HIP version.) The grid is any size; mori_copy_grid below gives the
+ * one that covers the work with one block per tile, and the kernel strides over the rest when a
+ * dimension is capped.
  *
  * Requirements: the rects are in the order of their first_row, which is the prefix sum of the
  * heights before them; every row of every (buffer, rect) is device-accessible memory (device

@@ -15,14 +15,18 @@
 
 #define MORI_DEVICE __device__ __forceinline__
 
+// Addresses are global memory (device, peer or mapped host memory; never LDS or scratch), so
+// the loads and stores are global_* instructions rather than flat_* ones.
+#define MORI_GLOBAL __attribute__((address_space(1)))
+
 template <class T>
 MORI_DEVICE T mori_load(uint64_t address) {
-    return *reinterpret_cast<const T *>(address);
+    return *(const MORI_GLOBAL T *)address;
 }
 
 template <class T>
 MORI_DEVICE void mori_store(uint64_t address, T value) {
-    *reinterpret_cast<T *>(address) = value;
+    *(MORI_GLOBAL T *)address = value;
 }
 #endif
 

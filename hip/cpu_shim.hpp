@@ -25,8 +25,13 @@ struct MoriDim3 {
 // What HIP calls threadIdx, blockIdx, blockDim and gridDim, for the thread being run.
 inline thread_local MoriDim3 threadIdx, blockIdx, blockDim, gridDim;
 
+// HIP's host headers (included first by tests/fake_hip) may already define these as empty.
+#ifndef __global__
 #define __global__
+#endif
+#ifndef __launch_bounds__
 #define __launch_bounds__(threads)
+#endif
 #define MORI_DEVICE inline
 
 // Alignment of a T access: natural alignment, at least the size for the vector types a GPU
