@@ -156,6 +156,55 @@ SIGNATURES = {
             ctypes.POINTER(MoriSendOptions),
         ],
     ),
+    "mori_tp_staging_for": (
+        _STATUS,
+        [_CONFIG_P, ctypes.POINTER(ctypes.c_uint32)],
+    ),
+    "mori_tp_staging_len": (
+        _STATUS,
+        [_CONFIG_P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)],
+    ),
+    "mori_tp_plan_transfer": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.c_uint32,  # MoriTpStaging staging
+            ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_void_p,  # const int32_t *dst_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.c_void_p,  # MoriSegment *out
+            ctypes.c_size_t,  # capacity
+            ctypes.POINTER(ctypes.c_size_t),  # out_len
+        ],
+    ),
+    "mori_pack_kvcache": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.POINTER(ctypes.c_void_p),  # const void *const *src
+            ctypes.c_size_t,  # num_buffers
+            ctypes.c_uint64,  # src_capacity
+            ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.c_void_p,  # void *staging
+            ctypes.c_uint64,  # staging_capacity
+            ctypes.POINTER(MoriSendOptions),
+        ],
+    ),
+    "mori_unpack_kvcache": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.c_void_p,  # const void *staging
+            ctypes.c_uint64,  # staging_capacity
+            ctypes.POINTER(ctypes.c_void_p),  # void *const *dst
+            ctypes.c_size_t,  # num_buffers
+            ctypes.c_uint64,  # dst_capacity
+            ctypes.c_void_p,  # const int32_t *dst_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.POINTER(MoriSendOptions),
+        ],
+    ),
     "mori_status_str": (ctypes.c_char_p, [_STATUS]),
     "mori_last_error_message": (ctypes.c_char_p, []),
     "mori_version": (ctypes.c_char_p, []),
