@@ -47,7 +47,14 @@ fn build_copy_kernel() {
     }
     let bundle = out.join("copy_kernel.hsaco");
     let output = Command::new(&hipcc)
-        .args(["--genco", "-O3", "-std=c++17", "-Wall", "-Wextra", "-Werror"])
+        .args([
+            "--genco",
+            "-O3",
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+        ])
         .args(archs.iter().map(|a| format!("--offload-arch={a}")))
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.hip"))
         .arg("-o")
@@ -66,18 +73,22 @@ fn build_copy_kernel() {
         );
     }
     let image = std::fs::read(&bundle).expect("read the kernel bundle");
-    let targets = bundle_targets(&image).unwrap_or_else(|why| {
-        panic!("{} is not a clang offload bundle: {why}", bundle.display())
-    });
+    let targets = bundle_targets(&image)
+        .unwrap_or_else(|why| panic!("{} is not a clang offload bundle: {why}", bundle.display()));
     for arch in &archs {
         let id = format!("hipv4-amdgcn-amd-amdhsa--{arch}");
         assert!(
-            targets.iter().any(|t| t == &id || t.starts_with(&format!("{id}:"))),
+            targets
+                .iter()
+                .any(|t| t == &id || t.starts_with(&format!("{id}:"))),
             "{} lacks a code object for {arch}; it holds {targets:?}",
             bundle.display()
         );
     }
-    println!("cargo:rustc-env=MORI_TP_HIP_KERNEL_ARCHS={}", archs.join(","));
+    println!(
+        "cargo:rustc-env=MORI_TP_HIP_KERNEL_ARCHS={}",
+        archs.join(",")
+    );
 }
 
 /// `$HIPCC`, else `hipcc` on PATH, else `$ROCM_PATH/bin/hipcc`.
