@@ -21,8 +21,8 @@
  * Requirements: the rects are in the order of their first_row, which is the prefix sum of the
  * heights before them; every row of every (buffer, rect) is device-accessible memory (device
  * memory, a peer's with peer access enabled, or host memory mapped into the device, such as
- * hipHostMalloc's); no destination byte is also a source byte of the same launch (threads run in
- * no particular order).
+ * hipHostMalloc's); no destination byte is written twice or is also a source byte of the same
+ * launch (threads run in no particular order, so such a byte may end as either copy leaves it).
  *
  * Work split: the rows of all rects, in order, form one flattened list of total_rows rows. Grid
  * x walks tiles of rows_per_block consecutive rows of that list, grid y walks buffers. A block
