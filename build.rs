@@ -1,14 +1,46 @@
-//! Build script. With the `hip` feature it compiles the copy kernel (hip/copy_kernel.hip) with
-//! hipcc into a code-object bundle that the library embeds; without it, it does nothing costly.
+//! Build script of the mori-tp library. Each job is one function called from `main`.
 
+use std::env;
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
-    println!("cargo:rerun-if-changed=build.rs");
-    if std::env::var_os("CARGO_FEATURE_HIP").is_some() {
+    set_soname();
+    // With the `hip` feature only: without it, nothing costly runs.
+    if env::var_os("CARGO_FEATURE_HIP").is_some() {
         build_copy_kernel();
     }
+}
+
+/// Gives libmori_tp.so the SONAME `libmori_tp.so.<ABI version>`, so that a program linked
+/// against one ABI never loads a library of another. The number is the generated header's
+/// `MORI_TP_ABI_VERSION`, which is what `mori_abi_version()` returns (tests/packaging.rs reads
+/// the SONAME back and compares). ELF platforms only: Apple's install names and Windows' DLLs
+/// version differently.
+fn set_soname() {
+    let header = Path::new(&env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
+        .join("include/mori_tp.h");
+    println!("cargo:rerun-if-changed={}", header.display());
+    let unix = env::var("CARGO_CFG_TARGET_FAMILY").is_ok_and(|f| f.split(',').any(|f| f == "unix"));
+    let apple = env::var("CARGO_CFG_TARGET_VENDOR").is_ok_and(|v| v == "apple");
+    if !unix || apple {
+        return;
+    }
+    let text = fs::read_to_string(&header)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", header.display()));
+    let abi = text
+        .lines()
+        .find_map(|line| line.strip_prefix("#define MORI_TP_ABI_VERSION "))
+        .map(str::trim)
+        .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        .unwrap_or_else(|| {
+            panic!(
+                "{} defines no numeric MORI_TP_ABI_VERSION",
+                header.display()
+            )
+        });
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libmori_tp.so.{abi}");
 }
 
 /// The GPU targets the kernel is built for when the compiler knows them: MI200 (gfx90a), MI300
@@ -28,9 +60,9 @@ fn build_copy_kernel() {
     for var in ["HIPCC", "MORI_TP_HIP_ARCHS", "ROCM_PATH"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let hipcc = hipcc();
-    let archs: Vec<String> = match std::env::var("MORI_TP_HIP_ARCHS") {
+    let archs: Vec<String> = match env::var("MORI_TP_HIP_ARCHS") {
         Ok(list) => list
             .split([' ', ','])
             .filter(|a| !a.is_empty())
@@ -72,7 +104,7 @@ fn build_copy_kernel() {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let image = std::fs::read(&bundle).expect("read the kernel bundle");
+    let image = fs::read(&bundle).expect("read the kernel bundle");
     let targets = bundle_targets(&image)
         .unwrap_or_else(|why| panic!("{} is not a clang offload bundle: {why}", bundle.display()));
     for arch in &archs {
@@ -93,14 +125,14 @@ fn build_copy_kernel() {
 
 /// `$HIPCC`, else `hipcc` on PATH, else `$ROCM_PATH/bin/hipcc`.
 fn hipcc() -> String {
-    if let Ok(hipcc) = std::env::var("HIPCC") {
+    if let Ok(hipcc) = env::var("HIPCC") {
         return hipcc;
     }
     let on_path = Command::new("hipcc")
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
-    match std::env::var("ROCM_PATH") {
+    match env::var("ROCM_PATH") {
         Ok(rocm) if !on_path => format!("{rocm}/bin/hipcc"),
         _ => "hipcc".into(),
     }
@@ -109,7 +141,7 @@ fn hipcc() -> String {
 /// The targets of [`KERNEL_ARCHS`] that `hipcc` compiles a tiny kernel for, probed in parallel.
 fn probe_archs(hipcc: &str, out: &Path) -> Vec<String> {
     let probe = out.join("probe.hip");
-    std::fs::write(
+    fs::write(
         &probe,
         "#include <hip/hip_runtime.h>\n__global__ void probe(int *p) { *p = 1; }\n",
     )

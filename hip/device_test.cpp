@@ -5,7 +5,7 @@
 // and decode rank with hipMalloc, fills them, moves every (prefill rank, decode rank) pair's
 // slice with mori_send_kvcache (MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, on a created stream and
 // on the null stream), copies the decode buffers back and checks them byte for byte against an
-// independent statement of the contract. It then does the same transfer through a staging
+// independent statement of REFERENCE.md. It then does the same transfer through a staging
 // region per pair (mori_pack_kvcache on the prefill side, asynchronous, then mori_unpack_kvcache
 // on the decode side, on one stream), checking the staging bytes too, and checks that a refused
 // call writes nothing. Each of these runs once per path.

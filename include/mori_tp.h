@@ -58,6 +58,23 @@
 #define MORI_TP_ABI_VERSION 1
 
 /**
+ * The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
+ * for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
+ * names the shared library (libmori_tp.so.1).
+ */
+#define MORI_TP_VERSION_MAJOR 0
+
+/**
+ * See MORI_TP_VERSION_MAJOR.
+ */
+#define MORI_TP_VERSION_MINOR 1
+
+/**
+ * See MORI_TP_VERSION_MAJOR.
+ */
+#define MORI_TP_VERSION_PATCH 0
+
+/**
  * Status code returned by every fallible mori-tp function: MORI_OK (0) or one of the
  * MORI_ERR_* values. The numbers never change; new codes only get added.
  */

@@ -111,6 +111,15 @@ pub const MORI_TP_STAGING_BOTH: MoriTpStaging = 3;
 /// The ABI version this header describes; compare with mori_abi_version() at start-up.
 pub const MORI_TP_ABI_VERSION: u32 = 1;
 
+/// The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
+/// for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
+/// names the shared library (libmori_tp.so.1).
+pub const MORI_TP_VERSION_MAJOR: u32 = 0;
+/// See MORI_TP_VERSION_MAJOR.
+pub const MORI_TP_VERSION_MINOR: u32 = 1;
+/// See MORI_TP_VERSION_MAJOR.
+pub const MORI_TP_VERSION_PATCH: u32 = 0;
+
 /// Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
 ///
 /// Per layer there is one K and one V buffer (MLA: one latent buffer); a buffer is an array of

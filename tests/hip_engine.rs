@@ -526,7 +526,7 @@ fn hip_send(
     (result, calls)
 }
 
-/// The calls the contract prescribes: the device check, one hipMemcpy2DAsync per (buffer,
+/// The calls the header documents: the device check, one hipMemcpy2DAsync per (buffer,
 /// rect) in that order with the rect's own numbers, then hipStreamSynchronize only if asked.
 fn expected_calls(
     plan: &Plan<'_>,
