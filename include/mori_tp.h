@@ -39,7 +39,16 @@
 /**
  * MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
  * one copy-kernel launch, plus at most one upload of the rect table, instead of one
- * hipMemcpy2DAsync per (buffer, rect). The host backend ignores it (its result is the same).
+ * hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMallocAsync of the table,
+ * hipMemcpyAsync of it, hipModuleLaunchKernel, hipFreeAsync. Every buffer (and a staging
+ * region) must then be memory the kernel can address: device memory, a peer device's memory
+ * with peer access enabled, or host memory mapped into the device (hipHostMalloc); pageable
+ * host memory is not (the GPU faults). The kernel is loaded once per device, on the calling
+ * thread's current device, so the stream must belong to that device. The kernel copies in no
+ * particular order: a destination byte written twice in one call (a repeated destination page
+ * or buffer), or one that is also a source byte, may end as either copy leaves it, where the
+ * per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
+ * same).
  */
 #define MORI_SEND_COPY_KERNEL 2
 
