@@ -16,17 +16,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn required(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| v == "1")
-}
+use common::required;
 
 /// Skips with `why`, or fails when CI requires the HIP toolchain.
 fn skip(why: &str) {
-    assert!(
-        !required("MORI_TP_REQUIRE_HIP"),
-        "MORI_TP_REQUIRE_HIP=1 but {why}"
-    );
-    eprintln!("skipped: {why}");
+    common::skip_missing("the_hip_programs", "MORI_TP_REQUIRE_HIP", why);
 }
 
 fn text(output: &std::process::Output) -> String {

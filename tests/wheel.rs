@@ -10,6 +10,8 @@
 //! MORI_TP_REQUIRE_TOOLS is set (CI). About a minute the first time (a release build in
 //! target/wheel-test), seconds after.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -70,11 +72,7 @@ fn run(command: &mut Command) -> String {
 
 /// Prints why the test skips, or fails instead under MORI_TP_REQUIRE_TOOLS.
 fn skip(why: &str) {
-    assert!(
-        std::env::var_os("MORI_TP_REQUIRE_TOOLS").is_none(),
-        "{why}, and MORI_TP_REQUIRE_TOOLS is set"
-    );
-    eprintln!("skipped: {why}");
+    common::skip_missing("the_wheel", "MORI_TP_REQUIRE_TOOLS", why);
 }
 
 /// Whether pip's output says PyPI could not be reached (rather than that the build failed).

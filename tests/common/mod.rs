@@ -3,12 +3,35 @@
 //! hold.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use std::io::Write;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use mori_tp::{Action, Plan, SendReport, SliceParams, slice_config};
+
+/// True when the environment variable `var` is set to anything but "" or "0": CI sets
+/// MORI_TP_REQUIRE_TOOLS=1 after installing every tool, MORI_TP_REQUIRE_HIP=1 for the HIP build
+/// and a GPU runner MORI_TP_REQUIRE_HIP_DEVICE=1, so that nothing skips there.
+pub fn required(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Reports that `test` skips because `why`. libtest hides what a passing test prints with
+/// `eprintln!`, so the line goes straight to the process's stderr, where `cargo test` shows it.
+pub fn skip(test: &str, why: &str) {
+    let _ = writeln!(std::io::stderr(), "skipped {test}: {why}");
+}
+
+/// Skips `test` for a missing tool, or fails it when `required_by` is set (see [`required`]).
+pub fn skip_missing(test: &str, required_by: &str, why: &str) {
+    assert!(
+        !required(required_by),
+        "{test}: {required_by} is set, but {why}"
+    );
+    skip(test, why);
+}
 
 /// KV head counts the property tests cover.
 pub const HEAD_COUNTS: [u32; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64];
