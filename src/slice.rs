@@ -528,6 +528,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_public_math_answers_none_or_an_error_for_input_outside_the_layout() {
+        // Total functions: out-of-range input gets None or an error in every build, never a
+        // wrapped or wrong answer (they used to rely on debug_assert).
+        let topology = Topology::new(4, 2, 8).unwrap();
+        let (prefill, decode) = (topology.prefill(), topology.decode());
+        assert_eq!(decode.owned_heads(7), Some(3..4));
+        assert_eq!(decode.owned_heads(8), None);
+        assert_eq!(prefill.owned_heads(u32::MAX), None);
+        assert_eq!(prefill.first_owner(3), Some(1));
+        assert_eq!(prefill.first_owner(4), None);
+        assert_eq!(decode.first_owner(u32::MAX), None);
+        assert_eq!(topology.sender(5, 2), Some(1));
+        assert_eq!(
+            topology.sender(5, 3),
+            None,
+            "decode rank 5 does not own head 3"
+        );
+        assert_eq!(topology.sender(8, 0), None, "no decode rank 8");
+        assert_eq!(
+            topology.pairing(2, 0),
+            Err(Error::RankOutOfRange {
+                side: Side::Prefill,
+                rank: 2,
+                tp_size: 2
+            })
+        );
+        assert_eq!(
+            topology.pairing(0, 8),
+            Err(Error::RankOutOfRange {
+                side: Side::Decode,
+                rank: 8,
+                tp_size: 8
+            })
+        );
+    }
+
+    #[test]
     fn nearest_valid_tp_sizes_are_the_neighbouring_divisors_or_multiples() {
         assert_eq!(nearest_valid_tp_sizes(3, 8), (2, Some(4)));
         assert_eq!(nearest_valid_tp_sizes(8, 12), (6, Some(12)));

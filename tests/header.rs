@@ -30,3 +30,22 @@ fn committed_header_matches_the_rust_source() {
          `MORI_TP_UPDATE_HEADER=1 cargo test --test header` and commit the result"
     );
 }
+
+#[test]
+fn the_header_speaks_to_c_programmers_only() {
+    // cbindgen copies doc comments verbatim: Rust-only sections and link syntax must not leak
+    // into the reference a C++ programmer reads.
+    let header =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("include/mori_tp.h"))
+            .expect("read include/mori_tp.h");
+    for rust_only in [
+        "# Safety", "# Panics", "# Errors", "[`", "`]", "crate::", "Option<", "Result<",
+    ] {
+        let line = header.lines().position(|l| l.contains(rust_only));
+        assert!(
+            line.is_none(),
+            "include/mori_tp.h line {}: Rust-only text {rust_only:?}",
+            line.unwrap_or(0) + 1
+        );
+    }
+}

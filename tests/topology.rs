@@ -182,7 +182,8 @@ fn non_integer_tp_ratio_h12_p6_d4_splits_heads_across_two_senders() {
     assert_eq!(configs[0][1].action, Action::NotPaired);
 }
 
-/// The slice arithmetic of the original connector (`../shared/seed`), for the case D >= P: the
+/// The slice arithmetic of SGLang's MORI connector (`disaggregation/mori/conn.py`, the error record
+/// that started this project; REFERENCE.md section 1), for the case D >= P: the
 /// decode rank `d` pulls from prefill rank `d*P/D` the heads starting at
 /// `(d * dst_heads_per_rank) % src_heads_per_rank`.
 fn seed_formula_first_head(h: u32, p_tp: u32, d_tp: u32, d: u32) -> u32 {

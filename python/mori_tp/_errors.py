@@ -9,7 +9,7 @@ class MoriError(Exception):
     """A mori_tp call failed.
 
     Attributes:
-        code: the MoriStatus value (``MORI_ERR_*``, CONTRACT.md section 4).
+        code: the MoriStatus value (``MORI_ERR_*``, REFERENCE.md section 8).
         message: the library's message, which names the offending values, e.g.
             ``"mori_tp_slice_config: layout mismatch: decode side: bytes_per_head 128 !=
             prefill side bytes_per_head 256 (dtype or head_dim differ; ...)"``.

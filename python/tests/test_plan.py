@@ -1,5 +1,5 @@
-"""plan() and plan_segments() against independent statements of what they must return: the
-contract's run rule for rects, and the per-token list serving stacks build today for segments."""
+"""plan() and plan_segments() against independent statements of what they must return:
+REFERENCE.md's run rule for rects, and the per-token list serving stacks build today for segments."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ NARROW_LAYOUTS = [
 
 
 def contract_rects(config, src_pages, dst_pages):
-    """CONTRACT.md section 4: one rect per maximal run of pairs where both indices go up by one."""
+    """REFERENCE.md section 5: one rect per maximal run of pairs where both indices go up by one."""
     rects, start = [], 0
     for i in range(1, len(src_pages) + 1):
         if (i == len(src_pages) or src_pages[i] != src_pages[i - 1] + 1

@@ -1,4 +1,4 @@
-"""slice_config() over every valid (H, P, D) up to TP 16, against the contract restated in
+"""slice_config() over every valid (H, P, D) up to TP 16, against REFERENCE.md restated in
 Python: who sends, which heads, and the byte offsets of the slice on both sides."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ HEAD_COUNTS = [1, 2, 3, 4, 6, 8, 12, 16]
 
 
 def expected(layout: Layout, p: int, d: int):
-    """(action, first_head, num_heads, src_offset, dst_offset, width) from CONTRACT.md."""
+    """(action, first_head, num_heads, src_offset, dst_offset, width) from REFERENCE.md sections 3 and 4."""
     src = owned_heads(layout.heads, layout.p_tp, p)
     dst = owned_heads(layout.heads, layout.d_tp, d)
     shared = [h for h in src if h in dst]
