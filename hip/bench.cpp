@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "testkit.hpp"
 
 namespace {
 
@@ -46,46 +47,6 @@ struct Settings {
     int warmup;
     int iterations;
 };
-
-// A deterministic shuffle (splitmix64), so runs are comparable.
-void shuffle(std::vector<uint32_t> &v, uint64_t seed) {
-    for (size_t i = v.size(); i > 1; i--) {
-        seed += 0x9E3779B97F4A7C15ull;
-        uint64_t z = seed;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        std::swap(v[i - 1], v[z % i]);
-    }
-}
-
-// Page lists of `pages` pairs in runs of `run` pages (0: one contiguous run), the runs in a
-// shuffled order with a one-page gap after each on both sides. Returns the capacity in pages.
-uint64_t make_pages(uint64_t pages, uint64_t run, uint64_t seed, std::vector<int32_t> &src,
-                    std::vector<int32_t> &dst) {
-    src.clear();
-    dst.clear();
-    if (run == 0) {
-        for (uint64_t i = 0; i < pages; i++) {
-            src.push_back(static_cast<int32_t>(i));
-            dst.push_back(static_cast<int32_t>(i));
-        }
-        return pages;
-    }
-    const uint64_t runs = (pages + run - 1) / run;
-    std::vector<uint32_t> src_order(runs), dst_order(runs);
-    for (uint32_t r = 0; r < runs; r++) {
-        src_order[r] = dst_order[r] = r;
-    }
-    shuffle(src_order, seed);
-    shuffle(dst_order, seed + 1);
-    for (uint64_t i = 0; i < pages; i++) {
-        const uint64_t r = i / run, k = i % run;
-        src.push_back(static_cast<int32_t>(src_order[r] * (run + 1) + k));
-        dst.push_back(static_cast<int32_t>(dst_order[r] * (run + 1) + k));
-    }
-    return runs * (run + 1);
-}
 
 template <class Body>
 float time_ms(hipStream_t stream, int warmup, int iterations, const Body &body) {
@@ -143,8 +104,12 @@ void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings 
     const uint64_t src_bpt = (kHeads / l.prefill_tp) * kBytesPerHead;
     const uint64_t dst_bpt = (l.decode_tp <= kHeads ? kHeads / l.decode_tp : 1) * kBytesPerHead;
     const uint64_t pages = s.tokens / page_size;
-    std::vector<int32_t> src_pages, dst_pages;
-    const uint64_t capacity_pages = make_pages(pages, run, 1000 * page_size + run, src_pages, dst_pages);
+    // Runs of `run` pages in a shuffled order with free pages between them (0: one run), from
+    // a seed of the case, so every run of the benchmark plans the same request.
+    const mori_testkit::Pages request = run == 0 ? mori_testkit::contiguous(pages)
+                                                 : mori_testkit::fixed_runs(1000 * page_size + run, pages, run);
+    const std::vector<int32_t> &src_pages = request.src, &dst_pages = request.dst;
+    const uint64_t capacity_pages = std::max(request.src_capacity_pages, request.dst_capacity_pages);
     const MoriTpSliceParams params = {l.prefill_tp, 0, l.decode_tp, 0, kHeads, page_size,
                                       page_size * src_bpt, page_size * dst_bpt};
     MoriTpSliceConfig config;

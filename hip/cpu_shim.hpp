@@ -18,6 +18,8 @@
 #include <cstring>
 #include <vector>
 
+#include "testkit.hpp"
+
 struct MoriDim3 {
     uint32_t x, y, z;
 };
@@ -59,27 +61,8 @@ inline void mori_store(uint64_t address, T value) {
     std::memcpy(reinterpret_cast<void *>(address), &value, sizeof(T));
 }
 
-// splitmix64: a deterministic order from a seed, so a failing order can be replayed.
-inline uint64_t mori_cpu_next(uint64_t &state) {
-    state += 0x9E3779B97F4A7C15ull;
-    uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-template <class T>
-inline void mori_cpu_shuffle(std::vector<T> &items, uint64_t &state) {
-    for (size_t i = items.size(); i > 1; i--) {
-        const size_t j = static_cast<size_t>(mori_cpu_next(state) % i);
-        T t = items[i - 1];
-        items[i - 1] = items[j];
-        items[j] = t;
-    }
-}
-
 // Runs kernel(args) for every thread of a grid x block launch, blocks and threads in an order
-// shuffled by `seed`.
+// shuffled by `seed` (so a failing order replays from the seed).
 template <class Args>
 inline void mori_cpu_launch(void (*kernel)(Args), MoriDim3 grid, MoriDim3 block, const Args &args, uint64_t seed) {
     std::vector<MoriDim3> blocks, threads;
@@ -98,13 +81,13 @@ inline void mori_cpu_launch(void (*kernel)(Args), MoriDim3 grid, MoriDim3 block,
         }
     }
     uint64_t state = seed;
-    mori_cpu_shuffle(blocks, state);
+    mori_testkit::shuffle(blocks, state);
     const MoriDim3 saved[4] = {threadIdx, blockIdx, blockDim, gridDim};
     gridDim = grid;
     blockDim = block;
     for (const MoriDim3 &b : blocks) {
         blockIdx = b;
-        mori_cpu_shuffle(threads, state);
+        mori_testkit::shuffle(threads, state);
         for (const MoriDim3 &t : threads) {
             threadIdx = t;
             kernel(args);

@@ -45,9 +45,7 @@ void fail(const std::string &what) {
         }                                                                                               \
     } while (0)
 
-uint64_t next(uint64_t &state) {
-    return mori_cpu_next(state);
-}
+using mori_testkit::next;
 
 // Guard bytes before and after every buffer: a write outside a buffer changes them.
 constexpr size_t kGuard = 32;
@@ -98,48 +96,7 @@ const Layout kLayouts[] = {
 // (source, destination) base misalignments in bytes.
 const size_t kMisalign[][2] = {{0, 0}, {1, 3}, {2, 6}, {8, 4}, {4, 12}, {16, 8}};
 
-struct Pages {
-    std::vector<int32_t> src, dst;
-    uint64_t src_capacity_pages = 0, dst_capacity_pages = 0;
-};
-
-// Runs of 1..4 pages in shuffled order with gaps, independently on each side.
-Pages fragmented(uint64_t seed, size_t runs) {
-    uint64_t state = seed;
-    std::vector<size_t> lengths(runs);
-    for (size_t &len : lengths) len = 1 + next(state) % 4;
-    Pages pages;
-    std::vector<size_t> src_start(runs), dst_start(runs);
-    for (int side = 0; side < 2; side++) {
-        std::vector<size_t> order(runs);
-        for (size_t i = 0; i < runs; i++) order[i] = i;
-        mori_cpu_shuffle(order, state);
-        size_t at = next(state) % 3;
-        for (size_t run : order) {
-            (side == 0 ? src_start : dst_start)[run] = at;
-            at += lengths[run] + next(state) % 3;
-        }
-        (side == 0 ? pages.src_capacity_pages : pages.dst_capacity_pages) = at + 1;
-    }
-    for (size_t run = 0; run < runs; run++) {
-        for (size_t k = 0; k < lengths[run]; k++) {
-            pages.src.push_back(static_cast<int32_t>(src_start[run] + k));
-            pages.dst.push_back(static_cast<int32_t>(dst_start[run] + k));
-        }
-    }
-    return pages;
-}
-
-Pages contiguous(size_t count) {
-    Pages pages;
-    for (size_t i = 0; i < count; i++) {
-        pages.src.push_back(static_cast<int32_t>(2 + i));
-        pages.dst.push_back(static_cast<int32_t>(1 + i));
-    }
-    pages.src_capacity_pages = count + 3;
-    pages.dst_capacity_pages = count + 1;
-    return pages;
-}
+using mori_testkit::Pages;
 
 // The kernel's table for one call, in one allocation as the header lays it out.
 struct Table {
@@ -361,8 +318,8 @@ int main() {
     for (const Layout &layout : kLayouts) {
         for (uint32_t page_size : {1u, 16u}) {
             const bool many = layout.buffers > 8;
-            const Pages shapes[2] = {fragmented(seed * 977 + page_size, page_size == 1 ? 9 : 4),
-                                     contiguous(page_size == 1 ? 12 : 3)};
+            const Pages shapes[2] = {mori_testkit::fragmented(seed * 977 + page_size, page_size == 1 ? 9 : 4, 4),
+                                     mori_testkit::contiguous(page_size == 1 ? 12 : 3, 2, 1)};
             for (int shape = 0; shape < 2; shape++) {
                 for (const auto &misalign : kMisalign) {
                     Case c(layout, page_size, shapes[shape], misalign[0], misalign[1], seed++);
