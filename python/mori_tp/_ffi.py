@@ -33,6 +33,12 @@ MORI_BACKEND_AUTO = 0
 MORI_BACKEND_HOST = 1
 MORI_BACKEND_HIP = 2
 
+# MoriTpStaging values: which sides of a transfer go through a dense staging region.
+MORI_TP_STAGING_NONE = 0
+MORI_TP_STAGING_SRC = 1
+MORI_TP_STAGING_DST = 2
+MORI_TP_STAGING_BOTH = 3
+
 
 class MoriTpSliceParams(ctypes.Structure):
     _fields_ = [
@@ -151,6 +157,55 @@ SIGNATURES = {
             _CONFIG_P,
             ctypes.POINTER(MoriKvBuffers),
             ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_void_p,  # const int32_t *dst_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.POINTER(MoriSendOptions),
+        ],
+    ),
+    "mori_tp_staging_for": (
+        _STATUS,
+        [_CONFIG_P, ctypes.POINTER(ctypes.c_uint32)],  # uint32_t *out_staging
+    ),
+    "mori_tp_staging_len": (
+        _STATUS,
+        [_CONFIG_P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)],  # num_pages, *out_len
+    ),
+    "mori_tp_plan_transfer": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.c_uint32,  # MoriTpStaging staging
+            ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_void_p,  # const int32_t *dst_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.c_void_p,  # MoriSegment *out
+            ctypes.c_size_t,  # capacity
+            ctypes.POINTER(ctypes.c_size_t),  # out_len
+        ],
+    ),
+    "mori_pack_kvcache": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.POINTER(ctypes.c_void_p),  # const void *const *src
+            ctypes.c_size_t,  # num_buffers
+            ctypes.c_uint64,  # src_capacity
+            ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.c_void_p,  # void *staging
+            ctypes.c_uint64,  # staging_capacity
+            ctypes.POINTER(MoriSendOptions),
+        ],
+    ),
+    "mori_unpack_kvcache": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.c_void_p,  # const void *staging
+            ctypes.c_uint64,  # staging_capacity
+            ctypes.POINTER(ctypes.c_void_p),  # void *const *dst
+            ctypes.c_size_t,  # num_buffers
+            ctypes.c_uint64,  # dst_capacity
             ctypes.c_void_p,  # const int32_t *dst_pages
             ctypes.c_size_t,  # num_pages
             ctypes.POINTER(MoriSendOptions),
