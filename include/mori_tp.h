@@ -9,7 +9,8 @@
  *    also written on MORI_ERR_BUFFER_TOO_SMALL).
  *  - Every pointer is checked; an array pointer is followed by its length, and (NULL, 0) is a
  *    valid empty array.
- *  - A failing mori_send_kvcache writes no destination byte.
+ *  - A refused call writes nothing: every input is validated before the first byte moves (only
+ *    MORI_ERR_GPU, a runtime failure mid-transfer, can follow copies that already landed).
  *  - All functions are thread-safe and may be called concurrently on disjoint buffers.
  *  - Check mori_abi_version() == MORI_TP_ABI_VERSION at start-up.
  *
@@ -34,6 +35,13 @@
  * Host copies are always complete on return.
  */
 #define MORI_SEND_SYNCHRONIZE 1
+
+/**
+ * MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
+ * one copy-kernel launch, plus at most one upload of the rect table, instead of one
+ * hipMemcpy2DAsync per (buffer, rect). The host backend ignores it (its result is the same).
+ */
+#define MORI_SEND_COPY_KERNEL 2
 
 /**
  * The ABI version this header describes; compare with mori_abi_version() at start-up.
@@ -220,7 +228,8 @@ typedef struct MoriKvBuffers {
 } MoriKvBuffers;
 
 /**
- * How mori_send_kvcache runs. Pass NULL for the defaults: AUTO backend, no flags, NULL stream.
+ * How mori_send_kvcache, mori_pack_kvcache and mori_unpack_kvcache run. Pass NULL for the
+ * defaults: AUTO backend, no flags, NULL stream.
  */
 typedef struct MoriSendOptions {
   /**
@@ -228,7 +237,7 @@ typedef struct MoriSendOptions {
    */
   uint32_t backend;
   /**
-   * Zero or MORI_SEND_SYNCHRONIZE; other bits are refused.
+   * Zero or more of MORI_SEND_SYNCHRONIZE and MORI_SEND_COPY_KERNEL; other bits are refused.
    */
   uint32_t flags;
   /**
@@ -249,6 +258,11 @@ typedef uint32_t MoriTpAction;
 typedef uint32_t MoriBackend;
 
 /**
+ * Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.
+ */
+typedef uint32_t MoriTpStaging;
+
+/**
  * Success.
  */
 #define MORI_OK 0
@@ -260,7 +274,8 @@ typedef uint32_t MoriBackend;
 
 /**
  * A field is out of range: zero TP size, page size or item length; rank >= TP size; unknown
- * enum or flag value; inconsistent config fields; a misaligned array.
+ * enum or flag value; inconsistent config fields; a misaligned pointer; a size that overflows
+ * 64 bits; a staging region that overlaps a page buffer.
  */
 #define MORI_ERR_INVALID_ARGUMENT 2
 
@@ -286,7 +301,8 @@ typedef uint32_t MoriBackend;
 #define MORI_ERR_OUT_OF_BOUNDS 6
 
 /**
- * The caller's output array is too small; *out_len holds the entries needed.
+ * The caller's output array is too small (*out_len holds the entries needed), or a staging
+ * region holds fewer bytes than the request needs.
  */
 #define MORI_ERR_BUFFER_TOO_SMALL 7
 
@@ -302,6 +318,8 @@ typedef uint32_t MoriBackend;
 
 /**
  * An internal error (a bug in mori-tp) was caught at the boundary; please report the message.
+ * The process's Rust panic hook (by default: a message on stderr) runs before this is returned;
+ * mori-tp installs no hook of its own.
  */
 #define MORI_ERR_PANIC 10
 
@@ -335,6 +353,28 @@ typedef uint32_t MoriBackend;
  */
 #define MORI_BACKEND_HIP 2
 
+/**
+ * Pages to pages: the transport copies straight between the page buffers.
+ */
+#define MORI_TP_STAGING_NONE 0
+
+/**
+ * The prefill rank packs into its staging region (mori_pack_kvcache); the transport copies
+ * from it into the decode pages.
+ */
+#define MORI_TP_STAGING_SRC 1
+
+/**
+ * The transport copies from the prefill pages into a staging region on the decode rank, which
+ * unpacks it (mori_unpack_kvcache).
+ */
+#define MORI_TP_STAGING_DST 2
+
+/**
+ * Both ranks stage: one transport segment per buffer.
+ */
+#define MORI_TP_STAGING_BOTH 3
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -349,13 +389,20 @@ extern "C" {
  * (decode rank, owned head) is written by exactly one prefill rank. Pure: no allocation visible
  * to the caller, no I/O (except the opt-in MORI_TP_LOG debug log).
  *
+ * Checks run in three stages, and the first failing check of the first failing stage is
+ * reported: (1) page_size, both TP sizes and both item lengths non-zero, each rank below its
+ * TP size (MORI_ERR_INVALID_ARGUMENT); (2) total_kv_heads against the prefill, then the decode
+ * TP size (MORI_ERR_TOPOLOGY); (3) the prefill, then the decode byte layout, then equal bytes
+ * per head (MORI_ERR_LAYOUT_MISMATCH).
+ *
  * @param[in]  params  The pair and the layout of both sides. Must not be NULL.
- * @param[out] out     Receives the config; written only when MORI_OK is returned.
+ * @param[out] out     Receives the config; written only when MORI_OK is returned. Must not be
+ *                     NULL.
  *
  * @return MORI_OK;
  *   MORI_ERR_NULL_POINTER if params or out is NULL;
- *   MORI_ERR_INVALID_ARGUMENT for a zero TP size, page size or item length, or a rank >= its
- *   TP size;
+ *   MORI_ERR_INVALID_ARGUMENT for a zero TP size, page size or item length, a rank >= its
+ *   TP size, or a misaligned params or out;
  *   MORI_ERR_TOPOLOGY if total_kv_heads is 0 or does not divide (or is not divided by) a TP
  *   size;
  *   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size, bytes per token
@@ -363,9 +410,6 @@ extern "C" {
  *   head_dim mismatch);
  *   MORI_ERR_PANIC on an internal error.
  *   On failure mori_last_error_message() names the offending values.
- *
- * # Safety
- * params and out must be NULL or point to valid, aligned structs.
  */
 MoriStatus mori_tp_slice_config(const struct MoriTpSliceParams *params,
                                 struct MoriTpSliceConfig *out);
@@ -387,24 +431,21 @@ MoriStatus mori_tp_slice_config(const struct MoriTpSliceParams *params,
  *                        num_pages = 0.
  * @param[in]  num_pages  Number of page pairs.
  * @param[out] out        Array of capacity rects; NULL only if capacity = 0. Written only on
- *                        MORI_OK.
+ *                        MORI_OK. May be uninitialised memory; must not overlap the inputs.
  * @param[in]  capacity   Entries out can hold.
  * @param[out] out_len    Receives the number of rects the plan needs, on MORI_OK and on
  *                        MORI_ERR_BUFFER_TOO_SMALL. Must not be NULL.
  *
  * @return MORI_OK;
  *   MORI_ERR_NULL_POINTER if config or out_len is NULL, or a NULL array has a non-zero length;
- *   MORI_ERR_INVALID_ARGUMENT for an unknown action, inconsistent config fields or a misaligned
- *   array;
+ *   MORI_ERR_INVALID_ARGUMENT for an unknown action, inconsistent config fields, a misaligned
+ *   pointer, or num_pages * page_size * heads_bytes_per_token_to_send overflowing 64 bits;
  *   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size;
  *   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
  *   MORI_ERR_OUT_OF_BOUNDS for a negative page index, or one whose byte offset overflows 64 bits;
- *   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out);
+ *   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out; with out = NULL
+ *   and capacity = 0 this is the answer to a size query);
  *   MORI_ERR_PANIC on an internal error.
- *
- * # Safety
- * Every non-NULL pointer must be valid for its stated length, and out must not overlap the
- * inputs.
  */
 MoriStatus mori_tp_plan(const struct MoriTpSliceConfig *config,
                         const int32_t *src_pages,
@@ -420,9 +461,6 @@ MoriStatus mori_tp_plan(const struct MoriTpSliceConfig *config,
  * width equals both pitches is contiguous and becomes a single segment.
  *
  * Parameters, size query and return codes are those of mori_tp_plan, with MoriSegment entries.
- *
- * # Safety
- * As for mori_tp_plan.
  */
 MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
                                  const int32_t *src_pages,
@@ -436,24 +474,26 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  * Copies one request's KV cache slice: for every buffer i, every rect of the plan (see
  * mori_tp_plan) from buffers->src[i] to buffers->dst[i].
  *
- * All validation (config, options, every page index against both capacities, overflow of every
- * offset, NULL pointers, backend availability) happens before the first byte moves: a failing
- * call writes nothing. A config whose action is not SEND passes the same checks, then moves
- * nothing and returns MORI_OK.
+ * Everything (config, options, every page index against both capacities, overflow of every
+ * offset and size, NULL pointers) is validated before a backend is opened and before the first
+ * byte moves: a refused call writes nothing, and gets the same status on every machine. A
+ * config whose action is not SEND passes the same checks, then moves nothing and returns
+ * MORI_OK.
  *
  * Backends: HOST copies on the CPU and returns when done (both sides must be host memory).
  * HIP issues one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src + src_offset, src_pitch,
- * width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, then
- * hipStreamSynchronize if MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still
- * be running on return, and the buffers must stay valid until the stream reaches them.
- * hipMemcpyDefault lets either side be device memory, a peer device's memory (enable peer
- * access first) or host memory. Pageable host memory is legal but makes each copy synchronous
- * and slow; pin it (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on
- * the stream's device (the NULL stream: the calling thread's current device); mori-tp never
- * calls hipSetDevice, so the current device is left as it was. D2D copies are fastest when
- * width, pitches and offsets are multiples of 16 bytes (see the README for real models).
- * AUTO is HIP when the library is built with it and a device is present (the device count is
- * read once per process), else HOST.
+ * width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, or with
+ * MORI_SEND_COPY_KERNEL one copy-kernel launch for the whole call, then hipStreamSynchronize if
+ * MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still be running on return,
+ * and the buffers must stay valid until the stream reaches them. hipMemcpyDefault lets either
+ * side be device memory, a peer device's memory (enable peer access first) or host memory.
+ * Pageable host memory is legal but makes each copy synchronous and slow; pin it
+ * (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on the stream's
+ * device (the NULL stream: the calling thread's current device); mori-tp never calls
+ * hipSetDevice, so the current device is left as it was. D2D copies are fastest when width,
+ * pitches and offsets are multiples of 16 bytes (see the README for real models). AUTO is HIP
+ * when the library is built with it and a device is present (the device count is read once per
+ * process), else HOST.
  *
  * @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
  * @param[in] buffers    Source and destination buffers and their capacities. Must not be NULL.
@@ -462,25 +502,25 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  * @param[in] num_pages  Number of page pairs.
  * @param[in] options    Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
  *
+ * Each buffers->src[i] must be readable for src_capacity bytes and each buffers->dst[i]
+ * writable for dst_capacity bytes, in memory the chosen backend can address, until the copies
+ * complete.
+ *
  * @return MORI_OK;
  *   MORI_ERR_NULL_POINTER if config or buffers is NULL, a NULL array has a non-zero length, or
  *   an entry of buffers->src / buffers->dst is NULL;
  *   MORI_ERR_INVALID_ARGUMENT for an unknown action, backend or flag bit, inconsistent config
- *   fields, a misaligned array, a capacity beyond the address space, or a non-NULL stream with
- *   the host backend;
+ *   fields, a misaligned pointer, a capacity beyond the address space, a size that overflows
+ *   64 bits, or a non-NULL stream with the host backend;
  *   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size;
  *   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
  *   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past its capacity;
  *   MORI_ERR_BACKEND_UNAVAILABLE if HIP is requested but not built in or no device is present;
- *   MORI_ERR_GPU if the HIP runtime fails (the message names the HIP error with its number, and
- *   the buffer and rect; copies issued before the failure may have landed, and with
- *   MORI_SEND_SYNCHRONIZE they have completed before the call returns);
+ *   MORI_ERR_GPU if the HIP runtime fails (the message names the HIP call, its error with its
+ *   number, and the buffer and rect; this is the one failure after which bytes may have moved:
+ *   copies issued before it may have landed, and with MORI_SEND_SYNCHRONIZE they have completed
+ *   before the call returns);
  *   MORI_ERR_PANIC on an internal error.
- *
- * # Safety
- * Each buffers->src[i] must be readable for src_capacity bytes and each buffers->dst[i]
- * writable for dst_capacity bytes, in memory the chosen backend can address, until the copies
- * complete.
  */
 MoriStatus mori_send_kvcache(const struct MoriTpSliceConfig *config,
                              const struct MoriKvBuffers *buffers,
@@ -488,6 +528,186 @@ MoriStatus mori_send_kvcache(const struct MoriTpSliceConfig *config,
                              const int32_t *dst_pages,
                              size_t num_pages,
                              const struct MoriSendOptions *options);
+
+/**
+ * The staging that minimises transport segments for a pair, without a copy that merges
+ * nothing: a side is staged when its token slot is wider than the slice
+ * (bytes_per_token_src > heads_bytes_per_token_to_send: SRC; bytes_per_token_dst > it: DST;
+ * both: BOTH; neither, or a config that is not SEND: NONE). It depends on the config alone, so
+ * both ranks compute the same answer without exchanging page lists.
+ *
+ * With it the transport gets one segment per maximal run of pages (per buffer), or one per
+ * buffer when both sides are staged, instead of one per token.
+ *
+ * @param[in]  config       A config from mori_tp_slice_config (re-validated). Must not be NULL.
+ * @param[out] out_staging  Receives a MoriTpStaging; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if config or out_staging is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT for an unknown action, inconsistent config fields or a misaligned
+ *   pointer;
+ *   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size;
+ *   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_staging_for(const struct MoriTpSliceConfig *config,
+                               uint32_t *out_staging);
+
+/**
+ * The bytes one buffer stages for a request of num_pages page pairs:
+ * staging_len = num_pages * page_size * heads_bytes_per_token_to_send (0 when the config is not
+ * SEND). A staging region for num_buffers buffers holds num_buffers * staging_len bytes; buffer
+ * b's part starts at b * staging_len, and token k of the request (token k % page_size of the
+ * page at position k / page_size of the page list) is the heads_bytes_per_token_to_send bytes at
+ * b * staging_len + k * heads_bytes_per_token_to_send.
+ *
+ * @param[in]  config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
+ * @param[in]  num_pages  Number of page pairs in the request.
+ * @param[out] out_len    Receives staging_len; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if config or out_len is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT for an unknown action, inconsistent config fields, a misaligned
+ *   pointer, or a staging_len that overflows 64 bits;
+ *   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size;
+ *   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_staging_len(const struct MoriTpSliceConfig *config,
+                               size_t num_pages,
+                               uint64_t *out_len);
+
+/**
+ * The transport's segments for a staged transfer: what an RDMA engine copies, for every buffer,
+ * between the prefill and the decode rank.
+ *
+ * Offsets are relative to each buffer's base: on an unstaged side its page buffer, on a staged
+ * side region + b * staging_len (mori_tp_staging_len) of that rank's staging region. The same
+ * list applies to every buffer. A staged side behaves as a side whose token slot is exactly the
+ * slice and whose pages are 0, 1, ..., num_pages - 1, and the list is mori_tp_plan_segments of
+ * that geometry: MORI_TP_STAGING_NONE gives mori_tp_plan_segments itself; SRC or DST one segment
+ * per maximal run of the other side's pages when that side's token slot equals the slice (else
+ * one per token); BOTH one segment of staging_len.
+ *
+ * The full sequence, which leaves every decode byte exactly as one mori_send_kvcache does:
+ * the prefill rank calls mori_pack_kvcache if the prefill side is staged (SRC, BOTH); the
+ * transport copies every segment for every buffer; the decode rank calls mori_unpack_kvcache if
+ * the decode side is staged (DST, BOTH) once the transfer has completed.
+ *
+ * @param[in]  config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
+ * @param[in]  staging    A MoriTpStaging: which sides are staged (see mori_tp_staging_for).
+ * @param[in]  src_pages  num_pages prefill page indices (int32, >= 0), checked even when the
+ *                        prefill side is staged. NULL only if num_pages = 0.
+ * @param[in]  dst_pages  num_pages decode page indices, likewise. NULL only if num_pages = 0.
+ * @param[in]  num_pages  Number of page pairs.
+ * @param[out] out        Array of capacity segments; NULL only if capacity = 0. Written only on
+ *                        MORI_OK. May be uninitialised memory; must not overlap the inputs.
+ * @param[in]  capacity   Entries out can hold.
+ * @param[out] out_len    Receives the number of segments needed, on MORI_OK and on
+ *                        MORI_ERR_BUFFER_TOO_SMALL. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if config or out_len is NULL, or a NULL array has a non-zero length;
+ *   MORI_ERR_INVALID_ARGUMENT for an unknown staging value or action, inconsistent config
+ *   fields, a misaligned pointer, or a size that overflows 64 bits;
+ *   MORI_ERR_LAYOUT_MISMATCH, MORI_ERR_SLICE_OVERFLOW, MORI_ERR_OUT_OF_BOUNDS,
+ *   MORI_ERR_BUFFER_TOO_SMALL, MORI_ERR_PANIC as for mori_tp_plan.
+ */
+MoriStatus mori_tp_plan_transfer(const struct MoriTpSliceConfig *config,
+                                 uint32_t staging,
+                                 const int32_t *src_pages,
+                                 const int32_t *dst_pages,
+                                 size_t num_pages,
+                                 struct MoriSegment *out,
+                                 size_t capacity,
+                                 size_t *out_len);
+
+/**
+ * Prefill side of a staged transfer: copies the slice of every token of every buffer into the
+ * staging region. Buffer b's slices land at staging + b * staging_len, token by token in request
+ * order (see mori_tp_staging_len). Call it before the transport copies the segments of
+ * mori_tp_plan_transfer with MORI_TP_STAGING_SRC or MORI_TP_STAGING_BOTH.
+ *
+ * Everything (config, options, every page index against src_capacity, the staging capacity,
+ * overflow, NULL pointers, overlap of the staging region with a source buffer) is validated
+ * before a backend is opened and before the first byte moves: a refused call writes nothing.
+ * A config that is not SEND passes the same checks, then moves nothing and returns MORI_OK.
+ * Backends, stream and flags as for mori_send_kvcache (the HIP backend: one hipMemcpy2DAsync
+ * per (buffer, rect), or one copy-kernel launch with MORI_SEND_COPY_KERNEL).
+ *
+ * @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
+ *                               NULL.
+ * @param[in]  src               num_buffers base pointers of the prefill rank's buffers (K of
+ *                               each layer, then V of each layer). NULL only if num_buffers = 0;
+ *                               no entry may be NULL.
+ * @param[in]  num_buffers       Number of buffers.
+ * @param[in]  src_capacity      Bytes in each src buffer: every page must end at or before it.
+ * @param[in]  src_pages         num_pages page indices (int32, >= 0). NULL only if num_pages = 0.
+ * @param[in]  num_pages         Number of pages (the request's page pairs).
+ * @param[out] staging           The staging region: at least num_buffers * staging_len bytes,
+ *                               not overlapping any src buffer. NULL only if staging_capacity
+ *                               is 0.
+ * @param[in]  staging_capacity  Bytes in the staging region.
+ * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if config is NULL, a NULL array has a non-zero length, an entry of src
+ *   is NULL, or staging is NULL with a non-zero staging_capacity;
+ *   MORI_ERR_INVALID_ARGUMENT for an unknown action, backend or flag bit, inconsistent config
+ *   fields, a misaligned pointer, a capacity beyond the address space, a size that overflows
+ *   64 bits, a staging region that overlaps a src buffer, or a non-NULL stream with the host
+ *   backend;
+ *   MORI_ERR_LAYOUT_MISMATCH, MORI_ERR_SLICE_OVERFLOW as for mori_tp_plan;
+ *   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past src_capacity;
+ *   MORI_ERR_BUFFER_TOO_SMALL if staging_capacity < num_buffers * staging_len (the message
+ *   names both);
+ *   MORI_ERR_BACKEND_UNAVAILABLE, MORI_ERR_GPU, MORI_ERR_PANIC as for mori_send_kvcache.
+ */
+MoriStatus mori_pack_kvcache(const struct MoriTpSliceConfig *config,
+                             const void *const *src,
+                             size_t num_buffers,
+                             uint64_t src_capacity,
+                             const int32_t *src_pages,
+                             size_t num_pages,
+                             void *staging,
+                             uint64_t staging_capacity,
+                             const struct MoriSendOptions *options);
+
+/**
+ * Decode side of a staged transfer: copies the staging region into the slice of every token of
+ * every buffer, once the transport has written the region (all segments of
+ * mori_tp_plan_transfer with MORI_TP_STAGING_DST or MORI_TP_STAGING_BOTH). Buffer b's slices
+ * are read from staging + b * staging_len, token by token in request order.
+ *
+ * Validation, refusals, backends, stream and flags as for mori_pack_kvcache, with the roles
+ * swapped: dst_pages are checked against dst_capacity, and the staging region must not overlap
+ * a dst buffer.
+ *
+ * @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
+ *                               NULL.
+ * @param[in]  staging           The staging region: at least num_buffers * staging_len bytes.
+ *                               NULL only if staging_capacity is 0.
+ * @param[in]  staging_capacity  Bytes in the staging region.
+ * @param[out] dst               num_buffers base pointers of the decode rank's buffers, in the
+ *                               prefill side's order. NULL only if num_buffers = 0; no entry may
+ *                               be NULL.
+ * @param[in]  num_buffers       Number of buffers.
+ * @param[in]  dst_capacity      Bytes in each dst buffer: every page must end at or before it.
+ * @param[in]  dst_pages         num_pages page indices (int32, >= 0). NULL only if num_pages = 0.
+ * @param[in]  num_pages         Number of pages (the request's page pairs).
+ * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+ *
+ * @return the codes of mori_pack_kvcache, with dst in place of src.
+ */
+MoriStatus mori_unpack_kvcache(const struct MoriTpSliceConfig *config,
+                               const void *staging,
+                               uint64_t staging_capacity,
+                               void *const *dst,
+                               size_t num_buffers,
+                               uint64_t dst_capacity,
+                               const int32_t *dst_pages,
+                               size_t num_pages,
+                               const struct MoriSendOptions *options);
 
 /**
  * A static, NUL-terminated name for a status code ("MORI_OK", "MORI_ERR_TOPOLOGY", ...);
@@ -500,7 +720,8 @@ const char *mori_status_str(MoriStatus status);
  * example "mori_tp_slice_config: layout mismatch: decode side: bytes_per_head 128 != prefill
  * side bytes_per_head 256 (dtype or head_dim differ; ...)". Successful calls leave it alone.
  * Never NULL; owned by the library and valid until the next failing call on this thread; copy
- * it to keep it.
+ * it to keep it. While the thread is exiting (from a thread_local destructor that runs after
+ * mori-tp's own) the message may be lost, and this returns "".
  */
 const char *mori_last_error_message(void);
 

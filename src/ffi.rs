@@ -1,24 +1,32 @@
 //! The C ABI: the types and functions of `include/mori_tp.h`.
 //!
 //! Thin glue over the safe core: every function runs its body inside `boundary`, which catches
-//! panics, maps the core's [`Error`] to a status code and stores its message as this thread's last
-//! error. Pointers are checked before use and outputs are written only on success.
+//! panics, maps the core's [`Error`] (or a condition only C can create: a NULL argument, a short
+//! output array, a misaligned pointer, an unknown enum value) to a status code and stores its
+//! message as this thread's last error. Pointers are checked before use, outputs are written
+//! only on success, and a request is validated completely before a backend is opened.
 //!
 //! The doc comments below are copied into the header by cbindgen: they are the C API reference,
-//! written for a C or C++ programmer who never reads the Rust.
+//! written for a C or C++ programmer who never reads the Rust. Each function's pointer rules are
+//! stated there in C terms (its `@param` lines), which is why the `unsafe extern` functions carry
+//! no Rust `# Safety` heading: it would land in the C header.
 #![allow(rustdoc::broken_intra_doc_links)] // "[in]"/"[out]" are header conventions, not links.
+#![allow(clippy::missing_safety_doc)] // The header's @param lines are the safety contract.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::ffi::{CString, c_char, c_void};
+use std::fmt;
+use std::mem::MaybeUninit;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, Once};
 
 use crate::backend::{Backend, SendOptions, open_engine};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorClass};
 use crate::plan::{CopyRect, Plan, Segment};
-use crate::send::{KvBuffers, send};
+use crate::send::{CopyJob, KvBuffers, with_pack_job, with_unpack_job};
 use crate::slice::{Action, SliceConfig, SliceParams, slice_config};
+use crate::staging::{Staging, staging_for, staging_len};
 
 /// Status code returned by every fallible mori-tp function: MORI_OK (0) or one of the
 /// MORI_ERR_* values. The numbers never change; new codes only get added.
@@ -28,7 +36,8 @@ pub const MORI_OK: MoriStatus = 0;
 /// A required pointer argument (or an entry of a pointer array) is NULL.
 pub const MORI_ERR_NULL_POINTER: MoriStatus = 1;
 /// A field is out of range: zero TP size, page size or item length; rank >= TP size; unknown
-/// enum or flag value; inconsistent config fields; a misaligned array.
+/// enum or flag value; inconsistent config fields; a misaligned pointer; a size that overflows
+/// 64 bits; a staging region that overlaps a page buffer.
 pub const MORI_ERR_INVALID_ARGUMENT: MoriStatus = 2;
 /// total_kv_heads and a TP size divide neither way, or total_kv_heads is 0.
 pub const MORI_ERR_TOPOLOGY: MoriStatus = 3;
@@ -39,13 +48,16 @@ pub const MORI_ERR_LAYOUT_MISMATCH: MoriStatus = 4;
 pub const MORI_ERR_SLICE_OVERFLOW: MoriStatus = 5;
 /// A page index is negative, or its page ends past the buffer capacity (or past 2^64 bytes).
 pub const MORI_ERR_OUT_OF_BOUNDS: MoriStatus = 6;
-/// The caller's output array is too small; *out_len holds the entries needed.
+/// The caller's output array is too small (*out_len holds the entries needed), or a staging
+/// region holds fewer bytes than the request needs.
 pub const MORI_ERR_BUFFER_TOO_SMALL: MoriStatus = 7;
 /// The requested copy backend is not built in, or it has no device.
 pub const MORI_ERR_BACKEND_UNAVAILABLE: MoriStatus = 8;
 /// The GPU runtime returned an error; the message names the HIP error, buffer and rect.
 pub const MORI_ERR_GPU: MoriStatus = 9;
 /// An internal error (a bug in mori-tp) was caught at the boundary; please report the message.
+/// The process's Rust panic hook (by default: a message on stderr) runs before this is returned;
+/// mori-tp installs no hook of its own.
 pub const MORI_ERR_PANIC: MoriStatus = 10;
 
 /// What a (prefill rank, decode rank) pair does; the type of MoriTpSliceConfig.action.
@@ -69,6 +81,23 @@ pub const MORI_BACKEND_HIP: MoriBackend = 2;
 /// MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
 /// Host copies are always complete on return.
 pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
+/// MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
+/// one copy-kernel launch, plus at most one upload of the rect table, instead of one
+/// hipMemcpy2DAsync per (buffer, rect). The host backend ignores it (its result is the same).
+pub const MORI_SEND_COPY_KERNEL: u32 = 2;
+
+/// Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.
+pub type MoriTpStaging = u32;
+/// Pages to pages: the transport copies straight between the page buffers.
+pub const MORI_TP_STAGING_NONE: MoriTpStaging = 0;
+/// The prefill rank packs into its staging region (mori_pack_kvcache); the transport copies
+/// from it into the decode pages.
+pub const MORI_TP_STAGING_SRC: MoriTpStaging = 1;
+/// The transport copies from the prefill pages into a staging region on the decode rank, which
+/// unpacks it (mori_unpack_kvcache).
+pub const MORI_TP_STAGING_DST: MoriTpStaging = 2;
+/// Both ranks stage: one transport segment per buffer.
+pub const MORI_TP_STAGING_BOTH: MoriTpStaging = 3;
 
 /// The ABI version this header describes; compare with mori_abi_version() at start-up.
 pub const MORI_TP_ABI_VERSION: u32 = 1;
@@ -180,43 +209,144 @@ pub struct MoriKvBuffers {
     pub dst_capacity: u64,
 }
 
-/// How mori_send_kvcache runs. Pass NULL for the defaults: AUTO backend, no flags, NULL stream.
+/// How mori_send_kvcache, mori_pack_kvcache and mori_unpack_kvcache run. Pass NULL for the
+/// defaults: AUTO backend, no flags, NULL stream.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct MoriSendOptions {
     /// A MoriBackend: MORI_BACKEND_AUTO, MORI_BACKEND_HOST or MORI_BACKEND_HIP.
     pub backend: u32,
-    /// Zero or MORI_SEND_SYNCHRONIZE; other bits are refused.
+    /// Zero or more of MORI_SEND_SYNCHRONIZE and MORI_SEND_COPY_KERNEL; other bits are refused.
     pub flags: u32,
     /// hipStream_t for the HIP backend; NULL = the null stream. Must be NULL for the host backend
     /// (including when AUTO falls back to the host).
     pub stream: *mut c_void,
 }
 
+/// Why an exported function failed: a core [`Error`], or a condition only a C caller can create.
+#[derive(Debug)]
+enum Failure {
+    /// The safe core refused the request.
+    Core(Error),
+    /// A required pointer argument is NULL.
+    NullArgument(&'static str),
+    /// An array pointer is NULL but its length is not 0.
+    NullArray { name: &'static str, len: usize },
+    /// A pointer is not aligned for its type.
+    Misaligned {
+        name: &'static str,
+        address: usize,
+        align: usize,
+    },
+    /// An array's byte size exceeds the address space.
+    ArrayTooLong { name: &'static str, len: usize },
+    /// An enum field holds a value the ABI does not define.
+    UnknownValue {
+        field: &'static str,
+        value: u32,
+        allowed: &'static str,
+    },
+    /// A flags field has bits the ABI does not define.
+    UnknownFlags { flags: u32, unknown: u32 },
+    /// The caller's output array holds fewer entries than the result needs.
+    BufferTooSmall {
+        needed: usize,
+        capacity: usize,
+        /// `out == NULL && capacity == 0`: the caller asked for the size, nothing failed.
+        size_query: bool,
+    },
+    /// A panic (a bug) was caught at the boundary.
+    Panic(String),
+}
+
+impl From<Error> for Failure {
+    fn from(error: Error) -> Self {
+        Failure::Core(error)
+    }
+}
+
+type Result<T, E = Failure> = std::result::Result<T, E>;
+
+impl Failure {
+    fn status(&self) -> MoriStatus {
+        match self {
+            Failure::Core(error) => match error.class() {
+                ErrorClass::NullPointer => MORI_ERR_NULL_POINTER,
+                ErrorClass::InvalidArgument => MORI_ERR_INVALID_ARGUMENT,
+                ErrorClass::Topology => MORI_ERR_TOPOLOGY,
+                ErrorClass::LayoutMismatch => MORI_ERR_LAYOUT_MISMATCH,
+                ErrorClass::SliceOverflow => MORI_ERR_SLICE_OVERFLOW,
+                ErrorClass::OutOfBounds => MORI_ERR_OUT_OF_BOUNDS,
+                ErrorClass::BufferTooSmall => MORI_ERR_BUFFER_TOO_SMALL,
+                ErrorClass::BackendUnavailable => MORI_ERR_BACKEND_UNAVAILABLE,
+                ErrorClass::Gpu => MORI_ERR_GPU,
+            },
+            Failure::NullArgument(_) | Failure::NullArray { .. } => MORI_ERR_NULL_POINTER,
+            Failure::Misaligned { .. }
+            | Failure::ArrayTooLong { .. }
+            | Failure::UnknownValue { .. }
+            | Failure::UnknownFlags { .. } => MORI_ERR_INVALID_ARGUMENT,
+            Failure::BufferTooSmall { .. } => MORI_ERR_BUFFER_TOO_SMALL,
+            Failure::Panic(_) => MORI_ERR_PANIC,
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Core(error) => error.fmt(f),
+            Failure::NullArgument(name) => write!(f, "null pointer: {name} is NULL"),
+            Failure::NullArray { name, len } => {
+                write!(f, "null pointer: {name} is NULL but its length is {len}")
+            }
+            Failure::Misaligned {
+                name,
+                address,
+                align,
+            } => write!(
+                f,
+                "invalid argument: {name} ({address:#x}) is not aligned to {align} bytes"
+            ),
+            Failure::ArrayTooLong { name, len } => {
+                write!(f, "invalid argument: {name} length {len} is too large")
+            }
+            Failure::UnknownValue {
+                field,
+                value,
+                allowed,
+            } => write!(f, "invalid argument: {field} {value} is not a {allowed}"),
+            Failure::UnknownFlags { flags, unknown } => write!(
+                f,
+                "invalid argument: options.flags {flags:#x} has unknown bits {unknown:#x} (only \
+                 MORI_SEND_SYNCHRONIZE = 0x1 and MORI_SEND_COPY_KERNEL = 0x2 are defined)"
+            ),
+            Failure::BufferTooSmall {
+                needed, capacity, ..
+            } => write!(
+                f,
+                "buffer too small: the result needs {needed} entries, the output array holds \
+                 {capacity}"
+            ),
+            Failure::Panic(message) => write!(f, "internal error: {message}"),
+        }
+    }
+}
+
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
-fn status_of(error: &Error) -> MoriStatus {
-    match error {
-        Error::NullPointer(_) => MORI_ERR_NULL_POINTER,
-        Error::InvalidArgument(_) => MORI_ERR_INVALID_ARGUMENT,
-        Error::Topology(_) => MORI_ERR_TOPOLOGY,
-        Error::LayoutMismatch(_) => MORI_ERR_LAYOUT_MISMATCH,
-        Error::SliceOverflow(_) => MORI_ERR_SLICE_OVERFLOW,
-        Error::OutOfBounds(_) => MORI_ERR_OUT_OF_BOUNDS,
-        Error::BufferTooSmall { .. } => MORI_ERR_BUFFER_TOO_SMALL,
-        Error::BackendUnavailable(_) => MORI_ERR_BACKEND_UNAVAILABLE,
-        Error::Gpu(_) => MORI_ERR_GPU,
-        Error::Panic(_) => MORI_ERR_PANIC,
-    }
-}
-
-fn set_last_error(function: &str, error: &Error) {
-    let message = format!("{function}: {error}");
-    log::debug!("{message}");
+/// Stores this thread's last error. During thread teardown, after the slot has been destroyed
+/// (a C++ `thread_local` destructor calling mori-tp), the message is dropped: the status code
+/// still reaches the caller.
+fn set_last_error(message: String) {
     let message = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|slot| *slot.borrow_mut() = message);
+    let _ = LAST_ERROR.try_with(|slot| {
+        if let Ok(mut slot) = slot.try_borrow_mut() {
+            *slot = message;
+        }
+    });
 }
 
 /// Initialises `env_logger` once, and only when `MORI_TP_LOG` is set: the library never prints
@@ -241,47 +371,90 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic with a non-string payload".into())
 }
 
-/// Runs an exported function's body: no panic unwinds into C, every error becomes its status code
-/// and this thread's last error message.
-pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> MoriStatus {
-    init_logging();
-    let error = match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => return MORI_OK,
-        Ok(Err(error)) => error,
-        Err(payload) => Error::Panic(panic_message(payload.as_ref())),
-    };
-    set_last_error(function, &error);
-    status_of(&error)
+/// Runs an exported function's body: no panic unwinds into C, every failure becomes its status
+/// code and this thread's last error message. Everything, the logging set-up and the message
+/// store included, runs under `catch_unwind`, and nothing here can abort: a call made while its
+/// thread is being torn down still returns its status.
+fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> MoriStatus {
+    let run = AssertUnwindSafe(|| {
+        init_logging();
+        let failure = match body() {
+            Ok(()) => return MORI_OK,
+            Err(failure) => failure,
+        };
+        let message = format!("{function}: {failure}");
+        if matches!(
+            failure,
+            Failure::BufferTooSmall {
+                size_query: true,
+                ..
+            }
+        ) {
+            log::trace!("{message} (a size query)");
+        } else {
+            log::debug!("{message}");
+        }
+        set_last_error(message);
+        failure.status()
+    });
+    match catch_unwind(run) {
+        Ok(status) => status,
+        Err(payload) => {
+            // Storing the message may itself fail during teardown: contain that too.
+            let message = format!(
+                "{function}: {}",
+                Failure::Panic(panic_message(payload.as_ref()))
+            );
+            let _ = catch_unwind(AssertUnwindSafe(|| set_last_error(message)));
+            MORI_ERR_PANIC
+        }
+    }
 }
 
-/// `&*ptr`, or a NULL_POINTER error naming the argument.
+/// Checks that a pointer is aligned for `T`.
+fn check_aligned<T>(ptr: *const T, name: &'static str) -> Result<()> {
+    if ptr.is_aligned() {
+        Ok(())
+    } else {
+        Err(Failure::Misaligned {
+            name,
+            address: ptr as usize,
+            align: align_of::<T>(),
+        })
+    }
+}
+
+/// `&*ptr`, or NULL_POINTER / INVALID_ARGUMENT (misaligned) naming the argument.
 ///
 /// # Safety
-/// A non-NULL `ptr` must point to a valid, aligned `T`.
-unsafe fn try_ref<'a, T>(ptr: *const T, name: &str) -> Result<&'a T> {
-    // SAFETY: non-NULL and valid per the caller.
-    unsafe { ptr.as_ref() }.ok_or_else(|| Error::NullPointer(format!("{name} is NULL")))
+/// A non-NULL, aligned `ptr` must point to a valid `T`.
+unsafe fn try_ref<'a, T>(ptr: *const T, name: &'static str) -> Result<&'a T> {
+    if ptr.is_null() {
+        return Err(Failure::NullArgument(name));
+    }
+    check_aligned(ptr, name)?;
+    // SAFETY: non-NULL and aligned; valid per the caller.
+    Ok(unsafe { &*ptr })
 }
 
-fn check_array<T>(ptr: *const T, len: usize, name: &str) -> Result<()> {
+/// Checks an output pointer: non-NULL and aligned. It is written only once everything passed.
+fn check_out<T>(ptr: *mut T, name: &'static str) -> Result<()> {
     if ptr.is_null() {
-        return Err(Error::NullPointer(format!(
-            "{name} is NULL but its length is {len}"
-        )));
+        return Err(Failure::NullArgument(name));
     }
-    if !ptr.is_aligned() {
-        return Err(Error::InvalidArgument(format!(
-            "{name} ({ptr:p}) is not aligned to {} bytes",
-            align_of::<T>()
-        )));
+    check_aligned(ptr.cast_const(), name)
+}
+
+fn check_array<T>(ptr: *const T, len: usize, name: &'static str) -> Result<()> {
+    if ptr.is_null() {
+        return Err(Failure::NullArray { name, len });
     }
+    check_aligned(ptr, name)?;
     if len
         .checked_mul(size_of::<T>())
         .is_none_or(|bytes| bytes > isize::MAX as usize)
     {
-        return Err(Error::InvalidArgument(format!(
-            "{name} length {len} is too large"
-        )));
+        return Err(Failure::ArrayTooLong { name, len });
     }
     Ok(())
 }
@@ -290,7 +463,7 @@ fn check_array<T>(ptr: *const T, len: usize, name: &str) -> Result<()> {
 ///
 /// # Safety
 /// A non-NULL `ptr` must point to `len` valid `T`s that outlive the returned slice.
-unsafe fn try_slice<'a, T>(ptr: *const T, len: usize, name: &str) -> Result<&'a [T]> {
+unsafe fn try_slice<'a, T>(ptr: *const T, len: usize, name: &'static str) -> Result<&'a [T]> {
     if len == 0 {
         return Ok(&[]);
     }
@@ -299,17 +472,25 @@ unsafe fn try_slice<'a, T>(ptr: *const T, len: usize, name: &str) -> Result<&'a 
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
-/// The output array `(ptr, capacity)` as a mutable slice; `(NULL, 0)` is the empty array.
+/// The output array `(ptr, capacity)` as uninitialised slots; `(NULL, 0)` is the empty array.
+/// The caller's memory may be uninitialised (numpy `empty`, spare `Vec` capacity), so it is
+/// only ever written through `MaybeUninit`.
 ///
 /// # Safety
-/// A non-NULL `ptr` must point to `capacity` writable `T`s that outlive the returned slice.
-unsafe fn try_slice_mut<'a, T>(ptr: *mut T, capacity: usize, name: &str) -> Result<&'a mut [T]> {
+/// A non-NULL `ptr` must point to `capacity` writable `T`s, not aliased by any input, that
+/// outlive the returned slice.
+unsafe fn try_out_slice<'a, T>(
+    ptr: *mut T,
+    capacity: usize,
+    name: &'static str,
+) -> Result<&'a mut [MaybeUninit<T>]> {
     if capacity == 0 {
         return Ok(&mut []);
     }
-    check_array(ptr, capacity, name)?;
-    // SAFETY: checked non-NULL, aligned and small enough; valid and unaliased per the caller.
-    Ok(unsafe { std::slice::from_raw_parts_mut(ptr, capacity) })
+    check_array(ptr.cast_const(), capacity, name)?;
+    // SAFETY: checked non-NULL, aligned and small enough; writable per the caller, and
+    // `MaybeUninit<T>` has `T`'s layout and accepts any contents.
+    Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast(), capacity) })
 }
 
 impl From<&MoriTpSliceParams> for SliceParams {
@@ -349,19 +530,19 @@ impl From<&SliceConfig> for MoriTpSliceConfig {
     }
 }
 
-impl TryFrom<&MoriTpSliceConfig> for SliceConfig {
-    type Error = Error;
-
-    fn try_from(c: &MoriTpSliceConfig) -> Result<Self> {
+/// The core's config for a C config; unknown action values are refused.
+fn config_from_c(c: &MoriTpSliceConfig) -> Result<SliceConfig> {
+    {
         let action = match c.action {
             MORI_TP_ACTION_NOT_PAIRED => Action::NotPaired,
             MORI_TP_ACTION_SEND => Action::Send,
             MORI_TP_ACTION_SKIP_REPLICA => Action::SkipReplica,
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "config.action {other} is not a MoriTpAction (0 NOT_PAIRED, 1 SEND, \
-                     2 SKIP_REPLICA)"
-                )));
+            value => {
+                return Err(Failure::UnknownValue {
+                    field: "config.action",
+                    value,
+                    allowed: "MoriTpAction (0 NOT_PAIRED, 1 SEND, 2 SKIP_REPLICA)",
+                });
             }
         };
         Ok(SliceConfig {
@@ -403,33 +584,57 @@ impl From<Segment> for MoriSegment {
     }
 }
 
-impl TryFrom<&MoriSendOptions> for SendOptions {
-    type Error = Error;
-
-    fn try_from(o: &MoriSendOptions) -> Result<Self> {
+/// The core's options for C options; unknown backends and flag bits are refused.
+fn options_from_c(o: &MoriSendOptions) -> Result<SendOptions> {
+    {
         let backend = match o.backend {
             MORI_BACKEND_AUTO => Backend::Auto,
             MORI_BACKEND_HOST => Backend::Host,
             MORI_BACKEND_HIP => Backend::Hip,
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "options.backend {other} is not a MoriBackend (0 AUTO, 1 HOST, 2 HIP)"
-                )));
+            value => {
+                return Err(Failure::UnknownValue {
+                    field: "options.backend",
+                    value,
+                    allowed: "MoriBackend (0 AUTO, 1 HOST, 2 HIP)",
+                });
             }
         };
-        if o.flags & !MORI_SEND_SYNCHRONIZE != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "options.flags {:#x} has unknown bits {:#x} (only MORI_SEND_SYNCHRONIZE = 0x1 is \
-                 defined)",
-                o.flags,
-                o.flags & !MORI_SEND_SYNCHRONIZE
-            )));
+        let known = MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL;
+        if o.flags & !known != 0 {
+            return Err(Failure::UnknownFlags {
+                flags: o.flags,
+                unknown: o.flags & !known,
+            });
         }
         Ok(SendOptions {
             backend,
             synchronize: o.flags & MORI_SEND_SYNCHRONIZE != 0,
+            copy_kernel: o.flags & MORI_SEND_COPY_KERNEL != 0,
             stream: o.stream,
         })
+    }
+}
+
+fn staging_from_c(value: u32) -> Result<Staging> {
+    match value {
+        MORI_TP_STAGING_NONE => Ok(Staging::None),
+        MORI_TP_STAGING_SRC => Ok(Staging::Src),
+        MORI_TP_STAGING_DST => Ok(Staging::Dst),
+        MORI_TP_STAGING_BOTH => Ok(Staging::Both),
+        value => Err(Failure::UnknownValue {
+            field: "staging",
+            value,
+            allowed: "MoriTpStaging (0 NONE, 1 SRC, 2 DST, 3 BOTH)",
+        }),
+    }
+}
+
+fn staging_to_c(staging: Staging) -> MoriTpStaging {
+    match staging {
+        Staging::None => MORI_TP_STAGING_NONE,
+        Staging::Src => MORI_TP_STAGING_SRC,
+        Staging::Dst => MORI_TP_STAGING_DST,
+        Staging::Both => MORI_TP_STAGING_BOTH,
     }
 }
 
@@ -479,13 +684,20 @@ fn log_first_config_of_layout(params: &MoriTpSliceParams, config: &MoriTpSliceCo
 /// (decode rank, owned head) is written by exactly one prefill rank. Pure: no allocation visible
 /// to the caller, no I/O (except the opt-in MORI_TP_LOG debug log).
 ///
+/// Checks run in three stages, and the first failing check of the first failing stage is
+/// reported: (1) page_size, both TP sizes and both item lengths non-zero, each rank below its
+/// TP size (MORI_ERR_INVALID_ARGUMENT); (2) total_kv_heads against the prefill, then the decode
+/// TP size (MORI_ERR_TOPOLOGY); (3) the prefill, then the decode byte layout, then equal bytes
+/// per head (MORI_ERR_LAYOUT_MISMATCH).
+///
 /// @param[in]  params  The pair and the layout of both sides. Must not be NULL.
-/// @param[out] out     Receives the config; written only when MORI_OK is returned.
+/// @param[out] out     Receives the config; written only when MORI_OK is returned. Must not be
+///                     NULL.
 ///
 /// @return MORI_OK;
 ///   MORI_ERR_NULL_POINTER if params or out is NULL;
-///   MORI_ERR_INVALID_ARGUMENT for a zero TP size, page size or item length, or a rank >= its
-///   TP size;
+///   MORI_ERR_INVALID_ARGUMENT for a zero TP size, page size or item length, a rank >= its
+///   TP size, or a misaligned params or out;
 ///   MORI_ERR_TOPOLOGY if total_kv_heads is 0 or does not divide (or is not divided by) a TP
 ///   size;
 ///   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size, bytes per token
@@ -493,64 +705,74 @@ fn log_first_config_of_layout(params: &MoriTpSliceParams, config: &MoriTpSliceCo
 ///   head_dim mismatch);
 ///   MORI_ERR_PANIC on an internal error.
 ///   On failure mori_last_error_message() names the offending values.
-///
-/// # Safety
-/// params and out must be NULL or point to valid, aligned structs.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_slice_config(
     params: *const MoriTpSliceParams,
     out: *mut MoriTpSliceConfig,
 ) -> MoriStatus {
     boundary("mori_tp_slice_config", || {
-        // SAFETY: valid or NULL per the caller; NULL is refused.
+        // SAFETY: valid or NULL per the caller; NULL and misalignment are refused.
         let params = unsafe { try_ref(params, "params") }?;
-        if out.is_null() {
-            return Err(Error::NullPointer("out is NULL".into()));
-        }
+        check_out(out, "out")?;
         let config = MoriTpSliceConfig::from(&slice_config(&params.into())?);
         log_first_config_of_layout(params, &config);
-        // SAFETY: non-NULL and valid per the caller.
+        // SAFETY: checked non-NULL and aligned; valid per the caller.
         unsafe { out.write(config) };
         Ok(())
     })
 }
 
-/// Validates the inputs shared by the plan functions and returns the plan.
+/// The config behind a C pointer, re-validated.
 ///
 /// # Safety
-/// As for mori_tp_plan.
-unsafe fn plan_from_raw<'a>(
-    config: *const MoriTpSliceConfig,
+/// `config` NULL or valid.
+unsafe fn config_from_raw(config: *const MoriTpSliceConfig) -> Result<SliceConfig> {
+    // SAFETY: valid or NULL per the caller; NULL and misalignment are refused.
+    let config = config_from_c(unsafe { try_ref(config, "config") }?)?;
+    config.validate()?;
+    Ok(config)
+}
+
+/// The page arrays of a request.
+///
+/// # Safety
+/// Each array NULL or valid for `num_pages` entries.
+unsafe fn pages_from_raw<'a>(
     src_pages: *const i32,
     dst_pages: *const i32,
     num_pages: usize,
-) -> Result<Plan<'a>> {
-    // SAFETY (all three): valid or NULL per the caller; NULL is refused where it matters.
-    let config = SliceConfig::try_from(unsafe { try_ref(config, "config") }?)?;
-    let src_pages = unsafe { try_slice(src_pages, num_pages, "src_pages") }?;
-    let dst_pages = unsafe { try_slice(dst_pages, num_pages, "dst_pages") }?;
-    Plan::new(&config, src_pages, dst_pages)
+) -> Result<(&'a [i32], &'a [i32])> {
+    // SAFETY: valid or NULL per the caller; NULL with a length is refused.
+    let src = unsafe { try_slice(src_pages, num_pages, "src_pages") }?;
+    // SAFETY: as above.
+    let dst = unsafe { try_slice(dst_pages, num_pages, "dst_pages") }?;
+    Ok((src, dst))
 }
 
 /// Writes `needed` to `*out_len` and, if the entries fit, lets `fill` write them into `out`.
 ///
 /// # Safety
-/// As for mori_tp_plan.
+/// `out` NULL or writable for `capacity` entries; `out_len` non-NULL (checked by the caller),
+/// aligned and writable.
 unsafe fn write_plan<T>(
     needed: usize,
     out: *mut T,
     capacity: usize,
     out_len: *mut usize,
-    fill: impl FnOnce(&mut [T]),
+    fill: impl FnOnce(&mut [MaybeUninit<T>]),
 ) -> Result<()> {
     // SAFETY: valid or NULL per the caller; NULL with capacity > 0 is refused.
-    let out = unsafe { try_slice_mut(out, capacity, "out") }?;
-    // SAFETY: checked non-NULL by the caller of this helper; valid per the C caller.
+    let slots = unsafe { try_out_slice(out, capacity, "out") }?;
+    // SAFETY: checked by the caller of this helper; valid per the C caller.
     unsafe { out_len.write(needed) };
     if needed > capacity {
-        return Err(Error::BufferTooSmall { needed, capacity });
+        return Err(Failure::BufferTooSmall {
+            needed,
+            capacity,
+            size_query: out.is_null() && capacity == 0,
+        });
     }
-    fill(&mut out[..needed]);
+    fill(&mut slots[..needed]);
     Ok(())
 }
 
@@ -570,24 +792,21 @@ unsafe fn write_plan<T>(
 ///                        num_pages = 0.
 /// @param[in]  num_pages  Number of page pairs.
 /// @param[out] out        Array of capacity rects; NULL only if capacity = 0. Written only on
-///                        MORI_OK.
+///                        MORI_OK. May be uninitialised memory; must not overlap the inputs.
 /// @param[in]  capacity   Entries out can hold.
 /// @param[out] out_len    Receives the number of rects the plan needs, on MORI_OK and on
 ///                        MORI_ERR_BUFFER_TOO_SMALL. Must not be NULL.
 ///
 /// @return MORI_OK;
 ///   MORI_ERR_NULL_POINTER if config or out_len is NULL, or a NULL array has a non-zero length;
-///   MORI_ERR_INVALID_ARGUMENT for an unknown action, inconsistent config fields or a misaligned
-///   array;
+///   MORI_ERR_INVALID_ARGUMENT for an unknown action, inconsistent config fields, a misaligned
+///   pointer, or num_pages * page_size * heads_bytes_per_token_to_send overflowing 64 bits;
 ///   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size;
 ///   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
 ///   MORI_ERR_OUT_OF_BOUNDS for a negative page index, or one whose byte offset overflows 64 bits;
-///   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out);
+///   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out; with out = NULL
+///   and capacity = 0 this is the answer to a size query);
 ///   MORI_ERR_PANIC on an internal error.
-///
-/// # Safety
-/// Every non-NULL pointer must be valid for its stated length, and out must not overlap the
-/// inputs.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_plan(
     config: *const MoriTpSliceConfig,
@@ -599,20 +818,39 @@ pub unsafe extern "C" fn mori_tp_plan(
     out_len: *mut usize,
 ) -> MoriStatus {
     boundary("mori_tp_plan", || {
-        if out_len.is_null() {
-            return Err(Error::NullPointer("out_len is NULL".into()));
-        }
+        check_out(out_len, "out_len")?;
         // SAFETY: the caller's pointers, as documented above.
-        let plan = unsafe { plan_from_raw(config, src_pages, dst_pages, num_pages) }?;
-        // SAFETY: as above; out_len checked non-NULL.
+        let config = unsafe { config_from_raw(config) }?;
+        let (src, dst) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
+        let plan = Plan::new(&config, src, dst)?;
+        // SAFETY: as above; out_len checked.
         unsafe {
-            write_plan(plan.num_rects(), out, capacity, out_len, |out| {
-                for (slot, rect) in out.iter_mut().zip(plan.rects()) {
-                    *slot = rect.into();
+            write_plan(plan.num_rects(), out, capacity, out_len, |slots| {
+                for (slot, rect) in slots.iter_mut().zip(plan.rects()) {
+                    slot.write(rect.into());
                 }
             })
         }
     })
+}
+
+/// Writes the segments of `plan` as mori_tp_plan_segments does.
+///
+/// # Safety
+/// As for mori_tp_plan_segments.
+unsafe fn write_segments(
+    plan: &Plan<'_>,
+    out: *mut MoriSegment,
+    capacity: usize,
+    out_len: *mut usize,
+) -> Result<()> {
+    let needed = plan.num_segments()?;
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        write_plan(needed, out, capacity, out_len, |slots| {
+            plan.fill_segments(slots, MoriSegment::from);
+        })
+    }
 }
 
 /// Builds the same plan as mori_tp_plan as contiguous 1D copies (MoriSegment), the shape RDMA
@@ -620,9 +858,6 @@ pub unsafe extern "C" fn mori_tp_plan(
 /// width equals both pitches is contiguous and becomes a single segment.
 ///
 /// Parameters, size query and return codes are those of mori_tp_plan, with MoriSegment entries.
-///
-/// # Safety
-/// As for mori_tp_plan.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_plan_segments(
     config: *const MoriTpSliceConfig,
@@ -634,41 +869,63 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
     out_len: *mut usize,
 ) -> MoriStatus {
     boundary("mori_tp_plan_segments", || {
-        if out_len.is_null() {
-            return Err(Error::NullPointer("out_len is NULL".into()));
-        }
+        check_out(out_len, "out_len")?;
         // SAFETY: the caller's pointers, as documented above.
-        let plan = unsafe { plan_from_raw(config, src_pages, dst_pages, num_pages) }?;
-        // SAFETY: as above; out_len checked non-NULL.
-        unsafe {
-            write_plan(plan.num_segments()?, out, capacity, out_len, |out| {
-                plan.fill_segments(out, MoriSegment::from);
-            })
-        }
+        let config = unsafe { config_from_raw(config) }?;
+        let (src, dst) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
+        let plan = Plan::new(&config, src, dst)?;
+        // SAFETY: as above; out_len checked.
+        unsafe { write_segments(&plan, out, capacity, out_len) }
     })
+}
+
+/// The options behind a C pointer (NULL: the defaults).
+///
+/// # Safety
+/// `options` NULL or valid.
+unsafe fn options_from_raw(options: *const MoriSendOptions) -> Result<SendOptions> {
+    if options.is_null() {
+        return Ok(SendOptions::default());
+    }
+    // SAFETY: non-NULL, valid per the caller; misalignment is refused.
+    options_from_c(unsafe { try_ref(options, "options") }?)
+}
+
+/// Reinterprets a C array of `void *` as the byte pointers the core takes.
+fn as_byte_pointers<T, U>(pointers: &[*const T]) -> &[*const U] {
+    // SAFETY: pointers to sized types all have the same layout.
+    unsafe { std::slice::from_raw_parts(pointers.as_ptr().cast(), pointers.len()) }
+}
+
+/// Reinterprets a C array of `void *` as the mutable byte pointers the core takes.
+fn as_mut_byte_pointers<T, U>(pointers: &[*mut T]) -> &[*mut U] {
+    // SAFETY: pointers to sized types all have the same layout.
+    unsafe { std::slice::from_raw_parts(pointers.as_ptr().cast(), pointers.len()) }
 }
 
 /// Copies one request's KV cache slice: for every buffer i, every rect of the plan (see
 /// mori_tp_plan) from buffers->src[i] to buffers->dst[i].
 ///
-/// All validation (config, options, every page index against both capacities, overflow of every
-/// offset, NULL pointers, backend availability) happens before the first byte moves: a failing
-/// call writes nothing. A config whose action is not SEND passes the same checks, then moves
-/// nothing and returns MORI_OK.
+/// Everything (config, options, every page index against both capacities, overflow of every
+/// offset and size, NULL pointers) is validated before a backend is opened and before the first
+/// byte moves: a refused call writes nothing, and gets the same status on every machine. A
+/// config whose action is not SEND passes the same checks, then moves nothing and returns
+/// MORI_OK.
 ///
 /// Backends: HOST copies on the CPU and returns when done (both sides must be host memory).
 /// HIP issues one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src + src_offset, src_pitch,
-/// width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, then
-/// hipStreamSynchronize if MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still
-/// be running on return, and the buffers must stay valid until the stream reaches them.
-/// hipMemcpyDefault lets either side be device memory, a peer device's memory (enable peer
-/// access first) or host memory. Pageable host memory is legal but makes each copy synchronous
-/// and slow; pin it (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on
-/// the stream's device (the NULL stream: the calling thread's current device); mori-tp never
-/// calls hipSetDevice, so the current device is left as it was. D2D copies are fastest when
-/// width, pitches and offsets are multiples of 16 bytes (see the README for real models).
-/// AUTO is HIP when the library is built with it and a device is present (the device count is
-/// read once per process), else HOST.
+/// width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, or with
+/// MORI_SEND_COPY_KERNEL one copy-kernel launch for the whole call, then hipStreamSynchronize if
+/// MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still be running on return,
+/// and the buffers must stay valid until the stream reaches them. hipMemcpyDefault lets either
+/// side be device memory, a peer device's memory (enable peer access first) or host memory.
+/// Pageable host memory is legal but makes each copy synchronous and slow; pin it
+/// (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on the stream's
+/// device (the NULL stream: the calling thread's current device); mori-tp never calls
+/// hipSetDevice, so the current device is left as it was. D2D copies are fastest when width,
+/// pitches and offsets are multiples of 16 bytes (see the README for real models). AUTO is HIP
+/// when the library is built with it and a device is present (the device count is read once per
+/// process), else HOST.
 ///
 /// @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
 /// @param[in] buffers    Source and destination buffers and their capacities. Must not be NULL.
@@ -677,25 +934,25 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
 /// @param[in] num_pages  Number of page pairs.
 /// @param[in] options    Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
 ///
+/// Each buffers->src[i] must be readable for src_capacity bytes and each buffers->dst[i]
+/// writable for dst_capacity bytes, in memory the chosen backend can address, until the copies
+/// complete.
+///
 /// @return MORI_OK;
 ///   MORI_ERR_NULL_POINTER if config or buffers is NULL, a NULL array has a non-zero length, or
 ///   an entry of buffers->src / buffers->dst is NULL;
 ///   MORI_ERR_INVALID_ARGUMENT for an unknown action, backend or flag bit, inconsistent config
-///   fields, a misaligned array, a capacity beyond the address space, or a non-NULL stream with
-///   the host backend;
+///   fields, a misaligned pointer, a capacity beyond the address space, a size that overflows
+///   64 bits, or a non-NULL stream with the host backend;
 ///   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size;
 ///   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
 ///   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past its capacity;
 ///   MORI_ERR_BACKEND_UNAVAILABLE if HIP is requested but not built in or no device is present;
-///   MORI_ERR_GPU if the HIP runtime fails (the message names the HIP error with its number, and
-///   the buffer and rect; copies issued before the failure may have landed, and with
-///   MORI_SEND_SYNCHRONIZE they have completed before the call returns);
+///   MORI_ERR_GPU if the HIP runtime fails (the message names the HIP call, its error with its
+///   number, and the buffer and rect; this is the one failure after which bytes may have moved:
+///   copies issued before it may have landed, and with MORI_SEND_SYNCHRONIZE they have completed
+///   before the call returns);
 ///   MORI_ERR_PANIC on an internal error.
-///
-/// # Safety
-/// Each buffers->src[i] must be readable for src_capacity bytes and each buffers->dst[i]
-/// writable for dst_capacity bytes, in memory the chosen backend can address, until the copies
-/// complete.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_send_kvcache(
     config: *const MoriTpSliceConfig,
@@ -706,26 +963,283 @@ pub unsafe extern "C" fn mori_send_kvcache(
     options: *const MoriSendOptions,
 ) -> MoriStatus {
     boundary("mori_send_kvcache", || {
-        // SAFETY: the caller's pointers, as documented above; NULLs are refused.
+        // SAFETY (every block below): the caller's pointers, as documented above; NULLs and
+        // misalignment are refused.
+        let config = unsafe { config_from_raw(config) }?;
         let raw = unsafe { try_ref(buffers, "buffers") }?;
-        let options = match unsafe { options.as_ref() } {
-            Some(options) => SendOptions::try_from(options)?,
-            None => SendOptions::default(),
-        };
+        let options = unsafe { options_from_raw(options) }?;
         let src = unsafe { try_slice(raw.src, raw.num_buffers, "buffers.src") }?;
         let dst = unsafe { try_slice(raw.dst, raw.num_buffers, "buffers.dst") }?;
-        let plan = unsafe { plan_from_raw(config, src_pages, dst_pages, num_pages) }?;
-        // SAFETY: `*const c_void` and `*const u8` (and the mut pair) have the same layout.
+        let (src_pages, dst_pages) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
+        let plan = Plan::new(&config, src_pages, dst_pages)?;
         let buffers = KvBuffers {
-            src: unsafe { std::slice::from_raw_parts(src.as_ptr().cast(), src.len()) },
-            dst: unsafe { std::slice::from_raw_parts(dst.as_ptr().cast(), dst.len()) },
+            src: as_byte_pointers(src),
+            dst: as_mut_byte_pointers(dst),
             src_capacity: raw.src_capacity,
             dst_capacity: raw.dst_capacity,
         };
+        let job = CopyJob::new(&plan, &buffers)?;
+        // Only now, with the request valid, is the backend opened.
         let mut engine = open_engine(&options)?;
-        // SAFETY: the caller vouches for the buffers, as documented above; `send` checks them
-        // against the plan before the first copy.
-        unsafe { send(&plan, &buffers, engine.as_mut()) }?;
+        // SAFETY: the caller vouches for the buffers, as documented above; the job checked
+        // every rect against them.
+        unsafe { job.run(engine.as_mut()) }?;
+        Ok(())
+    })
+}
+
+/// The staging that minimises transport segments for a pair, without a copy that merges
+/// nothing: a side is staged when its token slot is wider than the slice
+/// (bytes_per_token_src > heads_bytes_per_token_to_send: SRC; bytes_per_token_dst > it: DST;
+/// both: BOTH; neither, or a config that is not SEND: NONE). It depends on the config alone, so
+/// both ranks compute the same answer without exchanging page lists.
+///
+/// With it the transport gets one segment per maximal run of pages (per buffer), or one per
+/// buffer when both sides are staged, instead of one per token.
+///
+/// @param[in]  config       A config from mori_tp_slice_config (re-validated). Must not be NULL.
+/// @param[out] out_staging  Receives a MoriTpStaging; written only on MORI_OK. Must not be NULL.
+///
+/// @return MORI_OK;
+///   MORI_ERR_NULL_POINTER if config or out_staging is NULL;
+///   MORI_ERR_INVALID_ARGUMENT for an unknown action, inconsistent config fields or a misaligned
+///   pointer;
+///   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size;
+///   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
+///   MORI_ERR_PANIC on an internal error.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_tp_staging_for(
+    config: *const MoriTpSliceConfig,
+    out_staging: *mut u32,
+) -> MoriStatus {
+    boundary("mori_tp_staging_for", || {
+        check_out(out_staging, "out_staging")?;
+        // SAFETY: the caller's pointer, as documented above.
+        let config = unsafe { config_from_raw(config) }?;
+        let staging = staging_to_c(staging_for(&config)?);
+        // SAFETY: checked non-NULL and aligned; valid per the caller.
+        unsafe { out_staging.write(staging) };
+        Ok(())
+    })
+}
+
+/// The bytes one buffer stages for a request of num_pages page pairs:
+/// staging_len = num_pages * page_size * heads_bytes_per_token_to_send (0 when the config is not
+/// SEND). A staging region for num_buffers buffers holds num_buffers * staging_len bytes; buffer
+/// b's part starts at b * staging_len, and token k of the request (token k % page_size of the
+/// page at position k / page_size of the page list) is the heads_bytes_per_token_to_send bytes at
+/// b * staging_len + k * heads_bytes_per_token_to_send.
+///
+/// @param[in]  config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
+/// @param[in]  num_pages  Number of page pairs in the request.
+/// @param[out] out_len    Receives staging_len; written only on MORI_OK. Must not be NULL.
+///
+/// @return MORI_OK;
+///   MORI_ERR_NULL_POINTER if config or out_len is NULL;
+///   MORI_ERR_INVALID_ARGUMENT for an unknown action, inconsistent config fields, a misaligned
+///   pointer, or a staging_len that overflows 64 bits;
+///   MORI_ERR_LAYOUT_MISMATCH if an item length is not a multiple of page_size;
+///   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
+///   MORI_ERR_PANIC on an internal error.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_tp_staging_len(
+    config: *const MoriTpSliceConfig,
+    num_pages: usize,
+    out_len: *mut u64,
+) -> MoriStatus {
+    boundary("mori_tp_staging_len", || {
+        check_out(out_len, "out_len")?;
+        // SAFETY: the caller's pointer, as documented above.
+        let config = unsafe { config_from_raw(config) }?;
+        let len = staging_len(&config, num_pages)?;
+        // SAFETY: checked non-NULL and aligned; valid per the caller.
+        unsafe { out_len.write(len) };
+        Ok(())
+    })
+}
+
+/// The transport's segments for a staged transfer: what an RDMA engine copies, for every buffer,
+/// between the prefill and the decode rank.
+///
+/// Offsets are relative to each buffer's base: on an unstaged side its page buffer, on a staged
+/// side region + b * staging_len (mori_tp_staging_len) of that rank's staging region. The same
+/// list applies to every buffer. A staged side behaves as a side whose token slot is exactly the
+/// slice and whose pages are 0, 1, ..., num_pages - 1, and the list is mori_tp_plan_segments of
+/// that geometry: MORI_TP_STAGING_NONE gives mori_tp_plan_segments itself; SRC or DST one segment
+/// per maximal run of the other side's pages when that side's token slot equals the slice (else
+/// one per token); BOTH one segment of staging_len.
+///
+/// The full sequence, which leaves every decode byte exactly as one mori_send_kvcache does:
+/// the prefill rank calls mori_pack_kvcache if the prefill side is staged (SRC, BOTH); the
+/// transport copies every segment for every buffer; the decode rank calls mori_unpack_kvcache if
+/// the decode side is staged (DST, BOTH) once the transfer has completed.
+///
+/// @param[in]  config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
+/// @param[in]  staging    A MoriTpStaging: which sides are staged (see mori_tp_staging_for).
+/// @param[in]  src_pages  num_pages prefill page indices (int32, >= 0), checked even when the
+///                        prefill side is staged. NULL only if num_pages = 0.
+/// @param[in]  dst_pages  num_pages decode page indices, likewise. NULL only if num_pages = 0.
+/// @param[in]  num_pages  Number of page pairs.
+/// @param[out] out        Array of capacity segments; NULL only if capacity = 0. Written only on
+///                        MORI_OK. May be uninitialised memory; must not overlap the inputs.
+/// @param[in]  capacity   Entries out can hold.
+/// @param[out] out_len    Receives the number of segments needed, on MORI_OK and on
+///                        MORI_ERR_BUFFER_TOO_SMALL. Must not be NULL.
+///
+/// @return MORI_OK;
+///   MORI_ERR_NULL_POINTER if config or out_len is NULL, or a NULL array has a non-zero length;
+///   MORI_ERR_INVALID_ARGUMENT for an unknown staging value or action, inconsistent config
+///   fields, a misaligned pointer, or a size that overflows 64 bits;
+///   MORI_ERR_LAYOUT_MISMATCH, MORI_ERR_SLICE_OVERFLOW, MORI_ERR_OUT_OF_BOUNDS,
+///   MORI_ERR_BUFFER_TOO_SMALL, MORI_ERR_PANIC as for mori_tp_plan.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_tp_plan_transfer(
+    config: *const MoriTpSliceConfig,
+    staging: u32,
+    src_pages: *const i32,
+    dst_pages: *const i32,
+    num_pages: usize,
+    out: *mut MoriSegment,
+    capacity: usize,
+    out_len: *mut usize,
+) -> MoriStatus {
+    boundary("mori_tp_plan_transfer", || {
+        check_out(out_len, "out_len")?;
+        let staging = staging_from_c(staging)?;
+        // SAFETY: the caller's pointers, as documented above.
+        let config = unsafe { config_from_raw(config) }?;
+        let (src, dst) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
+        let plan = Plan::transfer(&config, staging, src, dst)?;
+        // SAFETY: as above; out_len checked.
+        unsafe { write_segments(&plan, out, capacity, out_len) }
+    })
+}
+
+/// Prefill side of a staged transfer: copies the slice of every token of every buffer into the
+/// staging region. Buffer b's slices land at staging + b * staging_len, token by token in request
+/// order (see mori_tp_staging_len). Call it before the transport copies the segments of
+/// mori_tp_plan_transfer with MORI_TP_STAGING_SRC or MORI_TP_STAGING_BOTH.
+///
+/// Everything (config, options, every page index against src_capacity, the staging capacity,
+/// overflow, NULL pointers, overlap of the staging region with a source buffer) is validated
+/// before a backend is opened and before the first byte moves: a refused call writes nothing.
+/// A config that is not SEND passes the same checks, then moves nothing and returns MORI_OK.
+/// Backends, stream and flags as for mori_send_kvcache (the HIP backend: one hipMemcpy2DAsync
+/// per (buffer, rect), or one copy-kernel launch with MORI_SEND_COPY_KERNEL).
+///
+/// @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
+///                               NULL.
+/// @param[in]  src               num_buffers base pointers of the prefill rank's buffers (K of
+///                               each layer, then V of each layer). NULL only if num_buffers = 0;
+///                               no entry may be NULL.
+/// @param[in]  num_buffers       Number of buffers.
+/// @param[in]  src_capacity      Bytes in each src buffer: every page must end at or before it.
+/// @param[in]  src_pages         num_pages page indices (int32, >= 0). NULL only if num_pages = 0.
+/// @param[in]  num_pages         Number of pages (the request's page pairs).
+/// @param[out] staging           The staging region: at least num_buffers * staging_len bytes,
+///                               not overlapping any src buffer. NULL only if staging_capacity
+///                               is 0.
+/// @param[in]  staging_capacity  Bytes in the staging region.
+/// @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+///
+/// @return MORI_OK;
+///   MORI_ERR_NULL_POINTER if config is NULL, a NULL array has a non-zero length, an entry of src
+///   is NULL, or staging is NULL with a non-zero staging_capacity;
+///   MORI_ERR_INVALID_ARGUMENT for an unknown action, backend or flag bit, inconsistent config
+///   fields, a misaligned pointer, a capacity beyond the address space, a size that overflows
+///   64 bits, a staging region that overlaps a src buffer, or a non-NULL stream with the host
+///   backend;
+///   MORI_ERR_LAYOUT_MISMATCH, MORI_ERR_SLICE_OVERFLOW as for mori_tp_plan;
+///   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past src_capacity;
+///   MORI_ERR_BUFFER_TOO_SMALL if staging_capacity < num_buffers * staging_len (the message
+///   names both);
+///   MORI_ERR_BACKEND_UNAVAILABLE, MORI_ERR_GPU, MORI_ERR_PANIC as for mori_send_kvcache.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_pack_kvcache(
+    config: *const MoriTpSliceConfig,
+    src: *const *const c_void,
+    num_buffers: usize,
+    src_capacity: u64,
+    src_pages: *const i32,
+    num_pages: usize,
+    staging: *mut c_void,
+    staging_capacity: u64,
+    options: *const MoriSendOptions,
+) -> MoriStatus {
+    boundary("mori_pack_kvcache", || {
+        // SAFETY (every block below): the caller's pointers, as documented above.
+        let config = unsafe { config_from_raw(config) }?;
+        let options = unsafe { options_from_raw(options) }?;
+        let src = unsafe { try_slice(src, num_buffers, "src") }?;
+        let pages = unsafe { try_slice(src_pages, num_pages, "src_pages") }?;
+        let src = as_byte_pointers(src);
+        with_pack_job(
+            &config,
+            src,
+            src_capacity,
+            pages,
+            staging.cast(),
+            staging_capacity,
+            // SAFETY: the caller vouches for the buffers and the region, as documented above;
+            // the job checked every rect against them, and the backend opens only now.
+            |job| open_engine(&options).and_then(|mut engine| unsafe { job.run(engine.as_mut()) }),
+        )?;
+        Ok(())
+    })
+}
+
+/// Decode side of a staged transfer: copies the staging region into the slice of every token of
+/// every buffer, once the transport has written the region (all segments of
+/// mori_tp_plan_transfer with MORI_TP_STAGING_DST or MORI_TP_STAGING_BOTH). Buffer b's slices
+/// are read from staging + b * staging_len, token by token in request order.
+///
+/// Validation, refusals, backends, stream and flags as for mori_pack_kvcache, with the roles
+/// swapped: dst_pages are checked against dst_capacity, and the staging region must not overlap
+/// a dst buffer.
+///
+/// @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
+///                               NULL.
+/// @param[in]  staging           The staging region: at least num_buffers * staging_len bytes.
+///                               NULL only if staging_capacity is 0.
+/// @param[in]  staging_capacity  Bytes in the staging region.
+/// @param[out] dst               num_buffers base pointers of the decode rank's buffers, in the
+///                               prefill side's order. NULL only if num_buffers = 0; no entry may
+///                               be NULL.
+/// @param[in]  num_buffers       Number of buffers.
+/// @param[in]  dst_capacity      Bytes in each dst buffer: every page must end at or before it.
+/// @param[in]  dst_pages         num_pages page indices (int32, >= 0). NULL only if num_pages = 0.
+/// @param[in]  num_pages         Number of pages (the request's page pairs).
+/// @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+///
+/// @return the codes of mori_pack_kvcache, with dst in place of src.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_unpack_kvcache(
+    config: *const MoriTpSliceConfig,
+    staging: *const c_void,
+    staging_capacity: u64,
+    dst: *const *mut c_void,
+    num_buffers: usize,
+    dst_capacity: u64,
+    dst_pages: *const i32,
+    num_pages: usize,
+    options: *const MoriSendOptions,
+) -> MoriStatus {
+    boundary("mori_unpack_kvcache", || {
+        // SAFETY (every block below): the caller's pointers, as documented above.
+        let config = unsafe { config_from_raw(config) }?;
+        let options = unsafe { options_from_raw(options) }?;
+        let dst = unsafe { try_slice(dst, num_buffers, "dst") }?;
+        let pages = unsafe { try_slice(dst_pages, num_pages, "dst_pages") }?;
+        with_unpack_job(
+            &config,
+            staging.cast(),
+            staging_capacity,
+            as_mut_byte_pointers(dst),
+            dst_capacity,
+            pages,
+            // SAFETY: as for mori_pack_kvcache.
+            |job| open_engine(&options).and_then(|mut engine| unsafe { job.run(engine.as_mut()) }),
+        )?;
         Ok(())
     })
 }
@@ -755,10 +1269,19 @@ pub extern "C" fn mori_status_str(status: MoriStatus) -> *const c_char {
 /// example "mori_tp_slice_config: layout mismatch: decode side: bytes_per_head 128 != prefill
 /// side bytes_per_head 256 (dtype or head_dim differ; ...)". Successful calls leave it alone.
 /// Never NULL; owned by the library and valid until the next failing call on this thread; copy
-/// it to keep it.
+/// it to keep it. While the thread is exiting (from a thread_local destructor that runs after
+/// mori-tp's own) the message may be lost, and this returns "".
 #[unsafe(no_mangle)]
 pub extern "C" fn mori_last_error_message() -> *const c_char {
-    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+    catch_unwind(|| {
+        LAST_ERROR
+            .try_with(|slot| slot.try_borrow().map(|message| message.as_ptr()).ok())
+            .ok()
+            .flatten()
+    })
+    .ok()
+    .flatten()
+    .unwrap_or(c"".as_ptr())
 }
 
 /// The library version ("0.1.0"), a static NUL-terminated string. Never NULL; do not free.
@@ -777,6 +1300,7 @@ pub extern "C" fn mori_abi_version() -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Side;
     use std::ffi::CStr;
 
     fn last_error() -> String {
@@ -795,30 +1319,51 @@ mod tests {
 
     #[test]
     fn successful_calls_leave_the_last_error_alone() {
-        let status = boundary("failing", || Err(Error::Topology("H 3 vs T 2".into())));
+        let status = boundary("failing", || Err(Error::ZeroKvHeads.into()));
         assert_eq!(status, MORI_ERR_TOPOLOGY);
         assert_eq!(boundary("ok", || Ok(())), MORI_OK);
-        assert_eq!(last_error(), "failing: invalid topology: H 3 vs T 2");
+        assert_eq!(
+            last_error(),
+            "failing: invalid topology: total_kv_heads is 0 (use 1 for MLA and MQA models)"
+        );
     }
 
     #[test]
-    fn every_error_variant_maps_to_its_own_status_code() {
-        let all = [
-            Error::NullPointer(String::new()),
-            Error::InvalidArgument(String::new()),
-            Error::Topology(String::new()),
-            Error::LayoutMismatch(String::new()),
-            Error::SliceOverflow(String::new()),
-            Error::OutOfBounds(String::new()),
-            Error::BufferTooSmall {
+    fn every_status_class_maps_to_its_own_code() {
+        let classes = [
+            Failure::NullArgument("x"),
+            Failure::Core(Error::ZeroPageSize),
+            Failure::Core(Error::ZeroKvHeads),
+            Failure::Core(Error::ItemLenNotWholeTokens {
+                side: Side::Prefill,
+                item_len: 3,
+                page_size: 2,
+            }),
+            Failure::Core(Error::SliceOverflow {
+                side: Side::Decode,
+                offset: 1,
+                width: 2,
+                bytes_per_token: 2,
+            }),
+            Failure::Core(Error::NegativePage {
+                side: Side::Prefill,
+                page: -1,
+                position: 0,
+            }),
+            Failure::BufferTooSmall {
                 needed: 1,
                 capacity: 0,
+                size_query: true,
             },
-            Error::BackendUnavailable(String::new()),
-            Error::Gpu(String::new()),
-            Error::Panic(String::new()),
+            Failure::Core(Error::BackendUnavailable { reason: "x".into() }),
+            Failure::Core(Error::Gpu {
+                call: "hipX",
+                status: 1,
+                message: "x".into(),
+            }),
+            Failure::Panic(String::new()),
         ];
-        let codes: Vec<MoriStatus> = all.iter().map(status_of).collect();
+        let codes: Vec<MoriStatus> = classes.iter().map(Failure::status).collect();
         assert_eq!(codes, (1..=10).collect::<Vec<_>>());
     }
 }

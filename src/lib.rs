@@ -21,9 +21,16 @@ pub mod ffi;
 pub mod plan;
 pub mod send;
 pub mod slice;
+// Rust API, not C API: cbindgen must not turn the `Staging` enum into an opaque C type (the C
+// ABI's staging values are MoriTpStaging in ffi.rs).
+/// cbindgen:ignore
+pub mod staging;
 
 pub use backend::{Backend, CopyEngine, HostEngine, SendOptions};
-pub use error::{Error, Result, Side};
-pub use plan::{CopyRect, Plan, Segment, plan, plan_segments};
-pub use send::{KvBuffers, SendReport, send, send_host};
+pub use error::{Error, ErrorClass, Result, Side};
+pub use plan::{CopyRect, Plan, Segment, SideGeometry, plan, plan_segments};
+pub use send::{
+    CopyJob, KvBuffers, SendReport, pack, pack_host, send, send_host, unpack, unpack_host,
+};
 pub use slice::{Action, Pairing, SliceConfig, SliceParams, Topology, TpSide, slice_config};
+pub use staging::{Staging, plan_transfer, staging_for, staging_len};

@@ -1,11 +1,20 @@
 //! Copy plans: a request's page pairs turned into strided 2D copies (rects), or into the same
 //! bytes as contiguous 1D segments for RDMA batch writes.
 //!
-//! A run of page pairs whose indices both go up by one is one rect of `run * page_size` rows, so
-//! a request costs one copy per maximal run instead of one per token.
+//! A plan copies between two *sides*. Each side is a [`SideGeometry`] (where the slice of each
+//! token lies inside a buffer) and the page each position of the request visits: a caller's page
+//! list, or, on a staged side, simply page `i` at position `i` (a dense staging area whose token
+//! slot is exactly the slice). So a direct send, a pack (pages to staging), an unpack (staging to
+//! pages) and a staged transport plan are the same code with different sides.
+//!
+//! A run of positions where both sides' pages go up by one is one rect of `run * page_size`
+//! rows, so a request costs one copy per maximal run instead of one per token.
+
+use std::mem::MaybeUninit;
 
 use crate::error::{Error, Result, Side};
 use crate::slice::{Action, SliceConfig};
+use crate::staging::Staging;
 
 /// One strided 2D copy (`hipMemcpy2DAsync`): `height` rows of `width` bytes, row `r` read at
 /// `src_offset + r * src_pitch` and written at `dst_offset + r * dst_pitch`. Offsets are relative
@@ -32,7 +41,8 @@ impl CopyRect {
         self.width == self.src_pitch && self.width == self.dst_pitch
     }
 
-    /// Bytes the rect moves.
+    /// Bytes the rect moves. Cannot overflow for a rect of a [`Plan`]: its rows lie inside
+    /// pages whose ends were checked to fit in `u64`.
     pub fn bytes(&self) -> u64 {
         self.width * self.height
     }
@@ -49,146 +59,335 @@ pub struct Segment {
     pub length: u64,
 }
 
-/// The highest page a request touches on one side, kept to check buffer capacities in O(1) and
-/// to name the culprit when one is too small.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct HighestPage<'a> {
-    /// The side's page array, to find the culprit's position for a message.
-    pages: &'a [u32],
-    /// The page index itself.
-    page: u32,
-    /// `(page + 1) * item_len`: the bytes a buffer needs to hold that page.
-    end: u64,
+/// Where the slice of every token of one side lies inside a buffer: page `p` starts at byte
+/// `p * item_len`, token `t` of a page `t * bytes_per_token` later, and the slice `slice_offset`
+/// bytes into the token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SideGeometry {
+    /// Bytes of one page.
+    pub item_len: u64,
+    /// Bytes of one token: the row pitch.
+    pub bytes_per_token: u64,
+    /// Offset of the slice inside a token.
+    pub slice_offset: u64,
 }
 
-impl HighestPage<'_> {
-    fn position(&self) -> usize {
-        self.pages.iter().position(|&p| p == self.page).unwrap_or(0)
+impl SideGeometry {
+    /// Byte offset of the slice of the first token of `page`. No overflow for a page of a
+    /// [`Plan`]: the end of its side's highest page was checked.
+    fn offset(&self, page: u64) -> u64 {
+        page * self.item_len + self.slice_offset
     }
 }
 
-/// A validated request: a slice config and its page pairs, ready to yield rects or segments.
-///
-/// Construction checks everything that does not depend on the buffers: the config's
-/// consistency, that no page index is negative, and that no byte offset overflows `u64`. After
-/// that, producing the plan cannot fail.
-#[derive(Clone, Debug)]
-pub struct Plan<'a> {
-    config: SliceConfig,
-    src_pages: &'a [u32],
-    dst_pages: &'a [u32],
-    runs: usize,
-    rows: u64,
-    src_highest: Option<HighestPage<'a>>,
-    dst_highest: Option<HighestPage<'a>>,
+impl SliceConfig {
+    /// The prefill side's geometry: its pages, tokens and slice offset.
+    pub fn src_geometry(&self) -> SideGeometry {
+        SideGeometry {
+            item_len: self.src_item_len,
+            bytes_per_token: self.bytes_per_token_src,
+            slice_offset: self.src_head_slice_offset,
+        }
+    }
+
+    /// The decode side's geometry.
+    pub fn dst_geometry(&self) -> SideGeometry {
+        SideGeometry {
+            item_len: self.dst_item_len,
+            bytes_per_token: self.bytes_per_token_dst,
+            slice_offset: self.dst_head_slice_offset,
+        }
+    }
+
+    /// The geometry of a staging area: a token slot exactly as wide as the slice. No overflow
+    /// for a validated config: `page_size * width <= page_size * bytes_per_token = item_len`.
+    pub fn staged_geometry(&self) -> SideGeometry {
+        let width = self.heads_bytes_per_token_to_send;
+        SideGeometry {
+            item_len: u64::from(self.page_size) * width,
+            bytes_per_token: width,
+            slice_offset: 0,
+        }
+    }
 }
 
-/// Reinterprets page indices already known to be non-negative.
-fn as_unsigned(pages: &[i32]) -> &[u32] {
-    // SAFETY: i32 and u32 have the same size and alignment, and every element was checked >= 0,
-    // so each reads back as the same value.
-    unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u32>(), pages.len()) }
+/// The page each position of a request visits on one side.
+#[derive(Clone, Copy, Debug)]
+enum Pages<'a> {
+    /// The caller's page indices, already checked to be non-negative.
+    List(&'a [i32]),
+    /// Position `i` is page `i`: a staging area.
+    Dense,
 }
 
-/// One pass over the page pairs: any negative index, the highest page of each side, and the
-/// number of places where a run of adjacent pairs breaks. The loop has no early exit and no
-/// bounds checks, so it runs at memory speed; positions are only looked up when something fails.
-fn scan(src: &[i32], dst: &[i32]) -> (bool, i32, i32, usize) {
+impl Pages<'_> {
+    #[inline]
+    fn at(&self, position: usize) -> u64 {
+        match self {
+            // Non-negative, checked when the plan was built.
+            Pages::List(pages) => pages[position] as u64,
+            Pages::Dense => position as u64,
+        }
+    }
+
+    /// True when position `i` continues the run of position `i - 1` on this side.
+    #[inline]
+    fn continues(&self, position: usize) -> bool {
+        match self {
+            Pages::List(pages) => pages[position] == pages[position - 1].wrapping_add(1),
+            Pages::Dense => true,
+        }
+    }
+}
+
+/// One side of a plan: where it reads or writes, and the bytes a buffer needs to hold every
+/// page it touches.
+#[derive(Clone, Copy, Debug)]
+struct PlanSide<'a> {
+    side: Side,
+    geometry: SideGeometry,
+    pages: Pages<'a>,
+    /// The highest page and the byte it ends at, `(page + 1) * item_len`; `None` when empty.
+    highest: Option<(u64, u64)>,
+}
+
+impl PlanSide<'_> {
+    /// Position of the highest page, looked up only to name it in a message.
+    fn highest_position(&self, page: u64) -> usize {
+        match self.pages {
+            Pages::List(pages) => pages.iter().position(|&p| p as u64 == page).unwrap_or(0),
+            Pages::Dense => page as usize,
+        }
+    }
+}
+
+/// What one pass over the page lists found: whether any index is negative, the highest index
+/// of each list, and the number of places where a run breaks.
+struct Scan {
+    negative: bool,
+    src_max: i32,
+    dst_max: i32,
+    breaks: usize,
+}
+
+/// One pass over the page pairs, counting run breaks on the sides named. The loop has no early
+/// exit and no bounds checks, so it runs at memory speed; positions are only looked up when
+/// something fails.
+fn scan(src: &[i32], dst: &[i32], src_runs: bool, dst_runs: bool) -> Scan {
     let (mut ored, mut src_max, mut dst_max, mut breaks) = (0i32, 0i32, 0i32, 0usize);
     let (mut prev_src, mut prev_dst) = (i32::MIN, i32::MIN);
     for (&s, &d) in src.iter().zip(dst) {
         ored |= s | d;
         src_max = src_max.max(s);
         dst_max = dst_max.max(d);
-        // Wrapping: a negative or i32::MAX predecessor is refused anyway.
-        breaks += usize::from(s != prev_src.wrapping_add(1) || d != prev_dst.wrapping_add(1));
+        // Wrapping: a negative or i32::MAX predecessor is refused anyway. The first position
+        // always breaks from the sentinel, so `breaks` counts runs.
+        let src_break = src_runs & (s != prev_src.wrapping_add(1));
+        let dst_break = dst_runs & (d != prev_dst.wrapping_add(1));
+        breaks += usize::from(src_break | dst_break | (prev_src == i32::MIN));
         (prev_src, prev_dst) = (s, d);
     }
-    (ored < 0, src_max, dst_max, breaks)
+    Scan {
+        negative: ored < 0,
+        src_max,
+        dst_max,
+        breaks,
+    }
 }
 
 fn negative_page(side: Side, pages: &[i32]) -> Option<Error> {
     let position = pages.iter().position(|&page| page < 0)?;
-    Some(Error::OutOfBounds(format!(
-        "{side}: page index {} at position {position} is negative",
-        pages[position]
-    )))
+    Some(Error::NegativePage {
+        side,
+        page: pages[position],
+        position,
+    })
 }
 
-/// The highest page of one side and the bytes a buffer needs to hold it.
-fn highest_page(
-    side: Side,
-    pages: &[u32],
-    max: u32,
-    item_len: u64,
-) -> Result<Option<HighestPage<'_>>> {
-    if pages.is_empty() {
-        return Ok(None);
-    }
-    let end = (u64::from(max) + 1).checked_mul(item_len);
-    // Positions are only for messages: found lazily, when a check fails.
-    let position = || pages.iter().position(|&page| page == max).unwrap_or(0);
-    let Some(end) = end else {
-        return Err(Error::OutOfBounds(format!(
-            "{side}: page {max} at position {} ends at byte ({max} + 1) * item_len {item_len}, \
-             which overflows u64",
-            position()
-        )));
-    };
-    Ok(Some(HighestPage {
-        pages,
-        page: max,
-        end,
-    }))
+/// `a * b`, or a [`Error::SizeOverflow`] naming `quantity` and both factors.
+pub(crate) fn checked_product(quantity: &'static str, a: u64, b: u64) -> Result<u64> {
+    a.checked_mul(b).ok_or(Error::SizeOverflow {
+        quantity,
+        lhs: a,
+        rhs: b,
+    })
+}
+
+/// A validated request: a slice config, its page pairs and which sides are staged, ready to
+/// yield rects or segments.
+///
+/// Construction checks everything that does not depend on the buffers: the config's
+/// consistency, that no page index is negative, and that no byte offset or size overflows
+/// `u64`. After that, producing the plan cannot fail.
+#[derive(Clone, Debug)]
+pub struct Plan<'a> {
+    config: SliceConfig,
+    src: PlanSide<'a>,
+    dst: PlanSide<'a>,
+    num_pages: usize,
+    runs: usize,
+    rows: u64,
+    bytes_per_buffer: u64,
 }
 
 impl<'a> Plan<'a> {
-    /// Validates `config` and the page pairs `src_pages[i] -> dst_pages[i]`.
+    /// The direct plan: source page `src_pages[i]` to destination page `dst_pages[i]`.
     pub fn new(config: &SliceConfig, src_pages: &'a [i32], dst_pages: &'a [i32]) -> Result<Self> {
+        Plan::transfer(config, Staging::None, src_pages, dst_pages)
+    }
+
+    /// The transport plan of a staged transfer: each side that `staging` stages is read or
+    /// written as a dense staging area (position `i` is staged page `i`) instead of through its
+    /// page list. Both page lists are validated all the same, and [`Staging::None`] is
+    /// [`Plan::new`].
+    pub fn transfer(
+        config: &SliceConfig,
+        staging: Staging,
+        src_pages: &'a [i32],
+        dst_pages: &'a [i32],
+    ) -> Result<Self> {
         config.validate()?;
         if src_pages.len() != dst_pages.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} source pages but {} destination pages (they are paired one to one)",
-                src_pages.len(),
-                dst_pages.len()
-            )));
+            return Err(Error::PageCountMismatch {
+                src: src_pages.len(),
+                dst: dst_pages.len(),
+            });
         }
-        let (negative, src_max, dst_max, breaks) = scan(src_pages, dst_pages);
-        if negative {
+        let (stage_src, stage_dst) = (staging.stages_src(), staging.stages_dst());
+        let scan = scan(src_pages, dst_pages, !stage_src, !stage_dst);
+        if scan.negative {
             let error = negative_page(Side::Prefill, src_pages)
                 .or_else(|| negative_page(Side::Decode, dst_pages));
-            return Err(error.unwrap_or_else(|| Error::Panic("a negative page vanished".into())));
+            // `scan` saw a negative index, so one of the two lists names it.
+            return Err(error.expect("a negative page index was seen"));
         }
-        let (src_pages, dst_pages) = (as_unsigned(src_pages), as_unsigned(dst_pages));
+        let side = |side, pages, max, staged: bool| -> Result<PlanSide<'a>> {
+            if staged {
+                Plan::dense_side(config, side, src_pages.len())
+            } else {
+                let geometry = match side {
+                    Side::Prefill => config.src_geometry(),
+                    Side::Decode => config.dst_geometry(),
+                };
+                Plan::listed_side(side, geometry, pages, max)
+            }
+        };
+        let src = side(Side::Prefill, src_pages, scan.src_max, stage_src)?;
+        let dst = side(Side::Decode, dst_pages, scan.dst_max, stage_dst)?;
+        Plan::assemble(config, src, dst, src_pages.len(), scan.breaks)
+    }
+
+    /// The pack plan of the prefill rank: source pages into its dense staging area.
+    pub fn pack(config: &SliceConfig, src_pages: &'a [i32]) -> Result<Self> {
+        Plan::one_list(config, Side::Prefill, src_pages)
+    }
+
+    /// The unpack plan of the decode rank: its dense staging area into destination pages.
+    pub fn unpack(config: &SliceConfig, dst_pages: &'a [i32]) -> Result<Self> {
+        Plan::one_list(config, Side::Decode, dst_pages)
+    }
+
+    fn one_list(config: &SliceConfig, side: Side, pages: &'a [i32]) -> Result<Self> {
+        config.validate()?;
+        let scan = scan(pages, pages, true, false);
+        if scan.negative {
+            return Err(negative_page(side, pages).expect("a negative page index was seen"));
+        }
+        let staged = Plan::dense_side(config, side.other(), pages.len())?;
+        let listed = match side {
+            Side::Prefill => Plan::listed_side(side, config.src_geometry(), pages, scan.src_max)?,
+            Side::Decode => Plan::listed_side(side, config.dst_geometry(), pages, scan.src_max)?,
+        };
+        let (src, dst) = match side {
+            Side::Prefill => (listed, staged),
+            Side::Decode => (staged, listed),
+        };
+        Plan::assemble(config, src, dst, pages.len(), scan.breaks)
+    }
+
+    /// A side read or written through a page list whose highest index is `max`.
+    fn listed_side(
+        side: Side,
+        geometry: SideGeometry,
+        pages: &'a [i32],
+        max: i32,
+    ) -> Result<PlanSide<'a>> {
+        let mut plan_side = PlanSide {
+            side,
+            geometry,
+            pages: Pages::List(pages),
+            highest: None,
+        };
+        if pages.is_empty() {
+            return Ok(plan_side);
+        }
         // Every offset the plan produces lies below the end of the highest page of its side, so
-        // checking that one product is enough to rule out overflow everywhere.
-        let src_highest = highest_page(
-            Side::Prefill,
-            src_pages,
-            src_max as u32,
-            config.src_item_len,
+        // checking that one product rules out overflow everywhere.
+        let page = max as u64;
+        let end =
+            (page + 1)
+                .checked_mul(geometry.item_len)
+                .ok_or_else(|| Error::PageOffsetOverflow {
+                    side,
+                    page: max as u32,
+                    position: plan_side.highest_position(page),
+                    item_len: geometry.item_len,
+                })?;
+        plan_side.highest = Some((page, end));
+        Ok(plan_side)
+    }
+
+    /// A staging area of `num_pages` pages on `side`.
+    fn dense_side(config: &SliceConfig, side: Side, num_pages: usize) -> Result<PlanSide<'a>> {
+        let geometry = config.staged_geometry();
+        let highest = match num_pages {
+            0 => None,
+            n => Some((
+                n as u64 - 1,
+                checked_product(
+                    "staging_len (pages * page bytes)",
+                    n as u64,
+                    geometry.item_len,
+                )?,
+            )),
+        };
+        Ok(PlanSide {
+            side,
+            geometry,
+            pages: Pages::Dense,
+            highest,
+        })
+    }
+
+    fn assemble(
+        config: &SliceConfig,
+        src: PlanSide<'a>,
+        dst: PlanSide<'a>,
+        num_pages: usize,
+        runs: usize,
+    ) -> Result<Self> {
+        let rows = checked_product(
+            "tokens (pages * page_size)",
+            num_pages as u64,
+            u64::from(config.page_size),
         )?;
-        let dst_highest =
-            highest_page(Side::Decode, dst_pages, dst_max as u32, config.dst_item_len)?;
-        let rows = (src_pages.len() as u64)
-            .checked_mul(u64::from(config.page_size))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "{} pages of {} tokens overflow u64",
-                    src_pages.len(),
-                    config.page_size
-                ))
-            })?;
-        // The first pair always "breaks" from the sentinel predecessor: one run per break.
-        let runs = breaks;
+        let bytes_per_buffer = if config.action == Action::Send {
+            checked_product(
+                "bytes per buffer (tokens * heads_bytes_per_token_to_send)",
+                rows,
+                config.heads_bytes_per_token_to_send,
+            )?
+        } else {
+            0
+        };
         Ok(Plan {
             config: *config,
-            src_pages,
-            dst_pages,
+            src,
+            dst,
+            num_pages,
             runs,
             rows,
-            src_highest,
-            dst_highest,
+            bytes_per_buffer,
         })
     }
 
@@ -202,9 +401,31 @@ impl<'a> Plan<'a> {
         self.config.action == Action::Send
     }
 
+    /// Page pairs (positions) in the request.
+    pub fn num_pages(&self) -> usize {
+        self.num_pages
+    }
+
+    /// Where the plan reads: the prefill pages, or a staging area.
+    pub fn src_geometry(&self) -> &SideGeometry {
+        &self.src.geometry
+    }
+
+    /// Where the plan writes: the decode pages, or a staging area.
+    pub fn dst_geometry(&self) -> &SideGeometry {
+        &self.dst.geometry
+    }
+
     /// Number of rects: one per maximal run of adjacent page pairs, 0 unless the pair sends.
     pub fn num_rects(&self) -> usize {
         if self.sends() { self.runs } else { 0 }
+    }
+
+    /// True when a row of the slice is a whole token slot on both sides, so each rect is one
+    /// contiguous block.
+    fn contiguous(&self) -> bool {
+        let width = self.config.heads_bytes_per_token_to_send;
+        width == self.src.geometry.bytes_per_token && width == self.dst.geometry.bytes_per_token
     }
 
     /// Number of segments: one per rect when rows are contiguous on both sides, else one per row.
@@ -212,51 +433,42 @@ impl<'a> Plan<'a> {
         if !self.sends() {
             return Ok(0);
         }
-        if self.config.is_contiguous() {
+        if self.contiguous() {
             return Ok(self.runs);
         }
-        usize::try_from(self.rows).map_err(|_| {
-            Error::InvalidArgument(format!("{} segments do not fit in usize", self.rows))
+        usize::try_from(self.rows).map_err(|_| Error::SizeOverflow {
+            quantity: "segments (pages * page_size) as usize",
+            lhs: self.num_pages as u64,
+            rhs: u64::from(self.config.page_size),
         })
     }
 
-    /// Bytes moved per buffer (per layer K or V).
+    /// Bytes moved per buffer (per layer K or V): `tokens * heads_bytes_per_token_to_send`.
     pub fn bytes_per_buffer(&self) -> u64 {
-        if self.sends() {
-            self.rows * self.config.heads_bytes_per_token_to_send
-        } else {
-            0
-        }
+        self.bytes_per_buffer
     }
 
     /// Bytes each source buffer must hold for every page of the request (0 when empty).
     pub fn src_bytes_needed(&self) -> u64 {
-        self.src_highest.map_or(0, |h| h.end)
+        self.src.highest.map_or(0, |(_, end)| end)
     }
 
     /// Bytes each destination buffer must hold for every page of the request (0 when empty).
     pub fn dst_bytes_needed(&self) -> u64 {
-        self.dst_highest.map_or(0, |h| h.end)
+        self.dst.highest.map_or(0, |(_, end)| end)
     }
 
     /// Checks that every page of the request lies inside buffers of the given capacities.
     pub fn check_capacity(&self, src_capacity: u64, dst_capacity: u64) -> Result<()> {
-        for (side, highest, capacity, name) in [
-            (
-                Side::Prefill,
-                self.src_highest,
-                src_capacity,
-                "src_capacity",
-            ),
-            (Side::Decode, self.dst_highest, dst_capacity, "dst_capacity"),
-        ] {
-            if let Some(h) = highest.filter(|h| h.end > capacity) {
-                return Err(Error::OutOfBounds(format!(
-                    "{side}: page {} at position {} ends at byte {}, past {name} {capacity}",
-                    h.page,
-                    h.position(),
-                    h.end
-                )));
+        for (side, capacity) in [(&self.src, src_capacity), (&self.dst, dst_capacity)] {
+            if let Some((page, end)) = side.highest.filter(|&(_, end)| end > capacity) {
+                return Err(Error::PagePastCapacity {
+                    side: side.side,
+                    page: page as u32,
+                    position: side.highest_position(page),
+                    end,
+                    capacity,
+                });
             }
         }
         Ok(())
@@ -264,67 +476,85 @@ impl<'a> Plan<'a> {
 
     /// The rects, one per maximal run, in input order. Empty unless the pair sends.
     pub fn rects(&self) -> Rects<'_> {
-        let pages = if self.sends() {
-            self.src_pages.len()
-        } else {
-            0
-        };
         Rects {
             plan: self,
             next: 0,
-            end: pages,
+            end: if self.sends() { self.num_pages } else { 0 },
+        }
+    }
+
+    /// The rect starting at position `start` and ending before `stop`.
+    fn rect(&self, start: usize, stop: usize) -> CopyRect {
+        let (src, dst) = (&self.src.geometry, &self.dst.geometry);
+        CopyRect {
+            src_offset: src.offset(self.src.pages.at(start)),
+            dst_offset: dst.offset(self.dst.pages.at(start)),
+            src_pitch: src.bytes_per_token,
+            dst_pitch: dst.bytes_per_token,
+            width: self.config.heads_bytes_per_token_to_send,
+            height: (stop - start) as u64 * u64::from(self.config.page_size),
         }
     }
 
     /// Writes every segment into the front of `out` and returns how many it wrote: each rect's
-    /// rows in order, or the whole rect when it is contiguous on both sides (a loop over
-    /// pages and token slots, no per-entry bounds checks).
+    /// rows in order, or the whole rect when it is contiguous on both sides. `out` may be
+    /// uninitialised memory (a caller's spare capacity, a C array): it is only written.
     ///
     /// # Panics
     /// If `out` is shorter than [`Plan::num_segments`].
-    pub fn fill_segments<T>(&self, out: &mut [T], convert: impl Fn(Segment) -> T) -> usize {
+    pub fn fill_segments<T>(
+        &self,
+        out: &mut [MaybeUninit<T>],
+        convert: impl Fn(Segment) -> T,
+    ) -> usize {
         if !self.sends() {
             return 0;
         }
-        if self.config.is_contiguous() {
-            let mut written = 0;
+        if self.contiguous() {
+            assert!(
+                out.len() >= self.runs,
+                "fill_segments: output shorter than the plan"
+            );
             for (slot, rect) in out.iter_mut().zip(self.rects()) {
-                *slot = convert(Segment {
+                slot.write(convert(Segment {
                     src_offset: rect.src_offset,
                     dst_offset: rect.dst_offset,
                     length: rect.bytes(),
-                });
-                written += 1;
+                }));
             }
-            assert_eq!(
-                written, self.runs,
-                "fill_segments: output shorter than the plan"
-            );
-            return written;
+            return self.runs;
         }
-        let c = &self.config;
-        let rows = c.page_size as usize;
-        let needed = self.src_pages.len() * rows;
+        let rows = self.config.page_size as usize;
+        let needed = self.num_pages * rows;
         assert!(
             out.len() >= needed,
             "fill_segments: output shorter than the plan"
         );
-        let pages = self.src_pages.iter().zip(self.dst_pages);
-        for (page_rows, (&s, &d)) in out[..needed].chunks_exact_mut(rows).zip(pages) {
-            // No overflow: Plan::new checked the end of the highest page of each side.
-            let mut src = u64::from(s) * c.src_item_len + c.src_head_slice_offset;
-            let mut dst = u64::from(d) * c.dst_item_len + c.dst_head_slice_offset;
+        let (src, dst) = (&self.src.geometry, &self.dst.geometry);
+        let length = self.config.heads_bytes_per_token_to_send;
+        for (position, page_rows) in out[..needed].chunks_exact_mut(rows).enumerate() {
+            let mut src_offset = src.offset(self.src.pages.at(position));
+            let mut dst_offset = dst.offset(self.dst.pages.at(position));
             for slot in page_rows {
-                *slot = convert(Segment {
-                    src_offset: src,
-                    dst_offset: dst,
-                    length: c.heads_bytes_per_token_to_send,
-                });
-                src += c.bytes_per_token_src;
-                dst += c.bytes_per_token_dst;
+                slot.write(convert(Segment {
+                    src_offset,
+                    dst_offset,
+                    length,
+                }));
+                src_offset += src.bytes_per_token;
+                dst_offset += dst.bytes_per_token;
             }
         }
         needed
+    }
+
+    /// The segments, collected.
+    pub fn segments(&self) -> Result<Vec<Segment>> {
+        let mut segments = Vec::with_capacity(self.num_segments()?);
+        let written = self.fill_segments(segments.spare_capacity_mut(), |segment| segment);
+        // SAFETY: `fill_segments` initialised the first `written` entries.
+        unsafe { segments.set_len(written) };
+        Ok(segments)
     }
 }
 
@@ -343,23 +573,14 @@ impl Iterator for Rects<'_> {
         if self.next >= self.end {
             return None;
         }
-        let (src, dst) = (self.plan.src_pages, self.plan.dst_pages);
+        let (src, dst) = (&self.plan.src.pages, &self.plan.dst.pages);
         let start = self.next;
         let mut stop = start + 1;
-        while stop < self.end && src[stop] == src[stop - 1] + 1 && dst[stop] == dst[stop - 1] + 1 {
+        while stop < self.end && src.continues(stop) && dst.continues(stop) {
             stop += 1;
         }
         self.next = stop;
-        let c = &self.plan.config;
-        // No overflow: Plan::new checked the end of the highest page of each side.
-        Some(CopyRect {
-            src_offset: u64::from(src[start]) * c.src_item_len + c.src_head_slice_offset,
-            dst_offset: u64::from(dst[start]) * c.dst_item_len + c.dst_head_slice_offset,
-            src_pitch: c.bytes_per_token_src,
-            dst_pitch: c.bytes_per_token_dst,
-            width: c.heads_bytes_per_token_to_send,
-            height: (stop - start) as u64 * u64::from(c.page_size),
-        })
+        Some(self.plan.rect(start, stop))
     }
 }
 
@@ -374,204 +595,5 @@ pub fn plan_segments(
     src_pages: &[i32],
     dst_pages: &[i32],
 ) -> Result<Vec<Segment>> {
-    let plan = Plan::new(config, src_pages, dst_pages)?;
-    let mut segments = vec![Segment::default(); plan.num_segments()?];
-    plan.fill_segments(&mut segments, |segment| segment);
-    Ok(segments)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// 2 tokens per page; source tokens of 40 bytes, destination tokens of 20; the pair moves the
-    /// 20 bytes at offset 20 of each source token into offset 0 of each destination token.
-    fn config() -> SliceConfig {
-        SliceConfig {
-            action: Action::Send,
-            page_size: 2,
-            first_head: 1,
-            num_heads: 1,
-            src_item_len: 80,
-            dst_item_len: 40,
-            bytes_per_token_src: 40,
-            bytes_per_token_dst: 20,
-            src_head_slice_offset: 20,
-            dst_head_slice_offset: 0,
-            heads_bytes_per_token_to_send: 20,
-        }
-    }
-
-    fn rect(src_page: u64, dst_page: u64, pages: u64) -> CopyRect {
-        CopyRect {
-            src_offset: src_page * 80 + 20,
-            dst_offset: dst_page * 40,
-            src_pitch: 40,
-            dst_pitch: 20,
-            width: 20,
-            height: pages * 2,
-        }
-    }
-
-    #[test]
-    fn adjacent_pairs_on_both_sides_coalesce_into_one_rect_per_maximal_run() {
-        // Runs: 3,4,5 -> 7,8,9 | 9,10 -> 1,2 | 2 -> 3 | 3 -> 5 (source adjacent, destination not).
-        let rects = plan(&config(), &[3, 4, 5, 9, 10, 2, 3], &[7, 8, 9, 1, 2, 3, 5]).unwrap();
-        assert_eq!(
-            rects,
-            vec![rect(3, 7, 3), rect(9, 1, 2), rect(2, 3, 1), rect(3, 5, 1)]
-        );
-        let p = Plan::new(&config(), &[3, 4, 5, 9, 10, 2, 3], &[7, 8, 9, 1, 2, 3, 5]).unwrap();
-        assert_eq!(p.num_rects(), 4);
-        assert_eq!(p.bytes_per_buffer(), 7 * 2 * 20);
-        assert_eq!(
-            (p.src_bytes_needed(), p.dst_bytes_needed()),
-            (11 * 80, 10 * 40)
-        );
-    }
-
-    #[test]
-    fn a_descending_or_repeated_page_breaks_the_run() {
-        let rects = plan(&config(), &[5, 4, 4], &[0, 1, 2]).unwrap();
-        assert_eq!(rects, vec![rect(5, 0, 1), rect(4, 1, 1), rect(4, 2, 1)]);
-    }
-
-    #[test]
-    fn narrow_slices_become_one_segment_per_token_row() {
-        let segments = plan_segments(&config(), &[3, 4], &[7, 8]).unwrap();
-        let expected: Vec<Segment> = (0..4)
-            .map(|row| Segment {
-                src_offset: 3 * 80 + 20 + row * 40,
-                dst_offset: 7 * 40 + row * 20,
-                length: 20,
-            })
-            .collect();
-        assert_eq!(segments, expected);
-        assert_eq!(
-            Plan::new(&config(), &[3, 4], &[7, 8])
-                .unwrap()
-                .num_segments(),
-            Ok(4)
-        );
-    }
-
-    #[test]
-    fn whole_token_slices_become_one_segment_per_run() {
-        let c = SliceConfig {
-            src_item_len: 40,
-            bytes_per_token_src: 20,
-            src_head_slice_offset: 0,
-            first_head: 0,
-            ..config()
-        };
-        let segments = plan_segments(&c, &[3, 4, 8], &[7, 8, 9]).unwrap();
-        assert_eq!(
-            segments,
-            vec![
-                Segment {
-                    src_offset: 120,
-                    dst_offset: 280,
-                    length: 80
-                },
-                Segment {
-                    src_offset: 320,
-                    dst_offset: 360,
-                    length: 40
-                },
-            ]
-        );
-        assert_eq!(
-            Plan::new(&c, &[3, 4, 8], &[7, 8, 9])
-                .unwrap()
-                .num_segments(),
-            Ok(2)
-        );
-    }
-
-    #[test]
-    fn the_fast_segment_loop_yields_exactly_the_rect_rows() {
-        let whole = SliceConfig {
-            src_item_len: 40,
-            bytes_per_token_src: 20,
-            src_head_slice_offset: 0,
-            first_head: 0,
-            ..config()
-        };
-        let (src, dst) = ([3, 4, 5, 9, 10, 2, 3, 0], [7, 8, 9, 1, 2, 3, 5, 6]);
-        for c in [config(), whole] {
-            let plan = Plan::new(&c, &src, &dst).unwrap();
-            let mut fast = vec![Segment::default(); plan.num_segments().unwrap() + 2];
-            let written = plan.fill_segments(&mut fast, |s| s);
-            assert_eq!(written, plan.num_segments().unwrap());
-            // The reference: every row of every rect, or the whole rect when contiguous.
-            let rows: Vec<Segment> = plan
-                .rects()
-                .flat_map(|r| {
-                    let (n, len) = if r.is_contiguous() {
-                        (1, r.bytes())
-                    } else {
-                        (r.height, r.width)
-                    };
-                    (0..n).map(move |row| Segment {
-                        src_offset: r.src_offset + row * r.src_pitch,
-                        dst_offset: r.dst_offset + row * r.dst_pitch,
-                        length: len,
-                    })
-                })
-                .collect();
-            assert_eq!(fast[..written], rows[..]);
-            assert_eq!(
-                fast[written..],
-                [Segment::default(); 2],
-                "nothing past the plan"
-            );
-        }
-    }
-
-    #[test]
-    fn the_first_negative_page_is_named_whichever_side_it_is_on() {
-        let err = |src: &[i32], dst: &[i32]| Plan::new(&config(), src, dst).unwrap_err();
-        assert_eq!(
-            err(&[0, 1, 2], &[4, -7, 5]),
-            Error::OutOfBounds("decode side: page index -7 at position 1 is negative".into())
-        );
-        assert_eq!(
-            err(&[0, i32::MIN, 2], &[4, -7, 5]),
-            Error::OutOfBounds(
-                "prefill side: page index -2147483648 at position 1 is negative".into()
-            )
-        );
-    }
-
-    #[test]
-    fn pairs_that_do_not_send_plan_nothing_but_still_check_their_pages() {
-        let skip = SliceConfig {
-            action: Action::SkipReplica,
-            first_head: 0,
-            num_heads: 0,
-            src_head_slice_offset: 0,
-            heads_bytes_per_token_to_send: 0,
-            ..config()
-        };
-        let p = Plan::new(&skip, &[1, 2], &[3, 4]).unwrap();
-        assert_eq!(
-            (p.num_rects(), p.num_segments(), p.rects().count()),
-            (0, Ok(0), 0)
-        );
-        assert!(matches!(
-            Plan::new(&skip, &[1, -2], &[3, 4]),
-            Err(Error::OutOfBounds(_))
-        ));
-    }
-
-    #[test]
-    fn unequal_page_array_lengths_are_refused() {
-        let err = Plan::new(&config(), &[1, 2], &[3]).unwrap_err();
-        assert_eq!(
-            err,
-            Error::InvalidArgument(
-                "2 source pages but 1 destination pages (they are paired one to one)".into()
-            )
-        );
-    }
+    Plan::new(config, src_pages, dst_pages)?.segments()
 }

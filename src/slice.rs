@@ -35,19 +35,20 @@ impl TpSide {
     /// other, and neither may be zero.
     pub fn new(side: Side, tp_size: u32, total_kv_heads: u32) -> Result<Self> {
         if tp_size == 0 {
-            return Err(Error::InvalidArgument(format!("{side}: tp_size is 0")));
+            return Err(Error::ZeroTpSize { side });
         }
         if total_kv_heads == 0 {
-            return Err(Error::Topology(
-                "total_kv_heads is 0 (use 1 for MLA and MQA models)".into(),
-            ));
+            return Err(Error::ZeroKvHeads);
         }
         if total_kv_heads % tp_size != 0 && tp_size % total_kv_heads != 0 {
-            let (below, above) = nearest_valid_tp_sizes(tp_size, total_kv_heads);
-            return Err(Error::Topology(format!(
-                "{side}: tp_size {tp_size} and total_kv_heads {total_kv_heads} divide neither way \
-                 (one must be a multiple of the other; nearest valid tp sizes: {below} and {above})"
-            )));
+            let (nearest_below, nearest_above) = nearest_valid_tp_sizes(tp_size, total_kv_heads);
+            return Err(Error::IndivisibleTp {
+                side,
+                tp_size,
+                total_kv_heads,
+                nearest_below,
+                nearest_above,
+            });
         }
         Ok(TpSide {
             side,
@@ -81,16 +82,27 @@ impl TpSide {
         (self.tp_size / self.total_kv_heads).max(1)
     }
 
-    /// The global heads rank `rank` owns, in the order they sit inside a token.
-    pub fn owned_heads(&self, rank: u32) -> Range<u32> {
-        debug_assert!(rank < self.tp_size);
+    /// The global heads rank `rank` owns, in the order they sit inside a token; `None` when
+    /// `rank` is not below `T`.
+    pub fn owned_heads(&self, rank: u32) -> Option<Range<u32>> {
+        (rank < self.tp_size).then(|| self.heads_of(rank))
+    }
+
+    /// [`TpSide::owned_heads`] for a rank already known to be below `T`. Every product stays
+    /// below `max(H, T)`, so nothing wraps.
+    fn heads_of(&self, rank: u32) -> Range<u32> {
         let first = rank / self.replication() * self.heads_per_rank();
         first..first + self.heads_per_rank()
     }
 
-    /// The lowest rank that owns `head`: `first(T, h)`.
-    pub fn first_owner(&self, head: u32) -> u32 {
-        debug_assert!(head < self.total_kv_heads);
+    /// The lowest rank that owns `head`, `first(T, h)`; `None` when `head` is not below `H`.
+    pub fn first_owner(&self, head: u32) -> Option<u32> {
+        (head < self.total_kv_heads).then(|| self.first_owner_of(head))
+    }
+
+    /// [`TpSide::first_owner`] for a head already known to be below `H`: the result is below
+    /// `T`, so nothing wraps.
+    fn first_owner_of(&self, head: u32) -> u32 {
         head / self.heads_per_rank() * self.replication()
     }
 
@@ -99,27 +111,28 @@ impl TpSide {
         if rank < self.tp_size {
             Ok(())
         } else {
-            Err(Error::InvalidArgument(format!(
-                "{}: tp_rank {rank} is out of range for tp_size {} (ranks are 0..{})",
-                self.side,
-                self.tp_size,
-                self.tp_size - 1
-            )))
+            Err(Error::RankOutOfRange {
+                side: self.side,
+                rank,
+                tp_size: self.tp_size,
+            })
         }
     }
 }
 
-/// The valid TP sizes just below and just above an invalid `tp_size` for `heads` KV heads.
+/// The valid TP sizes just below and just above an invalid `tp_size` for `heads` KV heads; the
+/// one above is `None` when no valid size above `tp_size` fits in `u32`.
 ///
 /// Valid sizes are the multiples of `heads` (above it) and its divisors (below it). Computed
 /// directly, in at most `sqrt(heads)` steps, so absurd inputs cannot stall an error message.
-pub fn nearest_valid_tp_sizes(tp_size: u32, heads: u32) -> (u32, u32) {
+/// With `heads == 0` nothing is valid, and the answer is `(0, None)`.
+pub fn nearest_valid_tp_sizes(tp_size: u32, heads: u32) -> (u32, Option<u32>) {
     if heads == 0 {
-        return (1, 1);
+        return (0, None);
     }
     if tp_size > heads {
         let below = tp_size / heads * heads;
-        return (below, below.checked_add(heads).unwrap_or(below));
+        return (below, below.checked_add(heads));
     }
     let (mut below, mut above) = (1, heads);
     let mut i = 1u32;
@@ -135,7 +148,7 @@ pub fn nearest_valid_tp_sizes(tp_size: u32, heads: u32) -> (u32, u32) {
         }
         i += 1;
     }
-    (below, above)
+    (below, Some(above))
 }
 
 /// Both sides of a deployment: the model's KV heads sharded over prefill and decode TP ranks.
@@ -163,7 +176,7 @@ impl Topology {
             (Side::Decode, decode_tp_size),
         ] {
             if tp_size == 0 {
-                return Err(Error::InvalidArgument(format!("{side}: tp_size is 0")));
+                return Err(Error::ZeroTpSize { side });
             }
         }
         Ok(Topology {
@@ -182,35 +195,45 @@ impl Topology {
         &self.decode
     }
 
-    /// The one prefill rank that sends `head` to `decode_rank` (which must own it).
+    /// The one prefill rank that sends `head` to `decode_rank`; `None` when `decode_rank` is
+    /// not a decode rank or does not own `head`.
     ///
     /// `sender(d, h) = first(P, h) + (j * rS) / rD` with `j = d - first(D, h)`: the `rD` decode
     /// replicas of a head spread evenly over its `rS` prefill replicas.
-    pub fn sender(&self, decode_rank: u32, head: u32) -> u32 {
-        debug_assert!(self.decode.owned_heads(decode_rank).contains(&head));
-        let j = u64::from(decode_rank - self.decode.first_owner(head));
-        let spread =
-            j * u64::from(self.prefill.replication()) / u64::from(self.decode.replication());
-        // spread < rS <= P, so the narrowing cannot truncate.
-        self.prefill.first_owner(head) + spread as u32
+    pub fn sender(&self, decode_rank: u32, head: u32) -> Option<u32> {
+        let owns = self.decode.owned_heads(decode_rank)?.contains(&head);
+        owns.then(|| self.sender_of(decode_rank, head))
     }
 
-    /// What prefill rank `p` and decode rank `d` do, and which heads they share.
+    /// [`Topology::sender`] for a decode rank known to own `head`.
+    fn sender_of(&self, decode_rank: u32, head: u32) -> u32 {
+        // d owns h, so d >= first(D, h) and j < rD.
+        let j = u64::from(decode_rank - self.decode.first_owner_of(head));
+        let spread =
+            j * u64::from(self.prefill.replication()) / u64::from(self.decode.replication());
+        // spread < rS, and first(P, h) + rS <= P, so neither the narrowing nor the sum wraps.
+        self.prefill.first_owner_of(head) + spread as u32
+    }
+
+    /// What prefill rank `p` and decode rank `d` do, and which heads they share; refused when
+    /// either rank is out of range.
     ///
     /// The sender of a shared head is a function of the pair, and when either side owns a single
     /// head the shared range is at most one head; otherwise no side replicates and every shared
     /// head goes from its only owner. So a pair sends all of its shared heads or none of them.
-    pub fn pairing(&self, prefill_rank: u32, decode_rank: u32) -> Pairing {
-        let src = self.prefill.owned_heads(prefill_rank);
-        let dst = self.decode.owned_heads(decode_rank);
+    pub fn pairing(&self, prefill_rank: u32, decode_rank: u32) -> Result<Pairing> {
+        self.prefill.check_rank(prefill_rank)?;
+        self.decode.check_rank(decode_rank)?;
+        let src = self.prefill.heads_of(prefill_rank);
+        let dst = self.decode.heads_of(decode_rank);
         let shared = src.start.max(dst.start)..src.end.min(dst.end);
         if shared.is_empty() {
-            return Pairing {
+            return Ok(Pairing {
                 action: Action::NotPaired,
                 shared_heads: 0..0,
-            };
+            });
         }
-        let action = if self.sender(decode_rank, shared.start) == prefill_rank {
+        let action = if self.sender_of(decode_rank, shared.start) == prefill_rank {
             Action::Send
         } else {
             Action::SkipReplica
@@ -218,12 +241,13 @@ impl Topology {
         debug_assert!(
             shared
                 .clone()
-                .all(|h| (self.sender(decode_rank, h) == prefill_rank) == (action == Action::Send))
+                .all(|h| (self.sender_of(decode_rank, h) == prefill_rank)
+                    == (action == Action::Send))
         );
-        Pairing {
+        Ok(Pairing {
             action,
             shared_heads: shared,
-        }
+        })
     }
 }
 
@@ -278,70 +302,102 @@ pub struct SliceConfig {
 
 /// Bytes of one token of one side: `item_len / page_size`, which must divide exactly.
 fn bytes_per_token(side: Side, item_len: u64, page_size: u32) -> Result<u64> {
-    let field = match side {
-        Side::Prefill => "src_item_len",
-        Side::Decode => "dst_item_len",
-    };
     if item_len == 0 {
-        return Err(Error::InvalidArgument(format!("{side}: {field} is 0")));
+        return Err(Error::ZeroItemLen { side });
     }
     if page_size == 0 {
-        return Err(Error::InvalidArgument("page_size is 0".into()));
+        return Err(Error::ZeroPageSize);
     }
     if item_len % u64::from(page_size) != 0 {
-        return Err(Error::LayoutMismatch(format!(
-            "{side}: {field} {item_len} is not a multiple of page_size {page_size}"
-        )));
+        return Err(Error::ItemLenNotWholeTokens {
+            side,
+            item_len,
+            page_size,
+        });
     }
     Ok(item_len / u64::from(page_size))
 }
 
 /// Bytes of one head of one side: bytes per token split over the heads the rank holds.
 fn bytes_per_head(tp: &TpSide, bytes_per_token: u64) -> Result<u64> {
-    let heads = u64::from(tp.heads_per_rank());
-    if bytes_per_token % heads != 0 {
-        return Err(Error::LayoutMismatch(format!(
-            "{}: bytes_per_token {bytes_per_token} is not a multiple of the {heads} heads per rank \
-             (tp_size {}, total_kv_heads {})",
-            tp.side(),
-            tp.tp_size(),
-            tp.total_kv_heads()
-        )));
+    let heads = tp.heads_per_rank();
+    if bytes_per_token % u64::from(heads) != 0 {
+        return Err(Error::TokenNotWholeHeads {
+            side: tp.side(),
+            bytes_per_token,
+            heads_per_rank: heads,
+            tp_size: tp.tp_size(),
+            total_kv_heads: tp.total_kv_heads(),
+        });
     }
-    Ok(bytes_per_token / heads)
+    Ok(bytes_per_token / u64::from(heads))
 }
 
 /// The slice a (prefill rank, decode rank) pair moves, or why the layout is invalid.
 ///
-/// Validates, in this order: zero fields and ranks (`InvalidArgument`), the head/TP divisibility
-/// of both sides (`Topology`), then the byte layout of both sides and that both agree on the bytes
-/// of one head (`LayoutMismatch`). Pure: no allocation on success, no I/O.
+/// Validates in three stages and reports the first failure of the first failing stage:
+/// 1. fields out of range ([`ErrorClass::InvalidArgument`](crate::ErrorClass)): `page_size`,
+///    the TP sizes and the item lengths must be non-zero, each rank below its TP size;
+/// 2. the head/TP divisibility of the prefill side, then of the decode side
+///    ([`ErrorClass::Topology`](crate::ErrorClass));
+/// 3. the byte layout of the prefill side, then of the decode side, then that both agree on the
+///    bytes of one head ([`ErrorClass::LayoutMismatch`](crate::ErrorClass)).
+///
+/// Pure: no allocation on success, no I/O.
 pub fn slice_config(params: &SliceParams) -> Result<SliceConfig> {
     if params.page_size == 0 {
-        return Err(Error::InvalidArgument("page_size is 0".into()));
+        return Err(Error::ZeroPageSize);
+    }
+    for (side, tp_size, rank, item_len) in [
+        (
+            Side::Prefill,
+            params.prefill_tp_size,
+            params.prefill_tp_rank,
+            params.src_item_len,
+        ),
+        (
+            Side::Decode,
+            params.decode_tp_size,
+            params.decode_tp_rank,
+            params.dst_item_len,
+        ),
+    ] {
+        if tp_size == 0 {
+            return Err(Error::ZeroTpSize { side });
+        }
+        if item_len == 0 {
+            return Err(Error::ZeroItemLen { side });
+        }
+        if rank >= tp_size {
+            return Err(Error::RankOutOfRange {
+                side,
+                rank,
+                tp_size,
+            });
+        }
     }
     let topology = Topology::new(
         params.total_kv_heads,
         params.prefill_tp_size,
         params.decode_tp_size,
     )?;
-    topology.prefill().check_rank(params.prefill_tp_rank)?;
-    topology.decode().check_rank(params.decode_tp_rank)?;
 
     let bpt_src = bytes_per_token(Side::Prefill, params.src_item_len, params.page_size)?;
-    let bpt_dst = bytes_per_token(Side::Decode, params.dst_item_len, params.page_size)?;
     let bph_src = bytes_per_head(topology.prefill(), bpt_src)?;
+    let bpt_dst = bytes_per_token(Side::Decode, params.dst_item_len, params.page_size)?;
     let bph_dst = bytes_per_head(topology.decode(), bpt_dst)?;
     if bph_src != bph_dst {
-        return Err(Error::LayoutMismatch(format!(
-            "decode side: bytes_per_head {bph_dst} != prefill side bytes_per_head {bph_src} \
-             (dtype or head_dim differ; bytes_per_token {bpt_dst} / {} heads vs {bpt_src} / {} heads)",
-            topology.decode().heads_per_rank(),
-            topology.prefill().heads_per_rank()
-        )));
+        return Err(Error::BytesPerHeadMismatch {
+            prefill_bytes_per_head: bph_src,
+            decode_bytes_per_head: bph_dst,
+            prefill_bytes_per_token: bpt_src,
+            decode_bytes_per_token: bpt_dst,
+            prefill_heads_per_rank: topology.prefill().heads_per_rank(),
+            decode_heads_per_rank: topology.decode().heads_per_rank(),
+        });
     }
 
-    let pairing = topology.pairing(params.prefill_tp_rank, params.decode_tp_rank);
+    let pairing = topology.pairing(params.prefill_tp_rank, params.decode_tp_rank)?;
     let mut config = SliceConfig {
         action: pairing.action,
         page_size: params.page_size,
@@ -357,8 +413,8 @@ pub fn slice_config(params: &SliceParams) -> Result<SliceConfig> {
     };
     if pairing.action == Action::Send {
         let heads = pairing.shared_heads;
-        let src_first = topology.prefill().owned_heads(params.prefill_tp_rank).start;
-        let dst_first = topology.decode().owned_heads(params.decode_tp_rank).start;
+        let src_first = topology.prefill().heads_of(params.prefill_tp_rank).start;
+        let dst_first = topology.decode().heads_of(params.decode_tp_rank).start;
         // Every product below is at most bytes_per_token, which fits in u64.
         config.first_head = heads.start;
         config.num_heads = heads.len() as u32;
@@ -385,13 +441,11 @@ impl SliceConfig {
             (Side::Decode, self.bytes_per_token_dst, bpt_dst),
         ] {
             if stated != derived {
-                let (pitch, item) = match side {
-                    Side::Prefill => ("bytes_per_token_src", "src_item_len"),
-                    Side::Decode => ("bytes_per_token_dst", "dst_item_len"),
-                };
-                return Err(Error::InvalidArgument(format!(
-                    "inconsistent config: {pitch} {stated} but {item} / page_size = {derived}"
-                )));
+                return Err(Error::InconsistentBytesPerToken {
+                    side,
+                    stated,
+                    derived,
+                });
             }
         }
         let width = self.heads_bytes_per_token_to_send;
@@ -402,55 +456,58 @@ impl SliceConfig {
                 || self.src_head_slice_offset != 0
                 || self.dst_head_slice_offset != 0
             {
-                return Err(Error::InvalidArgument(format!(
-                    "inconsistent config: action {:?} moves nothing, but first_head {}, num_heads \
-                     {}, src_head_slice_offset {}, dst_head_slice_offset {}, \
-                     heads_bytes_per_token_to_send {width} are not all 0",
-                    self.action,
-                    self.first_head,
-                    self.num_heads,
-                    self.src_head_slice_offset,
-                    self.dst_head_slice_offset
-                )));
+                return Err(Error::NonSendingSliceFields {
+                    action: self.action,
+                    first_head: self.first_head,
+                    num_heads: self.num_heads,
+                    src_head_slice_offset: self.src_head_slice_offset,
+                    dst_head_slice_offset: self.dst_head_slice_offset,
+                    width,
+                });
             }
             return Ok(());
         }
         if self.num_heads == 0 || width == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "inconsistent config: action Send with num_heads {} and \
-                 heads_bytes_per_token_to_send {width} (both must be non-zero)",
-                self.num_heads
-            )));
+            return Err(Error::EmptySendingSlice {
+                num_heads: self.num_heads,
+                width,
+            });
         }
-        for (side, offset, pitch) in [
+        for (side, offset, bytes_per_token) in [
             (Side::Prefill, self.src_head_slice_offset, bpt_src),
             (Side::Decode, self.dst_head_slice_offset, bpt_dst),
         ] {
-            if offset.checked_add(width).is_none_or(|end| end > pitch) {
-                return Err(Error::SliceOverflow(format!(
-                    "{side}: head slice at offset {offset} of width {width} ends past the \
-                     {pitch}-byte token slot"
-                )));
+            if offset
+                .checked_add(width)
+                .is_none_or(|end| end > bytes_per_token)
+            {
+                return Err(Error::SliceOverflow {
+                    side,
+                    offset,
+                    width,
+                    bytes_per_token,
+                });
             }
         }
         if width % u64::from(self.num_heads) != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "inconsistent config: heads_bytes_per_token_to_send {width} is not a multiple of \
-                 num_heads {}",
-                self.num_heads
-            )));
+            return Err(Error::WidthNotWholeHeads {
+                width,
+                num_heads: self.num_heads,
+            });
         }
-        let bph = width / u64::from(self.num_heads);
-        for (name, offset) in [
-            ("src_head_slice_offset", self.src_head_slice_offset),
-            ("dst_head_slice_offset", self.dst_head_slice_offset),
+        let bytes_per_head = width / u64::from(self.num_heads);
+        for (side, offset) in [
+            (Side::Prefill, self.src_head_slice_offset),
+            (Side::Decode, self.dst_head_slice_offset),
         ] {
-            if offset % bph != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "inconsistent config: {name} {offset} is not a multiple of bytes_per_head \
-                     {bph} (heads_bytes_per_token_to_send {width} / num_heads {})",
-                    self.num_heads
-                )));
+            if offset % bytes_per_head != 0 {
+                return Err(Error::OffsetNotOnHead {
+                    side,
+                    offset,
+                    bytes_per_head,
+                    width,
+                    num_heads: self.num_heads,
+                });
             }
         }
         Ok(())
@@ -470,21 +527,18 @@ mod tests {
 
     #[test]
     fn nearest_valid_tp_sizes_are_the_neighbouring_divisors_or_multiples() {
-        assert_eq!(nearest_valid_tp_sizes(3, 8), (2, 4));
-        assert_eq!(nearest_valid_tp_sizes(8, 12), (6, 12));
-        assert_eq!(nearest_valid_tp_sizes(5, 12), (4, 6));
-        assert_eq!(nearest_valid_tp_sizes(12, 8), (8, 16));
-        assert_eq!(nearest_valid_tp_sizes(3, 2), (2, 4));
+        assert_eq!(nearest_valid_tp_sizes(3, 8), (2, Some(4)));
+        assert_eq!(nearest_valid_tp_sizes(8, 12), (6, Some(12)));
+        assert_eq!(nearest_valid_tp_sizes(5, 12), (4, Some(6)));
+        assert_eq!(nearest_valid_tp_sizes(12, 8), (8, Some(16)));
+        assert_eq!(nearest_valid_tp_sizes(3, 2), (2, Some(4)));
         // A prime head count just above a huge TP size: no search through billions of sizes.
         assert_eq!(
             nearest_valid_tp_sizes(4_294_967_290, 4_294_967_291),
-            (1, 4_294_967_291)
+            (1, Some(4_294_967_291))
         );
-        // No valid size above u32::MAX - 1: both neighbours are the one below.
-        assert_eq!(
-            nearest_valid_tp_sizes(u32::MAX, 2),
-            (u32::MAX - 1, u32::MAX - 1)
-        );
+        // No valid size above u32::MAX - 1 fits in u32: only the one below is named.
+        assert_eq!(nearest_valid_tp_sizes(u32::MAX, 2), (u32::MAX - 1, None));
         // Every answer is valid, and nothing valid lies strictly between it and tp_size.
         for heads in 1..=64u32 {
             for tp in 1..=200u32 {
@@ -493,6 +547,7 @@ mod tests {
                     continue;
                 }
                 let (below, above) = nearest_valid_tp_sizes(tp, heads);
+                let above = above.unwrap();
                 assert!(valid(below) && valid(above) && below < tp && tp < above);
                 assert!(
                     (below + 1..above).all(|t| t == tp || !valid(t)),

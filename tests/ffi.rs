@@ -367,6 +367,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
         (
             MoriTpSliceParams {
                 decode_tp_size: 3,
+                decode_tp_rank: 2,
                 ..params()
             },
             3,
@@ -418,14 +419,14 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
     assert_message(&["options.backend 7 is not a MoriBackend"]);
     let flags = MoriSendOptions {
         backend: MORI_BACKEND_HOST,
-        flags: 0x6,
+        flags: 0xD,
         stream: null_mut(),
     };
     assert_eq!(
         f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&flags)),
         2
     );
-    assert_message(&["options.flags 0x6 has unknown bits 0x6"]);
+    assert_message(&["options.flags 0xd has unknown bits 0xc"]);
     let mut fake_stream = 0u8;
     let stream = MoriSendOptions {
         backend: MORI_BACKEND_HOST,
@@ -717,6 +718,7 @@ fn threads_calling_at_once_each_keep_their_own_last_error() {
                     // that its message survived both its success and the other threads' failures.
                     let bad = MoriTpSliceParams {
                         decode_tp_size: 3 + 2 * i,
+                        decode_tp_rank: 0,
                         ..params()
                     };
                     let mut out = MoriTpSliceConfig::default();

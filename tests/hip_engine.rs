@@ -141,6 +141,7 @@ fn options(synchronize: bool, stream: *mut c_void) -> SendOptions {
     SendOptions {
         backend: Backend::Hip,
         synchronize,
+        copy_kernel: false,
         stream,
     }
 }
@@ -307,7 +308,7 @@ impl Fixture {
 
 fn gpu_message(result: mori_tp::Result<SendReport>) -> String {
     match result {
-        Err(Error::Gpu(message)) => message,
+        Err(Error::Gpu { message, .. }) => message,
         other => panic!("expected Error::Gpu, got {other:?}"),
     }
 }
@@ -403,7 +404,14 @@ fn a_refused_request_issues_no_hip_call() {
     f.dst_pages[4] = 10; // one page past the 10-page destination buffers
     let (result, calls) = f.run(1, &options(true, null_mut()), |r| r);
     assert!(
-        matches!(&result, Err(Error::OutOfBounds(m)) if m.contains("page 10 at position 4")),
+        matches!(
+            &result,
+            Err(Error::PagePastCapacity {
+                page: 10,
+                position: 4,
+                ..
+            })
+        ),
         "{result:?}"
     );
     assert_eq!(calls, vec![Call::DeviceCount]);
@@ -434,7 +442,7 @@ fn no_device_is_backend_unavailable_naming_what_the_runtime_said() {
         (Ok(0), "hipGetDeviceCount reports 0"),
     ] {
         match HipEngine::new(runtime(devices), &opts) {
-            Err(Error::BackendUnavailable(message)) => {
+            Err(Error::BackendUnavailable { reason: message }) => {
                 assert!(message.contains(says), "{message:?} lacks {says:?}");
                 assert!(message.contains("needs a HIP device"), "{message:?}");
             }

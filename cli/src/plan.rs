@@ -29,11 +29,14 @@ fn pairs(layout: &Layout) -> Result<Vec<Pair>, LayoutError> {
                 summary: format!("prefill rank {p} -> decode rank {d}:"),
                 problems: vec![e.to_string()],
             })?;
-            let pairing = topology.pairing(p, d);
+            // Both ranks are below their TP sizes, and d owns the heads it shares with p.
+            let pairing = topology.pairing(p, d).expect("ranks in range");
             if pairing.action == Action::NotPaired {
                 continue;
             }
-            let sent_by = topology.sender(d, pairing.shared_heads.start);
+            let sent_by = topology
+                .sender(d, pairing.shared_heads.start)
+                .expect("d owns its shared heads");
             pairs.push(Pair {
                 prefill_rank: p,
                 decode_rank: d,
@@ -113,7 +116,11 @@ pub fn json(layout: &Layout, tokens: u32) -> Result<Value, LayoutError> {
         .collect();
     let decode_ranks: Vec<Value> = (0..layout.decode_tp())
         .map(|d| {
-            let heads = layout.topology.decode().owned_heads(d);
+            let heads = layout
+                .topology
+                .decode()
+                .owned_heads(d)
+                .expect("rank in range");
             let r = received(layout, &pairs, d, request);
             json!({
                 "decode_rank": d,
@@ -211,7 +218,11 @@ pub fn text(layout: &Layout, tokens: u32) -> Result<String, LayoutError> {
         total - pairs.len() as u64,
     );
     for d in 0..layout.decode_tp() {
-        let owned = layout.topology.decode().owned_heads(d);
+        let owned = layout
+            .topology
+            .decode()
+            .owned_heads(d)
+            .expect("rank in range");
         let _ = writeln!(out, "decode rank {d}, {}:", heads_text(owned));
         for pair in pairs.iter().filter(|p| p.decode_rank == d) {
             let c = &pair.config;

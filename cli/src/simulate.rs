@@ -238,7 +238,7 @@ impl<'a> Simulation<'a> {
         let bph = layout.bytes_per_head as usize;
         let src = (0..layout.prefill_tp())
             .map(|p| {
-                let heads = prefill.owned_heads(p);
+                let heads = prefill.owned_heads(p).expect("rank in range");
                 (0..buffers)
                     .map(|b| {
                         let len = request.src_capacity_pages * layout.src_item_len;
@@ -457,7 +457,11 @@ impl<'a> Simulation<'a> {
             }
         };
         for (d, buffers) in self.dst.iter().enumerate() {
-            let owned = layout.topology.decode().owned_heads(d as u32);
+            let owned = layout
+                .topology
+                .decode()
+                .owned_heads(d as u32)
+                .expect("rank in range");
             for (b, buffer) in buffers.iter().enumerate() {
                 v.bytes_checked += buffer.len() as u64;
                 for (page, bytes) in buffer.chunks_exact(item).enumerate() {

@@ -33,12 +33,6 @@ MORI_BACKEND_AUTO = 0
 MORI_BACKEND_HOST = 1
 MORI_BACKEND_HIP = 2
 
-# MoriTpStaging values: which sides of a transfer go through a dense staging region.
-MORI_TP_STAGING_NONE = 0
-MORI_TP_STAGING_SRC = 1
-MORI_TP_STAGING_DST = 2
-MORI_TP_STAGING_BOTH = 3
-
 
 class MoriTpSliceParams(ctypes.Structure):
     _fields_ = [
@@ -164,11 +158,11 @@ SIGNATURES = {
     ),
     "mori_tp_staging_for": (
         _STATUS,
-        [_CONFIG_P, ctypes.POINTER(ctypes.c_uint32)],  # uint32_t *out_staging
+        [_CONFIG_P, ctypes.POINTER(ctypes.c_uint32)],
     ),
     "mori_tp_staging_len": (
         _STATUS,
-        [_CONFIG_P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)],  # num_pages, *out_len
+        [_CONFIG_P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)],
     ),
     "mori_tp_plan_transfer": (
         _STATUS,

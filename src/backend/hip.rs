@@ -12,7 +12,7 @@
 
 use std::ffi::c_void;
 
-use super::{CopyEngine, SendOptions};
+use super::{CopyEngine, CopyJob, SendOptions};
 use crate::error::{Error, Result};
 use crate::plan::CopyRect;
 
@@ -101,28 +101,29 @@ fn describe<R: HipRuntime>(runtime: &R, status: HipStatus) -> String {
 fn require_device<R: HipRuntime>(runtime: &R) -> Result<i32> {
     match runtime.device_count() {
         Ok(count) if count > 0 => Ok(count),
-        Ok(count) => Err(Error::BackendUnavailable(format!(
-            "the HIP backend needs a HIP device, but hipGetDeviceCount reports {count}"
-        ))),
-        Err(status) => Err(Error::BackendUnavailable(format!(
-            "the HIP backend needs a HIP device, but hipGetDeviceCount returned {} (no usable \
-             AMD GPU, or no driver access to one)",
-            describe(runtime, status)
-        ))),
+        Ok(count) => Err(Error::BackendUnavailable {
+            reason: format!(
+                "the HIP backend needs a HIP device, but hipGetDeviceCount reports {count}"
+            ),
+        }),
+        Err(status) => Err(Error::BackendUnavailable {
+            reason: format!(
+                "the HIP backend needs a HIP device, but hipGetDeviceCount returned {} (no \
+                 usable AMD GPU, or no driver access to one)",
+                describe(runtime, status)
+            ),
+        }),
     }
 }
 
-/// A byte count or offset of a validated rect as `size_t`.
-fn size(value: u64, what: &str) -> Result<usize> {
-    usize::try_from(value).map_err(|_| {
-        Error::InvalidArgument(format!(
-            "{what} {value} does not fit in size_t on this target"
-        ))
-    })
+/// A byte count or offset of a validated rect as `size_t`: lossless, because the job checked
+/// every capacity against `isize::MAX` and every rect lies inside its buffers.
+fn size(value: u64) -> usize {
+    value as usize
 }
 
-/// Issues one `hipMemcpy2DAsync` per rect on one stream and, when asked, waits for the stream in
-/// [`CopyEngine::finish`].
+/// Issues one `hipMemcpy2DAsync` per (buffer, rect) on one stream and, when asked, waits for the
+/// stream before returning.
 #[derive(Debug)]
 pub struct HipEngine<R: HipRuntime> {
     runtime: R,
@@ -149,54 +150,55 @@ impl<R: HipRuntime> HipEngine<R> {
     }
 }
 
-impl<R: HipRuntime> CopyEngine for HipEngine<R> {
-    fn name(&self) -> &'static str {
-        "hip"
-    }
-
+impl<R: HipRuntime> HipEngine<R> {
+    /// Issues one `hipMemcpy2DAsync` for `rect` between two bases.
+    ///
+    /// # Safety
+    /// As for [`CopyEngine::run`].
     unsafe fn copy_rect(
-        &mut self,
+        &self,
         dst_base: *mut u8,
         src_base: *const u8,
         rect: &CopyRect,
     ) -> Result<()> {
         // wrapping_add: the bases are usually device addresses, which Rust knows nothing of;
-        // the caller validated that every offset lies inside its buffer.
+        // the job validated that every offset lies inside its buffer.
         let args = Memcpy2dAsync {
-            dst: dst_base
-                .wrapping_add(size(rect.dst_offset, "dst_offset")?)
-                .cast(),
-            dpitch: size(rect.dst_pitch, "dst_pitch")?,
-            src: src_base
-                .wrapping_add(size(rect.src_offset, "src_offset")?)
-                .cast(),
-            spitch: size(rect.src_pitch, "src_pitch")?,
-            width: size(rect.width, "width")?,
-            height: size(rect.height, "height")?,
+            dst: dst_base.wrapping_add(size(rect.dst_offset)).cast(),
+            dpitch: size(rect.dst_pitch),
+            src: src_base.wrapping_add(size(rect.src_offset)).cast(),
+            spitch: size(rect.src_pitch),
+            width: size(rect.width),
+            height: size(rect.height),
             kind: HIP_MEMCPY_DEFAULT,
             stream: self.stream,
         };
-        // SAFETY: the caller guarantees every row of the rect is addressable until `finish`;
-        // the stream is the caller's, as documented on MoriSendOptions.
+        // SAFETY: the caller guarantees every row of the rect is addressable until the stream
+        // has run it; the stream is the caller's, as documented on MoriSendOptions.
         let status = unsafe { self.runtime.memcpy_2d_async(args) };
         if status.is_success() {
             return Ok(());
         }
-        Err(Error::Gpu(format!(
-            "hipMemcpy2DAsync(dst {:p}, dpitch {}, src {:p}, spitch {}, width {}, height {}, \
-             hipMemcpyDefault, stream {:p}) returned {}",
-            args.dst,
-            args.dpitch,
-            args.src,
-            args.spitch,
-            args.width,
-            args.height,
-            args.stream,
-            describe(&self.runtime, status)
-        )))
+        Err(self.gpu_error(
+            "hipMemcpy2DAsync",
+            status,
+            format!(
+                "hipMemcpy2DAsync(dst {:p}, dpitch {}, src {:p}, spitch {}, width {}, height {}, \
+                 hipMemcpyDefault, stream {:p}) returned {}",
+                args.dst,
+                args.dpitch,
+                args.src,
+                args.spitch,
+                args.width,
+                args.height,
+                args.stream,
+                describe(&self.runtime, status)
+            ),
+        ))
     }
 
-    fn finish(&mut self) -> Result<()> {
+    /// Waits for the stream when the caller asked to synchronize.
+    fn finish(&self) -> Result<()> {
         if !self.synchronize {
             return Ok(());
         }
@@ -205,12 +207,64 @@ impl<R: HipRuntime> CopyEngine for HipEngine<R> {
         if status.is_success() {
             return Ok(());
         }
-        Err(Error::Gpu(format!(
-            "hipStreamSynchronize(stream {:p}) returned {} (a copy on the stream failed, or \
-             earlier work on it did)",
-            self.stream,
-            describe(&self.runtime, status)
-        )))
+        Err(self.gpu_error(
+            "hipStreamSynchronize",
+            status,
+            format!(
+                "hipStreamSynchronize(stream {:p}) returned {} (a copy on the stream failed, or \
+                 earlier work on it did)",
+                self.stream,
+                describe(&self.runtime, status)
+            ),
+        ))
+    }
+
+    fn gpu_error(&self, call: &'static str, status: HipStatus, message: String) -> Error {
+        Error::Gpu {
+            call,
+            status: status.0,
+            message,
+        }
+    }
+}
+
+impl<R: HipRuntime> CopyEngine for HipEngine<R> {
+    fn name(&self) -> &'static str {
+        "hip"
+    }
+
+    unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()> {
+        let (buffers, rects) = (job.num_buffers(), job.num_rects());
+        for (buffer, (src, dst)) in job.buffers().enumerate() {
+            for (index, rect) in job.rects().enumerate() {
+                // SAFETY: as the caller guarantees for the whole job.
+                let Err(error) = (unsafe { self.copy_rect(dst, src, &rect) }) else {
+                    continue;
+                };
+                let Error::Gpu {
+                    call,
+                    status,
+                    message,
+                } = error
+                else {
+                    return Err(error);
+                };
+                let mut message = format!(
+                    "{message} (buffer {buffer} of {buffers}, rect {index} of {rects}: {rect:?})"
+                );
+                // A caller who asked to synchronize may free the buffers as soon as we return,
+                // so the copies already issued are waited for even though a later one failed.
+                if let Err(Error::Gpu { message: also, .. }) = self.finish() {
+                    message = format!("{message}; then {also}");
+                }
+                return Err(Error::Gpu {
+                    call,
+                    status,
+                    message,
+                });
+            }
+        }
+        self.finish()
     }
 }
 
@@ -310,11 +364,11 @@ pub(super) fn open(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
 /// Without the `hip` feature the HIP backend is a clear refusal, never a silent host fallback.
 #[cfg(not(feature = "hip"))]
 fn not_built() -> Error {
-    Error::BackendUnavailable(
-        "the HIP backend is not built in: this libmori_tp was compiled without the `hip` cargo \
-         feature (rebuild with `cargo build --release --features hip`)"
+    Error::BackendUnavailable {
+        reason: "the HIP backend is not built in: this libmori_tp was compiled without the `hip` \
+                 cargo feature (rebuild with `cargo build --release --features hip`)"
             .into(),
-    )
+    }
 }
 
 #[cfg(not(feature = "hip"))]

@@ -9,7 +9,7 @@
 use crate::error::Result;
 use crate::plan::CopyRect;
 
-use super::CopyEngine;
+use super::{CopyEngine, CopyJob};
 
 /// Sends that write at least this many bytes use streaming stores: beyond it the destination
 /// would not stay in a last-level cache slice anyway.
@@ -36,39 +36,47 @@ impl CopyEngine for HostEngine {
         "host"
     }
 
-    fn prepare(&mut self, total_bytes: u64) {
-        self.streaming |= total_bytes >= STREAMING_THRESHOLD;
-    }
-
-    unsafe fn copy_rect(
-        &mut self,
-        dst_base: *mut u8,
-        src_base: *const u8,
-        rect: &CopyRect,
-    ) -> Result<()> {
-        // The caller validated every offset against capacities that fit in isize, so the
-        // conversions to usize are lossless.
-        let (mut src, mut dst) = (rect.src_offset as usize, rect.dst_offset as usize);
-        let (rows, len) = if rect.is_contiguous() {
-            (1, rect.bytes() as usize)
-        } else {
-            (rect.height, rect.width as usize)
-        };
-        let stream = self.streaming && len >= STREAMING_MIN_ROW;
-        for _ in 0..rows {
-            // SAFETY: the caller guarantees each row is in bounds.
-            unsafe { copy_row(src_base.add(src), dst_base.add(dst), len, stream) };
-            src += rect.src_pitch as usize;
-            dst += rect.dst_pitch as usize;
+    unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()> {
+        let streaming = self.streams(job.total_bytes());
+        for (src, dst) in job.buffers() {
+            for rect in job.rects() {
+                // SAFETY: the caller guarantees every row of every rect is in bounds.
+                unsafe { copy_rect(dst, src, &rect, streaming) };
+            }
         }
-        Ok(())
-    }
-
-    fn finish(&mut self) -> Result<()> {
-        if self.streaming {
+        if streaming {
             streaming::fence();
         }
         Ok(())
+    }
+}
+
+impl HostEngine {
+    /// True when a call writing `total_bytes` uses streaming stores.
+    fn streams(&self, total_bytes: u64) -> bool {
+        self.streaming || total_bytes >= STREAMING_THRESHOLD
+    }
+}
+
+/// Copies one rect: one copy when it is contiguous, else one per row.
+///
+/// # Safety
+/// Every row of the rect readable at `src_base` and writable at `dst_base` offsets.
+unsafe fn copy_rect(dst_base: *mut u8, src_base: *const u8, rect: &CopyRect, streaming: bool) {
+    // The job validated every offset against capacities that fit in isize, so the
+    // conversions to usize are lossless.
+    let (mut src, mut dst) = (rect.src_offset as usize, rect.dst_offset as usize);
+    let (rows, len) = if rect.is_contiguous() {
+        (1, rect.bytes() as usize)
+    } else {
+        (rect.height, rect.width as usize)
+    };
+    let stream = streaming && len >= STREAMING_MIN_ROW;
+    for _ in 0..rows {
+        // SAFETY: the caller guarantees each row is in bounds.
+        unsafe { copy_row(src_base.add(src), dst_base.add(dst), len, stream) };
+        src += rect.src_pitch as usize;
+        dst += rect.dst_pitch as usize;
     }
 }
 
@@ -146,13 +154,20 @@ mod tests {
     use super::*;
 
     /// Copies `rect` between two fresh buffers with the given engine and returns the result.
-    fn run(engine: &mut HostEngine, rect: &CopyRect, src: &[u8], dst_len: usize) -> Vec<u8> {
+    fn run(streaming: bool, rect: &CopyRect, src: &[u8], dst_len: usize) -> Vec<u8> {
         let mut dst = vec![0xEEu8; dst_len];
-        engine.prepare(rect.bytes());
         // SAFETY: the tests size the buffers to hold every row.
-        unsafe { engine.copy_rect(dst.as_mut_ptr(), src.as_ptr(), rect) }.unwrap();
-        engine.finish().unwrap();
+        unsafe { copy_rect(dst.as_mut_ptr(), src.as_ptr(), rect, streaming) };
+        streaming::fence();
         dst
+    }
+
+    #[test]
+    fn large_calls_switch_to_streaming_and_small_ones_do_not() {
+        let engine = HostEngine::default();
+        assert!(!engine.streams(STREAMING_THRESHOLD - 1));
+        assert!(engine.streams(STREAMING_THRESHOLD));
+        assert!(HostEngine::streaming().streams(0));
     }
 
     fn reference(rect: &CopyRect, src: &[u8], dst_len: usize) -> Vec<u8> {
@@ -180,27 +195,10 @@ mod tests {
                 };
                 let len = (dst_offset + 11 * (width + 5)) as usize;
                 let want = reference(&rect, &src, len);
-                assert_eq!(
-                    run(&mut HostEngine::default(), &rect, &src, len),
-                    want,
-                    "{rect:?}"
-                );
-                assert_eq!(
-                    run(&mut HostEngine::streaming(), &rect, &src, len),
-                    want,
-                    "{rect:?}"
-                );
+                assert_eq!(run(false, &rect, &src, len), want, "{rect:?}");
+                assert_eq!(run(true, &rect, &src, len), want, "{rect:?}");
             }
         }
-    }
-
-    #[test]
-    fn large_sends_switch_to_streaming_and_small_ones_do_not() {
-        let mut engine = HostEngine::default();
-        engine.prepare(STREAMING_THRESHOLD - 1);
-        assert!(!engine.streaming);
-        engine.prepare(STREAMING_THRESHOLD);
-        assert!(engine.streaming);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Copy backends: engines that perform one strided 2D copy at a time.
+//! Copy backends: engines that perform the strided 2D copies of a whole call.
 //!
 //! An engine knows rects and pointers, nothing of heads or TP: the plan decides what to copy, the
 //! engine only how. The host engine is always built; the HIP engine's marshalling is always built
@@ -7,7 +7,7 @@
 use std::ffi::c_void;
 
 use crate::error::{Error, Result};
-use crate::plan::CopyRect;
+pub use crate::send::CopyJob;
 
 mod host;
 pub use host::HostEngine;
@@ -16,33 +16,25 @@ pub use host::HostEngine;
 /// cbindgen:ignore
 pub mod hip;
 
-/// Performs the rects of a plan on one pair of base pointers at a time.
+/// Performs a whole [`CopyJob`]: every rect of a plan on every buffer pair of a call.
+///
+/// An engine gets the whole call at once so that it can choose how to issue it: the host engine
+/// loops, the HIP engine issues one `hipMemcpy2DAsync` per (buffer, rect) or a single kernel
+/// launch for everything.
 pub trait CopyEngine {
     /// Short name for messages ("host", "hip").
     fn name(&self) -> &'static str;
 
-    /// Copies `rect` from `src_base` to `dst_base`.
+    /// Copies every rect of `job` from each source buffer to its destination buffer. On error,
+    /// copies issued before the failure may have landed; an asynchronous engine that was asked
+    /// to synchronize has waited for them before returning.
     ///
     /// # Safety
-    /// Every row of the rect must be readable at `src_base + src_offset + r * src_pitch` and
-    /// writable at `dst_base + dst_offset + r * dst_pitch` for `width` bytes, for the whole time
-    /// the engine may touch it (until [`CopyEngine::finish`] for asynchronous engines).
-    unsafe fn copy_rect(
-        &mut self,
-        dst_base: *mut u8,
-        src_base: *const u8,
-        rect: &CopyRect,
-    ) -> Result<()>;
-
-    /// Called once before the first rect with the bytes the whole send will write, so an engine
-    /// can pick its strategy (the host engine bypasses the caches for large sends).
-    fn prepare(&mut self, _total_bytes: u64) {}
-
-    /// Called once after the last rect, or after the rect that failed: the host engine orders
-    /// its streaming stores, the HIP engine waits for its stream when asked to.
-    fn finish(&mut self) -> Result<()> {
-        Ok(())
-    }
+    /// For every buffer pair and rect, every row must be readable at
+    /// `src + src_offset + r * src_pitch` and writable at `dst + dst_offset + r * dst_pitch` for
+    /// `width` bytes, in memory the engine can address, for the whole time the engine may touch
+    /// it (for asynchronous engines, until the caller's stream has run the copies).
+    unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()>;
 }
 
 /// Which engine `mori_send_kvcache` should use.
@@ -56,13 +48,16 @@ pub enum Backend {
     Hip,
 }
 
-/// Options of one send, as the C ABI's `MoriSendOptions` carries them.
+/// Options of one send, pack or unpack, as the C ABI's `MoriSendOptions` carries them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SendOptions {
     /// Requested backend.
     pub backend: Backend,
     /// Wait for the copies to finish before returning (HIP; host copies always have).
     pub synchronize: bool,
+    /// HIP: run the whole call as one copy-kernel launch instead of one `hipMemcpy2DAsync` per
+    /// (buffer, rect). The host engine ignores it.
+    pub copy_kernel: bool,
     /// `hipStream_t` for HIP; must be NULL for the host backend.
     pub stream: *mut c_void,
 }
@@ -72,6 +67,7 @@ impl Default for SendOptions {
         SendOptions {
             backend: Backend::Auto,
             synchronize: false,
+            copy_kernel: false,
             stream: std::ptr::null_mut(),
         }
     }
@@ -93,16 +89,10 @@ pub fn open_engine(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
         return hip::open(options);
     }
     if !options.stream.is_null() {
-        let why = if options.backend == Backend::Auto {
-            "AUTO chose the host backend because no HIP device is available, and host copies \
-             take no stream"
-        } else {
-            "the host backend runs on the CPU and takes no stream"
-        };
-        return Err(Error::InvalidArgument(format!(
-            "options.stream is {:p} but {why} (pass NULL, or request MORI_BACKEND_HIP)",
-            options.stream
-        )));
+        return Err(Error::StreamWithHostBackend {
+            stream: options.stream as usize,
+            auto_fallback: options.backend == Backend::Auto,
+        });
     }
     Ok(Box::new(HostEngine::default()))
 }
