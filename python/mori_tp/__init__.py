@@ -18,10 +18,15 @@ inside and beside this package directory, then in the crate's ``target/release``
 ``target/debug``. Import fails with ImportError if it is missing, or if its ABI version or
 struct layout differs from what this package was written for.
 
+For RDMA transfer engines, a staged request moves a few long segments instead of one per token:
+:func:`staging_for` picks the :class:`Staging`, :func:`pack_kvcache` packs on the prefill rank,
+:func:`plan_transfer` gives the engine's segments and :func:`unpack_kvcache` unpacks on the
+decode rank. :mod:`mori_tp.engines` drives Mooncake, NIXL and MORI-IO with them.
+
 Page indices may be lists (or any sequence) of ints, ``array.array('i')``, or numpy integer
 arrays; ``array.array('i')`` and C-contiguous numpy int32 arrays are passed to the library by
-address, without a copy. numpy is optional: only ``plan_segments(..., as_arrays=True)``
-needs it.
+address, without a copy. numpy is optional: only ``as_arrays=True`` output, numpy staging
+regions and :mod:`mori_tp.engines` need it.
 
 Every failure raises a :class:`MoriError` subclass whose message names the offending values;
 a call that raises has changed nothing (a failed :func:`send_kvcache` writes no byte).

@@ -21,7 +21,7 @@ ABI_VERSION = 1
 #: Environment variable naming the exact library file to load.
 LIBRARY_ENV = "MORI_TP_LIBRARY"
 
-# Status codes (MoriStatus), CONTRACT.md section 4.
+# Status codes (MoriStatus), as in include/mori_tp.h.
 MORI_OK = 0
 MORI_ERR_BUFFER_TOO_SMALL = 7
 

@@ -18,7 +18,7 @@ NOT_PAIRED, SEND, SKIP_REPLICA = (
 
 
 def valid_tp(heads: int, tp: int) -> bool:
-    """CONTRACT.md section 3: H and T divide one way or the other."""
+    """The rule in include/mori_tp.h: H and T divide one way or the other."""
     return heads % tp == 0 or tp % heads == 0
 
 
@@ -41,7 +41,7 @@ def first_owner(heads: int, tp: int, head: int) -> int:
 
 
 def sender(heads: int, p_tp: int, d_tp: int, decode_rank: int, head: int) -> int:
-    """``sender(d, h) = first(P, h) + (j * rS) / rD``, CONTRACT.md section 3."""
+    """``sender(d, h) = first(P, h) + (j * rS) / rD``, as include/mori_tp.h states it."""
     r_s, r_d = max(1, p_tp // heads), max(1, d_tp // heads)
     j = decode_rank - first_owner(heads, d_tp, head)
     return first_owner(heads, p_tp, head) + (j * r_s) // r_d

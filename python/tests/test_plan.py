@@ -29,7 +29,7 @@ NARROW_LAYOUTS = [
 
 
 def contract_rects(config, src_pages, dst_pages):
-    """CONTRACT.md section 4: one rect per maximal run of pairs where both indices go up by one."""
+    """The header's rule: one rect per maximal run of pairs where both indices go up by one."""
     rects, start = [], 0
     for i in range(1, len(src_pages) + 1):
         if (i == len(src_pages) or src_pages[i] != src_pages[i - 1] + 1

@@ -20,7 +20,7 @@ HEAD_COUNTS = [1, 2, 3, 4, 6, 8, 12, 16]
 
 
 def expected(layout: Layout, p: int, d: int):
-    """(action, first_head, num_heads, src_offset, dst_offset, width) from CONTRACT.md."""
+    """(action, first_head, num_heads, src_offset, dst_offset, width), from the header's rule."""
     src = owned_heads(layout.heads, layout.p_tp, p)
     dst = owned_heads(layout.heads, layout.d_tp, d)
     shared = [h for h in src if h in dst]
