@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import unittest
 from typing import List, Tuple
 
@@ -21,7 +22,9 @@ from mori_tp import Action, Staging
 
 try:
     import numpy as np
-except ImportError:  # pragma: no cover - depends on the environment
+except ImportError as error:
+    if "MORI_TP_REQUIRE_TOOLS" in os.environ:
+        raise ImportError("numpy is missing but MORI_TP_REQUIRE_TOOLS is set") from error
     np = None
 
 BUFFERS = 3
