@@ -120,7 +120,10 @@ fn engine_moves_every_pair_between_two_processes(engine: &str) {
     let (output, report) = run_bounded(command, Duration::from_secs(300));
     if output.status.code() == Some(SKIPPED) {
         // The script says why; with MORI_TP_REQUIRE_TOOLS=1 it fails instead of skipping.
-        println!("skipped: {}", String::from_utf8_lossy(&output.stdout).trim());
+        println!(
+            "skipped: {}",
+            String::from_utf8_lossy(&output.stdout).trim()
+        );
         return;
     }
     assert!(
