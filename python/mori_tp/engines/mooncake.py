@@ -1,8 +1,9 @@
 """mori-tp requests over Mooncake's transfer engine (``mooncake.engine.TransferEngine``).
 
 Needs: ``pip install mooncake-transfer-engine`` (with CUDA) or
-``mooncake-transfer-engine-non-cuda`` (host memory only), Debian/Ubuntu ``libibverbs1`` (the
-wheel links it even for TCP), and numpy. The engine is imported only by
+``mooncake-transfer-engine-non-cuda`` (host memory only); Debian/Ubuntu ``libibverbs1``,
+``libnuma1`` and ``libcurl4``, which the wheel links (libibverbs even for TCP) but does not
+bundle; and numpy. The engine is imported only by
 :meth:`MooncakeTransport.start`; a transport can also wrap an engine the connector already has.
 
 Who calls what:
