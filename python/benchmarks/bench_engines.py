@@ -5,19 +5,22 @@ layers (16 buffers), page size 16, 256-byte heads, fragmented pages (runs of 1-1
     cargo build --release
     PYTHONPATH=python python3 python/benchmarks/bench_engines.py [--engines mooncake nixl]
 
-Every run is verified byte for byte (as in the demo). Each method runs up to ``--repeat`` times
-(fewer when one run takes over ``--budget`` seconds) and the fastest run counts: the machines
-are shared, so the fastest run is the one least disturbed. Prints a Markdown table of ratios
-measured in the same run, and whether the targets hold:
-staged >= 10x faster than per-token on tp2to8 and tp8to2, >= 20x fewer segments there, and
-staged never slower than direct.
+Every run is verified byte for byte (as in the demo). The methods run interleaved, in rounds:
+per-token once, direct once, staged ``--staged-runs`` times (it is cheap; the fastest counts),
+so that all three see the same machine load; each ratio is taken within a round, and the table
+shows the median over the rounds (``--rounds``, fewer once the rounds took ``--budget``
+seconds). Prints a Markdown table and whether the targets hold: staged >= 10x faster than
+per-token on tp2to8 and tp8to2, >= 20x fewer segments there, and staged never slower than
+direct.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
+import time
 from typing import Dict, List, Tuple
 
 import mori_tp
@@ -27,19 +30,37 @@ from mori_tp.engines.loopback import ENGINES, engine_available
 TARGET_LAYOUTS = ("tp2to8", "tp8to2")
 
 
+def rounds(demo: Demo, count: int, staged_runs: int, budget: float) -> List[Dict[str, Row]]:
+    """``count`` rounds (fewer past ``budget`` seconds) of every method, interleaved."""
+    out: List[Dict[str, Row]] = []
+    start = time.monotonic()
+    while len(out) < count and (not out or time.monotonic() - start < budget):
+        out.append({m: demo.measure(m, staged_runs if m == "staged" else 1) for m in METHODS})
+    return out
+
+
+def median_ratio(rows: List[Dict[str, Row]], slow: str, fast: str) -> float:
+    return statistics.median(r[slow].best / r[fast].best for r in rows)
+
+
+def median_ms(rows: List[Dict[str, Row]], method: str) -> float:
+    return statistics.median(r[method].best for r in rows) * 1e3
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--budget", type=float, default=10.0,
-                        help="stop repeating a method once its runs took this many seconds")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--staged-runs", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=60.0,
+                        help="start no new round once the rounds took this many seconds")
     args = parser.parse_args()
     print(f"mori-tp {mori_tp.library_version()} ({mori_tp.library_path}), "
           f"Python {platform.python_version()}, {platform.machine()}", flush=True)
-    results: List[Tuple[str, str, int, Dict[str, Row]]] = []
+    results: List[Tuple[str, str, int, List[Dict[str, Row]]]] = []
     for engine in args.engines:
         problem = engine_available(engine)
         if problem:
@@ -50,28 +71,30 @@ def main() -> int:
                 setup = Setup(layout, tokens, args.layers, 16, 256, first_sender(layout))
                 demo = Demo(engine, setup)
                 try:
-                    rows = {m: demo.measure(m, args.repeat, args.budget) for m in METHODS}
+                    measured = rounds(demo, args.rounds, args.staged_runs, args.budget)
                 finally:
                     demo.close()
-                results.append((engine, layout, tokens, rows))
-                print(f"{engine:8} {layout:8} {tokens:6} tokens: " + ", ".join(
-                    f"{m} {r.segments} segs {r.best * 1e3:.1f} ms ({len(r.seconds)} runs)"
-                    for m, r in rows.items()), flush=True)
+                results.append((engine, layout, tokens, measured))
+                print(f"{engine:8} {layout:8} {tokens:6} tokens, {len(measured)} rounds: " +
+                      ", ".join(f"{m} {measured[0][m].segments} segs "
+                                f"{median_ms(measured, m):.1f} ms" for m in METHODS),
+                      flush=True)
     print()
     print("| engine | layout | tokens | staging | segments per-token / direct / staged | "
-          "time per-token / direct / staged (ms) | staged vs per-token | staged vs direct | "
-          "fewer segments | staged GB/s |")
+          "median time per-token / direct / staged (ms) | staged vs per-token | "
+          "staged vs direct | fewer segments | rounds |")
     print("|---|---|---:|---|---|---|---:|---:|---:|---:|")
     misses = []
-    for engine, layout, tokens, rows in results:
-        token, direct, staged = rows["per-token"], rows["direct"], rows["staged"]
-        speedup = token.best / staged.best
-        versus_direct = direct.best / staged.best
-        fewer = token.segments / staged.segments
-        print(f"| {engine} | {layout} | {tokens} | {staged.staging} | {token.segments} / "
-              f"{direct.segments} / {staged.segments} | {token.best * 1e3:.1f} / "
-              f"{direct.best * 1e3:.1f} / {staged.best * 1e3:.1f} | {speedup:.1f}x | "
-              f"{versus_direct:.1f}x | {fewer:.0f}x | {staged.bytes / staged.best / 1e9:.2f} |")
+    for engine, layout, tokens, measured in results:
+        first = measured[0]
+        speedup = median_ratio(measured, "per-token", "staged")
+        versus_direct = median_ratio(measured, "direct", "staged")
+        fewer = first["per-token"].segments / first["staged"].segments
+        print(f"| {engine} | {layout} | {tokens} | {first['staged'].staging} | "
+              f"{first['per-token'].segments} / {first['direct'].segments} / "
+              f"{first['staged'].segments} | {median_ms(measured, 'per-token'):.1f} / "
+              f"{median_ms(measured, 'direct'):.1f} / {median_ms(measured, 'staged'):.1f} | "
+              f"{speedup:.1f}x | {versus_direct:.1f}x | {fewer:.0f}x | {len(measured)} |")
         if layout in TARGET_LAYOUTS and speedup < 10:
             misses.append(f"{engine} {layout} {tokens}: staged only {speedup:.1f}x faster "
                           "than per-token (target 10x)")

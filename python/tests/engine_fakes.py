@@ -132,6 +132,9 @@ class FakeNixlAgent:
     def update_notifs(self) -> Dict[str, List[bytes]]:
         return self.notifs
 
+    def send_notif(self, peer: str, message: bytes) -> None:
+        self.agents[peer].notifs.setdefault(self.name, []).append(message)
+
 
 @dataclass
 class FakeMemoryDesc:

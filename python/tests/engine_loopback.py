@@ -11,7 +11,7 @@ included. A negative control drops one segment and requires the check to fail, a
     python3 python/tests/engine_loopback.py mooncake|nixl
 
 Exit status: 0 passed, 1 failed, 77 skipped (the engine is not installed; with
-MORI_TP_REQUIRE_TOOLS=1 that is a failure instead). tests/engines.rs runs it under cargo test.
+MORI_TP_REQUIRE_TOOLS=1 that is a failure instead). tests/python.rs runs it under cargo test.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from dataclasses import replace
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -203,7 +203,7 @@ class Run:
     def negative_control(self, staging: Staging) -> None:
         """Drops one segment of one pair and requires the check to fail (for NONE: at the
         dropped segment's first byte)."""
-        name, layout = "tp2to8", LAYOUTS["tp2to8"]
+        layout = LAYOUTS["tp2to8"]
         self.prefill.fill(7)
         want = expected_digests(layout, self.prefill, self.decode_capacity, self.decode_ranks)
         self.peer.reset()

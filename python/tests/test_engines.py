@@ -5,6 +5,7 @@ two processes in engine_loopback.py."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
 import unittest
@@ -302,6 +303,18 @@ class NixlTransportTest(unittest.TestCase):
         with self.assertRaisesRegex(TransferError, "no notification b'req-10'"):
             receiver.wait_notification("prefill", b"req-10", timeout=0.05)
 
+    def test_a_pair_that_is_not_send_posts_no_transfer_but_still_notifies(self):
+        sides = Sides(LAYOUTS[Staging.DST], 0, 0)
+        sender, receiver = self.transports(sides)
+        config = LAYOUTS[Staging.DST].config(1, 0)
+        self.assertIsNot(config.action, Action.SEND)
+        plan = plan_request(config, REQUEST.src_pages, REQUEST.dst_pages, local=sides.local,
+                            remote=sides.remote)
+        result = sender.send("decode", plan, notification=b"req-3")
+        self.assertEqual((result.calls, result.segments), (0, 0))
+        self.assertEqual(sender.agent.transfers, [])
+        receiver.wait_notification("prefill", b"req-3", timeout=1)
+
     def test_a_failed_or_stuck_transfer_is_an_error_and_its_handle_is_released(self):
         sides = Sides(LAYOUTS[Staging.DST], 0, 0)
         sender, _ = self.transports(sides)
@@ -391,7 +404,7 @@ class OptionalEnginesTest(unittest.TestCase):
                 sys.modules.pop(name)
             if np is None:
                 with self.assertRaisesRegex(ImportError, "mori_tp.engines needs numpy"):
-                    import mori_tp.engines  # noqa: F401
+                    importlib.import_module("mori_tp.engines")
                 return
             from mori_tp.engines import mooncake, mori_io, nixl
 

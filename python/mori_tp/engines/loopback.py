@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import multiprocessing
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,7 +31,7 @@ import mori_tp
 
 from . import KvMemory, RequestPlan, SendResult, unpack_request
 
-#: Engines this harness drives: name -> the module that holds the transport.
+#: The engines this harness drives (their adapters are mori_tp.engines.mooncake and .nixl).
 ENGINES = ("mooncake", "nixl")
 
 
@@ -135,7 +136,7 @@ def engine_available(engine: str) -> Optional[str]:
     """None if ``engine``'s Python package imports here, else why not."""
     try:
         if engine == "mooncake":
-            import mooncake.engine  # noqa: F401
+            importlib.import_module("mooncake.engine")
         elif engine == "nixl":
             from .nixl import _import_agent
 
@@ -354,10 +355,3 @@ def first_difference(got: bytes, want: bytes) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
-
-
-def registered(transport: Any, memories: Sequence[KvMemory]) -> Dict[int, KvMemory]:
-    """Registers each memory with ``transport``; returns them by index."""
-    for memory in memories:
-        transport.register(memory)
-    return dict(enumerate(memories))

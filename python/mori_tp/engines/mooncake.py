@@ -14,8 +14,9 @@ Who calls what:
   at handshake; after the prefill rank reports a request done (Mooncake has no completion
   notification of its own here: connectors send one over their side channel, as SGLang's does),
   calls :func:`mori_tp.engines.unpack_request`.
-- Prefill rank (initiator): :func:`mori_tp.engines.plan_request`, then :meth:`~MooncakeTransport.send`
-  to the decode rank's session id; it returns once every segment is written.
+- Prefill rank (initiator): :func:`mori_tp.engines.plan_request`, then
+  :meth:`~MooncakeTransport.send` to the decode rank's session id; it returns once every
+  segment is written.
 
 Segments per call: with default settings Mooncake's TCP transport queues at most 2048 transfers
 per peer, and one ``batch_transfer_sync_write`` of more fails (returns -1, and later calls to
@@ -57,7 +58,9 @@ class MooncakeTransport:
     def __init__(self, engine: Any, *, hostname: str = "127.0.0.1",
                  max_segments_per_call: int = DEFAULT_MAX_SEGMENTS_PER_CALL) -> None:
         if max_segments_per_call < 1:
-            raise ValueError(f"max_segments_per_call must be at least 1, not {max_segments_per_call}")
+            raise ValueError(
+                f"max_segments_per_call must be at least 1, not {max_segments_per_call}"
+            )
         self.engine = engine
         self.hostname = hostname
         self.max_segments_per_call = max_segments_per_call

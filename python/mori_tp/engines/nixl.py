@@ -108,10 +108,15 @@ class NixlTransport:
               *, notification: bytes = b"", timeout: float = 60.0) -> int:
         """Writes ``lengths[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]`` as one
         NIXL transfer, and waits until NIXL reports it done; ``notification`` reaches the peer
-        after the data. Returns the number of transfers posted (1)."""
+        after the data. Returns the number of transfers posted (1, or 0 for an empty list)."""
         lengths = np.asarray(lengths, dtype=np.uint64)
         if not len(src) == len(dst) == len(lengths):
             raise ValueError(f"{len(src)} sources, {len(dst)} destinations, {len(lengths)} lengths")
+        if not len(lengths):
+            # Nothing to move (a pair that is not SEND): the peer still gets its notification.
+            if notification:
+                self.agent.send_notif(peer, notification)
+            return 0
         local = self._descs(np.asarray(src, dtype=np.uint64), lengths)
         remote = self._descs(np.asarray(dst, dtype=np.uint64), lengths)
         handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notification)
