@@ -306,7 +306,7 @@ class NixlTransportTest(unittest.TestCase):
     def test_a_pair_that_is_not_send_posts_no_transfer_but_still_notifies(self):
         sides = Sides(LAYOUTS[Staging.DST], 0, 0)
         sender, receiver = self.transports(sides)
-        config = LAYOUTS[Staging.DST].config(1, 0)
+        config = LAYOUTS[Staging.DST].config(4, 0)  # head 4 is not decode rank 0's
         self.assertIsNot(config.action, Action.SEND)
         plan = plan_request(config, REQUEST.src_pages, REQUEST.dst_pages, local=sides.local,
                             remote=sides.remote)
