@@ -6,8 +6,9 @@ layers (16 buffers), page size 16, 256-byte heads, fragmented pages (runs of 1-1
     PYTHONPATH=python python3 python/benchmarks/bench_engines.py [--engines mooncake nixl]
 
 Every run is verified byte for byte (as in the demo). The methods run interleaved, in rounds:
-per-token once, direct once, staged ``--staged-runs`` times (it is cheap; the fastest counts),
-so that all three see the same machine load; each ratio is taken within a round, and the table
+per-token once, direct once, staged (staging_for's mode) and staged with BOTH sides
+``--staged-runs`` times each (they are cheap; the fastest counts), so that all see the same
+machine load; each ratio is taken within a round, and the table
 shows the median over the rounds (``--rounds``, fewer once the rounds took ``--budget``
 seconds). Prints a Markdown table and whether the targets hold: staged >= 10x faster than
 per-token on tp2to8 and tp8to2, >= 20x fewer segments there, and staged never slower than
@@ -24,7 +25,7 @@ import time
 from typing import Dict, List, Tuple
 
 import mori_tp
-from mori_tp.demo import LAYOUTS, METHODS, Demo, Row, Setup, first_sender
+from mori_tp.demo import BOTH, LAYOUTS, METHODS, Demo, Row, Setup, first_sender
 from mori_tp.engines.loopback import ENGINES, engine_available
 
 TARGET_LAYOUTS = ("tp2to8", "tp8to2")
@@ -35,7 +36,8 @@ def rounds(demo: Demo, count: int, staged_runs: int, budget: float) -> List[Dict
     out: List[Dict[str, Row]] = []
     start = time.monotonic()
     while len(out) < count and (not out or time.monotonic() - start < budget):
-        out.append({m: demo.measure(m, staged_runs if m == "staged" else 1) for m in METHODS})
+        out.append({m: demo.measure(m, 1 if m in ("per-token", "direct") else staged_runs)
+                    for m in (*METHODS, BOTH)})
     return out
 
 
@@ -82,8 +84,8 @@ def main() -> int:
     print()
     print("| engine | layout | tokens | staging | segments per-token / direct / staged | "
           "median time per-token / direct / staged (ms) | staged vs per-token | "
-          "staged vs direct | fewer segments | rounds |")
-    print("|---|---|---:|---|---|---|---:|---:|---:|---:|")
+          "staged vs direct | fewer segments | BOTH: segments, time (ms), vs staged | rounds |")
+    print("|---|---|---:|---|---|---|---:|---:|---:|---|---:|")
     misses = []
     for engine, layout, tokens, measured in results:
         first = measured[0]
@@ -94,7 +96,9 @@ def main() -> int:
               f"{first['per-token'].segments} / {first['direct'].segments} / "
               f"{first['staged'].segments} | {median_ms(measured, 'per-token'):.1f} / "
               f"{median_ms(measured, 'direct'):.1f} / {median_ms(measured, 'staged'):.1f} | "
-              f"{speedup:.1f}x | {versus_direct:.1f}x | {fewer:.0f}x | {len(measured)} |")
+              f"{speedup:.1f}x | {versus_direct:.1f}x | {fewer:.0f}x | "
+              f"{first[BOTH].segments}, {median_ms(measured, BOTH):.1f}, "
+              f"{median_ratio(measured, 'staged', BOTH):.2f}x | {len(measured)} |")
         if layout in TARGET_LAYOUTS and speedup < 10:
             misses.append(f"{engine} {layout} {tokens}: staged only {speedup:.1f}x faster "
                           "than per-token (target 10x)")

@@ -52,6 +52,8 @@ LAYOUTS: Dict[str, Tuple[int, int, int, str]] = {
 }
 
 METHODS = ("per-token", "direct", "staged")
+#: Also accepted by Demo.run: staged with BOTH sides, whatever staging_for says.
+BOTH = "staged-both"
 
 
 @dataclass(frozen=True)
@@ -170,11 +172,14 @@ class Demo:
     """One prefill process with its engine and a decode child, ready to move ``setup``'s
     request repeatedly."""
 
-    def __init__(self, engine: str, setup: Setup, timeout: float = 120.0) -> None:
+    def __init__(self, engine: str, setup: Setup, timeout: float = 120.0,
+                 staging: Optional[Staging] = None) -> None:
         self.engine = engine
         self.setup = setup
         self.timeout = timeout
         self.config = setup.config()
+        #: The staging of the "staged" method: staging_for's unless chosen.
+        self.staged_with = mori_tp.staging_for(self.config) if staging is None else staging
         if self.config.action is not mori_tp.Action.SEND:
             raise ValueError(f"{setup.layout}: pair {setup.pair} is {self.config.action.name}, "
                              "not SEND")
@@ -253,7 +258,8 @@ class Demo:
             staging, pack, segments, moved = None, 0.0, len(lengths), int(lengths.sum())
             receive = Receive(0, self.config, tuple(self.dst_pages), Staging.NONE, 0, 0, tag)
         else:
-            chosen = Staging.NONE if method == "direct" else mori_tp.staging_for(self.config)
+            chosen = {"direct": Staging.NONE, "staged": self.staged_with,
+                      BOTH: Staging.BOTH}[method]
             plan = plan_request(self.config, self.src_pages, self.dst_pages,
                                 local=self.local, remote=self.remote, staging=chosen)
             result = self.driver.send(self.transport, self.peer, plan, tag, timeout)
@@ -313,7 +319,7 @@ def describe(engine: str, demo: Demo) -> str:
         f"fragmented pages of {s.page_size}, {s.layers} layers ({demo.num_buffers} buffers)\n"
         f"slice: {c.heads_bytes_per_token_to_send} B of a {c.bytes_per_token_src} B prefill "
         f"token into a {c.bytes_per_token_dst} B decode token; staging_for: "
-        f"{mori_tp.staging_for(c).name}"
+        f"{mori_tp.staging_for(c).name}, staged method: {demo.staged_with.name}"
     )
 
 
@@ -350,6 +356,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--pair", default=None,
                         help="P,D: the prefill and decode ranks (default: decode rank 0 and "
                              "its first sender)")
+    parser.add_argument("--staging", choices=[s.name.lower() for s in Staging], default=None,
+                        help="the staged method's staging (default: staging_for's choice)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per method (best shown)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds any one step may take")
@@ -361,7 +369,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pair = (tuple(int(x) for x in args.pair.split(",")) if args.pair
             else first_sender(args.layout))
     setup = Setup(args.layout, args.tokens, args.layers, args.page_size, args.head_bytes, pair)
-    demo = Demo(args.engine, setup, args.timeout)
+    staging = Staging[args.staging.upper()] if args.staging else None
+    demo = Demo(args.engine, setup, args.timeout, staging)
     try:
         print(describe(args.engine, demo))
         rows = [demo.measure(method, args.repeat) for method in METHODS]
