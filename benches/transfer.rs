@@ -12,43 +12,26 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use mori_tp::ffi::*;
+use mori_tp_testkit::{Request, Rng, RunLengths, fragmented_request};
 
 // ---------------------------------------------------------------------------------------------
 // Inputs
 
-/// splitmix64, so every run plans the same fragmented request.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
-/// Page pairs for `pages` pages: one contiguous run, or runs of 1 to 16 pages scattered over a
-/// pool twice the request's size on each side (what a paged allocator hands out under load).
-fn request(pages: usize, fragmented: bool) -> (Vec<i32>, Vec<i32>) {
+/// Page pairs for `pages` pages: one contiguous run, or runs of 1 to 16 pages in a shuffled order
+/// with free pages between them on each side (what a paged allocator hands out under load), from
+/// the generator the tests and the CLI share, seeded by the page count so every run plans the
+/// same request.
+fn request(pages: usize, fragmented: bool) -> Request {
     if !fragmented {
-        return ((0..pages as i32).collect(), (0..pages as i32).collect());
+        let all: Vec<i32> = (0..pages as i32).collect();
+        return Request {
+            src_pages: all.clone(),
+            dst_pages: all,
+            src_capacity_pages: pages,
+            dst_capacity_pages: pages,
+        };
     }
-    let mut rng = Rng(pages as u64);
-    let (mut src, mut dst) = (Vec::with_capacity(pages), Vec::with_capacity(pages));
-    let (mut src_next, mut dst_next) = (0i32, 0i32);
-    while src.len() < pages {
-        let run = (1 + rng.next() % 16).min((pages - src.len()) as u64) as i32;
-        // Independent gaps on each side break runs exactly where an allocator would.
-        src_next += (rng.next() % 3) as i32;
-        dst_next += (rng.next() % 3) as i32;
-        src.extend(src_next..src_next + run);
-        dst.extend(dst_next..dst_next + run);
-        src_next += run;
-        dst_next += run;
-    }
-    (src, dst)
+    fragmented_request(pages as u64, pages, RunLengths::UpTo(16))
 }
 
 fn slice_config(params: &MoriTpSliceParams) -> MoriTpSliceConfig {
@@ -212,7 +195,11 @@ fn plan_case_name(tokens: usize, page_size: u32, fragmented: bool) -> String {
 fn bench_plans(c: &mut Criterion) {
     for (tokens, page_size, fragmented) in PLAN_CASES {
         let config = llama70b_config(page_size);
-        let (src, dst) = request(tokens / page_size as usize, fragmented);
+        let Request {
+            src_pages: src,
+            dst_pages: dst,
+            ..
+        } = request(tokens / page_size as usize, fragmented);
         let mut rects = Vec::with_capacity(src.len());
         let mut segments = Vec::with_capacity(tokens);
         let name = plan_case_name(tokens, page_size, fragmented);
@@ -271,10 +258,10 @@ fn copy_config(prefill_tp: u32, decode_tp: u32, width: u64) -> (MoriTpSliceConfi
 
 /// Bytes that are not all alike, so no page is shared or zero-filled behind the benchmark's back.
 fn noise(len: u64, seed: u64) -> Vec<u8> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut out = Vec::with_capacity(len as usize + 8);
     while (out.len() as u64) < len {
-        out.extend_from_slice(&rng.next().to_le_bytes());
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
     out.truncate(len as usize);
     out
@@ -286,9 +273,10 @@ fn bench_host_copies(c: &mut Criterion) {
     for (shape, prefill_tp, decode_tp) in SHAPES {
         for width in WIDTHS {
             let (config, pages) = copy_config(prefill_tp, decode_tp, width);
-            let (src_pages, dst_pages) = request(pages, true);
-            let src_capacity = (pages as u64 * 2 + 64) * config.src_item_len;
-            let dst_capacity = (pages as u64 * 2 + 64) * config.dst_item_len;
+            let request = request(pages, true);
+            let (src_pages, dst_pages) = (&request.src_pages, &request.dst_pages);
+            let src_capacity = request.src_capacity_pages as u64 * config.src_item_len;
+            let dst_capacity = request.dst_capacity_pages as u64 * config.dst_item_len;
             let src: Vec<Vec<u8>> = (0..COPY_BUFFERS)
                 .map(|b| noise(src_capacity, b as u64))
                 .collect();
@@ -311,8 +299,8 @@ fn bench_host_copies(c: &mut Criterion) {
                 stream: null_mut(),
             };
             let mut segments = Vec::with_capacity(pages * 16);
-            plan_segments(&config, &src_pages, &dst_pages, &mut segments);
-            let per_token = per_token_plan(&config, &src_pages, &dst_pages);
+            plan_segments(&config, src_pages, dst_pages, &mut segments);
+            let per_token = per_token_plan(&config, src_pages, dst_pages);
 
             let mut group = c.benchmark_group(format!("copy/{shape}/width{width}"));
             group.throughput(Throughput::Bytes(COPY_BYTES));
@@ -360,6 +348,211 @@ fn bench_host_copies(c: &mut Criterion) {
     }
 }
 
+/// The staged-transfer layouts: (name, KV heads, prefill TP, decode TP), each with 128-element
+/// bf16 heads (256 bytes): prefill tokens wider than decode tokens (tp2to8, tp4to8), the reverse
+/// (tp8to2), and a non-integer ratio (12 heads, 6 -> 4: a prefill rank's 2 heads land in part of
+/// a decode rank's 3-head token, so the decode side is staged).
+const STAGING_LAYOUTS: [(&str, u32, u32, u32); 4] = [
+    ("tp2to8", 4, 2, 8),
+    ("tp8to2", 8, 8, 2),
+    ("tp4to8", 8, 4, 8),
+    ("tp6to4_h12", 12, 6, 4),
+];
+/// Tokens per staged request, in pages of 16 tokens laid out in runs of 1-16 pages.
+const STAGING_TOKENS: usize = 4096;
+
+/// The first sending pair of a staging layout, page size 16, 256-byte heads.
+fn staging_config(heads: u32, prefill_tp: u32, decode_tp: u32) -> MoriTpSliceConfig {
+    let per = |tp: u32| u64::from((heads / tp).max(1)) * 256 * 16;
+    (0..prefill_tp)
+        .flat_map(|p| (0..decode_tp).map(move |d| (p, d)))
+        .map(|(p, d)| {
+            slice_config(&MoriTpSliceParams {
+                prefill_tp_size: prefill_tp,
+                prefill_tp_rank: p,
+                decode_tp_size: decode_tp,
+                decode_tp_rank: d,
+                total_kv_heads: heads,
+                page_size: 16,
+                src_item_len: per(prefill_tp),
+                dst_item_len: per(decode_tp),
+            })
+        })
+        .find(|c| c.action == MORI_TP_ACTION_SEND)
+        .expect("every layout has a sending pair")
+}
+
+fn staging_for(config: &MoriTpSliceConfig) -> MoriTpStaging {
+    let mut staging = 0;
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { mori_tp_staging_for(config, &mut staging) },
+        MORI_OK
+    );
+    staging
+}
+
+/// mori_tp_plan_transfer into `out`, whose capacity must hold the whole list.
+fn plan_transfer(
+    config: &MoriTpSliceConfig,
+    staging: MoriTpStaging,
+    src: &[i32],
+    dst: &[i32],
+    out: &mut Vec<MoriSegment>,
+) {
+    let mut len = 0;
+    // SAFETY: arrays valid for their lengths; out has capacity for the whole list.
+    let status = unsafe {
+        mori_tp_plan_transfer(
+            config,
+            staging,
+            src.as_ptr(),
+            dst.as_ptr(),
+            src.len(),
+            out.as_mut_ptr(),
+            out.capacity(),
+            &mut len,
+        )
+    };
+    assert_eq!(status, MORI_OK);
+    // SAFETY: the library initialised `len` entries.
+    unsafe { out.set_len(len) };
+}
+
+fn bench_staging_plans(c: &mut Criterion) {
+    let Request {
+        src_pages: src,
+        dst_pages: dst,
+        ..
+    } = request(STAGING_TOKENS / 16, true);
+    for (name, heads, prefill_tp, decode_tp) in STAGING_LAYOUTS {
+        let config = staging_config(heads, prefill_tp, decode_tp);
+        let staging = staging_for(&config);
+        let mut out = Vec::with_capacity(STAGING_TOKENS);
+        let mut group = c.benchmark_group(format!("staging_plan/{name}"));
+        group.throughput(Throughput::Elements(STAGING_TOKENS as u64));
+        group.bench_function("per_token", |b| {
+            b.iter(|| black_box(per_token_plan(&config, black_box(&src), &dst)))
+        });
+        group.bench_function("direct_segments", |b| {
+            b.iter(|| plan_segments(&config, black_box(&src), &dst, &mut out))
+        });
+        group.bench_function("staged_segments", |b| {
+            b.iter(|| plan_transfer(&config, staging, black_box(&src), &dst, &mut out))
+        });
+        group.finish();
+    }
+}
+
+/// Host pack and unpack of the strided side against the same rows copied by a plain loop over
+/// (buffer, token), for 64 buffers and 64 MiB per call.
+fn bench_pack_unpack(c: &mut Criterion) {
+    let host = MoriSendOptions {
+        backend: MORI_BACKEND_HOST,
+        flags: 0,
+        stream: null_mut(),
+    };
+    // (shape, prefill TP, decode TP): pack reads strided prefill tokens, unpack writes strided
+    // decode tokens.
+    for (shape, prefill_tp, decode_tp) in [("pack", 4, 8), ("unpack", 8, 4)] {
+        for width in [256u64, 1024] {
+            let (config, pages) = copy_config(prefill_tp, decode_tp, width);
+            let request = request(pages, true);
+            let (src_pages, dst_pages) = (&request.src_pages, &request.dst_pages);
+            let (pitch, item, page_list) = if shape == "pack" {
+                (config.bytes_per_token_src, config.src_item_len, src_pages)
+            } else {
+                (config.bytes_per_token_dst, config.dst_item_len, dst_pages)
+            };
+            let offset = if shape == "pack" {
+                config.src_head_slice_offset
+            } else {
+                config.dst_head_slice_offset
+            };
+            let capacity_pages = request.src_capacity_pages.max(request.dst_capacity_pages);
+            let capacity = capacity_pages as u64 * item;
+            let mut paged: Vec<Vec<u8>> = (0..COPY_BUFFERS)
+                .map(|b| noise(capacity, 7 + b as u64))
+                .collect();
+            let mut len = 0u64;
+            // SAFETY: valid pointers.
+            let status = unsafe { mori_tp_staging_len(&config, pages, &mut len) };
+            assert_eq!(status, MORI_OK);
+            let mut staging = noise(len * COPY_BUFFERS as u64, 99);
+            let paged_ptrs: Vec<*mut c_void> =
+                paged.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+            let tokens = config.page_size as usize;
+
+            let mut group = c.benchmark_group(format!("staging_copy/{shape}/width{width}"));
+            group.throughput(Throughput::Bytes(COPY_BYTES));
+            group
+                .sample_size(10)
+                .measurement_time(Duration::from_secs(3));
+            group.bench_function("mori", |b| {
+                b.iter(|| {
+                    // SAFETY: every buffer holds every page; the region holds every buffer.
+                    let status = unsafe {
+                        if shape == "pack" {
+                            mori_pack_kvcache(
+                                &config,
+                                paged_ptrs.as_ptr().cast(),
+                                COPY_BUFFERS,
+                                capacity,
+                                page_list.as_ptr(),
+                                pages,
+                                staging.as_mut_ptr().cast(),
+                                staging.len() as u64,
+                                &host,
+                            )
+                        } else {
+                            mori_unpack_kvcache(
+                                &config,
+                                staging.as_ptr().cast(),
+                                staging.len() as u64,
+                                paged_ptrs.as_ptr(),
+                                COPY_BUFFERS,
+                                capacity,
+                                page_list.as_ptr(),
+                                pages,
+                                &host,
+                            )
+                        }
+                    };
+                    assert_eq!(status, MORI_OK);
+                })
+            });
+            group.bench_function("per_row_loop", |b| {
+                b.iter(|| {
+                    for (buffer, &base) in paged_ptrs.iter().enumerate() {
+                        let region = staging.as_mut_ptr().wrapping_add(buffer * len as usize);
+                        let mut k = 0usize;
+                        for &page in page_list.iter() {
+                            for t in 0..tokens {
+                                let at = page as usize * item as usize
+                                    + t * pitch as usize
+                                    + offset as usize;
+                                let slot = region.wrapping_add(k * width as usize);
+                                let row = base.cast::<u8>().wrapping_add(at);
+                                // SAFETY: both rows lie inside their allocations.
+                                unsafe {
+                                    if shape == "pack" {
+                                        std::ptr::copy_nonoverlapping(row, slot, width as usize)
+                                    } else {
+                                        std::ptr::copy_nonoverlapping(slot, row, width as usize)
+                                    }
+                                }
+                                k += 1;
+                            }
+                        }
+                    }
+                    black_box(&mut staging);
+                })
+            });
+            group.finish();
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ratios, from the estimates criterion just wrote
 
@@ -386,6 +579,76 @@ fn mean_ns(group: &str, function: &str) -> Option<f64> {
     json["mean"]["point_estimate"].as_f64()
 }
 
+/// Segment counts (exact) and plan times (measured) of the staged layouts.
+fn print_staging_ratios() {
+    println!(
+        "\n{:<14} {:>8} {:>10} {:>10} {:>10} {:>12} {:>14} {:>14}",
+        "staging",
+        "mode",
+        "per-token",
+        "direct",
+        "staged",
+        "fewer than",
+        "per-token t /",
+        "direct t /"
+    );
+    println!(
+        "{:<14} {:>8} {:>10} {:>10} {:>10} {:>12} {:>14} {:>14}",
+        "", "", "segments", "segments", "segments", "per-token", "staged t", "staged t"
+    );
+    let Request {
+        src_pages: src,
+        dst_pages: dst,
+        ..
+    } = request(STAGING_TOKENS / 16, true);
+    for (name, heads, prefill_tp, decode_tp) in STAGING_LAYOUTS {
+        let config = staging_config(heads, prefill_tp, decode_tp);
+        let staging = staging_for(&config);
+        let mut out = Vec::with_capacity(STAGING_TOKENS);
+        plan_segments(&config, &src, &dst, &mut out);
+        let direct = out.len();
+        plan_transfer(&config, staging, &src, &dst, &mut out);
+        let staged = out.len();
+        let per_token = per_token_plan(&config, &src, &dst).len();
+        let group = format!("staging_plan/{name}");
+        let times = (
+            mean_ns(&group, "per_token"),
+            mean_ns(&group, "direct_segments"),
+            mean_ns(&group, "staged_segments"),
+        );
+        let (per_token_time, direct_time) = match times {
+            (Some(t), Some(d), Some(s)) => (format!("{:.1}", t / s), format!("{:.2}", d / s)),
+            _ => ("-".into(), "-".into()),
+        };
+        let mode = ["none", "src", "dst", "both"][staging as usize];
+        println!(
+            "{name:<14} {mode:>8} {per_token:>10} {direct:>10} {staged:>10} {:>12.1} {per_token_time:>14} \
+             {direct_time:>14}",
+            per_token as f64 / staged as f64
+        );
+    }
+    println!(
+        "\n{:<28} {:>10} {:>22}",
+        "host pack/unpack", "mori GB/s", "per-row loop t / mori t"
+    );
+    for shape in ["pack", "unpack"] {
+        for width in [256, 1024] {
+            let group = format!("staging_copy/{shape}/width{width}");
+            let (Some(mori), Some(rows)) =
+                (mean_ns(&group, "mori"), mean_ns(&group, "per_row_loop"))
+            else {
+                continue;
+            };
+            println!(
+                "{:<28} {:>10.2} {:>22.2}",
+                format!("{shape}, {width} B rows"),
+                COPY_BYTES as f64 / mori,
+                rows / mori
+            );
+        }
+    }
+}
+
 fn print_ratios() {
     println!("\n== ratios measured in this run (benchmarks not run now are left out) ==");
     if let Some(t) = mean_ns("slice_config", "mix_of_layouts") {
@@ -407,7 +670,11 @@ fn print_ratios() {
     for (tokens, page_size, fragmented) in PLAN_CASES {
         let name = plan_case_name(tokens, page_size, fragmented);
         let config = llama70b_config(page_size);
-        let (src, dst) = request(tokens / page_size as usize, fragmented);
+        let Request {
+            src_pages: src,
+            dst_pages: dst,
+            ..
+        } = request(tokens / page_size as usize, fragmented);
         let mut rects = Vec::with_capacity(src.len());
         plan_rects(&config, &src, &dst, &mut rects);
         let per_token = per_token_plan(&config, &src, &dst).len();
@@ -458,6 +725,9 @@ fn main() {
     bench_slice_config(&mut c);
     bench_plans(&mut c);
     bench_host_copies(&mut c);
+    bench_staging_plans(&mut c);
+    bench_pack_unpack(&mut c);
     c.final_summary();
     print_ratios();
+    print_staging_ratios();
 }

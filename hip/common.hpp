@@ -1,5 +1,5 @@
 // Helpers shared by the HIP programs: error checks, the "no device" protocol, and the
-// contract's head ownership restated independently of the library.
+// head ownership rule (REFERENCE.md section 3) restated independently of the library.
 #pragma once
 
 #include <hip/hip_runtime.h>
@@ -36,7 +36,7 @@ constexpr int kSkipped = 77;
         }                                                                                     \
     } while (0)
 
-// The heads rank `rank` of a side with TP size `tp` owns (contract section 3).
+// The heads rank `rank` of a side with TP size `tp` owns (REFERENCE.md section 3).
 struct HeadRange {
     uint32_t first;
     uint32_t count;

@@ -1,12 +1,14 @@
-// Device test of mori_send_kvcache's HIP backend on real GPU memory.
+// Device test of the HIP backend on real GPU memory, for both ways it runs a call: one
+// hipMemcpy2DAsync per (buffer, rect), and one copy-kernel launch (MORI_SEND_COPY_KERNEL).
 //
 // For several heterogeneous-TP layouts it allocates per-layer K and V buffers for every prefill
 // and decode rank with hipMalloc, fills them, moves every (prefill rank, decode rank) pair's
 // slice with mori_send_kvcache (MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, on a created stream and
 // on the null stream), copies the decode buffers back and checks them byte for byte against an
-// independent statement of the contract. It then does the same transfer through a packed
-// staging buffer per pair (gather on the prefill side, scatter on the decode side, asynchronous
-// on one stream), checking the staging bytes too, and checks that a refused call writes nothing.
+// independent statement of REFERENCE.md. It then does the same transfer through a staging
+// region per pair (mori_pack_kvcache on the prefill side, asynchronous, then mori_unpack_kvcache
+// on the decode side, on one stream), checking the staging bytes too, and checks that a refused
+// call writes nothing. Each of these runs once per path.
 //
 // Exit: 0 passed, 1 failed, 77 "skipped: no HIP device".
 
@@ -99,12 +101,15 @@ class Test {
 
     void run() {
         std::printf("%s: %u buffers, %" PRIu64 " bytes per head\n", l_.name, buffers_, bph_);
-        fill();
-        direct();
-        verify(dst_, "direct");
-        refused_call_writes_nothing();
-        staged();
-        verify(staged_, "gather + scatter");
+        for (const uint32_t path : {0u, static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
+            const std::string name = path == 0 ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
+            fill();
+            direct(path);
+            verify(dst_, ("direct, " + name).c_str());
+            refused_call_writes_nothing(path);
+            staged(path);
+            verify(staged_, ("pack + unpack, " + name).c_str());
+        }
     }
 
   private:
@@ -169,14 +174,14 @@ class Test {
     }
 
     // Every pair, straight from the prefill buffers into the decode buffers.
-    void direct() {
+    void direct(uint32_t path) {
         int sends = 0;
         for (uint32_t p = 0; p < l_.prefill_tp; p++) {
             for (uint32_t d = 0; d < l_.decode_tp; d++) {
                 const MoriTpSliceConfig c = config(p, d);
                 const MoriKvBuffers kv = buffers(src_.ranks[p], dst_.ranks[d], src_.capacity, dst_.capacity);
                 // Alternate the created stream and the null stream.
-                const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE,
+                const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path,
                                                  (p + d) % 2 == 0 ? stream_ : nullptr};
                 MORI_OK_OR_DIE(mori_send_kvcache(&c, &kv, kSrcPages, kDstPages, kPages, &options));
                 sends += c.action == MORI_TP_ACTION_SEND;
@@ -197,52 +202,38 @@ class Test {
         std::printf("  direct: %d sending pairs\n", sends);
     }
 
-    // Every pair through a packed staging buffer: gather (async), scatter (synchronize).
-    void staged() {
-        const MoriSendOptions async = {MORI_BACKEND_HIP, 0, stream_};
-        const MoriSendOptions sync = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, stream_};
-        std::vector<int32_t> packed(kPages);
-        for (size_t i = 0; i < kPages; i++) {
-            packed[i] = static_cast<int32_t>(i);
-        }
+    // Every pair through a staging region: pack (asynchronous), then unpack (synchronize).
+    void staged(uint32_t path) {
+        const MoriSendOptions async = {MORI_BACKEND_HIP, path, stream_};
+        const MoriSendOptions sync = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path, stream_};
         for (uint32_t p = 0; p < l_.prefill_tp; p++) {
             for (uint32_t d = 0; d < l_.decode_tp; d++) {
                 const MoriTpSliceConfig c = config(p, d);
                 if (c.action != MORI_TP_ACTION_SEND) {
                     continue;
                 }
-                const uint64_t width = c.heads_bytes_per_token_to_send;
-                const uint64_t staging_bytes = kPages * l_.page_size * width;
-                std::vector<void *> staging(buffers_);
-                for (void *&s : staging) {
-                    HIP_OK(hipMalloc(&s, staging_bytes));
-                }
-                // The staging side holds exactly the slice: pitch = width, offset 0.
-                MoriTpSliceConfig gather = c;
-                gather.dst_item_len = l_.page_size * width;
-                gather.bytes_per_token_dst = width;
-                gather.dst_head_slice_offset = 0;
-                MoriTpSliceConfig scatter = c;
-                scatter.src_item_len = l_.page_size * width;
-                scatter.bytes_per_token_src = width;
-                scatter.src_head_slice_offset = 0;
-                const MoriKvBuffers in = buffers(src_.ranks[p], staging, src_.capacity, staging_bytes);
-                const MoriKvBuffers out = buffers(staging, staged_.ranks[d], staging_bytes, staged_.capacity);
-                MORI_OK_OR_DIE(mori_send_kvcache(&gather, &in, kSrcPages, packed.data(), kPages, &async));
-                MORI_OK_OR_DIE(mori_send_kvcache(&scatter, &out, packed.data(), kDstPages, kPages, &sync));
-                verify_staging(staging, staging_bytes, c, p, d);
-                for (void *s : staging) {
-                    HIP_OK(hipFree(s));
-                }
+                uint64_t staging_len = 0;
+                MORI_OK_OR_DIE(mori_tp_staging_len(&c, kPages, &staging_len));
+                const uint64_t region_bytes = staging_len * buffers_;
+                void *region = nullptr;
+                HIP_OK(hipMalloc(&region, region_bytes));
+                MORI_OK_OR_DIE(mori_pack_kvcache(&c, src_.ranks[p].data(), buffers_, src_.capacity, kSrcPages,
+                                                 kPages, region, region_bytes, &async));
+                MORI_OK_OR_DIE(mori_unpack_kvcache(&c, region, region_bytes, staged_.ranks[d].data(), buffers_,
+                                                   staged_.capacity, kDstPages, kPages, &sync));
+                verify_staging(region, staging_len, c, p, d);
+                HIP_OK(hipFree(region));
             }
         }
     }
 
-    void verify_staging(const std::vector<void *> &staging, uint64_t bytes, const MoriTpSliceConfig &c,
-                        uint32_t p, uint32_t d) {
-        std::vector<uint8_t> host(bytes);
+    // Buffer b's staged slice is at b * staging_len: token k of it is the slice of token
+    // k % page_size of the page at position k / page_size.
+    void verify_staging(void *region, uint64_t staging_len, const MoriTpSliceConfig &c, uint32_t p, uint32_t d) {
+        std::vector<uint8_t> host(staging_len);
         for (uint32_t b = 0; b < buffers_; b++) {
-            HIP_OK(hipMemcpy(host.data(), staging[b], bytes, hipMemcpyDeviceToHost));
+            HIP_OK(hipMemcpy(host.data(), static_cast<uint8_t *>(region) + b * staging_len, staging_len,
+                             hipMemcpyDeviceToHost));
             uint64_t at = 0;
             for (size_t i = 0; i < kPages; i++) {
                 for (uint32_t t = 0; t < l_.page_size; t++) {
@@ -306,12 +297,12 @@ class Test {
     }
 
     // A page one past the decode capacity: MORI_ERR_OUT_OF_BOUNDS, and no byte written.
-    void refused_call_writes_nothing() {
+    void refused_call_writes_nothing(uint32_t path) {
         const MoriTpSliceConfig c = config(0, 0);
         const MoriKvBuffers kv = buffers(src_.ranks[0], dst_.ranks[0], src_.capacity, dst_.capacity);
         const int32_t src_pages[2] = {0, 1};
         const int32_t dst_pages[2] = {0, static_cast<int32_t>(kDstCapacityPages)};
-        const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, stream_};
+        const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path, stream_};
         const MoriStatus status = mori_send_kvcache(&c, &kv, src_pages, dst_pages, 2, &options);
         if (status != MORI_ERR_OUT_OF_BOUNDS) {
             fail(std::string(l_.name) + ": a page past capacity returned " + mori_status_str(status) + ": " +

@@ -39,7 +39,16 @@
 /**
  * MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
  * one copy-kernel launch, plus at most one upload of the rect table, instead of one
- * hipMemcpy2DAsync per (buffer, rect). The host backend ignores it (its result is the same).
+ * hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMallocAsync of the table,
+ * hipMemcpyAsync of it, hipModuleLaunchKernel, hipFreeAsync. Every buffer (and a staging
+ * region) must then be memory the kernel can address: device memory, a peer device's memory
+ * with peer access enabled, or host memory mapped into the device (hipHostMalloc); pageable
+ * host memory is not (the GPU faults). The kernel is loaded once per device, on the calling
+ * thread's current device, so the stream must belong to that device. The kernel copies in no
+ * particular order: a destination byte written twice in one call (a repeated destination page
+ * or buffer), or one that is also a source byte, may end as either copy leaves it, where the
+ * per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
+ * same).
  */
 #define MORI_SEND_COPY_KERNEL 2
 
@@ -47,6 +56,23 @@
  * The ABI version this header describes; compare with mori_abi_version() at start-up.
  */
 #define MORI_TP_ABI_VERSION 1
+
+/**
+ * The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
+ * for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
+ * names the shared library (libmori_tp.so.1).
+ */
+#define MORI_TP_VERSION_MAJOR 0
+
+/**
+ * See MORI_TP_VERSION_MAJOR.
+ */
+#define MORI_TP_VERSION_MINOR 1
+
+/**
+ * See MORI_TP_VERSION_MAJOR.
+ */
+#define MORI_TP_VERSION_PATCH 0
 
 /**
  * Status code returned by every fallible mori-tp function: MORI_OK (0) or one of the

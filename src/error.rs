@@ -7,6 +7,8 @@
 //! Conditions only a C caller can create (a NULL argument, a short output array, a caught panic)
 //! are not here: the FFI layer adds them.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 use crate::slice::Action;

@@ -83,7 +83,16 @@ pub const MORI_BACKEND_HIP: MoriBackend = 2;
 pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
 /// MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
 /// one copy-kernel launch, plus at most one upload of the rect table, instead of one
-/// hipMemcpy2DAsync per (buffer, rect). The host backend ignores it (its result is the same).
+/// hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMallocAsync of the table,
+/// hipMemcpyAsync of it, hipModuleLaunchKernel, hipFreeAsync. Every buffer (and a staging
+/// region) must then be memory the kernel can address: device memory, a peer device's memory
+/// with peer access enabled, or host memory mapped into the device (hipHostMalloc); pageable
+/// host memory is not (the GPU faults). The kernel is loaded once per device, on the calling
+/// thread's current device, so the stream must belong to that device. The kernel copies in no
+/// particular order: a destination byte written twice in one call (a repeated destination page
+/// or buffer), or one that is also a source byte, may end as either copy leaves it, where the
+/// per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
+/// same).
 pub const MORI_SEND_COPY_KERNEL: u32 = 2;
 
 /// Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.
@@ -101,6 +110,15 @@ pub const MORI_TP_STAGING_BOTH: MoriTpStaging = 3;
 
 /// The ABI version this header describes; compare with mori_abi_version() at start-up.
 pub const MORI_TP_ABI_VERSION: u32 = 1;
+
+/// The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
+/// for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
+/// names the shared library (libmori_tp.so.1).
+pub const MORI_TP_VERSION_MAJOR: u32 = 0;
+/// See MORI_TP_VERSION_MAJOR.
+pub const MORI_TP_VERSION_MINOR: u32 = 1;
+/// See MORI_TP_VERSION_MAJOR.
+pub const MORI_TP_VERSION_PATCH: u32 = 0;
 
 /// Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
 ///

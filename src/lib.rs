@@ -8,12 +8,16 @@
 //!   the byte slice a (prefill rank, decode rank) pair moves inside each token. The math lives
 //!   here.
 //! - [`plan`](mod@plan): a request's page pairs as coalesced strided copies (rects) or contiguous
-//!   segments.
-//! - [`backend`]: engines that perform one rect (host `memmove`, HIP `hipMemcpy2DAsync`).
-//! - [`send`](mod@send): validation of buffers against a plan, then the copies.
+//!   segments, between two sides that are each page buffers or a dense staging area.
+//! - [`staging`](mod@staging): staged transfers for RDMA engines (pack, one short segment list,
+//!   unpack).
+//! - [`backend`]: engines that perform a call's rects (host copies, HIP `hipMemcpy2DAsync` or
+//!   one copy-kernel launch).
+//! - [`send`](mod@send): validation of buffers against a plan, then the copies; pack and unpack.
 //! - [`ffi`]: the C ABI of `include/mori_tp.h`, a thin layer over the above.
 //!
-//! The behaviour is fixed by `CONTRACT.md`; the C header is the reference for C and C++ users.
+//! `REFERENCE.md` explains the model and the promises (ownership, the sender rule, layouts,
+//! staging, the ABI conventions); the C header is the reference for C and C++ users.
 
 pub mod backend;
 pub mod error;

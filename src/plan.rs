@@ -10,6 +10,8 @@
 //! A run of positions where both sides' pages go up by one is one rect of `run * page_size`
 //! rows, so a request costs one copy per maximal run instead of one per token.
 
+#![forbid(unsafe_code)]
+
 use std::mem::MaybeUninit;
 
 use crate::error::{Error, Result, Side};
@@ -57,6 +59,26 @@ pub struct Segment {
     pub dst_offset: u64,
     /// Bytes to copy.
     pub length: u64,
+}
+
+/// An entry of an output array that [`Plan::fill_segments`] writes: a plain value, or an
+/// uninitialised slot of caller memory (a C array, a numpy `empty` buffer, spare `Vec`
+/// capacity), which must only ever be written.
+pub trait OutputSlot<T> {
+    /// Stores `value`.
+    fn put(&mut self, value: T);
+}
+
+impl<T> OutputSlot<T> for T {
+    fn put(&mut self, value: T) {
+        *self = value;
+    }
+}
+
+impl<T> OutputSlot<T> for MaybeUninit<T> {
+    fn put(&mut self, value: T) {
+        self.write(value);
+    }
 }
 
 /// Where the slice of every token of one side lies inside a buffer: page `p` starts at byte
@@ -498,13 +520,13 @@ impl<'a> Plan<'a> {
 
     /// Writes every segment into the front of `out` and returns how many it wrote: each rect's
     /// rows in order, or the whole rect when it is contiguous on both sides. `out` may be
-    /// uninitialised memory (a caller's spare capacity, a C array): it is only written.
+    /// uninitialised memory (`[MaybeUninit<T>]`): it is only written.
     ///
     /// # Panics
     /// If `out` is shorter than [`Plan::num_segments`].
-    pub fn fill_segments<T>(
+    pub fn fill_segments<T, S: OutputSlot<T>>(
         &self,
-        out: &mut [MaybeUninit<T>],
+        out: &mut [S],
         convert: impl Fn(Segment) -> T,
     ) -> usize {
         if !self.sends() {
@@ -516,7 +538,7 @@ impl<'a> Plan<'a> {
                 "fill_segments: output shorter than the plan"
             );
             for (slot, rect) in out.iter_mut().zip(self.rects()) {
-                slot.write(convert(Segment {
+                slot.put(convert(Segment {
                     src_offset: rect.src_offset,
                     dst_offset: rect.dst_offset,
                     length: rect.bytes(),
@@ -536,7 +558,7 @@ impl<'a> Plan<'a> {
             let mut src_offset = src.offset(self.src.pages.at(position));
             let mut dst_offset = dst.offset(self.dst.pages.at(position));
             for slot in page_rows {
-                slot.write(convert(Segment {
+                slot.put(convert(Segment {
                     src_offset,
                     dst_offset,
                     length,
@@ -550,10 +572,8 @@ impl<'a> Plan<'a> {
 
     /// The segments, collected.
     pub fn segments(&self) -> Result<Vec<Segment>> {
-        let mut segments = Vec::with_capacity(self.num_segments()?);
-        let written = self.fill_segments(segments.spare_capacity_mut(), |segment| segment);
-        // SAFETY: `fill_segments` initialised the first `written` entries.
-        unsafe { segments.set_len(written) };
+        let mut segments = vec![Segment::default(); self.num_segments()?];
+        self.fill_segments(&mut segments, |segment| segment);
         Ok(segments)
     }
 }

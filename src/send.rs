@@ -242,6 +242,14 @@ fn staging_region(
     if region.is_null() && capacity != 0 {
         return Err(Error::NullStaging { capacity });
     }
+    // A NULL region of capacity 0 is the empty region (C's `(NULL, 0)`): fine for a request
+    // that stages nothing, and refused as too small by `staging_bases` otherwise. Its bases are
+    // never dereferenced, but must not read as NULL buffers.
+    let region = if region.is_null() {
+        std::ptr::NonNull::dangling().as_ptr()
+    } else {
+        region
+    };
     let staging_len = plan.bytes_per_buffer();
     let bases = staging_bases(region, capacity, num_buffers, staging_len)?;
     let (side, buffers, buffer_capacity) = pages;

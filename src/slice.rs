@@ -1,8 +1,10 @@
 //! The math: which heads each rank owns, which prefill rank sends which head, and the byte slice
 //! a (prefill rank, decode rank) pair moves inside every token.
 //!
-//! Everything here is pure integer arithmetic on the numbers of `CONTRACT.md` sections 2 and 3.
+//! Everything here is pure integer arithmetic on the numbers of `REFERENCE.md` sections 2 to 4.
 //! Nothing knows about C, GPUs or buffers.
+
+#![forbid(unsafe_code)]
 
 use std::ops::Range;
 

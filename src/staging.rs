@@ -13,6 +13,8 @@
 //! region; token `k` of buffer `b` (token `k % page_size` of the page at position
 //! `k / page_size`) is the `width` bytes at `b * staging_len + k * width`.
 
+#![forbid(unsafe_code)]
+
 use crate::error::{Error, Result};
 use crate::plan::{Plan, Segment, checked_product};
 use crate::slice::{Action, SliceConfig};

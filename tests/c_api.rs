@@ -1,13 +1,16 @@
 //! The header and the libraries from C and C++: the header compiles alone as C99 and C++17 with
 //! every warning an error; tests/c/abi_test.c and abi_test.cpp link the static and the shared
-//! library with the README's flags, also under AddressSanitizer, and through the README's CMake
-//! block; and the static library carries no code of the CLI's or the tests' dependencies.
+//! library with the README's flags, also under AddressSanitizer; and the static library carries
+//! no code of the CLI's or the tests' dependencies. (tests/install.rs links the installed
+//! package through CMake and pkg-config.)
 //!
-//! Needs `cc` and `c++` (gcc/g++ or clang); CMake is optional unless MORI_TP_REQUIRE_TOOLS=1
-//! (CI sets it, so nothing is silently skipped there).
+//! Needs `cc` and `c++` (gcc/g++ or clang).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
+
+use mori_tp::ffi::MORI_TP_ABI_VERSION;
 
 /// The system libraries a C program links next to libmori_tp.a (from
 /// `cargo rustc --lib -- --print native-static-libs`); the README lists exactly these.
@@ -63,13 +66,6 @@ fn run(command: &mut Command) -> String {
     text
 }
 
-fn tool_present(tool: &str) -> bool {
-    Command::new(tool)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 /// Compiles `source` into `exe` with `compiler`, the strict flags and `extra` arguments.
 fn compile(compiler: &str, std: &str, source: &str, exe: &Path, extra: &[String]) {
     let mut command = Command::new(compiler);
@@ -109,8 +105,32 @@ fn static_link() -> Vec<String> {
     args
 }
 
+/// A folder laid out like an installed library folder, with links to the shared library this
+/// test run built: `libmori_tp.so` (what `-lmori_tp` finds) and `libmori_tp.so.1` (its SONAME,
+/// the name a linked program asks the loader for). cargo's output folder has only the first.
+fn shared_lib_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = out_dir("shared-lib");
+        let library = lib_dir().join("libmori_tp.so");
+        let soname = format!("libmori_tp.so.{MORI_TP_ABI_VERSION}");
+        for name in ["libmori_tp.so", soname.as_str()] {
+            let link = dir.join(name);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&library, &link).unwrap_or_else(|e| {
+                panic!(
+                    "cannot link {} to {}: {e}",
+                    link.display(),
+                    library.display()
+                )
+            });
+        }
+        dir
+    })
+}
+
 fn shared_link() -> Vec<String> {
-    let dir = lib_dir().display().to_string();
+    let dir = shared_lib_dir().display().to_string();
     let mut args = vec![
         format!("-L{dir}"),
         "-lmori_tp".into(),
@@ -185,39 +205,6 @@ fn the_cpp_program_passes_linked_static_shared_and_under_asan() {
 }
 
 #[test]
-fn the_readme_cmake_block_builds_and_links_both_libraries() {
-    if !tool_present("cmake") {
-        assert!(
-            std::env::var_os("MORI_TP_REQUIRE_TOOLS").is_none(),
-            "cmake is missing but MORI_TP_REQUIRE_TOOLS is set"
-        );
-        eprintln!("skipped: cmake is not installed");
-        return;
-    }
-    let build = out_dir("cmake");
-    run(Command::new("cmake")
-        .arg("-S")
-        .arg(root().join("tests/c"))
-        .arg("-B")
-        .arg(&build)
-        .arg(format!("-DMORI_TP_DIR={}", root().display()))
-        .arg(format!("-DMORI_TP_LIB_DIR={}", lib_dir().display()))
-        .arg(format!(
-            "-DMORI_TP_HIP={}",
-            if cfg!(feature = "hip") { "ON" } else { "OFF" }
-        )));
-    run(Command::new("cmake").arg("--build").arg(&build));
-    run_program(
-        &build.join("abi_test_c_static"),
-        "abi_test.c: all checks passed",
-    );
-    run_program(
-        &build.join("abi_test_cpp_shared"),
-        "abi_test.cpp: all checks passed",
-    );
-}
-
-#[test]
 fn the_readme_shows_the_linking_that_these_tests_run() {
     let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
     assert!(
@@ -227,14 +214,6 @@ fn the_readme_shows_the_linking_that_these_tests_run() {
     assert!(
         readme.contains(SHARED_LINK),
         "README must show the shared link {SHARED_LINK:?}"
-    );
-    let cmake = std::fs::read_to_string(root().join("tests/c/CMakeLists.txt")).expect("CMakeLists");
-    let start = cmake.find("# >>> link mori-tp").expect("start marker");
-    let end = cmake.find("# <<< link mori-tp").expect("end marker");
-    let block = cmake[start..end].trim_end();
-    assert!(
-        readme.contains(block),
-        "README must show tests/c/CMakeLists.txt's link block verbatim:\n{block}"
     );
 }
 
@@ -246,7 +225,14 @@ fn the_static_library_carries_no_cli_or_test_dependencies() {
         symbols.contains("mori_send_kvcache"),
         "nm shows no mori-tp symbols"
     );
-    for unwanted in ["clap", "serde_json", "cbindgen", "criterion"] {
+    for unwanted in [
+        "clap",
+        "serde_json",
+        "cbindgen",
+        "criterion",
+        "mori_tp_testkit",
+        "roxmltree",
+    ] {
         let hits = symbols.lines().filter(|l| l.contains(unwanted)).count();
         assert_eq!(
             hits, 0,
@@ -281,6 +267,14 @@ fn the_library_prints_only_when_mori_tp_log_is_set() {
         log.contains("mori_tp_slice_config: invalid topology: prefill side: tp_size 3"),
         "{log}"
     );
+    // abi_test.c asks mori_tp_plan for its size (out = NULL, capacity = 0) once per sending
+    // pair: those answers are not failures and are not logged as such. Its one real refusal
+    // (an array of capacity 0 that is not NULL) is.
+    let too_small = log
+        .lines()
+        .filter(|l| l.contains("mori_tp_plan: buffer too small"))
+        .count();
+    assert_eq!(too_small, 1, "size queries logged as failures:\n{log}");
     let canaries = log.lines().filter(|l| l.contains("first config")).count();
     assert!(
         log.contains("layout total_kv_heads=4 prefill_tp=2 decode_tp=8"),

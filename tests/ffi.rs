@@ -192,22 +192,22 @@ fn null_pointers_are_refused_by_every_function() {
                 rects.as_mut_ptr(),
                 &mut len
             ),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["mori_tp_plan", "config is NULL"]);
         assert_eq!(
             plan(&c, null(), pages.as_ptr(), rects.as_mut_ptr(), &mut len),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["src_pages is NULL but its length is 2"]);
         assert_eq!(
             plan(&c, pages.as_ptr(), null(), rects.as_mut_ptr(), &mut len),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["dst_pages is NULL but its length is 2"]);
         assert_eq!(
             plan(&c, pages.as_ptr(), pages.as_ptr(), null_mut(), &mut len),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["out is NULL but its length is 4"]);
         assert_eq!(
@@ -218,7 +218,7 @@ fn null_pointers_are_refused_by_every_function() {
                 rects.as_mut_ptr(),
                 null_mut()
             ),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["out_len is NULL"]);
         assert_eq!(
@@ -239,7 +239,7 @@ fn null_pointers_are_refused_by_every_function() {
         let mut f = Fixture::new();
         assert_eq!(
             mori_send_kvcache(null(), null(), null(), null(), 0, null()),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["mori_send_kvcache", "is NULL"]);
         let buffers = MoriKvBuffers {
@@ -251,12 +251,12 @@ fn null_pointers_are_refused_by_every_function() {
         };
         assert_eq!(
             mori_send_kvcache(&c, &buffers, pages.as_ptr(), pages.as_ptr(), 2, null()),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["buffers.src is NULL but its length is 2"]);
         assert_eq!(
             mori_send_kvcache(&c, null(), pages.as_ptr(), pages.as_ptr(), 2, null()),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["buffers is NULL"]);
 
@@ -273,7 +273,7 @@ fn null_pointers_are_refused_by_every_function() {
         };
         assert_eq!(
             mori_send_kvcache(&c, &buffers, pages.as_ptr(), pages.as_ptr(), 2, null()),
-            1
+            MORI_ERR_NULL_POINTER
         );
         assert_message(&["buffers.src[1] is NULL"]);
         f.assert_unchanged();
@@ -313,7 +313,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 prefill_tp_size: 0,
                 ..params()
             },
-            2,
+            MORI_ERR_INVALID_ARGUMENT,
             &["prefill side", "tp_size is 0"],
         ),
         (
@@ -321,7 +321,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 decode_tp_size: 0,
                 ..params()
             },
-            2,
+            MORI_ERR_INVALID_ARGUMENT,
             &["decode side", "tp_size is 0"],
         ),
         (
@@ -329,7 +329,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 page_size: 0,
                 ..params()
             },
-            2,
+            MORI_ERR_INVALID_ARGUMENT,
             &["page_size is 0"],
         ),
         (
@@ -337,7 +337,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 src_item_len: 0,
                 ..params()
             },
-            2,
+            MORI_ERR_INVALID_ARGUMENT,
             &["src_item_len is 0"],
         ),
         (
@@ -345,7 +345,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 prefill_tp_rank: 2,
                 ..params()
             },
-            2,
+            MORI_ERR_INVALID_ARGUMENT,
             &["tp_rank 2", "tp_size 2"],
         ),
         (
@@ -353,7 +353,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 decode_tp_rank: u32::MAX,
                 ..params()
             },
-            2,
+            MORI_ERR_INVALID_ARGUMENT,
             &["tp_rank 4294967295"],
         ),
         (
@@ -361,7 +361,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 total_kv_heads: 0,
                 ..params()
             },
-            3,
+            MORI_ERR_TOPOLOGY,
             &["total_kv_heads is 0"],
         ),
         (
@@ -370,7 +370,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 decode_tp_rank: 2,
                 ..params()
             },
-            3,
+            MORI_ERR_TOPOLOGY,
             &["tp_size 3", "total_kv_heads 8"],
         ),
         (
@@ -378,7 +378,7 @@ fn zero_and_out_of_range_fields_are_invalid_arguments_and_leave_out_alone() {
                 dst_item_len: 4 * 2 * 8,
                 ..params()
             },
-            4,
+            MORI_ERR_LAYOUT_MISMATCH,
             &["bytes_per_head 8 != prefill side bytes_per_head 16"],
         ),
     ];
@@ -414,7 +414,7 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
     };
     assert_eq!(
         f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&backend)),
-        2
+        MORI_ERR_INVALID_ARGUMENT
     );
     assert_message(&["options.backend 7 is not a MoriBackend"]);
     let flags = MoriSendOptions {
@@ -424,7 +424,7 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
     };
     assert_eq!(
         f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&flags)),
-        2
+        MORI_ERR_INVALID_ARGUMENT
     );
     assert_message(&["options.flags 0xd has unknown bits 0xc"]);
     let mut fake_stream = 0u8;
@@ -435,7 +435,7 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
     };
     assert_eq!(
         f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&stream)),
-        2
+        MORI_ERR_INVALID_ARGUMENT
     );
     assert_message(&["options.stream", "host backend", "takes no stream"]);
     let mut len = 0;
@@ -446,11 +446,10 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
     f.assert_unchanged();
 }
 
+// The HIP build has its own tests of device absence (tests/hip_runtime.rs).
+#[cfg(not(feature = "hip"))]
 #[test]
 fn the_hip_backend_without_the_hip_feature_is_unavailable_and_writes_nothing() {
-    if cfg!(feature = "hip") {
-        return; // the HIP build has its own tests of device absence
-    }
     let mut f = Fixture::new();
     let (src_cap, dst_cap) = f.capacities();
     let hip = MoriSendOptions {
@@ -460,10 +459,152 @@ fn the_hip_backend_without_the_hip_feature_is_unavailable_and_writes_nothing() {
     };
     assert_eq!(
         f.send_with(&config(), &[0], &[0], src_cap, dst_cap, Some(&hip)),
-        8
+        MORI_ERR_BACKEND_UNAVAILABLE
     );
     assert_message(&["backend unavailable", "without the `hip` cargo feature"]);
     f.assert_unchanged();
+}
+
+#[test]
+fn a_bad_request_gets_the_same_refusal_whatever_backend_it_asks_for() {
+    // Validation comes before the backend is opened: a page past capacity is OUT_OF_BOUNDS for
+    // HOST, AUTO and HIP alike, on a build with or without HIP and with or without a device.
+    let mut f = Fixture::new();
+    let (src_cap, dst_cap) = f.capacities();
+    for backend in [MORI_BACKEND_HOST, MORI_BACKEND_AUTO, MORI_BACKEND_HIP] {
+        let options = MoriSendOptions {
+            backend,
+            flags: MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+            stream: null_mut(),
+        };
+        let status = f.send_with(
+            &config(),
+            &[0, 9],
+            &[0, 1],
+            src_cap,
+            dst_cap,
+            Some(&options),
+        );
+        assert_eq!(
+            status,
+            MORI_ERR_OUT_OF_BOUNDS,
+            "backend {backend}: {}",
+            last_error()
+        );
+        assert_message(&["prefill side: page 9 at position 1"]);
+    }
+    f.assert_unchanged();
+}
+
+#[test]
+fn misaligned_struct_pointers_are_refused_like_misaligned_arrays() {
+    let f = Fixture::new();
+    // A config one byte into a larger buffer: readable, but not aligned for MoriTpSliceConfig.
+    let mut storage = [0u64; 16];
+    let c = config();
+    // SAFETY: the copy lands inside `storage`.
+    let misaligned = unsafe {
+        let at = storage.as_mut_ptr().cast::<u8>().add(1);
+        std::ptr::copy_nonoverlapping(
+            (&raw const c).cast::<u8>(),
+            at,
+            size_of::<MoriTpSliceConfig>(),
+        );
+        at.cast::<MoriTpSliceConfig>()
+    };
+    let mut len = 5usize;
+    let pages = [0, 1];
+    // SAFETY: the library refuses the misaligned pointer before reading through it.
+    let status = unsafe {
+        mori_tp_plan(
+            misaligned,
+            pages.as_ptr(),
+            pages.as_ptr(),
+            2,
+            null_mut(),
+            0,
+            &mut len,
+        )
+    };
+    assert_eq!(status, MORI_ERR_INVALID_ARGUMENT);
+    assert_message(&["config (0x", "is not aligned to 8 bytes"]);
+    assert_eq!(len, 5);
+    let mut out = [0u64; 16];
+    // SAFETY: as above, for the output struct.
+    let status =
+        unsafe { mori_tp_slice_config(&params(), out.as_mut_ptr().cast::<u8>().add(4).cast()) };
+    assert_eq!(status, MORI_ERR_INVALID_ARGUMENT);
+    assert_message(&["out (0x", "is not aligned"]);
+    assert_eq!(out, [0u64; 16]);
+    f.assert_unchanged();
+}
+
+#[test]
+fn sizes_computed_from_valid_looking_input_never_wrap() {
+    // 2^24 pairs of page 0 of 1 TiB pages, no buffers: every page fits in 64 bits, but the bytes
+    // per buffer (tokens * slice width) do not. Refused with the numbers, in every build.
+    let item: u64 = 1 << 40;
+    let c = {
+        let p = MoriTpSliceParams {
+            prefill_tp_size: 1,
+            prefill_tp_rank: 0,
+            decode_tp_size: 1,
+            decode_tp_rank: 0,
+            total_kv_heads: 1,
+            page_size: 1,
+            src_item_len: item,
+            dst_item_len: item,
+        };
+        let mut out = MoriTpSliceConfig::default();
+        // SAFETY: valid pointers.
+        assert_eq!(unsafe { mori_tp_slice_config(&p, &mut out) }, MORI_OK);
+        out
+    };
+    let pages = vec![0i32; 1 << 24];
+    let empty = MoriKvBuffers {
+        src: null(),
+        dst: null(),
+        num_buffers: 0,
+        src_capacity: item,
+        dst_capacity: item,
+    };
+    let mut len = 0usize;
+    // SAFETY: valid arrays; no buffers.
+    unsafe {
+        let status = mori_send_kvcache(
+            &c,
+            &empty,
+            pages.as_ptr(),
+            pages.as_ptr(),
+            pages.len(),
+            null(),
+        );
+        assert_eq!(status, MORI_ERR_INVALID_ARGUMENT, "{}", last_error());
+        assert_message(&[
+            "bytes per buffer",
+            "16777216 * 1099511627776 overflows 64 bits",
+        ]);
+        let status = mori_tp_plan(
+            &c,
+            pages.as_ptr(),
+            pages.as_ptr(),
+            pages.len(),
+            null_mut(),
+            0,
+            &mut len,
+        );
+        assert_eq!(status, MORI_ERR_INVALID_ARGUMENT);
+        let status = mori_tp_plan_segments(
+            &c,
+            pages.as_ptr(),
+            pages.as_ptr(),
+            pages.len(),
+            null_mut(),
+            0,
+            &mut len,
+        );
+        assert_eq!(status, MORI_ERR_INVALID_ARGUMENT);
+    }
 }
 
 #[test]
@@ -615,7 +756,7 @@ fn a_too_small_plan_output_reports_the_size_needed_and_writes_nothing() {
                 2,
                 &mut len
             ),
-            7
+            MORI_ERR_BUFFER_TOO_SMALL
         );
         assert_eq!((len, rects), (3, [MoriCopyRect::default(); 2]));
         let mut rects = [MoriCopyRect::default(); 3];
@@ -644,7 +785,7 @@ fn a_too_small_plan_output_reports_the_size_needed_and_writes_nothing() {
                 15,
                 &mut len
             ),
-            7
+            MORI_ERR_BUFFER_TOO_SMALL
         );
         assert_eq!(len, 16, "4 pages of 4 tokens, one segment per token row");
         assert_message(&["needs 16 entries", "holds 15"]);

@@ -210,3 +210,29 @@ fn prefill_tp_below_heads_below_decode_tp_gets_the_right_heads_where_the_seed_fo
         "head 1 sits one head into prefill rank 0's token"
     );
 }
+
+#[test]
+fn the_worked_examples_of_reference_md_hold() {
+    // (H, P, D, decode rank d) -> the (head, sender) pairs the table in REFERENCE.md section 3
+    // gives, for every decode rank of each layout.
+    type Row = fn(u32) -> Vec<(u32, u32)>;
+    let rows: [(u32, u32, u32, Row); 5] = [
+        (4, 2, 8, |d| vec![(d / 2, d / 4)]),
+        (8, 8, 2, |d| (4 * d..4 * d + 4).map(|h| (h, h)).collect()),
+        (8, 16, 4, |d| vec![(2 * d, 4 * d), (2 * d + 1, 4 * d + 2)]),
+        (12, 6, 4, |d| {
+            (3 * d..3 * d + 3).map(|h| (h, h / 2)).collect()
+        }),
+        (1, 8, 4, |d| vec![(0, 2 * d)]),
+    ];
+    for (h, p_tp, d_tp, expected) in rows {
+        let topology = mori_tp::Topology::new(h, p_tp, d_tp).unwrap();
+        for d in 0..d_tp {
+            let heads = topology.decode().owned_heads(d).unwrap();
+            let actual: Vec<(u32, u32)> = heads
+                .map(|head| (head, topology.sender(d, head).unwrap()))
+                .collect();
+            assert_eq!(actual, expected(d), "H={h} P={p_tp} D={d_tp} d={d}");
+        }
+    }
+}

@@ -1,10 +1,15 @@
 //! A deployment: a model served by a prefill engine of TP size P and a decode engine of TP size D,
-//! validated by the library. The byte sizes of pages follow `CONTRACT.md` section 2: a rank's
-//! heads sit contiguous inside each token, each `head_dim * dtype` bytes.
+//! validated by the library. The byte sizes of pages follow the layout the header describes: a
+//! rank's heads sit contiguous inside each token, each `head_dim * dtype` bytes.
 
 use mori_tp::{Error, Side, SliceConfig, SliceParams, Topology, TpSide, slice_config};
 
 use crate::model::{Dtype, Model};
+
+/// The largest TP size `mori-tp` accepts on either side. Output grows with the pairs that share
+/// heads (up to P x D for MLA), so a bound keeps every command's time and memory bounded: at
+/// 1024 x 1024, `plan --json` lists a million pairs. Real engines stay far below it.
+pub const MAX_TP_SIZE: u32 = 1024;
 
 /// A model, a dtype, a page size and both TP sizes, checked by the library.
 #[derive(Clone, Debug)]
@@ -23,20 +28,66 @@ pub struct Layout {
     pub dst_item_len: u64,
 }
 
-/// Why a layout cannot run: the library's messages, one per problem.
+/// One reason a layout cannot run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// For people: names the side, the values and what would work.
+    pub message: String,
+    /// The numbers of a TP size that does not fit the model's KV heads.
+    pub topology: Option<TopologyProblem>,
+}
+
+/// A TP size that neither divides the model's KV heads nor is a multiple of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopologyProblem {
+    pub side: Side,
+    pub tp_size: u32,
+    pub kv_heads: u32,
+    /// The valid sizes nearest to `tp_size`: the one below and the one above, where each exists.
+    pub nearest: Vec<u32>,
+}
+
+/// Why a layout cannot run: one problem per side or check that failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayoutError {
     pub summary: String,
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
 }
 
 impl std::fmt::Display for LayoutError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.summary)?;
         for problem in &self.problems {
-            write!(f, "\n  {problem}")?;
+            write!(f, "\n  {}", problem.message)?;
         }
         Ok(())
+    }
+}
+
+impl Problem {
+    /// A problem in the library's words, with its numbers where it is about a TP size.
+    fn from_library(error: &Error) -> Problem {
+        let topology = match *error {
+            Error::IndivisibleTp {
+                side,
+                tp_size,
+                total_kv_heads,
+                nearest_below,
+                nearest_above,
+            } => Some(TopologyProblem {
+                side,
+                tp_size,
+                kv_heads: total_kv_heads,
+                nearest: std::iter::once(nearest_below)
+                    .chain(nearest_above)
+                    .collect(),
+            }),
+            _ => None,
+        };
+        Problem {
+            message: error.to_string(),
+            topology,
+        }
     }
 }
 
@@ -55,38 +106,42 @@ impl Layout {
             "{} ({} KV heads) cannot run with prefill TP {prefill_tp} and decode TP {decode_tp}:",
             model.name, model.kv_heads
         );
-        let fail = |problems: Vec<String>| LayoutError {
+        let fail = |error: Error| LayoutError {
             summary: summary.clone(),
-            problems,
+            problems: vec![Problem::from_library(&error)],
         };
-        let sides = [
-            TpSide::new(Side::Prefill, prefill_tp, model.kv_heads),
-            TpSide::new(Side::Decode, decode_tp, model.kv_heads),
-        ];
-        let mut problems: Vec<String> = sides
-            .iter()
-            .filter_map(|side| side.as_ref().err().map(Error::to_string))
-            .collect();
-        // Both sides report the same message for a model without heads.
-        problems.dedup();
-        if !problems.is_empty() {
-            return Err(fail(problems));
+        // Each side on its own, so that both are reported when both are wrong.
+        let mut problems: Vec<Problem> = Vec::new();
+        for (side, tp_size) in [(Side::Prefill, prefill_tp), (Side::Decode, decode_tp)] {
+            if let Err(error) = TpSide::new(side, tp_size, model.kv_heads) {
+                let problem = Problem::from_library(&error);
+                // Both sides report the same problem for a model without heads.
+                if !problems.contains(&problem) {
+                    problems.push(problem);
+                }
+            }
         }
-        let topology = Topology::new(model.kv_heads, prefill_tp, decode_tp)
-            .map_err(|e| fail(vec![e.to_string()]))?;
+        if !problems.is_empty() {
+            return Err(LayoutError { summary, problems });
+        }
+        let topology = Topology::new(model.kv_heads, prefill_tp, decode_tp).map_err(fail)?;
 
         let bytes_per_head = u64::from(model.head_dim) * u64::from(dtype.bytes());
         let item_len = |side: &TpSide| {
             bytes_per_head
                 .checked_mul(u64::from(side.heads_per_rank()))
                 .and_then(|b| b.checked_mul(u64::from(page_size)))
-                .ok_or_else(|| {
-                    fail(vec![format!(
-                        "{}: a page of {page_size} tokens x {} heads x {bytes_per_head} bytes \
-                         overflows 64 bits",
-                        side.side(),
-                        side.heads_per_rank()
-                    )])
+                .ok_or_else(|| LayoutError {
+                    summary: summary.clone(),
+                    problems: vec![Problem {
+                        message: format!(
+                            "{}: a page of {page_size} tokens x {} heads x {bytes_per_head} \
+                             bytes overflows 64 bits",
+                            side.side(),
+                            side.heads_per_rank()
+                        ),
+                        topology: None,
+                    }],
                 })
         };
         let layout = Layout {
@@ -99,9 +154,7 @@ impl Layout {
             bytes_per_head,
         };
         // The library has the last word on the byte layout of every pair.
-        layout
-            .slice_config(0, 0)
-            .map_err(|e| fail(vec![e.to_string()]))?;
+        layout.slice_config(0, 0).map_err(fail)?;
         Ok(layout)
     }
 
@@ -113,6 +166,20 @@ impl Layout {
     /// `D`.
     pub fn decode_tp(&self) -> u32 {
         self.topology.decode().tp_size()
+    }
+
+    /// The heads prefill rank `p` owns (`p` below the prefill TP size).
+    pub fn prefill_heads(&self, p: u32) -> std::ops::Range<u32> {
+        let side = self.topology.prefill();
+        side.owned_heads(p)
+            .expect("a prefill rank below its TP size")
+    }
+
+    /// The heads decode rank `d` owns (`d` below the decode TP size).
+    pub fn decode_heads(&self, d: u32) -> std::ops::Range<u32> {
+        let side = self.topology.decode();
+        side.owned_heads(d)
+            .expect("a decode rank below its TP size")
     }
 
     /// KV buffers per rank over `layers` layers: K and V of each layer, or one MLA latent.
@@ -160,8 +227,11 @@ pub fn labelled(label: &str, text: &str) -> String {
     let indent = 10;
     let mut out = format!("{label:<indent$}");
     let mut column = indent;
+    // A unit stays on the line of its number.
+    const UNITS: [&str; 7] = ["B", "kB", "MB", "GB", "TB", "PB", "EB"];
     for (i, word) in text.split(' ').enumerate() {
-        if i > 0 && column + 1 + word.len() > WIDTH {
+        let unit = UNITS.contains(&word.trim_end_matches([',', ';', ')', '.']));
+        if i > 0 && column + 1 + word.len() > WIDTH && !unit {
             out += &format!("\n{:indent$}", "");
             column = indent;
         } else if i > 0 {
@@ -227,6 +297,8 @@ mod tests {
         assert_eq!(heads_text(3..4), "head 3");
         assert_eq!(heads_text(0..4), "heads 0-3");
         assert_eq!(labelled("note:", "a b"), "note:     a b\n");
+        let units = labelled("memory:", &format!("{}365.7 MB here", "w ".repeat(42)));
+        assert!(units.contains("365.7 MB\n"), "{units}");
         let long = labelled("x", &"word ".repeat(40));
         assert!(long.lines().all(|line| line.len() <= 100), "{long}");
         assert!(

@@ -1,22 +1,29 @@
 //! `mori-tp`: check, explain and simulate the KV-cache transfer between a prefill engine and a
 //! decode engine that run different tensor-parallel sizes, with the mori-tp library.
 //!
-//! Every slice, plan and copy comes from the library (`simulate` goes through the C entry point
-//! `mori_send_kvcache`); this binary only chooses the model, formats and verifies.
+//! Every slice, plan and copy comes from the library's Rust API; this binary only chooses the
+//! model, formats and verifies.
 
 mod layout;
 mod model;
 mod plan;
 mod simulate;
+mod svg;
 
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::builder::PossibleValuesParser;
+use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand};
+use serde_json::{Value, json};
 
-use crate::layout::Layout;
-use crate::model::{Attention, Dtype, Model, PRESETS, from_config_json, preset_by_name};
+use crate::layout::{Layout, LayoutError, MAX_TP_SIZE};
+use crate::model::{
+    Attention, Dtype, DtypeArg, Model, ModelChoice, PRESETS, parse_dtype, parse_model,
+    preset_by_name, read_config,
+};
+use crate::simulate::BackendArg;
 
 /// The deployment `mori-tp` (and every command) uses when told nothing else.
 const DEFAULT_MODEL: &str = "qwen2.5-7b";
@@ -43,12 +50,13 @@ Examples:
   mori-tp                                          simulate the default deployment
   mori-tp presets                                  list the built-in models
   mori-tp plan --model llama-3.1-70b --prefill-tp 16 --decode-tp 4
-  mori-tp plan --config path/to/config.json --prefill-tp 8 --decode-tp 2 --json
+  mori-tp plan --model meta-llama/Llama-3.1-8B-Instruct --prefill-tp 2 --decode-tp 8 --svg l.svg
+  mori-tp plan --config path/to/model-dir --prefill-tp 8 --decode-tp 2 --json
   mori-tp simulate --model deepseek-v3 --prefill-tp 8 --decode-tp 4 --page-size 64
 
 Exit status: 0 success; 1 simulate found a wrong byte (or a copy failed); 2 bad usage or an
 unreadable config.json; 3 the layout cannot work (the message names the values and the nearest
-valid TP sizes).";
+valid TP sizes); 4 the requested copy backend cannot run on this machine.";
 
 #[derive(Parser, Debug)]
 #[command(name = "mori-tp", version, about = ABOUT, long_about = LONG_ABOUT, after_help = AFTER_HELP)]
@@ -63,11 +71,13 @@ enum Command {
     #[command(
         long_about = "Check a layout and show, for each decode rank, which prefill rank sends it \
                       which KV heads, at which byte offsets inside each token, which prefill \
-                      ranks skip because another replica sends the same head, and how many bytes \
-                      the decode rank receives per token and per request.\n\n\
+                      ranks skip because another replica sends the same head, which staging an \
+                      RDMA connector should use for each sending pair (staging_for: who packs, \
+                      who unpacks, the staging bytes per request), and how many bytes the decode \
+                      rank receives per token and per request.\n\n\
                       A layout works only if each TP size divides the model's KV head count or \
                       is a multiple of it; otherwise mori-tp exits with status 3 and names the \
-                      nearest valid TP sizes."
+                      nearest valid TP sizes (with --json, as a JSON error object on stdout)."
     )]
     Plan(PlanArgs),
     /// Move one request's KV cache in host memory through the library and verify every byte
@@ -77,12 +87,16 @@ enum Command {
                       Allocates the KV buffers of every prefill and decode rank, fills the \
                       prefill side with bytes that identify their layer buffer, page, token and \
                       head, and the decode side with a sentinel. Then, for every pair the library \
-                      says must send, calls mori_send_kvcache (the C entry point serving engines \
-                      call) with a fragmented list of pages, and checks every decode byte: the \
-                      requested pages must hold exactly the heads each decode rank owns, \
-                      everything else must be untouched. Prints the copies issued, compared with \
-                      a per-token copy plan, the bytes moved and the copy speed. Exits with \
-                      status 1 on any wrong byte.\n\n\
+                      says must send, plans a fragmented list of pages and copies it with the \
+                      library's host engine (or its HIP engine with --backend hip), and checks \
+                      every decode byte: the requested pages must hold exactly the heads each \
+                      decode rank owns, everything else must be untouched. Then moves every \
+                      pair again the way an RDMA connector would with staging: pack, copy the \
+                      segments of plan_transfer, unpack, into a second set of decode buffers, \
+                      checked the same way. Prints the copies issued, compared with a per-token \
+                      copy plan, the segments an RDMA engine would get (per token, direct, \
+                      staged), the bytes moved and the copy speed. Exits with status 1 on any \
+                      wrong byte.\n\n\
                       Only the first --layers-limit layers are simulated (every layer moves the \
                       same way) to keep memory modest."
     )]
@@ -95,21 +109,61 @@ enum Command {
     },
 }
 
+/// A whole number from `min` to `max`, with messages about the value: negative numbers,
+/// fractions, words and values past the limit each get their own.
+fn whole_number(
+    what: &'static str,
+    min: u64,
+    max: u64,
+) -> impl Fn(&str) -> Result<u64, String> + Clone + Send + Sync + 'static {
+    move |text: &str| {
+        let text = text.trim();
+        let range = format!("{what} is a whole number from {min} to {max}");
+        if let Ok(n) = text.parse::<i128>() {
+            return if n < 0 {
+                Err(format!("{n} is negative: {range}"))
+            } else if n < i128::from(min) {
+                Err(format!("{n} is too small: {range}"))
+            } else if n > i128::from(max) {
+                Err(format!("{n} is too large: {range}"))
+            } else {
+                Ok(n as u64)
+            };
+        }
+        if text.parse::<f64>().is_ok() {
+            return Err(format!("{text} is not a whole number: {range}"));
+        }
+        Err(format!("`{text}` is not a number: {range}"))
+    }
+}
+
+/// [`whole_number`] for `u32` arguments.
+fn count(
+    what: &'static str,
+    max: u32,
+) -> impl Fn(&str) -> Result<u32, String> + Clone + Send + Sync + 'static {
+    let parse = whole_number(what, 1, u64::from(max));
+    move |text: &str| parse(text).map(|n| n as u32)
+}
+
 /// Which model, and how each engine is laid out.
 #[derive(Args, Debug)]
 struct DeploymentArgs {
-    /// Built-in model [default: qwen2.5-7b unless --config or --kv-heads is given]
+    /// Built-in model, by preset name or Hugging Face id, in any case
+    /// (meta-llama/Llama-3.1-70B-Instruct is llama-3.1-70b); `mori-tp presets` lists them
+    /// [default: qwen2.5-7b unless --config or --kv-heads is given]
     #[arg(
         long,
         value_name = "NAME",
-        value_parser = PossibleValuesParser::new(PRESETS.iter().map(|p| p.name)),
+        value_parser = parse_model,
         conflicts_with_all = ["config", "kv_heads"],
         help_heading = "Model"
     )]
-    model: Option<String>,
+    model: Option<ModelChoice>,
 
-    /// Read the model from a Hugging Face config.json (KV heads, head dim, layers; GQA, MLA and
-    /// GLM configs are understood)
+    /// Read the model from a Hugging Face config.json, or from the config.json in a model
+    /// directory (KV heads, head dim, layers, torch_dtype; GQA, MLA and GLM configs are
+    /// understood)
     #[arg(
         long,
         value_name = "PATH",
@@ -124,7 +178,8 @@ struct DeploymentArgs {
         long,
         value_name = "N",
         requires = "head_dim",
-        value_parser = clap::value_parser!(u32).range(1..),
+        allow_negative_numbers = true,
+        value_parser = count("a KV head count", u32::MAX),
         help_heading = "Model"
     )]
     kv_heads: Option<u32>,
@@ -134,54 +189,68 @@ struct DeploymentArgs {
         long,
         value_name = "N",
         requires = "kv_heads",
-        value_parser = clap::value_parser!(u32).range(1..),
+        allow_negative_numbers = true,
+        value_parser = count("a head dimension", u32::MAX),
         help_heading = "Model"
     )]
     head_dim: Option<u32>,
 
-    /// With --kv-heads: the model caches one MLA latent per layer instead of K and V
+    /// With --kv-heads 1: the model caches one MLA latent per layer instead of K and V
     #[arg(long, requires = "kv_heads", help_heading = "Model")]
     mla: bool,
 
-    /// Number of layers; overrides the preset's or config's [default with --kv-heads: 1]
+    /// Number of layers; overrides the preset's or config's [default with --kv-heads: 1, with a
+    /// note saying so]
     #[arg(
         long,
         value_name = "N",
-        value_parser = clap::value_parser!(u32).range(1..),
+        allow_negative_numbers = true,
+        value_parser = count("a layer count", u32::MAX),
         help_heading = "Model"
     )]
     layers: Option<u32>,
 
-    /// Element type of the KV cache (both engines)
-    #[arg(long, value_enum, default_value_t = Dtype::Bf16, help_heading = "Layout")]
-    dtype: Dtype,
+    /// Element type of the KV cache (both engines), as mori-tp, PyTorch, vLLM or SGLang spell
+    /// it: bf16 (bfloat16), fp16 (float16, half), fp8, fp8_e4m3 (float8_e4m3fn, ..fnuz),
+    /// fp8_e5m2 (float8_e5m2), fp32 (float32, float), or auto: the config.json's torch_dtype
+    /// [default: auto with --config, else bf16]
+    #[arg(
+        long,
+        value_name = "DTYPE",
+        value_parser = parse_dtype,
+        help_heading = "Layout"
+    )]
+    dtype: Option<DtypeArg>,
 
     /// Tokens per KV-cache page (both engines)
     #[arg(
         long,
         value_name = "TOKENS",
         default_value_t = 1,
-        value_parser = clap::value_parser!(u32).range(1..),
+        allow_negative_numbers = true,
+        value_parser = count("a page size", u32::MAX),
         help_heading = "Layout"
     )]
     page_size: u32,
 
-    /// Tensor-parallel size of the prefill engine (the sender)
+    /// Tensor-parallel size of the prefill engine (the sender), at most 1024
     #[arg(
         long,
         value_name = "P",
         default_value_t = 2,
-        value_parser = clap::value_parser!(u32).range(1..),
+        allow_negative_numbers = true,
+        value_parser = count("a TP size", MAX_TP_SIZE),
         help_heading = "Layout"
     )]
     prefill_tp: u32,
 
-    /// Tensor-parallel size of the decode engine (the receiver)
+    /// Tensor-parallel size of the decode engine (the receiver), at most 1024
     #[arg(
         long,
         value_name = "D",
         default_value_t = 8,
-        value_parser = clap::value_parser!(u32).range(1..),
+        allow_negative_numbers = true,
+        value_parser = count("a TP size", MAX_TP_SIZE),
         help_heading = "Layout"
     )]
     decode_tp: u32,
@@ -191,7 +260,8 @@ struct DeploymentArgs {
         long,
         value_name = "N",
         default_value_t = 4096,
-        value_parser = clap::value_parser!(u32).range(1..),
+        allow_negative_numbers = true,
+        value_parser = count("a token count", u32::MAX),
         help_heading = "Layout"
     )]
     tokens: u32,
@@ -202,10 +272,19 @@ struct PlanArgs {
     #[command(flatten)]
     deployment: DeploymentArgs,
 
-    /// Print one JSON object instead of text: {"model", "prefill_tp", "decode_tp", "pairs": [...],
-    /// ...}; pairs that share no head are left out
+    /// Print one JSON object instead of text: {"model", "prefill_tp", "decode_tp", ..., "pairs":
+    /// [one per pair that shares a head; sending pairs carry "staging": "none", "src", "dst" or
+    /// "both" and "staging_bytes_per_request"], "decode_ranks": [one per decode rank]}. Head
+    /// ranges are half-open [first, end): "shared_heads": [2, 4] means heads 2 and 3. On a
+    /// layout that cannot work, prints {"error": {...}} instead, with the same exit status.
     #[arg(long)]
     json: bool,
+
+    /// Also draw the layout as an SVG picture into FILE: prefill ranks p0.. and decode ranks
+    /// d0.. with their heads, an arrow per sending pair labelled with its heads, replicas that
+    /// skip as dashed lines (readable up to TP 32 a side; drawn up to 128)
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -218,24 +297,44 @@ struct SimulateArgs {
         long,
         value_name = "N",
         default_value_t = 4,
-        value_parser = clap::value_parser!(u32).range(1..)
+        allow_negative_numbers = true,
+        value_parser = count("a layer count", u32::MAX)
     )]
     layers_limit: u32,
 
     /// Seed of the page layout and of the data
-    #[arg(long, value_name = "S", default_value_t = 1)]
+    #[arg(
+        long,
+        value_name = "S",
+        default_value_t = 1,
+        allow_negative_numbers = true,
+        value_parser = whole_number("a seed", 0, u64::MAX)
+    )]
     seed: u64,
 
     /// Chance that a page starts a new run of adjacent pages: 0 = the request is one contiguous
     /// run, 1 = no two pages are adjacent
-    #[arg(long, value_name = "F", default_value_t = 0.1, value_parser = fraction)]
+    #[arg(
+        long,
+        value_name = "F",
+        default_value_t = 0.1,
+        allow_negative_numbers = true,
+        value_parser = fraction
+    )]
     fragmentation: f64,
+
+    /// How the bytes move: the library's host engine, or its HIP engine (hipMemcpy2DAsync; the
+    /// buffers stay in host memory, so this checks the HIP path end to end on a machine with an
+    /// AMD GPU and a build with --features hip)
+    #[arg(long, value_enum, default_value_t = BackendArg::Host)]
+    backend: BackendArg,
 }
 
 fn fraction(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
+    match text.trim().parse::<f64>() {
         Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
-        _ => Err(format!("{text} is not a number from 0 to 1")),
+        Ok(f) => Err(format!("{f} is outside 0 to 1: it is a chance")),
+        Err(_) => Err(format!("`{text}` is not a number from 0 to 1")),
     }
 }
 
@@ -243,22 +342,114 @@ fn fraction(text: &str) -> Result<f64, String> {
 enum Failure {
     /// 1: simulate found a wrong byte (the report, for stdout).
     Mismatch(String),
-    /// 1: a library call failed.
+    /// 1: a library call failed, or the output could not be written.
     Failed(String),
     /// 2: bad input the argument parser could not catch (an unreadable config.json).
     Usage(String),
     /// 3: the layout cannot work.
-    Layout(String),
+    Layout(LayoutError),
+    /// 4: the requested backend cannot run here.
+    Backend(String),
+    /// 1: stdout could not be written (a closed pipe ends the program quietly instead).
+    Output(io::Error),
+}
+
+impl Failure {
+    fn exit_status(&self) -> u8 {
+        match self {
+            Failure::Mismatch(_) | Failure::Failed(_) | Failure::Output(_) => 1,
+            Failure::Usage(_) => 2,
+            Failure::Layout(_) => 3,
+            Failure::Backend(_) => 4,
+        }
+    }
+
+    /// The message for stderr.
+    fn message(&self) -> String {
+        match self {
+            Failure::Mismatch(_) => {
+                "the simulated transfer put wrong bytes on the decode side".into()
+            }
+            Failure::Failed(m) | Failure::Usage(m) | Failure::Backend(m) => m.clone(),
+            Failure::Layout(e) => e.to_string(),
+            Failure::Output(e) => format!("cannot write the output: {e}"),
+        }
+    }
+
+    /// The error as one JSON object, for `--json` readers.
+    fn json(&self) -> Value {
+        let kind = match self {
+            Failure::Mismatch(_) => "mismatch",
+            Failure::Failed(_) | Failure::Output(_) => "failed",
+            Failure::Usage(_) => "usage",
+            Failure::Layout(_) => "invalid_layout",
+            Failure::Backend(_) => "backend_unavailable",
+        };
+        let mut error = json!({
+            "exit_status": self.exit_status(),
+            "kind": kind,
+            "message": self.message(),
+        });
+        if let Failure::Layout(e) = self {
+            let problems: Vec<Value> = e
+                .problems
+                .iter()
+                .map(|problem| {
+                    let mut value = json!({ "message": problem.message });
+                    if let Some(t) = &problem.topology {
+                        value["side"] = json!(match t.side {
+                            mori_tp::Side::Prefill => "prefill",
+                            mori_tp::Side::Decode => "decode",
+                        });
+                        value["tp_size"] = json!(t.tp_size);
+                        value["kv_heads"] = json!(t.kv_heads);
+                        value["nearest_valid_tp_sizes"] = json!(t.nearest);
+                    }
+                    value
+                })
+                .collect();
+            error["summary"] = json!(e.summary);
+            error["problems"] = json!(problems);
+        }
+        json!({ "error": error })
+    }
+}
+
+impl From<LayoutError> for Failure {
+    fn from(e: LayoutError) -> Self {
+        Failure::Layout(e)
+    }
+}
+
+impl From<plan::Failure> for Failure {
+    fn from(e: plan::Failure) -> Self {
+        match e {
+            plan::Failure::Layout(e) => Failure::Layout(e),
+            plan::Failure::Io(e) => Failure::Output(e),
+        }
+    }
 }
 
 impl DeploymentArgs {
-    fn model(&self) -> Result<Model, Failure> {
+    /// The model, and notes about assumptions made for it.
+    fn model(&self, notes: &mut Vec<String>) -> Result<Model, Failure> {
         let mut model = if let Some(path) = &self.config {
-            let name = path.display().to_string();
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| Failure::Usage(format!("cannot read {name}: {e}")))?;
-            from_config_json(&text, &name).map_err(Failure::Usage)?
+            read_config(path).map_err(Failure::Usage)?
         } else if let (Some(kv_heads), Some(head_dim)) = (self.kv_heads, self.head_dim) {
+            if self.mla && kv_heads != 1 {
+                return Err(Failure::Usage(format!(
+                    "--mla caches one latent head per token per layer, so --kv-heads must be 1, \
+                     not {kv_heads} (leave out --mla for a model with {kv_heads} KV heads and \
+                     separate K and V)"
+                )));
+            }
+            if self.layers.is_none() {
+                notes.push(
+                    "--kv-heads without --layers assumes 1 layer: the per-token and per-request \
+                     totals cover one layer (give --layers N for the whole model)"
+                        .into(),
+                );
+            }
             Model {
                 name: "custom model".into(),
                 kv_heads,
@@ -269,10 +460,27 @@ impl DeploymentArgs {
                 } else {
                     Attention::KeyValue
                 },
+                torch_dtype: None,
             }
+        } else if let Some(choice) = &self.model {
+            if !choice.typed.eq_ignore_ascii_case(choice.preset.name) {
+                let p = choice.preset;
+                notes.push(format!(
+                    "{} has the KV-cache shape of the {} preset: {} KV head{}, head_dim {}, {} \
+                     layers",
+                    choice.typed,
+                    p.name,
+                    p.kv_heads,
+                    if p.kv_heads == 1 { "" } else { "s" },
+                    p.head_dim,
+                    p.layers
+                ));
+            }
+            choice.preset.into()
         } else {
-            let name = self.model.as_deref().unwrap_or(DEFAULT_MODEL);
-            preset_by_name(name).expect("clap checked the name").into()
+            preset_by_name(DEFAULT_MODEL)
+                .expect("the default is a preset")
+                .into()
         };
         if let Some(layers) = self.layers {
             model.layers = layers;
@@ -280,15 +488,52 @@ impl DeploymentArgs {
         Ok(model)
     }
 
-    fn layout(&self) -> Result<Layout, Failure> {
-        Layout::new(
-            self.model()?,
-            self.dtype,
+    /// The KV-cache dtype: as given, or the config's own for `auto` (the default with --config).
+    fn dtype(&self, model: &Model, notes: &mut Vec<String>) -> Result<Dtype, Failure> {
+        let from_config = model.torch_dtype.as_deref();
+        match (self.dtype, from_config) {
+            (Some(DtypeArg::Is(dtype)), _) => Ok(dtype),
+            (Some(DtypeArg::Auto) | None, Some(text)) => match Dtype::parse(text) {
+                Some(dtype) => Ok(dtype),
+                None if self.dtype.is_none() => {
+                    notes.push(format!(
+                        "{}'s torch_dtype \"{text}\" is not a KV-cache dtype; assuming bf16 \
+                         (give --dtype)",
+                        model.name
+                    ));
+                    Ok(Dtype::Bf16)
+                }
+                None => Err(Failure::Usage(format!(
+                    "--dtype auto: {}'s torch_dtype \"{text}\" is not a KV-cache dtype; name one: \
+                     {}",
+                    model.name,
+                    model::DTYPE_SPELLINGS
+                ))),
+            },
+            (None, None) => Ok(Dtype::Bf16),
+            (Some(DtypeArg::Auto), None) => Err(Failure::Usage(format!(
+                "--dtype auto takes the dtype from the model's config.json (torch_dtype), and {} \
+                 {}; name the dtype instead, e.g. --dtype bf16",
+                model.name,
+                if self.config.is_some() {
+                    "has no torch_dtype"
+                } else {
+                    "does not come from a config.json"
+                }
+            ))),
+        }
+    }
+
+    fn layout(&self, notes: &mut Vec<String>) -> Result<Layout, Failure> {
+        let model = self.model(notes)?;
+        let dtype = self.dtype(&model, notes)?;
+        Ok(Layout::new(
+            model,
+            dtype,
             self.page_size,
             self.prefill_tp,
             self.decode_tp,
-        )
-        .map_err(|e| Failure::Layout(e.to_string()))
+        )?)
     }
 }
 
@@ -328,73 +573,125 @@ fn presets(json: bool) -> String {
             p.attention.label()
         );
     }
-    out += "\nA TP size works for a model if it divides the KV heads or is a multiple of them.\n";
+    out += "\nA TP size works for a model if it divides the KV heads or is a multiple of them.\n\
+            --model also takes these models' Hugging Face ids (meta-llama/Llama-3.1-8B-Instruct).\n";
     out
 }
 
-fn run(command: Command) -> Result<String, Failure> {
+fn plan(args: &PlanArgs, out: &mut dyn Write, notes: &mut Vec<String>) -> Result<(), Failure> {
+    let layout = args.deployment.layout(notes)?;
+    let tokens = args.deployment.tokens;
+    if let Some(path) = &args.svg {
+        let picture = svg::render(&layout, tokens).map_err(|e| match e {
+            svg::Refusal::Layout(e) => Failure::Layout(e),
+            svg::Refusal::TooLarge(message) => Failure::Usage(message),
+        })?;
+        std::fs::write(path, picture)
+            .map_err(|e| Failure::Usage(format!("cannot write {}: {e}", path.display())))?;
+        notes.push(format!("drew the layout into {}", path.display()));
+    }
+    if args.json {
+        plan::write_json(&layout, tokens, out)?;
+    } else {
+        plan::write_text(&layout, tokens, out)?;
+    }
+    Ok(())
+}
+
+fn simulate(
+    args: &SimulateArgs,
+    out: &mut dyn Write,
+    notes: &mut Vec<String>,
+) -> Result<(), Failure> {
+    let layout = args.deployment.layout(notes)?;
+    let options = simulate::Options {
+        tokens: args.deployment.tokens,
+        layers_limit: args.layers_limit,
+        seed: args.seed,
+        fragmentation: args.fragmentation,
+        backend: args.backend,
+    };
+    let (report, ok) = simulate::run(&layout, &options).map_err(|e| match e {
+        simulate::SimError::TooLarge(message) => Failure::Usage(message),
+        simulate::SimError::Backend(message) => Failure::Backend(message),
+        simulate::SimError::Library(message) => Failure::Failed(message),
+    })?;
+    if !ok {
+        return Err(Failure::Mismatch(report));
+    }
+    out.write_all(report.as_bytes()).map_err(Failure::Output)
+}
+
+/// Runs `command`, writing its output to `out`; notes (assumptions, files written) are collected
+/// for stderr.
+fn run(command: &Command, out: &mut dyn Write, notes: &mut Vec<String>) -> Result<(), Failure> {
     match command {
-        Command::Presets { json } => Ok(presets(json)),
-        Command::Plan(args) => {
-            let layout = args.deployment.layout()?;
-            let tokens = args.deployment.tokens;
-            let result = if args.json {
-                plan::json(&layout, tokens).map(|v| format!("{v:#}\n"))
-            } else {
-                plan::text(&layout, tokens)
-            };
-            result.map_err(|e| Failure::Layout(e.to_string()))
-        }
-        Command::Simulate(args) => {
-            let layout = args.deployment.layout()?;
-            let options = simulate::Options {
-                tokens: args.deployment.tokens,
-                layers_limit: args.layers_limit,
-                seed: args.seed,
-                fragmentation: args.fragmentation,
-            };
-            let (report, ok) = simulate::run(&layout, &options).map_err(|e| match e {
-                simulate::SimError::TooLarge(message) => Failure::Usage(message),
-                simulate::SimError::Library(message) => Failure::Failed(message),
-            })?;
-            if ok {
-                Ok(report)
-            } else {
-                Err(Failure::Mismatch(report))
-            }
-        }
+        Command::Presets { json } => out
+            .write_all(presets(*json).as_bytes())
+            .map_err(Failure::Output),
+        Command::Plan(args) => plan(args, out, notes),
+        Command::Simulate(args) => simulate(args, out, notes),
     }
 }
 
+/// True when `--json` was asked for: errors then also go to stdout as JSON.
+fn wants_json(command: &Command) -> bool {
+    matches!(command, Command::Plan(PlanArgs { json: true, .. }))
+}
+
+/// A closed stdout (`mori-tp plan | head`) ends the program quietly, as it does for other tools.
+fn broken_pipe(failure: &Failure) -> bool {
+    matches!(failure, Failure::Output(e) if e.kind() == io::ErrorKind::BrokenPipe)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let command = cli.command.unwrap_or_else(|| {
-        // No command: the default simulation, with every default of `simulate`.
-        Cli::parse_from(["mori-tp", "simulate"])
-            .command
-            .expect("simulate parses")
-    });
-    match run(command) {
-        Ok(out) => {
-            print!("{out}");
-            ExitCode::SUCCESS
+    let command = match Cli::try_parse() {
+        Ok(cli) => cli.command.unwrap_or_else(|| {
+            // No command: the default simulation, with every default of `simulate`.
+            Cli::parse_from(["mori-tp", "simulate"])
+                .command
+                .expect("simulate parses")
+        }),
+        Err(error) => {
+            let usage = !matches!(
+                error.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            );
+            // A script that asked for JSON gets its error as JSON too.
+            if usage && std::env::args().any(|a| a == "--json") {
+                let message = error.render().to_string();
+                let value = json!({ "error": {
+                    "exit_status": 2,
+                    "kind": "usage",
+                    "message": message.trim_end(),
+                }});
+                println!("{value:#}");
+            }
+            error.exit();
         }
-        Err(Failure::Mismatch(report)) => {
-            print!("{report}");
-            eprintln!("error: the simulated transfer put wrong bytes on the decode side");
-            ExitCode::from(1)
-        }
-        Err(Failure::Failed(message)) => {
-            eprintln!("error: {message}");
-            ExitCode::from(1)
-        }
-        Err(Failure::Usage(message)) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
-        }
-        Err(Failure::Layout(message)) => {
-            eprintln!("error: {message}");
-            ExitCode::from(3)
+    };
+    let stdout = io::stdout();
+    let mut out = io::BufWriter::new(stdout.lock());
+    let mut notes = Vec::new();
+    let result =
+        run(&command, &mut out, &mut notes).and_then(|()| out.flush().map_err(Failure::Output));
+    for note in &notes {
+        eprintln!("note: {note}");
+    }
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) if broken_pipe(&failure) => ExitCode::SUCCESS,
+        Err(failure) => {
+            if let Failure::Mismatch(report) = &failure {
+                let _ = out.write_all(report.as_bytes());
+            } else if wants_json(&command) {
+                let _ = writeln!(out, "{:#}", failure.json());
+            }
+            let _ = out.flush();
+            eprintln!("error: {}", failure.message());
+            ExitCode::from(failure.exit_status())
         }
     }
 }
@@ -407,5 +704,30 @@ mod tests {
     #[test]
     fn the_argument_definitions_are_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn numbers_get_messages_about_their_value() {
+        let tp = count("a TP size", 1024);
+        assert_eq!(tp("8"), Ok(8));
+        assert_eq!(tp(" 1024 "), Ok(1024));
+        for (text, says) in [
+            ("-2", "-2 is negative"),
+            ("0", "0 is too small"),
+            ("1025", "1025 is too large"),
+            ("99999999999999999999", "too large"),
+            ("2.5", "2.5 is not a whole number"),
+            ("two", "`two` is not a number"),
+        ] {
+            let message = tp(text).unwrap_err();
+            assert!(message.contains(says), "{text}: {message}");
+            assert!(message.contains("from 1 to 1024"), "{text}: {message}");
+        }
+        assert!(fraction("-0.5").unwrap_err().contains("outside 0 to 1"));
+        assert!(
+            whole_number("a seed", 0, u64::MAX)("-1")
+                .unwrap_err()
+                .contains("negative")
+        );
     }
 }

@@ -3,6 +3,7 @@
 //! head dimension, layers, and whether attention keeps K and V or one MLA latent per layer.
 
 use std::fmt;
+use std::path::Path;
 
 use serde_json::{Map, Value};
 
@@ -62,6 +63,8 @@ pub struct Model {
     pub layers: u32,
     /// How the cache is stored.
     pub attention: Attention,
+    /// The config's `torch_dtype` (newer configs: `dtype`), what `--dtype auto` resolves to.
+    pub torch_dtype: Option<String>,
 }
 
 /// A built-in model.
@@ -119,9 +122,134 @@ const fn preset(
     }
 }
 
-/// The preset called `name`, if any.
+/// The preset called exactly `name`, if any.
 pub fn preset_by_name(name: &str) -> Option<&'static Preset> {
     PRESETS.iter().find(|p| p.name == name)
+}
+
+/// Other names of a preset's KV-cache shape, from the models' public config.json files.
+const ALIASES: &[(&str, &str)] = &[
+    // deepseek-ai/DeepSeek-R1 is a DeepseekV3ForCausalLM: kv_lora_rank 512, qk_rope_head_dim 64,
+    // 61 layers, as DeepSeek-V3.
+    ("deepseek-r1", "deepseek-v3"),
+];
+
+/// Words at the end of a Hugging Face model name that mark a fine-tune, a weight format or a
+/// release of the same architecture: the KV cache keeps the base model's shape.
+const VARIANT_WORDS: &[&str] = &[
+    "instruct", "chat", "base", "it", "hf", "thinking", "fp8", "bf16", "fp16", "awq", "gptq",
+    "int4", "int8", "w8a8", "w4a16", "dynamic",
+];
+
+/// A release tag: a version such as `v0.1`, or a date such as `2507` or `0324`.
+fn is_release_tag(word: &str) -> bool {
+    let digits = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+    let version = word
+        .strip_prefix('v')
+        .is_some_and(|rest| rest.contains('.') && rest.split('.').all(digits));
+    version || (word.len() == 4 && digits(word))
+}
+
+/// A model name as typed (`Qwen2.5-7B`, `meta-llama/Llama-3.1-70B-Instruct`) in the form preset
+/// names use: lower case, without the organisation or `Meta-`; then the same with trailing
+/// variant words and release tags taken off one at a time, longest first.
+fn candidates(name: &str) -> Vec<String> {
+    let lower = name.trim().to_ascii_lowercase();
+    let base = lower.rsplit('/').next().unwrap_or_default();
+    let base = match base.strip_prefix("meta-") {
+        Some(rest) if rest.starts_with("llama") => rest,
+        _ => base,
+    };
+    let mut words: Vec<&str> = base.split('-').collect();
+    let mut names = vec![words.join("-")];
+    while let [rest @ .., last] = words.as_slice() {
+        if rest.is_empty() || !(VARIANT_WORDS.contains(last) || is_release_tag(last)) {
+            break;
+        }
+        words.pop();
+        names.push(words.join("-"));
+    }
+    names
+}
+
+/// Edits (insertions, deletions, substitutions) that turn `a` into `b`.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitute = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
+}
+
+/// A `--model` value: the preset it names and the name as typed.
+#[derive(Clone, Debug)]
+pub struct ModelChoice {
+    pub preset: &'static Preset,
+    pub typed: String,
+}
+
+/// Parses `--model`: a preset name in any case, a Hugging Face id of a preset's model or of one
+/// of its fine-tunes, or an alias. Unknown names get the closest preset as a tip.
+pub fn parse_model(text: &str) -> Result<ModelChoice, String> {
+    let names = candidates(text);
+    for name in &names {
+        let target = ALIASES
+            .iter()
+            .find(|(alias, _)| alias == name)
+            .map_or(name.as_str(), |(_, preset)| preset);
+        if let Some(preset) = preset_by_name(target) {
+            return Ok(ModelChoice {
+                preset,
+                typed: text.trim().to_string(),
+            });
+        }
+    }
+    let name = names.last().expect("at least the name itself");
+    let elsewhere = "describe it with --config (its config.json or its directory) or with \
+                     --kv-heads and --head-dim; `mori-tp presets` lists the built-in models";
+    let closest = PRESETS
+        .iter()
+        .map(|p| {
+            // A preset's name followed by words this parser does not know is a near miss.
+            let extends = name.starts_with(&format!("{}-", p.name));
+            (
+                if extends {
+                    1
+                } else {
+                    edit_distance(name, p.name)
+                },
+                p,
+            )
+        })
+        .min_by_key(|(distance, _)| *distance)
+        .filter(|(distance, _)| *distance <= (name.len() / 3).max(2));
+    Err(match closest {
+        Some((_, p)) => format!(
+            "no built-in model is called that. Closest: {} ({} KV head{}, head_dim {}, {} \
+             layers); if that is its KV-cache shape, pass --model {}, otherwise {elsewhere}",
+            p.name,
+            p.kv_heads,
+            if p.kv_heads == 1 { "" } else { "s" },
+            p.head_dim,
+            p.layers,
+            p.name
+        ),
+        None => format!(
+            "no built-in model is called that (they are {}); {elsewhere}",
+            PRESETS
+                .iter()
+                .map(|p| p.name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    })
 }
 
 impl From<&Preset> for Model {
@@ -132,28 +260,73 @@ impl From<&Preset> for Model {
             head_dim: p.head_dim,
             layers: p.layers,
             attention: p.attention,
+            torch_dtype: None,
         }
     }
 }
 
 /// Element type of the KV cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dtype {
     Bf16,
     Fp16,
+    /// An 8-bit float whose format was not named.
     Fp8,
+    Fp8E4m3,
+    Fp8E5m2,
     Fp32,
 }
+
+/// What `--dtype` says: a type, or `auto` (the model's own, from its config.json).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DtypeArg {
+    Auto,
+    Is(Dtype),
+}
+
+/// The spellings `--dtype` accepts, for messages and help.
+pub const DTYPE_SPELLINGS: &str = "bf16 (bfloat16), fp16 (float16, half), fp8, fp8_e4m3 \
+                                   (float8_e4m3fn, fp8_e4m3fnuz), fp8_e5m2 (float8_e5m2), fp32 \
+                                   (float32, float) or auto";
 
 impl Dtype {
     /// Bytes per element.
     pub fn bytes(self) -> u32 {
         match self {
             Dtype::Bf16 | Dtype::Fp16 => 2,
-            Dtype::Fp8 => 1,
+            Dtype::Fp8 | Dtype::Fp8E4m3 | Dtype::Fp8E5m2 => 1,
             Dtype::Fp32 => 4,
         }
     }
+
+    /// A dtype as mori-tp, PyTorch (`torch.bfloat16`, `float8_e4m3fn`), vLLM and SGLang
+    /// (`--dtype half`, `--kv-cache-dtype fp8_e5m2`) spell it, in any case.
+    pub fn parse(text: &str) -> Option<Dtype> {
+        let lower = text.trim().to_ascii_lowercase();
+        let name = lower.strip_prefix("torch.").unwrap_or(&lower);
+        Some(match name {
+            "bf16" | "bfloat16" => Dtype::Bf16,
+            "fp16" | "float16" | "half" | "f16" => Dtype::Fp16,
+            "fp8" | "float8" => Dtype::Fp8,
+            // The "fn" and "fnuz" (AMD) variants differ in NaN and zero encodings, not in size.
+            "fp8_e4m3" | "fp8e4m3" | "e4m3" | "float8_e4m3fn" | "fp8_e4m3fn"
+            | "float8_e4m3fnuz" | "fp8_e4m3fnuz" => Dtype::Fp8E4m3,
+            "fp8_e5m2" | "fp8e5m2" | "e5m2" | "float8_e5m2" | "float8_e5m2fnuz"
+            | "fp8_e5m2fnuz" => Dtype::Fp8E5m2,
+            "fp32" | "float32" | "float" | "f32" => Dtype::Fp32,
+            _ => return None,
+        })
+    }
+}
+
+/// Parses `--dtype`.
+pub fn parse_dtype(text: &str) -> Result<DtypeArg, String> {
+    if text.trim().eq_ignore_ascii_case("auto") {
+        return Ok(DtypeArg::Auto);
+    }
+    Dtype::parse(text)
+        .map(DtypeArg::Is)
+        .ok_or_else(|| format!("not a KV-cache dtype mori-tp knows; use one of {DTYPE_SPELLINGS}"))
 }
 
 impl fmt::Display for Dtype {
@@ -162,6 +335,8 @@ impl fmt::Display for Dtype {
             Dtype::Bf16 => "bf16",
             Dtype::Fp16 => "fp16",
             Dtype::Fp8 => "fp8",
+            Dtype::Fp8E4m3 => "fp8_e4m3",
+            Dtype::Fp8E5m2 => "fp8_e5m2",
             Dtype::Fp32 => "fp32",
         })
     }
@@ -198,6 +373,27 @@ fn head_dim_from_hidden(obj: &Map<String, Value>, fallback_for: &str) -> Result<
     Ok(hidden / heads)
 }
 
+/// Reads a model's `config.json`, or the one inside a model directory (a Hugging Face snapshot or
+/// checkout); the model is named by the path as given.
+pub fn read_config(path: &Path) -> Result<Model, String> {
+    let name = path.display().to_string();
+    let file = if path.is_dir() {
+        let file = path.join("config.json");
+        if !file.is_file() {
+            return Err(format!(
+                "{name} is a directory without a config.json (give the model's directory or its \
+                 config.json)"
+            ));
+        }
+        file
+    } else {
+        path.to_path_buf()
+    };
+    let text = std::fs::read_to_string(&file)
+        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    from_config_json(&text, &name)
+}
+
 /// Reads the KV-cache shape from the text of a Hugging Face `config.json`.
 ///
 /// - MLA (DeepSeek) when `kv_lora_rank` is present: one latent head of
@@ -225,6 +421,13 @@ pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
                 obj = text_config;
             }
         }
+        // transformers 4.56 renamed torch_dtype to dtype; multimodal configs may keep it at the top.
+        let torch_dtype = [obj, root.as_object().expect("checked above")]
+            .iter()
+            .flat_map(|o| [o.get("torch_dtype"), o.get("dtype")])
+            .flatten()
+            .find_map(Value::as_str)
+            .map(str::to_string);
         let layers = match positive(obj, "num_hidden_layers")? {
             Some(n) => n,
             None => required(obj, "num_layers", "and so is `num_hidden_layers`")?,
@@ -246,6 +449,7 @@ pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
                 head_dim,
                 layers,
                 attention: Attention::Mla,
+                torch_dtype,
             });
         }
 
@@ -262,6 +466,7 @@ pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
                 head_dim,
                 layers,
                 attention: Attention::of_heads(query_heads, groups),
+                torch_dtype,
             });
         }
 
@@ -287,6 +492,7 @@ pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
             head_dim,
             layers,
             attention: Attention::of_heads(query_heads, kv_heads),
+            torch_dtype,
         })
     };
     parse().map_err(|e| format!("{name}: {e}"))

@@ -1,81 +1,165 @@
 //! `mori-tp plan`: which prefill rank sends which heads to each decode rank, at which offsets,
 //! and what each decode rank receives; every number comes from the library's slice configs.
+//!
+//! The plan is produced one decode rank at a time, visiting only the prefill ranks that share a
+//! head with it, so time and memory grow with the pairs printed, never with P x D beyond them.
 
 use std::fmt::Write as _;
+use std::io::{self, Write};
+use std::ops::Range;
 
-use mori_tp::{Action, Pairing, SliceConfig};
+use mori_tp::{Action, SliceConfig, Staging, staging_for, staging_len};
 use serde_json::{Value, json};
 
 use crate::layout::{Layout, LayoutError, grouped, heads_text, human_bytes};
 use crate::model::Attention;
 
 /// One (prefill rank, decode rank) pair that shares heads.
-struct Pair {
-    prefill_rank: u32,
-    decode_rank: u32,
-    config: SliceConfig,
-    pairing: Pairing,
-    /// For a replica: the prefill rank that sends the shared heads instead.
-    sent_by: u32,
+#[derive(Clone, Debug)]
+pub struct Pair {
+    pub prefill_rank: u32,
+    pub decode_rank: u32,
+    pub config: SliceConfig,
+    /// The global heads both ranks own.
+    pub shared_heads: Range<u32>,
+    /// The prefill rank that sends the shared heads (this one, for a sending pair).
+    pub sent_by: u32,
+    /// The staging an RDMA connector should use (`staging_for`; none for a replica).
+    pub staging: Staging,
+    /// Bytes of one staging region for a request, over every buffer of every layer: what each
+    /// staged side sets aside (0 for a replica).
+    pub staging_bytes: u64,
 }
 
-/// The pairs of a layout that share heads, decode rank by decode rank, and their slices.
-fn pairs(layout: &Layout) -> Result<Vec<Pair>, LayoutError> {
-    let topology = &layout.topology;
-    let mut pairs = Vec::new();
-    for d in 0..layout.decode_tp() {
-        for p in 0..layout.prefill_tp() {
-            let config = layout.slice_config(p, d).map_err(|e| LayoutError {
-                summary: format!("prefill rank {p} -> decode rank {d}:"),
-                problems: vec![e.to_string()],
-            })?;
-            // Both ranks are below their TP sizes, and d owns the heads it shares with p.
-            let pairing = topology.pairing(p, d).expect("ranks in range");
-            if pairing.action == Action::NotPaired {
-                continue;
-            }
-            let sent_by = topology
-                .sender(d, pairing.shared_heads.start)
-                .expect("d owns its shared heads");
-            pairs.push(Pair {
-                prefill_rank: p,
-                decode_rank: d,
-                config,
-                pairing,
-                sent_by,
-            });
-        }
+impl Pair {
+    /// True for the pair that moves the shared heads; false for a replica that skips.
+    pub fn sends(&self) -> bool {
+        self.config.action == Action::Send
     }
-    Ok(pairs)
+
+    /// The heads this pair moves (empty for a replica).
+    pub fn heads(&self) -> Range<u32> {
+        self.config.first_head..self.config.first_head + self.config.num_heads
+    }
 }
 
-/// What one decode rank receives.
-struct Received {
+/// One decode rank: the heads it owns, every prefill rank that shares one, and what it receives.
+#[derive(Clone, Debug)]
+pub struct DecodeRank {
+    pub rank: u32,
+    pub heads: Range<u32>,
+    /// Pairs in prefill rank order.
+    pub pairs: Vec<Pair>,
     /// Bytes per token per buffer: the sum of the widths of its senders.
-    per_token_per_buffer: u64,
+    pub per_token_per_buffer: u64,
     /// Bytes per token over every buffer of every layer.
-    per_token: u64,
-    /// Bytes per request of `tokens` tokens (whole pages).
-    per_request: u64,
-}
-
-fn received(layout: &Layout, pairs: &[Pair], d: u32, request_tokens: u64) -> Received {
-    let per_token_per_buffer: u64 = pairs
-        .iter()
-        .filter(|pair| pair.decode_rank == d && pair.config.action == Action::Send)
-        .map(|pair| pair.config.heads_bytes_per_token_to_send)
-        .sum();
-    let per_token = per_token_per_buffer.saturating_mul(layout.buffers(layout.model.layers));
-    Received {
-        per_token_per_buffer,
-        per_token,
-        per_request: per_token.saturating_mul(request_tokens),
-    }
+    pub per_token: u64,
+    /// Bytes per request of [`request_tokens`] tokens.
+    pub per_request: u64,
 }
 
 /// Tokens a request of `tokens` occupies: whole pages move.
-fn request_tokens(layout: &Layout, tokens: u32) -> u64 {
+pub fn request_tokens(layout: &Layout, tokens: u32) -> u64 {
     u64::from(tokens).div_ceil(u64::from(layout.page_size)) * u64::from(layout.page_size)
+}
+
+/// Decode rank `d` with its pairs and totals.
+pub fn decode_rank(layout: &Layout, d: u32, tokens: u32) -> Result<DecodeRank, LayoutError> {
+    let topology = &layout.topology;
+    let prefill = topology.prefill();
+    // The library answers None or Err only for ranks and heads outside the layout; every rank
+    // and head here comes from it.
+    const IN_RANGE: &str = "ranks below their TP sizes, heads below the model's";
+    let heads = layout.decode_heads(d);
+    // The prefill ranks owning any of these heads are consecutive: from the first owner of the
+    // first head to the last replica of the last one.
+    let first = prefill.first_owner(heads.start).expect(IN_RANGE);
+    let last = prefill.first_owner(heads.end - 1).expect(IN_RANGE) + prefill.replication() - 1;
+    let mut pairs = Vec::new();
+    for p in first..=last {
+        let pairing = topology.pairing(p, d).expect(IN_RANGE);
+        if pairing.action == Action::NotPaired {
+            continue;
+        }
+        let fail = |e: mori_tp::Error| LayoutError {
+            summary: format!("prefill rank {p} -> decode rank {d}:"),
+            problems: vec![crate::layout::Problem {
+                message: e.to_string(),
+                topology: None,
+            }],
+        };
+        let config = layout.slice_config(p, d).map_err(fail)?;
+        let staging = staging_for(&config).map_err(fail)?;
+        let pages = request_tokens(layout, tokens) / u64::from(layout.page_size);
+        let per_buffer = staging_len(&config, pages as usize).map_err(fail)?;
+        pairs.push(Pair {
+            prefill_rank: p,
+            decode_rank: d,
+            config,
+            staging,
+            staging_bytes: per_buffer.saturating_mul(layout.buffers(layout.model.layers)),
+            sent_by: topology
+                .sender(d, pairing.shared_heads.start)
+                .expect(IN_RANGE),
+            shared_heads: pairing.shared_heads,
+        });
+    }
+    let per_token_per_buffer: u64 = pairs
+        .iter()
+        .filter(|pair| pair.sends())
+        .map(|pair| pair.config.heads_bytes_per_token_to_send)
+        .sum();
+    let per_token = per_token_per_buffer.saturating_mul(layout.buffers(layout.model.layers));
+    Ok(DecodeRank {
+        rank: d,
+        heads,
+        pairs,
+        per_token_per_buffer,
+        per_token,
+        per_request: per_token.saturating_mul(request_tokens(layout, tokens)),
+    })
+}
+
+/// Every decode rank in order, computed as the iterator advances.
+pub fn decode_ranks(
+    layout: &Layout,
+    tokens: u32,
+) -> impl Iterator<Item = Result<DecodeRank, LayoutError>> + '_ {
+    (0..layout.decode_tp()).map(move |d| decode_rank(layout, d, tokens))
+}
+
+/// The JSON name of a staging mode, as the C enum `MoriTpStaging` names it.
+pub fn staging_name(staging: Staging) -> &'static str {
+    match staging {
+        Staging::None => "none",
+        Staging::Src => "src",
+        Staging::Dst => "dst",
+        Staging::Both => "both",
+    }
+}
+
+/// What an RDMA connector does for a sending pair with its staging, in words: who packs, who
+/// unpacks, and the staging bytes per request. (Each side `staging_for` leaves alone has a token
+/// slot exactly as wide as the slice, so its runs of pages are contiguous.)
+fn staging_text(pair: &Pair) -> String {
+    let (p, d) = (pair.prefill_rank, pair.decode_rank);
+    let bytes = human_bytes(pair.staging_bytes);
+    match pair.staging {
+        Staging::None => {
+            "RDMA staging none: the slice is the whole token on both sides; a segment per run"
+                .into()
+        }
+        Staging::Src => format!(
+            "RDMA staging src: prefill rank {p} packs {bytes} per request; a segment per run"
+        ),
+        Staging::Dst => format!(
+            "RDMA staging dst: a segment per run into {bytes} per request; decode rank {d} unpacks"
+        ),
+        Staging::Both => format!(
+            "RDMA staging both: prefill rank {p} packs {bytes} per request, a segment per buffer, \
+             decode rank {d} unpacks"
+        ),
+    }
 }
 
 fn action_name(action: Action) -> &'static str {
@@ -86,71 +170,128 @@ fn action_name(action: Action) -> &'static str {
     }
 }
 
-/// The plan as one JSON object.
-pub fn json(layout: &Layout, tokens: u32) -> Result<Value, LayoutError> {
-    let pairs = pairs(layout)?;
+/// `[start, end)` as a JSON pair.
+fn range_json(range: &Range<u32>) -> Value {
+    json!([range.start, range.end])
+}
+
+/// One pair as a JSON object on one line, written field by field: a plan can hold a million
+/// pairs, and a `Value` per pair would cost far more than the numbers themselves.
+fn write_pair_json(out: &mut dyn Write, pair: &Pair) -> io::Result<()> {
+    let c = &pair.config;
+    write!(
+        out,
+        "{{\"prefill_rank\":{},\"decode_rank\":{},\"action\":\"{}\",\"first_head\":{},\
+         \"num_heads\":{},\"src_head_slice_offset\":{},\"dst_head_slice_offset\":{},\
+         \"heads_bytes_per_token_to_send\":{},\"bytes_per_token_src\":{},\
+         \"bytes_per_token_dst\":{},\"shared_heads\":[{},{}]",
+        pair.prefill_rank,
+        pair.decode_rank,
+        action_name(c.action),
+        c.first_head,
+        c.num_heads,
+        c.src_head_slice_offset,
+        c.dst_head_slice_offset,
+        c.heads_bytes_per_token_to_send,
+        c.bytes_per_token_src,
+        c.bytes_per_token_dst,
+        pair.shared_heads.start,
+        pair.shared_heads.end,
+    )?;
+    if pair.sends() {
+        write!(
+            out,
+            ",\"staging\":\"{}\",\"staging_bytes_per_request\":{}",
+            staging_name(pair.staging),
+            pair.staging_bytes
+        )?;
+    } else {
+        write!(out, ",\"sent_by\":{}", pair.sent_by)?;
+    }
+    out.write_all(b"}")
+}
+
+fn decode_rank_json(rank: &DecodeRank) -> Value {
+    json!({
+        "decode_rank": rank.rank,
+        "heads": range_json(&rank.heads),
+        "bytes_per_token_per_buffer": rank.per_token_per_buffer,
+        "bytes_per_token": rank.per_token,
+        "bytes_per_request": rank.per_request,
+    })
+}
+
+/// The fields of the plan's JSON object that come before the pairs.
+fn json_head(layout: &Layout, tokens: u32) -> Vec<(&'static str, Value)> {
     let model = &layout.model;
-    let request = request_tokens(layout, tokens);
-    let pair_values: Vec<Value> = pairs
-        .iter()
-        .map(|pair| {
-            let c = &pair.config;
-            let mut value = json!({
-                "prefill_rank": pair.prefill_rank,
-                "decode_rank": pair.decode_rank,
-                "action": action_name(c.action),
-                "first_head": c.first_head,
-                "num_heads": c.num_heads,
-                "src_head_slice_offset": c.src_head_slice_offset,
-                "dst_head_slice_offset": c.dst_head_slice_offset,
-                "heads_bytes_per_token_to_send": c.heads_bytes_per_token_to_send,
-                "bytes_per_token_src": c.bytes_per_token_src,
-                "bytes_per_token_dst": c.bytes_per_token_dst,
-                "shared_heads": [pair.pairing.shared_heads.start, pair.pairing.shared_heads.end],
-            });
-            if c.action == Action::SkipReplica {
-                value["sent_by"] = json!(pair.sent_by);
-            }
-            value
-        })
-        .collect();
-    let decode_ranks: Vec<Value> = (0..layout.decode_tp())
-        .map(|d| {
-            let heads = layout
-                .topology
-                .decode()
-                .owned_heads(d)
-                .expect("rank in range");
-            let r = received(layout, &pairs, d, request);
+    vec![
+        (
+            "model",
             json!({
-                "decode_rank": d,
-                "heads": [heads.start, heads.end],
-                "bytes_per_token_per_buffer": r.per_token_per_buffer,
-                "bytes_per_token": r.per_token,
-                "bytes_per_request": r.per_request,
-            })
-        })
-        .collect();
-    Ok(json!({
-        "model": {
-            "name": model.name,
-            "attention": model.attention.label(),
-            "kv_heads": model.kv_heads,
-            "head_dim": model.head_dim,
-            "layers": model.layers,
-            "buffers_per_layer": model.attention.buffers_per_layer(),
-            "dtype": layout.dtype.to_string(),
-            "bytes_per_head": layout.bytes_per_head,
-        },
-        "prefill_tp": layout.prefill_tp(),
-        "decode_tp": layout.decode_tp(),
-        "page_size": layout.page_size,
-        "src_item_len": layout.src_item_len,
-        "dst_item_len": layout.dst_item_len,
-        "request_tokens": request,
-        "pairs": pair_values,
-        "decode_ranks": decode_ranks,
-    }))
+                "name": model.name,
+                "attention": model.attention.label(),
+                "kv_heads": model.kv_heads,
+                "head_dim": model.head_dim,
+                "layers": model.layers,
+                "buffers_per_layer": model.attention.buffers_per_layer(),
+                "dtype": layout.dtype.to_string(),
+                "bytes_per_head": layout.bytes_per_head,
+            }),
+        ),
+        ("prefill_tp", json!(layout.prefill_tp())),
+        ("decode_tp", json!(layout.decode_tp())),
+        ("page_size", json!(layout.page_size)),
+        ("src_item_len", json!(layout.src_item_len)),
+        ("dst_item_len", json!(layout.dst_item_len)),
+        ("request_tokens", json!(request_tokens(layout, tokens))),
+    ]
+}
+
+/// Writes the plan as one JSON object: the layout's fields, then `"pairs"` and `"decode_ranks"`
+/// with one element per line, streamed as they are computed. The layout must be valid.
+pub fn write_json(layout: &Layout, tokens: u32, out: &mut dyn Write) -> Result<(), Failure> {
+    out.write_all(b"{\n")?;
+    for (key, value) in json_head(layout, tokens) {
+        writeln!(out, "  {}: {value},", json!(key))?;
+    }
+    out.write_all(b"  \"pairs\": [")?;
+    let mut ranks = Vec::with_capacity(layout.decode_tp() as usize);
+    let mut first = true;
+    for rank in decode_ranks(layout, tokens) {
+        let rank = rank?;
+        for pair in &rank.pairs {
+            out.write_all(if first { b"\n    " } else { b",\n    " })?;
+            write_pair_json(out, pair)?;
+            first = false;
+        }
+        ranks.push(decode_rank_json(&rank));
+    }
+    out.write_all(b"\n  ],\n  \"decode_ranks\": [")?;
+    for (i, rank) in ranks.iter().enumerate() {
+        let separator = if i == 0 { "\n" } else { ",\n" };
+        write!(out, "{separator}    {rank}")?;
+    }
+    out.write_all(b"\n  ]\n}\n")?;
+    Ok(())
+}
+
+/// Why writing a plan stopped.
+#[derive(Debug)]
+pub enum Failure {
+    Layout(LayoutError),
+    Io(io::Error),
+}
+
+impl From<LayoutError> for Failure {
+    fn from(e: LayoutError) -> Self {
+        Failure::Layout(e)
+    }
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        Failure::Io(e)
+    }
 }
 
 /// The model and both sides, in a few lines (shared with `simulate`).
@@ -168,12 +309,13 @@ pub fn header(layout: &Layout) -> String {
     };
     let _ = writeln!(
         out,
-        "model:    {}: {} KV head{} x head_dim {}, {kind}, {} layers",
+        "model:    {}: {} KV head{} x head_dim {}, {kind}, {} layer{}",
         m.name,
         m.kv_heads,
         if m.kv_heads == 1 { "" } else { "s" },
         m.head_dim,
         m.layers,
+        if m.layers == 1 { "" } else { "s" },
     );
     let _ = writeln!(
         out,
@@ -198,67 +340,105 @@ pub fn header(layout: &Layout) -> String {
     out
 }
 
-/// The plan for people.
-pub fn text(layout: &Layout, tokens: u32) -> Result<String, LayoutError> {
-    let pairs = pairs(layout)?;
-    let request = request_tokens(layout, tokens);
-    let sends = pairs
-        .iter()
-        .filter(|p| p.config.action == Action::Send)
-        .count();
-    let skips = pairs.len() - sends;
-    let total = u64::from(layout.prefill_tp()) * u64::from(layout.decode_tp());
-    let buffers = layout.buffers(layout.model.layers);
+/// `rank 3`, `ranks 1-7`.
+fn ranks_text(ranks: &Range<u32>) -> String {
+    if ranks.len() == 1 {
+        format!("rank {}", ranks.start)
+    } else {
+        format!("ranks {}-{}", ranks.start, ranks.end - 1)
+    }
+}
 
-    let mut out = header(layout);
+/// One decode rank's lines: each sender, the replicas that skip (consecutive prefill ranks that
+/// skip the same heads for the same sender on one line), and what it receives.
+fn rank_text(layout: &Layout, rank: &DecodeRank, tokens: u32) -> String {
+    let mut out = format!(
+        "decode rank {}, {}:\n",
+        rank.rank,
+        heads_text(rank.heads.clone())
+    );
+    let mut i = 0;
+    while i < rank.pairs.len() {
+        let pair = &rank.pairs[i];
+        let c = &pair.config;
+        let p = pair.prefill_rank;
+        if pair.sends() {
+            let width = c.heads_bytes_per_token_to_send;
+            let _ = writeln!(
+                out,
+                "  prefill rank {p} sends {}: bytes [{}, {}) of each {} B token -> [{}, {}) of \
+                 each {} B token",
+                heads_text(pair.heads()),
+                c.src_head_slice_offset,
+                c.src_head_slice_offset + width,
+                c.bytes_per_token_src,
+                c.dst_head_slice_offset,
+                c.dst_head_slice_offset + width,
+                c.bytes_per_token_dst,
+            );
+            let _ = writeln!(out, "    {}", staging_text(pair));
+            i += 1;
+            continue;
+        }
+        let same = |other: &Pair| {
+            !other.sends()
+                && other.shared_heads == pair.shared_heads
+                && other.sent_by == pair.sent_by
+        };
+        let mut end = i + 1;
+        while end < rank.pairs.len()
+            && same(&rank.pairs[end])
+            && rank.pairs[end].prefill_rank == rank.pairs[end - 1].prefill_rank + 1
+        {
+            end += 1;
+        }
+        let ranks = p..rank.pairs[end - 1].prefill_rank + 1;
+        let _ = writeln!(
+            out,
+            "  prefill {} skip{} {} (replica{}: prefill rank {} sends it)",
+            ranks_text(&ranks),
+            if ranks.len() == 1 { "s" } else { "" },
+            heads_text(pair.shared_heads.clone()),
+            if ranks.len() == 1 { "" } else { "s" },
+            pair.sent_by
+        );
+        i = end;
+    }
     let _ = writeln!(
+        out,
+        "  receives {} B per token ({} B x {} buffers), {} per {}-token request",
+        grouped(rank.per_token),
+        grouped(rank.per_token_per_buffer),
+        layout.buffers(layout.model.layers),
+        human_bytes(rank.per_request),
+        grouped(request_tokens(layout, tokens)),
+    );
+    out
+}
+
+/// Writes the plan for people: the header, the counts, then each decode rank as it is computed.
+pub fn write_text(layout: &Layout, tokens: u32, out: &mut dyn Write) -> Result<(), Failure> {
+    // The counts come first but need every pair; a first pass counts without keeping them.
+    let (mut sends, mut skips) = (0u64, 0u64);
+    for rank in decode_ranks(layout, tokens) {
+        for pair in rank?.pairs {
+            if pair.sends() {
+                sends += 1;
+            } else {
+                skips += 1;
+            }
+        }
+    }
+    let total = u64::from(layout.prefill_tp()) * u64::from(layout.decode_tp());
+    out.write_all(header(layout).as_bytes())?;
+    writeln!(
         out,
         "valid layout: {sends} pair{} send, {skips} skip as replicas, {} share no head\n",
         if sends == 1 { "" } else { "s" },
-        total - pairs.len() as u64,
-    );
-    for d in 0..layout.decode_tp() {
-        let owned = layout
-            .topology
-            .decode()
-            .owned_heads(d)
-            .expect("rank in range");
-        let _ = writeln!(out, "decode rank {d}, {}:", heads_text(owned));
-        for pair in pairs.iter().filter(|p| p.decode_rank == d) {
-            let c = &pair.config;
-            let p = pair.prefill_rank;
-            if c.action == Action::Send {
-                let width = c.heads_bytes_per_token_to_send;
-                let _ = writeln!(
-                    out,
-                    "  prefill rank {p} sends {}: bytes [{}, {}) of each {} B token -> [{}, {}) of \
-                     each {} B token",
-                    heads_text(c.first_head..c.first_head + c.num_heads),
-                    c.src_head_slice_offset,
-                    c.src_head_slice_offset + width,
-                    c.bytes_per_token_src,
-                    c.dst_head_slice_offset,
-                    c.dst_head_slice_offset + width,
-                    c.bytes_per_token_dst,
-                );
-            } else {
-                let _ = writeln!(
-                    out,
-                    "  prefill rank {p} skips {} (a replica: prefill rank {} sends it)",
-                    heads_text(pair.pairing.shared_heads.clone()),
-                    pair.sent_by
-                );
-            }
-        }
-        let r = received(layout, &pairs, d, request);
-        let _ = writeln!(
-            out,
-            "  receives {} B per token ({} B x {buffers} buffers), {} per {}-token request",
-            grouped(r.per_token),
-            grouped(r.per_token_per_buffer),
-            human_bytes(r.per_request),
-            grouped(request),
-        );
+        total - sends - skips,
+    )?;
+    for rank in decode_ranks(layout, tokens) {
+        out.write_all(rank_text(layout, &rank?, tokens).as_bytes())?;
     }
-    Ok(out)
+    Ok(())
 }

@@ -1,19 +1,19 @@
-//! `mori-tp simulate`: one request of a deployment, moved in host memory through the same C entry
-//! point a serving engine calls (`mori_send_kvcache`), then every decode byte checked.
+//! `mori-tp simulate`: one request of a deployment, moved in host memory through the library's
+//! Rust API (`slice_config`, `Plan`, `send_host`, or the HIP engine), then every decode byte
+//! checked.
 //!
 //! Every prefill rank's buffers are filled with bytes that identify (buffer, page, token, head,
 //! byte): each 8-byte word is a bijective hash of its unique coordinates, so a copy from the wrong
 //! head, page, token, layer or offset cannot go unnoticed. Decode buffers start as a sentinel.
 
-use std::ffi::{CStr, c_void};
 use std::time::{Duration, Instant};
 
-use mori_tp::ffi::{
-    MORI_BACKEND_HOST, MORI_ERR_BUFFER_TOO_SMALL, MORI_OK, MORI_SEND_SYNCHRONIZE,
-    MORI_TP_ACTION_SEND, MORI_TP_ACTION_SKIP_REPLICA, MoriCopyRect, MoriKvBuffers, MoriSendOptions,
-    MoriStatus, MoriTpSliceConfig, MoriTpSliceParams, mori_last_error_message, mori_send_kvcache,
-    mori_status_str, mori_tp_plan, mori_tp_slice_config,
+use mori_tp::backend::open_engine;
+use mori_tp::{
+    Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, Staging,
+    pack, pack_host, plan_transfer, send, send_host, staging_for, staging_len, unpack, unpack_host,
 };
+use mori_tp_testkit::{Request, RunLengths, fragmented_request, mix};
 
 use crate::layout::{Layout, grouped, heads_text, human_bytes, labelled};
 
@@ -22,6 +22,15 @@ pub const SENTINEL: u8 = 0xEE;
 
 /// Host memory a simulation may allocate before it refuses.
 const MEMORY_LIMIT: u64 = 4 << 30;
+
+/// The copy backend `simulate` moves the bytes with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendArg {
+    /// CPU copies (the library's host engine)
+    Host,
+    /// hipMemcpy2DAsync on the null stream (the buffers stay in host memory)
+    Hip,
+}
 
 /// The knobs of a simulation.
 #[derive(Clone, Copy, Debug)]
@@ -34,90 +43,8 @@ pub struct Options {
     pub seed: u64,
     /// Probability that a page starts a new run (0: one contiguous run, 1: no adjacent pages).
     pub fragmentation: f64,
-}
-
-/// splitmix64's output function: a bijection on u64 that scatters every input bit.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// A small deterministic generator, so a run reproduces from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix(self.0)
-    }
-
-    /// Uniform in `[0, 1)`.
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `0..n`.
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// A request: page pairs as a serving engine's page tables would hand them over.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Request {
-    pub src_pages: Vec<i32>,
-    pub dst_pages: Vec<i32>,
-    /// Runs of pages adjacent on both sides.
-    pub runs: usize,
-    pub src_capacity_pages: u64,
-    pub dst_capacity_pages: u64,
-}
-
-/// `pages` page pairs split into runs (a page starts a new run with probability
-/// `fragmentation`), laid out in a different shuffled order on each side with free pages between
-/// runs, as an allocator that has been running for a while hands them out.
-pub fn fragmented_request(pages: u32, fragmentation: f64, seed: u64) -> Request {
-    let mut rng = Rng(seed);
-    let mut run_lengths = vec![1u64];
-    for _ in 1..pages {
-        if rng.unit() < fragmentation {
-            run_lengths.push(1);
-        } else {
-            *run_lengths.last_mut().expect("one run at least") += 1;
-        }
-    }
-    // Places the runs in shuffled order, one or two free pages apart (so no two runs touch),
-    // and returns each run's first page and the pages the buffer needs.
-    let place = |rng: &mut Rng| {
-        let mut order: Vec<usize> = (0..run_lengths.len()).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i + 1));
-        }
-        let mut starts = vec![0u64; run_lengths.len()];
-        let mut next = rng.below(3) as u64;
-        for &run in &order {
-            starts[run] = next;
-            next += run_lengths[run] + 1 + rng.below(2) as u64;
-        }
-        (starts, next)
-    };
-    let (src_starts, src_capacity_pages) = place(&mut rng);
-    let (dst_starts, dst_capacity_pages) = place(&mut rng);
-    let expand = |starts: &[u64]| -> Vec<i32> {
-        starts
-            .iter()
-            .zip(&run_lengths)
-            .flat_map(|(&start, &len)| (start..start + len).map(|page| page as i32))
-            .collect()
-    };
-    Request {
-        src_pages: expand(&src_starts),
-        dst_pages: expand(&dst_starts),
-        runs: run_lengths.len(),
-        src_capacity_pages,
-        dst_capacity_pages,
-    }
+    /// How the bytes move.
+    pub backend: BackendArg,
 }
 
 /// The bytes every prefill rank holds: each 8-byte word of a head is `mix(seed ^ key)` where
@@ -151,15 +78,26 @@ pub struct SendStats {
     /// (decode rank, prefill rank, first head, heads) of every sending pair.
     pub senders: Vec<(u32, u32, u32, u32)>,
     /// Pairs the library marked as replicas (nothing to send).
-    pub replicas_skipped: u32,
+    pub replicas_skipped: u64,
     /// Strided 2D copies issued: rects of each pair's plan times buffers.
     pub copies: u64,
-    /// Copies a planner issuing one per token per pair per buffer would need.
+    /// Copies (or RDMA segments) a planner issuing one per token per pair per buffer would need.
     pub per_token_copies: u64,
     /// Bytes moved.
     pub bytes: u64,
-    /// Time spent inside `mori_send_kvcache`.
+    /// Time spent inside the library's send.
     pub elapsed: Duration,
+    /// Segments an RDMA engine gets for the direct transfer (pages to pages), over all pairs
+    /// and buffers.
+    pub direct_segments: u64,
+    /// Segments an RDMA engine gets with the staging `staging_for` chooses.
+    pub staged_segments: u64,
+    /// Sending pairs per staging mode, in the order of [`Staging::ALL`].
+    pub staging_modes: [u64; 4],
+    /// Staging bytes per request over all pairs: each staged side's region.
+    pub staging_bytes: u64,
+    /// Time spent packing, moving the segments and unpacking.
+    pub staged_elapsed: Duration,
 }
 
 /// What the check of every decode byte found.
@@ -184,64 +122,80 @@ pub struct Simulation<'a> {
     pattern: Pattern,
     /// `src[p][b]`: buffer `b` of prefill rank `p` (K of each layer, then V of each layer).
     src: Vec<Vec<Vec<u8>>>,
-    /// `dst[d][b]`: buffer `b` of decode rank `d`.
+    /// `dst[d][b]`: buffer `b` of decode rank `d`, written by the direct transfer.
     dst: Vec<Vec<Vec<u8>>>,
-}
-
-/// The status name and message of a failed C call.
-fn ffi_failure(function: &str, status: MoriStatus) -> String {
-    // SAFETY: both functions return static or thread-local NUL-terminated strings.
-    let (name, message) = unsafe {
-        (
-            CStr::from_ptr(mori_status_str(status)).to_string_lossy(),
-            CStr::from_ptr(mori_last_error_message()).to_string_lossy(),
-        )
-    };
-    format!("{function} returned {name} ({status}): {message}")
+    /// The same, written by the staged transfer (pack, segments, unpack).
+    dst_staged: Vec<Vec<Vec<u8>>>,
+    /// The HIP engine, when `--backend hip` asked for it; host copies need none.
+    engine: Option<Box<dyn CopyEngine>>,
 }
 
 impl<'a> Simulation<'a> {
     /// Allocates and fills every rank's buffers, or says why it would take too much memory.
-    pub fn new(layout: &'a Layout, options: &Options) -> Result<Self, String> {
+    pub fn new(layout: &'a Layout, options: &Options) -> Result<Self, SimError> {
         let page_size = u64::from(layout.page_size);
         let pages = u64::from(options.tokens).div_ceil(page_size);
-        let pages = u32::try_from(pages).map_err(|_| "too many pages".to_string())?;
+        let pages = usize::try_from(pages).expect("at most 2^32 pages");
         let layers = layout.model.layers.min(options.layers_limit);
         let buffers = layout.buffers(layers);
         // The request's page counts bound the capacities: each run adds at most 2 free pages.
-        let worst_pages = 3 * u128::from(pages) + 3;
+        let worst_pages = 3 * pages as u128 + 3;
+        // Prefill buffers, decode buffers twice (direct and staged), and one pair's staging
+        // regions, each at most a page's slot per page and buffer.
+        let item = u128::from(layout.src_item_len.max(layout.dst_item_len));
         let memory = u128::from(buffers)
             * worst_pages
             * (u128::from(layout.prefill_tp()) * u128::from(layout.src_item_len)
-                + u128::from(layout.decode_tp()) * u128::from(layout.dst_item_len));
+                + 2 * u128::from(layout.decode_tp()) * u128::from(layout.dst_item_len)
+                + 2 * item);
         if memory > u128::from(MEMORY_LIMIT) || worst_pages > i32::MAX as u128 {
-            return Err(format!(
+            return Err(SimError::TooLarge(format!(
                 "simulating {} tokens over {layers} layers of {} prefill and {} decode ranks could \
-                 need up to {} of host memory (limit {}); lower --tokens or --layers-limit",
+                 need up to {} of host memory (limit {}); lower --tokens, --layers-limit or the \
+                 TP sizes",
                 options.tokens,
                 layout.prefill_tp(),
                 layout.decode_tp(),
                 human_bytes(u64::try_from(memory).unwrap_or(u64::MAX)),
                 human_bytes(MEMORY_LIMIT),
-            ));
+            )));
         }
-        let request = fragmented_request(pages, options.fragmentation, options.seed);
+        // Before allocating: a backend that cannot run here is refused at once.
+        let engine = match options.backend {
+            BackendArg::Host => None,
+            BackendArg::Hip => Some(
+                open_engine(&SendOptions {
+                    backend: Backend::Hip,
+                    synchronize: true,
+                    copy_kernel: false,
+                    stream: std::ptr::null_mut(),
+                })
+                .map_err(|e| match e {
+                    Error::BackendUnavailable { .. } => SimError::Backend(e.to_string()),
+                    other => SimError::Library(other.to_string()),
+                })?,
+            ),
+        };
+        let request = fragmented_request(
+            options.seed,
+            pages,
+            RunLengths::Chance(options.fragmentation),
+        );
         let pattern = Pattern {
             seed: mix(options.seed ^ 0x6D6F_7269_2D74_7000),
-            pages: request.src_capacity_pages,
+            pages: request.src_capacity_pages as u64,
             page_size,
             heads: u64::from(layout.model.kv_heads),
             words_per_head: layout.bytes_per_head.div_ceil(8),
         };
         let buffers = buffers as usize;
-        let prefill = layout.topology.prefill();
         let bph = layout.bytes_per_head as usize;
         let src = (0..layout.prefill_tp())
             .map(|p| {
-                let heads = prefill.owned_heads(p).expect("rank in range");
+                let heads = layout.prefill_heads(p);
                 (0..buffers)
                     .map(|b| {
-                        let len = request.src_capacity_pages * layout.src_item_len;
+                        let len = request.src_capacity_pages as u64 * layout.src_item_len;
                         let mut buffer = vec![0u8; len as usize];
                         // Token-major pages: the token slots follow each other, heads inside.
                         let tokens = buffer.chunks_exact_mut(heads.len() * bph);
@@ -256,8 +210,8 @@ impl<'a> Simulation<'a> {
                     .collect()
             })
             .collect();
-        let dst_len = (request.dst_capacity_pages * layout.dst_item_len) as usize;
-        let dst = (0..layout.decode_tp())
+        let dst_len = (request.dst_capacity_pages as u64 * layout.dst_item_len) as usize;
+        let dst: Vec<Vec<Vec<u8>>> = (0..layout.decode_tp())
             .map(|_| vec![vec![SENTINEL; dst_len]; buffers])
             .collect();
         Ok(Simulation {
@@ -266,7 +220,9 @@ impl<'a> Simulation<'a> {
             request,
             pattern,
             src,
+            dst_staged: dst.clone(),
             dst,
+            engine,
         })
     }
 
@@ -280,149 +236,192 @@ impl<'a> Simulation<'a> {
         let total = |ranks: &[Vec<Vec<u8>>]| -> u64 {
             ranks.iter().flatten().map(|b| b.len() as u64).sum()
         };
-        total(&self.src) + total(&self.dst)
+        total(&self.src) + total(&self.dst) + total(&self.dst_staged)
     }
 
-    /// The config the library computes for a pair, through the C ABI.
-    fn slice_config(&self, p: u32, d: u32) -> Result<MoriTpSliceConfig, String> {
-        let params = self.layout.slice_params(p, d);
-        let params = MoriTpSliceParams {
-            prefill_tp_size: params.prefill_tp_size,
-            prefill_tp_rank: params.prefill_tp_rank,
-            decode_tp_size: params.decode_tp_size,
-            decode_tp_rank: params.decode_tp_rank,
-            total_kv_heads: params.total_kv_heads,
-            page_size: params.page_size,
-            src_item_len: params.src_item_len,
-            dst_item_len: params.dst_item_len,
-        };
-        let mut config = MoriTpSliceConfig::default();
-        // SAFETY: both pointers come from live references.
-        let status = unsafe { mori_tp_slice_config(&params, &mut config) };
-        if status != MORI_OK {
-            return Err(ffi_failure("mori_tp_slice_config", status));
-        }
-        Ok(config)
-    }
-
-    /// The rects the library plans for a config and this request, through the C ABI.
-    fn rects(&self, config: &MoriTpSliceConfig) -> Result<Vec<MoriCopyRect>, String> {
-        let r = &self.request;
-        let plan = |out: &mut [MoriCopyRect], len: &mut usize| {
-            let out_ptr = if out.is_empty() {
-                std::ptr::null_mut()
-            } else {
-                out.as_mut_ptr()
-            };
-            // SAFETY: the page arrays hold `len()` entries each and `out` holds `out.len()`.
-            unsafe {
-                mori_tp_plan(
-                    config,
-                    r.src_pages.as_ptr(),
-                    r.dst_pages.as_ptr(),
-                    r.src_pages.len(),
-                    out_ptr,
-                    out.len(),
-                    len,
-                )
-            }
-        };
-        let mut needed = 0;
-        let status = plan(&mut [], &mut needed);
-        if status != MORI_OK && status != MORI_ERR_BUFFER_TOO_SMALL {
-            return Err(ffi_failure("mori_tp_plan", status));
-        }
-        let mut rects = vec![MoriCopyRect::default(); needed];
-        let status = plan(&mut rects, &mut needed);
-        if status != MORI_OK {
-            return Err(ffi_failure("mori_tp_plan", status));
-        }
-        Ok(rects)
-    }
-
-    /// Sends one pair's slice of every buffer with `mori_send_kvcache` (host backend), using the
-    /// given config, and returns the time the call took.
+    /// Sends one pair's slice of every buffer with the chosen backend, following the plan the
+    /// library makes of `config` and the request; returns what moved and the time it took.
     pub fn send_pair(
         &mut self,
         p: u32,
         d: u32,
-        config: &MoriTpSliceConfig,
-    ) -> Result<Duration, String> {
-        let src: Vec<*const c_void> = self.src[p as usize]
-            .iter()
-            .map(|b| b.as_ptr().cast())
-            .collect();
-        let dst: Vec<*mut c_void> = self.dst[d as usize]
-            .iter_mut()
-            .map(|b| b.as_mut_ptr().cast())
-            .collect();
-        let capacity = |ranks: &[Vec<Vec<u8>>]| ranks[0][0].len() as u64;
-        let buffers = MoriKvBuffers {
-            src: src.as_ptr(),
-            dst: dst.as_ptr(),
-            num_buffers: src.len(),
-            src_capacity: capacity(&self.src),
-            dst_capacity: capacity(&self.dst),
-        };
-        let options = MoriSendOptions {
-            backend: MORI_BACKEND_HOST,
-            flags: MORI_SEND_SYNCHRONIZE,
-            stream: std::ptr::null_mut(),
-        };
+        config: &SliceConfig,
+    ) -> mori_tp::Result<(SendReport, Duration)> {
         let r = &self.request;
+        let plan = Plan::new(config, &r.src_pages, &r.dst_pages)?;
+        let src: Vec<&[u8]> = self.src[p as usize].iter().map(Vec::as_slice).collect();
+        let mut dst: Vec<&mut [u8]> = self.dst[d as usize]
+            .iter_mut()
+            .map(Vec::as_mut_slice)
+            .collect();
         let start = Instant::now();
-        // SAFETY: every pointer comes from a live Vec of exactly the stated capacity; the decode
-        // buffers are borrowed mutably and are distinct from the prefill ones.
-        let status = unsafe {
-            mori_send_kvcache(
-                config,
-                &buffers,
-                r.src_pages.as_ptr(),
-                r.dst_pages.as_ptr(),
-                r.src_pages.len(),
-                &options,
-            )
+        let report = match &mut self.engine {
+            None => send_host(&plan, &src, &mut dst)?,
+            Some(engine) => {
+                let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+                let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
+                let buffers = KvBuffers {
+                    src: &src_ptrs,
+                    dst: &dst_ptrs,
+                    src_capacity: src[0].len() as u64,
+                    dst_capacity: dst[0].len() as u64,
+                };
+                // SAFETY: every pointer comes from a live buffer of exactly the stated capacity
+                // (all of a side's buffers have one length), the decode buffers are borrowed
+                // mutably and apart from the prefill ones, and the engine synchronizes before
+                // `send` returns, so no copy outlives the borrows.
+                unsafe { send(&plan, &buffers, engine.as_mut())? }
+            }
         };
-        let elapsed = start.elapsed();
-        if status != MORI_OK {
-            return Err(ffi_failure(
-                &format!("prefill rank {p} -> decode rank {d}: mori_send_kvcache"),
-                status,
-            ));
-        }
-        Ok(elapsed)
+        Ok((report, start.elapsed()))
     }
 
-    /// Every pair the library says sends: config, plan and send, all through the C ABI.
-    pub fn send_all(&mut self) -> Result<SendStats, String> {
+    /// One pair's staged transfer, as an RDMA connector would run it: the prefill rank packs
+    /// (when `staging_for` stages its side), the transport copies every segment of
+    /// `plan_transfer` for every buffer (done here in host memory), the decode rank unpacks
+    /// (when its side is staged), into the staged decode buffers. Returns the staging, the
+    /// segments per buffer and the staging bytes of both sides.
+    pub fn stage_pair(
+        &mut self,
+        p: u32,
+        d: u32,
+        config: &SliceConfig,
+    ) -> Result<(Staging, u64, u64), String> {
+        let r = &self.request;
+        let buffers = self.src[p as usize].len();
+        let staging = staging_for(config).map_err(|e| e.to_string())?;
+        let segments = plan_transfer(config, staging, &r.src_pages, &r.dst_pages)
+            .map_err(|e| e.to_string())?;
+        let len = staging_len(config, r.src_pages.len()).map_err(|e| e.to_string())? as usize;
+        let region = |stage: bool, fill: u8| vec![fill; if stage { buffers * len } else { 0 }];
+        // A sentinel in the decode region too, so an unpack of bytes never moved would show.
+        let mut src_region = region(staging.stages_src(), 0);
+        let mut dst_region = region(staging.stages_dst(), SENTINEL);
+        let src: Vec<&[u8]> = self.src[p as usize].iter().map(Vec::as_slice).collect();
+        let dst = &mut self.dst_staged[d as usize];
+        if staging.stages_src() {
+            match &mut self.engine {
+                None => pack_host(config, &src, &r.src_pages, &mut src_region),
+                Some(engine) => {
+                    let ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+                    // SAFETY: live buffers of the stated lengths; the region is a separate
+                    // allocation; the engine synchronizes before returning.
+                    unsafe {
+                        pack(
+                            config,
+                            &ptrs,
+                            src[0].len() as u64,
+                            &r.src_pages,
+                            src_region.as_mut_ptr(),
+                            src_region.len() as u64,
+                            engine.as_mut(),
+                        )
+                    }
+                }
+            }
+            .map_err(|e| format!("pack: {e}"))?;
+        }
+        // The transport: the same segment list on every buffer, from the packed region or the
+        // pages, into the decode region or the pages.
+        for b in 0..buffers {
+            let from: &[u8] = if staging.stages_src() {
+                &src_region[b * len..(b + 1) * len]
+            } else {
+                src[b]
+            };
+            let to: &mut [u8] = if staging.stages_dst() {
+                &mut dst_region[b * len..(b + 1) * len]
+            } else {
+                &mut dst[b]
+            };
+            for (i, s) in segments.iter().enumerate() {
+                let (from_at, to_at) = (s.src_offset as usize, s.dst_offset as usize);
+                let n = s.length as usize;
+                let (Some(bytes), true) = (from.get(from_at..from_at + n), to_at + n <= to.len())
+                else {
+                    return Err(format!(
+                        "plan_transfer segment {i} of {} ({s:?}) leaves buffer {b} ({} source, {}                          destination bytes)",
+                        segments.len(),
+                        from.len(),
+                        to.len()
+                    ));
+                };
+                to[to_at..to_at + n].copy_from_slice(bytes);
+            }
+        }
+        if staging.stages_dst() {
+            let mut dst_bufs: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
+            match &mut self.engine {
+                None => unpack_host(config, &dst_region, &mut dst_bufs, &r.dst_pages),
+                Some(engine) => {
+                    let capacity = dst_bufs[0].len() as u64;
+                    let ptrs: Vec<*mut u8> = dst_bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+                    // SAFETY: as for pack, the other way round.
+                    unsafe {
+                        unpack(
+                            config,
+                            dst_region.as_ptr(),
+                            dst_region.len() as u64,
+                            &ptrs,
+                            capacity,
+                            &r.dst_pages,
+                            engine.as_mut(),
+                        )
+                    }
+                }
+            }
+            .map_err(|e| format!("unpack: {e}"))?;
+        }
+        let staged_bytes = (src_region.len() + dst_region.len()) as u64;
+        Ok((staging, segments.len() as u64, staged_bytes))
+    }
+
+    /// Every pair the library says sends, moved twice: directly (its plan's strided copies) into
+    /// the decode buffers, and staged (pack, segments, unpack) into the staged decode buffers.
+    pub fn send_all(&mut self, tokens: u32) -> Result<SendStats, String> {
         let mut stats = SendStats::default();
         let buffers = self.buffers() as u64;
-        let tokens = self.request.src_pages.len() as u64 * u64::from(self.layout.page_size);
-        for d in 0..self.layout.decode_tp() {
-            for p in 0..self.layout.prefill_tp() {
-                let config = self.slice_config(p, d)?;
-                match config.action {
-                    MORI_TP_ACTION_SEND => {}
-                    MORI_TP_ACTION_SKIP_REPLICA => {
-                        stats.replicas_skipped += 1;
-                        continue;
-                    }
-                    _ => continue,
+        let request_tokens = self.request.src_pages.len() as u64 * u64::from(self.layout.page_size);
+        let layout = self.layout;
+        for rank in crate::plan::decode_ranks(layout, tokens) {
+            let rank = rank.map_err(|e| e.to_string())?;
+            for pair in &rank.pairs {
+                let (p, d, config) = (pair.prefill_rank, pair.decode_rank, &pair.config);
+                if !pair.sends() {
+                    stats.replicas_skipped += 1;
+                    continue;
                 }
-                let rects = self.rects(&config)?;
-                stats.copies += rects.len() as u64 * buffers;
-                stats.per_token_copies += tokens * buffers;
-                stats.bytes += rects.iter().map(|r| r.width * r.height).sum::<u64>() * buffers;
+                let failed = |e: String| format!("prefill rank {p} -> decode rank {d}: {e}");
+                let (report, elapsed) = self
+                    .send_pair(p, d, config)
+                    .map_err(|e| failed(e.to_string()))?;
+                stats.copies += report.copies as u64;
+                stats.per_token_copies += request_tokens * buffers;
+                stats.bytes += report.bytes;
                 stats
                     .senders
                     .push((d, p, config.first_head, config.num_heads));
-                stats.elapsed += self.send_pair(p, d, &config)?;
+                stats.elapsed += elapsed;
+                let r = &self.request;
+                let direct = Plan::new(config, &r.src_pages, &r.dst_pages)
+                    .and_then(|plan| plan.num_segments())
+                    .map_err(|e| failed(e.to_string()))?;
+                stats.direct_segments += direct as u64 * buffers;
+
+                let start = Instant::now();
+                let (staging, segments, staged_bytes) =
+                    self.stage_pair(p, d, config).map_err(failed)?;
+                stats.staged_elapsed += start.elapsed();
+                stats.staged_segments += segments * buffers;
+                stats.staging_bytes += staged_bytes;
+                let mode = Staging::ALL.iter().position(|&m| m == staging);
+                stats.staging_modes[mode.expect("one of the modes")] += 1;
             }
         }
         Ok(stats)
     }
 
-    /// `layer 3 V`: the contract orders buffers K of each layer, then V of each layer.
+    /// `layer 3 V`: buffers are K of each layer, then V of each layer (the header's order).
     fn buffer_name(&self, buffer: usize) -> String {
         let layers = self.layers as usize;
         match (
@@ -435,16 +434,26 @@ impl<'a> Simulation<'a> {
         }
     }
 
+    /// Checks every byte of every decode buffer the direct transfer wrote.
+    pub fn verify(&self) -> Verification {
+        self.verify_buffers(&self.dst)
+    }
+
+    /// Checks every byte of every decode buffer the staged transfer wrote.
+    pub fn verify_staged(&self) -> Verification {
+        self.verify_buffers(&self.dst_staged)
+    }
+
     /// Checks every byte of every decode buffer: the pages of the request hold, for each head
     /// the rank owns, exactly the bytes of the source page paired with it; every other page still
     /// holds the sentinel.
-    pub fn verify(&self) -> Verification {
+    fn verify_buffers(&self, dst: &[Vec<Vec<u8>>]) -> Verification {
         const SHOWN: usize = 5;
         let layout = self.layout;
         let page_size = u64::from(layout.page_size);
         let item = layout.dst_item_len as usize;
         let bph = layout.bytes_per_head as usize;
-        let mut source_of = vec![None; self.request.dst_capacity_pages as usize];
+        let mut source_of = vec![None; self.request.dst_capacity_pages];
         for (&s, &d) in self.request.src_pages.iter().zip(&self.request.dst_pages) {
             source_of[d as usize] = Some(s as u64);
         }
@@ -456,12 +465,8 @@ impl<'a> Simulation<'a> {
                 v.first_wrong.push(place);
             }
         };
-        for (d, buffers) in self.dst.iter().enumerate() {
-            let owned = layout
-                .topology
-                .decode()
-                .owned_heads(d as u32)
-                .expect("rank in range");
+        for (d, buffers) in dst.iter().enumerate() {
+            let owned = layout.decode_heads(d as u32);
             for (b, buffer) in buffers.iter().enumerate() {
                 v.bytes_checked += buffer.len() as u64;
                 for (page, bytes) in buffer.chunks_exact(item).enumerate() {
@@ -521,6 +526,12 @@ impl<'a> Simulation<'a> {
     fn dst_mut(&mut self, d: usize, b: usize) -> &mut Vec<u8> {
         &mut self.dst[d][b]
     }
+
+    /// A decode buffer of the staged transfer, for tests that damage it on purpose.
+    #[cfg(test)]
+    fn dst_staged_mut(&mut self, d: usize, b: usize) -> &mut Vec<u8> {
+        &mut self.dst_staged[d][b]
+    }
 }
 
 /// A note on what makes a layout interesting, from the library's view of both sides.
@@ -552,15 +563,28 @@ fn layout_note(layout: &Layout) -> Option<String> {
 pub enum SimError {
     /// The request would take too much host memory.
     TooLarge(String),
+    /// The requested backend cannot run here (the library's message).
+    Backend(String),
     /// A library call failed.
     Library(String),
 }
 
+/// A staging mode in words: who packs and who unpacks.
+pub fn staging_words(staging: Staging) -> &'static str {
+    match staging {
+        Staging::None => "no staging (pages to pages)",
+        Staging::Src => "src staging (prefill packs)",
+        Staging::Dst => "dst staging (decode unpacks)",
+        Staging::Both => "both sides staged (prefill packs, decode unpacks)",
+    }
+}
+
 /// Runs the whole simulation and returns its report, and whether every byte was right.
 pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimError> {
-    let mut sim = Simulation::new(layout, options).map_err(SimError::TooLarge)?;
-    let stats = sim.send_all().map_err(SimError::Library)?;
+    let mut sim = Simulation::new(layout, options)?;
+    let stats = sim.send_all(options.tokens).map_err(SimError::Library)?;
     let v = sim.verify();
+    let staged = sim.verify_staged();
     let r = &sim.request;
     let pages = r.src_pages.len() as u64;
     let tokens = pages * u64::from(layout.page_size);
@@ -583,7 +607,7 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
             "{} on {} in {} of adjacent pages (fragmentation {}, seed {})",
             plural(tokens, "token"),
             plural(pages, "page"),
-            plural(r.runs as u64, "run"),
+            plural(r.runs() as u64, "run"),
             options.fragmentation,
             options.seed,
         ),
@@ -616,9 +640,13 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
     out += &labelled(
         "sent:",
         &format!(
-            "{} through mori_send_kvcache (host backend); {} skipped as replicas",
+            "{} with {}; {} skipped as replicas",
             plural(stats.senders.len() as u64, "pair"),
-            plural(u64::from(stats.replicas_skipped), "pair"),
+            match options.backend {
+                BackendArg::Host => "the library's host engine (send_host)",
+                BackendArg::Hip => "the library's HIP engine (hipMemcpy2DAsync, host buffers)",
+            },
+            plural(stats.replicas_skipped, "pair"),
         ),
     );
     out += &labelled(
@@ -644,31 +672,64 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
             },
         ),
     );
+    out += &labelled(
+        "segments:",
+        &format!(
+            "an RDMA engine (MORI-IO, Mooncake, NIXL) would get {} per-token segments, {} direct \
+             (mori_tp_plan_segments: pages to pages), {} staged (mori_tp_plan_transfer with \
+             staging_for's choice)",
+            grouped(stats.per_token_copies),
+            grouped(stats.direct_segments),
+            grouped(stats.staged_segments),
+        ),
+    );
+    let modes: Vec<String> = Staging::ALL
+        .iter()
+        .zip(stats.staging_modes)
+        .filter(|&(_, n)| n > 0)
+        .map(|(&mode, n)| format!("{} on {}", staging_words(mode), plural(n, "pair")))
+        .collect();
+    out += &labelled(
+        "staging:",
+        &format!(
+            "{}; {} of staging per request; pack, segments and unpack took {:.1} ms",
+            modes.join(", "),
+            human_bytes(stats.staging_bytes),
+            stats.staged_elapsed.as_secs_f64() * 1e3,
+        ),
+    );
     let once = stats.bytes == v.bytes_owned;
-    let ok = v.bytes_wrong == 0 && once;
+    let ok = v.bytes_wrong == 0 && once && staged.bytes_wrong == 0;
     if ok {
         out += &labelled(
             "verified:",
             &format!(
-                "all {} decode bytes. Each decode rank's requested pages hold exactly the source \
-                 bytes of the heads it owns, every other byte still holds the sentinel, and bytes \
-                 moved = bytes owned, so no head was sent twice.",
+                "all {} decode bytes, twice: after the direct copies and after the staged path \
+                 (pack, segments, unpack). Each decode rank's requested pages hold exactly the \
+                 source bytes of the heads it owns, every other byte still holds the sentinel, \
+                 and bytes moved = bytes owned, so no head was sent twice.",
                 grouped(v.bytes_checked),
             ),
         );
         out += "OK\n";
     } else {
-        out += &format!(
-            "MISMATCH: {} of {} decode bytes wrong\n",
-            grouped(v.bytes_wrong),
-            grouped(v.bytes_checked)
-        );
-        for place in &v.first_wrong {
-            out += &format!("  {place}\n");
+        for (path, v) in [("direct", &v), ("staged", &staged)] {
+            if v.bytes_wrong == 0 {
+                continue;
+            }
+            out += &format!(
+                "MISMATCH ({path}): {} of {} decode bytes wrong\n",
+                grouped(v.bytes_wrong),
+                grouped(v.bytes_checked)
+            );
+            for place in &v.first_wrong {
+                out += &format!("  {place}\n");
+            }
         }
         if !once {
             out += &format!(
-                "  {} bytes moved, but the decode ranks own {} bytes of the requested pages\n",
+                "MISMATCH: {} bytes moved, but the decode ranks own {} bytes of the requested \
+                 pages\n",
                 grouped(stats.bytes),
                 grouped(v.bytes_owned)
             );
@@ -693,41 +754,15 @@ mod tests {
             layers_limit: 2,
             seed: 7,
             fragmentation: 0.3,
+            backend: BackendArg::Host,
         }
-    }
-
-    #[test]
-    fn fragmented_requests_pair_every_page_once_in_runs_that_never_touch() {
-        for (pages, fragmentation) in [(1, 0.5), (50, 0.0), (50, 0.2), (50, 1.0)] {
-            let r = fragmented_request(pages, fragmentation, 3);
-            assert_eq!(r.src_pages.len(), pages as usize);
-            for (side, capacity) in [
-                (&r.src_pages, r.src_capacity_pages),
-                (&r.dst_pages, r.dst_capacity_pages),
-            ] {
-                let mut sorted = side.clone();
-                sorted.sort_unstable();
-                sorted.dedup();
-                assert_eq!(sorted.len(), pages as usize, "a page used twice");
-                assert!(sorted.iter().all(|&p| p >= 0 && (p as u64) < capacity));
-            }
-            let breaks = (1..pages as usize)
-                .filter(|&i| {
-                    r.src_pages[i] != r.src_pages[i - 1] + 1
-                        || r.dst_pages[i] != r.dst_pages[i - 1] + 1
-                })
-                .count();
-            assert_eq!(breaks + 1, r.runs);
-        }
-        assert_eq!(fragmented_request(50, 0.0, 3).runs, 1);
-        assert_eq!(fragmented_request(50, 1.0, 3).runs, 50);
     }
 
     #[test]
     fn a_correct_transfer_verifies_and_moves_each_owned_byte_once() {
         let l = layout("qwen2.5-7b", 4, 2, 8);
         let mut sim = Simulation::new(&l, &options()).unwrap();
-        let stats = sim.send_all().unwrap();
+        let stats = sim.send_all(options().tokens).unwrap();
         let v = sim.verify();
         assert_eq!(v.bytes_wrong, 0, "{:?}", v.first_wrong);
         assert_eq!(stats.bytes, v.bytes_owned);
@@ -735,10 +770,80 @@ mod tests {
     }
 
     #[test]
+    fn every_staging_mode_verifies_with_the_segments_its_mode_promises() {
+        // (model, P, D, the staging of every sending pair, segments per pair and buffer)
+        let l = |m, p, d| layout(m, 4, p, d);
+        let runs = |sim: &Simulation| sim.request.runs() as u64;
+        let custom = Layout::new(
+            crate::model::Model {
+                name: "12 heads".into(),
+                kv_heads: 12,
+                head_dim: 40,
+                layers: 2,
+                attention: crate::model::Attention::KeyValue,
+                torch_dtype: None,
+            },
+            Dtype::Fp8,
+            4,
+            6,
+            4,
+        )
+        .unwrap();
+        for (layout, modes) in [
+            // Narrower decode slots: the prefill rank packs.
+            (l("qwen2.5-7b", 2, 8), [0, 8, 0, 0]),
+            // Narrower prefill slots: the decode rank unpacks.
+            (l("llama-3.1-8b", 8, 2), [0, 0, 8, 0]),
+            // Whole tokens: no staging.
+            (l("llama-3.1-8b", 2, 2), [2, 0, 0, 0]),
+            // 12 heads, 6 -> 4: two-head slices into three-head slots (dst), and one-head
+            // slices out of two-head slots into three-head slots (both).
+            (custom, [0, 0, 4, 4]),
+        ] {
+            let mut sim = Simulation::new(&layout, &options()).unwrap();
+            let stats = sim.send_all(options().tokens).unwrap();
+            assert_eq!(stats.staging_modes, modes, "{}", layout.model.name);
+            let v = sim.verify_staged();
+            assert_eq!(
+                v.bytes_wrong, 0,
+                "{}: {:?}",
+                layout.model.name, v.first_wrong
+            );
+            assert_eq!(v.bytes_owned, sim.verify().bytes_owned);
+            // A segment per run and buffer, except with both sides staged: one per buffer.
+            let buffers = sim.buffers() as u64;
+            let per_pair = modes[0] + modes[1] + modes[2];
+            assert_eq!(
+                stats.staged_segments,
+                (per_pair * runs(&sim) + modes[3]) * buffers,
+                "{}",
+                layout.model.name
+            );
+        }
+    }
+
+    #[test]
+    fn a_damaged_byte_of_the_staged_path_is_found() {
+        let l = layout("qwen2.5-7b", 4, 2, 8);
+        let mut sim = Simulation::new(&l, &options()).unwrap();
+        sim.send_all(options().tokens).unwrap();
+        let page = sim.request.dst_pages[2] as usize;
+        sim.dst_staged_mut(3, 1)[page * l.dst_item_len as usize] ^= 1;
+        assert_eq!(sim.verify().bytes_wrong, 0);
+        let v = sim.verify_staged();
+        assert_eq!(v.bytes_wrong, 1);
+        assert!(
+            v.first_wrong[0].starts_with("decode rank 3, layer 1 K"),
+            "{:?}",
+            v.first_wrong
+        );
+    }
+
+    #[test]
     fn one_damaged_byte_is_found_and_located() {
         let l = layout("llama-3.1-8b", 2, 16, 4);
         let mut sim = Simulation::new(&l, &options()).unwrap();
-        sim.send_all().unwrap();
+        sim.send_all(options().tokens).unwrap();
         let page = sim.request.dst_pages[5] as usize;
         let offset = page * l.dst_item_len as usize + 3;
         sim.dst_mut(1, 2)[offset] ^= 0x40;
@@ -755,7 +860,7 @@ mod tests {
     fn a_write_outside_the_request_is_found() {
         let l = layout("qwen2.5-7b", 1, 4, 4);
         let mut sim = Simulation::new(&l, &options()).unwrap();
-        sim.send_all().unwrap();
+        sim.send_all(options().tokens).unwrap();
         let free = (0..sim.request.dst_capacity_pages as i32)
             .find(|p| !sim.request.dst_pages.contains(p))
             .expect("a free page between runs") as usize;
@@ -772,8 +877,8 @@ mod tests {
         // of today's stacks; the data names the head, so the check fails.
         let l = layout("qwen2.5-7b", 4, 2, 8);
         let mut sim = Simulation::new(&l, &options()).unwrap();
-        sim.send_all().unwrap();
-        let wrong = sim.slice_config(0, 0).unwrap();
+        sim.send_all(options().tokens).unwrap();
+        let wrong = l.slice_config(0, 0).unwrap();
         sim.send_pair(0, 2, &wrong).unwrap();
         let v = sim.verify();
         assert!(v.bytes_wrong > 0);
@@ -807,7 +912,9 @@ mod tests {
             layers_limit: 80,
             ..options()
         };
-        let err = Simulation::new(&l, &options).err().expect("refused");
+        let Err(SimError::TooLarge(err)) = Simulation::new(&l, &options) else {
+            panic!("not refused for its size");
+        };
         assert!(err.contains("--layers-limit"), "{err}");
     }
 }

@@ -1,11 +1,12 @@
 //! Runs the `mori-tp` binary as a user would and checks what it prints and how it exits against
-//! the contract (restated here, independently of the program) and against the library itself.
+//! the rules of REFERENCE.md (restated here, independently of the program) and against the
+//! library itself.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use mori_tp::{Action, SliceParams, slice_config};
+use mori_tp::{Action, SliceParams, Staging, slice_config, staging_for};
 use serde_json::Value;
 
 fn mori_tp(args: &[&str]) -> Output {
@@ -57,12 +58,12 @@ fn heads_of(model: &str) -> u32 {
         .1
 }
 
-/// Contract section 3: a TP size works when it divides the KV heads or is a multiple of them.
+/// REFERENCE.md section 3: a TP size works when it divides the KV heads or is a multiple of them.
 fn valid_tp(heads: u32, tp: u32) -> bool {
     heads % tp == 0 || tp % heads == 0
 }
 
-/// Contract section 3: the heads rank `r` of a side with TP size `t` owns.
+/// REFERENCE.md section 3, ownership: the heads rank `r` of a side with TP size `t` owns.
 fn owned(heads: u32, t: u32, r: u32) -> std::ops::Range<u32> {
     if t <= heads {
         r * heads / t..(r + 1) * heads / t
@@ -72,14 +73,14 @@ fn owned(heads: u32, t: u32, r: u32) -> std::ops::Range<u32> {
     }
 }
 
-/// Contract section 3: the one prefill rank that sends head `h` to decode rank `d`.
+/// REFERENCE.md section 3, the sender rule: the one prefill rank that sends head `h` to decode rank `d`.
 fn sender(heads: u32, p_size: u32, d_size: u32, d: u32, h: u32) -> u32 {
     let first = |t: u32| (0..t).find(|&r| owned(heads, t, r).contains(&h)).unwrap();
     let (rs, rd) = ((p_size / heads).max(1), (d_size / heads).max(1));
     first(p_size) + (d - first(d_size)) * rs / rd
 }
 
-/// The distinct (prefill rank, decode rank) pairs that send under the contract.
+/// The distinct (prefill rank, decode rank) pairs that send under the sender rule.
 fn sending_pairs(heads: u32, p_size: u32, d_size: u32) -> Vec<(u32, u32)> {
     let mut pairs: Vec<(u32, u32)> = (0..d_size)
         .flat_map(|d| {
@@ -173,7 +174,7 @@ fn every_preset_plans_exactly_the_tp_sizes_the_divisibility_rule_allows() {
 }
 
 /// Checks a `plan --json` output pair by pair against the library's slice_config, and against
-/// the contract's sender rule.
+/// the sender rule.
 fn check_plan_json(model: &str, p_size: u32, d_size: u32, page_size: u32, dtype: &str) {
     let (heads, head_dim, layers, attention) = MODELS
         .iter()
@@ -258,10 +259,41 @@ fn check_plan_json(model: &str, p_size: u32, d_size: u32, page_size: u32, dtype:
             assert_eq!(
                 action == "send",
                 senders.contains(&(p, d)),
-                "({p}, {d}) against the contract's sender rule"
+                "({p}, {d}) against the sender rule"
             );
             if action == "send" {
                 received += lib.heads_bytes_per_token_to_send;
+                // Staging: each side whose token slot is wider than the slice, as the library's
+                // staging_for says, with its region for the request over every buffer.
+                let width = lib.heads_bytes_per_token_to_send;
+                let want = match (
+                    lib.bytes_per_token_src > width,
+                    lib.bytes_per_token_dst > width,
+                ) {
+                    (false, false) => "none",
+                    (true, false) => "src",
+                    (false, true) => "dst",
+                    (true, true) => "both",
+                };
+                assert_eq!(pair["staging"], want, "({p}, {d})");
+                let named = match staging_for(&lib).unwrap() {
+                    Staging::None => "none",
+                    Staging::Src => "src",
+                    Staging::Dst => "dst",
+                    Staging::Both => "both",
+                };
+                assert_eq!(want, named, "({p}, {d}) against the library");
+                let tokens = plan["request_tokens"].as_u64().unwrap();
+                assert_eq!(
+                    pair["staging_bytes_per_request"],
+                    tokens * width * buffers,
+                    "({p}, {d})"
+                );
+            } else {
+                assert!(
+                    pair.get("staging").is_none(),
+                    "({p}, {d}): a replica stages nothing"
+                );
             }
         }
         // Every decode rank receives all of its token, once.
@@ -529,7 +561,7 @@ fn number_before(output: &str, label: &str, word: &str) -> u64 {
 }
 
 #[test]
-fn simulate_verifies_small_layouts_and_counts_what_the_contract_predicts() {
+fn simulate_verifies_small_layouts_and_counts_what_the_rules_predict() {
     // (model arguments, KV heads, P, D); every model here keeps K and V and has 2 layers or more.
     let cases: [(&[&str], u32, u32, u32); 3] = [
         (&["--model", "llama-3.1-8b"], 8, 16, 2),
@@ -584,6 +616,47 @@ fn simulate_verifies_small_layouts_and_counts_what_the_contract_predicts() {
             pages * page_size * pairs * buffers,
             "{out}"
         );
+        // An RDMA engine's segments, from the ownership rule's slot and slice widths (in heads): one
+        // per token where a slice is narrower than a slot, else one per run; staged, one per
+        // run, or one per buffer when both sides are staged.
+        let (mut direct, mut staged) = (0, 0);
+        for (sp, sd) in sending_pairs(heads, p, d) {
+            let (src, dst) = (owned(heads, p, sp), owned(heads, d, sd));
+            let width = src.end.min(dst.end) - src.start.max(dst.start);
+            let (src_wider, dst_wider) = (src.len() as u32 > width, dst.len() as u32 > width);
+            direct += if src_wider || dst_wider {
+                pages * page_size
+            } else {
+                runs
+            };
+            staged += if src_wider && dst_wider { 1 } else { runs };
+        }
+        let line = out.lines().find(|l| l.starts_with("segments:")).unwrap();
+        let rest = out
+            .lines()
+            .skip_while(|l| !l.starts_with("segments:"))
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(line.contains("per-token"), "{out}");
+        assert_eq!(
+            number_before(&rest, "segments:", "per-token"),
+            pages * page_size * pairs * buffers
+        );
+        assert_eq!(
+            number_before(&rest, "segments:", "direct"),
+            direct * buffers,
+            "{out}"
+        );
+        assert_eq!(
+            number_before(&rest, "segments:", "staged"),
+            staged * buffers,
+            "{out}"
+        );
+        assert!(
+            out.contains("twice: after the direct copies and after the staged path"),
+            "{out}"
+        );
     }
 }
 
@@ -596,7 +669,7 @@ fn with_no_arguments_it_simulates_the_default_deployment() {
         text.contains("qwen2.5-7b from prefill TP 2 to decode TP 8"),
         "{text}"
     );
-    assert!(text.contains("mori_send_kvcache"), "{text}");
+    assert!(text.contains("host engine"), "{text}");
     assert!(text.contains("verified: all"), "{text}");
     assert!(text.trim_end().ends_with("OK"), "{text}");
 }
@@ -627,11 +700,557 @@ fn help_explains_the_tool_to_a_newcomer() {
     ] {
         assert!(plan.contains(needle), "plan --help lacks {needle}:\n{plan}");
     }
+    assert!(
+        plan.contains("half-open"),
+        "plan --help must say how head ranges read:\n{plan}"
+    );
     let sim = stdout(&mori_tp(&["simulate", "--help"]));
-    for needle in ["--tokens", "--layers-limit", "--seed", "--fragmentation"] {
+    for needle in [
+        "--tokens",
+        "--layers-limit",
+        "--seed",
+        "--fragmentation",
+        "--backend",
+    ] {
         assert!(
             sim.contains(needle),
             "simulate --help lacks {needle}:\n{sim}"
         );
+    }
+}
+
+/// `h3`, `h0–3`: the picture's label of a half-open head range.
+fn heads_label(heads: std::ops::Range<u32>) -> String {
+    if heads.len() == 1 {
+        format!("h{}", heads.start)
+    } else {
+        format!("h{}\u{2013}{}", heads.start, heads.end - 1)
+    }
+}
+
+/// The numbers of an SVG path's `d`, in order (commands dropped).
+fn path_numbers(d: &str) -> Vec<f64> {
+    d.split(|c: char| c.is_ascii_alphabetic() || c.is_whitespace() || c == ',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap_or_else(|_| panic!("`{s}` in path `{d}`")))
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Box2 {
+    x: f64,
+    y: f64,
+    width: f64,
+    height: f64,
+}
+
+impl Box2 {
+    fn holds_y(&self, y: f64) -> bool {
+        y >= self.y - 0.05 && y <= self.y + self.height + 0.05
+    }
+}
+
+/// Checks the picture `plan --svg` draws against the JSON plan of the same layout and against
+/// the ownership and sender rules: every rank with its heads, one arrow per sending pair from its prefill box to
+/// its decode box with its heads as label, one dashed line per replica that skips.
+fn check_svg(model_args: &[&str], heads: u32, p_size: u32, d_size: u32) {
+    let file = scratch_file(&format!("plan-{heads}-{p_size}-{d_size}.svg"), "");
+    std::fs::remove_file(&file).unwrap();
+    let (p_text, d_text) = (p_size.to_string(), d_size.to_string());
+    let mut args = vec![
+        "plan",
+        "--json",
+        "--prefill-tp",
+        &p_text,
+        "--decode-tp",
+        &d_text,
+    ];
+    args.extend_from_slice(model_args);
+    args.extend_from_slice(&["--svg", file.to_str().unwrap()]);
+    let plan = json_of(&args);
+    let text = std::fs::read_to_string(&file).expect("the SVG was written");
+    let doc = roxmltree::Document::parse(&text).expect("well-formed XML");
+    let root = doc.root_element();
+    assert_eq!(root.tag_name().name(), "svg");
+    let by_id = |id: &str| {
+        doc.descendants()
+            .find(|n| n.attribute("id") == Some(id))
+            .unwrap_or_else(|| panic!("no element `{id}`"))
+    };
+    let content = |n: roxmltree::Node| n.text().unwrap_or_default().to_string();
+    let title = content(by_id("title"));
+    let name = plan["model"]["name"].as_str().unwrap();
+    assert!(
+        title.contains(name)
+            && title.contains(&format!("prefill TP {p_size}"))
+            && title.contains(&format!("decode TP {d_size}")),
+        "{title}"
+    );
+
+    // Every rank: a box named p<r> or d<r> showing the heads the ownership rule gives it.
+    let mut boxes = BTreeMap::new();
+    for (prefix, size) in [("p", p_size), ("d", d_size)] {
+        for r in 0..size {
+            let id = format!("{prefix}{r}");
+            let group = by_id(&id);
+            let texts: BTreeMap<String, String> = group
+                .children()
+                .filter(|n| n.has_tag_name("text"))
+                .map(|n| (n.attribute("class").unwrap_or("").to_string(), content(n)))
+                .collect();
+            assert_eq!(texts["name"], id);
+            assert_eq!(texts["heads"], heads_label(owned(heads, size, r)), "{id}");
+            let rect = group.children().find(|n| n.has_tag_name("rect")).unwrap();
+            let number = |attr: &str| rect.attribute(attr).unwrap().parse::<f64>().unwrap();
+            let b = Box2 {
+                x: number("x"),
+                y: number("y"),
+                width: number("width"),
+                height: number("height"),
+            };
+            boxes.insert(id, b);
+        }
+    }
+    assert_eq!(
+        doc.descendants()
+            .filter(|n| n.attribute("class") == Some("rank"))
+            .count() as u32,
+        p_size + d_size,
+        "ranks drawn"
+    );
+
+    let rank_of =
+        |n: roxmltree::Node, attr: &str| -> u32 { n.attribute(attr).unwrap().parse().unwrap() };
+    // The plan's pairs, by action.
+    let mut want_sends = BTreeMap::new();
+    let mut want_skips = Vec::new();
+    for pair in plan["pairs"].as_array().unwrap() {
+        let key = (
+            pair["prefill_rank"].as_u64().unwrap() as u32,
+            pair["decode_rank"].as_u64().unwrap() as u32,
+        );
+        let first = pair["first_head"].as_u64().unwrap() as u32;
+        let n = pair["num_heads"].as_u64().unwrap() as u32;
+        match pair["action"].as_str().unwrap() {
+            "send" => {
+                want_sends.insert(key, heads_label(first..first + n));
+            }
+            _ => want_skips.push(key),
+        }
+    }
+    let by_rule: Vec<(u32, u32)> = sending_pairs(heads, p_size, d_size);
+    assert_eq!(want_sends.keys().copied().collect::<Vec<_>>(), by_rule);
+
+    // Arrows: one per sending pair, from the right edge of its prefill box to the left edge of
+    // its decode box, with an arrowhead, labelled with the pair's heads.
+    let mut got_sends = BTreeMap::new();
+    for path in doc
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("send"))
+    {
+        let (p, d) = (rank_of(path, "data-prefill"), rank_of(path, "data-decode"));
+        assert!(
+            path.attribute("marker-end").is_some(),
+            "p{p}->d{d} has no head"
+        );
+        let numbers = path_numbers(path.attribute("d").unwrap());
+        let (start, end) = (
+            (numbers[0], numbers[1]),
+            (numbers[numbers.len() - 2], numbers[numbers.len() - 1]),
+        );
+        let (from, to) = (boxes[&format!("p{p}")], boxes[&format!("d{d}")]);
+        assert!(
+            (start.0 - (from.x + from.width)).abs() < 0.05 && from.holds_y(start.1),
+            "p{p}->d{d} starts at {start:?}, off {from:?}"
+        );
+        assert!(
+            (end.0 - to.x).abs() < 0.05 && to.holds_y(end.1),
+            "p{p}->d{d} ends at {end:?}, off {to:?}"
+        );
+        let label = doc
+            .descendants()
+            .find(|n| {
+                n.attribute("class") == Some("send-label")
+                    && n.attribute("data-prefill") == path.attribute("data-prefill")
+                    && n.attribute("data-decode") == path.attribute("data-decode")
+            })
+            .unwrap_or_else(|| panic!("p{p}->d{d} has no label"));
+        let label = label.children().find(|n| n.has_tag_name("text")).unwrap();
+        assert!(
+            got_sends.insert((p, d), content(label)).is_none(),
+            "p{p}->d{d} drawn twice"
+        );
+    }
+    assert_eq!(got_sends, want_sends);
+
+    // Replicas: one dashed line per skipping pair, from its prefill box to its decode box's row.
+    let mut got_skips = Vec::new();
+    for path in doc
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("skip"))
+    {
+        let (p, d) = (rank_of(path, "data-prefill"), rank_of(path, "data-decode"));
+        let numbers = path_numbers(path.attribute("d").unwrap());
+        let (from, to) = (boxes[&format!("p{p}")], boxes[&format!("d{d}")]);
+        assert!((numbers[0] - (from.x + from.width)).abs() < 0.05 && from.holds_y(numbers[1]));
+        assert!(
+            numbers[2] < to.x && to.holds_y(numbers[3]),
+            "p{p}..d{d}: {numbers:?}"
+        );
+        got_skips.push((p, d));
+    }
+    let dashed = doc
+        .descendants()
+        .find(|n| n.attribute("id") == Some("skips"))
+        .unwrap();
+    assert!(
+        dashed.attribute("stroke-dasharray").is_some(),
+        "replicas are drawn dashed"
+    );
+    got_skips.sort_unstable();
+    want_skips.sort_unstable();
+    assert_eq!(got_skips, want_skips);
+}
+
+#[test]
+fn the_svg_picture_shows_every_rank_and_every_pair_where_the_plan_puts_them() {
+    // The layouts of issue 15 (2 -> 8, 8 -> 2, 32 -> 4, 32 -> 32), MLA, and a non-integer ratio.
+    check_svg(&["--model", "qwen2.5-7b"], 4, 2, 8);
+    check_svg(&["--model", "llama-3.1-8b"], 8, 8, 2);
+    check_svg(&["--model", "llama-3.1-70b"], 8, 32, 4);
+    check_svg(&["--model", "llama-3.1-70b"], 8, 32, 32);
+    check_svg(&["--model", "deepseek-v3"], 1, 8, 4);
+    check_svg(
+        &["--kv-heads", "12", "--head-dim", "64", "--layers", "2"],
+        12,
+        6,
+        4,
+    );
+}
+
+#[test]
+fn the_svg_picture_is_refused_past_its_limit_without_writing_a_file() {
+    let file = scratch_file("too-large.svg", "");
+    std::fs::remove_file(&file).unwrap();
+    let out = mori_tp(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--prefill-tp",
+        "256",
+        "--svg",
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("at most 128 ranks"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!file.exists());
+}
+
+#[test]
+fn model_names_are_read_as_people_type_them() {
+    let plan_of = |model: &str| {
+        let out = mori_tp(&["plan", "--json", "--model", model]);
+        (code(&out), stdout(&out), stderr(&out))
+    };
+    for (typed, preset) in [
+        ("Qwen2.5-7B", "qwen2.5-7b"),
+        ("LLAMA-3.1-8B", "llama-3.1-8b"),
+        ("meta-llama/Llama-3.1-70B-Instruct", "llama-3.1-70b"),
+        ("meta-llama/Meta-Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+        ("Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3-30b-a3b"),
+        ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"),
+        ("deepseek-ai/DeepSeek-V3-0324", "deepseek-v3"),
+        ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
+    ] {
+        let (status, out, err) = plan_of(typed);
+        assert_eq!(status, 0, "{typed}: {err}");
+        let plan: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(plan["model"]["name"], preset, "{typed}");
+        // A name that is not the preset's own says which preset it became.
+        let noted = err.contains(&format!(
+            "note: {typed} has the KV-cache shape of the {preset}"
+        ));
+        assert_eq!(noted, !typed.eq_ignore_ascii_case(preset), "{typed}: {err}");
+    }
+    // Unknown ids are refused, with the closest preset as a tip.
+    for (typed, tip) in [
+        (
+            "meta-llama/Llama-3.3-70B-Instruct",
+            "Closest: llama-3.1-70b",
+        ),
+        ("Qwen/Qwen3-32B", "Closest: qwen3-8b"),
+        ("THUDM/glm-4-9b-chat-1m", "Closest: glm-4-9b"),
+    ] {
+        let (status, out, err) = plan_of(typed);
+        assert_eq!(status, 2, "{typed}");
+        assert!(
+            err.contains(tip) && err.contains("--config"),
+            "{typed}: {err}"
+        );
+        assert!(!out.contains("\"pairs\""), "{typed}");
+    }
+    let (status, _, err) = plan_of("gemma-2-9b");
+    assert_eq!(status, 2);
+    assert!(
+        !err.contains("Closest") && err.contains("deepseek-v3"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_takes_a_model_directory_and_its_torch_dtype() {
+    let dir =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mori-tp-cli-tests/Qwen2.5-7B-Instruct");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+            "num_hidden_layers": 28, "torch_dtype": "float16"}"#,
+    )
+    .unwrap();
+    let dir_text = dir.to_str().unwrap();
+    let from_dir = json_of(&["plan", "--json", "--config", dir_text]);
+    assert_eq!(from_dir["model"]["kv_heads"], 4);
+    // No --dtype with a config is auto: the config's torch_dtype, as serving engines do.
+    assert_eq!(from_dir["model"]["dtype"], "fp16");
+    assert_eq!(from_dir["model"]["bytes_per_head"], 128 * 2);
+    let file = dir.join("config.json");
+    let from_file = json_of(&[
+        "plan",
+        "--json",
+        "--config",
+        file.to_str().unwrap(),
+        "--dtype",
+        "auto",
+    ]);
+    assert_eq!(from_file["pairs"], from_dir["pairs"]);
+    assert_eq!(from_file["model"]["dtype"], "fp16");
+    // A named dtype wins over the config's.
+    let fp8 = json_of(&[
+        "plan", "--json", "--config", dir_text, "--dtype", "fp8_e4m3",
+    ]);
+    assert_eq!(fp8["model"]["bytes_per_head"], 128);
+
+    let empty =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mori-tp-cli-tests/empty-model-dir");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = mori_tp(&["plan", "--config", empty.to_str().unwrap()]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("empty-model-dir is a directory without a config.json"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn dtypes_are_taken_in_the_spellings_of_serving_engines() {
+    for (spelling, bytes, shown) in [
+        ("bf16", 2, "bf16"),
+        ("bfloat16", 2, "bf16"),
+        ("BFloat16", 2, "bf16"),
+        ("float16", 2, "fp16"),
+        ("half", 2, "fp16"),
+        ("fp8", 1, "fp8"),
+        ("fp8_e4m3", 1, "fp8_e4m3"),
+        ("float8_e4m3fnuz", 1, "fp8_e4m3"),
+        ("fp8_e5m2", 1, "fp8_e5m2"),
+        ("float32", 4, "fp32"),
+        ("float", 4, "fp32"),
+    ] {
+        let plan = json_of(&[
+            "plan",
+            "--json",
+            "--model",
+            "qwen2.5-7b",
+            "--dtype",
+            spelling,
+        ]);
+        assert_eq!(plan["model"]["bytes_per_head"], 128 * bytes, "{spelling}");
+        assert_eq!(plan["model"]["dtype"], shown, "{spelling}");
+    }
+    // auto needs a config to read the dtype from.
+    let out = mori_tp(&["plan", "--model", "qwen2.5-7b", "--dtype", "auto"]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("--dtype bf16"), "{}", stderr(&out));
+    let out = mori_tp(&["plan", "--dtype", "int3"]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("bfloat16"), "{}", stderr(&out));
+}
+
+#[test]
+fn negative_and_other_bad_numbers_get_a_message_about_the_value() {
+    for (args, says) in [
+        (vec!["plan", "--prefill-tp", "-2"], "-2 is negative"),
+        (vec!["plan", "--decode-tp", "-8"], "-8 is negative"),
+        (vec!["plan", "--tokens", "-100"], "-100 is negative"),
+        (
+            vec!["plan", "--page-size", "2.5"],
+            "2.5 is not a whole number",
+        ),
+        (vec!["simulate", "--seed", "-1"], "-1 is negative"),
+        (
+            vec!["simulate", "--fragmentation", "-0.5"],
+            "outside 0 to 1",
+        ),
+        (
+            vec!["plan", "--kv-heads", "-4", "--head-dim", "64"],
+            "-4 is negative",
+        ),
+    ] {
+        let out = mori_tp(&args);
+        assert_eq!(code(&out), 2, "{args:?}");
+        let err = stderr(&out);
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_hand_described_model_is_checked_and_its_assumptions_said() {
+    let out = mori_tp(&["plan", "--kv-heads", "8", "--head-dim", "64", "--mla"]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("--kv-heads must be 1, not 8"),
+        "{}",
+        stderr(&out)
+    );
+    let mla = json_of(&[
+        "plan",
+        "--json",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "576",
+        "--mla",
+        "--layers",
+        "61",
+    ]);
+    assert_eq!(mla["model"]["buffers_per_layer"], 1);
+
+    let out = mori_tp(&["plan", "--kv-heads", "8", "--head-dim", "64"]);
+    assert_eq!(code(&out), 0);
+    assert!(stderr(&out).contains("assumes 1 layer"), "{}", stderr(&out));
+    let out = mori_tp(&[
+        "plan",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "64",
+        "--layers",
+        "32",
+    ]);
+    assert_eq!(code(&out), 0);
+    assert!(!stderr(&out).contains("assumes"), "{}", stderr(&out));
+}
+
+#[test]
+fn huge_tp_sizes_are_refused_at_once_and_the_limit_runs_in_bounded_output() {
+    for size in ["65536", "4294967295", "1025"] {
+        for side in ["--prefill-tp", "--decode-tp"] {
+            let out = mori_tp(&["plan", side, size]);
+            assert_eq!(code(&out), 2, "{side} {size}");
+            assert!(stderr(&out).contains("from 1 to 1024"), "{}", stderr(&out));
+            assert!(stdout(&out).is_empty());
+        }
+    }
+    // At the limit, MLA shares its one head between all 1024 x 1024 pairs: the text names the
+    // skipping replicas as ranges, a few lines per decode rank.
+    let out = mori_tp(&[
+        "plan",
+        "--model",
+        "deepseek-v3",
+        "--prefill-tp",
+        "1024",
+        "--decode-tp",
+        "1024",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("1024 pairs send, 1047552 skip as replicas"),
+        "{}",
+        &text[..500]
+    );
+    assert!(
+        text.lines().count() < 8 * 1024,
+        "{} lines",
+        text.lines().count()
+    );
+    assert!(text.contains("prefill ranks 1-1023 skip head 0 (replicas: prefill rank 0 sends it)"));
+}
+
+#[test]
+fn json_plans_report_errors_as_json_on_stdout_with_the_exit_status() {
+    let out = mori_tp(&[
+        "plan",
+        "--json",
+        "--model",
+        "qwen2.5-7b",
+        "--prefill-tp",
+        "3",
+        "--decode-tp",
+        "6",
+    ]);
+    assert_eq!(code(&out), 3);
+    let error: Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    let error = &error["error"];
+    assert_eq!(error["exit_status"], 3);
+    assert_eq!(error["kind"], "invalid_layout");
+    let problems = error["problems"].as_array().unwrap();
+    assert_eq!(problems.len(), 2, "{error}");
+    for (problem, (side, tp, nearest)) in problems
+        .iter()
+        .zip([("prefill", 3, [2, 4]), ("decode", 6, [4, 8])])
+    {
+        assert_eq!(problem["side"], side);
+        assert_eq!(problem["tp_size"], tp);
+        assert_eq!(problem["kv_heads"], 4);
+        assert_eq!(
+            problem["nearest_valid_tp_sizes"],
+            serde_json::json!(nearest)
+        );
+    }
+    // The same for a bad argument and for an unreadable config.
+    for args in [
+        vec!["plan", "--json", "--prefill-tp", "-2"],
+        vec!["plan", "--json", "--config", "/no/such/config.json"],
+    ] {
+        let out = mori_tp(&args);
+        assert_eq!(code(&out), 2, "{args:?}");
+        let error: Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+        assert_eq!(error["error"]["exit_status"], 2, "{args:?}");
+        assert!(!stderr(&out).is_empty());
+    }
+}
+
+#[test]
+fn the_hip_backend_runs_or_fails_with_the_librarys_message() {
+    let out = mori_tp(&[
+        "simulate",
+        "--backend",
+        "hip",
+        "--tokens",
+        "64",
+        "--page-size",
+        "4",
+        "--layers-limit",
+        "1",
+    ]);
+    if mori_tp::backend::hip_device_present() {
+        assert_eq!(code(&out), 0, "{}{}", stdout(&out), stderr(&out));
+        assert!(stdout(&out).contains("HIP engine"), "{}", stdout(&out));
+    } else {
+        assert_eq!(code(&out), 4, "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("backend unavailable: the HIP backend"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(stdout(&out).is_empty());
     }
 }

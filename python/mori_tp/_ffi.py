@@ -224,18 +224,17 @@ def library_file_name() -> str:
 def candidate_paths() -> List[Path]:
     """Where the library is looked for when MORI_TP_LIBRARY is unset, in order.
 
-    Inside the package directory (where a wheel ships it), beside it, then the crate's
-    ``target/release`` and ``target/debug`` when the package runs from a checkout.
+    Inside the package directory (where ``pip install`` puts it), beside it, then, when the
+    package runs from a checkout (``python/mori_tp`` two levels below ``Cargo.toml``), the
+    crate's ``target/release`` and ``target/debug``.
     """
     package_dir = Path(__file__).resolve().parent
     crate_dir = package_dir.parent.parent
     name = library_file_name()
-    return [
-        package_dir / name,
-        package_dir.parent / name,
-        crate_dir / "target" / "release" / name,
-        crate_dir / "target" / "debug" / name,
-    ]
+    paths = [package_dir / name, package_dir.parent / name]
+    if (crate_dir / "Cargo.toml").is_file():
+        paths += [crate_dir / "target" / "release" / name, crate_dir / "target" / "debug" / name]
+    return paths
 
 
 def find_library() -> Path:
@@ -255,8 +254,9 @@ def find_library() -> Path:
             return path
     listed = "\n  ".join(str(p) for p in tried)
     raise ImportError(
-        f"mori_tp: cannot find {library_file_name()}; build it with `cargo build --release` "
-        f"in the mori-tp crate, or set {LIBRARY_ENV} to its path. Tried:\n  {listed}"
+        f"mori_tp: cannot find {library_file_name()}; install the package with `pip install .` "
+        f"in the mori-tp repository (which builds the library into it), build it there with "
+        f"`cargo build --release`, or set {LIBRARY_ENV} to its path. Tried:\n  {listed}"
     )
 
 

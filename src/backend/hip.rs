@@ -1,4 +1,6 @@
-//! The HIP copy engine: one `hipMemcpy2DAsync` per rect, on the caller's stream.
+//! The HIP copy engine: one `hipMemcpy2DAsync` per (buffer, rect), or with
+//! `SendOptions::copy_kernel` one launch of the copy kernel for the whole call, on the caller's
+//! stream.
 //!
 //! The few runtime functions the engine calls sit behind
 //! [`HipRuntime`](crate::backend::hip::HipRuntime), so that the argument marshalling is the same
@@ -8,10 +10,21 @@
 //!
 //! The engine never calls `hipSetDevice`: a copy runs on the device of the caller's stream (for
 //! the NULL stream, the caller's current device), and `hipGetDeviceCount` does not change the
-//! current device, so the caller's device selection is left exactly as it was.
+//! current device, so the caller's device selection is left exactly as it was. The copy kernel
+//! is loaded (`hipModuleLoadData`) once per device, on the caller's current device, and kept for
+//! the life of the process; its launch therefore needs the stream to belong to that device, as
+//! any kernel launch does.
+//!
+//! A kernel call is, in order on the stream: `hipMallocAsync` of the table (rects and buffer
+//! bases, see [`copy_kernel`](super::copy_kernel)), one `hipMemcpyAsync` uploading it, one
+//! `hipModuleLaunchKernel`, `hipFreeAsync` of the table, then `hipStreamSynchronize` only when
+//! asked. The upload's source is pageable host memory, which HIP copies before
+//! `hipMemcpyAsync` returns, so the table may be dropped right after.
 
-use std::ffi::c_void;
+use std::ffi::{CStr, c_void};
+use std::sync::Mutex;
 
+use super::copy_kernel::{BLOCK_THREADS, KERNEL_NAME, KernelArgs, KernelTable};
 use super::{CopyEngine, CopyJob, SendOptions};
 use crate::error::{Error, Result};
 use crate::plan::CopyRect;
@@ -67,6 +80,72 @@ pub struct Memcpy2dAsync {
     pub stream: *mut c_void,
 }
 
+/// `hipMemcpyHostToDevice` from `hipMemcpyKind`: the kernel table's upload.
+pub const HIP_MEMCPY_HOST_TO_DEVICE: i32 = 1;
+
+/// The arguments of one `hipModuleLaunchKernel` of the copy kernel: `function` on a grid of
+/// `(grid.0, grid.1, 1)` blocks of `(block, 1, 1)` threads, no dynamic shared memory, on
+/// `stream`, with `args` as the kernel's whole argument buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelLaunch {
+    /// `hipFunction_t` of the copy kernel.
+    pub function: *mut c_void,
+    /// Blocks in x (tiles of rows) and y (buffers).
+    pub grid: (u32, u32),
+    /// Threads per block ([`BLOCK_THREADS`]).
+    pub block: u32,
+    /// `hipStream_t`; NULL is the null stream.
+    pub stream: *mut c_void,
+    /// The kernel's argument.
+    pub args: KernelArgs,
+}
+
+/// The code objects a runtime loads for the copy kernel, and the GPU targets they cover (for
+/// messages when the device is not among them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelImage {
+    /// A clang offload bundle (or code object) for `hipModuleLoadData`.
+    pub bytes: &'static [u8],
+    /// The targets it holds, e.g. "gfx90a,gfx942,gfx950".
+    pub targets: &'static str,
+}
+
+/// The copy kernel's function per device, loaded at most once per device and kept for the life
+/// of the process (a module is never unloaded: a stream may still run the kernel).
+#[derive(Debug, Default)]
+pub struct KernelCache {
+    /// (device, `hipFunction_t` as an address).
+    loaded: Mutex<Vec<(i32, usize)>>,
+}
+
+impl KernelCache {
+    /// An empty cache.
+    pub const fn new() -> Self {
+        KernelCache {
+            loaded: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The function cached for `device`, or the one `load` returns, which is cached when it
+    /// succeeds. Loads for different threads are serialised: they are rare and cheap to wait for.
+    fn get_or_load(
+        &self,
+        device: i32,
+        load: impl FnOnce() -> Result<*mut c_void>,
+    ) -> Result<*mut c_void> {
+        let mut loaded = self
+            .loaded
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(&(_, function)) = loaded.iter().find(|(d, _)| *d == device) {
+            return Ok(function as *mut c_void);
+        }
+        let function = load()?;
+        loaded.push((device, function as usize));
+        Ok(function)
+    }
+}
+
 /// The HIP runtime functions the engine uses. `LibHip` calls `libamdhip64`; tests supply a
 /// runtime that records the calls and performs them on host memory.
 pub trait HipRuntime {
@@ -89,6 +168,66 @@ pub trait HipRuntime {
 
     /// `hipGetErrorName(status)`, e.g. "hipErrorInvalidValue".
     fn error_name(&self, status: HipStatus) -> String;
+
+    /// `hipGetDevice`: the calling thread's current device.
+    fn current_device(&self) -> Result<i32, HipStatus>;
+
+    /// The copy kernel's code objects this runtime loads.
+    fn kernel_image(&self) -> KernelImage;
+
+    /// Where this runtime keeps the copy kernel's function per device.
+    fn kernel_cache(&self) -> &KernelCache;
+
+    /// `hipModuleLoadData(&module, image)` on the current device: the module, or the status.
+    ///
+    /// # Safety
+    /// `image` must be a code object or offload bundle as hipcc writes it.
+    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, HipStatus>;
+
+    /// `hipModuleGetFunction(&function, module, name)`.
+    ///
+    /// # Safety
+    /// `module` must be a loaded module.
+    unsafe fn module_get_function(
+        &self,
+        module: *mut c_void,
+        name: &CStr,
+    ) -> Result<*mut c_void, HipStatus>;
+
+    /// `hipMallocAsync(&pointer, size, stream)`: device memory, usable in stream order.
+    ///
+    /// # Safety
+    /// `stream` must be NULL or a live stream.
+    unsafe fn malloc_async(
+        &self,
+        size: usize,
+        stream: *mut c_void,
+    ) -> Result<*mut c_void, HipStatus>;
+
+    /// `hipMemcpyAsync(dst, src.as_ptr(), src.len(), hipMemcpyHostToDevice, stream)`.
+    ///
+    /// # Safety
+    /// `dst` must be device memory of at least `src.len()` bytes, live until the stream has run
+    /// the copy; `stream` NULL or live.
+    unsafe fn memcpy_host_to_device_async(
+        &self,
+        dst: *mut c_void,
+        src: &[u8],
+        stream: *mut c_void,
+    ) -> HipStatus;
+
+    /// `hipModuleLaunchKernel` of the copy kernel as `launch` describes.
+    ///
+    /// # Safety
+    /// `launch.function` must be the copy kernel on the stream's device, and every address the
+    /// table behind `launch.args` names must stay valid until the stream has run the kernel.
+    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> HipStatus;
+
+    /// `hipFreeAsync(pointer, stream)`.
+    ///
+    /// # Safety
+    /// `pointer` must come from [`HipRuntime::malloc_async`] and not be freed yet.
+    unsafe fn free_async(&self, pointer: *mut c_void, stream: *mut c_void) -> HipStatus;
 }
 
 /// "hipErrorNoDevice (100)": the runtime's name for a status and its number, which stays
@@ -122,25 +261,28 @@ fn size(value: u64) -> usize {
     value as usize
 }
 
-/// Issues one `hipMemcpy2DAsync` per (buffer, rect) on one stream and, when asked, waits for the
-/// stream before returning.
+/// Issues one `hipMemcpy2DAsync` per (buffer, rect), or one copy-kernel launch per call, on one
+/// stream and, when asked, waits for the stream before returning.
 #[derive(Debug)]
 pub struct HipEngine<R: HipRuntime> {
     runtime: R,
     stream: *mut c_void,
     synchronize: bool,
+    copy_kernel: bool,
 }
 
 impl<R: HipRuntime> HipEngine<R> {
-    /// An engine on `runtime` for `options.stream` and `options.synchronize`; refuses with
-    /// [`Error::BackendUnavailable`] when the runtime has no device. `options.backend` is not
-    /// consulted: choosing the backend is [`super::open_engine`]'s job.
+    /// An engine on `runtime` for `options.stream`, `options.synchronize` and
+    /// `options.copy_kernel`; refuses with [`Error::BackendUnavailable`] when the runtime has no
+    /// device. `options.backend` is not consulted: choosing the backend is
+    /// [`super::open_engine`]'s job.
     pub fn new(runtime: R, options: &SendOptions) -> Result<Self> {
         require_device(&runtime)?;
         Ok(HipEngine {
             runtime,
             stream: options.stream,
             synchronize: options.synchronize,
+            copy_kernel: options.copy_kernel,
         })
     }
 
@@ -219,6 +361,162 @@ impl<R: HipRuntime> HipEngine<R> {
         ))
     }
 
+    /// The copy kernel on the current device: from the cache, or loaded now.
+    fn kernel_function(&self) -> Result<*mut c_void> {
+        let device = self.runtime.current_device().map_err(|status| {
+            let message = format!(
+                "hipGetDevice returned {} (the copy kernel is loaded per device)",
+                describe(&self.runtime, status)
+            );
+            self.gpu_error("hipGetDevice", status, message)
+        })?;
+        self.runtime.kernel_cache().get_or_load(device, || {
+            let image = self.runtime.kernel_image();
+            // SAFETY: the image is the kernel bundle build.rs embedded (or the test runtime's).
+            let module = unsafe { self.runtime.module_load_data(image.bytes) }.map_err(|status| {
+                let message = format!(
+                    "hipModuleLoadData(copy kernel, {} bytes) on device {device} returned {} (this \
+                     libmori_tp's copy kernel holds code objects for {}; a GPU of another \
+                     target needs a build with a hipcc that knows it, see MORI_TP_HIP_ARCHS)",
+                    image.bytes.len(),
+                    describe(&self.runtime, status),
+                    image.targets
+                );
+                self.gpu_error("hipModuleLoadData", status, message)
+            })?;
+            // SAFETY: `module` was just loaded.
+            unsafe { self.runtime.module_get_function(module, KERNEL_NAME) }.map_err(|status| {
+                let message = format!(
+                    "hipModuleGetFunction({:?}) on device {device} returned {}",
+                    KERNEL_NAME,
+                    describe(&self.runtime, status)
+                );
+                self.gpu_error("hipModuleGetFunction", status, message)
+            })
+        })
+    }
+
+    /// The whole job as one kernel launch: allocate and upload the table, launch, free the
+    /// table (all in stream order), then wait when asked.
+    ///
+    /// # Safety
+    /// As for [`CopyEngine::run`]; every buffer must also be memory the kernel can address
+    /// (device memory, a peer's with access enabled, or host memory mapped into the device).
+    unsafe fn run_kernel(&self, job: &CopyJob<'_>) -> Result<()> {
+        let table = KernelTable::new(job)?;
+        let (grid_x, grid_y) = table.grid();
+        if grid_x == 0 {
+            return self.finish();
+        }
+        let function = self.kernel_function()?;
+        let bytes = table.bytes();
+        // SAFETY: the caller's stream, as documented on MoriSendOptions.
+        let device_table =
+            unsafe { self.runtime.malloc_async(bytes.len(), self.stream) }.map_err(|status| {
+                let message = format!(
+                    "hipMallocAsync({} bytes for the copy kernel's table, stream {:p}) returned {}",
+                    bytes.len(),
+                    self.stream,
+                    describe(&self.runtime, status)
+                );
+                self.gpu_error("hipMallocAsync", status, message)
+            })?;
+        let launch = KernelLaunch {
+            function,
+            grid: (grid_x, grid_y),
+            block: BLOCK_THREADS,
+            stream: self.stream,
+            args: table.args(device_table as u64),
+        };
+        // SAFETY: the table allocation holds `bytes.len()` bytes and lives until the free below,
+        // which the stream orders after the launch; the caller vouches for the buffers.
+        let issued = unsafe { self.upload_and_launch(device_table, bytes, &launch) };
+        // SAFETY: allocated above, freed once, in stream order after its last use.
+        let freed = unsafe { self.runtime.free_async(device_table, self.stream) };
+        let result = issued.and_then(|()| {
+            if freed.is_success() {
+                return Ok(());
+            }
+            let message = format!(
+                "hipFreeAsync({device_table:p}, stream {:p}) returned {}",
+                self.stream,
+                describe(&self.runtime, freed)
+            );
+            Err(self.gpu_error("hipFreeAsync", freed, message))
+        });
+        match result {
+            Ok(()) => self.finish(),
+            Err(error) => Err(self.also_finish(error)),
+        }
+    }
+
+    /// `hipMemcpyAsync` of the table, then the launch.
+    ///
+    /// # Safety
+    /// As for [`HipEngine::run_kernel`], with `device_table` holding `bytes.len()` bytes.
+    unsafe fn upload_and_launch(
+        &self,
+        device_table: *mut c_void,
+        bytes: &[u8],
+        launch: &KernelLaunch,
+    ) -> Result<()> {
+        // SAFETY: as the caller guarantees.
+        let status = unsafe {
+            self.runtime
+                .memcpy_host_to_device_async(device_table, bytes, self.stream)
+        };
+        if !status.is_success() {
+            let message = format!(
+                "hipMemcpyAsync({device_table:p}, copy kernel table, {} bytes, \
+                 hipMemcpyHostToDevice, stream {:p}) returned {}",
+                bytes.len(),
+                self.stream,
+                describe(&self.runtime, status)
+            );
+            return Err(self.gpu_error("hipMemcpyAsync", status, message));
+        }
+        // SAFETY: as the caller guarantees.
+        let status = unsafe { self.runtime.launch_kernel(launch) };
+        if status.is_success() {
+            return Ok(());
+        }
+        let args = &launch.args;
+        let message = format!(
+            "hipModuleLaunchKernel(mori_copy_kernel, grid ({}, {}, 1), block ({}, 1, 1), stream \
+             {:p}) returned {} ({} buffers x {} rects, {} rows per buffer)",
+            launch.grid.0,
+            launch.grid.1,
+            launch.block,
+            launch.stream,
+            describe(&self.runtime, status),
+            args.num_buffers,
+            args.num_rects,
+            args.total_rows
+        );
+        Err(self.gpu_error("hipModuleLaunchKernel", status, message))
+    }
+
+    /// After a failure: wait for what was issued when the caller asked to synchronize (they may
+    /// free the buffers as soon as we return), naming a failing wait too.
+    fn also_finish(&self, error: Error) -> Error {
+        let Error::Gpu {
+            call,
+            status,
+            mut message,
+        } = error
+        else {
+            return error;
+        };
+        if let Err(Error::Gpu { message: also, .. }) = self.finish() {
+            message = format!("{message}; then {also}");
+        }
+        Error::Gpu {
+            call,
+            status,
+            message,
+        }
+    }
+
     fn gpu_error(&self, call: &'static str, status: HipStatus, message: String) -> Error {
         Error::Gpu {
             call,
@@ -234,6 +532,10 @@ impl<R: HipRuntime> CopyEngine for HipEngine<R> {
     }
 
     unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()> {
+        if self.copy_kernel {
+            // SAFETY: as the caller guarantees for the whole job.
+            return unsafe { self.run_kernel(job) };
+        }
         let (buffers, rects) = (job.num_buffers(), job.num_rects());
         for (buffer, (src, dst)) in job.buffers().enumerate() {
             for (index, rect) in job.rects().enumerate() {
@@ -249,19 +551,14 @@ impl<R: HipRuntime> CopyEngine for HipEngine<R> {
                 else {
                     return Err(error);
                 };
-                let mut message = format!(
+                let message = format!(
                     "{message} (buffer {buffer} of {buffers}, rect {index} of {rects}: {rect:?})"
                 );
-                // A caller who asked to synchronize may free the buffers as soon as we return,
-                // so the copies already issued are waited for even though a later one failed.
-                if let Err(Error::Gpu { message: also, .. }) = self.finish() {
-                    message = format!("{message}; then {also}");
-                }
-                return Err(Error::Gpu {
+                return Err(self.also_finish(Error::Gpu {
                     call,
                     status,
                     message,
-                });
+                }));
             }
         }
         self.finish()
@@ -274,13 +571,18 @@ pub use lib_hip::LibHip;
 /// The real runtime: `libamdhip64`, linked through the `hip-sys` crate.
 #[cfg(feature = "hip")]
 mod lib_hip {
-    use std::ffi::{CStr, c_char, c_int, c_void};
+    use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+    use std::ptr::null_mut;
     use std::sync::OnceLock;
 
     // Only the link directive of hip-sys (libamdhip64) is used; its bindings return a Rust enum.
     use hip_sys as _;
 
-    use super::{HipRuntime, HipStatus, Memcpy2dAsync};
+    use super::super::copy_kernel::{ARCHS, IMAGE, KernelArgs};
+    use super::{
+        HIP_MEMCPY_HOST_TO_DEVICE, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
+        Memcpy2dAsync,
+    };
 
     // Signatures from hip/hip_runtime_api.h, with hipError_t and hipMemcpyKind (C enums, int
     // sized) as integers and hipStream_t as an opaque pointer.
@@ -298,6 +600,54 @@ mod lib_hip {
         ) -> HipStatus;
         fn hipStreamSynchronize(stream: *mut c_void) -> HipStatus;
         fn hipGetErrorName(status: HipStatus) -> *const c_char;
+        fn hipGetDevice(device: *mut c_int) -> HipStatus;
+        fn hipModuleLoadData(module: *mut *mut c_void, image: *const c_void) -> HipStatus;
+        fn hipModuleGetFunction(
+            function: *mut *mut c_void,
+            module: *mut c_void,
+            name: *const c_char,
+        ) -> HipStatus;
+        fn hipMallocAsync(pointer: *mut *mut c_void, size: usize, stream: *mut c_void)
+        -> HipStatus;
+        fn hipMemcpyAsync(
+            dst: *mut c_void,
+            src: *const c_void,
+            size: usize,
+            kind: c_int,
+            stream: *mut c_void,
+        ) -> HipStatus;
+        #[allow(clippy::too_many_arguments)] // HIP's signature
+        fn hipModuleLaunchKernel(
+            function: *mut c_void,
+            grid_x: c_uint,
+            grid_y: c_uint,
+            grid_z: c_uint,
+            block_x: c_uint,
+            block_y: c_uint,
+            block_z: c_uint,
+            shared_bytes: c_uint,
+            stream: *mut c_void,
+            kernel_params: *mut *mut c_void,
+            extra: *mut *mut c_void,
+        ) -> HipStatus;
+        fn hipFreeAsync(pointer: *mut c_void, stream: *mut c_void) -> HipStatus;
+    }
+
+    // HIP_LAUNCH_PARAM_* (hip/hip_runtime_api.h): markers of hipModuleLaunchKernel's `extra`.
+    const LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
+    const LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
+    const LAUNCH_PARAM_END: usize = 3;
+
+    /// The copy kernel's function per device, for the whole process.
+    static KERNELS: KernelCache = KernelCache::new();
+
+    /// An out-pointer call's result: the value on success, else the status.
+    fn out<T>(status: HipStatus, value: T) -> Result<T, HipStatus> {
+        if status.is_success() {
+            Ok(value)
+        } else {
+            Err(status)
+        }
     }
 
     /// `libamdhip64`. The device count is read once per process: devices do not come and go
@@ -345,6 +695,108 @@ mod lib_hip {
             unsafe { CStr::from_ptr(name) }
                 .to_string_lossy()
                 .into_owned()
+        }
+
+        fn current_device(&self) -> Result<i32, HipStatus> {
+            let mut device: c_int = 0;
+            // SAFETY: `device` is a valid out-pointer for the duration of the call.
+            let status = unsafe { hipGetDevice(&mut device) };
+            out(status, device)
+        }
+
+        fn kernel_image(&self) -> KernelImage {
+            KernelImage {
+                bytes: IMAGE,
+                targets: ARCHS,
+            }
+        }
+
+        fn kernel_cache(&self) -> &KernelCache {
+            &KERNELS
+        }
+
+        unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, HipStatus> {
+            let mut module = null_mut();
+            // SAFETY: a valid out-pointer; the image is as the caller guarantees.
+            let status = unsafe { hipModuleLoadData(&mut module, image.as_ptr().cast()) };
+            out(status, module)
+        }
+
+        unsafe fn module_get_function(
+            &self,
+            module: *mut c_void,
+            name: &CStr,
+        ) -> Result<*mut c_void, HipStatus> {
+            let mut function = null_mut();
+            // SAFETY: a valid out-pointer and NUL-terminated name; the module as guaranteed.
+            let status = unsafe { hipModuleGetFunction(&mut function, module, name.as_ptr()) };
+            out(status, function)
+        }
+
+        unsafe fn malloc_async(
+            &self,
+            size: usize,
+            stream: *mut c_void,
+        ) -> Result<*mut c_void, HipStatus> {
+            let mut pointer = null_mut();
+            // SAFETY: a valid out-pointer; the stream as the caller guarantees.
+            let status = unsafe { hipMallocAsync(&mut pointer, size, stream) };
+            out(status, pointer)
+        }
+
+        unsafe fn memcpy_host_to_device_async(
+            &self,
+            dst: *mut c_void,
+            src: &[u8],
+            stream: *mut c_void,
+        ) -> HipStatus {
+            // SAFETY: forwarded from the caller; `src` is live for the call, and HIP has read
+            // pageable host memory before hipMemcpyAsync returns.
+            unsafe {
+                hipMemcpyAsync(
+                    dst,
+                    src.as_ptr().cast(),
+                    src.len(),
+                    HIP_MEMCPY_HOST_TO_DEVICE,
+                    stream,
+                )
+            }
+        }
+
+        unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> HipStatus {
+            // The argument struct is the kernel's whole argument buffer, passed through `extra`
+            // (which every HIP version implements; HIP 5.2's header says kernelParams is not).
+            // HIP copies it during the call.
+            let mut args: KernelArgs = launch.args;
+            let mut size = std::mem::size_of::<KernelArgs>();
+            let mut extra = [
+                std::ptr::without_provenance_mut(LAUNCH_PARAM_BUFFER_POINTER),
+                (&raw mut args).cast(),
+                std::ptr::without_provenance_mut(LAUNCH_PARAM_BUFFER_SIZE),
+                (&raw mut size).cast(),
+                std::ptr::without_provenance_mut(LAUNCH_PARAM_END),
+            ];
+            // SAFETY: forwarded from the caller; `extra` and what it points to outlive the call.
+            unsafe {
+                hipModuleLaunchKernel(
+                    launch.function,
+                    launch.grid.0,
+                    launch.grid.1,
+                    1,
+                    launch.block,
+                    1,
+                    1,
+                    0,
+                    launch.stream,
+                    null_mut(),
+                    extra.as_mut_ptr(),
+                )
+            }
+        }
+
+        unsafe fn free_async(&self, pointer: *mut c_void, stream: *mut c_void) -> HipStatus {
+            // SAFETY: forwarded from the caller.
+            unsafe { hipFreeAsync(pointer, stream) }
         }
     }
 }

@@ -14,6 +14,8 @@ pub use host::HostEngine;
 
 // Rust-side engine internals, not C API: cbindgen must not copy them into the header.
 /// cbindgen:ignore
+pub mod copy_kernel;
+/// cbindgen:ignore
 pub mod hip;
 
 /// Performs a whole [`CopyJob`]: every rect of a plan on every buffer pair of a call.
@@ -44,7 +46,7 @@ pub enum Backend {
     Auto,
     /// CPU copies.
     Host,
-    /// `hipMemcpy2DAsync` on the caller's stream.
+    /// `hipMemcpy2DAsync` per rect, or one copy-kernel launch, on the caller's stream.
     Hip,
 }
 

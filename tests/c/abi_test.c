@@ -1,7 +1,8 @@
 /*
  * A C program that uses mori-tp only through include/mori_tp.h and the library: the struct
- * layouts of the contract, a full heterogeneous-TP transfer between host buffers checked byte
- * for byte, the plan functions with their size query, and one call for each refusal class.
+ * layouts and constants of the ABI, a full heterogeneous-TP transfer between host buffers checked
+ * byte for byte, directly and staged (pack, transport segments, unpack), the plan functions with
+ * their size query, and one call for each refusal class.
  * Exits 0 after printing "all checks passed".
  */
 #include "mori_tp.h"
@@ -52,7 +53,10 @@ static void check_layout(void) {
     CHECK(offsetof(MoriSendOptions, stream) == 8);
     CHECK(MORI_TP_ACTION_NOT_PAIRED == 0 && MORI_TP_ACTION_SEND == 1 && MORI_TP_ACTION_SKIP_REPLICA == 2);
     CHECK(MORI_BACKEND_AUTO == 0 && MORI_BACKEND_HOST == 1 && MORI_BACKEND_HIP == 2);
-    CHECK(MORI_SEND_SYNCHRONIZE == 1);
+    CHECK(MORI_SEND_SYNCHRONIZE == 1 && MORI_SEND_COPY_KERNEL == 2);
+    CHECK(MORI_TP_STAGING_NONE == 0 && MORI_TP_STAGING_SRC == 1 && MORI_TP_STAGING_DST == 2 &&
+          MORI_TP_STAGING_BOTH == 3);
+    CHECK(sizeof(MoriTpStaging) == 4);
     CHECK(MORI_OK == 0 && MORI_ERR_PANIC == 10);
     CHECK(mori_abi_version() == MORI_TP_ABI_VERSION);
     CHECK(strlen(mori_version()) > 0);
@@ -70,12 +74,68 @@ static uint8_t head_byte(int buffer, int page, int token, int head, int byte) {
     return (uint8_t)(buffer * 53 + page * 29 + token * 11 + head * 97 + byte * 3 + 1);
 }
 
+/* What an RDMA engine does with mori_tp_plan_transfer's list: for every buffer, every segment,
+ * from the buffer's base on each side (its page buffer, or its part of a staging region). */
+static void transport(const MoriSegment *segments, size_t n, const uint8_t *const *from,
+                      uint8_t *const *to) {
+    size_t b, i;
+    for (b = 0; b < BUFS; b++)
+        for (i = 0; i < n; i++)
+            memcpy(to[b] + segments[i].dst_offset, from[b] + segments[i].src_offset, segments[i].length);
+}
+
+/* The staged path for one pair: staging_for's mode; pack, transport, unpack. */
+static void staged_send(const MoriTpSliceConfig *config, const void *const *srcs, void *const *dsts,
+                        uint64_t src_capacity, uint64_t dst_capacity, const int32_t *src_pages,
+                        const int32_t *dst_pages) {
+    static uint8_t src_staging[BUFS * REQ * PAGE * BPH], dst_staging[BUFS * REQ * PAGE * BPH];
+    const MoriSendOptions host = {MORI_BACKEND_HOST, 0, NULL};
+    uint32_t staging = 99;
+    uint64_t len = 0;
+    MoriSegment segments[REQ * PAGE];
+    size_t n = 0, b;
+    const uint8_t *from[BUFS];
+    uint8_t *to[BUFS];
+
+    EXPECT(mori_tp_staging_for(config, &staging), MORI_OK, NULL);
+    EXPECT(mori_tp_staging_len(config, REQ, &len), MORI_OK, NULL);
+    if (config->action == MORI_TP_ACTION_SEND) {
+        /* 2 heads on a prefill token, 1 on a decode token: only the prefill side is wider. */
+        CHECK(staging == MORI_TP_STAGING_SRC);
+        CHECK(len == (uint64_t)REQ * PAGE * BPH);
+    } else {
+        CHECK(staging == MORI_TP_STAGING_NONE && len == 0);
+    }
+    if (staging == MORI_TP_STAGING_SRC || staging == MORI_TP_STAGING_BOTH)
+        EXPECT(mori_pack_kvcache(config, srcs, BUFS, src_capacity, src_pages, REQ, src_staging,
+                                 sizeof src_staging, &host),
+               MORI_OK, NULL);
+    EXPECT(mori_tp_plan_transfer(config, staging, src_pages, dst_pages, REQ, segments, REQ * PAGE, &n),
+           MORI_OK, NULL);
+    if (config->action == MORI_TP_ACTION_SEND)
+        CHECK(n == 3); /* one per run of decode pages, instead of one per token */
+    for (b = 0; b < BUFS; b++) {
+        from[b] = (staging == MORI_TP_STAGING_SRC || staging == MORI_TP_STAGING_BOTH)
+                      ? src_staging + b * len
+                      : (const uint8_t *)srcs[b];
+        to[b] = (staging == MORI_TP_STAGING_DST || staging == MORI_TP_STAGING_BOTH)
+                    ? dst_staging + b * len
+                    : (uint8_t *)dsts[b];
+    }
+    transport(segments, n, from, to);
+    if (staging == MORI_TP_STAGING_DST || staging == MORI_TP_STAGING_BOTH)
+        EXPECT(mori_unpack_kvcache(config, dst_staging, sizeof dst_staging, dsts, BUFS, dst_capacity,
+                                   dst_pages, REQ, &host),
+               MORI_OK, NULL);
+}
+
 static void full_transfer(void) {
     /* Runs: 7,8,9 -> 1,2,3 | 0 -> 11 | 4,5 -> 6,7 */
     const int32_t src_pages[REQ] = {7, 8, 9, 0, 4, 5};
     const int32_t dst_pages[REQ] = {1, 2, 3, 11, 6, 7};
     static uint8_t src[P][BUFS][SRC_PAGES * SRC_ITEM];
     static uint8_t dst[D][BUFS][DST_PAGES * DST_ITEM];
+    static uint8_t staged[D][BUFS][DST_PAGES * DST_ITEM];
     int p, d, b, i, k;
     size_t rects_total = 0;
 
@@ -87,6 +147,7 @@ static void full_transfer(void) {
                 src[p][b][i] = head_byte(b, page, token, head, i % BPH);
             }
     memset(dst, 0xEE, sizeof dst);
+    memset(staged, 0xEE, sizeof staged);
 
     for (p = 0; p < P; p++) {
         for (d = 0; d < D; d++) {
@@ -143,8 +204,13 @@ static void full_transfer(void) {
             buffers.src_capacity = sizeof src[p][0];
             buffers.dst_capacity = sizeof dst[d][0];
             EXPECT(mori_send_kvcache(&config, &buffers, src_pages, dst_pages, REQ, &options), MORI_OK, NULL);
+            for (b = 0; b < BUFS; b++)
+                dsts[b] = staged[d][b];
+            staged_send(&config, srcs, dsts, sizeof src[p][0], sizeof staged[d][0], src_pages, dst_pages);
         }
     }
+    /* The staged path leaves every decode byte exactly as the direct one. */
+    CHECK(memcmp(staged, dst, sizeof dst) == 0);
     CHECK(rects_total == 3 * D);
 
     for (d = 0; d < D; d++)
@@ -216,6 +282,21 @@ static void refusals(void) {
            "page 12 at position 1");
     EXPECT(mori_tp_plan(&config, pages, pages, 2, rects, 0, &n), MORI_ERR_BUFFER_TOO_SMALL, "needs 1 entries");
     CHECK(n == 1);
+    {
+        /* A staging region one byte short, an unknown staging value. */
+        uint8_t staging[2 * PAGE * BPH];
+        uint64_t len = 0;
+        memset(staging, 7, sizeof staging);
+        EXPECT(mori_tp_staging_len(&config, 2, &len), MORI_OK, NULL);
+        CHECK(len == sizeof staging);
+        EXPECT(mori_pack_kvcache(&config, srcs, 1, sizeof srcbuf, pages, 2, staging, len - 1, NULL),
+               MORI_ERR_BUFFER_TOO_SMALL, "staging_capacity 255 is below the 256 bytes");
+        CHECK(staging[0] == 7 && staging[sizeof staging - 2] == 7);
+        EXPECT(mori_unpack_kvcache(&config, staging, len, dsts, 1, sizeof dstbuf, far, 2, NULL),
+               MORI_ERR_OUT_OF_BOUNDS, "page 12 at position 1");
+        EXPECT(mori_tp_plan_transfer(&config, 4, pages, pages, 2, NULL, 0, &n), MORI_ERR_INVALID_ARGUMENT,
+               "staging 4 is not a MoriTpStaging");
+    }
     CHECK(memcmp(before, dstbuf, sizeof dstbuf) == 0); /* every refusal above wrote nothing */
     {
         /* HIP is a refusal unless the library is built with it and a device is present; then host

@@ -1,14 +1,18 @@
 // A C++17 program that links mori-tp through include/mori_tp.h: a transfer where both sides
 // replicate the KV heads with a non-integer TP ratio (2 KV heads, prefill TP 6, decode TP 4),
-// checked byte for byte, the plan size query, and one call per refusal class, the way a C++
-// runtime would wrap the C API. Exits 0 after printing "all checks passed".
+// checked byte for byte, directly and through each of the four staging modes, the plan size
+// query, one call per refusal class the way a C++ runtime would wrap the C API, and failing
+// calls made from thread_local destructors while threads exit. Exits 0 after printing "all
+// checks passed".
 #include "mori_tp.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -56,12 +60,56 @@ uint8_t head_byte(uint32_t buffer, int32_t page, uint32_t token, uint32_t head, 
 // Head owned by a rank of a replicated side (TP > heads): rank / (TP / heads).
 uint32_t owned_head(uint32_t tp, uint32_t rank) { return rank / (tp / kHeads); }
 
+using Buffers = std::vector<std::vector<uint8_t>>;
+
+bool stages_src(uint32_t mode) { return mode == MORI_TP_STAGING_SRC || mode == MORI_TP_STAGING_BOTH; }
+bool stages_dst(uint32_t mode) { return mode == MORI_TP_STAGING_DST || mode == MORI_TP_STAGING_BOTH; }
+
+// A staged transfer of one pair through the C API: pack when the prefill side is staged, every
+// segment of mori_tp_plan_transfer for every buffer (what an RDMA engine does), unpack when the
+// decode side is staged.
+void staged_send(const MoriTpSliceConfig &config, uint32_t mode, const Buffers &src, Buffers &dst,
+                 const std::vector<int32_t> &src_pages, const std::vector<int32_t> &dst_pages) {
+    const size_t pages = src_pages.size();
+    uint64_t len = 0;
+    ok(mori_tp_staging_len(&config, pages, &len));
+    std::vector<uint8_t> src_staging(kBuffers * len), dst_staging(kBuffers * len);
+    std::vector<const void *> s;
+    std::vector<void *> t;
+    for (uint32_t b = 0; b < kBuffers; ++b) {
+        s.push_back(src[b].data());
+        t.push_back(dst[b].data());
+    }
+    const MoriSendOptions host{MORI_BACKEND_HOST, 0, nullptr};
+    if (stages_src(mode))
+        ok(mori_pack_kvcache(&config, s.data(), kBuffers, src[0].size(), src_pages.data(), pages,
+                             src_staging.data(), src_staging.size(), &host));
+    size_t needed = 0;
+    const MoriStatus query = mori_tp_plan_transfer(&config, mode, src_pages.data(), dst_pages.data(),
+                                                   pages, nullptr, 0, &needed);
+    CHECK(query == (needed == 0 ? MORI_OK : MORI_ERR_BUFFER_TOO_SMALL));
+    std::vector<MoriSegment> segments(needed);
+    ok(mori_tp_plan_transfer(&config, mode, src_pages.data(), dst_pages.data(), pages, segments.data(),
+                             segments.size(), &needed));
+    if (mode == MORI_TP_STAGING_BOTH && config.action == MORI_TP_ACTION_SEND)
+        CHECK(needed == 1 && segments[0].length == len);
+    for (uint32_t b = 0; b < kBuffers; ++b) {
+        const uint8_t *from = stages_src(mode) ? src_staging.data() + b * len : src[b].data();
+        uint8_t *to = stages_dst(mode) ? dst_staging.data() + b * len : dst[b].data();
+        for (const MoriSegment &seg : segments) std::memcpy(to + seg.dst_offset, from + seg.src_offset, seg.length);
+    }
+    if (stages_dst(mode))
+        ok(mori_unpack_kvcache(&config, dst_staging.data(), dst_staging.size(), t.data(), kBuffers,
+                               dst[0].size(), dst_pages.data(), pages, &host));
+}
+
 void transfer() {
     const std::vector<int32_t> src_pages = {3, 4, 0, 8, 6, 7};
     const std::vector<int32_t> dst_pages = {5, 6, 8, 0, 1, 2};
-    using Buffers = std::vector<std::vector<uint8_t>>;
     std::vector<Buffers> src(kPrefill, Buffers(kBuffers, std::vector<uint8_t>(kPages * kItem)));
     std::vector<Buffers> dst(kDecode, Buffers(kBuffers, std::vector<uint8_t>(kPages * kItem, 0x5A)));
+    // One decode side per staging mode, each moved only through that mode.
+    std::vector<std::vector<Buffers>> staged(4, dst);
     for (uint32_t p = 0; p < kPrefill; ++p)
         for (uint32_t b = 0; b < kBuffers; ++b)
             for (size_t i = 0; i < src[p][b].size(); ++i)
@@ -107,9 +155,16 @@ void transfer() {
             const MoriKvBuffers buffers{s.data(), t.data(), kBuffers, kPages * kItem, kPages * kItem};
             ok(mori_send_kvcache(&config, &buffers, src_pages.data(), dst_pages.data(),
                                  src_pages.size(), nullptr));
+            uint32_t chosen = 99;
+            ok(mori_tp_staging_for(&config, &chosen));
+            CHECK(chosen == MORI_TP_STAGING_NONE);  // every token slot is exactly the slice here
+            for (uint32_t mode = MORI_TP_STAGING_NONE; mode <= MORI_TP_STAGING_BOTH; ++mode)
+                staged_send(config, mode, src[p], staged[mode][d], src_pages, dst_pages);
         }
     }
     for (uint32_t d = 0; d < kDecode; ++d) CHECK(senders[d] == 1);
+    for (uint32_t mode = MORI_TP_STAGING_NONE; mode <= MORI_TP_STAGING_BOTH; ++mode)
+        CHECK(staged[mode] == dst);  // the composition law: staged equals direct, byte for byte
 
     for (uint32_t d = 0; d < kDecode; ++d)
         for (uint32_t b = 0; b < kBuffers; ++b)
@@ -181,12 +236,50 @@ void refusals() {
     }
 }
 
+// What the thread_local destructor below saw when it called into mori-tp.
+std::atomic<int> exit_status{-1};
+std::atomic<bool> exit_message_null{true};
+
+// A C++ runtime's per-thread object that calls mori-tp when its thread exits. It is constructed
+// before the thread's first mori-tp call, so its destructor runs after mori-tp's own thread-local
+// storage has been torn down: the failing call must still return its status (no abort).
+struct CallsMoriAtThreadExit {
+    bool armed = false;
+    ~CallsMoriAtThreadExit() {
+        if (!armed) return;
+        const MoriTpSliceParams zero{};
+        MoriTpSliceConfig out{};
+        exit_status = mori_tp_slice_config(&zero, &out);
+        exit_message_null = mori_last_error_message() == nullptr;
+    }
+};
+thread_local CallsMoriAtThreadExit at_thread_exit;
+
+void failing_calls_from_thread_local_destructors() {
+    for (int round = 0; round < 3; ++round) {
+        exit_status = -1;
+        std::thread worker([] {
+            at_thread_exit.armed = true;  // constructed now, before mori-tp's thread locals
+            const MoriTpSliceParams zero{};
+            MoriTpSliceConfig out{};
+            // A failing call gives mori-tp's last-error storage its thread-local slot.
+            CHECK(mori_tp_slice_config(&zero, &out) == MORI_ERR_INVALID_ARGUMENT);
+        });
+        worker.join();
+        CHECK(exit_status == MORI_ERR_INVALID_ARGUMENT);
+        CHECK(!exit_message_null);  // never NULL, even when the message could not be kept
+    }
+}
+
 }  // namespace
 
 int main() {
     try {
         transfer();
         refusals();
+        failing_calls_from_thread_local_destructors();
+        // The main thread too: its thread_local destructor runs at exit, after main returns.
+        at_thread_exit.armed = true;
     } catch (const std::exception &e) {
         std::fprintf(stderr, "unexpected failure: %s\n", e.what());
         return 1;

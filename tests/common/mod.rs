@@ -1,8 +1,9 @@
-//! Helpers shared by the integration tests: an independent statement of the contract's head
+//! Helpers shared by the integration tests: an independent statement of REFERENCE.md's head
 //! ownership, deterministic fragmented requests, and KV buffers whose bytes identify what they
 //! hold.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use std::io::Write;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -10,15 +11,37 @@ use std::process::Command;
 
 use mori_tp::{Action, Plan, SendReport, SliceParams, slice_config};
 
+/// True when the environment variable `var` is set to anything but "" or "0": CI sets
+/// MORI_TP_REQUIRE_TOOLS=1 after installing every tool, MORI_TP_REQUIRE_HIP=1 for the HIP build
+/// and a GPU runner MORI_TP_REQUIRE_HIP_DEVICE=1, so that nothing skips there.
+pub fn required(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Reports that `test` skips because `why`. libtest hides what a passing test prints with
+/// `eprintln!`, so the line goes straight to the process's stderr, where `cargo test` shows it.
+pub fn skip(test: &str, why: &str) {
+    let _ = writeln!(std::io::stderr(), "skipped {test}: {why}");
+}
+
+/// Skips `test` for a missing tool, or fails it when `required_by` is set (see [`required`]).
+pub fn skip_missing(test: &str, required_by: &str, why: &str) {
+    assert!(
+        !required(required_by),
+        "{test}: {required_by} is set, but {why}"
+    );
+    skip(test, why);
+}
+
 /// KV head counts the property tests cover.
 pub const HEAD_COUNTS: [u32; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64];
 
-/// Contract section 3: a side is valid when H and T divide one way or the other.
+/// REFERENCE.md section 3: a side is valid when H and T divide one way or the other.
 pub fn valid_tp(heads: u32, tp: u32) -> bool {
     heads % tp == 0 || tp % heads == 0
 }
 
-/// Contract section 3, restated independently of the library: the heads rank `r` owns.
+/// REFERENCE.md section 3, restated independently of the library: the heads rank `r` owns.
 pub fn owned_heads(heads: u32, tp: u32, rank: u32) -> Range<u32> {
     if tp <= heads {
         let per = heads / tp;
@@ -29,78 +52,13 @@ pub fn owned_heads(heads: u32, tp: u32, rank: u32) -> Range<u32> {
     }
 }
 
-/// splitmix64: a tiny deterministic generator, so failures reproduce from the seed alone.
-pub struct Rng(u64);
+pub use mori_tp_testkit::Request;
 
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next_u64() % (hi - lo + 1)
-    }
-
-    pub fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            let j = self.range(0, i as u64) as usize;
-            items.swap(i, j);
-        }
-    }
-}
-
-/// A request: page pairs plus the page counts each side's buffers hold.
-#[derive(Clone, Debug)]
-pub struct Request {
-    pub src_pages: Vec<i32>,
-    pub dst_pages: Vec<i32>,
-    pub src_capacity_pages: usize,
-    pub dst_capacity_pages: usize,
-}
-
-/// Lays runs of the given lengths out in a shuffled order with random gaps; returns each run's
-/// first page (in the original run order) and the pages needed to hold them all.
-fn lay_out(rng: &mut Rng, runs: &[usize]) -> (Vec<usize>, usize) {
-    let mut order: Vec<usize> = (0..runs.len()).collect();
-    rng.shuffle(&mut order);
-    let mut starts = vec![0; runs.len()];
-    let mut next = rng.range(0, 2) as usize;
-    for &run in &order {
-        starts[run] = next;
-        next += runs[run] + rng.range(0, 2) as usize;
-    }
-    (starts, next + 1)
-}
-
-/// A fragmented request of `runs` runs of 1..=4 pages: each run is contiguous on both sides,
-/// the runs sit in shuffled order with gaps, independently on each side.
+/// A fragmented request of `runs` runs of 1 to 4 pages, each run contiguous on both sides, the
+/// runs in a shuffled order with free pages between them, independently on each side: the
+/// generator the benchmarks and the CLI share (crates/testkit).
 pub fn fragmented_request(seed: u64, runs: usize) -> Request {
-    let mut rng = Rng::new(seed);
-    let lengths: Vec<usize> = (0..runs).map(|_| rng.range(1, 4) as usize).collect();
-    let (src_starts, src_capacity_pages) = lay_out(&mut rng, &lengths);
-    let (dst_starts, dst_capacity_pages) = lay_out(&mut rng, &lengths);
-    let mut request = Request {
-        src_pages: Vec::new(),
-        dst_pages: Vec::new(),
-        src_capacity_pages,
-        dst_capacity_pages,
-    };
-    for (run, &len) in lengths.iter().enumerate() {
-        for k in 0..len {
-            request.src_pages.push((src_starts[run] + k) as i32);
-            request.dst_pages.push((dst_starts[run] + k) as i32);
-        }
-    }
-    request
+    mori_tp_testkit::fragmented_runs(seed, runs, 4)
 }
 
 /// The bytes of one head of one token: the first 8 identify (buffer, page, token, global head),

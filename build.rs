@@ -1,0 +1,198 @@
+//! Build script of the mori-tp library. Each job is one function called from `main`.
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    set_soname();
+    // With the `hip` feature only: without it, nothing costly runs.
+    if env::var_os("CARGO_FEATURE_HIP").is_some() {
+        build_copy_kernel();
+    }
+}
+
+/// Gives libmori_tp.so the SONAME `libmori_tp.so.<ABI version>`, so that a program linked
+/// against one ABI never loads a library of another. The number is the generated header's
+/// `MORI_TP_ABI_VERSION`, which is what `mori_abi_version()` returns (tests/packaging.rs reads
+/// the SONAME back and compares). ELF platforms only: Apple's install names and Windows' DLLs
+/// version differently.
+fn set_soname() {
+    let header = Path::new(&env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
+        .join("include/mori_tp.h");
+    println!("cargo:rerun-if-changed={}", header.display());
+    let unix = env::var("CARGO_CFG_TARGET_FAMILY").is_ok_and(|f| f.split(',').any(|f| f == "unix"));
+    let apple = env::var("CARGO_CFG_TARGET_VENDOR").is_ok_and(|v| v == "apple");
+    if !unix || apple {
+        return;
+    }
+    let text = fs::read_to_string(&header)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", header.display()));
+    let abi = text
+        .lines()
+        .find_map(|line| line.strip_prefix("#define MORI_TP_ABI_VERSION "))
+        .map(str::trim)
+        .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        .unwrap_or_else(|| {
+            panic!(
+                "{} defines no numeric MORI_TP_ABI_VERSION",
+                header.display()
+            )
+        });
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libmori_tp.so.{abi}");
+}
+
+/// The GPU targets the kernel is built for when the compiler knows them: MI200 (gfx90a), MI300
+/// (gfx942) and MI350 (gfx950).
+const KERNEL_ARCHS: [&str; 3] = ["gfx90a", "gfx942", "gfx950"];
+
+/// Compiles hip/copy_kernel.hip with `hipcc --genco` for every target of [`KERNEL_ARCHS`] that
+/// hipcc can build (or exactly those of `MORI_TP_HIP_ARCHS`, space- or comma-separated) into
+/// `$OUT_DIR/copy_kernel.hsaco`, a clang offload bundle that hipModuleLoadData accepts, checks
+/// that the bundle holds one code object per target, and tells the library which targets it has
+/// (`MORI_TP_HIP_KERNEL_ARCHS`). `HIPCC` names the compiler (default: hipcc on PATH, else
+/// `$ROCM_PATH/bin/hipcc`).
+fn build_copy_kernel() {
+    for file in ["hip/copy_kernel.hip", "hip/copy_kernel.h"] {
+        println!("cargo:rerun-if-changed={file}");
+    }
+    for var in ["HIPCC", "MORI_TP_HIP_ARCHS", "ROCM_PATH"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let hipcc = hipcc();
+    let archs: Vec<String> = match env::var("MORI_TP_HIP_ARCHS") {
+        Ok(list) => list
+            .split([' ', ','])
+            .filter(|a| !a.is_empty())
+            .map(String::from)
+            .collect(),
+        Err(_) => probe_archs(&hipcc, &out),
+    };
+    if archs.is_empty() {
+        panic!(
+            "the `hip` feature builds the copy kernel, but {hipcc} can build none of {} \
+             (set MORI_TP_HIP_ARCHS to the targets to build, or use a newer hipcc)",
+            KERNEL_ARCHS.join(", ")
+        );
+    }
+    let bundle = out.join("copy_kernel.hsaco");
+    let output = Command::new(&hipcc)
+        .args([
+            "--genco",
+            "-O3",
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+        ])
+        .args(archs.iter().map(|a| format!("--offload-arch={a}")))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.hip"))
+        .arg("-o")
+        .arg(&bundle)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "the `hip` feature builds the copy kernel with {hipcc}, which did not run ({e}); \
+                 install hipcc (Debian: apt install hipcc) or set HIPCC"
+            )
+        });
+    if !output.status.success() {
+        panic!(
+            "{hipcc} --genco hip/copy_kernel.hip for {archs:?} failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let image = fs::read(&bundle).expect("read the kernel bundle");
+    let targets = bundle_targets(&image)
+        .unwrap_or_else(|why| panic!("{} is not a clang offload bundle: {why}", bundle.display()));
+    for arch in &archs {
+        let id = format!("hipv4-amdgcn-amd-amdhsa--{arch}");
+        assert!(
+            targets
+                .iter()
+                .any(|t| t == &id || t.starts_with(&format!("{id}:"))),
+            "{} lacks a code object for {arch}; it holds {targets:?}",
+            bundle.display()
+        );
+    }
+    println!(
+        "cargo:rustc-env=MORI_TP_HIP_KERNEL_ARCHS={}",
+        archs.join(",")
+    );
+}
+
+/// `$HIPCC`, else `hipcc` on PATH, else `$ROCM_PATH/bin/hipcc`.
+fn hipcc() -> String {
+    if let Ok(hipcc) = env::var("HIPCC") {
+        return hipcc;
+    }
+    let on_path = Command::new("hipcc")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    match env::var("ROCM_PATH") {
+        Ok(rocm) if !on_path => format!("{rocm}/bin/hipcc"),
+        _ => "hipcc".into(),
+    }
+}
+
+/// The targets of [`KERNEL_ARCHS`] that `hipcc` compiles a tiny kernel for, probed in parallel.
+fn probe_archs(hipcc: &str, out: &Path) -> Vec<String> {
+    let probe = out.join("probe.hip");
+    fs::write(
+        &probe,
+        "#include <hip/hip_runtime.h>\n__global__ void probe(int *p) { *p = 1; }\n",
+    )
+    .expect("write the probe source");
+    let probes: Vec<_> = KERNEL_ARCHS
+        .iter()
+        .map(|arch| {
+            let (hipcc, probe) = (hipcc.to_string(), probe.clone());
+            let object = out.join(format!("probe-{arch}.hsaco"));
+            std::thread::spawn(move || {
+                Command::new(hipcc)
+                    .args(["--genco", &format!("--offload-arch={arch}")])
+                    .arg(&probe)
+                    .arg("-o")
+                    .arg(&object)
+                    .output()
+                    .is_ok_and(|o| o.status.success())
+            })
+        })
+        .collect();
+    KERNEL_ARCHS
+        .iter()
+        .zip(probes)
+        .filter_map(|(arch, probe)| probe.join().unwrap_or(false).then(|| arch.to_string()))
+        .collect()
+}
+
+/// The target ids of an uncompressed clang offload bundle: the magic
+/// `__CLANG_OFFLOAD_BUNDLE__`, a little-endian u64 entry count, then per entry u64 offset, u64
+/// size, u64 id length and the id.
+fn bundle_targets(image: &[u8]) -> Result<Vec<String>, String> {
+    const MAGIC: &[u8] = b"__CLANG_OFFLOAD_BUNDLE__";
+    let rest = image
+        .strip_prefix(MAGIC)
+        .ok_or("no __CLANG_OFFLOAD_BUNDLE__ magic")?;
+    let mut at = 0usize;
+    let count = u64_at(rest, &mut at)?;
+    let mut ids = Vec::new();
+    for _ in 0..count {
+        let (_offset, _size) = (u64_at(rest, &mut at)?, u64_at(rest, &mut at)?);
+        let len = usize::try_from(u64_at(rest, &mut at)?).map_err(|_| "huge entry id")?;
+        let id = rest.get(at..at + len).ok_or("truncated entry id")?;
+        at += len;
+        ids.push(String::from_utf8_lossy(id).into_owned());
+    }
+    Ok(ids)
+}
+
+/// The little-endian u64 at `*at`, advancing `*at` past it.
+fn u64_at(bytes: &[u8], at: &mut usize) -> Result<u64, String> {
+    let field = bytes.get(*at..*at + 8).ok_or("truncated header")?;
+    *at += 8;
+    Ok(u64::from_le_bytes(field.try_into().expect("8 bytes")))
+}

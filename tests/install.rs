@@ -1,0 +1,329 @@
+//! The install a C or C++ project consumes: the top-level CMakeLists.txt builds the library with
+//! cargo and installs it into a temporary prefix, which is then moved (the package must not
+//! depend on where it was installed). Then tests/c/CMakeLists.txt finds it with
+//! `find_package(mori_tp CONFIG REQUIRED)` and pkg-config finds it with `mori_tp.pc` and
+//! `mori_tp-static.pc`; every program is linked static and shared, and runs.
+//!
+//! With `--features hip` the install is built with `-DMORI_TP_HIP=ON`, and the static programs
+//! must link libamdhip64. Needs cmake, pkg-config, readelf, cc and c++; a missing one skips these
+//! tests, or fails them when MORI_TP_REQUIRE_TOOLS is set (CI).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use mori_tp::ffi::MORI_TP_ABI_VERSION;
+
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+const STRICT_C: &str = "-Wall -Wextra -Werror -pedantic";
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// This test's scratch folder: target/<profile>/deps/c-tests/install/<name>, kept between runs
+/// so that the cargo build inside CMake's build folder is incremental.
+fn scratch(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .expect("target/<profile>/deps")
+        .join("c-tests/install")
+        .join(name);
+    std::fs::create_dir_all(&dir).expect("create the scratch folder");
+    dir
+}
+
+fn run(command: &mut Command) -> String {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        output.status.success(),
+        "{command:?} failed ({}):\n{text}",
+        output.status
+    );
+    text
+}
+
+/// Whether every tool is on PATH; a missing one is a skip, or a failure under
+/// MORI_TP_REQUIRE_TOOLS.
+fn tools_present(tools: &[&str]) -> bool {
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|tool| {
+            Command::new(tool)
+                .arg("--version")
+                .output()
+                .map_or(true, |o| !o.status.success())
+        })
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    common::skip_missing(
+        "install",
+        "MORI_TP_REQUIRE_TOOLS",
+        &format!(
+            "{missing:?} not installed (Debian: apt-get install cmake pkg-config binutils gcc g++)"
+        ),
+    );
+    false
+}
+
+/// `readelf -d` of an ELF file: its NEEDED, SONAME and RUNPATH entries.
+fn dynamic_section(file: &Path) -> String {
+    run(Command::new("readelf").arg("-d").arg(file))
+}
+
+/// The installed prefix, or None when cmake is missing (the skip is printed once per test).
+/// Built and installed once per test run: configure, build (cargo inside), install into
+/// `staged`, then renamed to `prefix` so that every consumer uses a moved install.
+fn installed_prefix() -> Option<&'static Path> {
+    static PREFIX: OnceLock<PathBuf> = OnceLock::new();
+    if !tools_present(&["cmake", "readelf"]) {
+        return None;
+    }
+    Some(PREFIX.get_or_init(|| {
+        let build = scratch("build");
+        let staged = scratch("staged");
+        let prefix = scratch("prefix");
+        for dir in [&staged, &prefix] {
+            std::fs::remove_dir_all(dir).expect("clear the previous install");
+        }
+        let hip = if cfg!(feature = "hip") { "ON" } else { "OFF" };
+        // The README's three commands, with a scratch prefix.
+        run(Command::new("cmake")
+            .arg("-S")
+            .arg(root())
+            .arg("-B")
+            .arg(&build)
+            .arg(format!("-DMORI_TP_HIP={hip}"))
+            .arg("-DCMAKE_INSTALL_LIBDIR=lib"));
+        run(Command::new("cmake").arg("--build").arg(&build));
+        run(Command::new("cmake")
+            .arg("--install")
+            .arg(&build)
+            .arg("--prefix")
+            .arg(&staged));
+        std::fs::rename(&staged, &prefix).expect("move the install");
+        prefix
+    }))
+}
+
+/// Every file and link under `dir`, relative to it, with links shown as `name -> target`.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut entries = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(folder) = pending.pop() {
+        for entry in std::fs::read_dir(&folder).expect("read the install") {
+            let path = entry.expect("directory entry").path();
+            let relative = path.strip_prefix(dir).unwrap().display().to_string();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            if meta.file_type().is_symlink() {
+                let target = std::fs::read_link(&path).unwrap();
+                entries.push(format!("{relative} -> {}", target.display()));
+            } else if meta.is_dir() {
+                pending.push(path);
+            } else {
+                entries.push(relative);
+            }
+        }
+    }
+    entries.sort();
+    entries
+}
+
+#[test]
+fn the_install_holds_the_header_both_libraries_the_soname_chain_and_the_package_files() {
+    let Some(prefix) = installed_prefix() else {
+        return;
+    };
+    let real = format!("libmori_tp.so.{VERSION}");
+    let soname = format!("libmori_tp.so.{MORI_TP_ABI_VERSION}");
+    let mut expected = vec![
+        "include/mori_tp.h".to_string(),
+        "lib/cmake/mori_tp/mori_tpConfig.cmake".into(),
+        "lib/cmake/mori_tp/mori_tpConfigVersion.cmake".into(),
+        "lib/libmori_tp.a".into(),
+        format!("lib/libmori_tp.so -> {soname}"),
+        format!("lib/{real}"),
+        format!("lib/{soname} -> {real}"),
+        "lib/pkgconfig/mori_tp-static.pc".into(),
+        "lib/pkgconfig/mori_tp.pc".into(),
+    ];
+    expected.sort();
+    assert_eq!(listing(prefix), expected);
+
+    let header = std::fs::read(prefix.join("include/mori_tp.h")).unwrap();
+    let committed = std::fs::read(root().join("include/mori_tp.h")).unwrap();
+    assert!(
+        header == committed,
+        "the installed header differs from include/mori_tp.h"
+    );
+    let dynamic = dynamic_section(&prefix.join("lib").join(&real));
+    assert!(
+        dynamic.contains(&format!("Library soname: [{soname}]")),
+        "{real} must carry the SONAME {soname}:\n{dynamic}"
+    );
+    assert_eq!(
+        dynamic.contains("libamdhip64"),
+        cfg!(feature = "hip"),
+        "libamdhip64 must be a dependency exactly when built with the hip feature:\n{dynamic}"
+    );
+}
+
+/// Runs `exe` without cargo's LD_LIBRARY_PATH (which lists its own output folders), so the
+/// program finds the shared library only the way a user's program would; returns what it printed.
+fn run_consumer(exe: &Path) -> String {
+    run(Command::new(exe).env_remove("LD_LIBRARY_PATH"))
+}
+
+/// Checks how `exe` links mori-tp: `shared` needs the SONAME and finds it through the RUNPATH in
+/// the install; static has no libmori_tp dependency (and with HIP, needs libamdhip64 itself).
+fn check_linkage(exe: &Path, shared: bool, libdir: &Path) {
+    let dynamic = dynamic_section(exe);
+    let soname = format!("Shared library: [libmori_tp.so.{MORI_TP_ABI_VERSION}]");
+    if shared {
+        assert!(dynamic.contains(&soname), "{}:\n{dynamic}", exe.display());
+        assert!(
+            dynamic.contains(&libdir.display().to_string()),
+            "{} must find the library in {}:\n{dynamic}",
+            exe.display(),
+            libdir.display()
+        );
+    } else {
+        assert!(
+            !dynamic.contains("libmori_tp"),
+            "{}:\n{dynamic}",
+            exe.display()
+        );
+        assert_eq!(
+            dynamic.contains("libamdhip64"),
+            cfg!(feature = "hip"),
+            "{}:\n{dynamic}",
+            exe.display()
+        );
+    }
+}
+
+#[test]
+fn a_cmake_project_finds_the_package_and_links_it_static_and_shared() {
+    let Some(prefix) = installed_prefix() else {
+        return;
+    };
+    if !tools_present(&["cc", "c++"]) {
+        return;
+    }
+    let build = scratch("consumer");
+    std::fs::remove_dir_all(&build).unwrap();
+    run(Command::new("cmake")
+        .arg("-S")
+        .arg(root().join("tests/c"))
+        .arg("-B")
+        .arg(&build)
+        .arg(format!("-DCMAKE_PREFIX_PATH={}", prefix.display()))
+        .arg(format!("-DCMAKE_C_FLAGS={STRICT_C}"))
+        .arg(format!("-DCMAKE_CXX_FLAGS={STRICT_C}")));
+    run(Command::new("cmake").arg("--build").arg(&build));
+    let libdir = prefix.join("lib");
+    for (program, expected) in [
+        ("abi_test_c", "abi_test.c: all checks passed"),
+        ("abi_test_cpp", "abi_test.cpp: all checks passed"),
+        (
+            "version_check",
+            &format!(
+                "version_check: header and library are version {VERSION}, ABI {MORI_TP_ABI_VERSION}"
+            ),
+        ),
+    ] {
+        for linkage in ["static", "shared"] {
+            let exe = build.join(format!("{program}_{linkage}"));
+            check_linkage(&exe, linkage == "shared", &libdir);
+            let output = run_consumer(&exe);
+            assert!(output.contains(expected), "{}:\n{output}", exe.display());
+        }
+    }
+}
+
+#[test]
+fn pkg_config_links_the_installed_libraries_static_and_shared() {
+    let Some(prefix) = installed_prefix() else {
+        return;
+    };
+    if !tools_present(&["pkg-config", "cc"]) {
+        return;
+    }
+    let pkg_config = |args: &[&str]| -> String {
+        run(Command::new("pkg-config")
+            .args(args)
+            .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig")))
+        .trim()
+        .to_string()
+    };
+    assert_eq!(pkg_config(&["--modversion", "mori_tp"]), VERSION);
+    assert_eq!(pkg_config(&["--modversion", "mori_tp-static"]), VERSION);
+    let libdir = PathBuf::from(pkg_config(&["--variable=libdir", "mori_tp"]));
+    assert_eq!(
+        libdir.canonicalize().unwrap(),
+        prefix.join("lib").canonicalize().unwrap(),
+        "mori_tp.pc must name the moved prefix"
+    );
+    let out = scratch("pkg-config");
+    for (package, shared) in [("mori_tp", true), ("mori_tp-static", false)] {
+        let flags = pkg_config(&["--cflags", "--libs", package]);
+        for (source, expected) in [
+            ("abi_test.c", "abi_test.c: all checks passed".to_string()),
+            (
+                "version_check.c",
+                format!("version_check: header and library are version {VERSION}"),
+            ),
+        ] {
+            let exe = out.join(format!("{source}-{package}"));
+            // The order a user writes: sources, then the libraries pkg-config names.
+            let mut command = Command::new("cc");
+            command
+                .arg("-std=c99")
+                .args(STRICT_C.split(' '))
+                .arg(root().join("tests/c").join(source))
+                .args(flags.split_whitespace())
+                .arg(format!("-Wl,-rpath,{}", libdir.display()))
+                .arg("-o")
+                .arg(&exe);
+            run(&mut command);
+            check_linkage(&exe, shared, &libdir);
+            let output = run_consumer(&exe);
+            assert!(output.contains(&expected), "{}:\n{output}", exe.display());
+        }
+    }
+}
+
+#[test]
+fn the_readme_shows_the_install_commands_and_the_consumer_block_these_tests_run() {
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+    for command in [
+        "cmake -S . -B build",
+        "cmake --build build",
+        "cmake --install build --prefix",
+        "pkg-config --cflags --libs mori_tp-static",
+        "pkg-config --cflags --libs mori_tp",
+    ] {
+        assert!(readme.contains(command), "README must show `{command}`");
+    }
+    let cmake = std::fs::read_to_string(root().join("tests/c/CMakeLists.txt")).expect("CMakeLists");
+    let start = cmake.find("# >>> use mori-tp").expect("start marker");
+    let end = cmake.find("# <<< use mori-tp").expect("end marker");
+    let block = cmake[start..end].trim_end();
+    assert!(
+        readme.contains(block),
+        "README must show tests/c/CMakeLists.txt's block verbatim:\n{block}"
+    );
+}
