@@ -3,6 +3,8 @@
 //! `python/tests` (standard-library unittest), and the two-process transfers through real
 //! engines (`python/tests/engine_loopback.py`, Mooncake and NIXL over 127.0.0.1).
 
+mod common;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -119,10 +121,11 @@ fn engine_moves_every_pair_between_two_processes(engine: &str) {
     let command = python3(&["python/tests/engine_loopback.py", engine]);
     let (output, report) = run_bounded(command, Duration::from_secs(300));
     if output.status.code() == Some(SKIPPED) {
-        // The script says why; with MORI_TP_REQUIRE_TOOLS=1 it fails instead of skipping.
-        println!(
-            "skipped: {}",
-            String::from_utf8_lossy(&output.stdout).trim()
+        // The script says why (and itself fails instead when MORI_TP_REQUIRE_TOOLS is set).
+        common::skip_missing(
+            &format!("{engine}_moves_every_pair_byte_exact_between_two_processes"),
+            "MORI_TP_REQUIRE_TOOLS",
+            String::from_utf8_lossy(&output.stdout).trim(),
         );
         return;
     }

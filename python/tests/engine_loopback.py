@@ -26,7 +26,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 import mori_tp
-from layouts import Layout, fragmented_request
+from layouts import Layout, fragmented_request, tools_required
 from mori_tp import Action, Staging
 from mori_tp.engines import KvMemory, plan_request
 from mori_tp.engines.loopback import (
@@ -246,7 +246,7 @@ class Run:
 def main(engine: str) -> int:
     problem = engine_available(engine)
     if problem:
-        if "MORI_TP_REQUIRE_TOOLS" in os.environ:
+        if tools_required():
             print(f"FAILED: {problem} (MORI_TP_REQUIRE_TOOLS=1: a missing engine fails)")
             return 1
         print(f"SKIPPED: {problem}")

@@ -6,20 +6,25 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import sys
 import unittest
 from typing import List
 from unittest import mock
 
 import mori_tp
-from layouts import Layout, fragmented_request, identified_buffer, sentinel_buffer
+from layouts import (
+    Layout,
+    fragmented_request,
+    identified_buffer,
+    sentinel_buffer,
+    tools_required,
+)
 from mori_tp import Action, Staging
 
 try:
     import numpy as np
 except ImportError as error:
-    if "MORI_TP_REQUIRE_TOOLS" in os.environ:
+    if tools_required():
         raise ImportError("numpy is missing but MORI_TP_REQUIRE_TOOLS is set") from error
     np = None
 

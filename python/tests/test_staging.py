@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 import unittest
 from typing import List, Tuple
 
@@ -17,13 +16,14 @@ from layouts import (
     fragmented_request,
     identified_buffer,
     sentinel_buffer,
+    tools_required,
 )
 from mori_tp import Action, Staging
 
 try:
     import numpy as np
 except ImportError as error:
-    if "MORI_TP_REQUIRE_TOOLS" in os.environ:
+    if tools_required():
         raise ImportError("numpy is missing but MORI_TP_REQUIRE_TOOLS is set") from error
     np = None
 
