@@ -186,6 +186,14 @@ class PlanRequestTest(unittest.TestCase):
             plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
                          local=small, remote=self.sides.remote)
 
+    def test_negative_pages_and_pages_beyond_int32_are_refused_by_the_library(self):
+        for bad in (-1, 1 << 31):
+            pages = list(REQUEST.src_pages)
+            pages[1] = bad
+            with self.assertRaisesRegex(mori_tp.OutOfBoundsError, str(bad)):
+                plan_request(self.sides.config, pages, REQUEST.dst_pages,
+                             local=self.sides.local, remote=self.sides.remote)
+
     def test_a_staging_region_too_small_on_either_side_names_both_sizes(self):
         needed = self.sides.staging_bytes
         remote = dataclasses.replace(self.sides.remote, staging_capacity=needed - 1)

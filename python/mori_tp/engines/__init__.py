@@ -148,22 +148,12 @@ class SendResult:
     transfer_ids: Tuple[int, ...] = field(default=())
 
 
-def _pages_array(pages: PageIndices, name: str) -> "np.ndarray":
-    array = np.asarray(pages)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidArgumentError(f"plan_request: {name} must be a 1-D sequence of integers")
-    return np.ascontiguousarray(array, dtype=np.int64)
-
-
 def _check_pages_fit(pages: "np.ndarray", item_len: int, capacity: int, name: str,
                      side: str) -> None:
-    """Refuses a page that ends past ``capacity``: an engine would write outside the buffer
-    (or into a neighbouring registered one) instead of failing."""
+    """Refuses a page that ends past ``capacity`` (plan_transfer has refused negative ones): an
+    engine would write outside the buffer, or into a neighbouring registered one, not fail."""
     if not pages.size:
         return
-    if pages.min() < 0:
-        at = int(np.flatnonzero(pages < 0)[0])
-        raise OutOfBoundsError(f"plan_request: {name}[{at}] = {int(pages[at])} is negative")
     last = int(pages.max())
     if (last + 1) * item_len > capacity:
         at = int(np.flatnonzero(pages == last)[0])
@@ -292,13 +282,13 @@ def plan_request(
             f"plan_request: {len(local.buffers)} local buffers but {len(remote.buffers)} remote "
             "buffers (they are paired one to one)"
         )
-    src = _pages_array(src_pages, "src_pages")
-    dst = _pages_array(dst_pages, "dst_pages")
-    # plan_transfer validates the staging value, the page pairing and the config.
+    # plan_transfer validates the staging value, the page lists (int32, paired) and the config.
     src_offsets, dst_offsets, lengths = mori_tp.plan_transfer(
-        config, chosen, src, dst, as_arrays=True
+        config, chosen, src_pages, dst_pages, as_arrays=True
     )
     chosen = _staging(chosen, "plan_request")
+    src = np.asarray(src_pages, dtype=np.int32)
+    dst = np.asarray(dst_pages, dtype=np.int32)
     _check_pages_fit(src, config.src_item_len, local.capacity, "src_pages", "local")
     _check_pages_fit(dst, config.dst_item_len, remote.capacity, "dst_pages", "remote")
     length = mori_tp.staging_len(config, len(src))
@@ -308,7 +298,7 @@ def plan_request(
     if chosen.unpacks:
         _check_staging_fits(remote, needed, "remote")
     return RequestPlan(
-        config, chosen, src.astype(np.int32), dst.astype(np.int32), local, remote, length,
+        config, chosen, src, dst, local, remote, length,
         np.ascontiguousarray(src_offsets), np.ascontiguousarray(dst_offsets),
         np.ascontiguousarray(lengths),
     )
