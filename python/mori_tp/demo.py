@@ -13,7 +13,9 @@ layer) goes from prefill rank ``p`` to decode rank ``d``:
 
 After each, the decode buffers must equal what :func:`mori_tp.send_kvcache` (host backend)
 produces from the same source bytes, bytes outside the slice included. Time is measured from
-the first pack or write until the decode rank has unpacked. Needs numpy and the chosen engine
+the first pack or write until the decode rank has unpacked, after one untimed small write and
+one untimed staged request (a first use of the engine and of the staging regions costs tens of
+milliseconds once per process). Needs numpy and the chosen engine
 (see ``mori_tp.engines.mooncake`` and ``mori_tp.engines.nixl``).
 """
 
@@ -223,12 +225,15 @@ class Demo:
         return [w.tobytes() for w in want]
 
     def _warm_up(self) -> None:
-        """One small write first, so that no method pays for the engine's connection setup."""
+        """One small write, then one untimed staged request: no method pays for the engine's
+        connection setup or for the first use of the staging regions (page faults, the
+        engine's first look at a memory range), which a connector pays once per process."""
         tag = self._tag()
         one = np.ones(1, dtype=np.uint64)
         self.driver.write(self.transport, self.peer, one * np.uint64(self.local.buffers[0]),
                           one * np.uint64(self.remote.buffers[0]), one, tag, self.timeout)
         self.peer_process.receive([Receive(0, self.config, (), 0, 0, 0, tag)])
+        self.run("staged")
 
     def close(self) -> None:
         self.peer_process.close()
