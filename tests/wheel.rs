@@ -153,13 +153,8 @@ fn pip_install_builds_the_library_into_the_package_and_its_tests_pass_outside_th
         ],
     );
     let in_wheel: BTreeSet<&str> = listing.lines().collect();
-    let package_dir = root().join("python/mori_tp");
-    let mut expected: BTreeSet<String> = std::fs::read_dir(&package_dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|name| name.ends_with(".py") || name == "py.typed")
-        .map(|name| format!("mori_tp/{name}"))
-        .collect();
+    let mut expected = BTreeSet::new();
+    package_files(&root().join("python/mori_tp"), "mori_tp/", &mut expected);
     expected.insert("mori_tp/libmori_tp.so".into());
     let dist_info = format!("mori_tp-{VERSION}.dist-info/");
     for license in ["LICENSE-MIT", "LICENSE-APACHE"] {
@@ -262,4 +257,20 @@ fn pip_install_builds_the_library_into_the_package_and_its_tests_pass_outside_th
     );
     // unittest's per-test report, with `cargo test -- --nocapture`.
     println!("{report}");
+}
+
+/// Every file the wheel must hold from the package directory `dir`: its `.py` files and
+/// `py.typed`, subpackages (`mori_tp/engines/`) included, named as in the wheel.
+fn package_files(dir: &Path, prefix: &str, out: &mut BTreeSet<String>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_owned();
+        if path.is_dir() {
+            if name != "__pycache__" {
+                package_files(&path, &format!("{prefix}{name}/"), out);
+            }
+        } else if name.ends_with(".py") || name == "py.typed" {
+            out.insert(format!("{prefix}{name}"));
+        }
+    }
 }

@@ -18,10 +18,15 @@ inside and beside this package directory, then in the crate's ``target/release``
 ``target/debug``. Import fails with ImportError if it is missing, or if its ABI version or
 struct layout differs from what this package was written for.
 
+For RDMA transfer engines, a staged request moves a few long segments instead of one per token:
+:func:`staging_for` picks the :class:`Staging`, :func:`pack_kvcache` packs on the prefill rank,
+:func:`plan_transfer` gives the engine's segments and :func:`unpack_kvcache` unpacks on the
+decode rank. :mod:`mori_tp.engines` drives Mooncake, NIXL and MORI-IO with them.
+
 Page indices may be lists (or any sequence) of ints, ``array.array('i')``, or numpy integer
 arrays; ``array.array('i')`` and C-contiguous numpy int32 arrays are passed to the library by
-address, without a copy. numpy is optional: only ``plan_segments(..., as_arrays=True)``
-needs it.
+address, without a copy. numpy is optional: only ``as_arrays=True`` output, numpy staging
+regions and :mod:`mori_tp.engines` need it.
 
 Every failure raises a :class:`MoriError` subclass whose message names the offending values;
 a call that raises has changed nothing (a failed :func:`send_kvcache` writes no byte).
@@ -87,13 +92,20 @@ __all__ = [
     "PageIndices",
     "SliceConfig",
     "SliceOverflowError",
+    "Staging",
+    "StagingRegion",
     "TopologyError",
     "library_path",
     "library_version",
+    "pack_kvcache",
     "plan",
     "plan_segments",
+    "plan_transfer",
     "send_kvcache",
     "slice_config",
+    "staging_for",
+    "staging_len",
+    "unpack_kvcache",
 ]
 
 _lib, _library_path = _ffi.load()
@@ -534,9 +546,28 @@ _BACKENDS = {
 }
 
 
-def _pointer_array(pointers: Sequence[int], name: str) -> Any:
-    values = [_unsigned(p, f"{name}[{i}]", 64, "send_kvcache") for i, p in enumerate(pointers)]
+def _pointer_array(pointers: Sequence[int], name: str, where: str) -> Any:
+    values = [_unsigned(p, f"{name}[{i}]", 64, where) for i, p in enumerate(pointers)]
     return (ctypes.c_void_p * len(values))(*values)
+
+
+def _send_options(backend: str, stream: Optional[int], synchronize: bool,
+                  where: str) -> _ffi.MoriSendOptions:
+    """The MoriSendOptions of a copying call, after checking the backend name and stream."""
+    if backend not in _BACKENDS:
+        raise InvalidArgumentError(
+            f"{where}: backend {backend!r} is not one of {', '.join(map(repr, _BACKENDS))}"
+        )
+    if stream is not None and not isinstance(stream, int):
+        raise TypeError(
+            f"{where}: stream must be an int handle or None, not {type(stream).__name__} "
+            "(pass e.g. torch_stream.cuda_stream)"
+        )
+    return _ffi.MoriSendOptions(
+        _BACKENDS[backend],
+        _ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0,
+        _unsigned(stream, "stream", 64, where) if stream else None,
+    )
 
 
 def send_kvcache(
@@ -587,17 +618,9 @@ def send_kvcache(
             f"{where}: {len(src_ptrs)} source buffers but {len(dst_ptrs)} destination buffers "
             "(they are paired one to one)"
         )
-    if backend not in _BACKENDS:
-        raise InvalidArgumentError(
-            f"{where}: backend {backend!r} is not one of {', '.join(map(repr, _BACKENDS))}"
-        )
-    if stream is not None and not isinstance(stream, int):
-        raise TypeError(
-            f"{where}: stream must be an int handle or None, not {type(stream).__name__} "
-            "(pass e.g. torch_stream.cuda_stream)"
-        )
-    src_array = _pointer_array(src_ptrs, "src_ptrs")
-    dst_array = _pointer_array(dst_ptrs, "dst_ptrs")
+    options = _send_options(backend, stream, synchronize, where)
+    src_array = _pointer_array(src_ptrs, "src_ptrs", where)
+    dst_array = _pointer_array(dst_ptrs, "dst_ptrs", where)
     buffers = _ffi.MoriKvBuffers(
         ctypes.cast(src_array, ctypes.POINTER(ctypes.c_void_p)),
         ctypes.cast(dst_array, ctypes.POINTER(ctypes.c_void_p)),
@@ -605,17 +628,275 @@ def send_kvcache(
         _unsigned(src_capacity, "src_capacity", 64, where),
         _unsigned(dst_capacity, "dst_capacity", 64, where),
     )
-    options = _ffi.MoriSendOptions(
-        _BACKENDS[backend],
-        _ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0,
-        _unsigned(stream, "stream", 64, where) if stream else None,
-    )
     src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
     status = _lib.mori_send_kvcache(
         ctypes.byref(c_config),
         ctypes.byref(buffers),
         src,
         dst,
+        num_pages,
+        ctypes.byref(options),
+    )
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+
+
+# --- Staged transfers: pack, one coalesced segment list, unpack -------------------------------
+
+
+class Staging(enum.IntEnum):
+    """Which sides of a transfer go through a dense staging region (``MoriTpStaging``).
+
+    A staged side holds each buffer's slice as ``num_pages * page_size`` consecutive slices of
+    ``heads_bytes_per_token_to_send`` bytes, buffer ``b`` at ``b * staging_len(...)`` of the
+    region, so the transport moves a few long segments instead of one per token.
+    """
+
+    #: Pages to pages: :func:`plan_transfer` equals :func:`plan_segments`.
+    NONE = 0
+    #: The prefill rank packs into its staging region; segments go from it to the decode pages.
+    SRC = 1
+    #: Segments go from the prefill pages into a staging region on the decode rank, which
+    #: unpacks it.
+    DST = 2
+    #: Both: one segment of ``staging_len`` bytes per buffer.
+    BOTH = 3
+
+    @property
+    def packs(self) -> bool:
+        """Whether the prefill rank packs (SRC or BOTH) before the transport moves anything."""
+        return self in (Staging.SRC, Staging.BOTH)
+
+    @property
+    def unpacks(self) -> bool:
+        """Whether the decode rank unpacks (DST or BOTH) after the transport is done."""
+        return self in (Staging.DST, Staging.BOTH)
+
+
+def _staging_value(staging: Any, where: str) -> int:
+    """``staging`` as a uint32 for the C call. A number outside the enum is passed through, so
+    that the library refuses it with its own message (MORI_ERR_INVALID_ARGUMENT)."""
+    return _unsigned(staging, "staging", 32, where)
+
+
+def staging_for(config: SliceConfig) -> Staging:
+    """The staging that gives the transport the fewest segments for this pair: each side whose
+    token slot is wider than the slice is staged. NONE when the pair is not SEND.
+
+    It depends on the config alone, so the prefill and the decode rank of a pair compute the
+    same answer without exchanging anything.
+    """
+    c_config = _c_config(config, "staging_for")
+    out = ctypes.c_uint32()
+    status = _lib.mori_tp_staging_for(ctypes.byref(c_config), ctypes.byref(out))
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+    return Staging(out.value)
+
+
+def staging_len(config: SliceConfig, num_pages: int) -> int:
+    """Bytes one buffer occupies in a staging region for a request of ``num_pages`` page pairs:
+    ``num_pages * page_size * heads_bytes_per_token_to_send`` (0 when the pair is not SEND). A
+    staging region for ``n`` buffers needs ``n * staging_len(config, num_pages)`` bytes.
+
+    Raises:
+        InvalidArgumentError: the length overflows uint64, or num_pages is negative.
+    """
+    where = "staging_len"
+    c_config = _c_config(config, where)
+    out = ctypes.c_uint64()
+    status = _lib.mori_tp_staging_len(
+        ctypes.byref(c_config), _unsigned(num_pages, "num_pages", 64, where), ctypes.byref(out)
+    )
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+    return out.value
+
+
+def plan_transfer(
+    config: SliceConfig,
+    staging: Union[Staging, int],
+    src_pages: PageIndices,
+    dst_pages: PageIndices,
+    *,
+    as_arrays: bool = False,
+) -> Tuple[Any, Any, Any]:
+    """The transport's segments for one request with the given staging, as
+    ``(local_offsets, remote_offsets, sizes)`` like :func:`plan_segments`.
+
+    Offsets are relative to each buffer's base: on an unstaged side that is the page buffer, on
+    a staged side ``staging_region + b * staging_len(config, len(src_pages))`` for buffer ``b``.
+    The same list applies to every buffer. NONE gives :func:`plan_segments` itself; SRC or DST
+    one segment per run of the other side's pages when that side's token is exactly the slice
+    (else one per token); BOTH one segment of ``staging_len`` bytes.
+
+    Args:
+        config: from :func:`slice_config`.
+        staging: a :class:`Staging` (or its value).
+        src_pages, dst_pages: paired page indices (see :data:`PageIndices`).
+        as_arrays: numpy ``uint64`` columns instead of lists, as for :func:`plan_segments`.
+
+    Raises:
+        InvalidArgumentError: an unknown staging value, page lists of different lengths, or
+            inconsistent config fields.
+        OutOfBoundsError, SliceOverflowError, LayoutMismatchError: as for :func:`plan`.
+        ImportError: ``as_arrays=True`` without numpy installed.
+    """
+    where = "plan_transfer"
+    value = _staging_value(staging, where)
+
+    def function(c_config: Any, *rest: Any) -> int:
+        return _lib.mori_tp_plan_transfer(c_config, value, *rest)
+
+    if as_arrays:
+        _require_numpy(where)
+        # At most one segment per token row, as for plan_segments.
+        rows = config.page_size if isinstance(config, SliceConfig) else 0
+        segments, count = _plan_into(
+            function, config, src_pages, dst_pages, _numpy_allocate(3), where,
+            upper_bound=lambda pages: pages * rows,
+        )
+        segments = _trimmed(segments, count)
+        return segments[:, 0], segments[:, 1], segments[:, 2]
+
+    def allocate(count: int) -> Tuple[Any, Any]:
+        segments = array.array("Q", [0]) * (3 * count)
+        return segments, segments.buffer_info()[0]
+
+    segments, _ = _plan_into(function, config, src_pages, dst_pages, allocate, where)
+    view = memoryview(segments)
+    return view[0::3].tolist(), view[1::3].tolist(), view[2::3].tolist()
+
+
+#: A staging region: its address as an int, or a C-contiguous numpy array (its data and size).
+StagingRegion = Union[int, "numpy.ndarray"]
+
+
+def _region(region: Any, capacity: Optional[int], writable: bool, where: str) -> Tuple[int, int]:
+    """(address, capacity) of a staging region given as an address or a numpy array."""
+    if _np is not None and isinstance(region, _np.ndarray):
+        if not region.flags.c_contiguous:
+            raise InvalidArgumentError(f"{where}: the staging array must be C-contiguous")
+        if writable and not region.flags.writeable:
+            raise InvalidArgumentError(f"{where}: the staging array is read-only")
+        address = region.__array_interface__["data"][0]
+        if capacity is None:
+            return address, region.nbytes
+        capacity = _unsigned(capacity, "staging_capacity", 64, where)
+        if capacity > region.nbytes:
+            raise InvalidArgumentError(
+                f"{where}: staging_capacity {capacity} exceeds the staging array's "
+                f"{region.nbytes} bytes"
+            )
+        return address, capacity
+    if capacity is None:
+        raise TypeError(f"{where}: staging_capacity is required when staging is an address")
+    return (_unsigned(region, "staging", 64, where),
+            _unsigned(capacity, "staging_capacity", 64, where))
+
+
+def pack_kvcache(
+    config: SliceConfig,
+    src_ptrs: Sequence[int],
+    staging: StagingRegion,
+    *,
+    src_capacity: int,
+    src_pages: PageIndices,
+    staging_capacity: Optional[int] = None,
+    backend: str = "auto",
+    stream: Optional[int] = None,
+    synchronize: bool = False,
+) -> None:
+    """Prefill side of a staged transfer (SRC or BOTH): copies the slice of every token of
+    every buffer into the staging region, buffer ``b`` at ``b * staging_len(config,
+    len(src_pages))``.
+
+    Everything is checked before the first byte moves; a call that raises wrote nothing. A
+    config that is not SEND is checked the same way and moves nothing.
+
+    Args:
+        config: from :func:`slice_config`.
+        src_ptrs: base addresses of the prefill rank's buffers, as for :func:`send_kvcache`.
+        staging: the staging region: an address, or a writable C-contiguous numpy array.
+        src_capacity: bytes in each source buffer.
+        src_pages: the request's source pages, in request order.
+        staging_capacity: bytes of the staging region (default for an array: its size); it
+            must hold ``len(src_ptrs) * staging_len(config, len(src_pages))`` bytes.
+        backend, stream, synchronize: as for :func:`send_kvcache`.
+
+    Raises:
+        BufferTooSmallError: the staging region is smaller than the request needs (the message
+            names both sizes).
+        NullPointerError, InvalidArgumentError, OutOfBoundsError, BackendUnavailableError,
+            GpuError: as for :func:`send_kvcache`.
+    """
+    where = "pack_kvcache"
+    c_config = _c_config(config, where)
+    options = _send_options(backend, stream, synchronize, where)
+    region, capacity = _region(staging, staging_capacity, True, where)
+    pointers = _pointer_array(src_ptrs, "src_ptrs", where)
+    pages, num_pages, _owner = _pages_arg(src_pages, f"{where}: src_pages")
+    status = _lib.mori_pack_kvcache(
+        ctypes.byref(c_config),
+        ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)),
+        len(pointers),
+        _unsigned(src_capacity, "src_capacity", 64, where),
+        pages,
+        num_pages,
+        region,
+        capacity,
+        ctypes.byref(options),
+    )
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+
+
+def unpack_kvcache(
+    config: SliceConfig,
+    staging: StagingRegion,
+    dst_ptrs: Sequence[int],
+    *,
+    dst_capacity: int,
+    dst_pages: PageIndices,
+    staging_capacity: Optional[int] = None,
+    backend: str = "auto",
+    stream: Optional[int] = None,
+    synchronize: bool = False,
+) -> None:
+    """Decode side of a staged transfer (DST or BOTH): copies the staging region into the
+    slice of every token of every buffer, once the transport has filled the region.
+
+    Everything is checked before the first byte moves; a call that raises wrote nothing. A
+    config that is not SEND is checked the same way and moves nothing.
+
+    Args:
+        config: from :func:`slice_config` (the same pair the prefill rank planned with).
+        staging: the staging region: an address, or a C-contiguous numpy array.
+        dst_ptrs: base addresses of the decode rank's buffers, as for :func:`send_kvcache`.
+        dst_capacity: bytes in each destination buffer.
+        dst_pages: the request's destination pages, in request order.
+        staging_capacity: bytes of the staging region (default for an array: its size).
+        backend, stream, synchronize: as for :func:`send_kvcache`.
+
+    Raises:
+        BufferTooSmallError: the staging region is smaller than the request needs.
+        NullPointerError, InvalidArgumentError, OutOfBoundsError, BackendUnavailableError,
+            GpuError: as for :func:`send_kvcache`.
+    """
+    where = "unpack_kvcache"
+    c_config = _c_config(config, where)
+    options = _send_options(backend, stream, synchronize, where)
+    region, capacity = _region(staging, staging_capacity, False, where)
+    pointers = _pointer_array(dst_ptrs, "dst_ptrs", where)
+    pages, num_pages, _owner = _pages_arg(dst_pages, f"{where}: dst_pages")
+    status = _lib.mori_unpack_kvcache(
+        ctypes.byref(c_config),
+        region,
+        capacity,
+        ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)),
+        len(pointers),
+        _unsigned(dst_capacity, "dst_capacity", 64, where),
+        pages,
         num_pages,
         ctypes.byref(options),
     )

@@ -80,8 +80,10 @@ class OutOfBoundsError(MoriError):
 
 
 class BufferTooSmallError(MoriError):
-    """MORI_ERR_BUFFER_TOO_SMALL: an output array was too small. The Python functions size
-    their outputs first, so seeing this means a bug in mori_tp; please report it."""
+    """MORI_ERR_BUFFER_TOO_SMALL: a staging region is smaller than the request needs
+    (:func:`~mori_tp.pack_kvcache`, :func:`~mori_tp.unpack_kvcache`,
+    :func:`mori_tp.engines.plan_request`; the message names both sizes). The plan functions
+    size their outputs first, so from them it would mean a bug in mori_tp; please report it."""
 
     status = "MORI_ERR_BUFFER_TOO_SMALL"
     code = 7

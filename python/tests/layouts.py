@@ -4,11 +4,18 @@ and KV buffers whose bytes say what they hold."""
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import mori_tp
+
+def tools_required() -> bool:
+    """Whether a missing optional tool (numpy, an engine) must fail instead of skipping: CI sets
+    MORI_TP_REQUIRE_TOOLS to anything but empty or 0, as the Rust tests read it."""
+    return os.environ.get("MORI_TP_REQUIRE_TOOLS", "") not in ("", "0")
+
 
 NOT_PAIRED, SEND, SKIP_REPLICA = (
     mori_tp.Action.NOT_PAIRED,

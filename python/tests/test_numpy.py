@@ -7,17 +7,16 @@ from __future__ import annotations
 import array
 import dataclasses
 import ctypes
-import os
 import unittest
 from unittest import mock
 
 import mori_tp
-from layouts import Layout, fragmented_request
+from layouts import Layout, fragmented_request, tools_required
 
 try:
     import numpy as np
 except ImportError as error:
-    if "MORI_TP_REQUIRE_TOOLS" in os.environ:
+    if tools_required():
         raise ImportError("numpy is missing but MORI_TP_REQUIRE_TOOLS is set") from error
     np = None
 

@@ -1,0 +1,346 @@
+"""Moving one request between a prefill rank and a decode rank through an RDMA-style transfer
+engine (Mooncake, NIXL, MORI-IO), with mori-tp's slices and staging.
+
+The engine-neutral part lives here; each engine has a small adapter module that imports its
+engine only when used, so ``import mori_tp`` and ``import mori_tp.engines`` work without any of
+them (numpy is needed here)::
+
+    from mori_tp import engines
+    from mori_tp.engines.mooncake import MooncakeTransport
+
+    transport = MooncakeTransport.start("10.0.0.5")         # one per process
+    transport.register(local)                               # once: buffers and staging pool
+
+    # Per request, on the prefill rank (the initiator):
+    plan = engines.plan_request(config, src_pages, dst_pages, local=local, remote=remote)
+    transport.send(decode_session_id, plan)                 # pack if staged, write segments
+
+    # On the decode rank, once the connector says the request has landed:
+    engines.unpack_request(config, dst_pages, memory=decode_local)  # unpack if staged
+
+``local`` and ``remote`` are :class:`KvMemory`: the buffer addresses, their capacity and a
+staging region of each rank. The decode rank sends its :class:`KvMemory` (``to_dict()``) and its
+engine address to the prefill rank at handshake, as connectors already do for buffer pointers.
+Both ranks derive the staging mode from the pair's config (:func:`mori_tp.staging_for`) unless
+the connector chooses another and tells the receiver.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import mori_tp
+from mori_tp import (
+    BufferTooSmallError,
+    InvalidArgumentError,
+    OutOfBoundsError,
+    PageIndices,
+    SliceConfig,
+    Staging,
+)
+
+try:
+    import numpy as np
+except ImportError as _error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "mori_tp.engines needs numpy (pip install numpy); the core mori_tp package does not"
+    ) from _error
+
+__all__ = [
+    "KvMemory",
+    "RequestPlan",
+    "SendResult",
+    "TransferError",
+    "plan_request",
+    "unpack_request",
+]
+
+
+class TransferError(RuntimeError):
+    """A transfer engine refused or failed a call. The message names the engine call, its
+    return value or state and the segment counts; bytes may have landed partially."""
+
+
+def _int(value: Any, name: str, where: str) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}: {name} must be an int, not {type(value).__name__}") from None
+    if not 0 <= number < (1 << 64):
+        raise InvalidArgumentError(f"{where}: {name} {number} does not fit in uint64_t")
+    return number
+
+
+@dataclass(frozen=True)
+class KvMemory:
+    """One rank's KV cache as a transfer engine sees it: the base address of every buffer (K of
+    each layer, then V of each layer; MLA: one latent buffer per layer), the bytes in each, and
+    a staging region for staged requests (address 0 and capacity 0 when it has none).
+
+    Register it with the engine once (``transport.register(memory)``). For a staging pool,
+    register the whole pool and pass per request a copy whose staging field is the slot the
+    request uses (``dataclasses.replace(memory, staging=slot, staging_capacity=slot_len)``).
+    """
+
+    #: Base address of each buffer, in ``MoriKvBuffers`` order.
+    buffers: Tuple[int, ...]
+    #: Bytes in each buffer.
+    capacity: int
+    #: Address of the staging region (0: none).
+    staging: int = 0
+    #: Bytes of the staging region.
+    staging_capacity: int = 0
+
+    def __post_init__(self) -> None:
+        where = "KvMemory"
+        buffers = tuple(_int(b, f"buffers[{i}]", where) for i, b in enumerate(self.buffers))
+        object.__setattr__(self, "buffers", buffers)
+        for name in ("capacity", "staging", "staging_capacity"):
+            object.__setattr__(self, name, _int(getattr(self, name), name, where))
+        if self.staging_capacity and not self.staging:
+            raise InvalidArgumentError(
+                f"{where}: staging_capacity {self.staging_capacity} with no staging address"
+            )
+
+    def regions(self) -> List[Tuple[int, int]]:
+        """``(address, length)`` of every region an engine must register: each buffer, then
+        the staging region if there is one."""
+        regions = [(address, self.capacity) for address in self.buffers]
+        if self.staging_capacity:
+            regions.append((self.staging, self.staging_capacity))
+        return regions
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-friendly form for the handshake; :meth:`from_dict` reads it back."""
+        return {
+            "buffers": list(self.buffers),
+            "capacity": self.capacity,
+            "staging": self.staging,
+            "staging_capacity": self.staging_capacity,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "KvMemory":
+        return cls(tuple(data["buffers"]), data["capacity"], data.get("staging", 0),
+                   data.get("staging_capacity", 0))
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What one :meth:`send` moved and how long each part took."""
+
+    #: The staging the request used.
+    staging: Staging
+    #: Segments handed to the engine (all buffers).
+    segments: int
+    #: Bytes handed to the engine.
+    bytes: int
+    #: Engine calls made (more than one when a list is split to fit the engine's limits).
+    calls: int
+    #: Seconds spent packing on the prefill rank (0 unless SRC or BOTH).
+    pack_seconds: float
+    #: Seconds from the first engine call until the engine reported every segment done.
+    write_seconds: float
+    #: Engine-specific handles the receiver may need (MORI-IO transfer ids); empty otherwise.
+    transfer_ids: Tuple[int, ...] = field(default=())
+
+
+def _check_pages_fit(pages: "np.ndarray", item_len: int, capacity: int, name: str,
+                     side: str) -> None:
+    """Refuses a page that ends past ``capacity`` (plan_transfer has refused negative ones): an
+    engine would write outside the buffer, or into a neighbouring registered one, not fail."""
+    if not pages.size:
+        return
+    last = int(pages.max())
+    if (last + 1) * item_len > capacity:
+        at = int(np.flatnonzero(pages == last)[0])
+        raise OutOfBoundsError(
+            f"plan_request: {name}[{at}] = {last} ends at byte {(last + 1) * item_len}, past "
+            f"the {side} buffers' capacity {capacity} (item_len {item_len})"
+        )
+
+
+def _check_staging_fits(memory: KvMemory, needed: int, side: str) -> None:
+    if memory.staging_capacity < needed or (needed and not memory.staging):
+        raise BufferTooSmallError(
+            f"plan_request: the {side} staging region holds {memory.staging_capacity} bytes "
+            f"but the request needs {needed} ({len(memory.buffers)} buffers x staging_len)"
+        )
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """One request of one (prefill rank, decode rank) pair, ready for an engine: get it from
+    :func:`plan_request`. Segment offsets are per buffer; :meth:`addresses` applies them to
+    every buffer's base on both sides."""
+
+    config: SliceConfig
+    staging: Staging
+    #: The request's page lists (int32).
+    src_pages: "np.ndarray"
+    dst_pages: "np.ndarray"
+    #: The prefill rank's memory (this process) and the decode rank's (the peer).
+    local: KvMemory
+    remote: KvMemory
+    #: Bytes each buffer occupies in a staging region (0 when not SEND).
+    staging_len: int
+    #: One buffer's segments: offsets from that buffer's base on each side, and lengths.
+    src_offsets: "np.ndarray"
+    dst_offsets: "np.ndarray"
+    lengths: "np.ndarray"
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.local.buffers)
+
+    @property
+    def segments(self) -> int:
+        """Segments handed to the engine, all buffers together."""
+        return len(self.lengths) * self.num_buffers
+
+    @property
+    def bytes(self) -> int:
+        """Bytes moved, all buffers together."""
+        return int(self.lengths.sum()) * self.num_buffers
+
+    def src_bases(self) -> "np.ndarray":
+        """Each buffer's source base: its page buffer, or its part of the local staging region
+        when the prefill rank packs."""
+        return self._bases(self.local, self.staging.packs)
+
+    def dst_bases(self) -> "np.ndarray":
+        """Each buffer's destination base: its page buffer, or its part of the decode rank's
+        staging region when the decode rank unpacks."""
+        return self._bases(self.remote, self.staging.unpacks)
+
+    def _bases(self, memory: KvMemory, staged: bool) -> "np.ndarray":
+        if staged:
+            steps = np.arange(self.num_buffers, dtype=np.uint64) * np.uint64(self.staging_len)
+            return np.uint64(memory.staging) + steps
+        return np.asarray(memory.buffers, dtype=np.uint64)
+
+    def addresses(self) -> Tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
+        """``(src, dst, lengths)``: absolute addresses of every segment of every buffer, buffer
+        by buffer, as numpy uint64 arrays (what batch-write APIs take)."""
+        src = (self.src_bases()[:, None] + self.src_offsets[None, :]).ravel()
+        dst = (self.dst_bases()[:, None] + self.dst_offsets[None, :]).ravel()
+        return src, dst, np.tile(self.lengths, self.num_buffers)
+
+    def pack(self, backend: str = "auto", stream: Optional[int] = None,
+             synchronize: bool = True) -> float:
+        """Packs the local buffers into the local staging region when the staging is SRC or
+        BOTH (else does nothing); returns the seconds it took. Transports call it in send()."""
+        if not self.staging.packs:
+            return 0.0
+        start = time.perf_counter()
+        mori_tp.pack_kvcache(
+            self.config, self.local.buffers, self.local.staging,
+            src_capacity=self.local.capacity, src_pages=self.src_pages,
+            staging_capacity=self.local.staging_capacity,
+            backend=backend, stream=stream, synchronize=synchronize,
+        )
+        return time.perf_counter() - start
+
+
+def plan_request(
+    config: SliceConfig,
+    src_pages: PageIndices,
+    dst_pages: PageIndices,
+    *,
+    local: KvMemory,
+    remote: KvMemory,
+    staging: Optional[Union[Staging, int]] = None,
+) -> RequestPlan:
+    """Plans one request of one pair for a transfer engine, on the prefill rank.
+
+    Checks, before anything moves: the two sides have the same number of buffers; every page
+    ends within its side's capacity; each staged side's region holds ``num_buffers *
+    staging_len`` bytes. Nothing is packed or written here (see the transports' ``send``).
+
+    Args:
+        config: the pair's :class:`~mori_tp.SliceConfig`.
+        src_pages, dst_pages: the request's paired page indices.
+        local: the prefill rank's :class:`KvMemory` (this process).
+        remote: the decode rank's :class:`KvMemory`, from the handshake.
+        staging: a :class:`~mori_tp.Staging`; default :func:`mori_tp.staging_for`, which the
+            decode rank computes the same way. If you choose another, tell the receiver.
+
+    Raises:
+        InvalidArgumentError: buffer counts differ, page lists differ in length, an unknown
+            staging value, a bad config.
+        OutOfBoundsError: a page is negative or ends past its side's capacity.
+        BufferTooSmallError: a staging region is missing or smaller than the request needs.
+    """
+    chosen = mori_tp.staging_for(config) if staging is None else staging
+    if not isinstance(local, KvMemory) or not isinstance(remote, KvMemory):
+        raise TypeError("plan_request: local and remote must be KvMemory")
+    if len(local.buffers) != len(remote.buffers):
+        raise InvalidArgumentError(
+            f"plan_request: {len(local.buffers)} local buffers but {len(remote.buffers)} remote "
+            "buffers (they are paired one to one)"
+        )
+    # plan_transfer validates the staging value, the page lists (int32, paired) and the config.
+    src_offsets, dst_offsets, lengths = mori_tp.plan_transfer(
+        config, chosen, src_pages, dst_pages, as_arrays=True
+    )
+    chosen = _staging(chosen, "plan_request")
+    src = np.asarray(src_pages, dtype=np.int32)
+    dst = np.asarray(dst_pages, dtype=np.int32)
+    _check_pages_fit(src, config.src_item_len, local.capacity, "src_pages", "local")
+    _check_pages_fit(dst, config.dst_item_len, remote.capacity, "dst_pages", "remote")
+    length = mori_tp.staging_len(config, len(src))
+    needed = length * len(local.buffers)
+    if chosen.packs:
+        _check_staging_fits(local, needed, "local")
+    if chosen.unpacks:
+        _check_staging_fits(remote, needed, "remote")
+    return RequestPlan(
+        config, chosen, src, dst, local, remote, length,
+        np.ascontiguousarray(src_offsets), np.ascontiguousarray(dst_offsets),
+        np.ascontiguousarray(lengths),
+    )
+
+
+def unpack_request(
+    config: SliceConfig,
+    dst_pages: PageIndices,
+    *,
+    memory: KvMemory,
+    staging: Optional[Union[Staging, int]] = None,
+    backend: str = "auto",
+    stream: Optional[int] = None,
+    synchronize: bool = True,
+) -> Staging:
+    """The decode rank's part of a request, after the engine has delivered every segment:
+    unpacks its staging region into its page buffers when the staging is DST or BOTH (else
+    there is nothing to do). Returns the staging used.
+
+    Args:
+        config: the pair's config (the decode rank computes the same one as the prefill rank).
+        dst_pages: the request's destination pages, in request order.
+        memory: this decode rank's :class:`KvMemory`, whose staging field is the region the
+            prefill rank wrote (the same slot it was told at handshake or per request).
+        staging: the staging the prefill rank used; default :func:`mori_tp.staging_for`.
+        backend, stream, synchronize: as for :func:`mori_tp.unpack_kvcache`.
+    """
+    chosen = _staging(mori_tp.staging_for(config) if staging is None else staging,
+                      "unpack_request")
+    if chosen.unpacks:
+        mori_tp.unpack_kvcache(
+            config, memory.staging, memory.buffers, dst_capacity=memory.capacity,
+            dst_pages=dst_pages, staging_capacity=memory.staging_capacity,
+            backend=backend, stream=stream, synchronize=synchronize,
+        )
+    return chosen
+
+
+def _staging(value: Any, where: str) -> Staging:
+    try:
+        return Staging(value)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{where}: staging {value!r} is not a Staging (0 NONE, 1 SRC, 2 DST, 3 BOTH)"
+        ) from None

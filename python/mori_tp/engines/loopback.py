@@ -1,0 +1,357 @@
+"""Two processes on 127.0.0.1, a prefill rank (this process, the initiator) and a decode rank
+(a child process, the target), joined by a transfer engine: what ``python -m mori_tp.demo``,
+the engine tests and the engine benchmark run on.
+
+The child holds the decode ranks' host buffers, filled with :func:`sentinel` bytes, and a staging
+pool, all registered with its own engine. It does what a decode rank's connector does: waits
+for each request's completion (a NIXL notification; Mooncake's write is synchronous), unpacks
+staged requests, and reports digests of its buffers so that the parent can check every byte.
+
+Everything is bounded in time: every wait on the child has a timeout, the child exits when its
+parent goes quiet or dies (Linux: ``PR_SET_PDEATHSIG``), and :meth:`DecodePeer.close` kills it
+if it does not stop by itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import mori_tp
+
+from . import KvMemory, RequestPlan, SendResult, unpack_request
+
+#: The engines this harness drives (their adapters are mori_tp.engines.mooncake and .nixl).
+ENGINES = ("mooncake", "nixl")
+
+
+def sentinel(rank: int, buffer: int, nbytes: int) -> "np.ndarray":
+    """Bytes a decode buffer starts with: they depend on rank, buffer and position; the prime
+    period (251) never lines up with heads, tokens or pages."""
+    period = (np.arange(251, dtype=np.uint32) * 31 + 0xA5 + rank * 7 + buffer * 13) % 256
+    return np.resize(period.astype(np.uint8), nbytes)
+
+
+def digest(data: Any) -> str:
+    return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
+
+
+class Driver:
+    """One engine as the harness uses it: start a transport, exchange addresses, write, send,
+    and wait for completion on the receiving side."""
+
+    name = ""
+
+    def start(self, role: str) -> Any:
+        raise NotImplementedError
+
+    def address(self, transport: Any) -> Any:
+        """What the peer needs to reach this transport (after registration)."""
+        raise NotImplementedError
+
+    def connect(self, transport: Any, address: Any) -> Any:
+        """The peer handle :meth:`send` takes, from the peer's :meth:`address`."""
+        raise NotImplementedError
+
+    def write(self, transport: Any, peer: Any, src: Any, dst: Any, lengths: Any, tag: bytes,
+              timeout: float) -> int:
+        raise NotImplementedError
+
+    def send(self, transport: Any, peer: Any, plan: RequestPlan, tag: bytes,
+             timeout: float) -> SendResult:
+        raise NotImplementedError
+
+    def wait(self, transport: Any, peer: Any, tag: bytes, timeout: float) -> None:
+        """Receiver: returns once the write tagged ``tag`` has landed."""
+
+
+class MooncakeDriver(Driver):
+    name = "mooncake"
+
+    def start(self, role: str) -> Any:
+        from .mooncake import MooncakeTransport
+
+        return MooncakeTransport.start("127.0.0.1")
+
+    def address(self, transport: Any) -> Any:
+        return transport.session_id
+
+    def connect(self, transport: Any, address: Any) -> Any:
+        return address
+
+    def write(self, transport, peer, src, dst, lengths, tag, timeout):
+        return transport.write(peer, src, dst, lengths)
+
+    def send(self, transport, peer, plan, tag, timeout):
+        return transport.send(peer, plan)
+
+    def wait(self, transport, peer, tag, timeout):
+        # batch_transfer_sync_write returned before the parent said "receive": nothing to wait.
+        return None
+
+
+class NixlDriver(Driver):
+    name = "nixl"
+
+    def start(self, role: str) -> Any:
+        from .nixl import NixlTransport
+
+        return NixlTransport.start(f"mori-tp-{role}-{os.getpid()}")
+
+    def address(self, transport: Any) -> Any:
+        return transport.metadata()
+
+    def connect(self, transport: Any, address: Any) -> Any:
+        return transport.add_peer(address)
+
+    def write(self, transport, peer, src, dst, lengths, tag, timeout):
+        return transport.write(peer, src, dst, lengths, notification=tag, timeout=timeout)
+
+    def send(self, transport, peer, plan, tag, timeout):
+        return transport.send(peer, plan, notification=tag, timeout=timeout)
+
+    def wait(self, transport, peer, tag, timeout):
+        transport.wait_notification(peer, tag, timeout=timeout)
+
+
+def driver(engine: str) -> Driver:
+    """The :class:`Driver` of ``engine`` (one of :data:`ENGINES`)."""
+    drivers = {"mooncake": MooncakeDriver, "nixl": NixlDriver}
+    if engine not in drivers:
+        raise ValueError(f"unknown engine {engine!r}: one of {', '.join(drivers)}")
+    return drivers[engine]()
+
+
+def engine_available(engine: str) -> Optional[str]:
+    """None if ``engine``'s Python package imports here, else why not."""
+    try:
+        if engine == "mooncake":
+            importlib.import_module("mooncake.engine")
+        elif engine == "nixl":
+            from .nixl import _import_agent
+
+            _import_agent()
+        else:
+            return f"unknown engine {engine!r}"
+    except (ImportError, OSError) as error:
+        return f"{engine} is not installed or cannot load: {error}"
+    return None
+
+
+@dataclass(frozen=True)
+class Receive:
+    """One request the decode child must complete: wait for ``tag``, unpack if staged."""
+
+    rank: int
+    config: mori_tp.SliceConfig
+    dst_pages: Tuple[int, ...]
+    staging: int
+    #: Offset of the request's slot in the child's staging pool.
+    slot: int
+    slot_len: int
+    tag: bytes
+
+
+class PeerError(RuntimeError):
+    """The decode child failed, timed out or died; the message holds its report."""
+
+
+class DecodePeer:
+    """The decode child process, seen from the parent.
+
+    Args:
+        engine: ``"mooncake"`` or ``"nixl"``.
+        ranks: for each decode rank the child holds, ``(num_buffers, capacity)``.
+        staging_pool: bytes of the child's staging pool (0: none).
+        timeout: seconds any one step may take before the parent gives up and kills the child.
+    """
+
+    def __init__(self, engine: str, ranks: Sequence[Tuple[int, int]], staging_pool: int,
+                 timeout: float = 60.0) -> None:
+        self.engine = engine
+        self.timeout = timeout
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_decode_main,
+            args=(child_conn, engine, list(ranks), staging_pool, timeout, os.getpid()),
+            daemon=True,
+        )
+        self._process.start()
+        child_conn.close()
+        _, self.address, memories, pool = self._expect("ready", timeout=max(timeout, 120.0))
+        #: The child's buffers, one KvMemory per decode rank; staging = the whole pool.
+        self.memories = [KvMemory.from_dict(m) for m in memories]
+        #: (address, bytes) of the child's staging pool.
+        self.pool = tuple(pool)
+
+    def _expect(self, kind: str, timeout: Optional[float] = None) -> Tuple[Any, ...]:
+        wait = self.timeout if timeout is None else timeout
+        if not self._conn.poll(wait):
+            self.close()
+            raise PeerError(f"the decode process sent nothing for {wait} s (waiting for {kind})")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            code = self._process.exitcode
+            self.close()
+            raise PeerError(f"the decode process exited (code {code}) before {kind}") from None
+        if message[0] == "error":
+            self.close()
+            raise PeerError(f"the decode process failed:\n{message[1]}")
+        if message[0] != kind:
+            self.close()
+            raise PeerError(f"the decode process answered {message[0]!r}, expected {kind!r}")
+        return message
+
+    def _call(self, request: Tuple[Any, ...], kind: str,
+              timeout: Optional[float] = None) -> Tuple[Any, ...]:
+        self._conn.send(request)
+        return self._expect(kind, timeout)
+
+    def connect(self, address: Any) -> None:
+        """Gives the child the parent engine's address (NIXL: for notifications)."""
+        self._call(("connect", address), "ok")
+
+    def reset(self) -> None:
+        """Refills every buffer with its sentinel bytes and zeroes the staging pool."""
+        self._call(("reset",), "ok")
+
+    def receive(self, requests: Sequence[Receive]) -> float:
+        """Completes ``requests`` in order (wait, unpack); returns the seconds spent unpacking."""
+        return self._call(("receive", list(requests)), "received")[1]
+
+    def digests(self) -> List[List[str]]:
+        """blake2b digests of every buffer, per rank."""
+        return self._call(("digests",), "digests")[1]
+
+    def fetch(self, rank: int, buffer: int) -> bytes:
+        """One buffer's bytes (to locate a mismatch)."""
+        return self._call(("fetch", rank, buffer), "bytes")[1]
+
+    def close(self) -> None:
+        """Stops the child: asks, then terminates, then kills."""
+        if self._process.is_alive():
+            try:
+                self._conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+            self._process.join(5)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()
+
+    def __enter__(self) -> "DecodePeer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        # PR_SET_PDEATHSIG = 1: the kernel kills this process when its parent dies.
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(3)
+
+
+def _decode_main(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: int,
+                 timeout: float, parent: int) -> None:
+    _die_with_parent(parent)
+    try:
+        _serve(conn, engine, ranks, staging_pool, timeout)
+    except BaseException:  # noqa: B036 - report anything to the parent, then exit
+        import traceback
+
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, ValueError):
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
+def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: int,
+           timeout: float) -> None:
+    drive = driver(engine)
+    transport = drive.start("decode")
+    buffers = [[np.empty(capacity, dtype=np.uint8) for _ in range(count)]
+               for count, capacity in ranks]
+    pool = np.zeros(max(staging_pool, 1), dtype=np.uint8)
+
+    def reset() -> None:
+        for rank, rank_buffers in enumerate(buffers):
+            for b, data in enumerate(rank_buffers):
+                data[:] = sentinel(rank, b, data.nbytes)
+        pool[:] = 0
+
+    reset()
+    pool_address = pool.ctypes.data
+    memories = [
+        KvMemory(tuple(int(data.ctypes.data) for data in rank_buffers), capacity,
+                 pool_address if staging_pool else 0, staging_pool)
+        for rank_buffers, (_, capacity) in zip(buffers, ranks)
+    ]
+    # The pool is registered once, with the first rank's buffers.
+    for rank, memory in enumerate(memories):
+        transport.register(memory if rank == 0 else KvMemory(memory.buffers, memory.capacity))
+    conn.send(("ready", drive.address(transport), [m.to_dict() for m in memories],
+               (pool_address, staging_pool)))
+    peer = None
+    while True:
+        # A parent that stays silent this long is gone or stuck: stop rather than linger.
+        if not conn.poll(max(timeout, 60.0) * 2):
+            return
+        request = conn.recv()
+        kind = request[0]
+        if kind == "stop":
+            return
+        if kind == "connect":
+            peer = drive.connect(transport, request[1])
+            conn.send(("ok",))
+        elif kind == "reset":
+            reset()
+            conn.send(("ok",))
+        elif kind == "receive":
+            seconds = 0.0
+            for item in request[1]:
+                drive.wait(transport, peer, item.tag, timeout)
+                memory = memories[item.rank]
+                slot = KvMemory(memory.buffers, memory.capacity, pool_address + item.slot,
+                                item.slot_len) if item.slot_len else memory
+                start = time.perf_counter()
+                unpack_request(item.config, list(item.dst_pages), memory=slot,
+                               staging=item.staging, backend="host")
+                seconds += time.perf_counter() - start
+            conn.send(("received", seconds))
+        elif kind == "digests":
+            conn.send(("digests", [[digest(data) for data in rank_buffers]
+                                   for rank_buffers in buffers]))
+        elif kind == "fetch":
+            conn.send(("bytes", buffers[request[1]][request[2]].tobytes()))
+        else:
+            raise ValueError(f"unknown request {kind!r}")
+
+
+def first_difference(got: bytes, want: bytes) -> int:
+    """The index of the first differing byte (or the shorter length)."""
+    a = np.frombuffer(got, dtype=np.uint8)
+    b = np.frombuffer(want, dtype=np.uint8)
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n

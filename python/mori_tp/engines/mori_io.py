@@ -1,0 +1,164 @@
+"""mori-tp requests over AMD's MORI-IO (``mori.io.IOEngine``, from the ``amd-mori`` wheel).
+
+**Not run on this project's CI or development machines**: MORI-IO needs ROCm's libamdhip64 7
+and, for its RDMA backend, an RDMA NIC. This adapter is tested only against a stand-in engine
+that records its calls (``python/tests/test_engines_mori_io.py``); the calls follow MORI-IO's
+documented Python API (``docs/MORI-IO-GUIDE.md`` and ``tests/python/io`` in ROCm/mori).
+
+Needs: ``amd-mori`` (ROCm 7, libamdhip64), an RDMA backend (``engine.create_backend(
+BackendType.RDMA)``) or another MORI-IO backend, and numpy.
+
+MORI-IO addresses memory by registered region and offset, which is exactly what
+:func:`mori_tp.plan_transfer` produces: its offsets are relative to each buffer's base, or to
+``staging + b * staging_len`` on a staged side. :meth:`MoriIoTransport.send` issues one
+multi-session ``batch_write(local_descs, local_offsets, remote_descs, remote_offsets, sizes,
+uids)`` whose entry ``b`` is buffer ``b``: the region holding its source (a page buffer or the
+staging region), the offsets within that region, and likewise on the remote side.
+
+Who calls what:
+
+- Both ranks: one :class:`MoriIoTransport` per process; the engines' descriptors exchanged and
+  registered (``engine.register_remote_engine``); :meth:`~MoriIoTransport.register` of each
+  rank's :class:`~mori_tp.engines.KvMemory`, whose returned ``MemoryDesc`` objects the decode
+  rank sends (``desc.pack()``) to the prefill rank at handshake.
+- Prefill rank (initiator): :meth:`~MoriIoTransport.add_remote_memory` with the decode rank's
+  unpacked descs, :func:`mori_tp.engines.plan_request`, :meth:`~MoriIoTransport.send`. The
+  result's ``transfer_ids`` go to the decode rank over the connector's side channel.
+- Decode rank (target): ``engine.pop_inbound_transfer_status(prefill_engine_key, uid)`` until
+  every transfer id has succeeded (MORI-IO's target-side notification), then
+  :func:`mori_tp.engines.unpack_request`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import KvMemory, RequestPlan, SendResult, TransferError
+
+__all__ = ["MoriIoTransport"]
+
+
+class _Regions:
+    """Registered regions ``(base, size, desc)`` of one engine, found by a contained address."""
+
+    def __init__(self) -> None:
+        self._bases: List[int] = []
+        self._entries: List[Tuple[int, int, Any]] = []
+
+    def add(self, base: int, size: int, desc: Any) -> None:
+        at = bisect.bisect_right(self._bases, base)
+        self._bases.insert(at, base)
+        self._entries.insert(at, (base, size, desc))
+
+    def find(self, address: int, length: int, what: str) -> Tuple[Any, int]:
+        """The desc of the region holding ``[address, address + length)`` and the offset of
+        ``address`` in it."""
+        at = bisect.bisect_right(self._bases, address) - 1
+        if at >= 0:
+            base, size, desc = self._entries[at]
+            if address + length <= base + size:
+                return desc, address - base
+        raise TransferError(
+            f"mori-io: {what} [0x{address:x}, +{length}) is not inside a registered region"
+        )
+
+
+class MoriIoTransport:
+    """Writes mori-tp requests through one MORI-IO ``IOEngine`` (one per process).
+
+    Args:
+        engine: a ``mori.io.IOEngine`` with a backend created and the peers' engines
+            registered (``register_remote_engine``).
+        device_id: the GPU of the buffers (-1 for host memory).
+        location: a ``mori.io.MemoryLocationType``; default GPU when ``device_id >= 0``, else CPU.
+        poll_interval: seconds between status polls.
+    """
+
+    def __init__(self, engine: Any, *, device_id: int = -1, location: Any = None,
+                 poll_interval: float = 0.0) -> None:
+        self.engine = engine
+        self.device_id = device_id
+        self._location = location
+        self.poll_interval = poll_interval
+        self._local = _Regions()
+        self._remote: Dict[str, _Regions] = {}
+
+    def _memory_location(self) -> Any:
+        if self._location is None:
+            from mori.io import MemoryLocationType
+
+            self._location = (MemoryLocationType.GPU if self.device_id >= 0
+                              else MemoryLocationType.CPU)
+        return self._location
+
+    def register(self, memory: KvMemory) -> List[Any]:
+        """Registers every buffer and the staging region of ``memory``; returns their
+        ``MemoryDesc`` objects, buffers first, for the handshake."""
+        descs = []
+        for address, length in memory.regions():
+            desc = self.engine.register_memory(address, length, self.device_id,
+                                               self._memory_location())
+            self._local.add(address, length, desc)
+            descs.append(desc)
+        return descs
+
+    def add_remote_memory(self, peer: str, descs: List[Any]) -> None:
+        """Records a peer's registered regions (unpacked ``MemoryDesc`` objects with ``data``
+        and ``size``) so that :meth:`send` can address them; ``peer`` is the peer engine's key."""
+        regions = self._remote.setdefault(peer, _Regions())
+        for desc in descs:
+            regions.add(int(desc.data), int(desc.size), desc)
+
+    def send(self, peer: str, plan: RequestPlan, *, timeout: float = 60.0,
+             backend: str = "auto", stream: Optional[int] = None) -> SendResult:
+        """Moves one request: packs the local staging region if the plan's staging is SRC or
+        BOTH, then one ``batch_write`` with one entry per buffer, and waits for every entry's
+        status. The result's ``transfer_ids`` are what the decode rank polls with
+        ``pop_inbound_transfer_status``."""
+        if peer not in self._remote:
+            raise TransferError(f"mori-io: no remote memory recorded for peer {peer!r}")
+        pack_seconds = plan.pack(backend=backend, stream=stream)
+        remote = self._remote[peer]
+        src_bases, dst_bases = plan.src_bases(), plan.dst_bases()
+        # The largest offset + length of one buffer's segments: each entry's region must hold it.
+        src_extent = int((plan.src_offsets + plan.lengths).max()) if plan.segments else 0
+        dst_extent = int((plan.dst_offsets + plan.lengths).max()) if plan.segments else 0
+        local_descs, local_offsets, remote_descs, remote_offsets, sizes = [], [], [], [], []
+        sizes_of_buffer = plan.lengths.tolist()
+        for b in range(plan.num_buffers):
+            src_desc, src_at = self._local.find(int(src_bases[b]), src_extent,
+                                                f"local buffer {b}")
+            dst_desc, dst_at = remote.find(int(dst_bases[b]), dst_extent, f"remote buffer {b}")
+            local_descs.append(src_desc)
+            local_offsets.append((plan.src_offsets + src_at).tolist())
+            remote_descs.append(dst_desc)
+            remote_offsets.append((plan.dst_offsets + dst_at).tolist())
+            sizes.append(sizes_of_buffer)
+        uids = [self.engine.allocate_transfer_uid() for _ in range(plan.num_buffers)]
+        start = time.perf_counter()
+        if plan.segments:
+            statuses = self.engine.batch_write(local_descs, local_offsets, remote_descs,
+                                               remote_offsets, sizes, uids)
+            self._wait(statuses, peer, timeout)
+        return SendResult(plan.staging, plan.segments, plan.bytes, 1 if plan.segments else 0,
+                          pack_seconds, time.perf_counter() - start, tuple(uids))
+
+    def _wait(self, statuses: List[Any], peer: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for entry, status in enumerate(statuses):
+            # Neither yet covers INIT (not started) as well as IN_PROGRESS.
+            while not (status.Succeeded() or status.Failed()):
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        f"mori-io: batch_write entry {entry} to {peer} still in progress after "
+                        f"{timeout} s"
+                    )
+                if self.poll_interval:
+                    time.sleep(self.poll_interval)
+            if not status.Succeeded():
+                raise TransferError(
+                    f"mori-io: batch_write entry {entry} (buffer {entry}) to {peer} failed: "
+                    f"code {status.Code()}, {status.Message()}"
+                )

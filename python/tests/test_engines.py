@@ -1,0 +1,432 @@
+"""mori_tp.engines in one process, against stand-ins for the engines (engine_fakes.py): request
+plans and their refusals, and each transport's calls and bytes. The real engines run between
+two processes in engine_loopback.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import unittest
+from typing import List
+from unittest import mock
+
+import mori_tp
+from layouts import (
+    Layout,
+    fragmented_request,
+    identified_buffer,
+    sentinel_buffer,
+    tools_required,
+)
+from mori_tp import Action, Staging
+
+try:
+    import numpy as np
+except ImportError as error:
+    if tools_required():
+        raise ImportError("numpy is missing but MORI_TP_REQUIRE_TOOLS is set") from error
+    np = None
+
+if np is not None:
+    from engine_fakes import FakeMemoryDesc, FakeMooncake, FakeMoriIo, FakeNixlAgent
+    from mori_tp.engines import (
+        KvMemory,
+        TransferError,
+        plan_request,
+        unpack_request,
+    )
+    from mori_tp.engines.mooncake import MooncakeTransport
+    from mori_tp.engines.mori_io import MoriIoTransport
+    from mori_tp.engines.nixl import NixlTransport
+
+needs_numpy = unittest.skipIf(np is None, "numpy is not installed")
+
+BUFFERS = 4
+LAYOUTS = {
+    Staging.SRC: Layout(heads=4, p_tp=2, d_tp=8, page_size=16, bytes_per_head=8),
+    Staging.DST: Layout(heads=8, p_tp=8, d_tp=2, page_size=4, bytes_per_head=8),
+    Staging.BOTH: Layout(heads=12, p_tp=6, d_tp=4, page_size=16, bytes_per_head=4),
+}
+REQUEST = fragmented_request(seed=21, runs=4)
+#: Over 2048 segments per-token (Mooncake's default per-peer queue).
+LONG_REQUEST = fragmented_request(seed=22, runs=24)
+
+
+def sending_pairs(layout: Layout) -> List[tuple]:
+    return [(p, d) for p, d in layout.pairs() if layout.config(p, d).action is Action.SEND]
+
+
+def pair_staged(staging: Staging) -> tuple:
+    """A pair of LAYOUTS[staging] for which staging_for chooses ``staging``."""
+    layout = LAYOUTS[staging]
+    return next((p, d) for p, d in sending_pairs(layout)
+                if mori_tp.staging_for(layout.config(p, d)) is staging)
+
+
+class Sides:
+    """One pair's prefill and decode memory in this process, each with a staging region, and
+    what the decode buffers must hold after the request (one send_kvcache)."""
+
+    def __init__(self, layout: Layout, p: int, d: int, request=REQUEST) -> None:
+        self.config = layout.config(p, d)
+        self.request = request
+        src_len = request.src_capacity_pages * layout.src_item_len
+        dst_len = request.dst_capacity_pages * layout.dst_item_len
+        self.src = [np.frombuffer(identified_buffer(layout, layout.p_tp, p, b,
+                                                    request.src_capacity_pages),
+                                  dtype=np.uint8).copy() for b in range(BUFFERS)]
+        self.initial = [np.frombuffer(sentinel_buffer(d, b, dst_len), dtype=np.uint8)
+                        for b in range(BUFFERS)]
+        self.dst = [x.copy() for x in self.initial]
+        self.staging_bytes = BUFFERS * mori_tp.staging_len(self.config,
+                                                           len(request.src_pages))
+        # Pools larger than one request, with the request's slot in the middle.
+        self.src_pool = np.zeros(3 * self.staging_bytes + 64, dtype=np.uint8)
+        self.dst_pool = np.zeros(3 * self.staging_bytes + 64, dtype=np.uint8)
+        self.slot = self.staging_bytes + 16
+        self.local = KvMemory(tuple(x.ctypes.data for x in self.src), src_len,
+                              self.src_pool.ctypes.data + self.slot, self.staging_bytes)
+        self.remote = KvMemory(tuple(x.ctypes.data for x in self.dst), dst_len,
+                               self.dst_pool.ctypes.data + self.slot, self.staging_bytes)
+        # What the engines register: the buffers and the whole pools.
+        self.local_registered = dataclasses.replace(
+            self.local, staging=self.src_pool.ctypes.data, staging_capacity=self.src_pool.nbytes)
+        self.remote_registered = dataclasses.replace(
+            self.remote, staging=self.dst_pool.ctypes.data, staging_capacity=self.dst_pool.nbytes)
+        want = [x.copy() for x in self.initial]
+        mori_tp.send_kvcache(self.config, self.local.buffers, [w.ctypes.data for w in want],
+                             src_capacity=src_len, dst_capacity=dst_len,
+                             src_pages=request.src_pages, dst_pages=request.dst_pages,
+                             backend="host")
+        self.want = want
+
+    def plan(self, staging=None):
+        return plan_request(self.config, self.request.src_pages, self.request.dst_pages,
+                            local=self.local, remote=self.remote, staging=staging)
+
+    def receive(self, staging) -> None:
+        unpack_request(self.config, self.request.dst_pages, memory=self.remote,
+                       staging=staging, backend="host")
+
+    def assert_delivered(self, test: unittest.TestCase, what: str) -> None:
+        for b in range(BUFFERS):
+            if not np.array_equal(self.dst[b], self.want[b]):
+                at = int(np.flatnonzero(self.dst[b] != self.want[b])[0])
+                test.fail(f"{what}: decode buffer {b} differs from send_kvcache's first at {at}")
+        test.assertFalse(all(np.array_equal(x, y) for x, y in zip(self.dst, self.initial)),
+                         f"{what}: nothing was written")
+
+
+
+@needs_numpy
+class KvMemoryTest(unittest.TestCase):
+    def test_regions_and_the_handshake_form(self):
+        memory = KvMemory((0x1000, 0x9000), 0x800, 0x20000, 0x400)
+        self.assertEqual(memory.regions(),
+                         [(0x1000, 0x800), (0x9000, 0x800), (0x20000, 0x400)])
+        self.assertEqual(KvMemory.from_dict(memory.to_dict()), memory)
+        self.assertEqual(KvMemory([0x1000], 64).regions(), [(0x1000, 64)])
+        self.assertEqual(KvMemory(np.array([5, 6], dtype=np.uint64), 8).buffers, (5, 6))
+
+    def test_bad_fields_are_refused(self):
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError, "staging_capacity 64"):
+            KvMemory((0x1000,), 64, 0, 64)
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError, "capacity -1"):
+            KvMemory((0x1000,), -1)
+        with self.assertRaisesRegex(TypeError, "buffers\\[0\\]"):
+            KvMemory(("0x1000",), 64)
+
+
+@needs_numpy
+class PlanRequestTest(unittest.TestCase):
+    def setUp(self):
+        self.layout = LAYOUTS[Staging.SRC]
+        self.sides = Sides(self.layout, 0, 1)
+
+    def test_the_default_staging_is_staging_for_and_addresses_cover_every_buffer(self):
+        plan = self.sides.plan()
+        self.assertIs(plan.staging, mori_tp.staging_for(self.sides.config))
+        self.assertIs(plan.staging, Staging.SRC)
+        src, dst, lengths = plan.addresses()
+        per_buffer = len(plan.lengths)
+        self.assertEqual(len(src), BUFFERS * per_buffer)
+        self.assertEqual(plan.segments, BUFFERS * per_buffer)
+        self.assertEqual(plan.bytes, BUFFERS * int(plan.lengths.sum()))
+        for b in range(BUFFERS):
+            part = slice(b * per_buffer, (b + 1) * per_buffer)
+            # SRC: from buffer b's part of the local staging region, to decode buffer b.
+            self.assertEqual(src[part].tolist(), (self.sides.local.staging + b * plan.staging_len
+                                                  + plan.src_offsets).tolist())
+            self.assertEqual(dst[part].tolist(),
+                             (self.sides.remote.buffers[b] + plan.dst_offsets).tolist())
+        local, remote, sizes = mori_tp.plan_transfer(self.sides.config, Staging.SRC,
+                                                     REQUEST.src_pages, REQUEST.dst_pages)
+        self.assertEqual((plan.src_offsets.tolist(), plan.dst_offsets.tolist(),
+                          plan.lengths.tolist()), (local, remote, sizes))
+
+    def test_buffer_counts_must_match(self):
+        remote = dataclasses.replace(self.sides.remote, buffers=self.sides.remote.buffers[:-1])
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError,
+                                    f"{BUFFERS} local buffers but {BUFFERS - 1} remote"):
+            plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
+                         local=self.sides.local, remote=remote)
+
+    def test_a_page_past_either_capacity_is_out_of_bounds(self):
+        dst_pages = list(REQUEST.dst_pages)
+        dst_pages[2] = REQUEST.dst_capacity_pages
+        end = (dst_pages[2] + 1) * self.sides.config.dst_item_len
+        with self.assertRaisesRegex(mori_tp.OutOfBoundsError,
+                                    f"dst_pages\\[2\\] = {dst_pages[2]} ends at byte {end}, past "
+                                    f"the remote buffers' capacity {self.sides.remote.capacity}"):
+            plan_request(self.sides.config, REQUEST.src_pages, dst_pages,
+                         local=self.sides.local, remote=self.sides.remote)
+        small = dataclasses.replace(self.sides.local, capacity=self.sides.config.src_item_len)
+        with self.assertRaisesRegex(mori_tp.OutOfBoundsError, "local buffers' capacity"):
+            plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
+                         local=small, remote=self.sides.remote)
+
+    def test_negative_pages_and_pages_beyond_int32_are_refused_by_the_library(self):
+        for bad in (-1, 1 << 31):
+            pages = list(REQUEST.src_pages)
+            pages[1] = bad
+            with self.assertRaisesRegex(mori_tp.OutOfBoundsError, str(bad)):
+                plan_request(self.sides.config, pages, REQUEST.dst_pages,
+                             local=self.sides.local, remote=self.sides.remote)
+
+    def test_a_staging_region_too_small_on_either_side_names_both_sizes(self):
+        needed = self.sides.staging_bytes
+        remote = dataclasses.replace(self.sides.remote, staging_capacity=needed - 1)
+        with self.assertRaisesRegex(mori_tp.BufferTooSmallError,
+                                    f"remote staging region holds {needed - 1} bytes but the "
+                                    f"request needs {needed}"):
+            plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
+                         local=self.sides.local, remote=remote, staging=Staging.BOTH)
+        local = dataclasses.replace(self.sides.local, staging=0, staging_capacity=0)
+        with self.assertRaisesRegex(mori_tp.BufferTooSmallError, "local staging region holds 0"):
+            plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
+                         local=local, remote=self.sides.remote)
+        # Without staging on a side, that side needs no region.
+        plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
+                     local=local, remote=remote, staging=Staging.NONE)
+
+    def test_unknown_staging_values_are_refused_on_both_ranks(self):
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError, "staging 5"):
+            self.sides.plan(staging=5)
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError, "staging 5"):
+            self.sides.receive(5)
+
+    def test_a_pair_that_is_not_send_moves_nothing(self):
+        config = self.layout.config(1, 1)
+        self.assertIsNot(config.action, Action.SEND)
+        plan = plan_request(config, REQUEST.src_pages, REQUEST.dst_pages,
+                            local=self.sides.local, remote=self.sides.remote)
+        self.assertEqual((plan.staging, plan.segments, plan.bytes), (Staging.NONE, 0, 0))
+        self.assertEqual([len(a) for a in plan.addresses()], [0, 0, 0])
+
+
+@needs_numpy
+class MooncakeTransportTest(unittest.TestCase):
+    def transports(self, sides: Sides):
+        peers = {}
+        prefill, decode = FakeMooncake(15001, peers), FakeMooncake(15002, peers)
+        peers["127.0.0.1:15002"] = decode
+        sender = MooncakeTransport(prefill)
+        receiver = MooncakeTransport(decode)
+        sender.register(sides.local_registered)
+        receiver.register(sides.remote_registered)
+        return sender, receiver
+
+    def test_every_staging_moves_the_request_byte_for_byte(self):
+        for chosen, layout in LAYOUTS.items():
+            for staging in (None, *Staging):
+                sides = Sides(layout, *pair_staged(chosen))
+                sender, receiver = self.transports(sides)
+                result = sender.send(receiver.session_id, sides.plan(staging))
+                self.assertIs(result.staging, chosen if staging is None else staging)
+                sides.receive(result.staging)
+                sides.assert_delivered(self, f"mooncake {layout} {result.staging.name}")
+
+    def test_long_lists_are_split_to_fit_the_per_peer_queue(self):
+        sides = Sides(LAYOUTS[Staging.SRC], 0, 1, LONG_REQUEST)
+        sender, receiver = self.transports(sides)
+        plan = sides.plan(Staging.NONE)
+        self.assertGreater(plan.segments, 2048)
+        result = sender.send(receiver.session_id, plan)
+        sizes = [n for _, n in sender.engine.calls]
+        self.assertEqual(sum(sizes), plan.segments)
+        self.assertEqual(sizes[:-1], [1024] * (len(sizes) - 1))
+        self.assertEqual(result.calls, len(sizes))
+        sides.receive(Staging.NONE)
+        sides.assert_delivered(self, "mooncake in chunks")
+
+    def test_a_failing_call_names_the_segments_and_what_was_written(self):
+        sides = Sides(LAYOUTS[Staging.SRC], 0, 1, LONG_REQUEST)
+        sender, receiver = self.transports(sides)
+        sender.max_segments_per_call = 2100  # past the fake's queue of 2048
+        plan = sides.plan(Staging.NONE)
+        with self.assertRaisesRegex(TransferError,
+                                    f"returned -1 for segments 0..2099 of {plan.segments}"):
+            sender.send(receiver.session_id, plan)
+
+    def test_registration_and_its_failure(self):
+        sides = Sides(LAYOUTS[Staging.SRC], 0, 1)
+        engine = FakeMooncake(15001, {})
+        MooncakeTransport(engine).register(sides.local_registered)
+        self.assertEqual(engine.memory.regions, sides.local_registered.regions())
+        engine.register_status = -2
+        with self.assertRaisesRegex(TransferError, "register_memory\\(0x[0-9a-f]+, \\d+\\) "
+                                                   "returned -2"):
+            MooncakeTransport(engine).register(sides.local_registered)
+        self.assertEqual(MooncakeTransport(engine, hostname="10.1.2.3").session_id,
+                         "10.1.2.3:15001")
+
+
+@needs_numpy
+class NixlTransportTest(unittest.TestCase):
+    def transports(self, sides: Sides):
+        agents = {}
+        sender = NixlTransport(FakeNixlAgent("prefill", agents))
+        receiver = NixlTransport(FakeNixlAgent("decode", agents))
+        sender.register(sides.local_registered)
+        receiver.register(sides.remote_registered)
+        peer = sender.add_peer(receiver.metadata())
+        self.assertEqual(peer, "decode")
+        return sender, receiver
+
+    def test_every_staging_moves_the_request_and_notifies_after_the_data(self):
+        for chosen, layout in LAYOUTS.items():
+            for staging in (None, *Staging):
+                sides = Sides(layout, *pair_staged(chosen))
+                sender, receiver = self.transports(sides)
+                result = sender.send("decode", sides.plan(staging), notification=b"req-7")
+                self.assertEqual(sender.agent.transfers, [("decode", result.segments, b"req-7")])
+                self.assertEqual(sender.agent.released, 1)
+                receiver.wait_notification("prefill", b"req-7", timeout=1)
+                sides.receive(result.staging)
+                sides.assert_delivered(self, f"nixl {layout} {result.staging.name}")
+
+    def test_notifications_match_exactly_and_are_consumed(self):
+        sides = Sides(LAYOUTS[Staging.DST], 0, 0)
+        sender, receiver = self.transports(sides)
+        sender.send("decode", sides.plan(), notification=b"req-10")
+        with self.assertRaisesRegex(TransferError, "no notification b'req-1' from prefill"):
+            receiver.wait_notification("prefill", b"req-1", timeout=0.05)
+        receiver.wait_notification("prefill", b"req-10", timeout=1)
+        with self.assertRaisesRegex(TransferError, "no notification b'req-10'"):
+            receiver.wait_notification("prefill", b"req-10", timeout=0.05)
+
+    def test_a_pair_that_is_not_send_posts_no_transfer_but_still_notifies(self):
+        sides = Sides(LAYOUTS[Staging.DST], 0, 0)
+        sender, receiver = self.transports(sides)
+        config = LAYOUTS[Staging.DST].config(4, 0)  # head 4 is not decode rank 0's
+        self.assertIsNot(config.action, Action.SEND)
+        plan = plan_request(config, REQUEST.src_pages, REQUEST.dst_pages, local=sides.local,
+                            remote=sides.remote)
+        result = sender.send("decode", plan, notification=b"req-3")
+        self.assertEqual((result.calls, result.segments), (0, 0))
+        self.assertEqual(sender.agent.transfers, [])
+        receiver.wait_notification("prefill", b"req-3", timeout=1)
+
+    def test_a_failed_or_stuck_transfer_is_an_error_and_its_handle_is_released(self):
+        sides = Sides(LAYOUTS[Staging.DST], 0, 0)
+        sender, _ = self.transports(sides)
+        sender.agent.final_state = "ERR"
+        with self.assertRaisesRegex(TransferError, "segments to decode ended in state ERR"):
+            sender.send("decode", sides.plan())
+        sender.agent.polls = None
+        with self.assertRaisesRegex(TransferError, "still in progress after 0.05 s"):
+            sender.send("decode", sides.plan(), timeout=0.05)
+        self.assertEqual(sender.agent.released, 2)
+
+
+@needs_numpy
+class MoriIoTransportTest(unittest.TestCase):
+    """MORI-IO cannot run here (libamdhip64 7, an RDMA NIC): its adapter is checked against the
+    calls a recording stand-in receives."""
+
+    def transports(self, sides: Sides):
+        sender = MoriIoTransport(FakeMoriIo("prefill-engine"), location="CPU")
+        receiver = MoriIoTransport(FakeMoriIo("decode-engine"), location="CPU")
+        self.local_descs = sender.register(sides.local_registered)
+        remote_descs = receiver.register(sides.remote_registered)
+        sender.add_remote_memory("decode-engine", remote_descs)
+        return sender, receiver
+
+    def test_the_recorded_calls_are_plan_transfer_offsets_per_buffer(self):
+        sides = Sides(LAYOUTS[Staging.SRC], 1, 6)
+        sender, receiver = self.transports(sides)
+        registrations = [call for call in sender.engine.calls if call[0] == "register_memory"]
+        self.assertEqual([args for _, args in registrations],
+                         [(a, n, -1, "CPU") for a, n in sides.local_registered.regions()])
+        plan = sides.plan()
+        result = sender.send("decode-engine", plan)
+        batch = [args for name, args in sender.engine.calls if name == "batch_write"]
+        self.assertEqual(len(batch), 1)
+        local_descs, local_offsets, remote_descs, remote_offsets, sizes, uids = batch[0]
+        local, remote, lengths = mori_tp.plan_transfer(sides.config, Staging.SRC,
+                                                       REQUEST.src_pages, REQUEST.dst_pages)
+        staging_desc = self.local_descs[-1]  # the pool: registered last
+        slot_len = plan.staging_len
+        self.assertEqual(local_descs, [staging_desc] * BUFFERS)
+        self.assertEqual(local_offsets,
+                         [[sides.slot + b * slot_len + x for x in local] for b in range(BUFFERS)])
+        self.assertEqual([d.data for d in remote_descs], list(sides.remote.buffers))
+        self.assertEqual(remote_offsets, [remote] * BUFFERS)
+        self.assertEqual(sizes, [lengths] * BUFFERS)
+        self.assertEqual(uids, [101, 102, 103, 104])
+        self.assertEqual(result.transfer_ids, (101, 102, 103, 104))
+        self.assertEqual((result.calls, result.segments), (1, BUFFERS * len(lengths)))
+        sides.receive(result.staging)
+        sides.assert_delivered(self, "mori-io SRC")
+
+    def test_every_staging_moves_the_request_byte_for_byte(self):
+        for chosen, layout in LAYOUTS.items():
+            for staging in (None, *Staging):
+                sides = Sides(layout, *pair_staged(chosen))
+                sender, _ = self.transports(sides)
+                result = sender.send("decode-engine", sides.plan(staging))
+                sides.receive(result.staging)
+                sides.assert_delivered(self, f"mori-io {layout} {result.staging.name}")
+
+    def test_failures_unknown_peers_and_unregistered_memory_are_errors(self):
+        sides = Sides(LAYOUTS[Staging.BOTH], 0, 0)
+        sender, _ = self.transports(sides)
+        sender.engine.fail_entry = 2
+        with self.assertRaisesRegex(TransferError, "entry 2 \\(buffer 2\\) to decode-engine "
+                                                   "failed: code ERR_RDMA_OP, remote QP"):
+            sender.send("decode-engine", sides.plan())
+        with self.assertRaisesRegex(TransferError, "no remote memory recorded for peer 'other'"):
+            sender.send("other", sides.plan())
+        lonely = MoriIoTransport(FakeMoriIo("lonely"), location="CPU")
+        lonely.add_remote_memory("decode-engine", [FakeMemoryDesc("d", 1, 1, -1, "CPU")])
+        with self.assertRaisesRegex(TransferError, "local buffer 0 \\[0x[0-9a-f]+, \\+\\d+\\) "
+                                                   "is not inside a registered region"):
+            lonely.send("decode-engine", sides.plan(Staging.NONE))
+
+
+class OptionalEnginesTest(unittest.TestCase):
+    """The package and its adapters import without any engine; starting one says what to
+    install."""
+
+    def test_adapters_import_without_their_engines(self):
+        blocked = {name: None for name in ("mooncake", "mooncake.engine", "nixl", "nixl._api",
+                                           "nixl_cu12", "mori", "mori.io")}
+        with mock.patch.dict(sys.modules, blocked):
+            for name in [m for m in sys.modules if m.startswith("mori_tp.engines")]:
+                sys.modules.pop(name)
+            if np is None:
+                with self.assertRaisesRegex(ImportError, "mori_tp.engines needs numpy"):
+                    importlib.import_module("mori_tp.engines")
+                return
+            from mori_tp.engines import mooncake, mori_io, nixl
+
+            with self.assertRaisesRegex(ImportError, "mooncake-transfer-engine"):
+                mooncake.MooncakeTransport.start()
+            with self.assertRaisesRegex(ImportError, "nixl-cu12"):
+                nixl.NixlTransport.start("agent")
+            self.assertTrue(mori_io.MoriIoTransport(object()))
+
+
+if __name__ == "__main__":
+    unittest.main()
