@@ -444,6 +444,9 @@ fn bench_staging_plans(c: &mut Criterion) {
     }
 }
 
+/// Row widths of the pack/unpack benchmark, in bytes.
+const PACK_WIDTHS: [u64; 5] = [128, 256, 512, 1024, 4096];
+
 /// Host pack and unpack of the strided side against the same rows copied by a plain loop over
 /// (buffer, token), for 64 buffers and 64 MiB per call.
 fn bench_pack_unpack(c: &mut Criterion) {
@@ -455,7 +458,7 @@ fn bench_pack_unpack(c: &mut Criterion) {
     // (shape, prefill TP, decode TP): pack reads strided prefill tokens, unpack writes strided
     // decode tokens.
     for (shape, prefill_tp, decode_tp) in [("pack", 4, 8), ("unpack", 8, 4)] {
-        for width in [256u64, 1024] {
+        for width in PACK_WIDTHS {
             let (config, pages) = copy_config(prefill_tp, decode_tp, width);
             let request = request(pages, true);
             let (src_pages, dst_pages) = (&request.src_pages, &request.dst_pages);
@@ -632,7 +635,7 @@ fn print_staging_ratios() {
         "host pack/unpack", "mori GB/s", "per-row loop t / mori t"
     );
     for shape in ["pack", "unpack"] {
-        for width in [256, 1024] {
+        for width in PACK_WIDTHS {
             let group = format!("staging_copy/{shape}/width{width}");
             let (Some(mori), Some(rows)) =
                 (mean_ns(&group, "mori"), mean_ns(&group, "per_row_loop"))

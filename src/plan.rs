@@ -151,15 +151,6 @@ impl Pages<'_> {
             Pages::Dense => position as u64,
         }
     }
-
-    /// True when position `i` continues the run of position `i - 1` on this side.
-    #[inline]
-    fn continues(&self, position: usize) -> bool {
-        match self {
-            Pages::List(pages) => pages[position] == pages[position - 1].wrapping_add(1),
-            Pages::Dense => true,
-        }
-    }
 }
 
 /// One side of a plan: where it reads or writes, and the bytes a buffer needs to hold every
@@ -196,6 +187,21 @@ struct Scan {
 /// exit and no bounds checks, so it runs at memory speed; positions are only looked up when
 /// something fails.
 fn scan(src: &[i32], dst: &[i32], src_runs: bool, dst_runs: bool) -> Scan {
+    // One monomorphised loop per choice of sides, so the hot loop tests no flag.
+    let mut scan = match (src_runs, dst_runs) {
+        (true, true) => scan_pairs::<true, true>(src, dst),
+        (true, false) => scan_pairs::<true, false>(src, dst),
+        (false, true) => scan_pairs::<false, true>(src, dst),
+        (false, false) => scan_pairs::<false, false>(src, dst),
+    };
+    if !src_runs && !dst_runs {
+        // Both sides dense: the whole request is one run.
+        scan.breaks = usize::from(!src.is_empty());
+    }
+    scan
+}
+
+fn scan_pairs<const SRC_RUNS: bool, const DST_RUNS: bool>(src: &[i32], dst: &[i32]) -> Scan {
     let (mut ored, mut src_max, mut dst_max, mut breaks) = (0i32, 0i32, 0i32, 0usize);
     let (mut prev_src, mut prev_dst) = (i32::MIN, i32::MIN);
     for (&s, &d) in src.iter().zip(dst) {
@@ -203,10 +209,11 @@ fn scan(src: &[i32], dst: &[i32], src_runs: bool, dst_runs: bool) -> Scan {
         src_max = src_max.max(s);
         dst_max = dst_max.max(d);
         // Wrapping: a negative or i32::MAX predecessor is refused anyway. The first position
-        // always breaks from the sentinel, so `breaks` counts runs.
-        let src_break = src_runs & (s != prev_src.wrapping_add(1));
-        let dst_break = dst_runs & (d != prev_dst.wrapping_add(1));
-        breaks += usize::from(src_break | dst_break | (prev_src == i32::MIN));
+        // always breaks from the sentinel (a checked side's page is never i32::MIN + 1), so
+        // `breaks` counts runs.
+        let src_break = SRC_RUNS && s != prev_src.wrapping_add(1);
+        let dst_break = DST_RUNS && d != prev_dst.wrapping_add(1);
+        breaks += usize::from(src_break | dst_break);
         (prev_src, prev_dst) = (s, d);
     }
     Scan {
@@ -593,14 +600,39 @@ impl Iterator for Rects<'_> {
         if self.next >= self.end {
             return None;
         }
-        let (src, dst) = (&self.plan.src.pages, &self.plan.dst.pages);
         let start = self.next;
-        let mut stop = start + 1;
-        while stop < self.end && src.continues(stop) && dst.continues(stop) {
-            stop += 1;
-        }
+        let stop = self.plan.run_end(start, self.end);
         self.next = stop;
         Some(self.plan.rect(start, stop))
+    }
+}
+
+/// The end of the run of `pages` that starts at `start`, looking no further than `end`.
+fn list_run_end(pages: &[i32], start: usize, end: usize) -> usize {
+    let window = &pages[start..end];
+    window
+        .windows(2)
+        .position(|w| w[1] != w[0].wrapping_add(1))
+        .map_or(end, |i| start + i + 1)
+}
+
+impl Plan<'_> {
+    /// The end of the maximal run that starts at position `start` (before `end`): where a listed
+    /// side's page stops going up by one. Dense sides never break a run.
+    fn run_end(&self, start: usize, end: usize) -> usize {
+        match (self.src.pages, self.dst.pages) {
+            (Pages::List(src), Pages::List(dst)) => {
+                let (src, dst) = (&src[start..end], &dst[start..end]);
+                let breaks = src.windows(2).zip(dst.windows(2)).position(|(s, d)| {
+                    s[1] != s[0].wrapping_add(1) || d[1] != d[0].wrapping_add(1)
+                });
+                breaks.map_or(end, |i| start + i + 1)
+            }
+            (Pages::List(pages), Pages::Dense) | (Pages::Dense, Pages::List(pages)) => {
+                list_run_end(pages, start, end)
+            }
+            (Pages::Dense, Pages::Dense) => end,
+        }
     }
 }
 
