@@ -28,8 +28,10 @@ arrays; ``array.array('i')`` and C-contiguous numpy int32 arrays are passed to t
 address, without a copy. numpy is optional: only ``as_arrays=True`` output, numpy staging
 regions and :mod:`mori_tp.engines` need it.
 
-Every failure raises a :class:`MoriError` subclass whose message names the offending values;
-a call that raises has changed nothing (a failed :func:`send_kvcache` writes no byte).
+Every failure raises a :class:`MoriError` subclass whose message names the offending values.
+A refused call has changed nothing: every input is validated before the first byte moves. The
+one exception is :class:`GpuError`, a HIP runtime failure in the middle of a copy, after which
+copies issued before it may have landed.
 """
 
 from __future__ import annotations
