@@ -6,9 +6,13 @@
 //!
 //! Needs `cc` and `c++` (gcc/g++ or clang).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+
+use common::{hip_link, root, run, scratch};
 
 use mori_tp::ffi::MORI_TP_ABI_VERSION;
 
@@ -18,10 +22,6 @@ const STATIC_LIBS: &str = "-lpthread -ldl -lm -lrt -lutil -lgcc_s";
 /// How the README links the shared library.
 const SHARED_LINK: &str = "-lmori_tp -Wl,-rpath,";
 const STRICT: &[&str] = &["-Wall", "-Wextra", "-Werror", "-pedantic"];
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// Where cargo put libmori_tp.a and libmori_tp.so for this test run: `cargo test` leaves them in
 /// target/<profile>/deps (next to this test binary); `cargo build` also copies them one level up.
@@ -39,31 +39,7 @@ fn lib_dir() -> PathBuf {
 }
 
 fn out_dir(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .expect("target/<profile>/deps")
-        .join("c-tests")
-        .join(name);
-    std::fs::create_dir_all(&dir).expect("create the C test output directory");
-    dir
-}
-
-fn run(command: &mut Command) -> String {
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(
-        output.status.success(),
-        "{command:?} failed ({}):\n{text}",
-        output.status
-    );
-    text
+    scratch(&["c-tests", name])
 }
 
 /// Compiles `source` into `exe` with `compiler`, the strict flags and `extra` arguments.
@@ -79,23 +55,6 @@ fn compile(compiler: &str, std: &str, source: &str, exe: &Path, extra: &[String]
         .arg("-o")
         .arg(exe);
     run(&mut command);
-}
-
-/// With the HIP backend built in (`--features hip`) a program also links libamdhip64, from the
-/// HIP install `hipconfig -p` names (what hip-sys linked against), else the default paths.
-fn hip_link() -> Vec<String> {
-    if !cfg!(feature = "hip") {
-        return Vec::new();
-    }
-    let mut args = Vec::new();
-    let root = Command::new("hipconfig").arg("-p").output().ok();
-    if let Some(output) = root.filter(|o| o.status.success()) {
-        let lib = Path::new(String::from_utf8_lossy(&output.stdout).trim()).join("lib");
-        args.push(format!("-L{}", lib.display()));
-        args.push(format!("-Wl,-rpath,{}", lib.display()));
-    }
-    args.push("-lamdhip64".into());
-    args
 }
 
 fn static_link() -> Vec<String> {

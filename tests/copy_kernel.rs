@@ -10,40 +10,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The libmori_tp.a cargo built for this test run, next to the test executables.
-fn static_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let lib = exe
-        .parent()
-        .expect("target/<profile>/deps")
-        .join("libmori_tp.a");
-    assert!(lib.is_file(), "cargo did not build {}", lib.display());
-    lib
-}
-
-/// With the HIP backend built in, libmori_tp.a also needs libamdhip64 (from `hipconfig -p`'s
-/// install when there is one, else the linker's default paths).
-fn hip_link() -> Vec<String> {
-    if !cfg!(feature = "hip") {
-        return Vec::new();
-    }
-    let mut args = Vec::new();
-    let prefix = Command::new("hipconfig").arg("-p").output().ok();
-    if let Some(output) = prefix.filter(|o| o.status.success()) {
-        let lib = Path::new(String::from_utf8_lossy(&output.stdout).trim()).join("lib");
-        args.push(format!("-L{}", lib.display()));
-        args.push(format!("-Wl,-rpath,{}", lib.display()));
-    }
-    args.push("-lamdhip64".into());
-    args
-}
+use common::{built_static_library as static_library, hip_link, root};
 
 fn compiler_present() -> bool {
     Command::new("c++")

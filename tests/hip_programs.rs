@@ -50,12 +50,7 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
         return;
     }
     // cargo test builds libmori_tp.a with this run's features next to the test executables.
-    let exe = std::env::current_exe().expect("test executable path");
-    let lib = exe
-        .parent()
-        .expect("target/<profile>/deps")
-        .join("libmori_tp.a");
-    assert!(lib.is_file(), "cargo did not build {}", lib.display());
+    let lib = common::built_static_library();
     let build = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hip-programs");
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let make = Command::new("make")

@@ -14,47 +14,18 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+use common::{root, run};
 use mori_tp::ffi::MORI_TP_ABI_VERSION;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const STRICT_C: &str = "-Wall -Wextra -Werror -pedantic";
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// This test's scratch folder: target/<profile>/deps/c-tests/install/<name>, kept between runs
 /// so that the cargo build inside CMake's build folder is incremental.
 fn scratch(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .expect("target/<profile>/deps")
-        .join("c-tests/install")
-        .join(name);
-    std::fs::create_dir_all(&dir).expect("create the scratch folder");
-    dir
+    common::scratch(&["c-tests", "install", name])
 }
 
-fn run(command: &mut Command) -> String {
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(
-        output.status.success(),
-        "{command:?} failed ({}):\n{text}",
-        output.status
-    );
-    text
-}
-
-/// Whether every tool is on PATH; a missing one is a skip, or a failure under
-/// MORI_TP_REQUIRE_TOOLS.
 fn tools_present(tools: &[&str]) -> bool {
     let missing: Vec<&str> = tools
         .iter()

@@ -455,21 +455,6 @@ fn staging_for_stages_exactly_the_sides_wider_than_the_slice_and_never_leaves_pe
     }
 }
 
-/// Runs of a request: positions where both page lists go up by one continue a run.
-fn runs(r: &Request) -> usize {
-    let pairs: Vec<(i32, i32)> = r
-        .src_pages
-        .iter()
-        .copied()
-        .zip(r.dst_pages.iter().copied())
-        .collect();
-    pairs.len()
-        - pairs
-            .windows(2)
-            .filter(|w| w[1] == (w[0].0 + 1, w[0].1 + 1))
-            .count()
-}
-
 /// Runs of one page list alone.
 fn runs_of(pages: &[i32]) -> usize {
     pages.len() - pages.windows(2).filter(|w| w[1] == w[0] + 1).count()
@@ -514,7 +499,10 @@ fn segment_counts_of_the_four_modes() {
                     // staging_for's choice never leaves one segment per token: at most one per
                     // run, and no mode that stages only sides wider than the slice does better.
                     let best = count(chosen);
-                    assert!(best <= runs(r), "H={h} P={p_tp} D={d_tp} ({p},{d}): {best}");
+                    assert!(
+                        best <= r.runs(),
+                        "H={h} P={p_tp} D={d_tp} ({p},{d}): {best}"
+                    );
                     for mode in MODES {
                         let stages_only_wide = (!stages_src(mode) || c.bytes_per_token_src > w)
                             && (!stages_dst(mode) || c.bytes_per_token_dst > w);
@@ -523,7 +511,7 @@ fn segment_counts_of_the_four_modes() {
                         }
                     }
                     // On a request that is one run, no mode at all gives fewer.
-                    if runs(r) == 1 {
+                    if r.runs() == 1 {
                         assert_eq!(best, MODES.iter().map(|&m| count(m)).min().unwrap());
                     }
                 }
@@ -548,7 +536,7 @@ fn tp2_to_tp8_with_4_heads_goes_from_a_segment_per_token_to_one_per_run() {
         plan_transfer(&c, MORI_TP_STAGING_SRC, &r).len(),
         runs_of(&r.dst_pages)
     );
-    assert!(runs_of(&r.dst_pages) <= runs(&r) && runs(&r) <= 100);
+    assert!(runs_of(&r.dst_pages) <= r.runs() && r.runs() <= 100);
     assert_eq!(staging_len(&c, r.src_pages.len()), tokens as u64 * 256);
 }
 

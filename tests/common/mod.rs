@@ -11,6 +11,69 @@ use std::process::Command;
 
 use mori_tp::{Action, Plan, SendReport, SliceParams, slice_config};
 
+/// The checkout.
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs `command` to completion and returns its stdout and stderr; fails the test, with both,
+/// when the command cannot start or exits unsuccessfully.
+pub fn run(command: &mut Command) -> String {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        output.status.success(),
+        "{command:?} failed ({}):\n{text}",
+        output.status
+    );
+    text
+}
+
+/// A fresh-enough folder for a test's build outputs, `target/<profile>/deps/<parts...>`, created.
+pub fn scratch(parts: &[&str]) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let mut dir = exe.parent().expect("target/<profile>/deps").to_path_buf();
+    dir.extend(parts);
+    std::fs::create_dir_all(&dir).expect("create the scratch folder");
+    dir
+}
+
+/// The libmori_tp.a this `cargo test` built, with this run's features, next to the test
+/// executables in target/<profile>/deps.
+pub fn built_static_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let lib = exe
+        .parent()
+        .expect("target/<profile>/deps")
+        .join("libmori_tp.a");
+    assert!(lib.is_file(), "cargo did not build {}", lib.display());
+    lib
+}
+
+/// With the HIP backend built in (`--features hip`), a program that links libmori_tp also links
+/// libamdhip64: from the HIP install `hipconfig -p` names (what hip-sys linked against), else the
+/// linker's default paths.
+pub fn hip_link() -> Vec<String> {
+    if !cfg!(feature = "hip") {
+        return Vec::new();
+    }
+    let mut args = Vec::new();
+    let prefix = Command::new("hipconfig").arg("-p").output().ok();
+    if let Some(output) = prefix.filter(|o| o.status.success()) {
+        let lib = Path::new(String::from_utf8_lossy(&output.stdout).trim()).join("lib");
+        args.push(format!("-L{}", lib.display()));
+        args.push(format!("-Wl,-rpath,{}", lib.display()));
+    }
+    args.push("-lamdhip64".into());
+    args
+}
+
 /// True when the environment variable `var` is set to anything but "" or "0": CI sets
 /// MORI_TP_REQUIRE_TOOLS=1 after installing every tool, MORI_TP_REQUIRE_HIP=1 for the HIP build
 /// and a GPU runner MORI_TP_REQUIRE_HIP_DEVICE=1, so that nothing skips there.
