@@ -2,8 +2,9 @@
 
 **Not run on this project's CI or development machines**: MORI-IO needs ROCm's libamdhip64 7
 and, for its RDMA backend, an RDMA NIC. This adapter is tested only against a stand-in engine
-that records its calls (``python/tests/test_engines_mori_io.py``); the calls follow MORI-IO's
-documented Python API (``docs/MORI-IO-GUIDE.md`` and ``tests/python/io`` in ROCm/mori).
+that records its calls (``python/tests/test_engines.py``); the calls follow MORI-IO's
+documented Python API (the MORI-IO guide in the docs folder of ROCm/mori, and its
+``tests/python/io``).
 
 Needs: ``amd-mori`` (ROCm 7, libamdhip64), an RDMA backend (``engine.create_backend(
 BackendType.RDMA)``) or another MORI-IO backend, and numpy.
