@@ -16,7 +16,7 @@
 //! any kernel launch does.
 //!
 //! A kernel call is, in order on the stream: `hipMallocAsync` of the table (rects and buffer
-//! bases, see [`copy_kernel`](super::copy_kernel)), one `hipMemcpyAsync` uploading it, one
+//! bases, see [`copy_kernel`](crate::backend::copy_kernel)), one `hipMemcpyAsync` uploading it, one
 //! `hipModuleLaunchKernel`, `hipFreeAsync` of the table, then `hipStreamSynchronize` only when
 //! asked. The upload's source is pageable host memory, which HIP copies before
 //! `hipMemcpyAsync` returns, so the table may be dropped right after.
