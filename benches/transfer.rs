@@ -81,49 +81,43 @@ fn per_token_plan(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32]) -> Vec<(
     out
 }
 
-/// The signature `mori_tp_plan` and `mori_tp_plan_segments` share.
-type PlanFn<T> = unsafe extern "C" fn(
-    *const MoriTpSliceConfig,
-    *const i32,
-    *const i32,
-    usize,
-    *mut T,
-    usize,
-    *mut usize,
-) -> MoriStatus;
-
-/// Runs a plan function into `out`, whose capacity must hold the whole plan.
-fn plan_into<T>(
-    function: PlanFn<T>,
-    config: &MoriTpSliceConfig,
-    src: &[i32],
-    dst: &[i32],
-    out: &mut Vec<T>,
-) {
+/// Runs a plan function (`call(out, capacity, &mut out_len)`) into `out`, whose capacity must
+/// hold the whole plan.
+fn plan_into<T>(out: &mut Vec<T>, call: impl FnOnce(*mut T, usize, &mut usize) -> MoriStatus) {
     let mut len = 0;
-    // SAFETY: arrays valid for their lengths; out has capacity for the whole plan.
-    let status = unsafe {
-        function(
-            config,
-            src.as_ptr(),
-            dst.as_ptr(),
-            src.len(),
-            out.as_mut_ptr(),
-            out.capacity(),
-            &mut len,
-        )
-    };
-    assert_eq!(status, MORI_OK);
-    // SAFETY: the library initialised `len` entries.
+    assert_eq!(call(out.as_mut_ptr(), out.capacity(), &mut len), MORI_OK);
+    // SAFETY: the library initialised `len` entries of the capacity it was given.
     unsafe { out.set_len(len) };
 }
 
 fn plan_rects(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32], out: &mut Vec<MoriCopyRect>) {
-    plan_into(mori_tp_plan, config, src, dst, out);
+    // SAFETY: arrays valid for their lengths; out valid for its capacity.
+    plan_into(out, |out, capacity, len| unsafe {
+        mori_tp_plan(
+            config,
+            src.as_ptr(),
+            dst.as_ptr(),
+            src.len(),
+            out,
+            capacity,
+            len,
+        )
+    });
 }
 
 fn plan_segments(config: &MoriTpSliceConfig, src: &[i32], dst: &[i32], out: &mut Vec<MoriSegment>) {
-    plan_into(mori_tp_plan_segments, config, src, dst, out);
+    // SAFETY: arrays valid for their lengths; out valid for its capacity.
+    plan_into(out, |out, capacity, len| unsafe {
+        mori_tp_plan_segments(
+            config,
+            src.as_ptr(),
+            dst.as_ptr(),
+            src.len(),
+            out,
+            capacity,
+            len,
+        )
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -400,23 +394,19 @@ fn plan_transfer(
     dst: &[i32],
     out: &mut Vec<MoriSegment>,
 ) {
-    let mut len = 0;
-    // SAFETY: arrays valid for their lengths; out has capacity for the whole list.
-    let status = unsafe {
+    // SAFETY: arrays valid for their lengths; out valid for its capacity.
+    plan_into(out, |out, capacity, len| unsafe {
         mori_tp_plan_transfer(
             config,
             staging,
             src.as_ptr(),
             dst.as_ptr(),
             src.len(),
-            out.as_mut_ptr(),
-            out.capacity(),
-            &mut len,
+            out,
+            capacity,
+            len,
         )
-    };
-    assert_eq!(status, MORI_OK);
-    // SAFETY: the library initialised `len` entries.
-    unsafe { out.set_len(len) };
+    });
 }
 
 fn bench_staging_plans(c: &mut Criterion) {

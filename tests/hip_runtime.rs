@@ -83,12 +83,8 @@ fn ci_that_requires_hip_gets_a_build_with_the_hip_backend() {
     eprintln!("note: built without the `hip` feature; the HIP runtime is not linked");
 }
 
-/// One small send over host memory: 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair
-/// (1, 3), one-token pages 0, 1, 3 (two rects), two buffers. Returns the status, the message
-/// (if it failed) and whether every destination byte is still what it was.
-fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
-    let src = [vec![7u8; 4 * 64], vec![8u8; 4 * 64]];
-    let mut dst = [vec![9u8; 4 * 32], vec![9u8; 4 * 32]];
+/// 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token pages.
+fn config_2_to_4() -> MoriTpSliceConfig {
     let params = MoriTpSliceParams {
         prefill_tp_size: 2,
         prefill_tp_rank: 1,
@@ -105,6 +101,16 @@ fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
         unsafe { mori_tp_slice_config(&params, &mut config) },
         MORI_OK
     );
+    config
+}
+
+/// One small send over host memory: 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair
+/// (1, 3), one-token pages 0, 1, 3 (two rects), two buffers. Returns the status, the message
+/// (if it failed) and whether every destination byte is still what it was.
+fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
+    let src = [vec![7u8; 4 * 64], vec![8u8; 4 * 64]];
+    let mut dst = [vec![9u8; 4 * 32], vec![9u8; 4 * 32]];
+    let config = config_2_to_4();
     let srcs = [src[0].as_ptr().cast(), src[1].as_ptr().cast()];
     let [d0, d1] = &mut dst;
     let dsts = [d0.as_mut_ptr().cast(), d1.as_mut_ptr().cast()];
@@ -492,7 +498,7 @@ mod device {
         let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
         let initial = [9u8; 4 * 32];
         let dst = DeviceBuffer::from_host(&initial);
-        let config = config_2_to_4();
+        let config = super::config_2_to_4();
         let srcs = [src.pointer.cast_const()];
         let dsts = [dst.pointer];
         let buffers = MoriKvBuffers {
@@ -526,27 +532,6 @@ mod device {
         let mut after = [0u8; 4 * 32];
         dst.to_host(&mut after);
         assert_eq!(after, initial, "a failed launch writes nothing");
-    }
-
-    /// 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token pages.
-    fn config_2_to_4() -> MoriTpSliceConfig {
-        let params = MoriTpSliceParams {
-            prefill_tp_size: 2,
-            prefill_tp_rank: 1,
-            decode_tp_size: 4,
-            decode_tp_rank: 3,
-            total_kv_heads: 8,
-            page_size: 1,
-            src_item_len: 64,
-            dst_item_len: 32,
-        };
-        let mut config = MoriTpSliceConfig::default();
-        // SAFETY: valid pointers.
-        assert_eq!(
-            unsafe { mori_tp_slice_config(&params, &mut config) },
-            MORI_OK
-        );
-        config
     }
 
     /// Pack on the prefill side and unpack on the decode side, both through the kernel on
