@@ -554,6 +554,16 @@ fn expected_calls(
     calls
 }
 
+/// The stream of the `sends`-th send of a checked sender: the null stream every third send, a
+/// caller's (fake, distinct) stream otherwise, so both kinds reach the runtime.
+fn stream_for_send(sends: usize) -> *mut c_void {
+    if sends % 3 == 0 {
+        null_mut()
+    } else {
+        without_provenance_mut(0x5eed_0000 + sends * 0x100)
+    }
+}
+
 /// A sender for the transfer tests: every send goes through the HIP engine, alternating the
 /// flag and between the null stream and a caller's stream, and its calls must be exactly the
 /// prescribed ones.
@@ -561,11 +571,7 @@ fn checked_hip_sender() -> Box<Sender<'static>> {
     let mut sends = 0usize;
     Box::new(move |plan, _, src, dst| {
         sends += 1;
-        let stream = if sends % 3 == 0 {
-            null_mut()
-        } else {
-            without_provenance_mut(0x5eed_0000 + sends * 0x100)
-        };
+        let stream = stream_for_send(sends);
         let options = options(sends % 2 == 0, stream);
         let expected = expected_calls(plan, src, dst, &options);
         let runtime = Recorder::new(src, dst);
@@ -959,11 +965,7 @@ fn checked_kernel_sender() -> Box<Sender<'static>> {
     let mut sends = 0usize;
     Box::new(move |plan, _, src, dst| {
         sends += 1;
-        let stream = if sends % 3 == 0 {
-            null_mut()
-        } else {
-            without_provenance_mut(0x5eed_0000 + sends * 0x100)
-        };
+        let stream = stream_for_send(sends);
         let options = kernel_options(sends % 2 == 0, stream);
         let runtime = Recorder::new(src, dst);
         let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
