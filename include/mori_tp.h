@@ -176,56 +176,6 @@ typedef struct MoriTpSliceConfig {
 } MoriTpSliceConfig;
 
 /**
- * One strided 2D copy, exactly the arguments of one hipMemcpy2DAsync: height rows of width
- * bytes, row r read at src_offset + r * src_pitch and written at dst_offset + r * dst_pitch.
- * Offsets are relative to each buffer's base.
- */
-typedef struct MoriCopyRect {
-  /**
-   * Byte offset of the first source row.
-   */
-  uint64_t src_offset;
-  /**
-   * Byte offset of the first destination row.
-   */
-  uint64_t dst_offset;
-  /**
-   * Bytes between source rows (bytes_per_token_src).
-   */
-  uint64_t src_pitch;
-  /**
-   * Bytes between destination rows (bytes_per_token_dst).
-   */
-  uint64_t dst_pitch;
-  /**
-   * Bytes per row (heads_bytes_per_token_to_send).
-   */
-  uint64_t width;
-  /**
-   * Rows: tokens in the run of pages (run length * page_size).
-   */
-  uint64_t height;
-} MoriCopyRect;
-
-/**
- * One contiguous copy, for RDMA batch writes; offsets relative to each buffer's base.
- */
-typedef struct MoriSegment {
-  /**
-   * Byte offset in the source buffer.
-   */
-  uint64_t src_offset;
-  /**
-   * Byte offset in the destination buffer.
-   */
-  uint64_t dst_offset;
-  /**
-   * Bytes to copy.
-   */
-  uint64_t length;
-} MoriSegment;
-
-/**
  * The buffers of one transfer: src[i] on the prefill rank is copied into dst[i] on the decode
  * rank, for i in [0, num_buffers).
  */
@@ -287,6 +237,56 @@ typedef uint32_t MoriBackend;
  * Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.
  */
 typedef uint32_t MoriTpStaging;
+
+/**
+ * One strided 2D copy, exactly the arguments of one hipMemcpy2DAsync: height rows of width
+ * bytes, row r read at src_offset + r * src_pitch and written at dst_offset + r * dst_pitch.
+ * Offsets are relative to each buffer's base.
+ */
+typedef struct MoriCopyRect {
+  /**
+   * Byte offset of the first source row.
+   */
+  uint64_t src_offset;
+  /**
+   * Byte offset of the first destination row.
+   */
+  uint64_t dst_offset;
+  /**
+   * Bytes between source rows (bytes_per_token_src).
+   */
+  uint64_t src_pitch;
+  /**
+   * Bytes between destination rows (bytes_per_token_dst).
+   */
+  uint64_t dst_pitch;
+  /**
+   * Bytes per row (heads_bytes_per_token_to_send).
+   */
+  uint64_t width;
+  /**
+   * Rows: tokens in the run of pages (run length * page_size).
+   */
+  uint64_t height;
+} MoriCopyRect;
+
+/**
+ * One contiguous copy, for RDMA batch writes; offsets relative to each buffer's base.
+ */
+typedef struct MoriSegment {
+  /**
+   * Byte offset in the source buffer.
+   */
+  uint64_t src_offset;
+  /**
+   * Byte offset in the destination buffer.
+   */
+  uint64_t dst_offset;
+  /**
+   * Bytes to copy.
+   */
+  uint64_t length;
+} MoriSegment;
 
 /**
  * Success.
@@ -477,7 +477,7 @@ MoriStatus mori_tp_plan(const struct MoriTpSliceConfig *config,
                         const int32_t *src_pages,
                         const int32_t *dst_pages,
                         size_t num_pages,
-                        struct MoriCopyRect *out,
+                        MoriCopyRect *out,
                         size_t capacity,
                         size_t *out_len);
 
@@ -492,7 +492,7 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
                                  const int32_t *src_pages,
                                  const int32_t *dst_pages,
                                  size_t num_pages,
-                                 struct MoriSegment *out,
+                                 MoriSegment *out,
                                  size_t capacity,
                                  size_t *out_len);
 
@@ -644,7 +644,7 @@ MoriStatus mori_tp_plan_transfer(const struct MoriTpSliceConfig *config,
                                  const int32_t *src_pages,
                                  const int32_t *dst_pages,
                                  size_t num_pages,
-                                 struct MoriSegment *out,
+                                 MoriSegment *out,
                                  size_t capacity,
                                  size_t *out_len);
 

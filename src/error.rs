@@ -9,77 +9,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::fmt;
-
-use crate::slice::Action;
-
-/// Which engine of the disaggregated pair a value belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Side {
-    /// The engine that computes the KV cache and sends it (`src`).
-    Prefill,
-    /// The engine that receives the KV cache (`dst`).
-    Decode,
-}
-
-impl Side {
-    /// The other engine.
-    pub fn other(self) -> Side {
-        match self {
-            Side::Prefill => Side::Decode,
-            Side::Decode => Side::Prefill,
-        }
-    }
-
-    /// The config's name for this side's item length.
-    fn item_len_field(self) -> &'static str {
-        match self {
-            Side::Prefill => "src_item_len",
-            Side::Decode => "dst_item_len",
-        }
-    }
-
-    /// The config's name for this side's bytes per token.
-    fn bytes_per_token_field(self) -> &'static str {
-        match self {
-            Side::Prefill => "bytes_per_token_src",
-            Side::Decode => "bytes_per_token_dst",
-        }
-    }
-
-    /// The config's name for this side's head slice offset.
-    fn slice_offset_field(self) -> &'static str {
-        match self {
-            Side::Prefill => "src_head_slice_offset",
-            Side::Decode => "dst_head_slice_offset",
-        }
-    }
-
-    /// The name of this side's buffer capacity.
-    pub(crate) fn capacity_field(self) -> &'static str {
-        match self {
-            Side::Prefill => "src_capacity",
-            Side::Decode => "dst_capacity",
-        }
-    }
-
-    /// The name of this side's buffer array.
-    fn buffers_field(self) -> &'static str {
-        match self {
-            Side::Prefill => "src",
-            Side::Decode => "dst",
-        }
-    }
-}
-
-impl fmt::Display for Side {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Side::Prefill => "prefill side",
-            Side::Decode => "decode side",
-        })
-    }
-}
+use crate::types::{Action, Side};
 
 /// The status classes of the C ABI, one per `MORI_ERR_*` code that the core can produce.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -122,16 +52,18 @@ impl ErrorClass {
 }
 
 /// Everything that can go wrong in the safe core, with the numbers that explain it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     // ---- the layout (slice_config) ----
     /// A TP size is 0.
+    #[error("invalid argument: {side}: tp_size is 0")]
     ZeroTpSize {
         /// Which engine.
         side: Side,
     },
     /// A rank is not below its side's TP size.
+    #[error("invalid argument: {side}: tp_rank {rank} is out of range for tp_size {tp_size} (ranks are 0..{})", .tp_size.saturating_sub(1))]
     RankOutOfRange {
         /// Which engine.
         side: Side,
@@ -141,15 +73,19 @@ pub enum Error {
         tp_size: u32,
     },
     /// `page_size` is 0.
+    #[error("invalid argument: page_size is 0")]
     ZeroPageSize,
     /// An item length is 0.
+    #[error("invalid argument: {side}: {} is 0", .side.item_len_field())]
     ZeroItemLen {
         /// Which engine.
         side: Side,
     },
     /// `total_kv_heads` is 0 (MLA and MQA models have 1).
+    #[error("invalid topology: total_kv_heads is 0 (use 1 for MLA and MQA models)")]
     ZeroKvHeads,
     /// The model's KV heads and a TP size divide neither way.
+    #[error("invalid topology: {side}: tp_size {tp_size} and total_kv_heads {total_kv_heads} divide neither way (one must be a multiple of the other; {})", nearest(.nearest_below, .nearest_above))]
     IndivisibleTp {
         /// Which engine.
         side: Side,
@@ -163,6 +99,7 @@ pub enum Error {
         nearest_above: Option<u32>,
     },
     /// A side's item length is not a whole number of tokens.
+    #[error("layout mismatch: {side}: {} {item_len} is not a multiple of page_size {page_size}", .side.item_len_field())]
     ItemLenNotWholeTokens {
         /// Which engine.
         side: Side,
@@ -172,6 +109,9 @@ pub enum Error {
         page_size: u32,
     },
     /// A side's token is not a whole number of the heads its rank holds.
+    #[error(
+        "layout mismatch: {side}: bytes_per_token {bytes_per_token} is not a multiple of the {heads_per_rank} heads per rank (tp_size {tp_size}, total_kv_heads {total_kv_heads})"
+    )]
     TokenNotWholeHeads {
         /// Which engine.
         side: Side,
@@ -185,6 +125,9 @@ pub enum Error {
         total_kv_heads: u32,
     },
     /// The two sides disagree on the bytes of one head: their dtype or head_dim differ.
+    #[error(
+        "layout mismatch: decode side: bytes_per_head {decode_bytes_per_head} != prefill side bytes_per_head {prefill_bytes_per_head} (dtype or head_dim differ; bytes_per_token {decode_bytes_per_token} / {decode_heads_per_rank} heads vs {prefill_bytes_per_token} / {prefill_heads_per_rank} heads)"
+    )]
     BytesPerHeadMismatch {
         /// Bytes of one head on the prefill side.
         prefill_bytes_per_head: u64,
@@ -202,6 +145,7 @@ pub enum Error {
 
     // ---- a config edited by hand (SliceConfig::validate) ----
     /// A stated bytes per token disagrees with `item_len / page_size`.
+    #[error("invalid argument: inconsistent config: {} {stated} but {} / page_size = {derived}", .side.bytes_per_token_field(), .side.item_len_field())]
     InconsistentBytesPerToken {
         /// Which engine.
         side: Side,
@@ -211,6 +155,9 @@ pub enum Error {
         derived: u64,
     },
     /// A pair that does not send has non-zero slice fields.
+    #[error(
+        "invalid argument: inconsistent config: action {action:?} moves nothing, but first_head {first_head}, num_heads {num_heads}, src_head_slice_offset {src_head_slice_offset}, dst_head_slice_offset {dst_head_slice_offset}, heads_bytes_per_token_to_send {width} are not all 0"
+    )]
     NonSendingSliceFields {
         /// The config's action.
         action: Action,
@@ -226,6 +173,9 @@ pub enum Error {
         width: u64,
     },
     /// A sending pair moves no head or no byte.
+    #[error(
+        "invalid argument: inconsistent config: action Send with num_heads {num_heads} and heads_bytes_per_token_to_send {width} (both must be non-zero)"
+    )]
     EmptySendingSlice {
         /// `num_heads`.
         num_heads: u32,
@@ -233,6 +183,9 @@ pub enum Error {
         width: u64,
     },
     /// The slice width is not a whole number of heads.
+    #[error(
+        "invalid argument: inconsistent config: heads_bytes_per_token_to_send {width} is not a multiple of num_heads {num_heads}"
+    )]
     WidthNotWholeHeads {
         /// `heads_bytes_per_token_to_send`.
         width: u64,
@@ -240,6 +193,7 @@ pub enum Error {
         num_heads: u32,
     },
     /// A slice offset does not start on a head boundary.
+    #[error("invalid argument: inconsistent config: {} {offset} is not a multiple of bytes_per_head {bytes_per_head} (heads_bytes_per_token_to_send {width} / num_heads {num_heads})", .side.slice_offset_field())]
     OffsetNotOnHead {
         /// Which engine.
         side: Side,
@@ -253,6 +207,9 @@ pub enum Error {
         num_heads: u32,
     },
     /// A head slice would not fit inside its token slot.
+    #[error(
+        "slice overflow: {side}: head slice at offset {offset} of width {width} ends past the {bytes_per_token}-byte token slot"
+    )]
     SliceOverflow {
         /// Which engine.
         side: Side,
@@ -266,6 +223,9 @@ pub enum Error {
 
     // ---- a request (page lists, buffers) ----
     /// The two page lists differ in length.
+    #[error(
+        "invalid argument: {src} source pages but {dst} destination pages (they are paired one to one)"
+    )]
     PageCountMismatch {
         /// Source pages.
         src: usize,
@@ -273,6 +233,7 @@ pub enum Error {
         dst: usize,
     },
     /// A page index is negative.
+    #[error("out of bounds: {side}: page index {page} at position {position} is negative")]
     NegativePage {
         /// Which engine's list.
         side: Side,
@@ -282,6 +243,9 @@ pub enum Error {
         position: usize,
     },
     /// A page's end, `(page + 1) * item_len`, does not fit in `u64`.
+    #[error(
+        "out of bounds: {side}: page {page} at position {position} ends at byte ({page} + 1) * item_len {item_len}, which overflows u64"
+    )]
     PageOffsetOverflow {
         /// Which engine's list.
         side: Side,
@@ -293,6 +257,7 @@ pub enum Error {
         item_len: u64,
     },
     /// A page ends past its buffer's capacity.
+    #[error("out of bounds: {side}: page {page} at position {position} ends at byte {end}, past {} {capacity}", .side.capacity_field())]
     PagePastCapacity {
         /// Which engine's list.
         side: Side,
@@ -306,6 +271,7 @@ pub enum Error {
         capacity: u64,
     },
     /// A size computed from the caller's numbers does not fit in 64 bits (or in `usize`).
+    #[error("invalid argument: {quantity} = {lhs} * {rhs} overflows 64 bits")]
     SizeOverflow {
         /// What was being computed.
         quantity: &'static str,
@@ -315,6 +281,9 @@ pub enum Error {
         rhs: u64,
     },
     /// The two buffer arrays differ in length.
+    #[error(
+        "invalid argument: {src} source buffers but {dst} destination buffers (they are paired one to one)"
+    )]
     BufferCountMismatch {
         /// Source buffers.
         src: usize,
@@ -322,6 +291,7 @@ pub enum Error {
         dst: usize,
     },
     /// A buffer base pointer is NULL.
+    #[error("null pointer: buffers.{}[{index}] is NULL", .side.buffers_field())]
     NullBuffer {
         /// Which engine's buffers.
         side: Side,
@@ -329,6 +299,10 @@ pub enum Error {
         index: usize,
     },
     /// A capacity exceeds the address space.
+    #[error(
+        "invalid argument: {field} {capacity} exceeds the address space ({} bytes)",
+        isize::MAX
+    )]
     CapacityTooLarge {
         /// Which capacity: `"src_capacity"`, `"dst_capacity"` or `"staging_capacity"`.
         field: &'static str,
@@ -336,11 +310,15 @@ pub enum Error {
         capacity: u64,
     },
     /// The staging region is NULL but said to hold bytes.
+    #[error("null pointer: staging is NULL but staging_capacity is {capacity}")]
     NullStaging {
         /// The capacity given with it.
         capacity: u64,
     },
     /// The staging region holds fewer bytes than the request needs.
+    #[error(
+        "buffer too small: staging_capacity {capacity} is below the {needed} bytes the request needs ({num_buffers} buffers * staging_len {staging_len})"
+    )]
     StagingTooSmall {
         /// `num_buffers * staging_len`.
         needed: u64,
@@ -352,6 +330,7 @@ pub enum Error {
         staging_len: u64,
     },
     /// The staging region overlaps a page buffer.
+    #[error("invalid argument: the staging region [{staging:#x}, +{staging_bytes}) overlaps {} buffer {index} [{buffer:#x}, +{capacity}) (staging must be separate memory)", .side.pick("source", "destination"))]
     StagingOverlapsBuffer {
         /// Which engine's buffer.
         side: Side,
@@ -369,6 +348,7 @@ pub enum Error {
 
     // ---- backends ----
     /// A stream was passed to the host backend, which takes none.
+    #[error("invalid argument: options.stream is {stream:#x} but {} (pass NULL, or request MORI_BACKEND_HIP)", host_stream_reason(.auto_fallback))]
     StreamWithHostBackend {
         /// The stream given.
         stream: usize,
@@ -376,11 +356,13 @@ pub enum Error {
         auto_fallback: bool,
     },
     /// The requested copy backend is not compiled in, or it has no device.
+    #[error("backend unavailable: {reason}")]
     BackendUnavailable {
         /// Why, in words (what the runtime said).
         reason: String,
     },
     /// The GPU runtime returned an error.
+    #[error("GPU error: {message}")]
     Gpu {
         /// The runtime function that failed (`"hipMemcpy2DAsync"`, ...).
         call: &'static str,
@@ -425,243 +407,34 @@ impl Error {
             Gpu { .. } => ErrorClass::Gpu,
         }
     }
-
-    /// The message without its class prefix.
-    fn detail(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        use Error::*;
-        match self {
-            ZeroTpSize { side } => write!(f, "{side}: tp_size is 0"),
-            RankOutOfRange {
-                side,
-                rank,
-                tp_size,
-            } => write!(
-                f,
-                "{side}: tp_rank {rank} is out of range for tp_size {tp_size} (ranks are 0..{})",
-                tp_size.saturating_sub(1)
-            ),
-            ZeroPageSize => f.write_str("page_size is 0"),
-            ZeroItemLen { side } => write!(f, "{side}: {} is 0", side.item_len_field()),
-            ZeroKvHeads => f.write_str("total_kv_heads is 0 (use 1 for MLA and MQA models)"),
-            IndivisibleTp {
-                side,
-                tp_size,
-                total_kv_heads,
-                nearest_below,
-                nearest_above,
-            } => {
-                write!(
-                    f,
-                    "{side}: tp_size {tp_size} and total_kv_heads {total_kv_heads} divide neither \
-                     way (one must be a multiple of the other; "
-                )?;
-                match nearest_above {
-                    Some(above) => {
-                        write!(f, "nearest valid tp sizes: {nearest_below} and {above})")
-                    }
-                    None => write!(f, "nearest valid tp size: {nearest_below})"),
-                }
-            }
-            ItemLenNotWholeTokens {
-                side,
-                item_len,
-                page_size,
-            } => write!(
-                f,
-                "{side}: {} {item_len} is not a multiple of page_size {page_size}",
-                side.item_len_field()
-            ),
-            TokenNotWholeHeads {
-                side,
-                bytes_per_token,
-                heads_per_rank,
-                tp_size,
-                total_kv_heads,
-            } => write!(
-                f,
-                "{side}: bytes_per_token {bytes_per_token} is not a multiple of the \
-                 {heads_per_rank} heads per rank (tp_size {tp_size}, total_kv_heads \
-                 {total_kv_heads})"
-            ),
-            BytesPerHeadMismatch {
-                prefill_bytes_per_head,
-                decode_bytes_per_head,
-                prefill_bytes_per_token,
-                decode_bytes_per_token,
-                prefill_heads_per_rank,
-                decode_heads_per_rank,
-            } => write!(
-                f,
-                "decode side: bytes_per_head {decode_bytes_per_head} != prefill side \
-                 bytes_per_head {prefill_bytes_per_head} (dtype or head_dim differ; \
-                 bytes_per_token {decode_bytes_per_token} / {decode_heads_per_rank} heads vs \
-                 {prefill_bytes_per_token} / {prefill_heads_per_rank} heads)"
-            ),
-            InconsistentBytesPerToken {
-                side,
-                stated,
-                derived,
-            } => write!(
-                f,
-                "inconsistent config: {} {stated} but {} / page_size = {derived}",
-                side.bytes_per_token_field(),
-                side.item_len_field()
-            ),
-            NonSendingSliceFields {
-                action,
-                first_head,
-                num_heads,
-                src_head_slice_offset,
-                dst_head_slice_offset,
-                width,
-            } => write!(
-                f,
-                "inconsistent config: action {action:?} moves nothing, but first_head \
-                 {first_head}, num_heads {num_heads}, src_head_slice_offset \
-                 {src_head_slice_offset}, dst_head_slice_offset {dst_head_slice_offset}, \
-                 heads_bytes_per_token_to_send {width} are not all 0"
-            ),
-            EmptySendingSlice { num_heads, width } => write!(
-                f,
-                "inconsistent config: action Send with num_heads {num_heads} and \
-                 heads_bytes_per_token_to_send {width} (both must be non-zero)"
-            ),
-            WidthNotWholeHeads { width, num_heads } => write!(
-                f,
-                "inconsistent config: heads_bytes_per_token_to_send {width} is not a multiple \
-                 of num_heads {num_heads}"
-            ),
-            OffsetNotOnHead {
-                side,
-                offset,
-                bytes_per_head,
-                width,
-                num_heads,
-            } => write!(
-                f,
-                "inconsistent config: {} {offset} is not a multiple of bytes_per_head \
-                 {bytes_per_head} (heads_bytes_per_token_to_send {width} / num_heads \
-                 {num_heads})",
-                side.slice_offset_field()
-            ),
-            SliceOverflow {
-                side,
-                offset,
-                width,
-                bytes_per_token,
-            } => write!(
-                f,
-                "{side}: head slice at offset {offset} of width {width} ends past the \
-                 {bytes_per_token}-byte token slot"
-            ),
-            PageCountMismatch { src, dst } => write!(
-                f,
-                "{src} source pages but {dst} destination pages (they are paired one to one)"
-            ),
-            NegativePage {
-                side,
-                page,
-                position,
-            } => write!(
-                f,
-                "{side}: page index {page} at position {position} is negative"
-            ),
-            PageOffsetOverflow {
-                side,
-                page,
-                position,
-                item_len,
-            } => write!(
-                f,
-                "{side}: page {page} at position {position} ends at byte ({page} + 1) * \
-                 item_len {item_len}, which overflows u64"
-            ),
-            PagePastCapacity {
-                side,
-                page,
-                position,
-                end,
-                capacity,
-            } => write!(
-                f,
-                "{side}: page {page} at position {position} ends at byte {end}, past {} \
-                 {capacity}",
-                side.capacity_field()
-            ),
-            SizeOverflow { quantity, lhs, rhs } => {
-                write!(f, "{quantity} = {lhs} * {rhs} overflows 64 bits")
-            }
-            BufferCountMismatch { src, dst } => write!(
-                f,
-                "{src} source buffers but {dst} destination buffers (they are paired one to one)"
-            ),
-            NullBuffer { side, index } => {
-                write!(f, "buffers.{}[{index}] is NULL", side.buffers_field())
-            }
-            NullStaging { capacity } => {
-                write!(f, "staging is NULL but staging_capacity is {capacity}")
-            }
-            CapacityTooLarge { field, capacity } => write!(
-                f,
-                "{field} {capacity} exceeds the address space ({} bytes)",
-                isize::MAX
-            ),
-            StagingTooSmall {
-                needed,
-                capacity,
-                num_buffers,
-                staging_len,
-            } => write!(
-                f,
-                "staging_capacity {capacity} is below the {needed} bytes the request needs \
-                 ({num_buffers} buffers * staging_len {staging_len})"
-            ),
-            StagingOverlapsBuffer {
-                side,
-                index,
-                staging,
-                staging_bytes,
-                buffer,
-                capacity,
-            } => write!(
-                f,
-                "the staging region [{staging:#x}, +{staging_bytes}) overlaps {} buffer {index} \
-                 [{buffer:#x}, +{capacity}) (staging must be separate memory)",
-                match side {
-                    Side::Prefill => "source",
-                    Side::Decode => "destination",
-                }
-            ),
-            StreamWithHostBackend {
-                stream,
-                auto_fallback,
-            } => {
-                let why = if *auto_fallback {
-                    "AUTO chose the host backend because no HIP device is available, and host \
-                     copies take no stream"
-                } else {
-                    "the host backend runs on the CPU and takes no stream"
-                };
-                write!(
-                    f,
-                    "options.stream is {stream:#x} but {why} (pass NULL, or request \
-                     MORI_BACKEND_HIP)"
-                )
-            }
-            BackendUnavailable { reason } => f.write_str(reason),
-            Gpu { message, .. } => f.write_str(message),
-        }
-    }
 }
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: ", self.class().label())?;
-        self.detail(f)
-    }
-}
-
-impl std::error::Error for Error {}
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `a * b`, or an [`Error::SizeOverflow`] naming `quantity` and both factors.
+pub(crate) fn checked_product(quantity: &'static str, a: u64, b: u64) -> Result<u64> {
+    a.checked_mul(b).ok_or(Error::SizeOverflow {
+        quantity,
+        lhs: a,
+        rhs: b,
+    })
+}
+
+/// The end of [`Error::IndivisibleTp`]'s message: the valid sizes around the one refused.
+fn nearest(below: &u32, above: &Option<u32>) -> String {
+    match above {
+        Some(above) => format!("nearest valid tp sizes: {below} and {above}"),
+        None => format!("nearest valid tp size: {below}"),
+    }
+}
+
+/// Why [`Error::StreamWithHostBackend`] refused a stream.
+fn host_stream_reason(auto_fallback: &bool) -> &'static str {
+    if *auto_fallback {
+        "AUTO chose the host backend because no HIP device is available, and host copies take \
+         no stream"
+    } else {
+        "the host backend runs on the CPU and takes no stream"
+    }
+}

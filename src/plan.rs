@@ -1,5 +1,5 @@
 //! Copy plans: a request's page pairs turned into strided 2D copies (rects), or into the same
-//! bytes as contiguous 1D segments for RDMA batch writes.
+//! bytes as contiguous 1D segments for RDMA batch writes, directly or staged.
 //!
 //! A plan copies between two *sides*. Each side is a [`SideGeometry`] (where the slice of each
 //! token lies inside a buffer) and the page each position of the request visits: a caller's page
@@ -9,31 +9,41 @@
 //!
 //! A run of positions where both sides' pages go up by one is one rect of `run * page_size`
 //! rows, so a request costs one copy per maximal run instead of one per token.
+//!
+//! Staging exists for RDMA engines (MORI-IO, Mooncake, NIXL): they take flat
+//! `(src, dst, length)` lists and merge nothing across a stride, so a slice narrower than a
+//! token slot would cost one segment per token per buffer. Packing it into a dense area first
+//! leaves the transport a few large segments. Buffer `b` of a request owns the `staging_len`
+//! bytes at `b * staging_len` of the staging region; token `k` of buffer `b` (token
+//! `k % page_size` of the page at position `k / page_size`) is the `width` bytes at
+//! `b * staging_len + k * width`. Because pack, transport and unpack are plans between such
+//! sides, their composition leaves every destination byte as one direct send does.
 
 #![forbid(unsafe_code)]
 
 use std::mem::MaybeUninit;
 
-use crate::error::{Error, Result, Side};
-use crate::slice::{Action, SliceConfig};
-use crate::staging::Staging;
+use crate::error::{Error, Result, checked_product};
+use crate::slice::{IntoValid, SliceConfig, ValidConfig};
+use crate::types::{Action, Side, Staging};
 
-/// One strided 2D copy (`hipMemcpy2DAsync`): `height` rows of `width` bytes, row `r` read at
-/// `src_offset + r * src_pitch` and written at `dst_offset + r * dst_pitch`. Offsets are relative
-/// to each buffer's base.
+/// One strided 2D copy, exactly the arguments of one hipMemcpy2DAsync: height rows of width
+/// bytes, row r read at src_offset + r * src_pitch and written at dst_offset + r * dst_pitch.
+/// Offsets are relative to each buffer's base.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CopyRect {
     /// Byte offset of the first source row.
     pub src_offset: u64,
     /// Byte offset of the first destination row.
     pub dst_offset: u64,
-    /// Bytes between source rows (bytes per source token).
+    /// Bytes between source rows (bytes_per_token_src).
     pub src_pitch: u64,
-    /// Bytes between destination rows (bytes per destination token).
+    /// Bytes between destination rows (bytes_per_token_dst).
     pub dst_pitch: u64,
-    /// Bytes per row (the head slice).
+    /// Bytes per row (heads_bytes_per_token_to_send).
     pub width: u64,
-    /// Rows (tokens).
+    /// Rows: tokens in the run of pages (run length * page_size).
     pub height: u64,
 }
 
@@ -50,7 +60,8 @@ impl CopyRect {
     }
 }
 
-/// One contiguous copy of `length` bytes, offsets relative to each buffer's base.
+/// One contiguous copy, for RDMA batch writes; offsets relative to each buffer's base.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Segment {
     /// Byte offset in the source buffer.
@@ -233,15 +244,6 @@ fn negative_page(side: Side, pages: &[i32]) -> Option<Error> {
     })
 }
 
-/// `a * b`, or a [`Error::SizeOverflow`] naming `quantity` and both factors.
-pub(crate) fn checked_product(quantity: &'static str, a: u64, b: u64) -> Result<u64> {
-    a.checked_mul(b).ok_or(Error::SizeOverflow {
-        quantity,
-        lhs: a,
-        rhs: b,
-    })
-}
-
 /// A validated request: a slice config, its page pairs and which sides are staged, ready to
 /// yield rects or segments.
 ///
@@ -250,7 +252,7 @@ pub(crate) fn checked_product(quantity: &'static str, a: u64, b: u64) -> Result<
 /// `u64`. After that, producing the plan cannot fail.
 #[derive(Clone, Debug)]
 pub struct Plan<'a> {
-    config: SliceConfig,
+    config: ValidConfig,
     src: PlanSide<'a>,
     dst: PlanSide<'a>,
     num_pages: usize,
@@ -261,7 +263,7 @@ pub struct Plan<'a> {
 
 impl<'a> Plan<'a> {
     /// The direct plan: source page `src_pages[i]` to destination page `dst_pages[i]`.
-    pub fn new(config: &SliceConfig, src_pages: &'a [i32], dst_pages: &'a [i32]) -> Result<Self> {
+    pub fn new(config: impl IntoValid, src_pages: &'a [i32], dst_pages: &'a [i32]) -> Result<Self> {
         Plan::transfer(config, Staging::None, src_pages, dst_pages)
     }
 
@@ -270,12 +272,12 @@ impl<'a> Plan<'a> {
     /// page list. Both page lists are validated all the same, and [`Staging::None`] is
     /// [`Plan::new`].
     pub fn transfer(
-        config: &SliceConfig,
+        config: impl IntoValid,
         staging: Staging,
         src_pages: &'a [i32],
         dst_pages: &'a [i32],
     ) -> Result<Self> {
-        config.validate()?;
+        let config = &config.into_valid()?;
         if src_pages.len() != dst_pages.len() {
             return Err(Error::PageCountMismatch {
                 src: src_pages.len(),
@@ -307,17 +309,17 @@ impl<'a> Plan<'a> {
     }
 
     /// The pack plan of the prefill rank: source pages into its dense staging area.
-    pub fn pack(config: &SliceConfig, src_pages: &'a [i32]) -> Result<Self> {
+    pub fn pack(config: impl IntoValid, src_pages: &'a [i32]) -> Result<Self> {
         Plan::one_list(config, Side::Prefill, src_pages)
     }
 
     /// The unpack plan of the decode rank: its dense staging area into destination pages.
-    pub fn unpack(config: &SliceConfig, dst_pages: &'a [i32]) -> Result<Self> {
+    pub fn unpack(config: impl IntoValid, dst_pages: &'a [i32]) -> Result<Self> {
         Plan::one_list(config, Side::Decode, dst_pages)
     }
 
-    fn one_list(config: &SliceConfig, side: Side, pages: &'a [i32]) -> Result<Self> {
-        config.validate()?;
+    fn one_list(config: impl IntoValid, side: Side, pages: &'a [i32]) -> Result<Self> {
+        let config = &config.into_valid()?;
         let scan = scan(pages, pages, true, false);
         if scan.negative {
             return Err(negative_page(side, pages).expect("a negative page index was seen"));
@@ -367,7 +369,7 @@ impl<'a> Plan<'a> {
     }
 
     /// A staging area of `num_pages` pages on `side`.
-    fn dense_side(config: &SliceConfig, side: Side, num_pages: usize) -> Result<PlanSide<'a>> {
+    fn dense_side(config: &ValidConfig, side: Side, num_pages: usize) -> Result<PlanSide<'a>> {
         let geometry = config.staged_geometry();
         let highest = match num_pages {
             0 => None,
@@ -389,7 +391,7 @@ impl<'a> Plan<'a> {
     }
 
     fn assemble(
-        config: &SliceConfig,
+        config: &ValidConfig,
         src: PlanSide<'a>,
         dst: PlanSide<'a>,
         num_pages: usize,
@@ -422,6 +424,11 @@ impl<'a> Plan<'a> {
 
     /// The validated config.
     pub fn config(&self) -> &SliceConfig {
+        &self.config
+    }
+
+    /// The validated config, for a plan built from it.
+    pub fn valid_config(&self) -> &ValidConfig {
         &self.config
     }
 
@@ -637,15 +644,64 @@ impl Plan<'_> {
 }
 
 /// The rects of a request, collected.
-pub fn plan(config: &SliceConfig, src_pages: &[i32], dst_pages: &[i32]) -> Result<Vec<CopyRect>> {
+pub fn plan(config: impl IntoValid, src_pages: &[i32], dst_pages: &[i32]) -> Result<Vec<CopyRect>> {
     Ok(Plan::new(config, src_pages, dst_pages)?.rects().collect())
 }
 
 /// The segments of a request, collected.
 pub fn plan_segments(
-    config: &SliceConfig,
+    config: impl IntoValid,
     src_pages: &[i32],
     dst_pages: &[i32],
 ) -> Result<Vec<Segment>> {
     Plan::new(config, src_pages, dst_pages)?.segments()
+}
+
+/// The staging that minimises transport segments without a copy that merges nothing: stage each
+/// side whose token slot is wider than the slice. Depends on the config alone, so both ranks
+/// agree without exchanging pages; [`Staging::None`] for a pair that does not send.
+///
+/// With it, the transport moves one segment per maximal run of pages (per buffer) or, when both
+/// sides are staged, one segment per buffer; never one per token.
+pub fn staging_for(config: impl IntoValid) -> Result<Staging> {
+    let config = config.into_valid()?;
+    if config.action != Action::Send {
+        return Ok(Staging::None);
+    }
+    let width = config.heads_bytes_per_token_to_send;
+    Ok(Staging::from_sides(
+        config.bytes_per_token_src > width,
+        config.bytes_per_token_dst > width,
+    ))
+}
+
+/// Bytes one buffer stages for a request of `num_pages` page pairs:
+/// `num_pages * page_size * heads_bytes_per_token_to_send` (0 for a pair that does not send).
+pub fn staging_len(config: impl IntoValid, num_pages: usize) -> Result<u64> {
+    let config = config.into_valid()?;
+    if config.action != Action::Send {
+        return Ok(0);
+    }
+    let tokens = checked_product(
+        "tokens (pages * page_size)",
+        num_pages as u64,
+        u64::from(config.page_size),
+    )?;
+    checked_product(
+        "staging_len (tokens * heads_bytes_per_token_to_send)",
+        tokens,
+        config.heads_bytes_per_token_to_send,
+    )
+}
+
+/// The transport's segments for `staging`: offsets relative to each buffer's base, which is its
+/// page buffer on an unstaged side and `region + b * staging_len` on a staged side. The same list
+/// serves every buffer. [`Staging::None`] gives [`plan_segments`].
+pub fn plan_transfer(
+    config: impl IntoValid,
+    staging: Staging,
+    src_pages: &[i32],
+    dst_pages: &[i32],
+) -> Result<Vec<Segment>> {
+    Plan::transfer(config, staging, src_pages, dst_pages)?.segments()
 }

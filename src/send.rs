@@ -1,152 +1,17 @@
-//! Executing a plan: every rect on every (K/V, layer) buffer pair, after every check has passed.
+//! The executors: a send, a pack and an unpack, each validated against its buffers (and its
+//! staging region) before an engine runs it.
 //!
 //! Validation is complete before the first byte moves and before a backend is opened, so a
 //! refused request leaves every destination buffer exactly as it was, and gets the same error on
 //! every machine.
 
-use crate::backend::{CopyEngine, HostEngine};
-use crate::error::{Error, Result, Side};
-use crate::plan::{Plan, Rects, checked_product};
-use crate::slice::SliceConfig;
-use crate::staging::staging_bases;
-
-/// The buffers of one request: `src[i]` on the prefill rank is copied into `dst[i]` on the decode
-/// rank (K of each layer, then V of each layer; or one latent buffer per layer for MLA).
-#[derive(Clone, Copy, Debug)]
-pub struct KvBuffers<'a> {
-    /// Base pointers of the source buffers.
-    pub src: &'a [*const u8],
-    /// Base pointers of the destination buffers, in the same order.
-    pub dst: &'a [*mut u8],
-    /// Bytes in each source buffer.
-    pub src_capacity: u64,
-    /// Bytes in each destination buffer.
-    pub dst_capacity: u64,
-}
-
-/// What a send, pack or unpack did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SendReport {
-    /// (buffer, rect) copies: rects per buffer times buffers.
-    pub copies: usize,
-    /// Bytes moved over all buffers.
-    pub bytes: u64,
-}
-
-/// Checks a capacity against the address space, so that offsets below it fit in `isize` as
-/// pointer arithmetic requires.
-fn check_capacity_fits(field: &'static str, capacity: u64) -> Result<()> {
-    if capacity > isize::MAX as u64 {
-        return Err(Error::CapacityTooLarge { field, capacity });
-    }
-    Ok(())
-}
-
-/// The index of the first NULL pointer, if any.
-fn first_null<T>(pointers: &[*const T]) -> Option<usize> {
-    pointers.iter().position(|p| p.is_null())
-}
-
-/// A validated call: a plan and the buffer pairs it runs on. Building one checks pointer counts,
-/// NULL entries, capacities and the total size; running it cannot fail for a reason the inputs
-/// explain (only the backend can still fail).
-#[derive(Clone, Copy, Debug)]
-pub struct CopyJob<'a> {
-    plan: &'a Plan<'a>,
-    src: &'a [*const u8],
-    dst: &'a [*mut u8],
-    total_bytes: u64,
-}
-
-impl<'a> CopyJob<'a> {
-    /// Validates `buffers` against `plan`.
-    pub fn new(plan: &'a Plan<'a>, buffers: &KvBuffers<'a>) -> Result<Self> {
-        if buffers.src.len() != buffers.dst.len() {
-            return Err(Error::BufferCountMismatch {
-                src: buffers.src.len(),
-                dst: buffers.dst.len(),
-            });
-        }
-        if let Some(index) = first_null(buffers.src) {
-            return Err(Error::NullBuffer {
-                side: Side::Prefill,
-                index,
-            });
-        }
-        if let Some(index) = buffers.dst.iter().position(|p| p.is_null()) {
-            return Err(Error::NullBuffer {
-                side: Side::Decode,
-                index,
-            });
-        }
-        check_capacity_fits(Side::Prefill.capacity_field(), buffers.src_capacity)?;
-        check_capacity_fits(Side::Decode.capacity_field(), buffers.dst_capacity)?;
-        plan.check_capacity(buffers.src_capacity, buffers.dst_capacity)?;
-        let total_bytes = checked_product(
-            "bytes of the call (num_buffers * bytes per buffer)",
-            buffers.src.len() as u64,
-            plan.bytes_per_buffer(),
-        )?;
-        Ok(CopyJob {
-            plan,
-            src: buffers.src,
-            dst: buffers.dst,
-            total_bytes,
-        })
-    }
-
-    /// The rects every buffer pair gets, in order.
-    pub fn rects(&self) -> Rects<'a> {
-        self.plan.rects()
-    }
-
-    /// Rects per buffer pair.
-    pub fn num_rects(&self) -> usize {
-        self.plan.num_rects()
-    }
-
-    /// Buffer pairs.
-    pub fn num_buffers(&self) -> usize {
-        self.src.len()
-    }
-
-    /// The (source, destination) base pointers, in order.
-    pub fn buffers(&self) -> impl ExactSizeIterator<Item = (*const u8, *mut u8)> + 'a {
-        self.src.iter().copied().zip(self.dst.iter().copied())
-    }
-
-    /// Bytes the whole call moves.
-    pub fn total_bytes(&self) -> u64 {
-        self.total_bytes
-    }
-
-    /// True when the call moves nothing (a pair that does not send, no pages or no buffers).
-    pub fn is_empty(&self) -> bool {
-        self.total_bytes == 0
-    }
-
-    fn report(&self) -> SendReport {
-        SendReport {
-            copies: self.num_rects() * self.num_buffers(),
-            bytes: self.total_bytes,
-        }
-    }
-
-    /// Runs the job on `engine`; an empty job touches nothing.
-    ///
-    /// # Safety
-    /// Each source base must be readable and each destination base writable for the bytes every
-    /// rect addresses (its capacity), in the memory space `engine` addresses, until the engine
-    /// has finished.
-    pub unsafe fn run(&self, engine: &mut dyn CopyEngine) -> Result<SendReport> {
-        if !self.is_empty() {
-            // SAFETY: forwarded from the caller; the job checked every rect against the
-            // capacities the caller vouches for.
-            unsafe { engine.run(self) }?;
-        }
-        Ok(self.report())
-    }
-}
+use crate::backend::{
+    CopyEngine, CopyJob, HostEngine, KvBuffers, SendReport, check_capacity_fits, first_null,
+};
+use crate::error::{Error, Result, checked_product};
+use crate::plan::Plan;
+use crate::slice::IntoValid;
+use crate::types::Side;
 
 /// Copies every rect of `plan` for every buffer pair with `engine`, after validating `buffers`.
 ///
@@ -230,6 +95,34 @@ fn check_no_overlap(
     Ok(())
 }
 
+/// The base of each buffer's part of a staging region, after checking that the region holds
+/// `num_buffers * staging_len` bytes.
+fn staging_bases(
+    region: *mut u8,
+    capacity: u64,
+    num_buffers: usize,
+    staging_len: u64,
+) -> Result<Vec<*mut u8>> {
+    let needed = checked_product(
+        "staging bytes (num_buffers * staging_len)",
+        num_buffers as u64,
+        staging_len,
+    )?;
+    if capacity < needed {
+        return Err(Error::StagingTooSmall {
+            needed,
+            capacity,
+            num_buffers,
+            staging_len,
+        });
+    }
+    // wrapping_add: the region may be device memory, which Rust knows nothing of; every offset
+    // is below `needed <= capacity`.
+    Ok((0..num_buffers)
+        .map(|b| region.wrapping_add(b * staging_len as usize))
+        .collect())
+}
+
 /// The validated parts of a staging region: its per-buffer bases.
 fn staging_region(
     plan: &Plan<'_>,
@@ -269,7 +162,7 @@ fn staging_region(
 /// Validates a pack and hands its job to `run`: the source pages into the staging region
 /// (buffer `b` at `staging + b * staging_len`). Nothing runs unless everything is valid.
 pub(crate) fn with_pack_job<R>(
-    config: &SliceConfig,
+    config: impl IntoValid,
     src: &[*const u8],
     src_capacity: u64,
     src_pages: &[i32],
@@ -297,7 +190,7 @@ pub(crate) fn with_pack_job<R>(
 /// Validates an unpack and hands its job to `run`: the staging region (buffer `b` at
 /// `staging + b * staging_len`) into the destination pages.
 pub(crate) fn with_unpack_job<R>(
-    config: &SliceConfig,
+    config: impl IntoValid,
     staging: *const u8,
     staging_capacity: u64,
     dst: &[*mut u8],
@@ -334,7 +227,7 @@ pub(crate) fn with_unpack_job<R>(
 /// `staging_capacity` bytes, in the memory space `engine` addresses, until the engine has
 /// finished.
 pub unsafe fn pack(
-    config: &SliceConfig,
+    config: impl IntoValid,
     src: &[*const u8],
     src_capacity: u64,
     src_pages: &[i32],
@@ -361,7 +254,7 @@ pub unsafe fn pack(
 /// `staging` must be readable for `staging_capacity` bytes and each `dst[i]` writable for
 /// `dst_capacity` bytes, in the memory space `engine` addresses, until the engine has finished.
 pub unsafe fn unpack(
-    config: &SliceConfig,
+    config: impl IntoValid,
     staging: *const u8,
     staging_capacity: u64,
     dst: &[*mut u8],
@@ -383,7 +276,7 @@ pub unsafe fn unpack(
 
 /// Safe host-memory pack: `staging` receives buffer `b`'s slice at `b * staging_len`.
 pub fn pack_host(
-    config: &SliceConfig,
+    config: impl IntoValid,
     src: &[&[u8]],
     src_pages: &[i32],
     staging: &mut [u8],
@@ -405,7 +298,7 @@ pub fn pack_host(
 
 /// Safe host-memory unpack: buffer `b`'s slice comes from `staging` at `b * staging_len`.
 pub fn unpack_host(
-    config: &SliceConfig,
+    config: impl IntoValid,
     staging: &[u8],
     dst: &mut [&mut [u8]],
     dst_pages: &[i32],

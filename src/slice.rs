@@ -8,18 +8,8 @@
 
 use std::ops::Range;
 
-use crate::error::{Error, Result, Side};
-
-/// What a (prefill rank, decode rank) pair does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Action {
-    /// The two ranks share no head.
-    NotPaired,
-    /// The prefill rank is the designated sender of the heads it shares with the decode rank.
-    Send,
-    /// The ranks share heads, but another prefill rank (a replica) sends them.
-    SkipReplica,
-}
+use crate::error::{Error, Result};
+use crate::types::{Action, Side};
 
 /// One side's tensor-parallel sharding of the model's KV heads, already validated.
 ///
@@ -428,6 +418,38 @@ pub fn slice_config(params: &SliceParams) -> Result<SliceConfig> {
     Ok(config)
 }
 
+/// A [`SliceConfig`] that passed validation: only [`SliceConfig::checked`] makes one, so every
+/// function that takes it skips the checks a caller's config needs. Reads as a `SliceConfig`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ValidConfig(SliceConfig);
+
+impl std::ops::Deref for ValidConfig {
+    type Target = SliceConfig;
+
+    fn deref(&self) -> &SliceConfig {
+        &self.0
+    }
+}
+
+/// A config on its way into the plan functions: a caller's [`SliceConfig`], validated on the
+/// way in, or a [`ValidConfig`], taken as it is.
+pub trait IntoValid {
+    /// The validated config, or why it is invalid.
+    fn into_valid(self) -> Result<ValidConfig>;
+}
+
+impl IntoValid for &SliceConfig {
+    fn into_valid(self) -> Result<ValidConfig> {
+        self.checked()
+    }
+}
+
+impl IntoValid for &ValidConfig {
+    fn into_valid(self) -> Result<ValidConfig> {
+        Ok(*self)
+    }
+}
+
 impl SliceConfig {
     /// Re-validates a config that may have been edited by hand (or arrived from another process)
     /// before anything is computed from it.
@@ -436,6 +458,11 @@ impl SliceConfig {
     /// whole number of heads, offsets on head boundaries, zeros when not `Send`) and that the
     /// slice fits inside both token slots.
     pub fn validate(&self) -> Result<()> {
+        self.checked().map(|_| ())
+    }
+
+    /// [`SliceConfig::validate`], keeping the proof: the config as a [`ValidConfig`].
+    pub fn checked(&self) -> Result<ValidConfig> {
         let bpt_src = bytes_per_token(Side::Prefill, self.src_item_len, self.page_size)?;
         let bpt_dst = bytes_per_token(Side::Decode, self.dst_item_len, self.page_size)?;
         for (side, stated, derived) in [
@@ -467,7 +494,7 @@ impl SliceConfig {
                     width,
                 });
             }
-            return Ok(());
+            return Ok(ValidConfig(*self));
         }
         if self.num_heads == 0 || width == 0 {
             return Err(Error::EmptySendingSlice {
@@ -512,7 +539,7 @@ impl SliceConfig {
                 });
             }
         }
-        Ok(())
+        Ok(ValidConfig(*self))
     }
 
     /// True when a source row, a destination row and the slice are the same bytes: each run of

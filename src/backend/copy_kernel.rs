@@ -6,9 +6,8 @@
 //! kernel's one argument points into it. Everything here mirrors the C header field for field
 //! (a test compares the constants), so that the engine and the kernel agree on every byte.
 
-use crate::error::Result;
-use crate::plan::checked_product;
-use crate::send::CopyJob;
+use super::CopyJob;
+use crate::error::{Result, checked_product};
 
 /// The kernel's symbol in the code object (`MORI_COPY_KERNEL_NAME`).
 pub const KERNEL_NAME: &std::ffi::CStr = c"mori_copy_kernel";

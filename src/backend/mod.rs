@@ -1,4 +1,5 @@
-//! Copy backends: engines that perform the strided 2D copies of a whole call.
+//! Copy backends: engines that perform the strided 2D copies of a whole call, and the validated
+//! job they take.
 //!
 //! An engine knows rects and pointers, nothing of heads or TP: the plan decides what to copy, the
 //! engine only how. The host engine is always built; the HIP engine's marshalling is always built
@@ -7,10 +8,12 @@
 use std::ffi::c_void;
 
 use crate::error::{Error, Result};
-pub use crate::send::CopyJob;
 
 mod host;
+mod job;
 pub use host::HostEngine;
+pub use job::{CopyJob, KvBuffers, SendReport};
+pub(crate) use job::{check_capacity_fits, first_null};
 
 // Rust-side engine internals, not C API: cbindgen must not copy them into the header.
 /// cbindgen:ignore

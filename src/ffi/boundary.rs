@@ -1,0 +1,350 @@
+//! The panic and error boundary every exported function runs inside: no panic unwinds into C,
+//! every failure becomes its status code and this thread's last error message.
+
+use std::cell::RefCell;
+use std::ffi::CString;
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use super::types::*;
+use crate::error::{Error, ErrorClass};
+
+/// Why an exported function failed: a core [`Error`], or a condition only a C caller can create.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The safe core refused the request.
+    Core(Error),
+    /// A required pointer argument is NULL.
+    NullArgument(&'static str),
+    /// An array pointer is NULL but its length is not 0.
+    NullArray { name: &'static str, len: usize },
+    /// A pointer is not aligned for its type.
+    Misaligned {
+        name: &'static str,
+        address: usize,
+        align: usize,
+    },
+    /// An array's byte size exceeds the address space.
+    ArrayTooLong { name: &'static str, len: usize },
+    /// An enum field holds a value the ABI does not define; `allowed` lists the values.
+    UnknownValue {
+        field: &'static str,
+        value: u32,
+        allowed: String,
+    },
+    /// A flags field has bits the ABI does not define.
+    UnknownFlags { flags: u32, unknown: u32 },
+    /// The caller's output array holds fewer entries than the result needs.
+    BufferTooSmall {
+        needed: usize,
+        capacity: usize,
+        /// `out == NULL && capacity == 0`: the caller asked for the size, nothing failed.
+        size_query: bool,
+    },
+    /// A panic (a bug) was caught at the boundary.
+    Panic(String),
+}
+
+impl From<Error> for Failure {
+    fn from(error: Error) -> Self {
+        Failure::Core(error)
+    }
+}
+
+/// `Result` of the FFI layer.
+pub(crate) type Result<T, E = Failure> = std::result::Result<T, E>;
+
+/// The status code of each class: the one table between the core's classes and the C codes.
+pub(crate) fn status_of(class: ErrorClass) -> MoriStatus {
+    match class {
+        ErrorClass::NullPointer => MORI_ERR_NULL_POINTER,
+        ErrorClass::InvalidArgument => MORI_ERR_INVALID_ARGUMENT,
+        ErrorClass::Topology => MORI_ERR_TOPOLOGY,
+        ErrorClass::LayoutMismatch => MORI_ERR_LAYOUT_MISMATCH,
+        ErrorClass::SliceOverflow => MORI_ERR_SLICE_OVERFLOW,
+        ErrorClass::OutOfBounds => MORI_ERR_OUT_OF_BOUNDS,
+        ErrorClass::BufferTooSmall => MORI_ERR_BUFFER_TOO_SMALL,
+        ErrorClass::BackendUnavailable => MORI_ERR_BACKEND_UNAVAILABLE,
+        ErrorClass::Gpu => MORI_ERR_GPU,
+    }
+}
+
+impl Failure {
+    /// The class of the failure; `None` for a caught panic, which has a code of its own.
+    fn class(&self) -> Option<ErrorClass> {
+        Some(match self {
+            Failure::Core(error) => error.class(),
+            Failure::NullArgument(_) | Failure::NullArray { .. } => ErrorClass::NullPointer,
+            Failure::Misaligned { .. }
+            | Failure::ArrayTooLong { .. }
+            | Failure::UnknownValue { .. }
+            | Failure::UnknownFlags { .. } => ErrorClass::InvalidArgument,
+            Failure::BufferTooSmall { .. } => ErrorClass::BufferTooSmall,
+            Failure::Panic(_) => return None,
+        })
+    }
+
+    pub(crate) fn status(&self) -> MoriStatus {
+        self.class().map_or(MORI_ERR_PANIC, status_of)
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // A core error's message carries its class already; the rest get the same prefix here.
+        let label = match (self, self.class()) {
+            (Failure::Core(error), _) => return error.fmt(f),
+            (_, Some(class)) => class.label(),
+            (_, None) => "internal error",
+        };
+        write!(f, "{label}: ")?;
+        match self {
+            Failure::NullArgument(name) => write!(f, "{name} is NULL"),
+            Failure::NullArray { name, len } => write!(f, "{name} is NULL but its length is {len}"),
+            Failure::Misaligned {
+                name,
+                address,
+                align,
+            } => write!(f, "{name} ({address:#x}) is not aligned to {align} bytes"),
+            Failure::ArrayTooLong { name, len } => write!(f, "{name} length {len} is too large"),
+            Failure::UnknownValue {
+                field,
+                value,
+                allowed,
+            } => write!(f, "{field} {value} is not a {allowed}"),
+            Failure::UnknownFlags { flags, unknown } => write!(
+                f,
+                "options.flags {flags:#x} has unknown bits {unknown:#x} (only \
+                 MORI_SEND_SYNCHRONIZE = 0x1 and MORI_SEND_COPY_KERNEL = 0x2 are defined)"
+            ),
+            Failure::BufferTooSmall {
+                needed, capacity, ..
+            } => write!(
+                f,
+                "the result needs {needed} entries, the output array holds {capacity}"
+            ),
+            Failure::Panic(message) => f.write_str(message),
+            Failure::Core(_) => unreachable!("returned above"),
+        }
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Stores this thread's last error. During thread teardown, after the slot has been destroyed
+/// (a C++ `thread_local` destructor calling mori-tp), the message is dropped: the status code
+/// still reaches the caller.
+fn set_last_error(message: String) {
+    let message = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
+    let _ = LAST_ERROR.try_with(|slot| {
+        if let Ok(mut slot) = slot.try_borrow_mut() {
+            *slot = message;
+        }
+    });
+}
+
+/// This thread's last error message, as a pointer valid until the next failure on the thread;
+/// `None` while the thread is being torn down.
+pub(crate) fn last_error_ptr() -> Option<*const std::ffi::c_char> {
+    LAST_ERROR
+        .try_with(|slot| slot.try_borrow().map(|message| message.as_ptr()).ok())
+        .ok()
+        .flatten()
+}
+
+/// Initialises `env_logger` once, and only when `MORI_TP_LOG` is set: the library never prints
+/// unless an operator asks it to.
+#[cfg(feature = "c-logging")]
+fn init_logging() {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(|| {
+        if let Ok(filters) = std::env::var("MORI_TP_LOG") {
+            // A host program that already installed a logger keeps it.
+            let _ = env_logger::Builder::new()
+                .parse_filters(&filters)
+                .try_init();
+        }
+    });
+}
+
+/// Without `c-logging`, the records go to whatever `log` backend the program installed.
+#[cfg(not(feature = "c-logging"))]
+fn init_logging() {}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with a non-string payload".into())
+}
+
+/// Runs an exported function's body (see `ffi_boundary!`): no panic unwinds into C, every failure
+/// becomes its status code and this thread's last error message, prefixed with `function`.
+/// Everything, the logging set-up and the message store included, runs under `catch_unwind`,
+/// and nothing here can abort: a call made while its thread is being torn down still returns its
+/// status.
+pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> MoriStatus {
+    let run = AssertUnwindSafe(|| {
+        init_logging();
+        let failure = match body() {
+            Ok(()) => return MORI_OK,
+            Err(failure) => failure,
+        };
+        let message = format!("{function}: {failure}");
+        if matches!(
+            failure,
+            Failure::BufferTooSmall {
+                size_query: true,
+                ..
+            }
+        ) {
+            log::trace!("{message} (a size query)");
+        } else {
+            log::debug!("{message}");
+        }
+        set_last_error(message);
+        failure.status()
+    });
+    match catch_unwind(run) {
+        Ok(status) => status,
+        Err(payload) => {
+            // Storing the message may itself fail during teardown: contain that too.
+            let message = format!(
+                "{function}: {}",
+                Failure::Panic(panic_message(payload.as_ref()))
+            );
+            let _ = catch_unwind(AssertUnwindSafe(|| set_last_error(message)));
+            MORI_ERR_PANIC
+        }
+    }
+}
+
+/// The name of the function this expands in (`mori_tp_plan`), for messages: each export names
+/// itself once, in its signature.
+macro_rules! function_name {
+    () => {{
+        fn here() {}
+        let path = std::any::type_name_of_val(&here);
+        let path = path.strip_suffix("::here").unwrap_or(path);
+        path.rsplit("::").next().unwrap_or(path)
+    }};
+}
+
+/// The body of an exported function: `ffi_boundary! { ...; Ok(()) }` runs it inside
+/// [`boundary`], with the function's own name for its messages.
+macro_rules! ffi_boundary {
+    ($($body:tt)*) => {
+        $crate::ffi::boundary::boundary($crate::ffi::boundary::function_name!(), || { $($body)* })
+    };
+}
+
+pub(crate) use {ffi_boundary, function_name};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::Side;
+    use std::ffi::CStr;
+
+    fn last_error() -> String {
+        let message = last_error_ptr().expect("the thread is alive");
+        // SAFETY: a valid NUL-terminated string owned by this thread's slot.
+        unsafe { CStr::from_ptr(message) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_inside_the_boundary_becomes_mori_err_panic_with_its_message() {
+        let status = boundary("test_fn", || panic!("boom at {}", 42));
+        assert_eq!(status, MORI_ERR_PANIC);
+        assert_eq!(last_error(), "test_fn: internal error: boom at 42");
+    }
+
+    #[test]
+    fn successful_calls_leave_the_last_error_alone() {
+        let status = boundary("failing", || Err(Error::ZeroKvHeads.into()));
+        assert_eq!(status, MORI_ERR_TOPOLOGY);
+        assert_eq!(boundary("ok", || Ok(())), MORI_OK);
+        assert_eq!(
+            last_error(),
+            "failing: invalid topology: total_kv_heads is 0 (use 1 for MLA and MQA models)"
+        );
+    }
+
+    fn exported_like() -> MoriStatus {
+        ffi_boundary! { Err(Failure::NullArgument("x")) }
+    }
+
+    #[test]
+    fn the_boundary_macro_names_the_function_it_runs_in() {
+        assert_eq!(exported_like(), MORI_ERR_NULL_POINTER);
+        assert_eq!(last_error(), "exported_like: null pointer: x is NULL");
+    }
+
+    #[test]
+    fn every_status_class_maps_to_its_own_code() {
+        let classes = [
+            Failure::NullArgument("x"),
+            Failure::Core(Error::ZeroPageSize),
+            Failure::Core(Error::ZeroKvHeads),
+            Failure::Core(Error::ItemLenNotWholeTokens {
+                side: Side::Prefill,
+                item_len: 3,
+                page_size: 2,
+            }),
+            Failure::Core(Error::SliceOverflow {
+                side: Side::Decode,
+                offset: 1,
+                width: 2,
+                bytes_per_token: 2,
+            }),
+            Failure::Core(Error::NegativePage {
+                side: Side::Prefill,
+                page: -1,
+                position: 0,
+            }),
+            Failure::BufferTooSmall {
+                needed: 1,
+                capacity: 0,
+                size_query: true,
+            },
+            Failure::Core(Error::BackendUnavailable { reason: "x".into() }),
+            Failure::Core(Error::Gpu {
+                call: "hipX",
+                status: 1,
+                message: "x".into(),
+            }),
+            Failure::Panic(String::new()),
+        ];
+        let codes: Vec<MoriStatus> = classes.iter().map(Failure::status).collect();
+        assert_eq!(codes, (1..=10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn every_message_starts_with_its_class_label() {
+        for failure in [
+            Failure::NullArray { name: "a", len: 2 },
+            Failure::Misaligned {
+                name: "b",
+                address: 3,
+                align: 8,
+            },
+            Failure::UnknownFlags {
+                flags: 4,
+                unknown: 4,
+            },
+            Failure::BufferTooSmall {
+                needed: 2,
+                capacity: 1,
+                size_query: false,
+            },
+        ] {
+            let label = failure.class().unwrap().label();
+            assert!(failure.to_string().starts_with(&format!("{label}: ")));
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The C types and constants of `include/mori_tp.h`: status codes, enum values, flags and the
+//! `#[repr(C)]` structs (the plan's rects and segments are the core's own types, renamed for C).
+
+use std::ffi::c_void;
+
+pub use crate::plan::{CopyRect, Segment};
+
+/// Status code returned by every fallible mori-tp function: MORI_OK (0) or one of the
+/// MORI_ERR_* values. The numbers never change; new codes only get added.
+pub type MoriStatus = i32;
+/// Success.
+pub const MORI_OK: MoriStatus = 0;
+/// A required pointer argument (or an entry of a pointer array) is NULL.
+pub const MORI_ERR_NULL_POINTER: MoriStatus = 1;
+/// A field is out of range: zero TP size, page size or item length; rank >= TP size; unknown
+/// enum or flag value; inconsistent config fields; a misaligned pointer; a size that overflows
+/// 64 bits; a staging region that overlaps a page buffer.
+pub const MORI_ERR_INVALID_ARGUMENT: MoriStatus = 2;
+/// total_kv_heads and a TP size divide neither way, or total_kv_heads is 0.
+pub const MORI_ERR_TOPOLOGY: MoriStatus = 3;
+/// An item length is not a multiple of the page size, bytes per token is not a multiple of the
+/// heads per rank, or the two sides disagree on bytes per head (dtype or head_dim differ).
+pub const MORI_ERR_LAYOUT_MISMATCH: MoriStatus = 4;
+/// A head slice would not fit inside its source or destination token slot.
+pub const MORI_ERR_SLICE_OVERFLOW: MoriStatus = 5;
+/// A page index is negative, or its page ends past the buffer capacity (or past 2^64 bytes).
+pub const MORI_ERR_OUT_OF_BOUNDS: MoriStatus = 6;
+/// The caller's output array is too small (*out_len holds the entries needed), or a staging
+/// region holds fewer bytes than the request needs.
+pub const MORI_ERR_BUFFER_TOO_SMALL: MoriStatus = 7;
+/// The requested copy backend is not built in, or it has no device.
+pub const MORI_ERR_BACKEND_UNAVAILABLE: MoriStatus = 8;
+/// The GPU runtime returned an error; the message names the HIP error, buffer and rect.
+pub const MORI_ERR_GPU: MoriStatus = 9;
+/// An internal error (a bug in mori-tp) was caught at the boundary; please report the message.
+/// The process's Rust panic hook (by default: a message on stderr) runs before this is returned;
+/// mori-tp installs no hook of its own.
+pub const MORI_ERR_PANIC: MoriStatus = 10;
+
+/// What a (prefill rank, decode rank) pair does; the type of MoriTpSliceConfig.action.
+pub type MoriTpAction = u32;
+/// The two ranks share no KV head: nothing to move.
+pub const MORI_TP_ACTION_NOT_PAIRED: MoriTpAction = 0;
+/// The prefill rank sends the heads it shares with the decode rank.
+pub const MORI_TP_ACTION_SEND: MoriTpAction = 1;
+/// The ranks share heads, but another prefill rank (a replica) is their sender: nothing to move.
+pub const MORI_TP_ACTION_SKIP_REPLICA: MoriTpAction = 2;
+
+/// Which copy engine mori_send_kvcache uses; the type of MoriSendOptions.backend.
+pub type MoriBackend = u32;
+/// HIP when the library is built with it and a HIP device is present, the host otherwise.
+pub const MORI_BACKEND_AUTO: MoriBackend = 0;
+/// CPU copies (memmove), synchronous. Both sides must be host memory.
+pub const MORI_BACKEND_HOST: MoriBackend = 1;
+/// hipMemcpy2DAsync on the caller's stream (library built with the `hip` feature).
+pub const MORI_BACKEND_HIP: MoriBackend = 2;
+
+/// MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
+/// Host copies are always complete on return.
+pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
+/// MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
+/// one copy-kernel launch, plus at most one upload of the rect table, instead of one
+/// hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMallocAsync of the table,
+/// hipMemcpyAsync of it, hipModuleLaunchKernel, hipFreeAsync. Every buffer (and a staging
+/// region) must then be memory the kernel can address: device memory, a peer device's memory
+/// with peer access enabled, or host memory mapped into the device (hipHostMalloc); pageable
+/// host memory is not (the GPU faults). The kernel is loaded once per device, on the calling
+/// thread's current device, so the stream must belong to that device. The kernel copies in no
+/// particular order: a destination byte written twice in one call (a repeated destination page
+/// or buffer), or one that is also a source byte, may end as either copy leaves it, where the
+/// per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
+/// same).
+pub const MORI_SEND_COPY_KERNEL: u32 = 2;
+
+/// Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.
+pub type MoriTpStaging = u32;
+/// Pages to pages: the transport copies straight between the page buffers.
+pub const MORI_TP_STAGING_NONE: MoriTpStaging = 0;
+/// The prefill rank packs into its staging region (mori_pack_kvcache); the transport copies
+/// from it into the decode pages.
+pub const MORI_TP_STAGING_SRC: MoriTpStaging = 1;
+/// The transport copies from the prefill pages into a staging region on the decode rank, which
+/// unpacks it (mori_unpack_kvcache).
+pub const MORI_TP_STAGING_DST: MoriTpStaging = 2;
+/// Both ranks stage: one transport segment per buffer.
+pub const MORI_TP_STAGING_BOTH: MoriTpStaging = 3;
+
+/// The ABI version this header describes; compare with mori_abi_version() at start-up.
+pub const MORI_TP_ABI_VERSION: u32 = 1;
+
+/// The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
+/// for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
+/// names the shared library (libmori_tp.so.1).
+pub const MORI_TP_VERSION_MAJOR: u32 = 0;
+/// See MORI_TP_VERSION_MAJOR.
+pub const MORI_TP_VERSION_MINOR: u32 = 1;
+/// See MORI_TP_VERSION_MAJOR.
+pub const MORI_TP_VERSION_PATCH: u32 = 0;
+
+/// Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
+///
+/// Per layer there is one K and one V buffer (MLA: one latent buffer); a buffer is an array of
+/// pages of item_len bytes; a page holds page_size tokens, token-major; inside a token the
+/// rank's heads are contiguous, in global head order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoriTpSliceParams {
+    /// P: tensor-parallel size of the prefill engine (> 0).
+    pub prefill_tp_size: u32,
+    /// p: the sending prefill rank, < P.
+    pub prefill_tp_rank: u32,
+    /// D: tensor-parallel size of the decode engine (> 0).
+    pub decode_tp_size: u32,
+    /// d: the receiving decode rank, < D.
+    pub decode_tp_rank: u32,
+    /// H: the model's KV heads before TP (num_key_value_heads); 1 for MLA and MQA.
+    /// Each TP size must divide H or be a multiple of it.
+    pub total_kv_heads: u32,
+    /// Tokens per page, the same on both sides (> 0).
+    pub page_size: u32,
+    /// Bytes of one page of one layer buffer on rank p (page_size * heads on p * bytes per head).
+    pub src_item_len: u64,
+    /// Bytes of one page of one layer buffer on rank d.
+    pub dst_item_len: u64,
+}
+
+/// What one (prefill rank, decode rank) pair moves inside every token; filled by
+/// mori_tp_slice_config and consumed by the plan and send functions (which re-validate it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoriTpSliceConfig {
+    /// A MoriTpAction: MORI_TP_ACTION_SEND, MORI_TP_ACTION_SKIP_REPLICA or
+    /// MORI_TP_ACTION_NOT_PAIRED. Only SEND moves bytes.
+    pub action: u32,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Global index of the first KV head moved (0 when not SEND).
+    pub first_head: u32,
+    /// KV heads moved per token (0 when not SEND).
+    pub num_heads: u32,
+    /// Bytes of one source page (= page_size * bytes_per_token_src).
+    pub src_item_len: u64,
+    /// Bytes of one destination page (= page_size * bytes_per_token_dst).
+    pub dst_item_len: u64,
+    /// Bytes of one source token: the source row pitch.
+    pub bytes_per_token_src: u64,
+    /// Bytes of one destination token: the destination row pitch.
+    pub bytes_per_token_dst: u64,
+    /// Byte offset of the slice inside a source token (0 when not SEND).
+    pub src_head_slice_offset: u64,
+    /// Byte offset of the slice inside a destination token (0 when not SEND).
+    pub dst_head_slice_offset: u64,
+    /// Slice width in bytes: num_heads * bytes per head (0 when not SEND).
+    pub heads_bytes_per_token_to_send: u64,
+}
+
+/// One strided 2D copy (the Rust type is [`CopyRect`], which C knows as this name).
+/// cbindgen:ignore
+pub type MoriCopyRect = CopyRect;
+
+/// One contiguous copy (the Rust type is [`Segment`], which C knows as this name).
+/// cbindgen:ignore
+pub type MoriSegment = Segment;
+
+/// The buffers of one transfer: src[i] on the prefill rank is copied into dst[i] on the decode
+/// rank, for i in [0, num_buffers).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MoriKvBuffers {
+    /// num_buffers base pointers on the prefill rank: K of each layer, then V of each layer
+    /// (MLA: one latent buffer per layer). No entry may be NULL.
+    pub src: *const *const c_void,
+    /// The matching buffers on the decode rank, in the same order. No entry may be NULL.
+    pub dst: *const *mut c_void,
+    /// Number of entries in src and in dst. src and dst may be NULL when it is 0.
+    pub num_buffers: usize,
+    /// Bytes in each src buffer: every source page must end at or before it.
+    pub src_capacity: u64,
+    /// Bytes in each dst buffer: every destination page must end at or before it.
+    pub dst_capacity: u64,
+}
+
+/// How mori_send_kvcache, mori_pack_kvcache and mori_unpack_kvcache run. Pass NULL for the
+/// defaults: AUTO backend, no flags, NULL stream.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MoriSendOptions {
+    /// A MoriBackend: MORI_BACKEND_AUTO, MORI_BACKEND_HOST or MORI_BACKEND_HIP.
+    pub backend: u32,
+    /// Zero or more of MORI_SEND_SYNCHRONIZE and MORI_SEND_COPY_KERNEL; other bits are refused.
+    pub flags: u32,
+    /// hipStream_t for the HIP backend; NULL = the null stream. Must be NULL for the host backend
+    /// (including when AUTO falls back to the host).
+    pub stream: *mut c_void,
+}
