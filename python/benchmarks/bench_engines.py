@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from typing import Dict, List, Tuple
 
 import mori_tp
 from mori_tp.demo import BOTH, LAYOUTS, METHODS, Demo, Row, Setup, first_sender
-from mori_tp.engines.loopback import ENGINES, engine_available
+from mori_tp.engines.loopback import ENGINES, engine_available, run_program
 
 TARGET_LAYOUTS = ("tp2to8", "tp8to2")
 
@@ -114,4 +113,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

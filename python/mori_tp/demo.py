@@ -42,6 +42,7 @@ from mori_tp.engines.loopback import (
     driver,
     engine_available,
     first_difference,
+    run_program,
     sentinel,
 )
 
@@ -387,4 +388,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

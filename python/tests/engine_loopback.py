@@ -36,6 +36,7 @@ from mori_tp.engines.loopback import (
     driver,
     engine_available,
     first_difference,
+    run_program,
     sentinel,
 )
 
@@ -278,4 +279,4 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         print(__doc__)
         sys.exit(2)
-    sys.exit(main(sys.argv[1]))
+    run_program(lambda: main(sys.argv[1]))

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import subprocess
 import sys
+import tempfile
 import unittest
+from pathlib import Path
 from typing import List
 from unittest import mock
 
@@ -426,6 +430,81 @@ class OptionalEnginesTest(unittest.TestCase):
             with self.assertRaisesRegex(ImportError, "nixl-cu12"):
                 nixl.NixlTransport.start("agent")
             self.assertTrue(mori_io.MoriIoTransport(object()))
+
+
+def run_python(code: str) -> "subprocess.CompletedProcess[str]":
+    """``code`` in a fresh interpreter that imports this mori_tp and these tests' helpers."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(mori_tp.__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)])
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@needs_numpy
+class ProgramExitTest(unittest.TestCase):
+    """How the demo, the engine tests and the engine benchmark end (loopback.run_program), and
+    nixl.exit_process, in fresh interpreters. The real NIXL exit crash is in tests/python.rs."""
+
+    def test_exit_process_runs_exit_handlers_flushes_and_ends_with_the_status(self):
+        result = run_python(
+            "import atexit, sys\n"
+            "from mori_tp.engines.nixl import exit_process\n"
+            "atexit.register(print, 'atexit ran')\n"
+            "sys.stdout.write('buffered ')\n"
+            "sys.stderr.write('error text')\n"
+            "exit_process(5)\n"
+            "print('after exit_process')\n")
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (5, "buffered atexit ran\n", "error text"))
+
+    def test_exit_process_refuses_a_status_outside_0_to_255_and_does_not_exit(self):
+        from mori_tp.engines.nixl import exit_process
+
+        for status in (-1, 256, 1.0, "1"):
+            with self.assertRaisesRegex(ValueError, f"exit status {status!r} is not an integer "
+                                                    "in 0..255"):
+                exit_process(status)
+
+    def program(self, body: str, nixl: bool) -> "subprocess.CompletedProcess[str]":
+        """A program ending through run_program whose main runs ``body``, after making a
+        NixlTransport (of a stand-in agent) when ``nixl``; it leaves a line in an open file."""
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "unclosed.txt")
+            result = run_python(
+                "from mori_tp.engines.loopback import run_program\n"
+                "from mori_tp.engines.nixl import NixlTransport\n"
+                "from engine_fakes import FakeNixlAgent\n"
+                f"unclosed = open({path!r}, 'w')\n"
+                "def main():\n"
+                "    unclosed.write('left unflushed')\n"
+                f"    if {nixl}:\n"
+                "        NixlTransport(FakeNixlAgent('agent', {}))\n"
+                f"    {body}\n"
+                "run_program(main)\n")
+            with open(path) as unclosed:
+                result.unclosed = unclosed.read()
+        return result
+
+    def test_run_program_ends_with_the_status_of_main_with_or_without_a_nixl_agent(self):
+        cases = [
+            ("return None", 0, ""),
+            ("return 4", 4, ""),
+            ("raise SystemExit(3)", 3, ""),
+            ("raise SystemExit('bad input')", 1, "bad input\n"),
+            ("raise RuntimeError('boom')", 1, "RuntimeError: boom\n"),
+        ]
+        for nixl in (False, True):
+            for body, status, stderr_end in cases:
+                with self.subTest(body=body, nixl=nixl):
+                    result = self.program(body, nixl)
+                    self.assertEqual(result.returncode, status, result.stderr)
+                    self.assertTrue(result.stderr.endswith(stderr_end), result.stderr)
+                    if body.startswith("raise RuntimeError"):
+                        self.assertIn("Traceback", result.stderr)
+                    # Only the interpreter's own teardown flushes a file left open: with a NIXL
+                    # agent made, the process ends without it (exit_process).
+                    self.assertEqual(result.unclosed, "" if nixl else "left unflushed")
 
 
 if __name__ == "__main__":

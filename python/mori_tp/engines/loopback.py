@@ -22,8 +22,9 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -346,6 +347,33 @@ def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: i
             conn.send(("bytes", buffers[request[1]][request[2]].tobytes()))
         else:
             raise ValueError(f"unknown request {kind!r}")
+
+
+def run_program(main: Callable[[], Optional[int]]) -> NoReturn:
+    """Runs a program's ``main`` and ends the process with its status: what it returns (None:
+    0), or what the ``SystemExit`` it raises carries, or 1 after any other exception (130 after
+    Ctrl-C), with the traceback on stderr, as the interpreter would. Once the process has made
+    a NIXL transport, it ends through :func:`mori_tp.engines.nixl.exit_process`, so that the
+    status stays the program's whatever NIXL's libraries do at exit."""
+    try:
+        status = main()
+    except SystemExit as stop:
+        status = stop.code
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        status = 130
+    except BaseException:  # noqa: B036 - reported like the interpreter's default, then exit
+        traceback.print_exc()
+        status = 1
+    if status is None:
+        status = 0
+    elif not isinstance(status, int):
+        print(status, file=sys.stderr)
+        status = 1
+    nixl = sys.modules.get(f"{__package__}.nixl")
+    if nixl is not None and nixl.agent_created():
+        nixl.exit_process(status if 0 <= status <= 255 else 1)
+    sys.exit(status)
 
 
 def first_difference(got: bytes, want: bytes) -> int:

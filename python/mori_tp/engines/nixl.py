@@ -17,18 +17,116 @@ Who calls what:
   write done.
 - Decode rank (target): :meth:`~NixlTransport.wait_notification` for that message, then
   :func:`mori_tp.engines.unpack_request`. NIXL delivers the notification after the data.
+
+A crash at exit (nixl-cu12 1.5.1 with the system's rdma-core, as on Debian 12 with
+``ibverbs-providers`` 44.0): the wheel bundles UCX, libibverbs and libnl under renamed file
+names, but its UCX EFA module needs ``libefa.so.1``, which it does not bundle. Where the system
+provides one, creating a UCX agent loads it and with it the system's ``libibverbs.so.1``,
+``libnl-route-3.so.200`` and ``libnl-3.so.200`` into the same symbol scope as the wheel's copies,
+which come first: the system libnl-route's constructors register its traffic-control modules
+with the wheel's copy, which refuses them as duplicates, and at exit its destructors unlink the
+never-linked entries and dereference NULL, so the process ends with SIGSEGV (status 139) after
+everything else succeeded. :func:`preload_system_libnl` loads the system libnl first, in a scope
+of its own, so that each copy keeps to itself; :meth:`NixlTransport.start` calls it before it
+creates the agent. A process that creates its agent itself calls it first, or ends with
+:func:`exit_process`.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import logging
+import os
+import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
 from . import KvMemory, RequestPlan, SendResult, TransferError
 
-__all__ = ["NixlTransport"]
+__all__ = ["NixlTransport", "exit_process", "preload_system_libnl"]
+
+#: The soname of the system's libnl-route (libnl 3), which the system libibverbs links.
+SYSTEM_LIBNL_ROUTE = "libnl-route-3.so.200"
+
+#: The loaded system libnl-route (a ctypes handle, kept so it is never unloaded), once loaded.
+_system_libnl: Optional[ctypes.CDLL] = None
+
+#: How many NixlTransports this process made (programs that made one end with exit_process).
+_agents = 0
+
+
+def preload_system_libnl() -> Optional[str]:
+    """Loads the system's ``libnl-route-3.so.200`` (and its ``libnl-3.so.200``) privately
+    (``RTLD_LOCAL``), so that its symbols bind to itself; returns the file's path, or None when
+    the system has no libnl-route (nothing for NIXL's copy to collide with).
+
+    Call it before the process creates its first ``nixl_agent`` with the UCX backend:
+    :meth:`NixlTransport.start` does. Later, when NIXL's UCX EFA module pulls in the system
+    libibverbs, the already loaded libnl is reused as it is, and the process exits cleanly
+    instead of crashing in the system libnl's destructors (see the module's documentation). It
+    changes nothing else: the system libefa and libibverbs bind to the wheel's libibverbs as
+    they would without it. Called after an agent exists, it cannot undo the collision; end such
+    a process with :func:`exit_process`. A second call does nothing.
+    """
+    global _system_libnl
+    if _system_libnl is None:
+        try:
+            # RTLD_LOCAL: loaded globally, it would capture the wheel's copy instead (the same
+            # crash, from the wheel's destructors).
+            _system_libnl = ctypes.CDLL(SYSTEM_LIBNL_ROUTE, mode=os.RTLD_LOCAL)
+        except OSError:
+            return None
+    return _mapped_path(SYSTEM_LIBNL_ROUTE) or SYSTEM_LIBNL_ROUTE
+
+
+def _mapped_path(soname: str) -> Optional[str]:
+    """The file behind ``soname`` among this process's mappings (Linux), if it is loaded."""
+    # libnl-route-3.so.200 is the file libnl-route-3.so.200.26.0; the wheel's copy is named
+    # libnl-route-3-<hash>.so.200.26.0.
+    stem = soname.split(".so")[0] + ".so."
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith(stem):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def exit_process(status: int) -> NoReturn:
+    """Ends the process with ``status`` (0-255) whatever native libraries do at exit: runs
+    Python's exit handlers (``atexit``, which include logging's flush), flushes stdout and
+    stderr, then calls ``os._exit(status)``, which skips the C libraries' destructors, where
+    NIXL's bundled libraries can crash (see the module's documentation).
+
+    For programs that hold a NIXL agent and own their exit status; the demo, the engine tests
+    and the engine benchmark end this way once they created an agent.
+    """
+    if not isinstance(status, int) or not 0 <= status <= 255:
+        raise ValueError(f"exit status {status!r} is not an integer in 0..255")
+    # CPython's runner of the atexit handlers (the module has no public one); they run once.
+    run_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_handlers is not None:
+        run_handlers()
+    else:
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def agent_created() -> bool:
+    """Whether this process has made a :class:`NixlTransport` (wrapped or created an agent)."""
+    return _agents > 0
 
 
 def _import_agent() -> Any:
@@ -57,6 +155,8 @@ class NixlTransport:
 
     def __init__(self, agent: Any, *, mem_type: str = "DRAM", device_id: int = 0,
                  poll_interval: float = 0.0) -> None:
+        global _agents
+        _agents += 1
         self.agent = agent
         self.mem_type = mem_type
         self.device_id = device_id
@@ -67,8 +167,10 @@ class NixlTransport:
     def start(cls, name: str, *, backends: Sequence[str] = ("UCX",), mem_type: str = "DRAM",
               device_id: int = 0) -> "NixlTransport":
         """Creates a ``nixl_agent(name)`` with ``backends`` (names must be unique among the
-        agents that talk to each other)."""
+        agents that talk to each other). Loads the system libnl first
+        (:func:`preload_system_libnl`), so that the process exits cleanly."""
         nixl_agent, nixl_agent_config = _import_agent()
+        preload_system_libnl()
         agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         return cls(agent, mem_type=mem_type, device_id=device_id)
 
