@@ -31,13 +31,18 @@ pub mod slice;
 /// cbindgen:ignore
 pub mod types;
 
-pub use backend::{Backend, CopyEngine, CopyJob, HostEngine, KvBuffers, SendOptions, SendReport};
+pub use backend::{
+    Backend, CopyEngine, CopyJob, HostCopies, HostEngine, KvBuffers, SendOptions, SendReport,
+};
 pub use error::{Error, ErrorClass, Result};
 pub use plan::{
     CopyRect, Plan, Segment, SideGeometry, plan, plan_segments, plan_transfer, staging_for,
     staging_len,
 };
-pub use send::{pack, pack_host, send, send_host, unpack, unpack_host};
+pub use send::{
+    pack, pack_host, pack_host_with, send, send_host, send_host_with, unpack, unpack_host,
+    unpack_host_with,
+};
 pub use slice::{
     IntoValid, Pairing, SliceConfig, SliceParams, Topology, TpSide, ValidConfig, slice_config,
 };

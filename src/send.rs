@@ -6,7 +6,8 @@
 //! every machine.
 
 use crate::backend::{
-    CopyEngine, CopyJob, HostEngine, KvBuffers, SendReport, check_capacity_fits, first_null,
+    CopyEngine, CopyJob, HostCopies, HostEngine, KvBuffers, SendReport, check_capacity_fits,
+    first_null,
 };
 use crate::error::{Error, Result, checked_product};
 use crate::plan::Plan;
@@ -54,6 +55,17 @@ fn host_destinations(dst: &mut [&mut [u8]]) -> (Vec<*mut u8>, u64) {
 ///
 /// The capacity of each side is its shortest buffer. Nothing is written if anything is invalid.
 pub fn send_host(plan: &Plan<'_>, src: &[&[u8]], dst: &mut [&mut [u8]]) -> Result<SendReport> {
+    send_host_with(plan, src, dst, &mut HostEngine::default())
+}
+
+/// [`send_host`] with another engine that copies host memory synchronously
+/// ([`crate::backend::open_host_copies`]: the host engine, or HIP's `hipMemcpy2DAsync`).
+pub fn send_host_with(
+    plan: &Plan<'_>,
+    src: &[&[u8]],
+    dst: &mut [&mut [u8]],
+    engine: &mut dyn HostCopies,
+) -> Result<SendReport> {
     let (src_ptrs, src_capacity) = host_sources(src);
     let (dst_ptrs, dst_capacity) = host_destinations(dst);
     let buffers = KvBuffers {
@@ -62,9 +74,10 @@ pub fn send_host(plan: &Plan<'_>, src: &[&[u8]], dst: &mut [&mut [u8]]) -> Resul
         src_capacity,
         dst_capacity,
     };
-    // SAFETY: every pointer comes from a live slice at least as long as its side's capacity, and
-    // the `&mut` slices cannot alias each other or the sources.
-    unsafe { send(plan, &buffers, &mut HostEngine::default()) }
+    // SAFETY: every pointer comes from a live slice at least as long as its side's capacity, the
+    // `&mut` slices cannot alias each other or the sources, and a HostCopies engine reaches host
+    // memory and has finished before it returns, while the borrows still hold.
+    unsafe { send(plan, &buffers, engine) }
 }
 
 /// Refuses a staging region that overlaps any of the page buffers it is copied with.
@@ -281,8 +294,20 @@ pub fn pack_host(
     src_pages: &[i32],
     staging: &mut [u8],
 ) -> Result<SendReport> {
+    pack_host_with(config, src, src_pages, staging, &mut HostEngine::default())
+}
+
+/// [`pack_host`] with another engine that copies host memory synchronously.
+pub fn pack_host_with(
+    config: impl IntoValid,
+    src: &[&[u8]],
+    src_pages: &[i32],
+    staging: &mut [u8],
+    engine: &mut dyn HostCopies,
+) -> Result<SendReport> {
     let (src_ptrs, src_capacity) = host_sources(src);
-    // SAFETY: live slices; `staging` is a `&mut` and cannot alias the sources.
+    // SAFETY: live slices; `staging` is a `&mut` and cannot alias the sources; the engine has
+    // finished before it returns.
     unsafe {
         pack(
             config,
@@ -291,7 +316,7 @@ pub fn pack_host(
             src_pages,
             staging.as_mut_ptr(),
             staging.len() as u64,
-            &mut HostEngine::default(),
+            engine,
         )
     }
 }
@@ -303,8 +328,20 @@ pub fn unpack_host(
     dst: &mut [&mut [u8]],
     dst_pages: &[i32],
 ) -> Result<SendReport> {
+    unpack_host_with(config, staging, dst, dst_pages, &mut HostEngine::default())
+}
+
+/// [`unpack_host`] with another engine that copies host memory synchronously.
+pub fn unpack_host_with(
+    config: impl IntoValid,
+    staging: &[u8],
+    dst: &mut [&mut [u8]],
+    dst_pages: &[i32],
+    engine: &mut dyn HostCopies,
+) -> Result<SendReport> {
     let (dst_ptrs, dst_capacity) = host_destinations(dst);
-    // SAFETY: live slices; the `&mut` destinations cannot alias `staging` or each other.
+    // SAFETY: live slices; the `&mut` destinations cannot alias `staging` or each other; the
+    // engine has finished before it returns.
     unsafe {
         unpack(
             config,
@@ -313,7 +350,7 @@ pub fn unpack_host(
             &dst_ptrs,
             dst_capacity,
             dst_pages,
-            &mut HostEngine::default(),
+            engine,
         )
     }
 }

@@ -128,16 +128,6 @@ pub fn decode_ranks(
     (0..layout.decode_tp()).map(move |d| decode_rank(layout, d, tokens))
 }
 
-/// The JSON name of a staging mode, as the C enum `MoriTpStaging` names it.
-pub fn staging_name(staging: Staging) -> &'static str {
-    match staging {
-        Staging::None => "none",
-        Staging::Src => "src",
-        Staging::Dst => "dst",
-        Staging::Both => "both",
-    }
-}
-
 /// What an RDMA connector does for a sending pair with its staging, in words: who packs, who
 /// unpacks, and the staging bytes per request. (Each side `staging_for` leaves alone has a token
 /// slot exactly as wide as the slice, so its runs of pages are contiguous.)
@@ -162,14 +152,6 @@ fn staging_text(pair: &Pair) -> String {
     }
 }
 
-fn action_name(action: Action) -> &'static str {
-    match action {
-        Action::Send => "send",
-        Action::SkipReplica => "skip_replica",
-        Action::NotPaired => "not_paired",
-    }
-}
-
 /// `[start, end)` as a JSON pair.
 fn range_json(range: &Range<u32>) -> Value {
     json!([range.start, range.end])
@@ -187,7 +169,7 @@ fn write_pair_json(out: &mut dyn Write, pair: &Pair) -> io::Result<()> {
          \"bytes_per_token_dst\":{},\"shared_heads\":[{},{}]",
         pair.prefill_rank,
         pair.decode_rank,
-        action_name(c.action),
+        c.action.as_str(),
         c.first_head,
         c.num_heads,
         c.src_head_slice_offset,
@@ -202,7 +184,7 @@ fn write_pair_json(out: &mut dyn Write, pair: &Pair) -> io::Result<()> {
         write!(
             out,
             ",\"staging\":\"{}\",\"staging_bytes_per_request\":{}",
-            staging_name(pair.staging),
+            pair.staging.as_str(),
             pair.staging_bytes
         )?;
     } else {

@@ -1,6 +1,6 @@
 //! `mori-tp simulate`: one request of a deployment, moved in host memory through the library's
-//! Rust API (`slice_config`, `Plan`, `send_host`, or the HIP engine), then every decode byte
-//! checked.
+//! Rust API (`slice_config`, `Plan`, `send_host_with` on the host or the HIP engine), then every
+//! decode byte checked.
 //!
 //! Every prefill rank's buffers are filled with bytes that identify (buffer, page, token, head,
 //! byte): each 8-byte word is a bijective hash of its unique coordinates, so a copy from the wrong
@@ -8,10 +8,10 @@
 
 use std::time::{Duration, Instant};
 
-use mori_tp::backend::open_engine;
+use mori_tp::backend::open_host_copies;
 use mori_tp::{
-    Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, Staging,
-    pack, pack_host, plan_transfer, send, send_host, staging_for, staging_len, unpack, unpack_host,
+    Backend, Error, HostCopies, Plan, SendReport, SliceConfig, Staging, pack_host_with,
+    plan_transfer, send_host_with, staging_for, staging_len, unpack_host_with,
 };
 use mori_tp_testkit::{Request, RunLengths, fragmented_request, mix};
 
@@ -126,8 +126,8 @@ pub struct Simulation<'a> {
     dst: Vec<Vec<Vec<u8>>>,
     /// The same, written by the staged transfer (pack, segments, unpack).
     dst_staged: Vec<Vec<Vec<u8>>>,
-    /// The HIP engine, when `--backend hip` asked for it; host copies need none.
-    engine: Option<Box<dyn CopyEngine>>,
+    /// The engine the copies run on: the host engine, or HIP's synchronized per-rect copies.
+    engine: Box<dyn HostCopies>,
 }
 
 impl<'a> Simulation<'a> {
@@ -161,21 +161,14 @@ impl<'a> Simulation<'a> {
             )));
         }
         // Before allocating: a backend that cannot run here is refused at once.
-        let engine = match options.backend {
-            BackendArg::Host => None,
-            BackendArg::Hip => Some(
-                open_engine(&SendOptions {
-                    backend: Backend::Hip,
-                    synchronize: true,
-                    copy_kernel: false,
-                    stream: std::ptr::null_mut(),
-                })
-                .map_err(|e| match e {
-                    Error::BackendUnavailable { .. } => SimError::Backend(e.to_string()),
-                    other => SimError::Library(other.to_string()),
-                })?,
-            ),
-        };
+        let engine = open_host_copies(match options.backend {
+            BackendArg::Host => Backend::Host,
+            BackendArg::Hip => Backend::Hip,
+        })
+        .map_err(|e| match e {
+            Error::BackendUnavailable { .. } => SimError::Backend(e.to_string()),
+            other => SimError::Library(other.to_string()),
+        })?;
         let request = fragmented_request(
             options.seed,
             pages,
@@ -255,24 +248,7 @@ impl<'a> Simulation<'a> {
             .map(Vec::as_mut_slice)
             .collect();
         let start = Instant::now();
-        let report = match &mut self.engine {
-            None => send_host(&plan, &src, &mut dst)?,
-            Some(engine) => {
-                let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
-                let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
-                let buffers = KvBuffers {
-                    src: &src_ptrs,
-                    dst: &dst_ptrs,
-                    src_capacity: src[0].len() as u64,
-                    dst_capacity: dst[0].len() as u64,
-                };
-                // SAFETY: every pointer comes from a live buffer of exactly the stated capacity
-                // (all of a side's buffers have one length), the decode buffers are borrowed
-                // mutably and apart from the prefill ones, and the engine synchronizes before
-                // `send` returns, so no copy outlives the borrows.
-                unsafe { send(&plan, &buffers, engine.as_mut())? }
-            }
-        };
+        let report = send_host_with(&plan, &src, &mut dst, self.engine.as_mut())?;
         Ok((report, start.elapsed()))
     }
 
@@ -300,25 +276,13 @@ impl<'a> Simulation<'a> {
         let src: Vec<&[u8]> = self.src[p as usize].iter().map(Vec::as_slice).collect();
         let dst = &mut self.dst_staged[d as usize];
         if staging.stages_src() {
-            match &mut self.engine {
-                None => pack_host(config, &src, &r.src_pages, &mut src_region),
-                Some(engine) => {
-                    let ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
-                    // SAFETY: live buffers of the stated lengths; the region is a separate
-                    // allocation; the engine synchronizes before returning.
-                    unsafe {
-                        pack(
-                            config,
-                            &ptrs,
-                            src[0].len() as u64,
-                            &r.src_pages,
-                            src_region.as_mut_ptr(),
-                            src_region.len() as u64,
-                            engine.as_mut(),
-                        )
-                    }
-                }
-            }
+            pack_host_with(
+                config,
+                &src,
+                &r.src_pages,
+                &mut src_region,
+                self.engine.as_mut(),
+            )
             .map_err(|e| format!("pack: {e}"))?;
         }
         // The transport: the same segment list on every buffer, from the packed region or the
@@ -351,25 +315,13 @@ impl<'a> Simulation<'a> {
         }
         if staging.stages_dst() {
             let mut dst_bufs: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
-            match &mut self.engine {
-                None => unpack_host(config, &dst_region, &mut dst_bufs, &r.dst_pages),
-                Some(engine) => {
-                    let capacity = dst_bufs[0].len() as u64;
-                    let ptrs: Vec<*mut u8> = dst_bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
-                    // SAFETY: as for pack, the other way round.
-                    unsafe {
-                        unpack(
-                            config,
-                            dst_region.as_ptr(),
-                            dst_region.len() as u64,
-                            &ptrs,
-                            capacity,
-                            &r.dst_pages,
-                            engine.as_mut(),
-                        )
-                    }
-                }
-            }
+            unpack_host_with(
+                config,
+                &dst_region,
+                &mut dst_bufs,
+                &r.dst_pages,
+                self.engine.as_mut(),
+            )
             .map_err(|e| format!("unpack: {e}"))?;
         }
         let staged_bytes = (src_region.len() + dst_region.len()) as u64;

@@ -42,6 +42,52 @@ pub trait CopyEngine {
     unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()>;
 }
 
+/// An engine that copies ordinary host memory and has finished every copy when
+/// [`CopyEngine::run`] returns, so that the safe slice functions ([`crate::send_host_with`] and
+/// its pack and unpack siblings) can lend it borrowed buffers.
+///
+/// # Safety
+/// An implementor guarantees both: `run` reaches host memory through the pointers it is given,
+/// and no copy is still in flight once `run` has returned.
+pub unsafe trait HostCopies: CopyEngine {}
+
+// SAFETY: CPU copies of host memory, synchronous.
+unsafe impl HostCopies for HostEngine {}
+
+/// An engine opened with `synchronize` and without the copy kernel: `hipMemcpyDefault` copies
+/// reach pageable host memory, and the stream is drained before `run` returns.
+struct Synchronized(Box<dyn CopyEngine>);
+
+impl CopyEngine for Synchronized {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+
+    unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.run(job) }
+    }
+}
+
+// SAFETY: opened by `open_host_copies` only: per-rect hipMemcpy2DAsync with hipMemcpyDefault
+// (which takes host memory on either side) on the NULL stream, synchronized before returning.
+unsafe impl HostCopies for Synchronized {}
+
+/// `backend` for host memory: the host engine, or the HIP engine's per-rect copies on the NULL
+/// stream, waited for before each call returns (AUTO: HIP when a device is present).
+pub fn open_host_copies(backend: Backend) -> Result<Box<dyn HostCopies>> {
+    if !uses_hip(backend) {
+        return Ok(Box::new(HostEngine::default()));
+    }
+    let options = SendOptions {
+        backend,
+        synchronize: true,
+        copy_kernel: false,
+        stream: std::ptr::null_mut(),
+    };
+    Ok(Box::new(Synchronized(hip::open(&options)?)))
+}
+
 /// Which engine `mori_send_kvcache` should use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
@@ -83,14 +129,18 @@ pub fn hip_device_present() -> bool {
     hip::device_present().is_ok()
 }
 
-/// Resolves `options` to an engine, or says why the requested backend cannot run.
-pub fn open_engine(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
-    let use_hip = match options.backend {
+/// True when `backend` resolves to the HIP engine (AUTO: when a device is present).
+fn uses_hip(backend: Backend) -> bool {
+    match backend {
         Backend::Auto => hip_device_present(),
         Backend::Host => false,
         Backend::Hip => true,
-    };
-    if use_hip {
+    }
+}
+
+/// Resolves `options` to an engine, or says why the requested backend cannot run.
+pub fn open_engine(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
+    if uses_hip(options.backend) {
         return hip::open(options);
     }
     if !options.stream.is_null() {
