@@ -289,6 +289,26 @@ typedef struct MoriSegment {
 } MoriSegment;
 
 /**
+ * One rank's memory for a request, as an engine registered it: how many page buffers, the
+ * bytes in each, and the bytes of the staging region (or slot) the request may use.
+ */
+typedef struct MoriTpMemory {
+  /**
+   * Page buffers (K of each layer, then V of each layer; MLA: one latent buffer per layer).
+   */
+  size_t num_buffers;
+  /**
+   * Bytes in each page buffer: every page of the request must end at or before it.
+   */
+  uint64_t capacity;
+  /**
+   * Bytes of the staging region the request uses on this rank (0: none). A staged side
+   * needs num_buffers * staging_len.
+   */
+  uint64_t staging_capacity;
+} MoriTpMemory;
+
+/**
  * Success.
  */
 #define MORI_OK 0
@@ -647,6 +667,46 @@ MoriStatus mori_tp_plan_transfer(const struct MoriTpSliceConfig *config,
                                  MoriSegment *out,
                                  size_t capacity,
                                  size_t *out_len);
+
+/**
+ * Checks one transfer against the memory both ranks registered, before a transfer engine gets
+ * its segments: an engine copies whatever it is given, so a page past a buffer's end or a
+ * staging region too small would corrupt a neighbouring registration instead of failing.
+ * Call it on the prefill rank (the initiator) with the decode rank's memory from the
+ * handshake, right before mori_tp_plan_transfer.
+ *
+ * It checks, in this order: the config and page lists as mori_tp_plan_transfer does; that both
+ * ranks have the same number of buffers (they are paired one to one); that every page ends
+ * within its side's buffer capacity, whether or not that side is staged; and that each staged
+ * side's staging_capacity holds num_buffers * staging_len bytes (mori_tp_staging_len).
+ *
+ * @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
+ * @param[in] staging    A MoriTpStaging: the sides the transfer stages.
+ * @param[in] src_pages  num_pages prefill page indices. NULL only if num_pages = 0.
+ * @param[in] dst_pages  num_pages decode page indices. NULL only if num_pages = 0.
+ * @param[in] num_pages  Number of page pairs.
+ * @param[in] prefill    The prefill rank's buffers and staging region. Must not be NULL.
+ * @param[in] decode     The decode rank's, likewise. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if config, prefill or decode is NULL, or a NULL array has a
+ *   non-zero length;
+ *   MORI_ERR_INVALID_ARGUMENT for an unknown staging value or action, inconsistent config
+ *   fields, buffer counts that differ, a misaligned pointer, or a size that overflows 64 bits;
+ *   MORI_ERR_LAYOUT_MISMATCH, MORI_ERR_SLICE_OVERFLOW as for mori_tp_plan;
+ *   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past its side's
+ *   capacity;
+ *   MORI_ERR_BUFFER_TOO_SMALL if a staged side's staging_capacity is below
+ *   num_buffers * staging_len (the message names the side and both numbers);
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_check_transfer(const struct MoriTpSliceConfig *config,
+                                  uint32_t staging,
+                                  const int32_t *src_pages,
+                                  const int32_t *dst_pages,
+                                  size_t num_pages,
+                                  const MoriTpMemory *prefill,
+                                  const MoriTpMemory *decode);
 
 /**
  * Prefill side of a staged transfer: copies the slice of every token of every buffer into the

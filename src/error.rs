@@ -317,9 +317,11 @@ pub enum Error {
     },
     /// The staging region holds fewer bytes than the request needs.
     #[error(
-        "buffer too small: staging_capacity {capacity} is below the {needed} bytes the request needs ({num_buffers} buffers * staging_len {staging_len})"
+        "buffer too small: {side}: staging_capacity {capacity} is below the {needed} bytes the request needs ({num_buffers} buffers * staging_len {staging_len})"
     )]
     StagingTooSmall {
+        /// Whose staging region.
+        side: Side,
         /// `num_buffers * staging_len`.
         needed: u64,
         /// The region's capacity.

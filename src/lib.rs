@@ -36,8 +36,8 @@ pub use backend::{
 };
 pub use error::{Error, ErrorClass, Result};
 pub use plan::{
-    CopyRect, Plan, Segment, SideGeometry, plan, plan_segments, plan_transfer, staging_for,
-    staging_len,
+    CopyRect, Plan, RankMemory, Segment, SideGeometry, check_transfer, plan, plan_segments,
+    plan_transfer, staging_for, staging_len,
 };
 pub use send::{
     pack, pack_host, pack_host_with, send, send_host, send_host_with, unpack, unpack_host,

@@ -9,8 +9,8 @@ use crate::backend::{
     CopyEngine, CopyJob, HostCopies, HostEngine, KvBuffers, SendReport, check_capacity_fits,
     first_null,
 };
-use crate::error::{Error, Result, checked_product};
-use crate::plan::Plan;
+use crate::error::{Error, Result};
+use crate::plan::{Plan, check_staging_capacity};
 use crate::slice::IntoValid;
 use crate::types::Side;
 
@@ -111,24 +111,13 @@ fn check_no_overlap(
 /// The base of each buffer's part of a staging region, after checking that the region holds
 /// `num_buffers * staging_len` bytes.
 fn staging_bases(
+    side: Side,
     region: *mut u8,
     capacity: u64,
     num_buffers: usize,
     staging_len: u64,
 ) -> Result<Vec<*mut u8>> {
-    let needed = checked_product(
-        "staging bytes (num_buffers * staging_len)",
-        num_buffers as u64,
-        staging_len,
-    )?;
-    if capacity < needed {
-        return Err(Error::StagingTooSmall {
-            needed,
-            capacity,
-            num_buffers,
-            staging_len,
-        });
-    }
+    check_staging_capacity(side, num_buffers, staging_len, capacity)?;
     // wrapping_add: the region may be device memory, which Rust knows nothing of; every offset
     // is below `needed <= capacity`.
     Ok((0..num_buffers)
@@ -157,8 +146,8 @@ fn staging_region(
         region
     };
     let staging_len = plan.bytes_per_buffer();
-    let bases = staging_bases(region, capacity, num_buffers, staging_len)?;
     let (side, buffers, buffer_capacity) = pages;
+    let bases = staging_bases(side, region, capacity, num_buffers, staging_len)?;
     if first_null(buffers).is_none() {
         // `CopyJob::new` names a NULL buffer; overlap is only meaningful between real ones.
         check_no_overlap(

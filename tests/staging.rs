@@ -917,3 +917,113 @@ fn the_staging_functions_refuse_the_hip_backend_only_after_validating_the_reques
         assert_eq!(call(&[0, 1], &mut staging), MORI_ERR_BACKEND_UNAVAILABLE);
     }
 }
+
+fn check_transfer(
+    config: &MoriTpSliceConfig,
+    mode: MoriTpStaging,
+    r: &Request,
+    prefill: &MoriTpMemory,
+    decode: &MoriTpMemory,
+) -> MoriStatus {
+    // SAFETY: valid arrays of the stated lengths and valid structs.
+    unsafe {
+        mori_tp_check_transfer(
+            config,
+            mode,
+            r.src_pages.as_ptr(),
+            r.dst_pages.as_ptr(),
+            r.src_pages.len(),
+            prefill,
+            decode,
+        )
+    }
+}
+
+#[test]
+fn check_transfer_refuses_what_an_engine_would_copy_outside_its_buffers() {
+    // Qwen-like 4 heads, TP 2 -> 8: the prefill slot is wider than the slice, DST unstaged.
+    let config = config(4, 2, 0, 8, 1, 16, 256);
+    let r = fragmented_request(11, 24);
+    let len = staging_len(&config, r.src_pages.len());
+    let buffers = 6usize;
+    let memory = |capacity_pages: usize, item_len: u64, staging_capacity: u64| MoriTpMemory {
+        num_buffers: buffers,
+        capacity: capacity_pages as u64 * item_len,
+        staging_capacity,
+    };
+    let prefill = memory(
+        r.src_capacity_pages,
+        config.src_item_len,
+        buffers as u64 * len,
+    );
+    let decode = memory(
+        r.dst_capacity_pages,
+        config.dst_item_len,
+        buffers as u64 * len,
+    );
+    for mode in MODES {
+        assert_eq!(
+            check_transfer(&config, mode, &r, &prefill, &decode),
+            MORI_OK
+        );
+    }
+
+    let fewer = MoriTpMemory {
+        num_buffers: buffers - 1,
+        ..decode
+    };
+    let status = check_transfer(&config, MORI_TP_STAGING_SRC, &r, &prefill, &fewer);
+    assert_eq!(status, MORI_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("6 source buffers but 5 destination buffers"));
+
+    // A decode page past its buffers is refused whether or not the decode side is staged.
+    let last_dst_end = (*r.dst_pages.iter().max().unwrap() as u64 + 1) * config.dst_item_len;
+    let short = MoriTpMemory {
+        capacity: last_dst_end - 1,
+        ..decode
+    };
+    for mode in MODES {
+        let status = check_transfer(&config, mode, &r, &prefill, &short);
+        assert_eq!(status, MORI_ERR_OUT_OF_BOUNDS, "{}", last_error());
+        assert!(last_error().contains("decode side"), "{}", last_error());
+    }
+
+    // A staged side's region one byte short names the side and both sizes; an unstaged side
+    // needs no region at all.
+    let no_region = MoriTpMemory {
+        staging_capacity: 0,
+        ..prefill
+    };
+    let one_short = MoriTpMemory {
+        staging_capacity: buffers as u64 * len - 1,
+        ..decode
+    };
+    assert_eq!(
+        check_transfer(&config, MORI_TP_STAGING_DST, &r, &no_region, &decode),
+        MORI_OK
+    );
+    let status = check_transfer(&config, MORI_TP_STAGING_BOTH, &r, &prefill, &one_short);
+    assert_eq!(status, MORI_ERR_BUFFER_TOO_SMALL);
+    let message = last_error();
+    assert!(
+        message.contains(&format!(
+            "decode side: staging_capacity {} is below the {} bytes",
+            buffers as u64 * len - 1,
+            buffers as u64 * len
+        )),
+        "{message}"
+    );
+    let status = check_transfer(&config, MORI_TP_STAGING_SRC, &r, &no_region, &decode);
+    assert_eq!(status, MORI_ERR_BUFFER_TOO_SMALL);
+    assert!(last_error().contains("prefill side: staging_capacity 0"));
+
+    // NULLs and an unknown staging value.
+    // SAFETY: NULL memory pointers, which the library refuses before reading anything.
+    let status = unsafe { mori_tp_check_transfer(&config, 0, null(), null(), 0, null(), &decode) };
+    assert_eq!(status, MORI_ERR_NULL_POINTER);
+    assert!(last_error().contains("prefill is NULL"));
+    assert_eq!(
+        check_transfer(&config, 4, &r, &prefill, &decode),
+        MORI_ERR_INVALID_ARGUMENT
+    );
+}

@@ -92,12 +92,14 @@ __all__ = [
     "NullPointerError",
     "OutOfBoundsError",
     "PageIndices",
+    "RankMemory",
     "SliceConfig",
     "SliceOverflowError",
     "Staging",
     "StagingRegion",
     "TopologyError",
     "library_path",
+    "check_transfer",
     "library_version",
     "pack_kvcache",
     "plan",
@@ -553,7 +555,7 @@ def _pointer_array(pointers: Sequence[int], name: str, where: str) -> Any:
     return (ctypes.c_void_p * len(values))(*values)
 
 
-def _send_options(backend: str, stream: Optional[int], synchronize: bool,
+def _send_options(backend: str, stream: Optional[int], synchronize: bool, copy_kernel: bool,
                   where: str) -> _ffi.MoriSendOptions:
     """The MoriSendOptions of a copying call, after checking the backend name and stream."""
     if backend not in _BACKENDS:
@@ -565,9 +567,11 @@ def _send_options(backend: str, stream: Optional[int], synchronize: bool,
             f"{where}: stream must be an int handle or None, not {type(stream).__name__} "
             "(pass e.g. torch_stream.cuda_stream)"
         )
+    flags = (_ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0) | (
+        _ffi.MORI_SEND_COPY_KERNEL if copy_kernel else 0)
     return _ffi.MoriSendOptions(
         _BACKENDS[backend],
-        _ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0,
+        flags,
         _unsigned(stream, "stream", 64, where) if stream else None,
     )
 
@@ -584,6 +588,7 @@ def send_kvcache(
     backend: str = "auto",
     stream: Optional[int] = None,
     synchronize: bool = False,
+    copy_kernel: bool = False,
 ) -> None:
     """Copies one request's slice: every rect of the plan, from each ``src_ptrs[i]`` to
     ``dst_ptrs[i]``.
@@ -604,6 +609,9 @@ def send_kvcache(
         stream: a ``hipStream_t`` as an int (e.g. a torch stream's ``cuda_stream``); None is the
             null stream. Must be None for host copies.
         synchronize: wait for the copies before returning (HIP; host copies always have).
+        copy_kernel: HIP runs the whole call as one copy-kernel launch (MORI_SEND_COPY_KERNEL)
+            instead of one ``hipMemcpy2DAsync`` per (buffer, rect); every buffer must then be
+            memory the GPU can address. Host copies ignore it.
 
     Raises:
         NullPointerError: a buffer address is 0.
@@ -620,7 +628,7 @@ def send_kvcache(
             f"{where}: {len(src_ptrs)} source buffers but {len(dst_ptrs)} destination buffers "
             "(they are paired one to one)"
         )
-    options = _send_options(backend, stream, synchronize, where)
+    options = _send_options(backend, stream, synchronize, copy_kernel, where)
     src_array = _pointer_array(src_ptrs, "src_ptrs", where)
     dst_array = _pointer_array(dst_ptrs, "dst_ptrs", where)
     buffers = _ffi.MoriKvBuffers(
@@ -770,6 +778,56 @@ def plan_transfer(
     return view[0::3].tolist(), view[1::3].tolist(), view[2::3].tolist()
 
 
+class RankMemory(NamedTuple):
+    """One rank's memory for a request (``MoriTpMemory``): how many page buffers, the bytes in
+    each, and the bytes of the staging region or slot the request may use (0: none)."""
+
+    num_buffers: int
+    capacity: int
+    staging_capacity: int = 0
+
+    def _as_c(self, name: str, where: str) -> _ffi.MoriTpMemory:
+        return _ffi.MoriTpMemory(
+            _unsigned(self.num_buffers, f"{name}.num_buffers", 64, where),
+            _unsigned(self.capacity, f"{name}.capacity", 64, where),
+            _unsigned(self.staging_capacity, f"{name}.staging_capacity", 64, where),
+        )
+
+
+def check_transfer(
+    config: SliceConfig,
+    staging: Union[Staging, int],
+    src_pages: PageIndices,
+    dst_pages: PageIndices,
+    *,
+    prefill: RankMemory,
+    decode: RankMemory,
+) -> None:
+    """Checks a transfer against the memory both ranks registered, before an engine gets its
+    segments (an engine copies whatever it is given): the config and pages as
+    :func:`plan_transfer` checks them, equal buffer counts, every page within its side's buffer
+    capacity (staged or not), and each staged side's staging region holding
+    ``num_buffers * staging_len`` bytes.
+
+    Raises:
+        InvalidArgumentError: buffer counts differ, an unknown staging value, a bad config.
+        OutOfBoundsError: a page is negative or ends past its side's capacity.
+        BufferTooSmallError: a staged side's region is smaller than the request needs.
+    """
+    where = "check_transfer"
+    c_config = _c_config(config, where)
+    value = _staging_value(staging, where)
+    c_prefill = RankMemory(*prefill)._as_c("prefill", where)
+    c_decode = RankMemory(*decode)._as_c("decode", where)
+    src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
+    status = _lib.mori_tp_check_transfer(
+        ctypes.byref(c_config), value, src, dst, num_pages,
+        ctypes.byref(c_prefill), ctypes.byref(c_decode),
+    )
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+
+
 #: A staging region: its address as an int, or a C-contiguous numpy array (its data and size).
 StagingRegion = Union[int, "numpy.ndarray"]
 
@@ -808,6 +866,7 @@ def pack_kvcache(
     backend: str = "auto",
     stream: Optional[int] = None,
     synchronize: bool = False,
+    copy_kernel: bool = False,
 ) -> None:
     """Prefill side of a staged transfer (SRC or BOTH): copies the slice of every token of
     every buffer into the staging region, buffer ``b`` at ``b * staging_len(config,
@@ -824,7 +883,7 @@ def pack_kvcache(
         src_pages: the request's source pages, in request order.
         staging_capacity: bytes of the staging region (default for an array: its size); it
             must hold ``len(src_ptrs) * staging_len(config, len(src_pages))`` bytes.
-        backend, stream, synchronize: as for :func:`send_kvcache`.
+        backend, stream, synchronize, copy_kernel: as for :func:`send_kvcache`.
 
     Raises:
         BufferTooSmallError: the staging region is smaller than the request needs (the message
@@ -834,7 +893,7 @@ def pack_kvcache(
     """
     where = "pack_kvcache"
     c_config = _c_config(config, where)
-    options = _send_options(backend, stream, synchronize, where)
+    options = _send_options(backend, stream, synchronize, copy_kernel, where)
     region, capacity = _region(staging, staging_capacity, True, where)
     pointers = _pointer_array(src_ptrs, "src_ptrs", where)
     pages, num_pages, _owner = _pages_arg(src_pages, f"{where}: src_pages")
@@ -864,6 +923,7 @@ def unpack_kvcache(
     backend: str = "auto",
     stream: Optional[int] = None,
     synchronize: bool = False,
+    copy_kernel: bool = False,
 ) -> None:
     """Decode side of a staged transfer (DST or BOTH): copies the staging region into the
     slice of every token of every buffer, once the transport has filled the region.
@@ -878,7 +938,7 @@ def unpack_kvcache(
         dst_capacity: bytes in each destination buffer.
         dst_pages: the request's destination pages, in request order.
         staging_capacity: bytes of the staging region (default for an array: its size).
-        backend, stream, synchronize: as for :func:`send_kvcache`.
+        backend, stream, synchronize, copy_kernel: as for :func:`send_kvcache`.
 
     Raises:
         BufferTooSmallError: the staging region is smaller than the request needs.
@@ -887,7 +947,7 @@ def unpack_kvcache(
     """
     where = "unpack_kvcache"
     c_config = _c_config(config, where)
-    options = _send_options(backend, stream, synchronize, where)
+    options = _send_options(backend, stream, synchronize, copy_kernel, where)
     region, capacity = _region(staging, staging_capacity, False, where)
     pointers = _pointer_array(dst_ptrs, "dst_ptrs", where)
     pages, num_pages, _owner = _pages_arg(dst_pages, f"{where}: dst_pages")

@@ -25,8 +25,9 @@ LIBRARY_ENV = "MORI_TP_LIBRARY"
 MORI_OK = 0
 MORI_ERR_BUFFER_TOO_SMALL = 7
 
-# MoriSendOptions.flags bit.
+# MoriSendOptions.flags bits.
 MORI_SEND_SYNCHRONIZE = 1
+MORI_SEND_COPY_KERNEL = 2
 
 # MoriBackend values.
 MORI_BACKEND_AUTO = 0
@@ -100,6 +101,14 @@ class MoriSendOptions(ctypes.Structure):
     ]
 
 
+class MoriTpMemory(ctypes.Structure):
+    _fields_ = [
+        ("num_buffers", ctypes.c_size_t),
+        ("capacity", ctypes.c_uint64),
+        ("staging_capacity", ctypes.c_uint64),
+    ]
+
+
 #: sizeof of each struct in include/mori_tp.h on a 64-bit (LP64 or LLP64) platform.
 EXPECTED_SIZES = {
     MoriTpSliceParams: 40,
@@ -108,6 +117,7 @@ EXPECTED_SIZES = {
     MoriSegment: 24,
     MoriKvBuffers: 40,
     MoriSendOptions: 16,
+    MoriTpMemory: 24,
 }
 
 _STATUS = ctypes.c_int32
@@ -175,6 +185,18 @@ SIGNATURES = {
             ctypes.c_void_p,  # MoriSegment *out
             ctypes.c_size_t,  # capacity
             ctypes.POINTER(ctypes.c_size_t),  # out_len
+        ],
+    ),
+    "mori_tp_check_transfer": (
+        _STATUS,
+        [
+            _CONFIG_P,
+            ctypes.c_uint32,  # MoriTpStaging staging
+            ctypes.c_void_p,  # const int32_t *src_pages
+            ctypes.c_void_p,  # const int32_t *dst_pages
+            ctypes.c_size_t,  # num_pages
+            ctypes.POINTER(MoriTpMemory),  # prefill
+            ctypes.POINTER(MoriTpMemory),  # decode
         ],
     ),
     "mori_pack_kvcache": (

@@ -171,8 +171,9 @@ class PlanRequestTest(unittest.TestCase):
 
     def test_buffer_counts_must_match(self):
         remote = dataclasses.replace(self.sides.remote, buffers=self.sides.remote.buffers[:-1])
+        # The library's message: local is the prefill (source) side, remote the decode side.
         with self.assertRaisesRegex(mori_tp.InvalidArgumentError,
-                                    f"{BUFFERS} local buffers but {BUFFERS - 1} remote"):
+                                    f"{BUFFERS} source buffers but {BUFFERS - 1} destination"):
             plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
                          local=self.sides.local, remote=remote)
 
@@ -181,12 +182,12 @@ class PlanRequestTest(unittest.TestCase):
         dst_pages[2] = REQUEST.dst_capacity_pages
         end = (dst_pages[2] + 1) * self.sides.config.dst_item_len
         with self.assertRaisesRegex(mori_tp.OutOfBoundsError,
-                                    f"dst_pages\\[2\\] = {dst_pages[2]} ends at byte {end}, past "
-                                    f"the remote buffers' capacity {self.sides.remote.capacity}"):
+                                    f"decode side: page {dst_pages[2]} at position 2 ends at byte "
+                                    f"{end}, past dst_capacity {self.sides.remote.capacity}"):
             plan_request(self.sides.config, REQUEST.src_pages, dst_pages,
                          local=self.sides.local, remote=self.sides.remote)
         small = dataclasses.replace(self.sides.local, capacity=self.sides.config.src_item_len)
-        with self.assertRaisesRegex(mori_tp.OutOfBoundsError, "local buffers' capacity"):
+        with self.assertRaisesRegex(mori_tp.OutOfBoundsError, "prefill side: .* past src_capacity"):
             plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
                          local=small, remote=self.sides.remote)
 
@@ -202,12 +203,13 @@ class PlanRequestTest(unittest.TestCase):
         needed = self.sides.staging_bytes
         remote = dataclasses.replace(self.sides.remote, staging_capacity=needed - 1)
         with self.assertRaisesRegex(mori_tp.BufferTooSmallError,
-                                    f"remote staging region holds {needed - 1} bytes but the "
-                                    f"request needs {needed}"):
+                                    f"decode side: staging_capacity {needed - 1} is below the "
+                                    f"{needed} bytes the request needs"):
             plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
                          local=self.sides.local, remote=remote, staging=Staging.BOTH)
         local = dataclasses.replace(self.sides.local, staging=0, staging_capacity=0)
-        with self.assertRaisesRegex(mori_tp.BufferTooSmallError, "local staging region holds 0"):
+        with self.assertRaisesRegex(mori_tp.BufferTooSmallError,
+                                    "prefill side: staging_capacity 0 is below"):
             plan_request(self.sides.config, REQUEST.src_pages, REQUEST.dst_pages,
                          local=local, remote=self.sides.remote)
         # Without staging on a side, that side needs no region.

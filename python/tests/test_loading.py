@@ -23,11 +23,8 @@ SCALARS = {
     "size_t": ctypes.c_size_t,
     "MoriStatus": ctypes.c_int32,
 }
-STRUCTS = {
-    cls.__name__: cls
-    for cls in (_ffi.MoriTpSliceParams, _ffi.MoriTpSliceConfig, _ffi.MoriCopyRect,
-                _ffi.MoriSegment, _ffi.MoriKvBuffers, _ffi.MoriSendOptions)
-}
+# Every struct _ffi declares (each has its header size there); the header must hold the same set.
+STRUCTS = {cls.__name__: cls for cls in _ffi.EXPECTED_SIZES}
 
 
 def split_declaration(declaration: str):

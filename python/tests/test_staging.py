@@ -224,6 +224,43 @@ class RefusalsTest(unittest.TestCase):
         )
         self.assertEqual([bytes(x) for x in dst], self.pair.initial)
 
+    def test_check_transfer_names_the_side_whose_memory_is_short(self):
+        pair, request = self.pair, self.request
+        prefill = mori_tp.RankMemory(BUFFERS, pair.src_len, self.needed)
+        decode = mori_tp.RankMemory(BUFFERS, pair.dst_len, self.needed)
+        for staging in Staging:
+            mori_tp.check_transfer(pair.config, staging, request.src_pages, request.dst_pages,
+                                   prefill=prefill, decode=decode)
+        self.assertRefused(
+            mori_tp.BufferTooSmallError,
+            ["decode side", f"staging_capacity {self.needed - 1}", f"{self.needed} bytes"],
+            mori_tp.check_transfer, pair.config, Staging.DST, request.src_pages,
+            request.dst_pages, prefill=prefill, decode=decode._replace(
+                staging_capacity=self.needed - 1),
+        )
+        self.assertRefused(
+            mori_tp.InvalidArgumentError, [f"{BUFFERS} source buffers but {BUFFERS + 1}"],
+            mori_tp.check_transfer, pair.config, Staging.NONE, request.src_pages,
+            request.dst_pages, prefill=prefill, decode=decode._replace(num_buffers=BUFFERS + 1),
+        )
+        last_end = (max(request.src_pages) + 1) * self.layout.src_item_len
+        self.assertRefused(
+            mori_tp.OutOfBoundsError, ["prefill side", f"past src_capacity {last_end - 1}"],
+            mori_tp.check_transfer, pair.config, Staging.SRC, request.src_pages,
+            request.dst_pages, prefill=prefill._replace(capacity=last_end - 1), decode=decode,
+        )
+
+    def test_the_copy_kernel_flag_reaches_the_library(self):
+        # The flag is accepted (an unknown bit would be refused) and the host backend, which
+        # ignores it, moves the same bytes.
+        pair = self.pair
+        dst = pair.fresh_destinations()
+        mori_tp.send_kvcache(pair.config, pair.src_ptrs(), [ctypes.addressof(x) for x in dst],
+                             src_capacity=pair.src_len, dst_capacity=pair.dst_len,
+                             src_pages=self.request.src_pages, dst_pages=self.request.dst_pages,
+                             backend="host", copy_kernel=True)
+        self.assertEqual([bytes(x) for x in dst], pair.sent())
+
     def test_an_unknown_staging_value_is_an_invalid_argument(self):
         self.assertRefused(mori_tp.InvalidArgumentError, ["staging 4"], mori_tp.plan_transfer,
                            self.pair.config, 4, self.request.src_pages, self.request.dst_pages)

@@ -19,7 +19,7 @@ use std::panic::catch_unwind;
 use std::sync::Mutex;
 
 use crate::backend::{CopyJob, KvBuffers, open_engine};
-use crate::plan::{Plan, staging_for, staging_len};
+use crate::plan::{Plan, check_transfer, staging_for, staging_len};
 use crate::send::{with_pack_job, with_unpack_job};
 use crate::slice::slice_config;
 use crate::types::Staging;
@@ -409,6 +409,58 @@ pub unsafe extern "C" fn mori_tp_plan_transfer(
         let plan = Plan::transfer(&config, staging, src, dst)?;
         // SAFETY: as above; out_len checked.
         unsafe { write_segments(&plan, out, capacity, out_len) }
+    }
+}
+
+/// Checks one transfer against the memory both ranks registered, before a transfer engine gets
+/// its segments: an engine copies whatever it is given, so a page past a buffer's end or a
+/// staging region too small would corrupt a neighbouring registration instead of failing.
+/// Call it on the prefill rank (the initiator) with the decode rank's memory from the
+/// handshake, right before mori_tp_plan_transfer.
+///
+/// It checks, in this order: the config and page lists as mori_tp_plan_transfer does; that both
+/// ranks have the same number of buffers (they are paired one to one); that every page ends
+/// within its side's buffer capacity, whether or not that side is staged; and that each staged
+/// side's staging_capacity holds num_buffers * staging_len bytes (mori_tp_staging_len).
+///
+/// @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
+/// @param[in] staging    A MoriTpStaging: the sides the transfer stages.
+/// @param[in] src_pages  num_pages prefill page indices. NULL only if num_pages = 0.
+/// @param[in] dst_pages  num_pages decode page indices. NULL only if num_pages = 0.
+/// @param[in] num_pages  Number of page pairs.
+/// @param[in] prefill    The prefill rank's buffers and staging region. Must not be NULL.
+/// @param[in] decode     The decode rank's, likewise. Must not be NULL.
+///
+/// @return MORI_OK;
+///   MORI_ERR_NULL_POINTER if config, prefill or decode is NULL, or a NULL array has a
+///   non-zero length;
+///   MORI_ERR_INVALID_ARGUMENT for an unknown staging value or action, inconsistent config
+///   fields, buffer counts that differ, a misaligned pointer, or a size that overflows 64 bits;
+///   MORI_ERR_LAYOUT_MISMATCH, MORI_ERR_SLICE_OVERFLOW as for mori_tp_plan;
+///   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past its side's
+///   capacity;
+///   MORI_ERR_BUFFER_TOO_SMALL if a staged side's staging_capacity is below
+///   num_buffers * staging_len (the message names the side and both numbers);
+///   MORI_ERR_PANIC on an internal error.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_tp_check_transfer(
+    config: *const MoriTpSliceConfig,
+    staging: u32,
+    src_pages: *const i32,
+    dst_pages: *const i32,
+    num_pages: usize,
+    prefill: *const MoriTpMemory,
+    decode: *const MoriTpMemory,
+) -> MoriStatus {
+    ffi_boundary! {
+        let staging = Staging::from_c(staging, "staging")?;
+        // SAFETY (every block below): the caller's pointers, as documented above.
+        let config = unsafe { config_from_raw(config) }?;
+        let (src, dst) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
+        let prefill = unsafe { try_ref(prefill, "prefill") }?;
+        let decode = unsafe { try_ref(decode, "decode") }?;
+        check_transfer(&config, staging, src, dst, prefill, decode)?;
+        Ok(())
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::ffi::c_void;
 
-pub use crate::plan::{CopyRect, Segment};
+pub use crate::plan::{CopyRect, RankMemory, Segment};
 
 /// Status code returned by every fallible mori-tp function: MORI_OK (0) or one of the
 /// MORI_ERR_* values. The numbers never change; new codes only get added.
@@ -161,6 +161,10 @@ pub type MoriCopyRect = CopyRect;
 /// One contiguous copy (the Rust type is [`Segment`], which C knows as this name).
 /// cbindgen:ignore
 pub type MoriSegment = Segment;
+
+/// One rank's memory for a request (the Rust type is [`RankMemory`]).
+/// cbindgen:ignore
+pub type MoriTpMemory = RankMemory;
 
 /// The buffers of one transfer: src[i] on the prefill rank is copied into dst[i] on the decode
 /// rank, for i in [0, num_buffers).

@@ -34,9 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import mori_tp
 from mori_tp import (
-    BufferTooSmallError,
     InvalidArgumentError,
-    OutOfBoundsError,
     PageIndices,
     SliceConfig,
     Staging,
@@ -113,6 +111,10 @@ class KvMemory:
             regions.append((self.staging, self.staging_capacity))
         return regions
 
+    def rank_memory(self) -> mori_tp.RankMemory:
+        """The buffer count and capacities the library checks a request against."""
+        return mori_tp.RankMemory(len(self.buffers), self.capacity, self.staging_capacity)
+
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-friendly form for the handshake; :meth:`from_dict` reads it back."""
         return {
@@ -146,29 +148,6 @@ class SendResult:
     write_seconds: float
     #: Engine-specific handles the receiver may need (MORI-IO transfer ids); empty otherwise.
     transfer_ids: Tuple[int, ...] = field(default=())
-
-
-def _check_pages_fit(pages: "np.ndarray", item_len: int, capacity: int, name: str,
-                     side: str) -> None:
-    """Refuses a page that ends past ``capacity`` (plan_transfer has refused negative ones): an
-    engine would write outside the buffer, or into a neighbouring registered one, not fail."""
-    if not pages.size:
-        return
-    last = int(pages.max())
-    if (last + 1) * item_len > capacity:
-        at = int(np.flatnonzero(pages == last)[0])
-        raise OutOfBoundsError(
-            f"plan_request: {name}[{at}] = {last} ends at byte {(last + 1) * item_len}, past "
-            f"the {side} buffers' capacity {capacity} (item_len {item_len})"
-        )
-
-
-def _check_staging_fits(memory: KvMemory, needed: int, side: str) -> None:
-    if memory.staging_capacity < needed or (needed and not memory.staging):
-        raise BufferTooSmallError(
-            f"plan_request: the {side} staging region holds {memory.staging_capacity} bytes "
-            f"but the request needs {needed} ({len(memory.buffers)} buffers x staging_len)"
-        )
 
 
 @dataclass(frozen=True)
@@ -277,26 +256,17 @@ def plan_request(
     chosen = mori_tp.staging_for(config) if staging is None else staging
     if not isinstance(local, KvMemory) or not isinstance(remote, KvMemory):
         raise TypeError("plan_request: local and remote must be KvMemory")
-    if len(local.buffers) != len(remote.buffers):
-        raise InvalidArgumentError(
-            f"plan_request: {len(local.buffers)} local buffers but {len(remote.buffers)} remote "
-            "buffers (they are paired one to one)"
-        )
-    # plan_transfer validates the staging value, the page lists (int32, paired) and the config.
+    # The library checks the staging value, the page lists, both sides' capacities and staging
+    # regions and the buffer counts, with messages that name the values.
+    mori_tp.check_transfer(config, chosen, src_pages, dst_pages,
+                           prefill=local.rank_memory(), decode=remote.rank_memory())
     src_offsets, dst_offsets, lengths = mori_tp.plan_transfer(
         config, chosen, src_pages, dst_pages, as_arrays=True
     )
     chosen = _staging(chosen, "plan_request")
     src = np.asarray(src_pages, dtype=np.int32)
     dst = np.asarray(dst_pages, dtype=np.int32)
-    _check_pages_fit(src, config.src_item_len, local.capacity, "src_pages", "local")
-    _check_pages_fit(dst, config.dst_item_len, remote.capacity, "dst_pages", "remote")
     length = mori_tp.staging_len(config, len(src))
-    needed = length * len(local.buffers)
-    if chosen.packs:
-        _check_staging_fits(local, needed, "local")
-    if chosen.unpacks:
-        _check_staging_fits(remote, needed, "remote")
     return RequestPlan(
         config, chosen, src, dst, local, remote, length,
         np.ascontiguousarray(src_offsets), np.ascontiguousarray(dst_offsets),
