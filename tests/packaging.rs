@@ -70,7 +70,7 @@ fn the_header_version_macros_are_the_crate_version_that_mori_version_reports() {
             parse(env!("CARGO_PKG_VERSION_MINOR")),
             parse(env!("CARGO_PKG_VERSION_PATCH"))
         ),
-        "update MORI_TP_VERSION_* in src/ffi.rs to Cargo.toml's version, then regenerate the \
+        "update MORI_TP_VERSION_* in src/ffi/types.rs to Cargo.toml's version, then regenerate the \
          header (MORI_TP_UPDATE_HEADER=1 cargo test --test header)"
     );
     // SAFETY: mori_version returns a static NUL-terminated string.
