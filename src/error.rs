@@ -221,6 +221,193 @@ pub enum Error {
         bytes_per_token: u64,
     },
 
+    // ---- a layout and a pair of layouts (section 7) ----
+    /// A layout's page size or head bytes is 0.
+    #[error("invalid argument: {side}: layout {field} is 0")]
+    ZeroLayoutField {
+        /// Which engine.
+        side: Side,
+        /// `"page_size"` or `"head_bytes"`.
+        field: &'static str,
+    },
+    /// A sum computed from the caller's numbers does not fit in 64 bits.
+    #[error("invalid argument: {quantity} = {lhs} + {rhs} overflows 64 bits")]
+    SumOverflow {
+        /// What was being computed.
+        quantity: &'static str,
+        /// Its first term.
+        lhs: u64,
+        /// Its second term.
+        rhs: u64,
+    },
+    /// Two elements of a page overlap: a stride is below `head_bytes`.
+    #[error(
+        "layout mismatch: {side}: {field} {stride} is below head_bytes {head_bytes}, so \
+         neighbouring heads of a page overlap (it must be at least {needed})"
+    )]
+    ElementsOverlap {
+        /// Which engine.
+        side: Side,
+        /// `"token_stride"` or `"head_stride"`.
+        field: &'static str,
+        /// The stride given.
+        stride: u64,
+        /// The least stride that works.
+        needed: u64,
+        /// Bytes of one head.
+        head_bytes: u64,
+    },
+    /// The two dimensions of a page interleave: the outer stride does not clear the inner
+    /// dimension.
+    #[error(
+        "layout mismatch: {side}: {outer} {outer_stride} is below ({inner_count} - 1) * \
+         {inner} {inner_stride} + head_bytes {head_bytes}, so the elements of a page interleave"
+    )]
+    ElementsInterleave {
+        /// Which engine.
+        side: Side,
+        /// The larger stride's field.
+        outer: &'static str,
+        /// The larger stride.
+        outer_stride: u64,
+        /// The smaller stride's field.
+        inner: &'static str,
+        /// The smaller stride.
+        inner_stride: u64,
+        /// Elements along the smaller stride.
+        inner_count: u64,
+        /// Bytes of one head.
+        head_bytes: u64,
+    },
+    /// Pages overlap: a page's extent passes `page_stride`, and the heads do not hold pages of
+    /// their own either.
+    #[error(
+        "layout mismatch: {side}: a page's extent {extent} (offset {offset} + (page_size \
+         {page_size} - 1) * token_stride {token_stride} + ({local_heads} local heads - 1) * \
+         head_stride {head_stride} + head_bytes {head_bytes}) is past page_stride \
+         {page_stride}, so pages overlap (and head_stride does not give each head a run of \
+         pages of its own)"
+    )]
+    PagesOverlap {
+        /// Which engine.
+        side: Side,
+        /// `offset + (page_size-1)*token_stride + (L-1)*head_stride + head_bytes`.
+        extent: u64,
+        /// The stride given.
+        page_stride: u64,
+        /// The layout's offset.
+        offset: u64,
+        /// The layout's token stride.
+        token_stride: u64,
+        /// The layout's head stride.
+        head_stride: u64,
+        /// Slots per page.
+        page_size: u32,
+        /// L.
+        local_heads: u32,
+        /// Bytes of one head.
+        head_bytes: u64,
+    },
+    /// The two layouts count different heads.
+    #[error(
+        "invalid topology: prefill side total_kv_heads {prefill} != decode side \
+         total_kv_heads {decode} (the two sides describe different models)"
+    )]
+    KvHeadsDiffer {
+        /// The prefill layout's H.
+        prefill: u32,
+        /// The decode layout's H.
+        decode: u32,
+    },
+    /// The two layouts disagree on the bytes of one head.
+    #[error(
+        "layout mismatch: decode side head_bytes {decode} != prefill side head_bytes \
+         {prefill} (dtype or head_dim differ)"
+    )]
+    HeadBytesDiffer {
+        /// The prefill layout's head bytes.
+        prefill: u64,
+        /// The decode layout's head bytes.
+        decode: u64,
+    },
+    /// A pair config's fields differ from what its two layouts give.
+    #[error(
+        "invalid argument: inconsistent pair config: {field} {stated}, but the two layouts give \
+         {derived}"
+    )]
+    PairConfigEdited {
+        /// The field.
+        field: &'static str,
+        /// Its value in the config.
+        stated: u32,
+        /// Its value derived from the layouts.
+        derived: u32,
+    },
+    /// A request lists a number of pages other than `ceil(N / page_size)`.
+    #[error(
+        "invalid argument: {side}: {count} pages for {num_tokens} tokens of page_size \
+         {page_size} (a request of N tokens lists ceil(N / page_size) = {expected} pages)"
+    )]
+    PageCountForTokens {
+        /// Which engine.
+        side: Side,
+        /// Pages given.
+        count: usize,
+        /// N.
+        num_tokens: u64,
+        /// The side's page size.
+        page_size: u32,
+        /// `ceil(N / page_size)`.
+        expected: u64,
+    },
+    /// A page's end, `page * page_stride + extent`, does not fit in `u64`.
+    #[error(
+        "out of bounds: {side}: page {page} at position {position} ends at byte {page} * \
+         page_stride {page_stride} + extent {extent}, which overflows u64"
+    )]
+    PageEndOverflow {
+        /// Which engine.
+        side: Side,
+        /// The index.
+        page: u32,
+        /// Its position in the list.
+        position: usize,
+        /// The layout's page stride.
+        page_stride: u64,
+        /// The layout's page extent.
+        extent: u64,
+    },
+    /// With heads outside pages, a page runs into the next head's pages.
+    #[error(
+        "out of bounds: {side}: page {page} at position {position} ends at byte {end} of its \
+         head's run, past head_stride {head_stride} (where the next head's pages start)"
+    )]
+    PagePastHeadRun {
+        /// Which engine.
+        side: Side,
+        /// The index.
+        page: u32,
+        /// Its position in the list.
+        position: usize,
+        /// `page * page_stride + (page_size - 1) * token_stride + head_bytes`.
+        end: u64,
+        /// The layout's head stride.
+        head_stride: u64,
+    },
+    /// A staging mode that a pack or an unpack cannot take.
+    #[error(
+        "invalid argument: {function} takes staging mode {allowed}, not {mode:?} (both ranks \
+         pass the mode of the request)"
+    )]
+    StagingModeNotAllowed {
+        /// `"pack"` or `"unpack"`.
+        function: &'static str,
+        /// The mode given.
+        mode: crate::types::Staging,
+        /// The modes it takes.
+        allowed: &'static str,
+    },
+
     // ---- a request (page lists, buffers) ----
     /// The two page lists differ in length.
     #[error(
@@ -394,15 +581,26 @@ impl Error {
             | BufferCountMismatch { .. }
             | CapacityTooLarge { .. }
             | StagingOverlapsBuffer { .. }
-            | StreamWithHostBackend { .. } => ErrorClass::InvalidArgument,
-            ZeroKvHeads | IndivisibleTp { .. } => ErrorClass::Topology,
+            | StreamWithHostBackend { .. }
+            | ZeroLayoutField { .. }
+            | SumOverflow { .. }
+            | PairConfigEdited { .. }
+            | PageCountForTokens { .. }
+            | StagingModeNotAllowed { .. } => ErrorClass::InvalidArgument,
+            ZeroKvHeads | IndivisibleTp { .. } | KvHeadsDiffer { .. } => ErrorClass::Topology,
             ItemLenNotWholeTokens { .. }
             | TokenNotWholeHeads { .. }
-            | BytesPerHeadMismatch { .. } => ErrorClass::LayoutMismatch,
+            | BytesPerHeadMismatch { .. }
+            | ElementsOverlap { .. }
+            | ElementsInterleave { .. }
+            | PagesOverlap { .. }
+            | HeadBytesDiffer { .. } => ErrorClass::LayoutMismatch,
             SliceOverflow { .. } => ErrorClass::SliceOverflow,
-            NegativePage { .. } | PageOffsetOverflow { .. } | PagePastCapacity { .. } => {
-                ErrorClass::OutOfBounds
-            }
+            NegativePage { .. }
+            | PageOffsetOverflow { .. }
+            | PagePastCapacity { .. }
+            | PageEndOverflow { .. }
+            | PagePastHeadRun { .. } => ErrorClass::OutOfBounds,
             NullBuffer { .. } | NullStaging { .. } => ErrorClass::NullPointer,
             StagingTooSmall { .. } => ErrorClass::BufferTooSmall,
             BackendUnavailable { .. } => ErrorClass::BackendUnavailable,

@@ -9,9 +9,11 @@
 //! - [`slice`](mod@slice): which heads each rank owns, which prefill rank sends which head, and
 //!   the byte slice a (prefill rank, decode rank) pair moves inside each token. The math lives
 //!   here.
-//! - [`plan`](mod@plan): a request's page pairs as coalesced strided copies (rects) or contiguous
-//!   segments, between two sides that are each page buffers or a dense staging area; the
-//!   staging modes for RDMA engines.
+//! - [`layout`](mod@layout): any page layout (token-major, head-major, strided, offset), the
+//!   pair config two ranks agree on, and requests whose page sizes differ between the sides.
+//! - [`plan`](mod@plan): a request's elements as coalesced strided copies (rects) or contiguous
+//!   segments, between two sides that are each page buffers or a dense staging region, in the
+//!   order with the fewest segments; the staging modes for RDMA engines.
 //! - [`backend`]: the validated job of one call and the engines that perform it (host copies,
 //!   HIP `hipMemcpy2DAsync` or one copy-kernel launch).
 //! - [`send`](mod@send): send, pack and unpack: validate buffers and staging, then run a job.
@@ -23,6 +25,7 @@
 pub mod backend;
 pub mod error;
 pub mod ffi;
+pub mod layout;
 pub mod plan;
 pub mod send;
 pub mod slice;
@@ -35,9 +38,11 @@ pub use backend::{
     Backend, CopyEngine, CopyJob, HostCopies, HostEngine, KvBuffers, SendOptions, SendReport,
 };
 pub use error::{Error, ErrorClass, Result};
+pub use layout::{Layout, Nesting, PairConfig, Request, ValidLayout, pair_config};
 pub use plan::{
-    CopyRect, Plan, RankMemory, Segment, SideGeometry, check_transfer, plan, plan_segments,
-    plan_transfer, staging_for, staging_len,
+    CopyRect, PairPlan, Plan, RankMemory, Segment, Walk, check_pair_transfer, check_transfer,
+    pair_plan, pair_segments, pair_staging_for, plan, plan_segments, plan_transfer, staging_for,
+    staging_len,
 };
 pub use send::{
     pack, pack_host, pack_host_with, send, send_host, send_host_with, unpack, unpack_host,

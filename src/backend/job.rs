@@ -2,7 +2,7 @@
 //! other before any engine sees them.
 
 use crate::error::{Error, Result, checked_product};
-use crate::plan::{Plan, Rects};
+use crate::plan::{CopyRect, Walk};
 use crate::types::Side;
 
 use super::CopyEngine;
@@ -49,7 +49,7 @@ pub(crate) fn first_null<T>(pointers: &[*const T]) -> Option<usize> {
 /// explain (only the backend can still fail).
 #[derive(Clone, Copy, Debug)]
 pub struct CopyJob<'a> {
-    plan: &'a Plan<'a>,
+    plan: &'a Walk<'a>,
     src: &'a [*const u8],
     dst: &'a [*mut u8],
     total_bytes: u64,
@@ -57,7 +57,7 @@ pub struct CopyJob<'a> {
 
 impl<'a> CopyJob<'a> {
     /// Validates `buffers` against `plan`.
-    pub fn new(plan: &'a Plan<'a>, buffers: &KvBuffers<'a>) -> Result<Self> {
+    pub fn new(plan: &'a Walk<'a>, buffers: &KvBuffers<'a>) -> Result<Self> {
         if buffers.src.len() != buffers.dst.len() {
             return Err(Error::BufferCountMismatch {
                 src: buffers.src.len(),
@@ -93,7 +93,7 @@ impl<'a> CopyJob<'a> {
     }
 
     /// The rects every buffer pair gets, in order.
-    pub fn rects(&self) -> Rects<'a> {
+    pub fn rects(&self) -> std::iter::Copied<std::slice::Iter<'a, CopyRect>> {
         self.plan.rects()
     }
 

@@ -1,0 +1,630 @@
+//! Any page layout: where each (token slot, head) of a rank's pages lives, the pair config two
+//! such ranks agree on, and a request of tokens whose page sizes may differ between the sides.
+//!
+//! A rank describes itself with a [`Layout`]: local head `j` of slot `t` of page `p` is the
+//! `head_bytes` bytes at `p * page_stride + offset + t * token_stride + j * head_stride`. That
+//! covers token-major pages (NHD: SGLang, vLLM's FlashAttention layout), head-major pages (HND:
+//! vLLM with NIXL and on ROCm), padded strides, a non-zero offset (one part of a larger
+//! record) and heads that each hold their own run of pages. The ownership rule of
+//! [`crate::slice`] applies unchanged: the layouts only say where the owned heads are.
+
+#![forbid(unsafe_code)]
+
+use std::ops::Range;
+
+use crate::error::{Error, Result, checked_product};
+use crate::slice::{Topology, TpSide};
+use crate::types::{Action, Side};
+
+/// One rank's KV layout (`MoriTpLayout`, 56 bytes, no padding).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Layout {
+    /// H: the model's sharded units before TP (KV heads; 1 for MLA or MQA, or for a record
+    /// every rank holds whole).
+    pub total_kv_heads: u32,
+    /// This side's TP size.
+    pub tp_size: u32,
+    /// This rank, < tp_size.
+    pub tp_rank: u32,
+    /// Token slots per page, >= 1.
+    pub page_size: u32,
+    /// Bytes of one head of one token slot: head_dim * dtype bytes.
+    pub head_bytes: u64,
+    /// Bytes from page i to page i + 1 of a buffer.
+    pub page_stride: u64,
+    /// Bytes from a page's start to slot 0, local head 0.
+    pub offset: u64,
+    /// Bytes from slot t to slot t + 1 within a page.
+    pub token_stride: u64,
+    /// Bytes from local head j to local head j + 1 within a slot.
+    pub head_stride: u64,
+}
+
+/// How the pages of a valid layout avoid each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Nesting {
+    /// A page holds all of the rank's heads and ends before the next page starts.
+    PagesOutsideHeads,
+    /// Each head holds its own run of pages (`head_stride > page_stride`, like vLLM's LHBNC):
+    /// a page index is in bounds only while its page ends before the next head's run.
+    HeadsOutsidePages,
+}
+
+impl Layout {
+    /// The token-major layout (NHD) of one rank, offset 0: `head_stride = head_bytes`,
+    /// `token_stride = L * head_bytes`, `page_stride = page_size * L * head_bytes`.
+    pub fn nhd(
+        total_kv_heads: u32,
+        tp_size: u32,
+        tp_rank: u32,
+        page_size: u32,
+        head_bytes: u64,
+    ) -> Result<Layout> {
+        Layout::dense(
+            total_kv_heads,
+            tp_size,
+            tp_rank,
+            page_size,
+            head_bytes,
+            false,
+        )
+    }
+
+    /// The head-major layout (HND) of one rank, offset 0: `token_stride = head_bytes`,
+    /// `head_stride = page_size * head_bytes`, `page_stride = L * page_size * head_bytes`.
+    pub fn hnd(
+        total_kv_heads: u32,
+        tp_size: u32,
+        tp_rank: u32,
+        page_size: u32,
+        head_bytes: u64,
+    ) -> Result<Layout> {
+        Layout::dense(
+            total_kv_heads,
+            tp_size,
+            tp_rank,
+            page_size,
+            head_bytes,
+            true,
+        )
+    }
+
+    fn dense(
+        total_kv_heads: u32,
+        tp_size: u32,
+        tp_rank: u32,
+        page_size: u32,
+        head_bytes: u64,
+        head_major: bool,
+    ) -> Result<Layout> {
+        let mut layout = Layout {
+            total_kv_heads,
+            tp_size,
+            tp_rank,
+            page_size,
+            head_bytes,
+            ..Layout::default()
+        };
+        // The sizes and topology first, so that a bad H or TP size is named as such.
+        let local = layout.check_fields(Side::Prefill)?;
+        let slot = u64::from(page_size);
+        let heads = u64::from(local);
+        let page = checked_product("page_size * head_bytes", slot, head_bytes)?;
+        layout.page_stride = checked_product("local heads * page_size * head_bytes", heads, page)?;
+        if head_major {
+            (layout.token_stride, layout.head_stride) = (head_bytes, page);
+        } else {
+            let token = heads * head_bytes; // below page_stride, which fits
+            (layout.token_stride, layout.head_stride) = (token, head_bytes);
+        }
+        Ok(layout)
+    }
+
+    /// The non-zero fields, the rank and the topology; the local head count.
+    fn check_fields(&self, side: Side) -> Result<u32> {
+        if self.tp_size == 0 {
+            return Err(Error::ZeroTpSize { side });
+        }
+        for (field, value) in [
+            ("page_size", u64::from(self.page_size)),
+            ("head_bytes", self.head_bytes),
+        ] {
+            if value == 0 {
+                return Err(Error::ZeroLayoutField { side, field });
+            }
+        }
+        if self.tp_rank >= self.tp_size {
+            return Err(Error::RankOutOfRange {
+                side,
+                rank: self.tp_rank,
+                tp_size: self.tp_size,
+            });
+        }
+        Ok(TpSide::new(side, self.tp_size, self.total_kv_heads)?.heads_per_rank())
+    }
+
+    /// Validates the layout of `side` (CONTRACT section 7): non-zero sizes and a rank below the
+    /// TP size, the topology, no overflow, elements that neither overlap nor interleave, and
+    /// pages that do not overlap.
+    pub fn check(&self, side: Side) -> Result<ValidLayout> {
+        let local = self.check_fields(side)?;
+        let hb = self.head_bytes;
+        let slots = u64::from(self.page_size);
+        let heads = u64::from(local);
+        // Dimensions whose count is 1 have no stride to respect.
+        let mut dims: Vec<(&'static str, u64, u64)> = [
+            ("token_stride", self.token_stride, slots),
+            ("head_stride", self.head_stride, heads),
+        ]
+        .into_iter()
+        .filter(|&(_, _, count)| count > 1)
+        .collect();
+        dims.sort_by_key(|&(_, stride, _)| stride);
+        if let Some(&(field, stride, _)) = dims.first()
+            && stride < hb
+        {
+            return Err(Error::ElementsOverlap {
+                side,
+                field,
+                stride,
+                needed: hb,
+                head_bytes: hb,
+            });
+        }
+        if let [(inner, s_a, n_a), (outer, s_b, _)] = dims[..] {
+            let span = checked_sum(
+                "(count - 1) * stride + head_bytes",
+                checked_product(inner, n_a - 1, s_a)?,
+                hb,
+            )?;
+            if s_b < span {
+                return Err(Error::ElementsInterleave {
+                    side,
+                    outer,
+                    outer_stride: s_b,
+                    inner,
+                    inner_stride: s_a,
+                    inner_count: n_a,
+                    head_bytes: hb,
+                });
+            }
+        }
+        let slot_span = checked_product(
+            "(page_size - 1) * token_stride",
+            slots - 1,
+            self.token_stride,
+        )?;
+        let head_span = checked_product(
+            "(local heads - 1) * head_stride",
+            heads - 1,
+            self.head_stride,
+        )?;
+        let extent = checked_sum(
+            "page extent (offset + slots + heads + head_bytes)",
+            checked_sum(
+                "offset + (page_size - 1) * token_stride",
+                self.offset,
+                slot_span,
+            )?,
+            checked_sum(
+                "(local heads - 1) * head_stride + head_bytes",
+                head_span,
+                hb,
+            )?,
+        )?;
+        let run = checked_sum("(page_size - 1) * token_stride + head_bytes", slot_span, hb)?;
+        let nesting = if extent <= self.page_stride {
+            Nesting::PagesOutsideHeads
+        } else if local > 1 && self.head_stride > self.page_stride && self.page_stride >= run {
+            Nesting::HeadsOutsidePages
+        } else {
+            return Err(Error::PagesOverlap {
+                side,
+                extent,
+                page_stride: self.page_stride,
+                offset: self.offset,
+                token_stride: self.token_stride,
+                head_stride: self.head_stride,
+                page_size: self.page_size,
+                local_heads: local,
+                head_bytes: hb,
+            });
+        };
+        let owned = TpSide::new(side, self.tp_size, self.total_kv_heads)?
+            .owned_heads(self.tp_rank)
+            .expect("the rank was checked against the TP size");
+        Ok(ValidLayout {
+            layout: *self,
+            side,
+            owned,
+            extent,
+            run,
+            nesting,
+        })
+    }
+}
+
+fn checked_sum(quantity: &'static str, a: u64, b: u64) -> Result<u64> {
+    a.checked_add(b).ok_or(Error::SumOverflow {
+        quantity,
+        lhs: a,
+        rhs: b,
+    })
+}
+
+/// A [`Layout`] that passed [`Layout::check`], with what validation derived.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ValidLayout {
+    layout: Layout,
+    side: Side,
+    owned: Range<u32>,
+    extent: u64,
+    run: u64,
+    nesting: Nesting,
+}
+
+impl ValidLayout {
+    /// The layout as given.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Which engine.
+    pub fn side(&self) -> Side {
+        self.side
+    }
+
+    /// The global heads this rank holds, in local order.
+    pub fn owned_heads(&self) -> Range<u32> {
+        self.owned.clone()
+    }
+
+    /// L: heads this rank holds.
+    pub fn local_heads(&self) -> u32 {
+        self.owned.len() as u32
+    }
+
+    /// Bytes from a page's start to the end of its last element:
+    /// `offset + (page_size - 1) * token_stride + (L - 1) * head_stride + head_bytes`.
+    pub fn extent(&self) -> u64 {
+        self.extent
+    }
+
+    /// How pages avoid each other.
+    pub fn nesting(&self) -> Nesting {
+        self.nesting
+    }
+
+    /// Checks page `page` at `position` of a request's list against a buffer of `capacity`
+    /// bytes (`None`: no capacity known yet) and, with heads outside pages, against its head's
+    /// run; returns the byte its page ends at.
+    pub(crate) fn check_page(
+        &self,
+        page: i32,
+        position: usize,
+        capacity: Option<u64>,
+    ) -> Result<u64> {
+        let side = self.side;
+        if page < 0 {
+            return Err(Error::NegativePage {
+                side,
+                page,
+                position,
+            });
+        }
+        let page_u = page as u64;
+        let overflow = || Error::PageEndOverflow {
+            side,
+            page: page as u32,
+            position,
+            page_stride: self.layout.page_stride,
+            extent: self.extent,
+        };
+        let start = page_u
+            .checked_mul(self.layout.page_stride)
+            .ok_or_else(overflow)?;
+        let end = start.checked_add(self.extent).ok_or_else(overflow)?;
+        if self.nesting == Nesting::HeadsOutsidePages {
+            let run_end = start.checked_add(self.run).ok_or_else(overflow)?;
+            if run_end > self.layout.head_stride {
+                return Err(Error::PagePastHeadRun {
+                    side,
+                    page: page as u32,
+                    position,
+                    end: run_end,
+                    head_stride: self.layout.head_stride,
+                });
+            }
+        }
+        if let Some(capacity) = capacity
+            && end > capacity
+        {
+            return Err(Error::PagePastCapacity {
+                side,
+                page: page as u32,
+                position,
+                end,
+                capacity,
+            });
+        }
+        Ok(end)
+    }
+}
+
+/// What a prefill rank and a decode rank agree on for a transfer (`MoriTpPairConfig`): made
+/// only by [`pair_config`] from the two layouts, so its fields always agree with them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PairConfig {
+    action: Action,
+    first_head: u32,
+    num_heads: u32,
+    src_first_local: u32,
+    dst_first_local: u32,
+    src: ValidLayout,
+    dst: ValidLayout,
+}
+
+/// The pair config of a prefill rank and a decode rank, or why their layouts cannot work
+/// together: each layout is validated ([`Layout::check`]), then both must count the same
+/// heads (`MORI_ERR_TOPOLOGY`) and agree on `head_bytes` (`MORI_ERR_LAYOUT_MISMATCH`: a dtype
+/// or head_dim mismatch). Page sizes and strides may differ.
+pub fn pair_config(prefill: &Layout, decode: &Layout) -> Result<PairConfig> {
+    let src = prefill.check(Side::Prefill)?;
+    let dst = decode.check(Side::Decode)?;
+    if prefill.total_kv_heads != decode.total_kv_heads {
+        return Err(Error::KvHeadsDiffer {
+            prefill: prefill.total_kv_heads,
+            decode: decode.total_kv_heads,
+        });
+    }
+    if prefill.head_bytes != decode.head_bytes {
+        return Err(Error::HeadBytesDiffer {
+            prefill: prefill.head_bytes,
+            decode: decode.head_bytes,
+        });
+    }
+    let topology = Topology::new(prefill.total_kv_heads, prefill.tp_size, decode.tp_size)?;
+    let pairing = topology.pairing(prefill.tp_rank, decode.tp_rank)?;
+    let mut config = PairConfig {
+        action: pairing.action,
+        first_head: 0,
+        num_heads: 0,
+        src_first_local: 0,
+        dst_first_local: 0,
+        src,
+        dst,
+    };
+    if pairing.action == Action::Send {
+        let shared = pairing.shared_heads;
+        config.first_head = shared.start;
+        config.num_heads = shared.len() as u32;
+        config.src_first_local = shared.start - config.src.owned.start;
+        config.dst_first_local = shared.start - config.dst.owned.start;
+    }
+    Ok(config)
+}
+
+impl PairConfig {
+    /// What the pair does.
+    pub fn action(&self) -> Action {
+        self.action
+    }
+
+    /// True when the pair moves bytes.
+    pub fn sends(&self) -> bool {
+        self.action == Action::Send
+    }
+
+    /// Global index of the first head moved (0 unless it sends).
+    pub fn first_head(&self) -> u32 {
+        self.first_head
+    }
+
+    /// n: heads moved per token (0 unless it sends).
+    pub fn num_heads(&self) -> u32 {
+        self.num_heads
+    }
+
+    /// Local index of the first head moved on the prefill rank (0 unless it sends).
+    pub fn src_first_local(&self) -> u32 {
+        self.src_first_local
+    }
+
+    /// Local index of the first head moved on the decode rank (0 unless it sends).
+    pub fn dst_first_local(&self) -> u32 {
+        self.dst_first_local
+    }
+
+    /// The prefill rank's layout, validated.
+    pub fn src(&self) -> &ValidLayout {
+        &self.src
+    }
+
+    /// The decode rank's layout, validated.
+    pub fn dst(&self) -> &ValidLayout {
+        &self.dst
+    }
+
+    /// One side's layout.
+    pub fn side(&self, side: Side) -> &ValidLayout {
+        side.pick(&self.src, &self.dst)
+    }
+
+    /// One side's local index of the first head moved.
+    pub(crate) fn first_local(&self, side: Side) -> u32 {
+        side.pick(self.src_first_local, self.dst_first_local)
+    }
+
+    /// Bytes one buffer stages for `num_tokens` tokens: `N * n * head_bytes` (0 unless it
+    /// sends).
+    pub fn staging_len(&self, num_tokens: u64) -> Result<u64> {
+        let slice = u64::from(self.num_heads) * self.src.layout.head_bytes; // within a slot
+        checked_product("staging_len (tokens * n * head_bytes)", num_tokens, slice)
+    }
+}
+
+/// A request: tokens `0 .. num_tokens` of one sequence, token `k` in slot `k % page_size` of
+/// page `pages[k / page_size]` on each side, with that side's page size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Request<'a> {
+    /// `ceil(num_tokens / src.page_size)` pages on the prefill rank.
+    pub src_pages: &'a [i32],
+    /// `ceil(num_tokens / dst.page_size)` pages on the decode rank.
+    pub dst_pages: &'a [i32],
+    /// N.
+    pub num_tokens: u64,
+}
+
+impl Request<'_> {
+    /// One side's page list.
+    pub fn pages(&self, side: Side) -> &[i32] {
+        side.pick(self.src_pages, self.dst_pages)
+    }
+
+    /// Checks that each side lists exactly `ceil(N / page_size)` pages.
+    pub(crate) fn check_counts(&self, config: &PairConfig) -> Result<()> {
+        for side in [Side::Prefill, Side::Decode] {
+            let page_size = config.side(side).layout.page_size;
+            let count = self.pages(side).len();
+            let expected = self.num_tokens.div_ceil(u64::from(page_size));
+            if count as u64 != expected {
+                return Err(Error::PageCountForTokens {
+                    side,
+                    count,
+                    num_tokens: self.num_tokens,
+                    page_size,
+                    expected,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nhd_and_hnd_have_the_strides_of_section_7() {
+        // 8 KV heads, TP 2: 4 local heads; page 16; 256-byte heads.
+        let nhd = Layout::nhd(8, 2, 1, 16, 256).unwrap();
+        assert_eq!(
+            (nhd.head_stride, nhd.token_stride, nhd.page_stride),
+            (256, 1024, 16 * 1024)
+        );
+        let hnd = Layout::hnd(8, 2, 1, 16, 256).unwrap();
+        assert_eq!(
+            (hnd.token_stride, hnd.head_stride, hnd.page_stride),
+            (256, 16 * 256, 4 * 16 * 256)
+        );
+        for layout in [nhd, hnd] {
+            let valid = layout.check(Side::Decode).unwrap();
+            assert_eq!(valid.owned_heads(), 4..8);
+            assert_eq!(valid.extent(), layout.page_stride);
+            assert_eq!(valid.nesting(), Nesting::PagesOutsideHeads);
+        }
+    }
+
+    #[test]
+    fn overlapping_or_interleaved_elements_and_pages_are_layout_mismatches() {
+        let base = Layout::nhd(4, 1, 0, 4, 16).unwrap();
+        let narrow = Layout {
+            head_stride: 8,
+            ..base
+        };
+        assert!(matches!(
+            narrow.check(Side::Prefill),
+            Err(Error::ElementsOverlap {
+                field: "head_stride",
+                ..
+            })
+        ));
+        // Tokens 32 bytes apart but 4 heads 16 apart: token 1 lands inside token 0's heads.
+        let interleaved = Layout {
+            token_stride: 32,
+            ..base
+        };
+        assert!(matches!(
+            interleaved.check(Side::Prefill),
+            Err(Error::ElementsInterleave {
+                outer: "token_stride",
+                ..
+            })
+        ));
+        let short_page = Layout {
+            page_stride: base.page_stride - 1,
+            ..base
+        };
+        assert!(matches!(
+            short_page.check(Side::Decode),
+            Err(Error::PagesOverlap {
+                side: Side::Decode,
+                ..
+            })
+        ));
+        for error in [
+            narrow.check(Side::Prefill),
+            interleaved.check(Side::Prefill),
+            short_page.check(Side::Decode),
+        ] {
+            assert_eq!(
+                error.unwrap_err().class(),
+                crate::ErrorClass::LayoutMismatch
+            );
+        }
+    }
+
+    #[test]
+    fn heads_outside_pages_bound_each_page_by_its_heads_run() {
+        // LHBNC: 2 local heads, each a run of 10 pages of 4 slots of 8 bytes.
+        let layout = Layout {
+            total_kv_heads: 2,
+            tp_size: 1,
+            tp_rank: 0,
+            page_size: 4,
+            head_bytes: 8,
+            page_stride: 32,
+            offset: 0,
+            token_stride: 8,
+            head_stride: 320,
+        };
+        let valid = layout.check(Side::Prefill).unwrap();
+        assert_eq!(valid.nesting(), Nesting::HeadsOutsidePages);
+        assert!(valid.check_page(9, 0, None).is_ok());
+        assert!(matches!(
+            valid.check_page(10, 3, None),
+            Err(Error::PagePastHeadRun {
+                page: 10,
+                position: 3,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_pair_derives_local_heads_and_refuses_sides_that_disagree() {
+        // 8 heads, prefill TP 8 (1 head each) -> decode TP 2 (4 heads each): rank 5 sends head
+        // 5, the second local head of decode rank 1.
+        let src = Layout::hnd(8, 8, 5, 16, 128).unwrap();
+        let dst = Layout::nhd(8, 2, 1, 64, 128).unwrap();
+        let config = pair_config(&src, &dst).unwrap();
+        assert_eq!(config.action(), Action::Send);
+        assert_eq!((config.first_head(), config.num_heads()), (5, 1));
+        assert_eq!((config.src_first_local(), config.dst_first_local()), (0, 1));
+        let fp8 = Layout::nhd(8, 2, 1, 64, 64).unwrap();
+        assert!(matches!(
+            pair_config(&src, &fp8),
+            Err(Error::HeadBytesDiffer {
+                prefill: 128,
+                decode: 64
+            })
+        ));
+        let other_model = Layout::nhd(4, 2, 1, 64, 128).unwrap();
+        assert_eq!(
+            pair_config(&src, &other_model).unwrap_err().class(),
+            crate::ErrorClass::Topology
+        );
+    }
+}

@@ -1,0 +1,996 @@
+//! Copy plans: a request's elements turned into strided 2D copies (rects), or into the same
+//! bytes as contiguous 1D segments for RDMA batch writes, directly or staged.
+//!
+//! One generator serves both families of the C ABI. A plan walks a request's elements (one head
+//! of one token each) between two *sides*, each a page buffer described by a layout, or a dense
+//! staging region; see [`walk`](self) for how the walk stays proportional to pages. The
+//! section-4 functions (one page size, token-major pages, whole pages) are the case where both
+//! sides are token-major and share a page size, and keep their results exactly: their rects
+//! are the walk's own rows, one per maximal run of pages. Pair plans (any layout, CONTRACT
+//! section 7) choose, among the orders the contract lists, the one with the fewest transport
+//! segments, and grow rects greedily from those segments.
+//!
+//! Staging exists for RDMA engines (MORI-IO, Mooncake, NIXL): they take flat
+//! `(src, dst, length)` lists and merge nothing across a stride, so a slice narrower than a
+//! token slot would cost one segment per token per buffer. Packing it into a dense region
+//! first leaves the transport a few large segments. Buffer `b` of a request owns the
+//! `staging_len` bytes at `b * staging_len` of the staging region. Because pack, transport and
+//! unpack are plans between such sides, their composition leaves every destination byte as one
+//! direct send does.
+
+#![forbid(unsafe_code)]
+
+mod stream;
+mod walk;
+
+use std::cell::OnceCell;
+use std::mem::MaybeUninit;
+use std::ops::Deref;
+
+use crate::error::{Error, Result, checked_product};
+use crate::layout::{PairConfig, Request, ValidLayout};
+use crate::slice::{IntoValid, SliceConfig, ValidConfig};
+use crate::types::{Action, Side, Staging};
+use stream::{Counter, Merger, Rects, Writer};
+use walk::{Geometry, Joiner, Order, Pages, SideGeom};
+
+/// One strided 2D copy, exactly the arguments of one hipMemcpy2DAsync: height rows of width
+/// bytes, row r read at src_offset + r * src_pitch and written at dst_offset + r * dst_pitch.
+/// Offsets are relative to each buffer's base.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CopyRect {
+    /// Byte offset of the first source row.
+    pub src_offset: u64,
+    /// Byte offset of the first destination row.
+    pub dst_offset: u64,
+    /// Bytes between source rows (bytes_per_token_src for mori_tp_plan).
+    pub src_pitch: u64,
+    /// Bytes between destination rows (bytes_per_token_dst for mori_tp_plan).
+    pub dst_pitch: u64,
+    /// Bytes per row (heads_bytes_per_token_to_send for mori_tp_plan).
+    pub width: u64,
+    /// Rows (for mori_tp_plan: tokens in the run of pages, run length * page_size).
+    pub height: u64,
+}
+
+impl CopyRect {
+    /// True when the rows are back to back on both sides, so the rect is one contiguous block.
+    pub fn is_contiguous(&self) -> bool {
+        self.width == self.src_pitch && self.width == self.dst_pitch
+    }
+
+    /// Bytes the rect moves. Cannot overflow for a rect of a plan: its rows lie inside pages
+    /// whose ends were checked to fit in `u64`.
+    pub fn bytes(&self) -> u64 {
+        self.width * self.height
+    }
+}
+
+/// One contiguous copy, for RDMA batch writes; offsets relative to each buffer's base.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Segment {
+    /// Byte offset in the source buffer.
+    pub src_offset: u64,
+    /// Byte offset in the destination buffer.
+    pub dst_offset: u64,
+    /// Bytes to copy.
+    pub length: u64,
+}
+
+/// An entry of an output array that [`Walk::fill_segments`] writes: a plain value, or an
+/// uninitialised slot of caller memory (a C array, a numpy `empty` buffer, spare `Vec`
+/// capacity), which must only ever be written.
+pub trait OutputSlot<T> {
+    /// Stores `value`.
+    fn put(&mut self, value: T);
+}
+
+impl<T> OutputSlot<T> for T {
+    fn put(&mut self, value: T) {
+        *self = value;
+    }
+}
+
+impl<T> OutputSlot<T> for MaybeUninit<T> {
+    fn put(&mut self, value: T) {
+        self.write(value);
+    }
+}
+
+/// The bytes a buffer of one side needs to hold every page of a request: the highest page and
+/// where it ends, with the page list to name its position in a message.
+#[derive(Clone, Copy, Debug)]
+struct Bounds<'a> {
+    side: Side,
+    pages: Option<&'a [i32]>,
+    highest: Option<(u64, u64)>,
+}
+
+impl Bounds<'_> {
+    /// Position of `page` in the list, looked up only to name it in a message.
+    fn position(&self, page: u64) -> usize {
+        match self.pages {
+            Some(pages) => pages.iter().position(|&p| p as u64 == page).unwrap_or(0),
+            None => page as usize,
+        }
+    }
+
+    fn needed(&self) -> u64 {
+        self.highest.map_or(0, |(_, end)| end)
+    }
+
+    fn check(&self, capacity: u64) -> Result<()> {
+        match self.highest {
+            Some((page, end)) if end > capacity => Err(Error::PagePastCapacity {
+                side: self.side,
+                page: page as u32,
+                position: self.position(page),
+                end,
+                capacity,
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The highest index of a page list, after refusing a negative one (the lowest position).
+fn highest_page(side: Side, pages: &[i32]) -> Result<Option<i32>> {
+    // No early exit and no bounds checks: the loop runs at memory speed.
+    let (ored, max) = pages
+        .iter()
+        .fold((0i32, i32::MIN), |(ored, max), &p| (ored | p, max.max(p)));
+    if ored < 0 {
+        let position = pages.iter().position(|&p| p < 0).unwrap_or(0);
+        return Err(Error::NegativePage {
+            side,
+            page: pages[position],
+            position,
+        });
+    }
+    Ok((!pages.is_empty()).then_some(max))
+}
+
+/// How a plan makes its rects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RectShape {
+    /// The walk's rows, joined: one rect per run of pages (section 4).
+    Rows,
+    /// Grown greedily from the segments (section 7).
+    Greedy,
+}
+
+/// The validated elements of one request, ready to yield segments or rects: what every plan
+/// is. Building one checked everything that does not depend on buffers (config, pages, every
+/// offset against overflow); after that, producing the plan cannot fail.
+#[derive(Clone, Debug)]
+pub struct Walk<'a> {
+    geometry: Geometry<'a>,
+    order: Order,
+    shape: RectShape,
+    sends: bool,
+    bytes_per_buffer: u64,
+    src: Bounds<'a>,
+    dst: Bounds<'a>,
+    segments: OnceCell<u64>,
+    rects: OnceCell<Vec<CopyRect>>,
+}
+
+impl<'a> Walk<'a> {
+    /// True when the plan moves bytes.
+    pub fn sends(&self) -> bool {
+        self.sends
+    }
+
+    /// Bytes moved per buffer (per layer K or V).
+    pub fn bytes_per_buffer(&self) -> u64 {
+        self.bytes_per_buffer
+    }
+
+    /// Bytes each source buffer must hold for every page of the request (0 when empty).
+    pub fn src_bytes_needed(&self) -> u64 {
+        self.src.needed()
+    }
+
+    /// Bytes each destination buffer must hold for every page of the request (0 when empty).
+    pub fn dst_bytes_needed(&self) -> u64 {
+        self.dst.needed()
+    }
+
+    /// Checks that every page of the request lies inside buffers of the given capacities.
+    pub fn check_capacity(&self, src_capacity: u64, dst_capacity: u64) -> Result<()> {
+        self.src.check(src_capacity)?;
+        self.dst.check(dst_capacity)
+    }
+
+    /// The rects, in order (empty unless the plan sends).
+    pub fn rects(&self) -> std::iter::Copied<std::slice::Iter<'_, CopyRect>> {
+        self.rect_list().iter().copied()
+    }
+
+    /// Number of rects.
+    pub fn num_rects(&self) -> usize {
+        self.rect_list().len()
+    }
+
+    fn rect_list(&self) -> &[CopyRect] {
+        self.rects.get_or_init(|| {
+            if !self.sends {
+                return Vec::new();
+            }
+            match self.shape {
+                RectShape::Rows => {
+                    let mut rows = Joiner::new(Vec::new());
+                    self.geometry.walk(self.order, &mut rows);
+                    rows.finish()
+                }
+                RectShape::Greedy => {
+                    let mut merger = Merger::new(Rects::new(Joiner::new(Vec::new())));
+                    self.geometry.walk(self.order, &mut merger);
+                    merger.finish().finish().finish()
+                }
+            }
+        })
+    }
+
+    /// Number of segments: each maximal run of elements contiguous on both sides, in order.
+    pub fn num_segments(&self) -> Result<usize> {
+        let count = *self.segments.get_or_init(|| {
+            if self.sends {
+                self.geometry
+                    .count(self.order, u64::MAX)
+                    .expect("no cap to reach")
+            } else {
+                0
+            }
+        });
+        usize::try_from(count).map_err(|_| Error::SizeOverflow {
+            quantity: "segments as usize",
+            lhs: count,
+            rhs: 1,
+        })
+    }
+
+    /// Writes every segment into the front of `out` and returns how many it wrote. `out` may
+    /// be uninitialised memory (`[MaybeUninit<T>]`): it is only written.
+    ///
+    /// # Panics
+    /// If `out` is shorter than [`Walk::num_segments`].
+    pub fn fill_segments<T, S: OutputSlot<T>>(
+        &self,
+        out: &mut [S],
+        convert: impl Fn(Segment) -> T,
+    ) -> usize {
+        if !self.sends {
+            return 0;
+        }
+        let writer = Writer {
+            written: 0,
+            put: |i: usize, segment| {
+                out.get_mut(i)
+                    .expect("fill_segments: output shorter than the plan")
+                    .put(convert(segment))
+            },
+        };
+        let mut merger = Merger::new(writer);
+        self.geometry.walk(self.order, &mut merger);
+        merger.finish().written
+    }
+
+    /// The segments, collected.
+    pub fn segments(&self) -> Result<Vec<Segment>> {
+        let mut segments = vec![Segment::default(); self.num_segments()?];
+        let written = self.fill_segments(&mut segments, |segment| segment);
+        debug_assert_eq!(written, segments.len());
+        Ok(segments)
+    }
+
+    /// The segments counted by walking every element (tests compare it with the count).
+    #[doc(hidden)]
+    pub fn walked_segments(&self) -> u64 {
+        let mut merger = Merger::new(Counter::default());
+        if self.sends {
+            self.geometry.walk(self.order, &mut merger);
+        }
+        merger.finish().0
+    }
+}
+
+// ---- section 4: one page size, token-major pages -------------------------------------------
+
+/// A section-4 plan: a slice config and its page pairs, direct or with staged sides.
+#[derive(Clone, Debug)]
+pub struct Plan<'a> {
+    walk: Walk<'a>,
+    config: ValidConfig,
+    num_pages: usize,
+}
+
+impl<'a> Deref for Plan<'a> {
+    type Target = Walk<'a>;
+
+    fn deref(&self) -> &Walk<'a> {
+        &self.walk
+    }
+}
+
+/// A section-4 side: token-major pages of `item_len` bytes, the slice at `slice_offset`.
+fn slice_side(
+    pages: &[i32],
+    page_size: u32,
+    item_len: u64,
+    bpt: u64,
+    offset: u64,
+    hb: u64,
+) -> SideGeom<'_> {
+    SideGeom {
+        pages: Pages::List(pages),
+        page_size: u64::from(page_size),
+        page_stride: item_len,
+        base: offset,
+        token_stride: bpt,
+        head_stride: hb,
+        last_head_stride: None,
+    }
+}
+
+/// A staging region of `tokens` tokens of `heads` heads, token-major or head-major in chunks of
+/// `G` tokens (CONTRACT sections 5 and 7).
+fn region(tokens: u64, heads: u64, hb: u64, head_major: Option<u64>) -> SideGeom<'static> {
+    let slice = heads * hb;
+    match head_major {
+        None => SideGeom {
+            pages: Pages::Dense,
+            page_size: tokens.max(1),
+            page_stride: 0,
+            base: 0,
+            token_stride: slice,
+            head_stride: hb,
+            last_head_stride: None,
+        },
+        Some(g) => {
+            let g = g.max(1);
+            let partial = tokens % g;
+            SideGeom {
+                pages: Pages::Dense,
+                page_size: g,
+                page_stride: g * slice,
+                base: 0,
+                token_stride: hb,
+                head_stride: g * hb,
+                last_head_stride: (partial != 0).then_some((tokens / g, partial * hb)),
+            }
+        }
+    }
+}
+
+impl<'a> Plan<'a> {
+    /// The direct plan: source page `src_pages[i]` to destination page `dst_pages[i]`.
+    pub fn new(config: impl IntoValid, src_pages: &'a [i32], dst_pages: &'a [i32]) -> Result<Self> {
+        Plan::transfer(config, Staging::None, src_pages, dst_pages)
+    }
+
+    /// The transport plan of a staged transfer: each side that `staging` stages is read or
+    /// written as a dense staging region instead of through its page list. Both page lists are
+    /// validated all the same, and [`Staging::None`] is [`Plan::new`].
+    pub fn transfer(
+        config: impl IntoValid,
+        staging: Staging,
+        src_pages: &'a [i32],
+        dst_pages: &'a [i32],
+    ) -> Result<Self> {
+        let config = config.into_valid()?;
+        if src_pages.len() != dst_pages.len() {
+            return Err(Error::PageCountMismatch {
+                src: src_pages.len(),
+                dst: dst_pages.len(),
+            });
+        }
+        let src_max = highest_page(Side::Prefill, src_pages)?;
+        let dst_max = highest_page(Side::Decode, dst_pages)?;
+        Plan::build(
+            config,
+            [
+                (src_pages, src_max, staging.stages_src()),
+                (dst_pages, dst_max, staging.stages_dst()),
+            ],
+        )
+    }
+
+    /// The pack plan of the prefill rank: source pages into its dense staging region.
+    pub fn pack(config: impl IntoValid, src_pages: &'a [i32]) -> Result<Self> {
+        let config = config.into_valid()?;
+        let max = highest_page(Side::Prefill, src_pages)?;
+        Plan::build(config, [(src_pages, max, false), (src_pages, max, true)])
+    }
+
+    /// The unpack plan of the decode rank: its dense staging region into destination pages.
+    pub fn unpack(config: impl IntoValid, dst_pages: &'a [i32]) -> Result<Self> {
+        let config = config.into_valid()?;
+        let max = highest_page(Side::Decode, dst_pages)?;
+        Plan::build(config, [(dst_pages, max, true), (dst_pages, max, false)])
+    }
+
+    /// The plan between two sides, each (its page list, its highest page, staged).
+    fn build(config: ValidConfig, sides: [(&'a [i32], Option<i32>, bool); 2]) -> Result<Self> {
+        let c = &config;
+        let num_pages = sides[0].0.len();
+        let tokens = checked_product(
+            "tokens (pages * page_size)",
+            num_pages as u64,
+            u64::from(c.page_size),
+        );
+        let sends = c.action == Action::Send;
+        let hb = if sends {
+            c.heads_bytes_per_token_to_send / u64::from(c.num_heads)
+        } else {
+            0
+        };
+        let mut geoms = Vec::with_capacity(2);
+        let mut bounds = Vec::with_capacity(2);
+        for (side, (pages, max, staged)) in [Side::Prefill, Side::Decode].into_iter().zip(sides) {
+            let (item_len, bpt, offset) = match side {
+                Side::Prefill => (
+                    c.src_item_len,
+                    c.bytes_per_token_src,
+                    c.src_head_slice_offset,
+                ),
+                Side::Decode => (
+                    c.dst_item_len,
+                    c.bytes_per_token_dst,
+                    c.dst_head_slice_offset,
+                ),
+            };
+            if staged {
+                // The region's staging_len: pages * page_size * width.
+                let staged_item = u64::from(c.page_size) * c.heads_bytes_per_token_to_send;
+                let end = checked_product(
+                    "staging_len (pages * page bytes)",
+                    num_pages as u64,
+                    staged_item,
+                )?;
+                bounds.push(Bounds {
+                    side,
+                    pages: None,
+                    highest: (num_pages > 0).then(|| (num_pages as u64 - 1, end)),
+                });
+                geoms.push(None);
+                continue;
+            }
+            let highest = match max {
+                None => None,
+                Some(page) => {
+                    let end = (page as u64 + 1).checked_mul(item_len).ok_or_else(|| {
+                        let bounds = Bounds {
+                            side,
+                            pages: Some(pages),
+                            highest: None,
+                        };
+                        Error::PageOffsetOverflow {
+                            side,
+                            page: page as u32,
+                            position: bounds.position(page as u64),
+                            item_len,
+                        }
+                    })?;
+                    Some((page as u64, end))
+                }
+            };
+            bounds.push(Bounds {
+                side,
+                pages: Some(pages),
+                highest,
+            });
+            geoms.push(Some(slice_side(
+                pages,
+                c.page_size,
+                item_len,
+                bpt,
+                offset,
+                hb,
+            )));
+        }
+        let tokens = tokens?;
+        let bytes_per_buffer = if sends {
+            checked_product(
+                "bytes per buffer (tokens * heads_bytes_per_token_to_send)",
+                tokens,
+                c.heads_bytes_per_token_to_send,
+            )?
+        } else {
+            0
+        };
+        let heads = if sends { u64::from(c.num_heads) } else { 0 };
+        let [src, dst] =
+            [geoms[0], geoms[1]].map(|g| g.unwrap_or_else(|| region(tokens, heads, hb, None)));
+        let walk = Walk {
+            geometry: Geometry {
+                src,
+                dst,
+                tokens,
+                heads,
+                head_bytes: hb,
+            },
+            // Token-major is the order with the fewest segments for section-4 sides (CONTRACT
+            // section 7's agreement), so no other is counted.
+            order: Order::TokenMajor,
+            shape: RectShape::Rows,
+            sends,
+            bytes_per_buffer,
+            src: bounds[0],
+            dst: bounds[1],
+            segments: OnceCell::new(),
+            rects: OnceCell::new(),
+        };
+        Ok(Plan {
+            walk,
+            config,
+            num_pages,
+        })
+    }
+
+    /// The plan's config.
+    pub fn config(&self) -> &SliceConfig {
+        &self.config
+    }
+
+    /// The validated config.
+    pub fn valid_config(&self) -> &ValidConfig {
+        &self.config
+    }
+
+    /// Page pairs (positions) in the request.
+    pub fn num_pages(&self) -> usize {
+        self.num_pages
+    }
+
+    /// The plan as a walk, for a job.
+    pub fn walk(&self) -> &Walk<'a> {
+        &self.walk
+    }
+}
+
+/// The rects of a request, collected.
+pub fn plan(config: impl IntoValid, src_pages: &[i32], dst_pages: &[i32]) -> Result<Vec<CopyRect>> {
+    Ok(Plan::new(config, src_pages, dst_pages)?.rects().collect())
+}
+
+/// The segments of a request, collected.
+pub fn plan_segments(
+    config: impl IntoValid,
+    src_pages: &[i32],
+    dst_pages: &[i32],
+) -> Result<Vec<Segment>> {
+    Plan::new(config, src_pages, dst_pages)?.segments()
+}
+
+/// The staging that minimises transport segments without a copy that merges nothing: stage each
+/// side whose token slot is wider than the slice. Depends on the config alone, so both ranks
+/// agree without exchanging pages; [`Staging::None`] for a pair that does not send.
+///
+/// With it, the transport moves one segment per maximal run of pages (per buffer) or, when both
+/// sides are staged, one segment per buffer; never one per token.
+pub fn staging_for(config: impl IntoValid) -> Result<Staging> {
+    let config = config.into_valid()?;
+    if config.action != Action::Send {
+        return Ok(Staging::None);
+    }
+    let width = config.heads_bytes_per_token_to_send;
+    Ok(Staging::from_sides(
+        config.bytes_per_token_src > width,
+        config.bytes_per_token_dst > width,
+    ))
+}
+
+/// Bytes one buffer stages for a request of `num_pages` page pairs:
+/// `num_pages * page_size * heads_bytes_per_token_to_send` (0 for a pair that does not send).
+pub fn staging_len(config: impl IntoValid, num_pages: usize) -> Result<u64> {
+    let config = config.into_valid()?;
+    if config.action != Action::Send {
+        return Ok(0);
+    }
+    let tokens = checked_product(
+        "tokens (pages * page_size)",
+        num_pages as u64,
+        u64::from(config.page_size),
+    )?;
+    checked_product(
+        "staging_len (tokens * heads_bytes_per_token_to_send)",
+        tokens,
+        config.heads_bytes_per_token_to_send,
+    )
+}
+
+/// The transport's segments for `staging`: offsets relative to each buffer's base, which is its
+/// page buffer on an unstaged side and `region + b * staging_len` on a staged side. The same list
+/// serves every buffer. [`Staging::None`] gives [`plan_segments`].
+pub fn plan_transfer(
+    config: impl IntoValid,
+    staging: Staging,
+    src_pages: &[i32],
+    dst_pages: &[i32],
+) -> Result<Vec<Segment>> {
+    Plan::transfer(config, staging, src_pages, dst_pages)?.segments()
+}
+
+// ---- section 7: any layout, page sizes that differ, partial pages --------------------------
+
+/// A pair plan (CONTRACT section 7): a pair config and a request, between page buffers, or
+/// with staged sides read or written as their staging regions.
+#[derive(Clone, Debug)]
+pub struct PairPlan<'a> {
+    walk: Walk<'a>,
+    config: &'a PairConfig,
+}
+
+impl<'a> Deref for PairPlan<'a> {
+    type Target = Walk<'a>;
+
+    fn deref(&self) -> &Walk<'a> {
+        &self.walk
+    }
+}
+
+/// True when a layout holds the moved heads of a page head-major: more than one slot, heads
+/// further apart than slots.
+fn head_major(layout: &ValidLayout) -> bool {
+    layout.layout().page_size > 1 && layout.layout().head_stride > layout.layout().token_stride
+}
+
+/// The order of the staging region that replaces `staged` under `staging` (CONTRACT section 7):
+/// head-major in chunks of the unstaged side's page size (or of all `tokens` when that side's
+/// heads hold their own pages) exactly when one side is staged and the other is head-major;
+/// token-major otherwise. `None` is token-major.
+fn region_order(config: &PairConfig, staging: Staging, staged: Side, tokens: u64) -> Option<u64> {
+    if staging == Staging::Both {
+        return None;
+    }
+    let other = config.side(staged.other());
+    if !head_major(other) {
+        return None;
+    }
+    Some(match other.nesting() {
+        crate::layout::Nesting::HeadsOutsidePages => tokens,
+        crate::layout::Nesting::PagesOutsideHeads => u64::from(other.layout().page_size),
+    })
+}
+
+/// A listed side of a pair plan: its geometry and its bounds.
+fn layout_side<'a>(
+    config: &PairConfig,
+    side: Side,
+    pages: &'a [i32],
+) -> Result<(SideGeom<'a>, Bounds<'a>)> {
+    let valid = config.side(side);
+    let layout = valid.layout();
+    let highest = match highest_page(side, pages)? {
+        None => None,
+        Some(max) => {
+            let position = pages.iter().position(|&p| p == max).unwrap_or(0);
+            Some((max as u64, valid.check_page(max, position, None)?))
+        }
+    };
+    // The first moved head; every element lies inside its page's extent, checked above.
+    let base = layout.offset + u64::from(config.first_local(side)) * layout.head_stride;
+    let geometry = SideGeom {
+        pages: Pages::List(pages),
+        page_size: u64::from(layout.page_size),
+        page_stride: layout.page_stride,
+        base,
+        token_stride: layout.token_stride,
+        head_stride: layout.head_stride,
+        last_head_stride: None,
+    };
+    Ok((
+        geometry,
+        Bounds {
+            side,
+            pages: Some(pages),
+            highest,
+        },
+    ))
+}
+
+impl<'a> PairPlan<'a> {
+    /// The transport plan of `request` with `staging`: pages to pages for [`Staging::None`],
+    /// else each staged side replaced by its staging region. Both page lists are validated
+    /// whether staged or not.
+    pub fn transfer(
+        config: &'a PairConfig,
+        request: &Request<'a>,
+        staging: Staging,
+    ) -> Result<Self> {
+        PairPlan::build(
+            config,
+            request,
+            [staging.stages_src(), staging.stages_dst()],
+            staging,
+        )
+    }
+
+    /// The prefill rank's pack for `mode` (SRC or BOTH): its pages into its staging region.
+    pub fn pack(config: &'a PairConfig, mode: Staging, request: &Request<'a>) -> Result<Self> {
+        if !mode.stages_src() {
+            return Err(Error::StagingModeNotAllowed {
+                function: "pack",
+                mode,
+                allowed: "SRC or BOTH",
+            });
+        }
+        PairPlan::build(config, request, [false, true], mode)
+    }
+
+    /// The decode rank's unpack for `mode` (DST or BOTH): its staging region into its pages.
+    pub fn unpack(config: &'a PairConfig, mode: Staging, request: &Request<'a>) -> Result<Self> {
+        if !mode.stages_dst() {
+            return Err(Error::StagingModeNotAllowed {
+                function: "unpack",
+                mode,
+                allowed: "DST or BOTH",
+            });
+        }
+        PairPlan::build(config, request, [true, false], mode)
+    }
+
+    /// The plan whose source and destination are regions where `regions` says so. A pack's
+    /// destination is the prefill side's region, an unpack's source the decode side's.
+    fn build(
+        config: &'a PairConfig,
+        request: &Request<'a>,
+        regions: [bool; 2],
+        staging: Staging,
+    ) -> Result<Self> {
+        request.check_counts(config)?;
+        let tokens = request.num_tokens;
+        let (src_geom, src_bounds) = layout_side(config, Side::Prefill, request.src_pages)?;
+        let (dst_geom, dst_bounds) = layout_side(config, Side::Decode, request.dst_pages)?;
+        let sends = config.sends();
+        let staging_len = if sends {
+            config.staging_len(tokens)?
+        } else {
+            0
+        };
+        let heads = u64::from(config.num_heads());
+        let hb = config.src().layout().head_bytes;
+        // Which side each end of the plan is: a pack writes the prefill side's region, an
+        // unpack reads the decode side's; a transfer's regions replace their own sides.
+        let region_of = |end: Side, replaced: Side| -> (SideGeom<'static>, Bounds<'a>) {
+            let order = region_order(config, staging, replaced, tokens);
+            let bounds = Bounds {
+                side: end,
+                pages: None,
+                highest: (staging_len > 0).then_some((0, staging_len)),
+            };
+            (region(tokens, heads, hb, order), bounds)
+        };
+        let transfer = regions == [staging.stages_src(), staging.stages_dst()];
+        let (src, src_bounds) = match (regions[0], transfer) {
+            (false, _) => (src_geom, src_bounds),
+            (true, true) => region_of(Side::Prefill, Side::Prefill),
+            (true, false) => region_of(Side::Prefill, Side::Decode), // an unpack
+        };
+        let (dst, dst_bounds) = match (regions[1], transfer) {
+            (false, _) => (dst_geom, dst_bounds),
+            (true, true) => region_of(Side::Decode, Side::Decode),
+            (true, false) => region_of(Side::Decode, Side::Prefill), // a pack
+        };
+        let geometry = Geometry {
+            src,
+            dst,
+            tokens,
+            heads,
+            head_bytes: hb,
+        };
+        let segments = OnceCell::new();
+        let order = if sends {
+            let (order, count) = fewest_segments(&geometry);
+            let _ = segments.set(count);
+            order
+        } else {
+            Order::TokenMajor
+        };
+        Ok(PairPlan {
+            walk: Walk {
+                geometry,
+                order,
+                shape: RectShape::Greedy,
+                sends,
+                bytes_per_buffer: staging_len,
+                src: src_bounds,
+                dst: dst_bounds,
+                segments,
+                rects: OnceCell::new(),
+            },
+            config,
+        })
+    }
+
+    /// The plan's pair config.
+    pub fn config(&self) -> &PairConfig {
+        self.config
+    }
+
+    /// The plan as a walk, for a job.
+    pub fn walk(&self) -> &Walk<'a> {
+        &self.walk
+    }
+}
+
+/// The order with the fewest segments among token-major and head-major in chunks of the
+/// prefill page size, the decode page size and all tokens; the first of them on a tie.
+fn fewest_segments(geometry: &Geometry<'_>) -> (Order, u64) {
+    let tokens = geometry.tokens;
+    let mut best = (
+        Order::TokenMajor,
+        geometry
+            .count(Order::TokenMajor, u64::MAX)
+            .expect("no cap to reach"),
+    );
+    if geometry.heads <= 1 {
+        // With one head every order walks the same elements in the same order.
+        return best;
+    }
+    let mut tried: Vec<u64> = vec![1];
+    for g in [geometry.src.page_size, geometry.dst.page_size, tokens] {
+        // Chunks of G >= N are one chunk of all tokens; G = 1 is token-major.
+        let g = g.min(tokens).max(1);
+        if tried.contains(&g) {
+            continue;
+        }
+        tried.push(g);
+        let order = Order::HeadMajor(g);
+        if let Some(count) = geometry.count(order, best.1) {
+            best = (order, count);
+        }
+    }
+    best
+}
+
+/// The staging that gives the transport the fewest segments for a pair (CONTRACT section 7):
+/// a side is *full* in an order when its pages hold the slice and nothing else, back to back in
+/// that order. Not SEND: NONE. Both sides full token-major, or both full head-major with one
+/// page size: NONE. Else the prefill side full in some order: DST; else the decode side: SRC;
+/// else BOTH. Depends on the config alone.
+pub fn pair_staging_for(config: &PairConfig) -> Staging {
+    if !config.sends() {
+        return Staging::None;
+    }
+    let n = u64::from(config.num_heads());
+    let full = |side: Side, head_major: bool| -> bool {
+        let l = config.side(side).layout();
+        let ps = u64::from(l.page_size);
+        let hb = l.head_bytes;
+        let back_to_back = l.page_stride == ps * n * hb;
+        back_to_back
+            && if head_major {
+                (ps == 1 || l.token_stride == hb) && (n == 1 || l.head_stride == ps * hb)
+            } else {
+                (n == 1 || l.head_stride == hb) && (ps == 1 || l.token_stride == n * hb)
+            }
+    };
+    let same_page_size = config.src().layout().page_size == config.dst().layout().page_size;
+    let (src_tm, src_hm) = (full(Side::Prefill, false), full(Side::Prefill, true));
+    let (dst_tm, dst_hm) = (full(Side::Decode, false), full(Side::Decode, true));
+    if (src_tm && dst_tm) || (src_hm && dst_hm && same_page_size) {
+        Staging::None
+    } else if src_tm || src_hm {
+        Staging::Dst
+    } else if dst_tm || dst_hm {
+        Staging::Src
+    } else {
+        Staging::Both
+    }
+}
+
+/// The transport's segments of a pair request with `staging`, collected.
+pub fn pair_segments(
+    config: &PairConfig,
+    request: &Request<'_>,
+    staging: Staging,
+) -> Result<Vec<Segment>> {
+    PairPlan::transfer(config, request, staging)?.segments()
+}
+
+/// The page-to-page rects of a pair request, collected.
+pub fn pair_plan(config: &PairConfig, request: &Request<'_>) -> Result<Vec<CopyRect>> {
+    Ok(PairPlan::transfer(config, request, Staging::None)?
+        .rects()
+        .collect())
+}
+
+// ---- both families: a transfer against the memory both ranks registered -------------------
+
+/// One rank's memory for a request, as an engine registered it: how many page buffers, the
+/// bytes in each, and the bytes of the staging region (or slot) the request may use.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RankMemory {
+    /// Page buffers (K of each layer, then V of each layer; MLA: one latent buffer per layer).
+    pub num_buffers: usize,
+    /// Bytes in each page buffer: every page of the request must end at or before it.
+    pub capacity: u64,
+    /// Bytes of the staging region the request uses on this rank (0: none). A staged side
+    /// needs num_buffers * staging_len.
+    pub staging_capacity: u64,
+}
+
+/// Checks a walk's direct plan against both ranks' memory.
+fn check_memory(
+    direct: &Walk<'_>,
+    staging: Staging,
+    prefill: &RankMemory,
+    decode: &RankMemory,
+) -> Result<()> {
+    if prefill.num_buffers != decode.num_buffers {
+        return Err(Error::BufferCountMismatch {
+            src: prefill.num_buffers,
+            dst: decode.num_buffers,
+        });
+    }
+    direct.check_capacity(prefill.capacity, decode.capacity)?;
+    let staging_len = direct.bytes_per_buffer();
+    for (side, memory) in [(Side::Prefill, prefill), (Side::Decode, decode)] {
+        if staging.stages(side) {
+            check_staging_capacity(
+                side,
+                memory.num_buffers,
+                staging_len,
+                memory.staging_capacity,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks a transfer against the memory of both ranks before an engine is handed its
+/// segments, which it would copy outside a buffer instead of failing: the ranks pair their
+/// buffers one to one, every page ends within its side's buffers (staged or not), and each
+/// staged side's region holds `num_buffers * staging_len` bytes.
+pub fn check_transfer(
+    config: impl IntoValid,
+    staging: Staging,
+    src_pages: &[i32],
+    dst_pages: &[i32],
+    prefill: &RankMemory,
+    decode: &RankMemory,
+) -> Result<()> {
+    let plan = Plan::new(config, src_pages, dst_pages)?;
+    check_memory(&plan, staging, prefill, decode)
+}
+
+/// [`check_transfer`] for a pair request.
+pub fn check_pair_transfer(
+    config: &PairConfig,
+    request: &Request<'_>,
+    staging: Staging,
+    prefill: &RankMemory,
+    decode: &RankMemory,
+) -> Result<()> {
+    let plan = PairPlan::transfer(config, request, Staging::None)?;
+    check_memory(&plan, staging, prefill, decode)
+}
+
+/// Checks that a staging region of `capacity` bytes holds `num_buffers * staging_len`.
+pub(crate) fn check_staging_capacity(
+    side: Side,
+    num_buffers: usize,
+    staging_len: u64,
+    capacity: u64,
+) -> Result<()> {
+    let needed = checked_product(
+        "staging bytes (num_buffers * staging_len)",
+        num_buffers as u64,
+        staging_len,
+    )?;
+    if capacity < needed {
+        return Err(Error::StagingTooSmall {
+            side,
+            needed,
+            capacity,
+            num_buffers,
+            staging_len,
+        });
+    }
+    Ok(())
+}
