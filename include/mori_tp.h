@@ -224,6 +224,140 @@ typedef struct MoriSendOptions {
 } MoriSendOptions;
 
 /**
+ * One rank's page layout: where each (token slot, head) of its pages lives. Each rank describes
+ * itself and the two exchange these at handshake. With L the rank's local heads (H / tp_size
+ * when tp_size <= H, else 1), local head j of slot t of page p of a buffer is the head_bytes
+ * bytes at p * page_stride + offset + t * token_stride + j * head_stride.
+ *
+ * Valid (mori_tp_pair_config and every function taking one check it) when tp_size, page_size
+ * and head_bytes are non-zero and tp_rank < tp_size (else MORI_ERR_INVALID_ARGUMENT); H and
+ * tp_size divide one way or the other (else MORI_ERR_TOPOLOGY); nothing overflows 64 bits (else
+ * MORI_ERR_INVALID_ARGUMENT naming the factors); and (else MORI_ERR_LAYOUT_MISMATCH naming the
+ * fields) the elements of a page neither overlap nor interleave: of the slot dimension (stride
+ * token_stride, count page_size) and the head dimension (stride head_stride, count L), ignoring
+ * one whose count is 1, a single stride is >= head_bytes, and with both, the smaller stride s_a
+ * (count n_a) is >= head_bytes and the larger is >= (n_a - 1) * s_a + head_bytes; and pages do
+ * not overlap, either with pages outside heads (every usual layout: the page's extent
+ * offset + (page_size - 1) * token_stride + (L - 1) * head_stride + head_bytes is <=
+ * page_stride) or with heads outside pages (L > 1, head_stride > page_stride >=
+ * (page_size - 1) * token_stride + head_bytes: each head holds its own run of pages, like
+ * vLLM's LHBNC, and a page p of a request is in bounds only while p * page_stride +
+ * (page_size - 1) * token_stride + head_bytes <= head_stride). 56 bytes, no padding.
+ */
+typedef struct MoriTpLayout {
+  /**
+   * H: the model's sharded units before TP (KV heads; 1 for MLA or MQA, or for a record
+   * every rank holds whole).
+   */
+  uint32_t total_kv_heads;
+  /**
+   * This side's TP size.
+   */
+  uint32_t tp_size;
+  /**
+   * This rank, < tp_size.
+   */
+  uint32_t tp_rank;
+  /**
+   * Token slots per page, >= 1.
+   */
+  uint32_t page_size;
+  /**
+   * Bytes of one head of one token slot: head_dim * dtype bytes.
+   */
+  uint64_t head_bytes;
+  /**
+   * Bytes from page i to page i + 1 of a buffer.
+   */
+  uint64_t page_stride;
+  /**
+   * Bytes from a page's start to slot 0, local head 0.
+   */
+  uint64_t offset;
+  /**
+   * Bytes from slot t to slot t + 1 within a page.
+   */
+  uint64_t token_stride;
+  /**
+   * Bytes from local head j to local head j + 1 within a slot.
+   */
+  uint64_t head_stride;
+} MoriTpLayout;
+
+/**
+ * What a prefill rank and a decode rank agree on for a transfer between any two layouts:
+ * filled by mori_tp_pair_config from the two layouts the ranks exchange at handshake, and
+ * consumed by the mori_tp_pair_* functions, which derive it again from src and dst and refuse
+ * (MORI_ERR_INVALID_ARGUMENT) one whose other fields differ or whose reserved is not 0.
+ * 136 bytes.
+ */
+typedef struct MoriTpPairConfig {
+  /**
+   * A MoriTpAction, by the ownership rule: only MORI_TP_ACTION_SEND moves bytes.
+   */
+  uint32_t action;
+  /**
+   * Global index of the first head moved (0 unless SEND).
+   */
+  uint32_t first_head;
+  /**
+   * n: heads moved per token (0 unless SEND).
+   */
+  uint32_t num_heads;
+  /**
+   * Local index of first_head on the prefill rank (0 unless SEND).
+   */
+  uint32_t src_first_local;
+  /**
+   * Local index of first_head on the decode rank (0 unless SEND).
+   */
+  uint32_t dst_first_local;
+  /**
+   * 0.
+   */
+  uint32_t reserved;
+  /**
+   * The prefill rank's layout, as given.
+   */
+  struct MoriTpLayout src;
+  /**
+   * The decode rank's layout, as given.
+   */
+  struct MoriTpLayout dst;
+} MoriTpPairConfig;
+
+/**
+ * One request: tokens 0 .. num_tokens - 1 of a sequence. Token k is slot k % page_size of page
+ * pages[k / page_size] on each side, with that side's page size, so each side lists
+ * ceil(num_tokens / page_size) pages. Only tokens below num_tokens move: the slots after them
+ * in a partial last page are never written.
+ */
+typedef struct MoriTpRequest {
+  /**
+   * ceil(num_tokens / src.page_size) page indices on the prefill rank (int32, >= 0).
+   * NULL only if num_src_pages is 0.
+   */
+  const int32_t *src_pages;
+  /**
+   * Entries in src_pages.
+   */
+  size_t num_src_pages;
+  /**
+   * ceil(num_tokens / dst.page_size) page indices on the decode rank. NULL only if
+   * num_dst_pages is 0.
+   */
+  const int32_t *dst_pages;
+  /**
+   * Entries in dst_pages.
+   */
+  size_t num_dst_pages;
+  /**
+   * N: the request's tokens; 0 is an empty request.
+   */
+  uint64_t num_tokens;
+} MoriTpRequest;
+
+/**
  * What a (prefill rank, decode rank) pair does; the type of MoriTpSliceConfig.action.
  */
 typedef uint32_t MoriTpAction;
@@ -821,6 +955,316 @@ const char *mori_version(void);
  * differs from the MORI_TP_ABI_VERSION it was compiled against.
  */
 uint32_t mori_abi_version(void);
+
+/**
+ * Fills the token-major (NHD) layout of one rank, offset 0, as SGLang and vLLM's
+ * FlashAttention layout keep KV: head_stride = head_bytes, token_stride = L * head_bytes,
+ * page_stride = page_size * L * head_bytes, where L is the rank's local heads (H / tp_size when
+ * tp_size <= H, else 1).
+ *
+ * @param[in]  total_kv_heads  H: the model's KV heads (1 for MLA or MQA).
+ * @param[in]  tp_size         The rank's side's TP size (> 0; divides H or is a multiple).
+ * @param[in]  tp_rank         The rank, < tp_size.
+ * @param[in]  page_size       Token slots per page (> 0).
+ * @param[in]  head_bytes      head_dim * dtype bytes (> 0).
+ * @param[out] out             Receives the layout; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if out is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT for a zero tp_size, page_size or head_bytes, tp_rank >= tp_size,
+ *   a misaligned out, or a page stride that overflows 64 bits;
+ *   MORI_ERR_TOPOLOGY if total_kv_heads is 0 or H and tp_size divide neither way;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_layout_nhd(uint32_t total_kv_heads,
+                              uint32_t tp_size,
+                              uint32_t tp_rank,
+                              uint32_t page_size,
+                              uint64_t head_bytes,
+                              MoriTpLayout *out);
+
+/**
+ * Fills the head-major (HND) layout of one rank, offset 0, as vLLM keeps KV with NIXL and on
+ * ROCm: token_stride = head_bytes, head_stride = page_size * head_bytes, page_stride =
+ * L * page_size * head_bytes.
+ *
+ * Parameters and return codes as for mori_tp_layout_nhd.
+ */
+MoriStatus mori_tp_layout_hnd(uint32_t total_kv_heads,
+                              uint32_t tp_size,
+                              uint32_t tp_rank,
+                              uint32_t page_size,
+                              uint64_t head_bytes,
+                              MoriTpLayout *out);
+
+/**
+ * Derives what a prefill rank and a decode rank move between their layouts: the action and
+ * the heads by the ownership rule (the same as mori_tp_slice_config's), and where the first
+ * moved head sits among each rank's local heads. Both layouts are validated (see
+ * MoriTpLayout); they must count the same heads and agree on head_bytes. Page sizes, strides
+ * and offsets may differ.
+ *
+ * @param[in]  prefill  The prefill rank's layout. Must not be NULL.
+ * @param[in]  decode   The decode rank's layout. Must not be NULL.
+ * @param[out] out      Receives the pair config; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if an argument is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT for a zero size, a rank out of range, a misaligned pointer or a
+ *   layout whose extent overflows 64 bits (the message names the factors);
+ *   MORI_ERR_TOPOLOGY if a side's H and TP size divide neither way, H is 0, or the two
+ *   layouts' total_kv_heads differ;
+ *   MORI_ERR_LAYOUT_MISMATCH if a layout's elements or pages overlap (the message names the
+ *   fields), or the two head_bytes differ (dtype or head_dim);
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pair_config(const MoriTpLayout *prefill,
+                               const MoriTpLayout *decode,
+                               struct MoriTpPairConfig *out);
+
+/**
+ * The transport's segments for one request and staging mode: what an RDMA engine copies, for
+ * every buffer, between the prefill and the decode rank.
+ *
+ * The elements of a request (one head of one token, head_bytes each) can be taken token-major
+ * (token outer, head inner) or head-major in chunks of G tokens (chunk outer, then head, then
+ * token) for G = the prefill page size, the decode page size and num_tokens; each run of
+ * consecutive elements contiguous on both sides is one segment. The list returned is that of
+ * the order with the fewest segments, in that order (on a tie the first of token-major, then G
+ * = prefill page size, decode page size, num_tokens). So an HND page holding exactly the moved
+ * heads is one segment, and a run of such pages one segment too.
+ *
+ * Offsets are relative to each buffer's base: on an unstaged side its page buffer, on a staged
+ * side region + b * staging_len (mori_tp_pair_staging_len) of that rank's staging region. A
+ * staged side's region holds the slice densely: token-major (element (k, j) at
+ * (k * n + j) * head_bytes), or, when the mode is SRC or DST and the unstaged side is
+ * head-major (page_size > 1 and head_stride > token_stride), head-major in chunks of that
+ * side's page size G (num_tokens when its heads hold their own pages): chunk c = k / G starts
+ * at c * G * n * head_bytes, and inside it element (k, j) is at (j * g_c + k % G) * head_bytes
+ * with g_c = min(G, num_tokens - c * G). MORI_TP_STAGING_BOTH gives one segment per buffer.
+ * The same list applies to every buffer. A config that is not SEND gives an empty list, after
+ * the same checks.
+ *
+ * @param[in]  config     A pair config from mori_tp_pair_config (derived again from its
+ *                        layouts). Must not be NULL.
+ * @param[in]  request    The request; both page lists are checked, staged or not. Must not be
+ *                        NULL.
+ * @param[in]  staging    A MoriTpStaging (see mori_tp_pair_staging_for).
+ * @param[out] out        Array of capacity segments; NULL only if capacity = 0. Written only on
+ *                        MORI_OK. May be uninitialised memory; must not overlap the inputs.
+ * @param[in]  capacity   Entries out can hold.
+ * @param[out] out_len    Receives the number of segments needed, on MORI_OK and on
+ *                        MORI_ERR_BUFFER_TOO_SMALL. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if config, request or out_len is NULL, or a NULL array has a
+ *   non-zero length;
+ *   MORI_ERR_INVALID_ARGUMENT for an unknown staging value, a config whose fields differ from
+ *   its layouts' or whose reserved is not 0, page counts other than ceil(num_tokens /
+ *   page_size), a misaligned pointer, or a size that overflows 64 bits;
+ *   MORI_ERR_TOPOLOGY, MORI_ERR_LAYOUT_MISMATCH for an invalid layout (as for
+ *   mori_tp_pair_config);
+ *   MORI_ERR_OUT_OF_BOUNDS for a negative page index, a page whose end overflows 64 bits, or,
+ *   with heads outside pages, a page past its head's run;
+ *   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out; with out = NULL
+ *   and capacity = 0 this is the answer to a size query);
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pair_segments(const struct MoriTpPairConfig *config,
+                                 const struct MoriTpRequest *request,
+                                 uint32_t staging,
+                                 MoriSegment *out,
+                                 size_t capacity,
+                                 size_t *out_len);
+
+/**
+ * The page-to-page 2D copies of one request (one hipMemcpy2DAsync each): the segments of
+ * mori_tp_pair_segments with MORI_TP_STAGING_NONE, in order, grouped greedily from the front
+ * into rects. A rect grows while the next segment has its width and the source and
+ * destination offsets advance by the rect's two pitches; its second segment fixes the pitches
+ * when both are at least the width. A rect of one segment has pitches equal to its width. So
+ * a plan never has more rects than the request has segments, and on section-4 layouts never
+ * more than mori_tp_plan (it may join runs of pages whose offsets advance evenly).
+ *
+ * Parameters, size query and return codes as for mori_tp_pair_segments, with MoriCopyRect
+ * entries and no staging argument.
+ */
+MoriStatus mori_tp_pair_plan(const struct MoriTpPairConfig *config,
+                             const struct MoriTpRequest *request,
+                             MoriCopyRect *out,
+                             size_t capacity,
+                             size_t *out_len);
+
+/**
+ * The staging that gives the transport the fewest segments for a pair, from the config alone
+ * (so both ranks agree without exchanging pages). A side is full in an order when its pages
+ * hold the moved heads and nothing else, back to back in that order: page_stride ==
+ * page_size * n * head_bytes, and token-major: n == 1 or head_stride == head_bytes, and
+ * page_size == 1 or token_stride == n * head_bytes; head-major: page_size == 1 or
+ * token_stride == head_bytes, and n == 1 or head_stride == page_size * head_bytes.
+ * Not SEND: NONE. Both sides full token-major, or both full head-major with one page size:
+ * NONE. Otherwise the prefill side full in some order: DST; else the decode side full in some
+ * order: SRC; else BOTH. On section-4 layouts this is mori_tp_staging_for's answer.
+ *
+ * @param[in]  config       A pair config (derived again from its layouts). Must not be NULL.
+ * @param[out] out_staging  Receives a MoriTpStaging; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if an argument is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT, MORI_ERR_TOPOLOGY, MORI_ERR_LAYOUT_MISMATCH for a config as
+ *   mori_tp_pair_segments refuses it;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pair_staging_for(const struct MoriTpPairConfig *config,
+                                    uint32_t *out_staging);
+
+/**
+ * Bytes one buffer stages for a request of num_tokens tokens: staging_len = num_tokens * n *
+ * head_bytes (0 unless SEND). A staging region for num_buffers buffers holds num_buffers *
+ * staging_len bytes; buffer b's part starts at b * staging_len.
+ *
+ * @param[in]  config      A pair config (derived again from its layouts). Must not be NULL.
+ * @param[in]  num_tokens  N.
+ * @param[out] out_len     Receives staging_len; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if an argument is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT if staging_len overflows 64 bits, or for a config as
+ *   mori_tp_pair_segments refuses it;
+ *   MORI_ERR_TOPOLOGY, MORI_ERR_LAYOUT_MISMATCH for an invalid layout;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pair_staging_len(const struct MoriTpPairConfig *config,
+                                    uint64_t num_tokens,
+                                    uint64_t *out_len);
+
+/**
+ * Checks one pair transfer against the memory both ranks registered, before a transfer engine
+ * gets its segments, as mori_tp_check_transfer does for section-4 configs: the config and
+ * request as mori_tp_pair_segments checks them; both ranks have the same number of buffers;
+ * every page (staged side or not) ends within its side's capacity (p * page_stride + extent);
+ * each staged side's staging_capacity holds num_buffers * staging_len bytes.
+ *
+ * @param[in] config   A pair config (derived again from its layouts). Must not be NULL.
+ * @param[in] request  The request. Must not be NULL.
+ * @param[in] staging  A MoriTpStaging: the sides the transfer stages.
+ * @param[in] prefill  The prefill rank's buffers and staging region. Must not be NULL.
+ * @param[in] decode   The decode rank's, likewise. Must not be NULL.
+ *
+ * @return MORI_OK; the codes of mori_tp_pair_segments (but MORI_ERR_BUFFER_TOO_SMALL), and
+ *   MORI_ERR_INVALID_ARGUMENT if the buffer counts differ;
+ *   MORI_ERR_OUT_OF_BOUNDS for a page that ends past its side's capacity;
+ *   MORI_ERR_BUFFER_TOO_SMALL if a staged side's staging_capacity is below num_buffers *
+ *   staging_len (the message names the side and both numbers).
+ */
+MoriStatus mori_tp_check_pair_transfer(const struct MoriTpPairConfig *config,
+                                       const struct MoriTpRequest *request,
+                                       uint32_t staging,
+                                       const MoriTpMemory *prefill,
+                                       const MoriTpMemory *decode);
+
+/**
+ * Copies one request between any two layouts: for every buffer i, every rect of
+ * mori_tp_pair_plan from buffers->src[i] to buffers->dst[i]. For every token k < num_tokens and
+ * every moved head j < n, the head_bytes bytes of prefill local head src_first_local + j of
+ * token k land on decode local head dst_first_local + j of token k; no other destination byte
+ * changes (in particular not the slots after num_tokens in a partial last page).
+ *
+ * Validation, backends, stream and flags are those of mori_send_kvcache: everything (config,
+ * request, every page against its capacity, overflow, NULLs, options) is checked before a
+ * backend is opened and before the first byte moves, so a refused call writes nothing; the
+ * HIP backend issues one hipMemcpy2DAsync per (buffer, rect), or with MORI_SEND_COPY_KERNEL one
+ * kernel launch for the whole call. A config that is not SEND validates and moves nothing.
+ *
+ * @param[in] config    A pair config (derived again from its layouts). Must not be NULL.
+ * @param[in] buffers   Source and destination buffers and their capacities: every page must
+ *                      end (p * page_stride + extent) within them. Must not be NULL.
+ * @param[in] request   The request. Must not be NULL.
+ * @param[in] options   Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+ *
+ * @return MORI_OK; the codes of mori_tp_pair_segments (but MORI_ERR_BUFFER_TOO_SMALL) and of
+ *   mori_send_kvcache (an entry of buffers->src / dst NULL, a capacity beyond the address
+ *   space, an unknown backend or flag, a stream with the host backend,
+ *   MORI_ERR_OUT_OF_BOUNDS for a page past its capacity, MORI_ERR_BACKEND_UNAVAILABLE,
+ *   MORI_ERR_GPU).
+ */
+MoriStatus mori_send_kvcache_pair(const struct MoriTpPairConfig *config,
+                                  const struct MoriKvBuffers *buffers,
+                                  const struct MoriTpRequest *request,
+                                  const struct MoriSendOptions *options);
+
+/**
+ * Prefill side of a staged pair transfer: copies the moved heads of every token of every
+ * buffer into the staging region, in the region's order for staging_mode (see
+ * mori_tp_pair_segments): buffer b at staging + b * staging_len. Call it before the transport
+ * copies the segments of mori_tp_pair_segments with the same mode.
+ *
+ * staging_mode fixes the region's order, so both ranks pass the mode of the request: SRC or
+ * BOTH (any other value is MORI_ERR_INVALID_ARGUMENT). Everything else as mori_pack_kvcache:
+ * validation before the first byte moves, staging_capacity >= num_buffers * staging_len
+ * (MORI_ERR_BUFFER_TOO_SMALL naming both), no overlap between the region and a src buffer,
+ * backends, stream and flags.
+ *
+ * @param[in]  config            A pair config (derived again from its layouts). Must not be
+ *                               NULL.
+ * @param[in]  staging_mode      MORI_TP_STAGING_SRC or MORI_TP_STAGING_BOTH.
+ * @param[in]  src               num_buffers base pointers of the prefill rank's buffers. NULL
+ *                               only if num_buffers = 0; no entry may be NULL.
+ * @param[in]  num_buffers       Number of buffers.
+ * @param[in]  src_capacity      Bytes in each src buffer: every prefill page must end within it.
+ * @param[in]  request           The request (both page lists are checked). Must not be NULL.
+ * @param[out] staging           The staging region. NULL only if staging_capacity is 0.
+ * @param[in]  staging_capacity  Bytes in the staging region.
+ * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+ *
+ * @return the codes of mori_pack_kvcache and of mori_tp_pair_segments (but its
+ *   MORI_ERR_BUFFER_TOO_SMALL for an output array), and MORI_ERR_INVALID_ARGUMENT for a
+ *   staging_mode other than SRC or BOTH.
+ */
+MoriStatus mori_pack_kvcache_pair(const struct MoriTpPairConfig *config,
+                                  uint32_t staging_mode,
+                                  const void *const *src,
+                                  size_t num_buffers,
+                                  uint64_t src_capacity,
+                                  const struct MoriTpRequest *request,
+                                  void *staging,
+                                  uint64_t staging_capacity,
+                                  const struct MoriSendOptions *options);
+
+/**
+ * Decode side of a staged pair transfer: copies the staging region (buffer b at staging +
+ * b * staging_len, in the region's order for staging_mode) onto the moved heads of every token
+ * of every buffer, once the transport has written all segments of mori_tp_pair_segments with
+ * the same mode.
+ *
+ * staging_mode: MORI_TP_STAGING_DST or MORI_TP_STAGING_BOTH (any other value is
+ * MORI_ERR_INVALID_ARGUMENT). Validation, refusals, backends, stream and flags as for
+ * mori_pack_kvcache_pair with the roles swapped: decode pages are checked against
+ * dst_capacity, and the region must not overlap a dst buffer.
+ *
+ * @param[in]  config            A pair config (derived again from its layouts). Must not be
+ *                               NULL.
+ * @param[in]  staging_mode      MORI_TP_STAGING_DST or MORI_TP_STAGING_BOTH.
+ * @param[in]  staging           The staging region. NULL only if staging_capacity is 0.
+ * @param[in]  staging_capacity  Bytes in the staging region.
+ * @param[out] dst               num_buffers base pointers of the decode rank's buffers. NULL
+ *                               only if num_buffers = 0; no entry may be NULL.
+ * @param[in]  num_buffers       Number of buffers.
+ * @param[in]  dst_capacity      Bytes in each dst buffer: every decode page must end within it.
+ * @param[in]  request           The request (both page lists are checked). Must not be NULL.
+ * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+ *
+ * @return the codes of mori_pack_kvcache_pair, with dst in place of src.
+ */
+MoriStatus mori_unpack_kvcache_pair(const struct MoriTpPairConfig *config,
+                                    uint32_t staging_mode,
+                                    const void *staging,
+                                    uint64_t staging_capacity,
+                                    void *const *dst,
+                                    size_t num_buffers,
+                                    uint64_t dst_capacity,
+                                    const struct MoriTpRequest *request,
+                                    const struct MoriSendOptions *options);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -16,7 +16,25 @@ use crate::error::{Error, Result, checked_product};
 use crate::slice::{Topology, TpSide};
 use crate::types::{Action, Side};
 
-/// One rank's KV layout (`MoriTpLayout`, 56 bytes, no padding).
+/// One rank's page layout: where each (token slot, head) of its pages lives. Each rank describes
+/// itself and the two exchange these at handshake. With L the rank's local heads (H / tp_size
+/// when tp_size <= H, else 1), local head j of slot t of page p of a buffer is the head_bytes
+/// bytes at p * page_stride + offset + t * token_stride + j * head_stride.
+///
+/// Valid (mori_tp_pair_config and every function taking one check it) when tp_size, page_size
+/// and head_bytes are non-zero and tp_rank < tp_size (else MORI_ERR_INVALID_ARGUMENT); H and
+/// tp_size divide one way or the other (else MORI_ERR_TOPOLOGY); nothing overflows 64 bits (else
+/// MORI_ERR_INVALID_ARGUMENT naming the factors); and (else MORI_ERR_LAYOUT_MISMATCH naming the
+/// fields) the elements of a page neither overlap nor interleave: of the slot dimension (stride
+/// token_stride, count page_size) and the head dimension (stride head_stride, count L), ignoring
+/// one whose count is 1, a single stride is >= head_bytes, and with both, the smaller stride s_a
+/// (count n_a) is >= head_bytes and the larger is >= (n_a - 1) * s_a + head_bytes; and pages do
+/// not overlap, either with pages outside heads (every usual layout: the page's extent
+/// offset + (page_size - 1) * token_stride + (L - 1) * head_stride + head_bytes is <=
+/// page_stride) or with heads outside pages (L > 1, head_stride > page_stride >=
+/// (page_size - 1) * token_stride + head_bytes: each head holds its own run of pages, like
+/// vLLM's LHBNC, and a page p of a request is in bounds only while p * page_stride +
+/// (page_size - 1) * token_stride + head_bytes <= head_stride). 56 bytes, no padding.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Layout {

@@ -45,8 +45,8 @@ pub use plan::{
     staging_len,
 };
 pub use send::{
-    pack, pack_host, pack_host_with, send, send_host, send_host_with, unpack, unpack_host,
-    unpack_host_with,
+    pack, pack_host, pack_host_with, pack_into, pack_into_host, send, send_host, send_host_with,
+    unpack, unpack_from, unpack_from_host, unpack_host, unpack_host_with,
 };
 pub use slice::{
     IntoValid, Pairing, SliceConfig, SliceParams, Topology, TpSide, ValidConfig, slice_config,

@@ -10,11 +10,12 @@ use crate::backend::{
     first_null,
 };
 use crate::error::{Error, Result};
-use crate::plan::{Plan, check_staging_capacity};
+use crate::plan::{Plan, Walk, check_staging_capacity};
 use crate::slice::IntoValid;
 use crate::types::Side;
 
-/// Copies every rect of `plan` for every buffer pair with `engine`, after validating `buffers`.
+/// Copies every rect of `plan` (a section-4 [`crate::Plan`] or a [`crate::PairPlan`] of
+/// [`crate::Staging::None`]) for every buffer pair with `engine`, after validating `buffers`.
 ///
 /// A plan whose pair does not send still validates its buffers, then moves nothing.
 ///
@@ -23,7 +24,7 @@ use crate::types::Side;
 /// `buffers.dst[i]` valid for writes of `dst_capacity` bytes, in the memory space `engine`
 /// addresses, until the engine has finished.
 pub unsafe fn send(
-    plan: &Plan<'_>,
+    plan: &Walk<'_>,
     buffers: &KvBuffers<'_>,
     engine: &mut dyn CopyEngine,
 ) -> Result<SendReport> {
@@ -54,14 +55,14 @@ fn host_destinations(dst: &mut [&mut [u8]]) -> (Vec<*mut u8>, u64) {
 /// Safe host-memory send: copies the plan from each `src[i]` into `dst[i]` on the CPU.
 ///
 /// The capacity of each side is its shortest buffer. Nothing is written if anything is invalid.
-pub fn send_host(plan: &Plan<'_>, src: &[&[u8]], dst: &mut [&mut [u8]]) -> Result<SendReport> {
+pub fn send_host(plan: &Walk<'_>, src: &[&[u8]], dst: &mut [&mut [u8]]) -> Result<SendReport> {
     send_host_with(plan, src, dst, &mut HostEngine::default())
 }
 
 /// [`send_host`] with another engine that copies host memory synchronously
 /// ([`crate::backend::open_host_copies`]: the host engine, or HIP's `hipMemcpy2DAsync`).
 pub fn send_host_with(
-    plan: &Plan<'_>,
+    plan: &Walk<'_>,
     src: &[&[u8]],
     dst: &mut [&mut [u8]],
     engine: &mut dyn HostCopies,
@@ -127,7 +128,7 @@ fn staging_bases(
 
 /// The validated parts of a staging region: its per-buffer bases.
 fn staging_region(
-    plan: &Plan<'_>,
+    plan: &Walk<'_>,
     region: *mut u8,
     capacity: u64,
     num_buffers: usize,
@@ -161,20 +162,19 @@ fn staging_region(
     Ok(bases)
 }
 
-/// Validates a pack and hands its job to `run`: the source pages into the staging region
-/// (buffer `b` at `staging + b * staging_len`). Nothing runs unless everything is valid.
+/// Validates a pack and hands its job to `run`: `plan` (a pack plan: pages into a staging
+/// region) from the source buffers into the region (buffer `b` at `staging + b * staging_len`).
+/// Nothing runs unless everything is valid.
 pub(crate) fn with_pack_job<R>(
-    config: impl IntoValid,
+    plan: &Walk<'_>,
     src: &[*const u8],
     src_capacity: u64,
-    src_pages: &[i32],
     staging: *mut u8,
     staging_capacity: u64,
     run: impl FnOnce(&CopyJob<'_>) -> Result<R>,
 ) -> Result<R> {
-    let plan = Plan::pack(config, src_pages)?;
     let dst = staging_region(
-        &plan,
+        plan,
         staging,
         staging_capacity,
         src.len(),
@@ -186,24 +186,23 @@ pub(crate) fn with_pack_job<R>(
         src_capacity,
         dst_capacity: plan.bytes_per_buffer(),
     };
-    run(&CopyJob::new(&plan, &buffers)?)
+    run(&CopyJob::new(plan, &buffers)?)
 }
 
-/// Validates an unpack and hands its job to `run`: the staging region (buffer `b` at
-/// `staging + b * staging_len`) into the destination pages.
+/// Validates an unpack and hands its job to `run`: `plan` (an unpack plan: a staging region
+/// into pages) from the region (buffer `b` at `staging + b * staging_len`) into the
+/// destination buffers.
 pub(crate) fn with_unpack_job<R>(
-    config: impl IntoValid,
+    plan: &Walk<'_>,
     staging: *const u8,
     staging_capacity: u64,
     dst: &[*mut u8],
     dst_capacity: u64,
-    dst_pages: &[i32],
     run: impl FnOnce(&CopyJob<'_>) -> Result<R>,
 ) -> Result<R> {
-    let plan = Plan::unpack(config, dst_pages)?;
     let dst_const: Vec<*const u8> = dst.iter().map(|&p| p.cast_const()).collect();
     let src: Vec<*const u8> = staging_region(
-        &plan,
+        plan,
         staging.cast_mut(),
         staging_capacity,
         dst.len(),
@@ -218,7 +217,7 @@ pub(crate) fn with_unpack_job<R>(
         src_capacity: plan.bytes_per_buffer(),
         dst_capacity,
     };
-    run(&CopyJob::new(&plan, &buffers)?)
+    run(&CopyJob::new(plan, &buffers)?)
 }
 
 /// Prefill side of a staged transfer: copies the slice of every token of every buffer into the
@@ -237,11 +236,27 @@ pub unsafe fn pack(
     staging_capacity: u64,
     engine: &mut dyn CopyEngine,
 ) -> Result<SendReport> {
+    let plan = Plan::pack(config, src_pages)?;
+    // SAFETY: forwarded from the caller.
+    unsafe { pack_into(&plan, src, src_capacity, staging, staging_capacity, engine) }
+}
+
+/// [`pack`] of any pack plan (a section-4 [`Plan::pack`] or a [`crate::PairPlan::pack`]).
+///
+/// # Safety
+/// As for [`pack`].
+pub unsafe fn pack_into(
+    plan: &Walk<'_>,
+    src: &[*const u8],
+    src_capacity: u64,
+    staging: *mut u8,
+    staging_capacity: u64,
+    engine: &mut dyn CopyEngine,
+) -> Result<SendReport> {
     with_pack_job(
-        config,
+        plan,
         src,
         src_capacity,
-        src_pages,
         staging,
         staging_capacity,
         // SAFETY: forwarded from the caller; each staged buffer lies inside the region.
@@ -264,13 +279,30 @@ pub unsafe fn unpack(
     dst_pages: &[i32],
     engine: &mut dyn CopyEngine,
 ) -> Result<SendReport> {
+    let plan = Plan::unpack(config, dst_pages)?;
+    // SAFETY: forwarded from the caller.
+    unsafe { unpack_from(&plan, staging, staging_capacity, dst, dst_capacity, engine) }
+}
+
+/// [`unpack`] of any unpack plan (a section-4 [`Plan::unpack`] or a
+/// [`crate::PairPlan::unpack`]).
+///
+/// # Safety
+/// As for [`unpack`].
+pub unsafe fn unpack_from(
+    plan: &Walk<'_>,
+    staging: *const u8,
+    staging_capacity: u64,
+    dst: &[*mut u8],
+    dst_capacity: u64,
+    engine: &mut dyn CopyEngine,
+) -> Result<SendReport> {
     with_unpack_job(
-        config,
+        plan,
         staging,
         staging_capacity,
         dst,
         dst_capacity,
-        dst_pages,
         // SAFETY: forwarded from the caller; the engine only reads the region.
         |job| unsafe { job.run(engine) },
     )
@@ -294,15 +326,25 @@ pub fn pack_host_with(
     staging: &mut [u8],
     engine: &mut dyn HostCopies,
 ) -> Result<SendReport> {
+    let plan = Plan::pack(config, src_pages)?;
+    pack_into_host(&plan, src, staging, engine)
+}
+
+/// Safe host-memory pack of any pack plan, on an engine that copies host memory synchronously.
+pub fn pack_into_host(
+    plan: &Walk<'_>,
+    src: &[&[u8]],
+    staging: &mut [u8],
+    engine: &mut dyn HostCopies,
+) -> Result<SendReport> {
     let (src_ptrs, src_capacity) = host_sources(src);
     // SAFETY: live slices; `staging` is a `&mut` and cannot alias the sources; the engine has
     // finished before it returns.
     unsafe {
-        pack(
-            config,
+        pack_into(
+            plan,
             &src_ptrs,
             src_capacity,
-            src_pages,
             staging.as_mut_ptr(),
             staging.len() as u64,
             engine,
@@ -328,17 +370,28 @@ pub fn unpack_host_with(
     dst_pages: &[i32],
     engine: &mut dyn HostCopies,
 ) -> Result<SendReport> {
+    let plan = Plan::unpack(config, dst_pages)?;
+    unpack_from_host(&plan, staging, dst, engine)
+}
+
+/// Safe host-memory unpack of any unpack plan, on an engine that copies host memory
+/// synchronously.
+pub fn unpack_from_host(
+    plan: &Walk<'_>,
+    staging: &[u8],
+    dst: &mut [&mut [u8]],
+    engine: &mut dyn HostCopies,
+) -> Result<SendReport> {
     let (dst_ptrs, dst_capacity) = host_destinations(dst);
     // SAFETY: live slices; the `&mut` destinations cannot alias `staging` or each other; the
     // engine has finished before it returns.
     unsafe {
-        unpack(
-            config,
+        unpack_from(
+            plan,
             staging.as_ptr(),
             staging.len() as u64,
             &dst_ptrs,
             dst_capacity,
-            dst_pages,
             engine,
         )
     }

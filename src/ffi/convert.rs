@@ -7,7 +7,9 @@ use std::mem::MaybeUninit;
 use super::boundary::{Failure, Result};
 use super::types::*;
 use crate::backend::{Backend, SendOptions};
-use crate::plan::Plan;
+use crate::error::Error;
+use crate::layout::{PairConfig, Request, pair_config};
+use crate::plan::Walk;
 use crate::slice::{SliceConfig, SliceParams, ValidConfig};
 use crate::types::{Action, Staging};
 
@@ -129,7 +131,7 @@ pub(crate) unsafe fn write_plan<T>(
 /// # Safety
 /// As for [`write_plan`].
 pub(crate) unsafe fn write_segments(
-    plan: &Plan<'_>,
+    plan: &Walk<'_>,
     out: *mut MoriSegment,
     capacity: usize,
     out_len: *mut usize,
@@ -310,6 +312,77 @@ pub(crate) unsafe fn pages_from_raw<'a>(
     // SAFETY: as above.
     let dst = unsafe { try_slice(dst_pages, num_pages, "dst_pages") }?;
     Ok((src, dst))
+}
+
+impl From<&PairConfig> for MoriTpPairConfig {
+    fn from(c: &PairConfig) -> Self {
+        MoriTpPairConfig {
+            action: c.action().to_c(),
+            first_head: c.first_head(),
+            num_heads: c.num_heads(),
+            src_first_local: c.src_first_local(),
+            dst_first_local: c.dst_first_local(),
+            reserved: 0,
+            src: *c.src().layout(),
+            dst: *c.dst().layout(),
+        }
+    }
+}
+
+/// The pair config behind a C pointer: derived again from its two layouts, and refused when
+/// any other field differs from what they give (a config edited by hand, or built by hand).
+///
+/// # Safety
+/// `config` NULL or valid.
+pub(crate) unsafe fn pair_config_from_raw(config: *const MoriTpPairConfig) -> Result<PairConfig> {
+    // SAFETY: valid or NULL per the caller; NULL and misalignment are refused.
+    let c = unsafe { try_ref(config, "config") }?;
+    let derived = pair_config(&c.src, &c.dst)?;
+    let expected = MoriTpPairConfig::from(&derived);
+    for (field, stated, derived) in [
+        ("action", c.action, expected.action),
+        ("first_head", c.first_head, expected.first_head),
+        ("num_heads", c.num_heads, expected.num_heads),
+        (
+            "src_first_local",
+            c.src_first_local,
+            expected.src_first_local,
+        ),
+        (
+            "dst_first_local",
+            c.dst_first_local,
+            expected.dst_first_local,
+        ),
+        ("reserved", c.reserved, 0),
+    ] {
+        if stated != derived {
+            return Err(Error::PairConfigEdited {
+                field,
+                stated,
+                derived,
+            }
+            .into());
+        }
+    }
+    Ok(derived)
+}
+
+/// The request behind a C pointer; its page arrays as slices.
+///
+/// # Safety
+/// `request` NULL or valid, its arrays NULL or valid for their counts.
+pub(crate) unsafe fn request_from_raw<'a>(request: *const MoriTpRequest) -> Result<Request<'a>> {
+    // SAFETY: valid or NULL per the caller; NULL and misalignment are refused.
+    let r = unsafe { try_ref(request, "request") }?;
+    // SAFETY: as above; a NULL array with a count is refused.
+    let src_pages = unsafe { try_slice(r.src_pages, r.num_src_pages, "request.src_pages") }?;
+    // SAFETY: as above.
+    let dst_pages = unsafe { try_slice(r.dst_pages, r.num_dst_pages, "request.dst_pages") }?;
+    Ok(Request {
+        src_pages,
+        dst_pages,
+        num_tokens: r.num_tokens,
+    })
 }
 
 /// Reinterprets a C array of `void *` as the byte pointers the core takes.

@@ -522,11 +522,11 @@ pub unsafe extern "C" fn mori_pack_kvcache(
         let src = unsafe { try_slice(src, num_buffers, "src") }?;
         let pages = unsafe { try_slice(src_pages, num_pages, "src_pages") }?;
         let src = as_byte_pointers(src);
+        let plan = Plan::pack(&config, pages)?;
         with_pack_job(
-            &config,
+            &plan,
             src,
             src_capacity,
-            pages,
             staging.cast(),
             staging_capacity,
             // SAFETY: the caller vouches for the buffers and the region, as documented above;
@@ -579,13 +579,13 @@ pub unsafe extern "C" fn mori_unpack_kvcache(
         let options = unsafe { options_from_raw(options) }?;
         let dst = unsafe { try_slice(dst, num_buffers, "dst") }?;
         let pages = unsafe { try_slice(dst_pages, num_pages, "dst_pages") }?;
+        let plan = Plan::unpack(&config, pages)?;
         with_unpack_job(
-            &config,
+            &plan,
             staging.cast(),
             staging_capacity,
             as_mut_byte_pointers(dst),
             dst_capacity,
-            pages,
             // SAFETY: as for mori_pack_kvcache.
             |job| open_engine(&options).and_then(|mut engine| unsafe { job.run(engine.as_mut()) }),
         )?;
@@ -640,3 +640,7 @@ pub extern "C" fn mori_version() -> *const c_char {
 pub extern "C" fn mori_abi_version() -> u32 {
     MORI_TP_ABI_VERSION
 }
+
+// Section 7 of the header (any page layout), after the functions above.
+mod pair;
+pub use pair::*;

@@ -3,6 +3,7 @@
 
 use std::ffi::c_void;
 
+pub use crate::layout::Layout;
 pub use crate::plan::{CopyRect, RankMemory, Segment};
 
 /// Status code returned by every fallible mori-tp function: MORI_OK (0) or one of the
@@ -196,4 +197,55 @@ pub struct MoriSendOptions {
     /// hipStream_t for the HIP backend; NULL = the null stream. Must be NULL for the host backend
     /// (including when AUTO falls back to the host).
     pub stream: *mut c_void,
+}
+
+/// One rank's page layout (the Rust type is [`Layout`]).
+/// cbindgen:ignore
+pub type MoriTpLayout = Layout;
+
+/// What a prefill rank and a decode rank agree on for a transfer between any two layouts:
+/// filled by mori_tp_pair_config from the two layouts the ranks exchange at handshake, and
+/// consumed by the mori_tp_pair_* functions, which derive it again from src and dst and refuse
+/// (MORI_ERR_INVALID_ARGUMENT) one whose other fields differ or whose reserved is not 0.
+/// 136 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoriTpPairConfig {
+    /// A MoriTpAction, by the ownership rule: only MORI_TP_ACTION_SEND moves bytes.
+    pub action: u32,
+    /// Global index of the first head moved (0 unless SEND).
+    pub first_head: u32,
+    /// n: heads moved per token (0 unless SEND).
+    pub num_heads: u32,
+    /// Local index of first_head on the prefill rank (0 unless SEND).
+    pub src_first_local: u32,
+    /// Local index of first_head on the decode rank (0 unless SEND).
+    pub dst_first_local: u32,
+    /// 0.
+    pub reserved: u32,
+    /// The prefill rank's layout, as given.
+    pub src: Layout,
+    /// The decode rank's layout, as given.
+    pub dst: Layout,
+}
+
+/// One request: tokens 0 .. num_tokens - 1 of a sequence. Token k is slot k % page_size of page
+/// pages[k / page_size] on each side, with that side's page size, so each side lists
+/// ceil(num_tokens / page_size) pages. Only tokens below num_tokens move: the slots after them
+/// in a partial last page are never written.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MoriTpRequest {
+    /// ceil(num_tokens / src.page_size) page indices on the prefill rank (int32, >= 0).
+    /// NULL only if num_src_pages is 0.
+    pub src_pages: *const i32,
+    /// Entries in src_pages.
+    pub num_src_pages: usize,
+    /// ceil(num_tokens / dst.page_size) page indices on the decode rank. NULL only if
+    /// num_dst_pages is 0.
+    pub dst_pages: *const i32,
+    /// Entries in dst_pages.
+    pub num_dst_pages: usize,
+    /// N: the request's tokens; 0 is an empty request.
+    pub num_tokens: u64,
 }

@@ -784,7 +784,9 @@ impl<'a> PairPlan<'a> {
         };
         let segments = OnceCell::new();
         let order = if sends {
-            let (order, count) = fewest_segments(&geometry);
+            let page_sizes = [Side::Prefill, Side::Decode]
+                .map(|side| u64::from(config.side(side).layout().page_size));
+            let (order, count) = fewest_segments(&geometry, page_sizes);
             let _ = segments.set(count);
             order
         } else {
@@ -818,8 +820,9 @@ impl<'a> PairPlan<'a> {
 }
 
 /// The order with the fewest segments among token-major and head-major in chunks of the
-/// prefill page size, the decode page size and all tokens; the first of them on a tie.
-fn fewest_segments(geometry: &Geometry<'_>) -> (Order, u64) {
+/// prefill layout's page size, the decode layout's page size and all tokens (whether or not a
+/// side is staged); the first of them on a tie.
+fn fewest_segments(geometry: &Geometry<'_>, page_sizes: [u64; 2]) -> (Order, u64) {
     let tokens = geometry.tokens;
     let mut best = (
         Order::TokenMajor,
@@ -832,7 +835,7 @@ fn fewest_segments(geometry: &Geometry<'_>) -> (Order, u64) {
         return best;
     }
     let mut tried: Vec<u64> = vec![1];
-    for g in [geometry.src.page_size, geometry.dst.page_size, tokens] {
+    for g in [page_sizes[0], page_sizes[1], tokens] {
         // Chunks of G >= N are one chunk of all tokens; G = 1 is token-major.
         let g = g.min(tokens).max(1);
         if tried.contains(&g) {
