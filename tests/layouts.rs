@@ -1,0 +1,1029 @@
+//! Any page layout (CONTRACT section 7) through the C ABI, against an independent oracle that
+//! copies element by element and finds the segments of every order itself: every valid
+//! (H, P, D) with H, P, D <= 16; NHD, HND, padded strides, offsets and heads outside pages, mixed
+//! between the sides; page sizes 1, 3, 16 and 64 on each side; empty requests, whole pages and
+//! partial last pages. Checked: the destination bytes (untouched ones included), the segment
+//! list (the order with the fewest segments, ties to the first), the greedy rects, the
+//! composition law in all four staging modes and the staging region's own layout, and the
+//! agreement with sections 4 and 5 on their layouts.
+
+mod common;
+
+use std::ffi::{CStr, c_void};
+use std::ops::Range;
+use std::ptr::null_mut;
+
+use common::{owned_heads, valid_tp};
+use mori_tp::ffi::*;
+use mori_tp_testkit::{Rng, mix};
+
+const HOST: MoriSendOptions = MoriSendOptions {
+    backend: MORI_BACKEND_HOST,
+    flags: 0,
+    stream: null_mut(),
+};
+
+const MODES: [MoriTpStaging; 4] = [
+    MORI_TP_STAGING_NONE,
+    MORI_TP_STAGING_SRC,
+    MORI_TP_STAGING_DST,
+    MORI_TP_STAGING_BOTH,
+];
+
+const PAGE_SIZES: [u32; 4] = [1, 3, 16, 64];
+
+fn last_error() -> String {
+    // SAFETY: the library returns a valid NUL-terminated string, never NULL.
+    unsafe { CStr::from_ptr(mori_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+// ---- the oracle: the contract's formulas, written again here --------------------------------
+
+fn local_heads(h: u32, tp: u32) -> u32 {
+    if tp <= h { h / tp } else { 1 }
+}
+
+/// The lowest rank of a side of TP size `tp` that owns head `head`.
+fn first_owner(h: u32, tp: u32, head: u32) -> u32 {
+    (0..tp)
+        .find(|&r| owned_heads(h, tp, r).contains(&head))
+        .expect("every head has an owner")
+}
+
+/// The prefill rank that sends head `head` to decode rank `d` (CONTRACT section 3).
+fn sender(h: u32, p_tp: u32, d_tp: u32, d: u32, head: u32) -> u32 {
+    let (rs, rd) = ((p_tp / h).max(1), (d_tp / h).max(1));
+    let j = d - first_owner(h, d_tp, head);
+    first_owner(h, p_tp, head) + j * rs / rd
+}
+
+/// What the oracle expects of a pair: the heads moved, when the pair sends.
+fn moved_heads(h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> Option<Range<u32>> {
+    let (src, dst) = (owned_heads(h, p_tp, p), owned_heads(h, d_tp, d));
+    let shared = src.start.max(dst.start)..src.end.min(dst.end);
+    (!shared.is_empty() && sender(h, p_tp, d_tp, d, shared.start) == p).then_some(shared)
+}
+
+/// Where element (slot, local head) of page `page` lies in a layout.
+fn element(l: &MoriTpLayout, page: u64, slot: u64, local: u64) -> u64 {
+    page * l.page_stride + l.offset + slot * l.token_stride + local * l.head_stride
+}
+
+/// True when the layout holds heads head-major within a page (the contract's test).
+fn head_major(l: &MoriTpLayout) -> bool {
+    l.page_size > 1 && l.head_stride > l.token_stride
+}
+
+fn heads_outside_pages(l: &MoriTpLayout) -> bool {
+    local_heads(l.total_kv_heads, l.tp_size) > 1 && l.head_stride > l.page_stride
+}
+
+/// One side of a request, as the oracle sees it: a layout and pages, or a staging region in
+/// token-major order (`chunk` None) or head-major in chunks of `chunk` tokens.
+#[derive(Clone, Copy)]
+enum Place<'a> {
+    Pages {
+        layout: &'a MoriTpLayout,
+        pages: &'a [i32],
+        first_local: u64,
+    },
+    Region {
+        chunk: Option<u64>,
+    },
+}
+
+struct Pair<'a> {
+    src: Place<'a>,
+    dst: Place<'a>,
+    tokens: u64,
+    heads: u64,
+    hb: u64,
+}
+
+impl Pair<'_> {
+    fn address(&self, place: Place<'_>, k: u64, j: u64) -> u64 {
+        let (n, hb, tokens) = (self.heads, self.hb, self.tokens);
+        match place {
+            Place::Pages {
+                layout,
+                pages,
+                first_local,
+            } => {
+                let ps = u64::from(layout.page_size);
+                element(
+                    layout,
+                    pages[(k / ps) as usize] as u64,
+                    k % ps,
+                    first_local + j,
+                )
+            }
+            Place::Region { chunk: None } => (k * n + j) * hb,
+            Place::Region { chunk: Some(g) } => {
+                let c = k / g;
+                let g_c = g.min(tokens - c * g);
+                c * g * n * hb + (j * g_c + k % g) * hb
+            }
+        }
+    }
+
+    /// The elements in an order: `None` is token-major, `Some(g)` head-major in chunks of g.
+    fn elements(&self, order: Option<u64>) -> Vec<(u64, u64)> {
+        let mut out = Vec::with_capacity((self.tokens * self.heads) as usize);
+        match order {
+            None => {
+                for k in 0..self.tokens {
+                    for j in 0..self.heads {
+                        out.push((k, j));
+                    }
+                }
+            }
+            Some(g) => {
+                let mut c0 = 0;
+                while c0 < self.tokens {
+                    let c1 = (c0 + g).min(self.tokens);
+                    for j in 0..self.heads {
+                        for k in c0..c1 {
+                            out.push((k, j));
+                        }
+                    }
+                    c0 = c1;
+                }
+            }
+        }
+        out
+    }
+
+    /// The segments of an order: runs of consecutive elements contiguous on both sides.
+    fn segments(&self, order: Option<u64>) -> Vec<MoriSegment> {
+        let mut out: Vec<MoriSegment> = Vec::new();
+        for (k, j) in self.elements(order) {
+            let (s, d) = (self.address(self.src, k, j), self.address(self.dst, k, j));
+            if let Some(last) = out.last_mut()
+                && last.src_offset + last.length == s
+                && last.dst_offset + last.length == d
+            {
+                last.length += self.hb;
+                continue;
+            }
+            out.push(MoriSegment {
+                src_offset: s,
+                dst_offset: d,
+                length: self.hb,
+            });
+        }
+        out
+    }
+
+    /// The fewest segments among the contract's orders, ties to the first listed.
+    fn best_segments(&self, page_sizes: [u32; 2]) -> Vec<MoriSegment> {
+        let orders = [
+            None,
+            Some(u64::from(page_sizes[0])),
+            Some(u64::from(page_sizes[1])),
+            Some(self.tokens.max(1)),
+        ];
+        let mut best: Option<Vec<MoriSegment>> = None;
+        for order in orders {
+            let segments = self.segments(order);
+            if best.as_ref().is_none_or(|b| segments.len() < b.len()) {
+                best = Some(segments);
+            }
+        }
+        best.unwrap_or_default()
+    }
+}
+
+/// The contract's greedy rects over a segment list.
+fn greedy_rects(segments: &[MoriSegment]) -> Vec<MoriCopyRect> {
+    let mut rects: Vec<MoriCopyRect> = Vec::new();
+    let mut last: Option<(u64, u64)> = None;
+    let mut fixed = false;
+    for s in segments {
+        if let (Some(r), Some((ls, ld))) = (rects.last_mut(), last)
+            && r.width == s.length
+            && s.src_offset >= ls
+            && s.dst_offset >= ld
+        {
+            let step = (s.src_offset - ls, s.dst_offset - ld);
+            if !fixed && step.0 >= s.length && step.1 >= s.length {
+                (r.src_pitch, r.dst_pitch, r.height) = (step.0, step.1, 2);
+                fixed = true;
+                last = Some((s.src_offset, s.dst_offset));
+                continue;
+            }
+            if fixed && step == (r.src_pitch, r.dst_pitch) {
+                r.height += 1;
+                last = Some((s.src_offset, s.dst_offset));
+                continue;
+            }
+        }
+        rects.push(MoriCopyRect {
+            src_offset: s.src_offset,
+            dst_offset: s.dst_offset,
+            src_pitch: s.length,
+            dst_pitch: s.length,
+            width: s.length,
+            height: 1,
+        });
+        fixed = false;
+        last = Some((s.src_offset, s.dst_offset));
+    }
+    rects
+}
+
+// ---- layouts and requests ------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Nhd,
+    Hnd,
+    /// Token-major with gaps between heads, tokens and pages, and an offset.
+    PaddedNhd,
+    /// Head-major with gaps and an offset.
+    PaddedHnd,
+    /// Each head holds its own run of pages (vLLM's LHBNC).
+    HeadsOutsidePages,
+    /// Token-major with a gap after every head but the last, so a token's last head touches
+    /// the next token's first while its heads do not touch each other.
+    Gapped,
+}
+
+const KINDS: [Kind; 6] = [
+    Kind::Nhd,
+    Kind::Hnd,
+    Kind::PaddedNhd,
+    Kind::PaddedHnd,
+    Kind::HeadsOutsidePages,
+    Kind::Gapped,
+];
+
+fn library_layout(kind: Kind, h: u32, tp: u32, rank: u32, ps: u32, hb: u64) -> MoriTpLayout {
+    let mut out = MoriTpLayout::default();
+    // SAFETY: a valid out-pointer.
+    let status = unsafe {
+        match kind {
+            Kind::Hnd | Kind::PaddedHnd | Kind::HeadsOutsidePages => {
+                mori_tp_layout_hnd(h, tp, rank, ps, hb, &mut out)
+            }
+            Kind::Nhd | Kind::PaddedNhd | Kind::Gapped => {
+                mori_tp_layout_nhd(h, tp, rank, ps, hb, &mut out)
+            }
+        }
+    };
+    assert_eq!(status, MORI_OK, "{}", last_error());
+    out
+}
+
+/// A layout of `kind` for one rank, for buffers of `capacity_pages` pages; `pad` adds gaps.
+fn layout(
+    kind: Kind,
+    h: u32,
+    tp: u32,
+    rank: u32,
+    ps: u32,
+    hb: u64,
+    capacity_pages: u64,
+    pad: u64,
+) -> MoriTpLayout {
+    let base = library_layout(kind, h, tp, rank, ps, hb);
+    let (l, slots) = (u64::from(local_heads(h, tp)), u64::from(ps));
+    match kind {
+        Kind::Nhd | Kind::Hnd => base,
+        Kind::PaddedNhd => {
+            let head_stride = hb + pad;
+            let token_stride = (l - 1) * head_stride + hb + 2 * pad;
+            let offset = 3 * pad;
+            let extent = offset + (slots - 1) * token_stride + (l - 1) * head_stride + hb;
+            MoriTpLayout {
+                head_stride,
+                token_stride,
+                offset,
+                page_stride: extent + pad,
+                ..base
+            }
+        }
+        Kind::PaddedHnd => {
+            let token_stride = hb + pad;
+            let head_stride = (slots - 1) * token_stride + hb + pad;
+            let offset = pad;
+            let extent = offset + (slots - 1) * token_stride + (l - 1) * head_stride + hb;
+            MoriTpLayout {
+                head_stride,
+                token_stride,
+                offset,
+                page_stride: extent + 2 * pad,
+                ..base
+            }
+        }
+        Kind::HeadsOutsidePages if l > 1 => {
+            let page_stride = slots * hb + pad;
+            MoriTpLayout {
+                token_stride: hb,
+                page_stride,
+                offset: pad,
+                // Every page of the buffer fits in its head's run.
+                head_stride: capacity_pages * page_stride + pad,
+                ..base
+            }
+        }
+        // With one local head there is nothing to put outside pages.
+        Kind::HeadsOutsidePages => base,
+        Kind::Gapped => {
+            let head_stride = 2 * hb;
+            let token_stride = (l - 1) * head_stride + hb;
+            MoriTpLayout {
+                head_stride,
+                token_stride,
+                page_stride: slots * token_stride,
+                ..base
+            }
+        }
+    }
+}
+
+/// Bytes a buffer of `capacity_pages` pages of a layout spans.
+fn buffer_len(l: &MoriTpLayout, capacity_pages: u64) -> usize {
+    let local = u64::from(local_heads(l.total_kv_heads, l.tp_size));
+    let extent = l.offset
+        + (u64::from(l.page_size) - 1) * l.token_stride
+        + (local - 1) * l.head_stride
+        + l.head_bytes;
+    ((capacity_pages - 1) * l.page_stride + extent) as usize
+}
+
+/// `count` distinct pages out of `capacity`, in runs of random lengths and random order.
+fn pages(rng: &mut Rng, count: usize, capacity: usize) -> Vec<i32> {
+    let mut all: Vec<i32> = (0..capacity as i32).collect();
+    // Shuffle runs of up to 4 pages, so some pages stay consecutive.
+    let mut runs: Vec<Vec<i32>> = all
+        .chunks(rng.range(1, 4) as usize)
+        .map(<[i32]>::to_vec)
+        .collect();
+    rng.shuffle(&mut runs);
+    all = runs.concat();
+    all.truncate(count);
+    all
+}
+
+fn pattern(salt: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| mix(salt ^ (i as u64) << 8) as u8)
+        .collect()
+}
+
+// ---- one pair, checked end to end ----------------------------------------------------------
+
+struct Case {
+    src_layout: MoriTpLayout,
+    dst_layout: MoriTpLayout,
+    src_pages: Vec<i32>,
+    dst_pages: Vec<i32>,
+    tokens: u64,
+    src_len: usize,
+    dst_len: usize,
+}
+
+fn request(case: &Case) -> MoriTpRequest {
+    MoriTpRequest {
+        src_pages: case.src_pages.as_ptr(),
+        num_src_pages: case.src_pages.len(),
+        dst_pages: case.dst_pages.as_ptr(),
+        num_dst_pages: case.dst_pages.len(),
+        num_tokens: case.tokens,
+    }
+}
+
+fn pair_config(case: &Case) -> MoriTpPairConfig {
+    let mut out = MoriTpPairConfig::default();
+    // SAFETY: valid pointers.
+    let status = unsafe { mori_tp_pair_config(&case.src_layout, &case.dst_layout, &mut out) };
+    assert_eq!(status, MORI_OK, "{}", last_error());
+    out
+}
+
+fn library_segments(config: &MoriTpPairConfig, r: &MoriTpRequest, mode: u32) -> Vec<MoriSegment> {
+    let mut needed = 0;
+    // SAFETY: a size query.
+    let status = unsafe { mori_tp_pair_segments(config, r, mode, null_mut(), 0, &mut needed) };
+    assert!(
+        status == MORI_OK || status == MORI_ERR_BUFFER_TOO_SMALL,
+        "{}",
+        last_error()
+    );
+    let mut out = vec![MoriSegment::default(); needed];
+    let mut written = 0;
+    // SAFETY: an array of `needed` entries.
+    let status =
+        unsafe { mori_tp_pair_segments(config, r, mode, out.as_mut_ptr(), needed, &mut written) };
+    assert_eq!(status, MORI_OK, "{}", last_error());
+    assert_eq!(written, needed);
+    out
+}
+
+fn library_rects(config: &MoriTpPairConfig, r: &MoriTpRequest) -> Vec<MoriCopyRect> {
+    let mut needed = 0;
+    // SAFETY: a size query.
+    let status = unsafe { mori_tp_pair_plan(config, r, null_mut(), 0, &mut needed) };
+    assert!(
+        status == MORI_OK || status == MORI_ERR_BUFFER_TOO_SMALL,
+        "{}",
+        last_error()
+    );
+    let mut out = vec![MoriCopyRect::default(); needed];
+    let mut written = 0;
+    // SAFETY: an array of `needed` entries.
+    let status = unsafe { mori_tp_pair_plan(config, r, out.as_mut_ptr(), needed, &mut written) };
+    assert_eq!(status, MORI_OK, "{}", last_error());
+    out
+}
+
+fn staging_len(config: &MoriTpPairConfig, tokens: u64) -> usize {
+    let mut out = 0;
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { mori_tp_pair_staging_len(config, tokens, &mut out) },
+        MORI_OK
+    );
+    out as usize
+}
+
+fn copy_segments(segments: &[MoriSegment], from: &[u8], to: &mut [u8]) {
+    for s in segments {
+        let (f, t, n) = (
+            s.src_offset as usize,
+            s.dst_offset as usize,
+            s.length as usize,
+        );
+        to[t..t + n].copy_from_slice(&from[f..f + n]);
+    }
+}
+
+fn send(config: &MoriTpPairConfig, case: &Case, src: &[Vec<u8>], dst: &mut [Vec<u8>]) {
+    let src_ptrs: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
+    let dst_ptrs: Vec<*mut c_void> = dst.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+    let buffers = MoriKvBuffers {
+        src: src_ptrs.as_ptr(),
+        dst: dst_ptrs.as_ptr(),
+        num_buffers: src.len(),
+        src_capacity: case.src_len as u64,
+        dst_capacity: case.dst_len as u64,
+    };
+    let r = request(case);
+    // SAFETY: buffers of the stated capacities.
+    let status = unsafe { mori_send_kvcache_pair(config, &buffers, &r, &HOST) };
+    assert_eq!(status, MORI_OK, "{}", last_error());
+}
+
+/// Checks one pair of one case; returns the number of segments of the direct transfer.
+fn check_pair(case: &Case, what: &str) -> usize {
+    let config = pair_config(case);
+    let (src_l, dst_l) = (&case.src_layout, &case.dst_layout);
+    let h = src_l.total_kv_heads;
+    let moved = moved_heads(
+        h,
+        src_l.tp_size,
+        src_l.tp_rank,
+        dst_l.tp_size,
+        dst_l.tp_rank,
+    );
+    let r = request(case);
+    let buffers = 2usize;
+    let src: Vec<Vec<u8>> = (0..buffers)
+        .map(|b| pattern(0xA0 + b as u64, case.src_len))
+        .collect();
+    let initial: Vec<Vec<u8>> = (0..buffers)
+        .map(|b| pattern(0xD0 + b as u64, case.dst_len))
+        .collect();
+    let Some(moved) = moved else {
+        assert_ne!(config.action, MORI_TP_ACTION_SEND, "{what}");
+        assert!(library_segments(&config, &r, MORI_TP_STAGING_NONE).is_empty());
+        let mut dst = initial.clone();
+        send(&config, case, &src, &mut dst);
+        assert_eq!(dst, initial, "{what}: a pair that does not send wrote");
+        return 0;
+    };
+    assert_eq!(config.action, MORI_TP_ACTION_SEND, "{what}");
+    assert_eq!(
+        (config.first_head, config.num_heads),
+        (moved.start, moved.len() as u32)
+    );
+    let src_first = u64::from(moved.start - owned_heads(h, src_l.tp_size, src_l.tp_rank).start);
+    let dst_first = u64::from(moved.start - owned_heads(h, dst_l.tp_size, dst_l.tp_rank).start);
+    assert_eq!(
+        (
+            u64::from(config.src_first_local),
+            u64::from(config.dst_first_local)
+        ),
+        (src_first, dst_first)
+    );
+    let (n, hb, tokens) = (moved.len() as u64, src_l.head_bytes, case.tokens);
+    let src_place = Place::Pages {
+        layout: src_l,
+        pages: &case.src_pages,
+        first_local: src_first,
+    };
+    let dst_place = Place::Pages {
+        layout: dst_l,
+        pages: &case.dst_pages,
+        first_local: dst_first,
+    };
+    let direct = Pair {
+        src: src_place,
+        dst: dst_place,
+        tokens,
+        heads: n,
+        hb,
+    };
+
+    // The destination, element by element.
+    let mut want = initial.clone();
+    for (s, w) in src.iter().zip(&mut want) {
+        for k in 0..tokens {
+            for j in 0..n {
+                let (a, b) = (
+                    direct.address(src_place, k, j) as usize,
+                    direct.address(dst_place, k, j) as usize,
+                );
+                w[b..b + hb as usize].copy_from_slice(&s[a..a + hb as usize]);
+            }
+        }
+    }
+    let mut got = initial.clone();
+    send(&config, case, &src, &mut got);
+    assert!(
+        got == want,
+        "{what}: mori_send_kvcache_pair differs from the oracle"
+    );
+
+    // Segments and rects.
+    let page_sizes = [src_l.page_size, dst_l.page_size];
+    let segments = library_segments(&config, &r, MORI_TP_STAGING_NONE);
+    assert_eq!(
+        segments,
+        direct.best_segments(page_sizes),
+        "{what}: segments"
+    );
+    let rects = library_rects(&config, &r);
+    assert_eq!(rects, greedy_rects(&segments), "{what}: rects");
+    assert!(rects.len() <= segments.len());
+    let rect_bytes: u64 = rects.iter().map(|r| r.width * r.height).sum();
+    assert_eq!(rect_bytes, tokens * n * hb * u64::from(tokens > 0));
+
+    // Staging: the region's own layout, the segments of each mode and the composition law.
+    let len = staging_len(&config, tokens);
+    assert_eq!(len as u64, tokens * n * hb);
+    for mode in MODES {
+        let stages_src = mode == MORI_TP_STAGING_SRC || mode == MORI_TP_STAGING_BOTH;
+        let stages_dst = mode == MORI_TP_STAGING_DST || mode == MORI_TP_STAGING_BOTH;
+        // The region's order: head-major when one side is staged and the other is head-major.
+        let chunk = |other: &MoriTpLayout| -> Option<u64> {
+            (mode != MORI_TP_STAGING_BOTH && head_major(other)).then(|| {
+                if heads_outside_pages(other) {
+                    tokens.max(1)
+                } else {
+                    u64::from(other.page_size)
+                }
+            })
+        };
+        let staged = Pair {
+            src: if stages_src {
+                Place::Region {
+                    chunk: chunk(dst_l),
+                }
+            } else {
+                src_place
+            },
+            dst: if stages_dst {
+                Place::Region {
+                    chunk: chunk(src_l),
+                }
+            } else {
+                dst_place
+            },
+            tokens,
+            heads: n,
+            hb,
+        };
+        let transport = library_segments(&config, &r, mode);
+        assert_eq!(
+            transport,
+            staged.best_segments(page_sizes),
+            "{what} mode {mode}: segments"
+        );
+        let region_len = buffers * len;
+        let mut src_region = vec![0x11u8; region_len];
+        if stages_src {
+            let ptrs: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
+            // SAFETY: buffers and a region of the stated sizes.
+            let status = unsafe {
+                mori_pack_kvcache_pair(
+                    &config,
+                    mode,
+                    ptrs.as_ptr(),
+                    buffers,
+                    case.src_len as u64,
+                    &r,
+                    src_region.as_mut_ptr().cast(),
+                    region_len as u64,
+                    &HOST,
+                )
+            };
+            assert_eq!(status, MORI_OK, "{what} pack {mode}: {}", last_error());
+            // The region holds the slice in the contract's order.
+            for (b, s) in src.iter().enumerate() {
+                for k in 0..tokens {
+                    for j in 0..n {
+                        let at = b * len + staged.address(staged.src, k, j) as usize;
+                        let from = direct.address(src_place, k, j) as usize;
+                        assert_eq!(
+                            src_region[at..at + hb as usize],
+                            s[from..from + hb as usize],
+                            "{what} pack {mode}: region element ({k}, {j})"
+                        );
+                    }
+                }
+            }
+        }
+        let mut dst = initial.clone();
+        let mut dst_region = vec![0x22u8; region_len];
+        for b in 0..buffers {
+            let from: &[u8] = if stages_src {
+                &src_region[b * len..(b + 1) * len]
+            } else {
+                &src[b]
+            };
+            let to: &mut [u8] = if stages_dst {
+                &mut dst_region[b * len..(b + 1) * len]
+            } else {
+                &mut dst[b]
+            };
+            copy_segments(&transport, from, to);
+        }
+        if stages_dst {
+            let mut ptrs: Vec<*mut c_void> =
+                dst.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+            // SAFETY: buffers and a region of the stated sizes.
+            let status = unsafe {
+                mori_unpack_kvcache_pair(
+                    &config,
+                    mode,
+                    dst_region.as_ptr().cast(),
+                    region_len as u64,
+                    ptrs.as_mut_ptr(),
+                    buffers,
+                    case.dst_len as u64,
+                    &r,
+                    &HOST,
+                )
+            };
+            assert_eq!(status, MORI_OK, "{what} unpack {mode}: {}", last_error());
+        }
+        assert!(dst == want, "{what} mode {mode}: the composition law fails");
+    }
+    segments.len()
+}
+
+/// A random case for one pair: a layout kind and page size per side, and a request.
+fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> Case {
+    let kinds = [
+        KINDS[rng.range(0, 4) as usize],
+        KINDS[rng.range(0, 4) as usize],
+    ];
+    let page_sizes = [
+        PAGE_SIZES[rng.range(0, 3) as usize],
+        PAGE_SIZES[rng.range(0, 3) as usize],
+    ];
+    let hb = [1u64, 2, 4, 6, 8][rng.range(0, 4) as usize];
+    let max_ps = u64::from(page_sizes[0].max(page_sizes[1]));
+    // Empty, whole pages of the larger size, or anything up to two of them.
+    let tokens = match rng.range(0, 5) {
+        0 => 0,
+        1 => max_ps * rng.range(1, 2),
+        _ => rng.range(1, 2 * max_ps + 3),
+    };
+    build_case(
+        rng,
+        h,
+        [(p_tp, p), (d_tp, d)],
+        kinds,
+        page_sizes,
+        hb,
+        tokens,
+    )
+}
+
+fn build_case(
+    rng: &mut Rng,
+    h: u32,
+    ranks: [(u32, u32); 2],
+    kinds: [Kind; 2],
+    page_sizes: [u32; 2],
+    hb: u64,
+    tokens: u64,
+) -> Case {
+    let pad = rng.range(1, 3) * hb;
+    let mut sides = ranks
+        .iter()
+        .zip(kinds)
+        .zip(page_sizes)
+        .map(|((&(tp, rank), kind), ps)| {
+            let count = tokens.div_ceil(u64::from(ps)) as usize;
+            let capacity = count + rng.range(1, 3) as usize;
+            let layout = layout(kind, h, tp, rank, ps, hb, capacity as u64, pad);
+            let list = pages(rng, count, capacity);
+            (layout, list, buffer_len(&layout, capacity as u64))
+        });
+    let (src_layout, src_pages, src_len) = sides.next().unwrap();
+    let (dst_layout, dst_pages, dst_len) = sides.next().unwrap();
+    Case {
+        src_layout,
+        dst_layout,
+        src_pages,
+        dst_pages,
+        tokens,
+        src_len,
+        dst_len,
+    }
+}
+
+#[test]
+fn every_valid_tp_pairing_up_to_16_moves_the_oracles_bytes_in_any_layout() {
+    let mut checked = 0;
+    for h in 1..=16u32 {
+        for p_tp in (1..=16u32).filter(|&t| valid_tp(h, t)) {
+            for d_tp in (1..=16u32).filter(|&t| valid_tp(h, t)) {
+                let mut rng = Rng::new(mix(u64::from(h) << 40
+                    | u64::from(p_tp) << 20
+                    | u64::from(d_tp)));
+                // Every decode rank, with its senders and one rank that does not send to it.
+                for d in 0..d_tp {
+                    for p in 0..p_tp {
+                        let sends = moved_heads(h, p_tp, p, d_tp, d).is_some();
+                        if !sends && rng.range(0, 7) != 0 {
+                            continue;
+                        }
+                        let case = random_case(&mut rng, h, p_tp, p, d_tp, d);
+                        let what = format!(
+                            "H {h} P {p_tp} D {d_tp} pair ({p}, {d}): {:?} -> {:?}, {} tokens",
+                            case.src_layout, case.dst_layout, case.tokens
+                        );
+                        check_pair(&case, &what);
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 1000, "only {checked} pairs checked");
+}
+
+#[test]
+fn every_page_size_pairing_and_layout_mix_with_whole_and_partial_pages() {
+    // 8 KV heads, prefill TP 2 -> decode TP 8 and back, every layout kind on each side, every
+    // pair of page sizes, requests empty, of whole pages and ending in a partial page.
+    let mut rng = Rng::new(7);
+    for (p_tp, d_tp) in [(2u32, 8u32), (8, 2), (4, 4)] {
+        for (src_kind, dst_kind) in KINDS
+            .iter()
+            .flat_map(|&a| KINDS.iter().map(move |&b| (a, b)))
+        {
+            for (src_ps, dst_ps) in PAGE_SIZES
+                .iter()
+                .flat_map(|&a| PAGE_SIZES.iter().map(move |&b| (a, b)))
+            {
+                let whole = u64::from(src_ps.max(dst_ps)) * 2;
+                for tokens in [0, whole, whole + 1, whole - 1] {
+                    let (p, d) = (
+                        rng.range(0, u64::from(p_tp) - 1) as u32,
+                        rng.range(0, u64::from(d_tp) - 1) as u32,
+                    );
+                    let case = build_case(
+                        &mut rng,
+                        8,
+                        [(p_tp, p), (d_tp, d)],
+                        [src_kind, dst_kind],
+                        [src_ps, dst_ps],
+                        4,
+                        tokens,
+                    );
+                    let what = format!(
+                        "{src_kind:?} {src_ps} -> {dst_kind:?} {dst_ps}, TP {p_tp} -> {d_tp} ({p}, {d}), {tokens} tokens"
+                    );
+                    check_pair(&case, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn head_major_pages_holding_exactly_the_moved_heads_are_one_segment_per_run() {
+    // vLLM on ROCm: 8 KV heads, HND, prefill TP 8 (1 head) -> decode TP 8 (1 head), page 16:
+    // every page is the slice, so a run of pages is one segment.
+    let mut rng = Rng::new(3);
+    let case = build_case(
+        &mut rng,
+        8,
+        [(8, 3), (8, 3)],
+        [Kind::Hnd, Kind::Hnd],
+        [16, 16],
+        256,
+        16 * 6,
+    );
+    let config = pair_config(&case);
+    let segments = library_segments(&config, &request(&case), MORI_TP_STAGING_NONE);
+    let runs = case
+        .src_pages
+        .windows(2)
+        .zip(case.dst_pages.windows(2))
+        .filter(|(s, d)| s[1] != s[0] + 1 || d[1] != d[0] + 1)
+        .count()
+        + 1;
+    assert_eq!(segments.len(), runs);
+    // HND 4 local heads -> 1 local head (TP 2 -> 8): each head's page run is one segment.
+    let case = build_case(
+        &mut rng,
+        8,
+        [(2, 0), (8, 1)],
+        [Kind::Hnd, Kind::Hnd],
+        [16, 16],
+        256,
+        16 * 6,
+    );
+    let config = pair_config(&case);
+    let segments = library_segments(&config, &request(&case), MORI_TP_STAGING_NONE);
+    assert_eq!(
+        segments.len(),
+        6,
+        "one per page: the prefill page holds 3 other heads"
+    );
+}
+
+// ---- agreement with sections 4 and 5 --------------------------------------------------------
+
+fn section4_config(
+    h: u32,
+    p_tp: u32,
+    p: u32,
+    d_tp: u32,
+    d: u32,
+    ps: u32,
+    hb: u64,
+) -> MoriTpSliceConfig {
+    let item = |tp| u64::from(ps) * u64::from(local_heads(h, tp)) * hb;
+    let params = MoriTpSliceParams {
+        prefill_tp_size: p_tp,
+        prefill_tp_rank: p,
+        decode_tp_size: d_tp,
+        decode_tp_rank: d,
+        total_kv_heads: h,
+        page_size: ps,
+        src_item_len: item(p_tp),
+        dst_item_len: item(d_tp),
+    };
+    let mut out = MoriTpSliceConfig::default();
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { mori_tp_slice_config(&params, &mut out) }, MORI_OK);
+    out
+}
+
+#[test]
+fn on_section_4_layouts_the_pair_functions_agree_with_sections_4_and_5() {
+    let mut rng = Rng::new(11);
+    for (h, p_tp, d_tp) in [
+        (4u32, 2u32, 8u32),
+        (8, 8, 2),
+        (4, 12, 8),
+        (12, 6, 4),
+        (1, 4, 2),
+        (8, 2, 2),
+    ] {
+        for ps in [1u32, 16] {
+            for p in 0..p_tp {
+                for d in 0..d_tp {
+                    let hb = 8;
+                    let num_pages = rng.range(0, 9) as usize;
+                    let capacity = num_pages + 3;
+                    let src_pages = pages(&mut rng, num_pages, capacity);
+                    let dst_pages = pages(&mut rng, num_pages, capacity);
+                    let c4 = section4_config(h, p_tp, p, d_tp, d, ps, hb);
+                    let case = Case {
+                        src_layout: library_layout(Kind::Nhd, h, p_tp, p, ps, hb),
+                        dst_layout: library_layout(Kind::Nhd, h, d_tp, d, ps, hb),
+                        src_pages: src_pages.clone(),
+                        dst_pages: dst_pages.clone(),
+                        tokens: num_pages as u64 * u64::from(ps),
+                        src_len: capacity * c4.src_item_len as usize,
+                        dst_len: capacity * c4.dst_item_len as usize,
+                    };
+                    let config = pair_config(&case);
+                    let r = request(&case);
+                    let what = format!("H {h} TP {p_tp} -> {d_tp} ({p}, {d}) page {ps}");
+                    let (mut staging4, mut staging7) = (9, 9);
+                    // SAFETY: valid pointers.
+                    unsafe {
+                        assert_eq!(mori_tp_staging_for(&c4, &mut staging4), MORI_OK);
+                        assert_eq!(mori_tp_pair_staging_for(&config, &mut staging7), MORI_OK);
+                    }
+                    assert_eq!(staging7, staging4, "{what}: staging_for");
+                    let mut len4 = 0;
+                    // SAFETY: valid pointers.
+                    assert_eq!(
+                        unsafe { mori_tp_staging_len(&c4, num_pages, &mut len4) },
+                        MORI_OK
+                    );
+                    assert_eq!(staging_len(&config, case.tokens) as u64, len4, "{what}");
+                    for mode in MODES {
+                        let mut needed = 0;
+                        // SAFETY: a size query, then an array of that size.
+                        let four = unsafe {
+                            mori_tp_plan_transfer(
+                                &c4,
+                                mode,
+                                src_pages.as_ptr(),
+                                dst_pages.as_ptr(),
+                                num_pages,
+                                null_mut(),
+                                0,
+                                &mut needed,
+                            );
+                            let mut out = vec![MoriSegment::default(); needed];
+                            let status = mori_tp_plan_transfer(
+                                &c4,
+                                mode,
+                                src_pages.as_ptr(),
+                                dst_pages.as_ptr(),
+                                num_pages,
+                                out.as_mut_ptr(),
+                                needed,
+                                &mut needed,
+                            );
+                            assert_eq!(status, MORI_OK);
+                            out
+                        };
+                        assert_eq!(
+                            library_segments(&config, &r, mode),
+                            four,
+                            "{what} mode {mode}"
+                        );
+                    }
+                    let mut needed = 0;
+                    // SAFETY: a size query.
+                    unsafe {
+                        mori_tp_plan(
+                            &c4,
+                            src_pages.as_ptr(),
+                            dst_pages.as_ptr(),
+                            num_pages,
+                            null_mut(),
+                            0,
+                            &mut needed,
+                        )
+                    };
+                    let rects = library_rects(&config, &r);
+                    assert!(
+                        rects.len() <= needed,
+                        "{what}: {} pair rects, {needed} section-4 rects",
+                        rects.len()
+                    );
+                    // The same bytes move: the pair send equals section 4's.
+                    let src: Vec<Vec<u8>> = (0..2).map(|b| pattern(b, case.src_len)).collect();
+                    let initial: Vec<Vec<u8>> =
+                        (0..2).map(|b| pattern(b + 9, case.dst_len)).collect();
+                    let mut pair_dst = initial.clone();
+                    send(&config, &case, &src, &mut pair_dst);
+                    let mut dst4 = initial.clone();
+                    let src_ptrs: Vec<*const c_void> =
+                        src.iter().map(|b| b.as_ptr().cast()).collect();
+                    let dst_ptrs: Vec<*mut c_void> =
+                        dst4.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+                    let buffers = MoriKvBuffers {
+                        src: src_ptrs.as_ptr(),
+                        dst: dst_ptrs.as_ptr(),
+                        num_buffers: 2,
+                        src_capacity: case.src_len as u64,
+                        dst_capacity: case.dst_len as u64,
+                    };
+                    // SAFETY: buffers of the stated capacities.
+                    let status = unsafe {
+                        mori_send_kvcache(
+                            &c4,
+                            &buffers,
+                            src_pages.as_ptr(),
+                            dst_pages.as_ptr(),
+                            num_pages,
+                            &HOST,
+                        )
+                    };
+                    assert_eq!(status, MORI_OK);
+                    assert!(
+                        pair_dst == dst4,
+                        "{what}: the pair send differs from section 4's"
+                    );
+                }
+            }
+        }
+    }
+}
