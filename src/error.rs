@@ -408,6 +408,14 @@ pub enum Error {
         allowed: &'static str,
     },
 
+    /// The arguments of a layout constructor (`Layout::nhd`, `Layout::hnd`), which belong to
+    /// no side yet: `error` is the refusal, its message without a side.
+    #[error("{}", without_side(.error))]
+    LayoutArguments {
+        /// The refusal, as it reads for a prefill layout.
+        error: Box<Error>,
+    },
+
     // ---- a request (page lists, buffers) ----
     /// The two page lists differ in length.
     #[error(
@@ -567,6 +575,7 @@ impl Error {
     pub fn class(&self) -> ErrorClass {
         use Error::*;
         match self {
+            LayoutArguments { error } => error.class(),
             ZeroTpSize { .. }
             | RankOutOfRange { .. }
             | ZeroPageSize
@@ -637,4 +646,9 @@ fn host_stream_reason(auto_fallback: &bool) -> &'static str {
     } else {
         "the host backend runs on the CPU and takes no stream"
     }
+}
+
+/// A refusal's message without its "prefill side: " (a layout constructor's arguments).
+fn without_side(error: &Error) -> String {
+    error.to_string().replacen("prefill side: ", "", 1)
 }

@@ -124,12 +124,18 @@ impl Layout {
             head_bytes,
             ..Layout::default()
         };
-        // The sizes and topology first, so that a bad H or TP size is named as such.
-        let local = layout.check_fields(Side::Prefill)?;
+        // The sizes and topology first, so that a bad H or TP size is named as such. The layout
+        // belongs to no side yet, so its refusals name none.
+        let in_layout = |error| Error::LayoutArguments {
+            error: Box::new(error),
+        };
+        let local = layout.check_fields(Side::Prefill).map_err(in_layout)?;
         let slot = u64::from(page_size);
         let heads = u64::from(local);
-        let page = checked_product("page_size * head_bytes", slot, head_bytes)?;
-        layout.page_stride = checked_product("local heads * page_size * head_bytes", heads, page)?;
+        let page =
+            checked_product("page_size * head_bytes", slot, head_bytes).map_err(in_layout)?;
+        layout.page_stride = checked_product("local heads * page_size * head_bytes", heads, page)
+            .map_err(in_layout)?;
         if head_major {
             (layout.token_stride, layout.head_stride) = (head_bytes, page);
         } else {
