@@ -243,7 +243,7 @@ pub enum Error {
     /// Two elements of a page overlap: a stride is below `head_bytes`.
     #[error(
         "layout mismatch: {side}: {field} {stride} is below head_bytes {head_bytes}, so \
-         neighbouring heads of a page overlap (it must be at least {needed})"
+         neighbouring elements of a page overlap"
     )]
     ElementsOverlap {
         /// Which engine.
@@ -252,8 +252,6 @@ pub enum Error {
         field: &'static str,
         /// The stride given.
         stride: u64,
-        /// The least stride that works.
-        needed: u64,
         /// Bytes of one head.
         head_bytes: u64,
     },

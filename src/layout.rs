@@ -192,7 +192,6 @@ impl Layout {
                 side,
                 field,
                 stride,
-                needed: hb,
                 head_bytes: hb,
             });
         }

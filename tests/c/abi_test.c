@@ -2,7 +2,9 @@
  * A C program that uses mori-tp only through include/mori_tp.h and the library: the struct
  * layouts and constants of the ABI, a full heterogeneous-TP transfer between host buffers checked
  * byte for byte, directly and staged (pack, transport segments, unpack), the plan functions with
- * their size query, and one call for each refusal class.
+ * their size query, one call for each refusal class, and every function of the layout API
+ * (section 7): an HND prefill at TP 8 into an NHD decode at TP 2 with a larger page and a partial
+ * last page, direct and staged, checked byte for byte against a loop over every element.
  * Exits 0 after printing "all checks passed".
  */
 #include "mori_tp.h"
@@ -312,10 +314,176 @@ static void refusals(void) {
     }
 }
 
+/* ---- any layout: HND prefill TP 8 (page 4) -> NHD decode TP 2 (page 8), 8 heads ------------ */
+#define LH 8
+#define LHB 4  /* bytes of one head */
+#define LN 13u /* tokens: 4 prefill pages (the last partial), 2 decode pages (the last partial) */
+#define LSRC_PAGES 6
+#define LDST_PAGES 3
+
+/* Where local head j of slot t of page p lies in a layout. */
+static uint64_t element(const MoriTpLayout *l, uint64_t p, uint64_t t, uint64_t j) {
+    return p * l->page_stride + l->offset + t * l->token_stride + j * l->head_stride;
+}
+
+static void layouts(void) {
+    MoriTpLayout src, dst, bad;
+    MoriTpPairConfig config, edited;
+    MoriTpRequest request;
+    const int32_t src_pages[4] = {5, 0, 1, 3};
+    const int32_t dst_pages[2] = {2, 0};
+    uint8_t srcbuf[2][LSRC_PAGES * 4 * LHB], dstbuf[2][LDST_PAGES * 8 * 4 * LHB];
+    uint8_t want[2][sizeof dstbuf[0]], staged[2][sizeof dstbuf[0]];
+    uint8_t src_region[2 * LN * LHB], dst_region[2 * LN * LHB];
+    const void *srcs[2];
+    void *dsts[2], *sdsts[2];
+    MoriKvBuffers buffers;
+    MoriSegment segments[64];
+    MoriCopyRect rects[64];
+    MoriTpMemory prefill_memory, decode_memory;
+    size_t n_seg = 0, n_rect = 0, i, b;
+    uint32_t staging = 99, k, j;
+    uint64_t len = 0;
+    int d;
+
+    CHECK(sizeof(MoriTpLayout) == 56 && offsetof(MoriTpLayout, head_bytes) == 16 &&
+          offsetof(MoriTpLayout, head_stride) == 48);
+    CHECK(sizeof(MoriTpPairConfig) == 136 && offsetof(MoriTpPairConfig, src) == 24 &&
+          offsetof(MoriTpPairConfig, dst) == 80);
+    CHECK(offsetof(MoriTpRequest, num_tokens) == 4 * sizeof(void *));
+    CHECK(offsetof(MoriTpMemory, staging_capacity) == 16);
+
+    /* HND on the prefill rank: one local head, so a page is its 4 slots of that head. */
+    EXPECT(mori_tp_layout_hnd(LH, 8, 5, 4, LHB, &src), MORI_OK, NULL);
+    CHECK(src.token_stride == LHB && src.head_stride == 4 * LHB && src.page_stride == 4 * LHB);
+    /* NHD on decode rank 1 of 2: heads 4..7, 4 local heads. */
+    EXPECT(mori_tp_layout_nhd(LH, 2, 1, 8, LHB, &dst), MORI_OK, NULL);
+    CHECK(dst.head_stride == LHB && dst.token_stride == 4 * LHB && dst.page_stride == 8 * 4 * LHB);
+    EXPECT(mori_tp_pair_config(&src, &dst, &config), MORI_OK, NULL);
+    CHECK(config.action == MORI_TP_ACTION_SEND && config.first_head == 5 && config.num_heads == 1);
+    CHECK(config.src_first_local == 0 && config.dst_first_local == 1 && config.reserved == 0);
+
+    request.src_pages = src_pages;
+    request.num_src_pages = 4;
+    request.dst_pages = dst_pages;
+    request.num_dst_pages = 2;
+    request.num_tokens = LN;
+
+    for (b = 0; b < 2; b++) {
+        for (i = 0; i < sizeof srcbuf[b]; i++)
+            srcbuf[b][i] = (uint8_t)(b * 97 + i * 7 + 1);
+        memset(dstbuf[b], 0xEE, sizeof dstbuf[b]);
+        memset(staged[b], 0xEE, sizeof staged[b]);
+        memset(want[b], 0xEE, sizeof want[b]);
+        /* The oracle: element by element. */
+        for (k = 0; k < LN; k++)
+            for (j = 0; j < config.num_heads; j++) {
+                uint64_t from = element(&src, (uint64_t)src_pages[k / 4], k % 4, config.src_first_local + j);
+                uint64_t to = element(&dst, (uint64_t)dst_pages[k / 8], k % 8, config.dst_first_local + j);
+                memcpy(&want[b][to], &srcbuf[b][from], LHB);
+            }
+        srcs[b] = srcbuf[b];
+        dsts[b] = dstbuf[b];
+        sdsts[b] = staged[b];
+    }
+    buffers.src = srcs;
+    buffers.dst = dsts;
+    buffers.num_buffers = 2;
+    buffers.src_capacity = sizeof srcbuf[0];
+    buffers.dst_capacity = sizeof dstbuf[0];
+    EXPECT(mori_send_kvcache_pair(&config, &buffers, &request, NULL), MORI_OK, NULL);
+    CHECK(memcmp(dstbuf, want, sizeof want) == 0);
+
+    /* Segments: the prefill head's slots are back to back within a page, the decode head's are
+     * a token apart, so a segment is one token (13), in token-major order. */
+    EXPECT(mori_tp_pair_segments(&config, &request, MORI_TP_STAGING_NONE, NULL, 0, &n_seg),
+           MORI_ERR_BUFFER_TOO_SMALL, "needs 13 entries");
+    EXPECT(mori_tp_pair_segments(&config, &request, MORI_TP_STAGING_NONE, segments, 64, &n_seg), MORI_OK,
+           NULL);
+    CHECK(n_seg == LN && segments[0].src_offset == 5 * src.page_stride && segments[0].length == LHB);
+    CHECK(segments[0].dst_offset == 2 * dst.page_stride + LHB);
+    EXPECT(mori_tp_pair_plan(&config, &request, rects, 64, &n_rect), MORI_OK, NULL);
+    CHECK(n_rect >= 1 && n_rect <= n_seg);
+    CHECK(rects[0].width == LHB && rects[0].src_pitch == LHB && rects[0].dst_pitch == 4 * LHB);
+
+    /* The decode side is wider than the slice, the prefill side full: DST staging, whose region
+     * is head-major in chunks of the prefill page (4 tokens), so each prefill page run is one
+     * segment. */
+    EXPECT(mori_tp_pair_staging_for(&config, &staging), MORI_OK, NULL);
+    CHECK(staging == MORI_TP_STAGING_DST);
+    EXPECT(mori_tp_pair_staging_len(&config, LN, &len), MORI_OK, NULL);
+    CHECK(len == LN * LHB);
+    prefill_memory.num_buffers = 2;
+    prefill_memory.capacity = sizeof srcbuf[0];
+    prefill_memory.staging_capacity = 0;
+    decode_memory.num_buffers = 2;
+    decode_memory.capacity = sizeof dstbuf[0];
+    decode_memory.staging_capacity = 2 * len;
+    EXPECT(mori_tp_check_pair_transfer(&config, &request, staging, &prefill_memory, &decode_memory),
+           MORI_OK, NULL);
+    EXPECT(mori_tp_pair_segments(&config, &request, staging, segments, 64, &n_seg), MORI_OK, NULL);
+    CHECK(n_seg == 3); /* pages 5 | 0, 1 | 3 */
+    /* Every mode: pack if the prefill side is staged, every segment of every buffer, unpack if
+     * the decode side is: the decode bytes must equal the direct send's. */
+    for (d = 0; d < 4; d++) {
+        uint32_t mode = (uint32_t)d;
+        int pack = mode == MORI_TP_STAGING_SRC || mode == MORI_TP_STAGING_BOTH;
+        int unpack = mode == MORI_TP_STAGING_DST || mode == MORI_TP_STAGING_BOTH;
+        for (b = 0; b < 2; b++)
+            memset(staged[b], 0xEE, sizeof staged[b]);
+        if (pack)
+            EXPECT(mori_pack_kvcache_pair(&config, mode, srcs, 2, sizeof srcbuf[0], &request, src_region,
+                                          sizeof src_region, NULL),
+                   MORI_OK, NULL);
+        EXPECT(mori_tp_pair_segments(&config, &request, mode, segments, 64, &n_seg), MORI_OK, NULL);
+        for (b = 0; b < 2; b++)
+            for (i = 0; i < n_seg; i++) {
+                const uint8_t *from = pack ? src_region + b * len : srcbuf[b];
+                uint8_t *to = unpack ? dst_region + b * len : staged[b];
+                memcpy(to + segments[i].dst_offset, from + segments[i].src_offset, segments[i].length);
+            }
+        if (unpack)
+            EXPECT(mori_unpack_kvcache_pair(&config, mode, dst_region, sizeof dst_region, sdsts, 2,
+                                            sizeof staged[0], &request, NULL),
+                   MORI_OK, NULL);
+        if (memcmp(staged, want, sizeof want) != 0) {
+            fprintf(stderr, "layouts: staging mode %u differs from the direct send\n", mode);
+            failures++;
+        }
+    }
+
+    /* Refusals: each names its values and writes nothing. */
+    memcpy(staged, dstbuf, sizeof staged);
+    EXPECT(mori_tp_layout_nhd(LH, 2, 1, 8, 2 * LHB, &bad), MORI_OK, NULL); /* fp32 against fp16 */
+    EXPECT(mori_tp_pair_config(&src, &bad, &edited), MORI_ERR_LAYOUT_MISMATCH,
+           "head_bytes 8 != prefill side head_bytes 4");
+    bad = dst;
+    bad.page_stride = dst.page_stride - 1;
+    EXPECT(mori_tp_pair_config(&src, &bad, &edited), MORI_ERR_LAYOUT_MISMATCH, "past page_stride");
+    edited = config;
+    edited.reserved = 3;
+    EXPECT(mori_send_kvcache_pair(&edited, &buffers, &request, NULL), MORI_ERR_INVALID_ARGUMENT, "reserved 3");
+    request.num_src_pages = 3;
+    EXPECT(mori_send_kvcache_pair(&config, &buffers, &request, NULL), MORI_ERR_INVALID_ARGUMENT,
+           "prefill side: 3 pages for 13 tokens of page_size 4");
+    request.num_src_pages = 4;
+    EXPECT(mori_pack_kvcache_pair(&config, MORI_TP_STAGING_DST, srcs, 2, sizeof srcbuf[0], &request,
+                                  src_region, sizeof src_region, NULL),
+           MORI_ERR_INVALID_ARGUMENT, "pack takes staging mode SRC or BOTH");
+    EXPECT(mori_unpack_kvcache_pair(&config, MORI_TP_STAGING_DST, dst_region, 2 * len - 1, dsts, 2,
+                                    sizeof dstbuf[0], &request, NULL),
+           MORI_ERR_BUFFER_TOO_SMALL, "staging_capacity 103 is below the 104 bytes");
+    buffers.dst_capacity = 2 * dst.page_stride; /* decode page 2 ends past it */
+    EXPECT(mori_send_kvcache_pair(&config, &buffers, &request, NULL), MORI_ERR_OUT_OF_BOUNDS,
+           "decode side: page 2 at position 0");
+    CHECK(memcmp(staged, dstbuf, sizeof staged) == 0);
+}
+
 int main(void) {
     check_layout();
     full_transfer();
     refusals();
+    layouts();
     if (failures != 0) {
         fprintf(stderr, "%d checks failed\n", failures);
         return 1;

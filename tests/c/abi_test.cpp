@@ -1,9 +1,10 @@
 // A C++17 program that links mori-tp through include/mori_tp.h: a transfer where both sides
 // replicate the KV heads with a non-integer TP ratio (2 KV heads, prefill TP 6, decode TP 4),
 // checked byte for byte, directly and through each of the four staging modes, the plan size
-// query, one call per refusal class the way a C++ runtime would wrap the C API, and failing
-// calls made from thread_local destructors while threads exit. Exits 0 after printing "all
-// checks passed".
+// query, one call per refusal class the way a C++ runtime would wrap the C API, failing calls
+// made from thread_local destructors while threads exit, and the layout API (section 7): an NHD
+// prefill at TP 2 with page 64 into HND decode ranks at TP 8 with page 16, every pair, every
+// staging mode, partial last pages. Exits 0 after printing "all checks passed".
 #include "mori_tp.h"
 
 #include <atomic>
@@ -271,12 +272,119 @@ void failing_calls_from_thread_local_destructors() {
     }
 }
 
+
+// ---- any layout: NHD prefill TP 2 (page 64) -> HND decode TP 8 (page 16), 4 KV heads --------
+
+struct Side7 {
+    MoriTpLayout layout;
+    std::vector<int32_t> pages;
+    size_t bytes;
+};
+
+uint64_t element(const MoriTpLayout &l, uint64_t page, uint64_t slot, uint64_t local) {
+    return page * l.page_stride + l.offset + slot * l.token_stride + local * l.head_stride;
+}
+
+void layouts() {
+    constexpr uint32_t heads = 4, head_bytes = 8;
+    for (uint64_t tokens : {0ull, 64ull, 100ull}) {
+        for (uint32_t p = 0; p < 2; ++p) {
+            for (uint32_t d = 0; d < 8; ++d) {
+                Side7 src{}, dst{};
+                ok(mori_tp_layout_nhd(heads, 2, p, 64, head_bytes, &src.layout));
+                ok(mori_tp_layout_hnd(heads, 8, d, 16, head_bytes, &dst.layout));
+                // Pages in reverse order, so no two are adjacent on the decode side.
+                for (uint64_t i = 0; i < (tokens + 63) / 64; ++i) src.pages.push_back(int32_t(i + 1));
+                const int32_t dst_count = int32_t((tokens + 15) / 16);
+                for (int32_t i = 0; i < dst_count; ++i) dst.pages.push_back(dst_count - i);
+                src.bytes = size_t(src.pages.size() + 2) * src.layout.page_stride;
+                dst.bytes = size_t(dst.pages.size() + 2) * dst.layout.page_stride;
+                MoriTpPairConfig config{};
+                ok(mori_tp_pair_config(&src.layout, &dst.layout, &config));
+                const MoriTpRequest request{src.pages.data(), src.pages.size(), dst.pages.data(),
+                                            dst.pages.size(), tokens};
+                Buffers from(kBuffers, std::vector<uint8_t>(src.bytes)), want(kBuffers),
+                    got(kBuffers);
+                for (uint32_t b = 0; b < kBuffers; ++b) {
+                    for (size_t i = 0; i < src.bytes; ++i) from[b][i] = uint8_t(b * 31 + i * 13 + 3);
+                    want[b].assign(dst.bytes, 0xEE);
+                    for (uint64_t k = 0; k < tokens; ++k)
+                        for (uint32_t j = 0; j < config.num_heads; ++j)
+                            std::memcpy(&want[b][element(dst.layout, dst.pages[k / 16], k % 16,
+                                                         config.dst_first_local + j)],
+                                        &from[b][element(src.layout, src.pages[k / 64], k % 64,
+                                                         config.src_first_local + j)],
+                                        head_bytes);
+                }
+                // Direct, then each staging mode: pack, the segments, unpack.
+                for (int mode = -1; mode < 4; ++mode) {
+                    for (auto &g : got) g.assign(dst.bytes, 0xEE);
+                    std::vector<const void *> s;
+                    std::vector<void *> t;
+                    for (uint32_t b = 0; b < kBuffers; ++b) {
+                        s.push_back(from[b].data());
+                        t.push_back(got[b].data());
+                    }
+                    if (mode < 0) {
+                        const MoriKvBuffers buffers{s.data(), t.data(), kBuffers, src.bytes, dst.bytes};
+                        ok(mori_send_kvcache_pair(&config, &buffers, &request, nullptr));
+                    } else {
+                        const uint32_t m = uint32_t(mode);
+                        uint64_t len = 0;
+                        ok(mori_tp_pair_staging_len(&config, tokens, &len));
+                        std::vector<uint8_t> src_region(kBuffers * len + 1), dst_region(kBuffers * len + 1);
+                        if (stages_src(m))
+                            ok(mori_pack_kvcache_pair(&config, m, s.data(), kBuffers, src.bytes, &request,
+                                                      src_region.data(), src_region.size(), nullptr));
+                        size_t count = 0;
+                        EXPECT_ERROR(mori_tp_pair_segments(&config, &request, m, nullptr, 1, &count),
+                                     MORI_ERR_NULL_POINTER, "out is NULL");
+                        MoriStatus query = mori_tp_pair_segments(&config, &request, m, nullptr, 0, &count);
+                        CHECK(query == MORI_OK || query == MORI_ERR_BUFFER_TOO_SMALL);
+                        std::vector<MoriSegment> segments(count);
+                        ok(mori_tp_pair_segments(&config, &request, m, segments.data(), count, &count));
+                        for (uint32_t b = 0; b < kBuffers; ++b)
+                            for (const MoriSegment &seg : segments) {
+                                const uint8_t *a = stages_src(m) ? src_region.data() + b * len : from[b].data();
+                                uint8_t *z = stages_dst(m) ? dst_region.data() + b * len : got[b].data();
+                                std::memcpy(z + seg.dst_offset, a + seg.src_offset, seg.length);
+                            }
+                        if (stages_dst(m))
+                            ok(mori_unpack_kvcache_pair(&config, m, dst_region.data(), dst_region.size(),
+                                                        t.data(), kBuffers, dst.bytes, &request, nullptr));
+                        uint32_t chosen = 9;
+                        ok(mori_tp_pair_staging_for(&config, &chosen));
+                        // The prefill page holds other heads, the decode page exactly its head.
+                        CHECK(config.action != MORI_TP_ACTION_SEND || chosen == MORI_TP_STAGING_SRC);
+                    }
+                    if (got != want) {
+                        std::fprintf(stderr, "layouts: pair (%u, %u), %llu tokens, mode %d differs\n", p, d,
+                                     static_cast<unsigned long long>(tokens), mode);
+                        ++failures;
+                    }
+                }
+                size_t rects = 0;
+                MoriStatus query = mori_tp_pair_plan(&config, &request, nullptr, 0, &rects);
+                CHECK(query == MORI_OK || query == MORI_ERR_BUFFER_TOO_SMALL);
+            }
+        }
+    }
+    MoriTpLayout nhd{}, wrong{};
+    ok(mori_tp_layout_nhd(4, 2, 0, 64, 8, &nhd));
+    EXPECT_ERROR(mori_tp_layout_hnd(4, 3, 0, 16, 8, &wrong), MORI_ERR_TOPOLOGY, "tp_size 3");
+    ok(mori_tp_layout_hnd(8, 8, 0, 16, 8, &wrong));
+    MoriTpPairConfig config{};
+    EXPECT_ERROR(mori_tp_pair_config(&nhd, &wrong, &config), MORI_ERR_TOPOLOGY, "total_kv_heads 4");
+    CHECK(config.src.page_size == 0);  // written only on success
+}
+
 }  // namespace
 
 int main() {
     try {
         transfer();
         refusals();
+        layouts();
         failing_calls_from_thread_local_destructors();
         // The main thread too: its thread_local destructor runs at exit, after main returns.
         at_thread_exit.armed = true;
