@@ -212,6 +212,84 @@ fn bench_plans(c: &mut Criterion) {
     }
 }
 
+/// The section-4 configs of the pair comparison: Llama-3.1-70B's 8 KV heads of 256 bytes from
+/// prefill TP 4 to decode TP `decode_tp` (8: a head out of every two, a segment per token; 4:
+/// whole tokens, a segment per run of pages), as a slice config and as the NHD pair config that
+/// describes the same ranks.
+fn section4_pair(decode_tp: u32, page_size: u32) -> (MoriTpSliceConfig, MoriTpPairConfig) {
+    let head_bytes = 256;
+    let (p, d) = (1, if decode_tp == 8 { 3 } else { 1 });
+    let local = |tp: u32| u64::from(8 / tp);
+    let config = slice_config(&MoriTpSliceParams {
+        prefill_tp_size: 4,
+        prefill_tp_rank: p,
+        decode_tp_size: decode_tp,
+        decode_tp_rank: d,
+        total_kv_heads: 8,
+        page_size,
+        src_item_len: u64::from(page_size) * local(4) * head_bytes,
+        dst_item_len: u64::from(page_size) * local(decode_tp) * head_bytes,
+    });
+    let (mut src, mut dst) = (MoriTpLayout::default(), MoriTpLayout::default());
+    let mut pair = MoriTpPairConfig::default();
+    // SAFETY: valid pointers.
+    unsafe {
+        assert_eq!(
+            mori_tp_layout_nhd(8, 4, p, page_size, head_bytes, &mut src),
+            MORI_OK
+        );
+        assert_eq!(
+            mori_tp_layout_nhd(8, decode_tp, d, page_size, head_bytes, &mut dst),
+            MORI_OK
+        );
+        assert_eq!(mori_tp_pair_config(&src, &dst, &mut pair), MORI_OK);
+    }
+    (config, pair)
+}
+
+fn pair_segments(pair: &MoriTpPairConfig, request: &MoriTpRequest, out: &mut Vec<MoriSegment>) {
+    // SAFETY: a valid config and request; out valid for its capacity.
+    plan_into(out, |out, capacity, len| unsafe {
+        mori_tp_pair_segments(pair, request, MORI_TP_STAGING_NONE, out, capacity, len)
+    });
+}
+
+/// The shapes of the pair comparison: (name, decode TP).
+const PAIR_SHAPES: [(&str, u32); 2] = [("per_token", 8), ("whole_token", 4)];
+
+/// mori_tp_pair_segments against mori_tp_plan_segments on the same section-4 requests: the
+/// general generator (every order counted, the fewest chosen) must stay within 1.25x.
+fn bench_pair_segments(c: &mut Criterion) {
+    for (tokens, page_size, fragmented) in PLAN_CASES {
+        for (shape, decode_tp) in PAIR_SHAPES {
+            let (config, pair) = section4_pair(decode_tp, page_size);
+            let Request {
+                src_pages: src,
+                dst_pages: dst,
+                ..
+            } = request(tokens / page_size as usize, fragmented);
+            let r = MoriTpRequest {
+                src_pages: src.as_ptr(),
+                num_src_pages: src.len(),
+                dst_pages: dst.as_ptr(),
+                num_dst_pages: dst.len(),
+                num_tokens: tokens as u64,
+            };
+            let mut out = Vec::with_capacity(tokens);
+            let name = plan_case_name(tokens, page_size, fragmented);
+            let mut group = c.benchmark_group(format!("pair/{shape}/{name}"));
+            group.throughput(Throughput::Elements(tokens as u64));
+            group.bench_function("mori_tp_plan_segments", |b| {
+                b.iter(|| plan_segments(&config, black_box(&src), &dst, &mut out))
+            });
+            group.bench_function("mori_tp_pair_segments", |b| {
+                b.iter(|| pair_segments(&pair, black_box(&r), &mut out))
+            });
+            group.finish();
+        }
+    }
+}
+
 /// Row widths of the host-copy benchmark, in bytes.
 const WIDTHS: [u64; 5] = [128, 256, 512, 1024, 4096];
 /// 32 layers, K and V.
@@ -572,6 +650,40 @@ fn mean_ns(group: &str, function: &str) -> Option<f64> {
     json["mean"]["point_estimate"].as_f64()
 }
 
+/// The pair generator's time over section 4's on the same requests.
+fn print_pair_ratios() {
+    println!(
+        "\n{:<46} {:>10} {:>22}",
+        "pair segments (section-4 layouts)", "segments", "pair time / plan time"
+    );
+    for (tokens, page_size, fragmented) in PLAN_CASES {
+        for (shape, decode_tp) in PAIR_SHAPES {
+            let name = plan_case_name(tokens, page_size, fragmented);
+            let group = format!("pair/{shape}/{name}");
+            let (Some(plan), Some(pair)) = (
+                mean_ns(&group, "mori_tp_plan_segments"),
+                mean_ns(&group, "mori_tp_pair_segments"),
+            ) else {
+                continue;
+            };
+            let (config, _) = section4_pair(decode_tp, page_size);
+            let Request {
+                src_pages: src,
+                dst_pages: dst,
+                ..
+            } = request(tokens / page_size as usize, fragmented);
+            let mut out = Vec::with_capacity(tokens);
+            plan_segments(&config, &src, &dst, &mut out);
+            println!(
+                "{:<46} {:>10} {:>22.2}",
+                format!("{shape}/{name}"),
+                out.len(),
+                pair / plan
+            );
+        }
+    }
+}
+
 /// Segment counts (exact) and plan times (measured) of the staged layouts.
 fn print_staging_ratios() {
     println!(
@@ -717,10 +829,12 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     bench_slice_config(&mut c);
     bench_plans(&mut c);
+    bench_pair_segments(&mut c);
     bench_host_copies(&mut c);
     bench_staging_plans(&mut c);
     bench_pack_unpack(&mut c);
     c.final_summary();
     print_ratios();
+    print_pair_ratios();
     print_staging_ratios();
 }

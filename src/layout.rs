@@ -325,7 +325,7 @@ impl ValidLayout {
     pub(crate) fn check_page(
         &self,
         page: i32,
-        position: usize,
+        position_of: impl Fn() -> usize,
         capacity: Option<u64>,
     ) -> Result<u64> {
         let side = self.side;
@@ -333,14 +333,14 @@ impl ValidLayout {
             return Err(Error::NegativePage {
                 side,
                 page,
-                position,
+                position: position_of(),
             });
         }
         let page_u = page as u64;
         let overflow = || Error::PageEndOverflow {
             side,
             page: page as u32,
-            position,
+            position: position_of(),
             page_stride: self.layout.page_stride,
             extent: self.extent,
         };
@@ -354,7 +354,7 @@ impl ValidLayout {
                 return Err(Error::PagePastHeadRun {
                     side,
                     page: page as u32,
-                    position,
+                    position: position_of(),
                     end: run_end,
                     head_stride: self.layout.head_stride,
                 });
@@ -366,7 +366,7 @@ impl ValidLayout {
             return Err(Error::PagePastCapacity {
                 side,
                 page: page as u32,
-                position,
+                position: position_of(),
                 end,
                 capacity,
             });
@@ -615,9 +615,9 @@ mod tests {
         };
         let valid = layout.check(Side::Prefill).unwrap();
         assert_eq!(valid.nesting(), Nesting::HeadsOutsidePages);
-        assert!(valid.check_page(9, 0, None).is_ok());
+        assert!(valid.check_page(9, || 0, None).is_ok());
         assert!(matches!(
-            valid.check_page(10, 3, None),
+            valid.check_page(10, || 3, None),
             Err(Error::PagePastHeadRun {
                 page: 10,
                 position: 3,

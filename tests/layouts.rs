@@ -277,6 +277,7 @@ fn library_layout(kind: Kind, h: u32, tp: u32, rank: u32, ps: u32, hb: u64) -> M
 }
 
 /// A layout of `kind` for one rank, for buffers of `capacity_pages` pages; `pad` adds gaps.
+#[allow(clippy::too_many_arguments)] // one per field of the case being built
 fn layout(
     kind: Kind,
     h: u32,

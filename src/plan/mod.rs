@@ -336,19 +336,30 @@ fn slice_side(
 }
 
 /// A staging region of `tokens` tokens of `heads` heads, token-major or head-major in chunks of
-/// `G` tokens (CONTRACT sections 5 and 7).
-fn region(tokens: u64, heads: u64, hb: u64, head_major: Option<u64>) -> SideGeom<'static> {
+/// `G` tokens (CONTRACT sections 5 and 7). A token-major region is cut into pages of `page_size`
+/// tokens (the unstaged side's, so that both sides change page together); its addresses do not
+/// depend on it.
+fn region(
+    tokens: u64,
+    heads: u64,
+    hb: u64,
+    head_major: Option<u64>,
+    page_size: u64,
+) -> SideGeom<'static> {
     let slice = heads * hb;
     match head_major {
-        None => SideGeom {
-            pages: Pages::Dense,
-            page_size: tokens.max(1),
-            page_stride: 0,
-            base: 0,
-            token_stride: slice,
-            head_stride: hb,
-            last_head_stride: None,
-        },
+        None => {
+            let page_size = page_size.max(1);
+            SideGeom {
+                pages: Pages::Dense,
+                page_size,
+                page_stride: page_size * slice,
+                base: 0,
+                token_stride: slice,
+                head_stride: hb,
+                last_head_stride: None,
+            }
+        }
         Some(g) => {
             let g = g.max(1);
             let partial = tokens % g;
@@ -502,8 +513,9 @@ impl<'a> Plan<'a> {
             0
         };
         let heads = if sends { u64::from(c.num_heads) } else { 0 };
-        let [src, dst] =
-            [geoms[0], geoms[1]].map(|g| g.unwrap_or_else(|| region(tokens, heads, hb, None)));
+        let page_size = u64::from(c.page_size);
+        let [src, dst] = [geoms[0], geoms[1]]
+            .map(|g| g.unwrap_or_else(|| region(tokens, heads, hb, None, page_size)));
         let walk = Walk {
             geometry: Geometry {
                 src,
@@ -667,7 +679,7 @@ fn layout_side<'a>(
     let highest = match highest_page(side, pages)? {
         None => None,
         Some(max) => {
-            let position = pages.iter().position(|&p| p == max).unwrap_or(0);
+            let position = || pages.iter().position(|&p| p == max).unwrap_or(0);
             Some((max as u64, valid.check_page(max, position, None)?))
         }
     };
@@ -762,7 +774,9 @@ impl<'a> PairPlan<'a> {
                 pages: None,
                 highest: (staging_len > 0).then_some((0, staging_len)),
             };
-            (region(tokens, heads, hb, order), bounds)
+            // Pages as long as the other side's, so both change page together.
+            let page_size = u64::from(config.side(replaced.other()).layout().page_size);
+            (region(tokens, heads, hb, order, page_size), bounds)
         };
         let transfer = regions == [staging.stages_src(), staging.stages_dst()];
         let (src, src_bounds) = match (regions[0], transfer) {

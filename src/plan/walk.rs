@@ -57,22 +57,6 @@ impl SideGeom<'_> {
             _ => self.head_stride,
         }
     }
-
-    /// The address of element `(k, j)`.
-    #[inline]
-    pub fn addr(&self, k: u64, j: u64) -> u64 {
-        let position = k / self.page_size;
-        self.pages.at(position) * self.page_stride
-            + self.base
-            + (k % self.page_size) * self.token_stride
-            + j * self.head_stride_at(position)
-    }
-
-    /// The next page boundary after token `k`.
-    #[inline]
-    fn next_boundary(&self, k: u64) -> u64 {
-        (k / self.page_size + 1) * self.page_size
-    }
 }
 
 /// Both sides of a request: `tokens` tokens of `heads` moved heads of `head_bytes` bytes.
@@ -149,23 +133,136 @@ impl RowSink for Vec<CopyRect> {
     }
 }
 
+/// Tokens `[a, b)` in which neither side changes page: where head 0 of token `a` lies on each
+/// side, and each side's head stride there (every address of the piece is affine from these).
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    a: u64,
+    b: u64,
+    src: u64,
+    dst: u64,
+    hs_src: u64,
+    hs_dst: u64,
+}
+
+/// A side's place in the walk: the page position and the slot within it.
+#[derive(Clone, Copy, Debug)]
+struct Cursor {
+    position: u64,
+    slot: u64,
+}
+
+impl SideGeom<'_> {
+    fn cursor(&self, k: u64) -> Cursor {
+        Cursor {
+            position: k / self.page_size,
+            slot: k % self.page_size,
+        }
+    }
+
+    /// Where head 0 of the cursor's token lies, and the head stride of its page.
+    #[inline]
+    fn place(&self, c: Cursor) -> (u64, u64) {
+        (
+            self.pages.at(c.position) * self.page_stride + self.base + c.slot * self.token_stride,
+            self.head_stride_at(c.position),
+        )
+    }
+
+    /// Moves the cursor `len` tokens on, within its page or to the next page's start.
+    #[inline]
+    fn advance(&self, c: &mut Cursor, len: u64) {
+        c.slot += len;
+        if c.slot == self.page_size {
+            c.position += 1;
+            c.slot = 0;
+        }
+    }
+}
+
+/// The pieces of tokens `[from, to)`, found without a division per piece.
+struct Pieces<'g, 'a> {
+    geometry: &'g Geometry<'a>,
+    k: u64,
+    to: u64,
+    src: Cursor,
+    dst: Cursor,
+}
+
+impl Iterator for Pieces<'_, '_> {
+    type Item = Piece;
+
+    #[inline]
+    fn next(&mut self) -> Option<Piece> {
+        if self.k >= self.to {
+            return None;
+        }
+        let g = self.geometry;
+        let len = (g.src.page_size - self.src.slot)
+            .min(g.dst.page_size - self.dst.slot)
+            .min(self.to - self.k);
+        let (src, hs_src) = g.src.place(self.src);
+        let (dst, hs_dst) = g.dst.place(self.dst);
+        let piece = Piece {
+            a: self.k,
+            b: self.k + len,
+            src,
+            dst,
+            hs_src,
+            hs_dst,
+        };
+        self.k += len;
+        g.src.advance(&mut self.src, len);
+        g.dst.advance(&mut self.dst, len);
+        Some(piece)
+    }
+}
+
+impl Piece {
+    /// Both sides' address of element `(k, j)` of the piece.
+    #[inline]
+    fn at(&self, g: &Geometry<'_>, k: u64, j: u64) -> (u64, u64) {
+        let t = k - self.a;
+        (
+            self.src + t * g.src.token_stride + j * self.hs_src,
+            self.dst + t * g.dst.token_stride + j * self.hs_dst,
+        )
+    }
+
+    /// Both sides' address just past element `(k, j)`.
+    #[inline]
+    fn end_of(&self, g: &Geometry<'_>, k: u64, j: u64) -> (u64, u64) {
+        let (src, dst) = self.at(g, k, j);
+        (src + g.head_bytes, dst + g.head_bytes)
+    }
+}
+
 impl<'a> Geometry<'a> {
+    /// The token-major walk as one row of tokens per page, when that is what it is: both sides
+    /// change page together (one page size) and hold a token's moved heads back to back on
+    /// every page. The common case (section 4, and any two token-major layouts of one page
+    /// size) then runs as one tight pass over the pages.
+    fn page_rows(&self) -> Option<PageRows<'_, 'a>> {
+        let adjacent = |side: &SideGeom<'_>| {
+            self.heads == 1
+                || (side.head_stride == self.head_bytes
+                    && side
+                        .last_head_stride
+                        .is_none_or(|(_, stride)| stride == self.head_bytes))
+        };
+        (self.src.page_size == self.dst.page_size && adjacent(&self.src) && adjacent(&self.dst))
+            .then_some(PageRows { geometry: self })
+    }
+
     /// The pieces of tokens `[from, to)`: ranges in which neither side changes page.
-    fn pieces(&self, from: u64, to: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
-        let mut k = from;
-        std::iter::from_fn(move || {
-            if k >= to {
-                return None;
-            }
-            let end = self
-                .src
-                .next_boundary(k)
-                .min(self.dst.next_boundary(k))
-                .min(to);
-            let piece = (k, end);
-            k = end;
-            Some(piece)
-        })
+    fn pieces(&self, from: u64, to: u64) -> Pieces<'_, 'a> {
+        Pieces {
+            geometry: self,
+            k: from,
+            to,
+            src: self.src.cursor(from),
+            dst: self.dst.cursor(from),
+        }
     }
 
     /// The chunks of an order: token ranges walked head by head (one token each for
@@ -177,85 +274,80 @@ impl<'a> Geometry<'a> {
         }
     }
 
-    /// Both sides' head strides at the page holding token `k`.
-    fn head_strides(&self, k: u64) -> (u64, u64) {
-        (
-            self.src.head_stride_at(k / self.src.page_size),
-            self.dst.head_stride_at(k / self.dst.page_size),
-        )
-    }
-
     /// True when both sides hold the moved heads of a token back to back (or one head moves).
-    fn heads_adjacent(&self, k: u64) -> bool {
-        let (s, d) = self.head_strides(k);
-        self.heads == 1 || (s == self.head_bytes && d == self.head_bytes)
+    #[inline]
+    fn heads_adjacent(&self, p: &Piece) -> bool {
+        self.heads == 1 || (p.hs_src == self.head_bytes && p.hs_dst == self.head_bytes)
     }
 
-    fn at(&self, k: u64, j: u64) -> (u64, u64) {
-        (self.src.addr(k, j), self.dst.addr(k, j))
-    }
-
-    /// The row of tokens `[a, b)` (one page on each side) in token-major order when a token's
-    /// moved heads are back to back on both sides: each token is one row.
-    fn token_rows(&self, a: u64, b: u64) -> CopyRect {
-        let (src, dst) = self.at(a, 0);
+    /// The row of a piece's tokens in token-major order when a token's moved heads are back to
+    /// back on both sides: each token is one row.
+    #[inline]
+    fn token_rows(&self, p: &Piece) -> CopyRect {
         CopyRect {
-            src_offset: src,
-            dst_offset: dst,
+            src_offset: p.src,
+            dst_offset: p.dst,
             src_pitch: self.src.token_stride,
             dst_pitch: self.dst.token_stride,
             width: self.heads * self.head_bytes,
-            height: b - a,
+            height: p.b - p.a,
         }
     }
 
-    /// The rows of tokens `[a, b)` (one page on each side) in token-major order.
-    fn token_major_piece(&self, a: u64, b: u64, sink: &mut impl RowSink) {
-        if self.heads_adjacent(a) {
-            sink.rows(self.token_rows(a, b));
+    /// The rows of a piece in token-major order.
+    fn token_major_piece(&self, p: &Piece, sink: &mut impl RowSink) {
+        if self.heads_adjacent(p) {
+            sink.rows(self.token_rows(p));
             return;
         }
         // Each token's heads are a run of rows one head stride apart.
-        let (src_pitch, dst_pitch) = self.head_strides(a);
-        for k in a..b {
-            let (src, dst) = self.at(k, 0);
+        for k in p.a..p.b {
+            let (src, dst) = p.at(self, k, 0);
             sink.rows(CopyRect {
                 src_offset: src,
                 dst_offset: dst,
-                src_pitch,
-                dst_pitch,
+                src_pitch: p.hs_src,
+                dst_pitch: p.hs_dst,
                 width: self.head_bytes,
                 height: self.heads,
             });
         }
     }
 
-    /// The rows of head `j` over tokens `[a, b)` (one page on each side).
-    fn head_run_piece(&self, a: u64, b: u64, j: u64) -> CopyRect {
-        let (src, dst) = self.at(a, j);
+    /// The rows of head `j` over a piece.
+    #[inline]
+    fn head_run_piece(&self, p: &Piece, j: u64) -> CopyRect {
+        let (src, dst) = p.at(self, p.a, j);
         CopyRect {
             src_offset: src,
             dst_offset: dst,
             src_pitch: self.src.token_stride,
             dst_pitch: self.dst.token_stride,
             width: self.head_bytes,
-            height: b - a,
+            height: p.b - p.a,
         }
     }
 
-    /// Head 0's rows over the chunk `[c0, c1)`, joined, or `None` when the head strides change
-    /// inside the chunk (a staging region's partial last chunk), so that head `j`'s rows are
-    /// not head 0's shifted by `j` head strides.
-    fn head_template(&self, c0: u64, c1: u64) -> Option<(Vec<CopyRect>, (u64, u64))> {
-        let strides = self.head_strides(c0);
-        if self.head_strides(c1 - 1) != strides {
-            return None;
+    /// Head 0's rows over the chunk `[c0, c1)`, joined into `rows`, with both head strides, or
+    /// `None` when the head strides change inside the chunk (a staging region's partial last
+    /// chunk), so that head `j`'s rows are not head 0's shifted by `j` head strides.
+    fn head_template(&self, c0: u64, c1: u64, rows: &mut Vec<CopyRect>) -> Option<(u64, u64)> {
+        rows.clear();
+        let mut strides = None;
+        let mut joiner = Joiner::new(std::mem::take(rows));
+        for p in self.pieces(c0, c1) {
+            match strides {
+                None => strides = Some((p.hs_src, p.hs_dst)),
+                Some(s) if s != (p.hs_src, p.hs_dst) => {
+                    *rows = joiner.finish();
+                    return None;
+                }
+                Some(_) => {}
+            }
+            joiner.rows(self.head_run_piece(&p, 0));
         }
-        let mut joiner = Joiner::new(Vec::new());
-        for (a, b) in self.pieces(c0, c1) {
-            joiner.rows(self.head_run_piece(a, b, 0));
-        }
-        Some((joiner.finish(), strides))
+        *rows = joiner.finish();
+        strides
     }
 
     /// Walks every element in `order`, passing rows to `sink`.
@@ -264,25 +356,36 @@ impl<'a> Geometry<'a> {
             return;
         }
         if order == Order::TokenMajor {
-            for (a, b) in self.pieces(0, self.tokens) {
-                self.token_major_piece(a, b, sink);
+            if let Some(pages) = self.page_rows() {
+                pages.walk(sink);
+                return;
+            }
+            for p in self.pieces(0, self.tokens) {
+                self.token_major_piece(&p, sink);
             }
             return;
         }
         let g = self.chunk_len(order);
+        let mut template = Vec::new();
         let mut c0 = 0;
         while c0 < self.tokens {
             let c1 = (c0 + g).min(self.tokens);
-            self.head_major_chunk(c0, c1, sink);
+            self.head_major_chunk(c0, c1, &mut template, sink);
             c0 = c1;
         }
     }
 
-    fn head_major_chunk(&self, c0: u64, c1: u64, sink: &mut impl RowSink) {
-        let Some((template, (hs_src, hs_dst))) = self.head_template(c0, c1) else {
+    fn head_major_chunk(
+        &self,
+        c0: u64,
+        c1: u64,
+        template: &mut Vec<CopyRect>,
+        sink: &mut impl RowSink,
+    ) {
+        let Some((hs_src, hs_dst)) = self.head_template(c0, c1, template) else {
             for j in 0..self.heads {
-                for (a, b) in self.pieces(c0, c1) {
-                    sink.rows(self.head_run_piece(a, b, j));
+                for p in self.pieces(c0, c1) {
+                    sink.rows(self.head_run_piece(&p, j));
                 }
             }
             return;
@@ -302,13 +405,40 @@ impl<'a> Geometry<'a> {
             return;
         }
         for j in 0..self.heads {
-            for row in &template {
+            for row in template.iter() {
                 sink.rows(CopyRect {
                     src_offset: row.src_offset + j * hs_src,
                     dst_offset: row.dst_offset + j * hs_dst,
                     ..*row
                 });
             }
+        }
+    }
+
+    /// The segments of head 0's run over the chunk `[c0, c1)` with both head strides; or that
+    /// the chunk is sure to reach `room` segments (the run was not finished); or that the head
+    /// strides change inside the chunk.
+    fn head_tally(&self, c0: u64, c1: u64, room: u64) -> HeadRun {
+        let mut joiner = Joiner::new(Tally::default());
+        let mut strides = None;
+        for p in self.pieces(c0, c1) {
+            match strides {
+                None => strides = Some((p.hs_src, p.hs_dst)),
+                Some(s) if s != (p.hs_src, p.hs_dst) => return HeadRun::Varying,
+                Some(_) => {}
+            }
+            joiner.rows(self.head_run_piece(&p, 0));
+            // Segments only grow as rows are added; the row the joiner still holds adds its own,
+            // less one if it joins the last segment counted.
+            let pending = joiner.pending.map_or(0, |row| Tally::of(&row).segments);
+            let run = (joiner.sink.segments + pending).saturating_sub(1);
+            if self.heads.saturating_mul(run).saturating_sub(self.heads) >= room {
+                return HeadRun::AtCap;
+            }
+        }
+        match strides {
+            Some(strides) => HeadRun::Uniform(joiner.finish(), strides),
+            None => HeadRun::Varying,
         }
     }
 
@@ -321,20 +451,22 @@ impl<'a> Geometry<'a> {
         }
         let n = self.heads;
         if order == Order::TokenMajor {
-            for (a, b) in self.pieces(0, self.tokens) {
-                if self.heads_adjacent(a) {
-                    total.append(Tally::of(&self.token_rows(a, b)));
+            if let Some(pages) = self.page_rows() {
+                return pages.count(cap);
+            }
+            for p in self.pieces(0, self.tokens) {
+                if self.heads_adjacent(&p) {
+                    total.append(Tally::of(&self.token_rows(&p)));
                 } else {
                     // n segments per token (its heads never touch), the last head of a token
                     // joining the first of the next when both sides put them back to back.
-                    let m = b - a;
-                    let first = self.at(a, 0);
+                    let m = p.b - p.a;
                     let next_token_joins =
-                        m > 1 && touches(self.end_of(a, n - 1), self.at(a + 1, 0));
+                        m > 1 && touches(p.end_of(self, p.a, n - 1), p.at(self, p.a + 1, 0));
                     total.append(Tally {
                         segments: m * n - (m - 1) * u64::from(next_token_joins),
-                        first,
-                        last_end: self.end_of(b - 1, n - 1),
+                        first: (p.src, p.dst),
+                        last_end: p.end_of(self, p.b - 1, n - 1),
                     });
                 }
                 if total.segments >= cap {
@@ -344,27 +476,33 @@ impl<'a> Geometry<'a> {
             return Some(total.segments);
         }
         let g = self.chunk_len(order);
+        let mut template = Vec::new();
         let mut c0 = 0;
         while c0 < self.tokens {
             let c1 = (c0 + g).min(self.tokens);
-            match self.head_template(c0, c1) {
-                Some((template, (hs_src, hs_dst))) => {
-                    let mut head = Tally::default();
-                    head.add_rows(&template);
+            // Every head of a chunk has as many segments as head 0's run; the n runs join at
+            // most n - 1 times among themselves and once with the previous chunk. Stop
+            // building the run once n of them reach the cap even so.
+            let room = cap.saturating_sub(total.segments);
+            match self.head_tally(c0, c1, room) {
+                HeadRun::AtCap => return None,
+                HeadRun::Uniform(head, (hs_src, hs_dst)) => {
                     // Head j + 1 starts one head stride after head j.
-                    let heads_join = touches(
-                        head.last_end,
-                        (head.first.0 + hs_src, head.first.1 + hs_dst),
-                    );
+                    let next = (head.first.0 + hs_src, head.first.1 + hs_dst);
+                    let heads_join = touches(head.last_end, next);
+                    let shift = n - 1;
                     total.append(Tally {
-                        segments: n * head.segments - (n - 1) * u64::from(heads_join),
+                        segments: n * head.segments - shift * u64::from(heads_join),
                         first: head.first,
-                        last_end: self.end_of(c1 - 1, n - 1),
+                        last_end: (
+                            head.last_end.0 + shift * hs_src,
+                            head.last_end.1 + shift * hs_dst,
+                        ),
                     });
                 }
-                None => {
+                HeadRun::Varying => {
                     let mut rows = Vec::new();
-                    self.head_major_chunk(c0, c1, &mut rows);
+                    self.head_major_chunk(c0, c1, &mut template, &mut rows);
                     let mut chunk = Tally::default();
                     chunk.add_rows(&rows);
                     total.append(chunk);
@@ -377,11 +515,184 @@ impl<'a> Geometry<'a> {
         }
         Some(total.segments)
     }
+}
 
-    /// Both sides' address just past element `(k, j)`.
-    fn end_of(&self, k: u64, j: u64) -> (u64, u64) {
-        let (src, dst) = self.at(k, j);
-        (src + self.head_bytes, dst + self.head_bytes)
+/// The token-major walk of a geometry whose sides change page together and hold each token's
+/// moved heads back to back: page `i`'s tokens are one run of rows of `n * head_bytes` bytes.
+struct PageRows<'g, 'a> {
+    geometry: &'g Geometry<'a>,
+}
+
+impl PageRows<'_, '_> {
+    /// Runs `f` with each side's pages as an iterator of page indices, so that the hot loops
+    /// below are compiled once per kind of side and test no enum inside.
+    #[inline]
+    fn with_pages<R>(&self, f: impl PageLoop<R>) -> R {
+        let g = self.geometry;
+        fn listed(pages: &[i32]) -> impl Iterator<Item = u64> + '_ {
+            pages.iter().map(|&p| p as u64)
+        }
+        let dense = |len: usize| 0..len as u64;
+        let pages = g.tokens.div_ceil(g.src.page_size) as usize;
+        match (g.src.pages, g.dst.pages) {
+            (Pages::List(s), Pages::List(d)) => f.run(listed(s), listed(d)),
+            (Pages::List(s), Pages::Dense) => f.run(listed(s), dense(pages)),
+            (Pages::Dense, Pages::List(d)) => f.run(dense(pages), listed(d)),
+            (Pages::Dense, Pages::Dense) => f.run(dense(pages), dense(pages)),
+        }
+    }
+
+    /// Segments: per page one block when rows are back to back on both sides, else one per
+    /// row; a page's last segment joins the next page's first when they touch.
+    fn count(&self, cap: u64) -> Option<u64> {
+        let g = self.geometry;
+        let (row, _) = page_shape(g);
+        // Rows that are not one block are a segment each, and a listed side whose pages are
+        // longer than a page's rows (page_stride > (page_size - 1) * token_stride + width) never
+        // lets the last row of one page touch the first of another: then every token is a
+        // segment, with no pass over the pages.
+        let apart = |side: &SideGeom<'_>| {
+            matches!(side.pages, Pages::List(_))
+                && side.page_stride > (side.page_size - 1) * side.token_stride + row.width
+        };
+        if !row.is_contiguous() && (apart(&g.src) || apart(&g.dst)) {
+            return (g.tokens < cap).then_some(g.tokens);
+        }
+        self.with_pages(CountPages {
+            geometry: self.geometry,
+            cap,
+        })
+    }
+
+    /// The rows, joined where a page continues the last one's stride.
+    fn walk(&self, sink: &mut impl RowSink) {
+        self.with_pages(WalkPages {
+            geometry: self.geometry,
+            sink,
+        })
+    }
+}
+
+/// A loop over the pages of a [`PageRows`], given each side's page indices in request order.
+trait PageLoop<R> {
+    fn run(self, src: impl Iterator<Item = u64>, dst: impl Iterator<Item = u64>) -> R;
+}
+
+/// What every page row shares (its height is the page size; the last page's may be less),
+/// and how many tokens the last page holds.
+fn page_shape(g: &Geometry<'_>) -> (CopyRect, u64) {
+    let ps = g.src.page_size;
+    let row = CopyRect {
+        src_offset: 0,
+        dst_offset: 0,
+        src_pitch: g.src.token_stride,
+        dst_pitch: g.dst.token_stride,
+        width: g.heads * g.head_bytes,
+        height: ps,
+    };
+    (row, g.tokens - (g.tokens - 1) / ps * ps)
+}
+
+/// Each page's first row on both sides and its height, the last page's height its own.
+#[inline]
+fn page_starts<'g>(
+    g: &'g Geometry<'_>,
+    src: impl Iterator<Item = u64> + 'g,
+    dst: impl Iterator<Item = u64> + 'g,
+) -> impl Iterator<Item = (u64, u64, u64)> + 'g {
+    let (row, last) = page_shape(g);
+    let pages = g.tokens.div_ceil(g.src.page_size);
+    let (s, d) = (g.src, g.dst);
+    src.zip(dst).zip(1..=pages).map(move |((sp, dp), n)| {
+        let height = if n == pages { last } else { row.height };
+        (
+            sp * s.page_stride + s.base,
+            dp * d.page_stride + d.base,
+            height,
+        )
+    })
+}
+
+struct CountPages<'g, 'a> {
+    geometry: &'g Geometry<'a>,
+    cap: u64,
+}
+
+impl PageLoop<Option<u64>> for CountPages<'_, '_> {
+    #[inline]
+    fn run(self, src: impl Iterator<Item = u64>, dst: impl Iterator<Item = u64>) -> Option<u64> {
+        let (row, _) = page_shape(self.geometry);
+        let block = row.is_contiguous();
+        let (mut segments, mut end) = (0u64, (u64::MAX, u64::MAX));
+        for (src, dst, height) in page_starts(self.geometry, src, dst) {
+            let here = if block || height == 1 { 1 } else { height };
+            segments += here - u64::from(end == (src, dst));
+            let rows = height - 1;
+            end = (
+                src + rows * row.src_pitch + row.width,
+                dst + rows * row.dst_pitch + row.width,
+            );
+            if segments >= self.cap {
+                return None;
+            }
+        }
+        Some(segments)
+    }
+}
+
+struct WalkPages<'g, 'a, S> {
+    geometry: &'g Geometry<'a>,
+    sink: S,
+}
+
+impl<S: RowSink> PageLoop<()> for WalkPages<'_, '_, S> {
+    #[inline]
+    fn run(mut self, src: impl Iterator<Item = u64>, dst: impl Iterator<Item = u64>) {
+        let (row, _) = page_shape(self.geometry);
+        let mut pending: Option<CopyRect> = None;
+        for (src, dst, height) in page_starts(self.geometry, src, dst) {
+            if let Some(p) = &mut pending {
+                // Every row has the same width and pitches: it continues where they put it.
+                if p.src_offset + p.height * p.src_pitch == src
+                    && p.dst_offset + p.height * p.dst_pitch == dst
+                {
+                    p.height += height;
+                    continue;
+                }
+                self.sink.rows(*p);
+            }
+            pending = Some(CopyRect {
+                src_offset: src,
+                dst_offset: dst,
+                height,
+                ..row
+            });
+        }
+        if let Some(p) = pending {
+            self.sink.rows(p);
+        }
+    }
+}
+
+impl<S: RowSink> RowSink for &mut S {
+    fn rows(&mut self, row: CopyRect) {
+        (**self).rows(row);
+    }
+}
+
+/// Head 0's run over a chunk, as [`Geometry::count`] needs it.
+enum HeadRun {
+    /// Its segments, and both head strides, the same over the whole chunk.
+    Uniform(Tally, (u64, u64)),
+    /// It reached the segments the count had room for.
+    AtCap,
+    /// The head strides change inside the chunk.
+    Varying,
+}
+
+impl RowSink for Tally {
+    fn rows(&mut self, row: CopyRect) {
+        self.append(Tally::of(&row));
     }
 }
 
