@@ -860,6 +860,22 @@ fn head_major_pages_holding_exactly_the_moved_heads_are_one_segment_per_run() {
         6,
         "one per page: the prefill page holds 3 other heads"
     );
+    // HND 2 local heads -> 4 local heads (TP 4 -> 2): a page's two moved heads are one run on
+    // both sides, so one segment per page (token-major order would give two per token).
+    let case = build_case(
+        &mut rng,
+        8,
+        [(4, 1), (2, 0)],
+        [Kind::Hnd, Kind::Hnd],
+        [16, 16],
+        256,
+        16 * 6,
+    );
+    let config = pair_config(&case);
+    assert_eq!(config.num_heads, 2);
+    let segments = library_segments(&config, &request(&case), MORI_TP_STAGING_NONE);
+    assert_eq!(segments.len(), 6);
+    assert!(segments.iter().all(|s| s.length == 2 * 16 * 256));
 }
 
 // ---- agreement with sections 4 and 5 --------------------------------------------------------
