@@ -81,49 +81,6 @@
 typedef int32_t MoriStatus;
 
 /**
- * Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
- *
- * Per layer there is one K and one V buffer (MLA: one latent buffer); a buffer is an array of
- * pages of item_len bytes; a page holds page_size tokens, token-major; inside a token the
- * rank's heads are contiguous, in global head order.
- */
-typedef struct MoriTpSliceParams {
-  /**
-   * P: tensor-parallel size of the prefill engine (> 0).
-   */
-  uint32_t prefill_tp_size;
-  /**
-   * p: the sending prefill rank, < P.
-   */
-  uint32_t prefill_tp_rank;
-  /**
-   * D: tensor-parallel size of the decode engine (> 0).
-   */
-  uint32_t decode_tp_size;
-  /**
-   * d: the receiving decode rank, < D.
-   */
-  uint32_t decode_tp_rank;
-  /**
-   * H: the model's KV heads before TP (num_key_value_heads); 1 for MLA and MQA.
-   * Each TP size must divide H or be a multiple of it.
-   */
-  uint32_t total_kv_heads;
-  /**
-   * Tokens per page, the same on both sides (> 0).
-   */
-  uint32_t page_size;
-  /**
-   * Bytes of one page of one layer buffer on rank p (page_size * heads on p * bytes per head).
-   */
-  uint64_t src_item_len;
-  /**
-   * Bytes of one page of one layer buffer on rank d.
-   */
-  uint64_t dst_item_len;
-} MoriTpSliceParams;
-
-/**
  * What one (prefill rank, decode rank) pair moves inside every token; filled by
  * mori_tp_slice_config and consumed by the plan and send functions (which re-validate it).
  */
@@ -373,6 +330,49 @@ typedef uint32_t MoriBackend;
 typedef uint32_t MoriTpStaging;
 
 /**
+ * Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
+ *
+ * Per layer there is one K and one V buffer (MLA: one latent buffer); a buffer is an array of
+ * pages of item_len bytes; a page holds page_size tokens, token-major; inside a token the
+ * rank's heads are contiguous, in global head order.
+ */
+typedef struct MoriTpSliceParams {
+  /**
+   * P: tensor-parallel size of the prefill engine (> 0).
+   */
+  uint32_t prefill_tp_size;
+  /**
+   * p: the sending prefill rank, < P.
+   */
+  uint32_t prefill_tp_rank;
+  /**
+   * D: tensor-parallel size of the decode engine (> 0).
+   */
+  uint32_t decode_tp_size;
+  /**
+   * d: the receiving decode rank, < D.
+   */
+  uint32_t decode_tp_rank;
+  /**
+   * H: the model's KV heads before TP (num_key_value_heads); 1 for MLA and MQA.
+   * Each TP size must divide H or be a multiple of it.
+   */
+  uint32_t total_kv_heads;
+  /**
+   * Tokens per page, the same on both sides (> 0).
+   */
+  uint32_t page_size;
+  /**
+   * Bytes of one page of one layer buffer on rank p (page_size * heads on p * bytes per head).
+   */
+  uint64_t src_item_len;
+  /**
+   * Bytes of one page of one layer buffer on rank d.
+   */
+  uint64_t dst_item_len;
+} MoriTpSliceParams;
+
+/**
  * One strided 2D copy, exactly the arguments of one hipMemcpy2DAsync: height rows of width
  * bytes, row r read at src_offset + r * src_pitch and written at dst_offset + r * dst_pitch.
  * Offsets are relative to each buffer's base.
@@ -591,7 +591,7 @@ extern "C" {
  *   MORI_ERR_PANIC on an internal error.
  *   On failure mori_last_error_message() names the offending values.
  */
-MoriStatus mori_tp_slice_config(const struct MoriTpSliceParams *params,
+MoriStatus mori_tp_slice_config(const MoriTpSliceParams *params,
                                 struct MoriTpSliceConfig *out);
 
 /**

@@ -243,24 +243,30 @@ impl Topology {
     }
 }
 
-/// The inputs of [`slice_config`], field for field those of `MoriTpSliceParams`.
+/// Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
+///
+/// Per layer there is one K and one V buffer (MLA: one latent buffer); a buffer is an array of
+/// pages of item_len bytes; a page holds page_size tokens, token-major; inside a token the
+/// rank's heads are contiguous, in global head order.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SliceParams {
-    /// `P`.
+    /// P: tensor-parallel size of the prefill engine (> 0).
     pub prefill_tp_size: u32,
-    /// `p`, below `P`.
+    /// p: the sending prefill rank, < P.
     pub prefill_tp_rank: u32,
-    /// `D`.
+    /// D: tensor-parallel size of the decode engine (> 0).
     pub decode_tp_size: u32,
-    /// `d`, below `D`.
+    /// d: the receiving decode rank, < D.
     pub decode_tp_rank: u32,
-    /// `H`: the model's KV heads before TP (1 for MLA and MQA).
+    /// H: the model's KV heads before TP (num_key_value_heads); 1 for MLA and MQA.
+    /// Each TP size must divide H or be a multiple of it.
     pub total_kv_heads: u32,
-    /// Tokens per page, the same on both sides.
+    /// Tokens per page, the same on both sides (> 0).
     pub page_size: u32,
-    /// Bytes of one page of one layer buffer on the prefill rank.
+    /// Bytes of one page of one layer buffer on rank p (page_size * heads on p * bytes per head).
     pub src_item_len: u64,
-    /// Bytes of one page of one layer buffer on the decode rank.
+    /// Bytes of one page of one layer buffer on rank d.
     pub dst_item_len: u64,
 }
 

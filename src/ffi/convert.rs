@@ -6,12 +6,24 @@ use std::mem::MaybeUninit;
 
 use super::boundary::{Failure, Result};
 use super::types::*;
-use crate::backend::{Backend, SendOptions};
+use crate::backend::{Backend, CopyJob, KvBuffers, SendOptions, open_engine};
 use crate::error::Error;
 use crate::layout::{PairConfig, Request, pair_config};
 use crate::plan::Walk;
-use crate::slice::{SliceConfig, SliceParams, ValidConfig};
+use crate::slice::{SliceConfig, ValidConfig};
 use crate::types::{Action, Staging};
+
+/// Writes `value` through an output pointer after checking it: the last step of a function
+/// whose out-parameter is written only on success.
+///
+/// # Safety
+/// A non-NULL, aligned `out` must be valid for writes of a `T`.
+pub(crate) unsafe fn write_out<T>(out: *mut T, value: T) -> Result<()> {
+    check_out(out, "out")?;
+    // SAFETY: checked non-NULL and aligned; valid per the caller.
+    unsafe { out.write(value) };
+    Ok(())
+}
 
 /// Checks that a pointer is aligned for `T`.
 fn check_aligned<T>(ptr: *const T, name: &'static str) -> Result<()> {
@@ -126,6 +138,67 @@ pub(crate) unsafe fn write_plan<T>(
     Ok(())
 }
 
+/// Writes the rects of `plan` as mori_tp_plan does.
+///
+/// # Safety
+/// As for [`write_plan`].
+pub(crate) unsafe fn write_rects(
+    plan: &Walk<'_>,
+    out: *mut MoriCopyRect,
+    capacity: usize,
+    out_len: *mut usize,
+) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        write_plan(plan.num_rects(), out, capacity, out_len, |slots| {
+            for (slot, rect) in slots.iter_mut().zip(plan.rects()) {
+                slot.write(rect);
+            }
+        })
+    }
+}
+
+/// Validates `raw` against `plan`, then opens the backend `options` asks for and runs every
+/// rect on every buffer pair: the body of mori_send_kvcache and mori_send_kvcache_pair.
+///
+/// # Safety
+/// `raw`'s arrays NULL or valid for `num_buffers` entries, each buffer valid for its capacity in
+/// memory the backend can address until the copies complete.
+pub(crate) unsafe fn send_raw(
+    plan: &Walk<'_>,
+    raw: &MoriKvBuffers,
+    options: &SendOptions,
+) -> Result<()> {
+    // SAFETY (both blocks): as the caller guarantees; NULLs and misalignment are refused.
+    let src = unsafe { try_slice(raw.src, raw.num_buffers, "buffers.src") }?;
+    let dst = unsafe { try_slice(raw.dst, raw.num_buffers, "buffers.dst") }?;
+    let buffers = KvBuffers {
+        src: as_byte_pointers(src),
+        dst: as_mut_byte_pointers(dst),
+        src_capacity: raw.src_capacity,
+        dst_capacity: raw.dst_capacity,
+    };
+    let job = CopyJob::new(plan, &buffers)?;
+    // Only now, with the request valid, is the backend opened.
+    let mut engine = open_engine(options)?;
+    // SAFETY: the caller vouches for the buffers; the job checked every rect against them.
+    unsafe { job.run(engine.as_mut()) }?;
+    Ok(())
+}
+
+/// The last step of a pack or an unpack whose job is valid: open the backend `options` asks
+/// for and run the job on it.
+pub(crate) fn run_job(
+    options: &SendOptions,
+) -> impl FnOnce(&CopyJob<'_>) -> crate::error::Result<()> + '_ {
+    move |job| {
+        let mut engine = open_engine(options)?;
+        // SAFETY: the exported function's caller vouches for the buffers and the region, as its
+        // header documents; the job checked every rect against them.
+        unsafe { job.run(engine.as_mut()) }.map(|_| ())
+    }
+}
+
 /// Writes the segments of `plan` as mori_tp_plan_segments does.
 ///
 /// # Safety
@@ -213,21 +286,6 @@ impl CEnum for Staging {
         (MORI_TP_STAGING_DST, Staging::Dst, "DST"),
         (MORI_TP_STAGING_BOTH, Staging::Both, "BOTH"),
     ];
-}
-
-impl From<&MoriTpSliceParams> for SliceParams {
-    fn from(p: &MoriTpSliceParams) -> Self {
-        SliceParams {
-            prefill_tp_size: p.prefill_tp_size,
-            prefill_tp_rank: p.prefill_tp_rank,
-            decode_tp_size: p.decode_tp_size,
-            decode_tp_rank: p.decode_tp_rank,
-            total_kv_heads: p.total_kv_heads,
-            page_size: p.page_size,
-            src_item_len: p.src_item_len,
-            dst_item_len: p.dst_item_len,
-        }
-    }
 }
 
 impl From<&SliceConfig> for MoriTpSliceConfig {

@@ -18,7 +18,6 @@ use std::ffi::{c_char, c_void};
 use std::panic::catch_unwind;
 use std::sync::Mutex;
 
-use crate::backend::{CopyJob, KvBuffers, open_engine};
 use crate::plan::{Plan, check_transfer, staging_for, staging_len};
 use crate::send::{with_pack_job, with_unpack_job};
 use crate::slice::slice_config;
@@ -108,7 +107,7 @@ pub unsafe extern "C" fn mori_tp_slice_config(
         // SAFETY: valid or NULL per the caller; NULL and misalignment are refused.
         let params = unsafe { try_ref(params, "params") }?;
         check_out(out, "out")?;
-        let config = MoriTpSliceConfig::from(&slice_config(&params.into())?);
+        let config = MoriTpSliceConfig::from(&slice_config(params)?);
         log_first_config_of_layout(params, &config);
         // SAFETY: checked non-NULL and aligned; valid per the caller.
         unsafe { out.write(config) };
@@ -164,13 +163,7 @@ pub unsafe extern "C" fn mori_tp_plan(
         let (src, dst) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
         let plan = Plan::new(&config, src, dst)?;
         // SAFETY: as above; out_len checked.
-        unsafe {
-            write_plan(plan.num_rects(), out, capacity, out_len, |slots| {
-                for (slot, rect) in slots.iter_mut().zip(plan.rects()) {
-                    slot.write(rect);
-                }
-            })
-        }
+        unsafe { write_rects(&plan, out, capacity, out_len) }
     }
 }
 
@@ -265,23 +258,10 @@ pub unsafe extern "C" fn mori_send_kvcache(
         let config = unsafe { config_from_raw(config) }?;
         let raw = unsafe { try_ref(buffers, "buffers") }?;
         let options = unsafe { options_from_raw(options) }?;
-        let src = unsafe { try_slice(raw.src, raw.num_buffers, "buffers.src") }?;
-        let dst = unsafe { try_slice(raw.dst, raw.num_buffers, "buffers.dst") }?;
         let (src_pages, dst_pages) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
         let plan = Plan::new(&config, src_pages, dst_pages)?;
-        let buffers = KvBuffers {
-            src: as_byte_pointers(src),
-            dst: as_mut_byte_pointers(dst),
-            src_capacity: raw.src_capacity,
-            dst_capacity: raw.dst_capacity,
-        };
-        let job = CopyJob::new(&plan, &buffers)?;
-        // Only now, with the request valid, is the backend opened.
-        let mut engine = open_engine(&options)?;
-        // SAFETY: the caller vouches for the buffers, as documented above; the job checked
-        // every rect against them.
-        unsafe { job.run(engine.as_mut()) }?;
-        Ok(())
+        // SAFETY: the caller vouches for the buffers, as documented above.
+        unsafe { send_raw(&plan, raw, &options) }
     }
 }
 
@@ -529,9 +509,8 @@ pub unsafe extern "C" fn mori_pack_kvcache(
             src_capacity,
             staging.cast(),
             staging_capacity,
-            // SAFETY: the caller vouches for the buffers and the region, as documented above;
-            // the job checked every rect against them, and the backend opens only now.
-            |job| open_engine(&options).and_then(|mut engine| unsafe { job.run(engine.as_mut()) }),
+            // The backend opens only now, with everything checked.
+            run_job(&options),
         )?;
         Ok(())
     }
@@ -586,8 +565,7 @@ pub unsafe extern "C" fn mori_unpack_kvcache(
             staging_capacity,
             as_mut_byte_pointers(dst),
             dst_capacity,
-            // SAFETY: as for mori_pack_kvcache.
-            |job| open_engine(&options).and_then(|mut engine| unsafe { job.run(engine.as_mut()) }),
+            run_job(&options),
         )?;
         Ok(())
     }

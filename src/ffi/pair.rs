@@ -6,7 +6,6 @@ use std::ffi::c_void;
 use super::boundary::ffi_boundary;
 use super::convert::*;
 use super::types::*;
-use crate::backend::{CopyJob, KvBuffers, open_engine};
 use crate::layout::{Layout, pair_config};
 use crate::plan::{PairPlan, check_pair_transfer, pair_staging_for};
 use crate::send::{with_pack_job, with_unpack_job};
@@ -40,11 +39,8 @@ pub unsafe extern "C" fn mori_tp_layout_nhd(
     out: *mut MoriTpLayout,
 ) -> MoriStatus {
     ffi_boundary! {
-        check_out(out, "out")?;
-        let layout = Layout::nhd(total_kv_heads, tp_size, tp_rank, page_size, head_bytes)?;
-        // SAFETY: checked non-NULL and aligned; valid per the caller.
-        unsafe { out.write(layout) };
-        Ok(())
+        // SAFETY: the caller's pointer, as documented above.
+        unsafe { write_out(out, Layout::nhd(total_kv_heads, tp_size, tp_rank, page_size, head_bytes)?) }
     }
 }
 
@@ -63,11 +59,8 @@ pub unsafe extern "C" fn mori_tp_layout_hnd(
     out: *mut MoriTpLayout,
 ) -> MoriStatus {
     ffi_boundary! {
-        check_out(out, "out")?;
-        let layout = Layout::hnd(total_kv_heads, tp_size, tp_rank, page_size, head_bytes)?;
-        // SAFETY: checked non-NULL and aligned; valid per the caller.
-        unsafe { out.write(layout) };
-        Ok(())
+        // SAFETY: the caller's pointer, as documented above.
+        unsafe { write_out(out, Layout::hnd(total_kv_heads, tp_size, tp_rank, page_size, head_bytes)?) }
     }
 }
 
@@ -198,13 +191,7 @@ pub unsafe extern "C" fn mori_tp_pair_plan(
         let config = unsafe { pair_config_from_raw(config) }?;
         let request = unsafe { request_from_raw(request) }?;
         let plan = PairPlan::transfer(&config, &request, Staging::None)?;
-        unsafe {
-            write_plan(plan.num_rects(), out, capacity, out_len, |slots| {
-                for (slot, rect) in slots.iter_mut().zip(plan.rects()) {
-                    slot.write(rect);
-                }
-            })
-        }
+        unsafe { write_rects(&plan, out, capacity, out_len) }
     }
 }
 
@@ -350,22 +337,9 @@ pub unsafe extern "C" fn mori_send_kvcache_pair(
         let raw = unsafe { try_ref(buffers, "buffers") }?;
         let request = unsafe { request_from_raw(request) }?;
         let options = unsafe { options_from_raw(options) }?;
-        let src = unsafe { try_slice(raw.src, raw.num_buffers, "buffers.src") }?;
-        let dst = unsafe { try_slice(raw.dst, raw.num_buffers, "buffers.dst") }?;
         let plan = PairPlan::transfer(&config, &request, Staging::None)?;
-        let buffers = KvBuffers {
-            src: as_byte_pointers(src),
-            dst: as_mut_byte_pointers(dst),
-            src_capacity: raw.src_capacity,
-            dst_capacity: raw.dst_capacity,
-        };
-        let job = CopyJob::new(&plan, &buffers)?;
-        // Only now, with the request valid, is the backend opened.
-        let mut engine = open_engine(&options)?;
-        // SAFETY: the caller vouches for the buffers, as documented above; the job checked
-        // every rect against them.
-        unsafe { job.run(engine.as_mut()) }?;
-        Ok(())
+        // SAFETY: the caller vouches for the buffers, as documented above.
+        unsafe { send_raw(&plan, raw, &options) }
     }
 }
 
@@ -421,9 +395,8 @@ pub unsafe extern "C" fn mori_pack_kvcache_pair(
             src_capacity,
             staging.cast(),
             staging_capacity,
-            // SAFETY: the caller vouches for the buffers and the region, as documented above;
-            // the job checked every rect against them, and the backend opens only now.
-            |job| open_engine(&options).and_then(|mut engine| unsafe { job.run(engine.as_mut()) }),
+            // The backend opens only now, with everything checked.
+            run_job(&options),
         )?;
         Ok(())
     }
@@ -478,8 +451,7 @@ pub unsafe extern "C" fn mori_unpack_kvcache_pair(
             staging_capacity,
             as_mut_byte_pointers(dst),
             dst_capacity,
-            // SAFETY: as for mori_pack_kvcache_pair.
-            |job| open_engine(&options).and_then(|mut engine| unsafe { job.run(engine.as_mut()) }),
+            run_job(&options),
         )?;
         Ok(())
     }

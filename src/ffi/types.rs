@@ -5,6 +5,7 @@ use std::ffi::c_void;
 
 pub use crate::layout::Layout;
 pub use crate::plan::{CopyRect, RankMemory, Segment};
+pub use crate::slice::SliceParams;
 
 /// Status code returned by every fallible mori-tp function: MORI_OK (0) or one of the
 /// MORI_ERR_* values. The numbers never change; new codes only get added.
@@ -98,32 +99,9 @@ pub const MORI_TP_VERSION_MINOR: u32 = 1;
 /// See MORI_TP_VERSION_MAJOR.
 pub const MORI_TP_VERSION_PATCH: u32 = 0;
 
-/// Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
-///
-/// Per layer there is one K and one V buffer (MLA: one latent buffer); a buffer is an array of
-/// pages of item_len bytes; a page holds page_size tokens, token-major; inside a token the
-/// rank's heads are contiguous, in global head order.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MoriTpSliceParams {
-    /// P: tensor-parallel size of the prefill engine (> 0).
-    pub prefill_tp_size: u32,
-    /// p: the sending prefill rank, < P.
-    pub prefill_tp_rank: u32,
-    /// D: tensor-parallel size of the decode engine (> 0).
-    pub decode_tp_size: u32,
-    /// d: the receiving decode rank, < D.
-    pub decode_tp_rank: u32,
-    /// H: the model's KV heads before TP (num_key_value_heads); 1 for MLA and MQA.
-    /// Each TP size must divide H or be a multiple of it.
-    pub total_kv_heads: u32,
-    /// Tokens per page, the same on both sides (> 0).
-    pub page_size: u32,
-    /// Bytes of one page of one layer buffer on rank p (page_size * heads on p * bytes per head).
-    pub src_item_len: u64,
-    /// Bytes of one page of one layer buffer on rank d.
-    pub dst_item_len: u64,
-}
+/// The inputs of mori_tp_slice_config (the Rust type is [`SliceParams`]).
+/// cbindgen:ignore
+pub type MoriTpSliceParams = SliceParams;
 
 /// What one (prefill rank, decode rank) pair moves inside every token; filled by
 /// mori_tp_slice_config and consumed by the plan and send functions (which re-validate it).
