@@ -208,8 +208,8 @@ class Request:
                            _unsigned(self.num_tokens, "num_tokens", 64, where))
 
     def __repr__(self) -> str:
-        return (f"Request(src_pages={list(self.src_pages)}, dst_pages={list(self.dst_pages)}, "
-                f"num_tokens={self.num_tokens})")
+        return (f"Request(src_pages={[int(p) for p in self.src_pages]}, "
+                f"dst_pages={[int(p) for p in self.dst_pages]}, num_tokens={self.num_tokens})")
 
     def _as_c(self) -> _ffi.MoriTpRequest:
         # The page arrays are already int32: these return them, with their current address.
