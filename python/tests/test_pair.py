@@ -151,9 +151,12 @@ class LayoutTest(unittest.TestCase):
         with self.assertRaisesRegex(mori_tp.InvalidArgumentError,
                                     "^mori_tp_layout_nhd: .*tp_rank 2 .*tp_size 2"):
             mori_tp.Layout.nhd(4, 2, 2, 16, 256)
-        with self.assertRaisesRegex(mori_tp.TopologyError, "^mori_tp_layout_hnd: .*3"):
+        with self.assertRaisesRegex(mori_tp.TopologyError,
+                                    "^mori_tp_layout_hnd: .*tp_size 2 and total_kv_heads 3 "
+                                    "divide neither way"):
             mori_tp.Layout.hnd(3, 2, 0, 16, 256)
-        with self.assertRaisesRegex(mori_tp.InvalidArgumentError, "^mori_tp_layout_hnd: .*page_size"):
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError,
+                                    "^mori_tp_layout_hnd: .*page_size is 0"):
             mori_tp.Layout.hnd(4, 2, 0, 0, 256)
         # What ctypes would wrap silently is refused before the call.
         with self.assertRaisesRegex(mori_tp.InvalidArgumentError,
@@ -168,7 +171,8 @@ class LayoutTest(unittest.TestCase):
         with self.assertRaisesRegex(mori_tp.LayoutMismatchError,
                                     "^mori_tp_pair_config: .*head_bytes 128.*256"):
             mori_tp.pair_config(prefill, mori_tp.Layout.hnd(4, 8, 0, 16, 128))
-        with self.assertRaisesRegex(mori_tp.TopologyError, "^mori_tp_pair_config: .*total_kv_heads 4 != .*total_kv_heads 8"):
+        with self.assertRaisesRegex(mori_tp.TopologyError, "^mori_tp_pair_config: .*"
+                                    "total_kv_heads 4 != .*total_kv_heads 8"):
             mori_tp.pair_config(prefill, mori_tp.Layout.hnd(8, 8, 0, 16, 256))
         overlapping = dataclasses.replace(prefill, token_stride=100)
         with self.assertRaisesRegex(mori_tp.LayoutMismatchError,
@@ -388,7 +392,8 @@ class RefusalsTest(unittest.TestCase):
         dst_pages = list(pair.request.dst_pages)
         dst_pages[0] = -1
         self.assertRefused(
-            mori_tp.OutOfBoundsError, "^mori_tp_pair_segments: .*decode side: page index -1 at position 0",
+            mori_tp.OutOfBoundsError,
+            "^mori_tp_pair_segments: .*decode side: page index -1 at position 0",
             mori_tp.pair_segments, pair.config,
             mori_tp.Request(pair.request.src_pages, dst_pages, 90))
         self.assertEqual([bytes(x) for x in dst], pair.initial)
