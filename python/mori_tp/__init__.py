@@ -23,6 +23,21 @@ For RDMA transfer engines, a staged request moves a few long segments instead of
 :func:`plan_transfer` gives the engine's segments and :func:`unpack_kvcache` unpacks on the
 decode rank. :mod:`mori_tp.engines` drives Mooncake, NIXL and MORI-IO with them.
 
+Any page layout (head-major HND pages, padded strides, page sizes that differ between the
+sides, a partial last page): each rank describes its pages with a :class:`Layout`
+(:meth:`Layout.nhd`, :meth:`Layout.hnd`), :func:`pair_config` pairs two layouts, and a
+:class:`Request` names the tokens and each side's pages. :func:`pair_segments`,
+:func:`pair_plan`, :func:`send_kvcache_pair`, :func:`pair_staging_for`,
+:func:`pack_kvcache_pair` and :func:`unpack_kvcache_pair` take them::
+
+    prefill = mori_tp.Layout.hnd(total_kv_heads=4, tp_size=2, tp_rank=0, page_size=16,
+                                 head_bytes=256)
+    decode = mori_tp.Layout.hnd(total_kv_heads=4, tp_size=8, tp_rank=1, page_size=64,
+                                head_bytes=256)
+    pair = mori_tp.pair_config(prefill, decode)
+    request = mori_tp.Request(src_pages, dst_pages, num_tokens)
+    local, remote, sizes = mori_tp.pair_segments(pair, request)
+
 Page indices may be lists (or any sequence) of ints, ``array.array('i')``, or numpy integer
 arrays; ``array.array('i')`` and C-contiguous numpy int32 arrays are passed to the library by
 address, without a copy. numpy is optional: only ``as_arrays=True`` output, numpy staging
@@ -87,29 +102,41 @@ __all__ = [
     "GpuError",
     "InternalError",
     "InvalidArgumentError",
+    "Layout",
     "LayoutMismatchError",
     "MoriError",
     "NullPointerError",
     "OutOfBoundsError",
     "PageIndices",
+    "PairConfig",
     "RankMemory",
+    "Request",
     "SliceConfig",
     "SliceOverflowError",
     "Staging",
     "StagingRegion",
     "TopologyError",
     "library_path",
+    "check_pair_transfer",
     "check_transfer",
     "library_version",
     "pack_kvcache",
+    "pack_kvcache_pair",
+    "pair_config",
+    "pair_plan",
+    "pair_segments",
+    "pair_staging_for",
+    "pair_staging_len",
     "plan",
     "plan_segments",
     "plan_transfer",
     "send_kvcache",
+    "send_kvcache_pair",
     "slice_config",
     "staging_for",
     "staging_len",
     "unpack_kvcache",
+    "unpack_kvcache_pair",
 ]
 
 _lib, _library_path = _ffi.load()
@@ -168,6 +195,20 @@ def _unsigned(value: Any, name: str, bits: int, where: str) -> int:
     return number
 
 
+def _action(value: Any, where: str) -> Action:
+    """``value`` as an :class:`Action`; a number outside the enum is refused here, since the
+    frozen config would otherwise hold something that is not an Action."""
+    if isinstance(value, Action):
+        return value
+    number = operator.index(value)
+    try:
+        return Action(number)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{where}: action {number} is not an Action (0 NOT_PAIRED, 1 SEND, 2 SKIP_REPLICA)"
+        ) from None
+
+
 _U32_FIELDS = ("page_size", "first_head", "num_heads")
 _U64_FIELDS = (
     "src_item_len",
@@ -213,17 +254,7 @@ class SliceConfig:
     heads_bytes_per_token_to_send: int
 
     def __post_init__(self) -> None:
-        action = self.action
-        if not isinstance(action, Action):
-            number = operator.index(action)
-            try:
-                action = Action(number)
-            except ValueError:
-                raise InvalidArgumentError(
-                    f"SliceConfig: action {number} is not an Action "
-                    "(0 NOT_PAIRED, 1 SEND, 2 SKIP_REPLICA)"
-                ) from None
-            object.__setattr__(self, "action", action)
+        object.__setattr__(self, "action", _action(self.action, "SliceConfig"))
         for names, bits in ((_U32_FIELDS, 32), (_U64_FIELDS, 64)):
             for name in names:
                 value = _unsigned(getattr(self, name), name, bits, "SliceConfig")
@@ -392,33 +423,43 @@ def _c_config(config: SliceConfig, where: str) -> _ffi.MoriTpSliceConfig:
     return config._as_c()
 
 
-def _plan_into(function: Any, config: SliceConfig, src_pages: PageIndices,
-               dst_pages: PageIndices, allocate: Any, where: str,
-               upper_bound: Optional[Callable[[int], int]] = None) -> Tuple[Any, int]:
-    """Runs a plan function into ``allocate(n)``'s buffer; returns ``(buffer, entries)``.
+def _fill(call: Callable[[Optional[int], int, Any], int],
+          allocate: Callable[[int], Tuple[Any, Any]],
+          upper_bound: Optional[int] = None) -> Tuple[Any, int]:
+    """Runs a plan function, ``call(out, capacity, out_len_ref)``, into ``allocate(n)``'s
+    buffer; returns ``(buffer, entries)``.
 
-    With ``upper_bound(num_pages)`` (for allocators whose buffers cost nothing until written,
-    such as ``numpy.empty``) one call into a buffer that large does; otherwise a size query comes
-    first, so that the buffer is exactly as large as the plan.
+    With an ``upper_bound`` on the entries (for allocators whose buffers cost nothing until
+    written, such as ``numpy.empty``) one call into a buffer that large does; otherwise a size
+    query comes first, so that the buffer is exactly as large as the plan.
     """
-    c_config = _c_config(config, where)
-    src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
     needed = ctypes.c_size_t()
-    if upper_bound is not None and upper_bound(num_pages) <= _SPECULATIVE_ENTRIES:
-        capacity = upper_bound(num_pages)
-        out, address = allocate(capacity)
+    if upper_bound is not None and upper_bound <= _SPECULATIVE_ENTRIES:
+        capacity = upper_bound
     else:
-        status = function(ctypes.byref(c_config), src, dst, num_pages, None, 0,
-                          ctypes.byref(needed))
+        status = call(None, 0, ctypes.byref(needed))
         if status not in (_ffi.MORI_OK, _ffi.MORI_ERR_BUFFER_TOO_SMALL):
             _raise_last(status)
         capacity = needed.value
-        out, address = allocate(capacity)
-    status = function(ctypes.byref(c_config), src, dst, num_pages, address if capacity else None,
-                      capacity, ctypes.byref(needed))
+    out, address = allocate(capacity)
+    status = call(address if capacity else None, capacity, ctypes.byref(needed))
     if status != _ffi.MORI_OK:
         _raise_last(status)
     return out, needed.value
+
+
+def _plan_into(function: Any, config: SliceConfig, src_pages: PageIndices,
+               dst_pages: PageIndices, allocate: Any, where: str,
+               upper_bound: Optional[Callable[[int], int]] = None) -> Tuple[Any, int]:
+    """:func:`_fill` for a section-4 plan function of ``(config, src, dst, num_pages, ...)``;
+    ``upper_bound(num_pages)`` bounds its entries."""
+    c_config = _c_config(config, where)
+    src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
+    return _fill(
+        lambda out, capacity, needed: function(ctypes.byref(c_config), src, dst, num_pages, out,
+                                               capacity, needed),
+        allocate, None if upper_bound is None else upper_bound(num_pages),
+    )
 
 
 def _trimmed(out: "numpy.ndarray", count: int) -> "numpy.ndarray":
@@ -448,6 +489,46 @@ def _numpy_allocate(columns: int) -> Callable[[int], Tuple[Any, Any]]:
     return allocate
 
 
+def _words_allocate(columns: int) -> Callable[[int], Tuple[Any, Any]]:
+    def allocate(count: int) -> Tuple[Any, Any]:
+        # Entries of ``columns`` uint64_t fields (MoriCopyRect: 6, MoriSegment: 3) are
+        # ``columns * count`` 'Q' items, written in place.
+        words = array.array("Q", [0]) * (columns * count)
+        return words, words.buffer_info()[0]
+
+    return allocate
+
+
+#: ``fill(allocate, bounded)``: runs a plan function into ``allocate(n)``'s buffer (reserving its
+#: bound on the entries first when ``bounded``); returns ``(buffer, entries)``.
+_Fill = Callable[[Callable[[int], Tuple[Any, Any]], bool], Tuple[Any, int]]
+
+
+def _rects_out(fill: _Fill, as_arrays: bool, where: str) -> Any:
+    """A plan's rects as a list of :class:`CopyRect`, or with ``as_arrays`` one ``(n, 6)``
+    uint64 array (the bound reserved, then trimmed)."""
+    if as_arrays:
+        _require_numpy(where)
+        rects, count = fill(_numpy_allocate(6), True)
+        return _trimmed(rects, count)
+    rects, _ = fill(_words_allocate(6), False)
+    fields = iter(rects.tolist())
+    return list(map(CopyRect._make, zip(*[fields] * 6)))
+
+
+def _segments_out(fill: _Fill, as_arrays: bool, where: str) -> Tuple[Any, Any, Any]:
+    """A segment list as ``(local_offsets, remote_offsets, sizes)``: lists, or with
+    ``as_arrays`` the three columns of one ``(n, 3)`` uint64 array (strided views, no copy)."""
+    if as_arrays:
+        _require_numpy(where)
+        segments, count = fill(_numpy_allocate(3), True)
+        segments = _trimmed(segments, count)
+        return segments[:, 0], segments[:, 1], segments[:, 2]
+    segments, _ = fill(_words_allocate(3), False)
+    view = memoryview(segments)
+    return view[0::3].tolist(), view[1::3].tolist(), view[2::3].tolist()
+
+
 def plan(
     config: SliceConfig,
     src_pages: PageIndices,
@@ -473,21 +554,12 @@ def plan(
         SliceOverflowError, LayoutMismatchError: a hand-edited config that does not fit.
         ImportError: ``as_arrays=True`` without numpy installed.
     """
-    if as_arrays:
-        _require_numpy("plan")
+    def fill(allocate: Any, bounded: bool) -> Tuple[Any, int]:
         # A plan has at most one rect per page.
-        rects, count = _plan_into(_lib.mori_tp_plan, config, src_pages, dst_pages,
-                                  _numpy_allocate(6), "plan", upper_bound=lambda pages: pages)
-        return _trimmed(rects, count)
+        return _plan_into(_lib.mori_tp_plan, config, src_pages, dst_pages, allocate, "plan",
+                          upper_bound=(lambda pages: pages) if bounded else None)
 
-    def allocate(count: int) -> Tuple[Any, Any]:
-        # MoriCopyRect is six uint64_t: n rects are 6n 'Q' items, written in place.
-        rects = array.array("Q", [0]) * (6 * count)
-        return rects, rects.buffer_info()[0]
-
-    rects, _ = _plan_into(_lib.mori_tp_plan, config, src_pages, dst_pages, allocate, "plan")
-    fields = iter(rects.tolist())
-    return list(map(CopyRect._make, zip(*[fields] * 6)))
+    return _rects_out(fill, as_arrays, "plan")
 
 
 def plan_segments(
@@ -520,27 +592,14 @@ def plan_segments(
             for :func:`plan`.
         ImportError: ``as_arrays=True`` without numpy installed.
     """
-    if as_arrays:
-        _require_numpy("plan_segments")
+    def fill(allocate: Any, bounded: bool) -> Tuple[Any, int]:
         # At most one segment per token row; contiguous plans need one per run, fewer still.
-        rows = config.page_size
-        segments, count = _plan_into(
-            _lib.mori_tp_plan_segments, config, src_pages, dst_pages, _numpy_allocate(3),
-            "plan_segments", upper_bound=lambda pages: pages * rows,
-        )
-        segments = _trimmed(segments, count)
-        return segments[:, 0], segments[:, 1], segments[:, 2]
+        rows = config.page_size if bounded else 0
+        return _plan_into(_lib.mori_tp_plan_segments, config, src_pages, dst_pages, allocate,
+                          "plan_segments",
+                          upper_bound=(lambda pages: pages * rows) if bounded else None)
 
-    def allocate(count: int) -> Tuple[Any, Any]:
-        # MoriSegment is three uint64_t, so n segments are 3n 'Q' items, written in place.
-        segments = array.array("Q", [0]) * (3 * count)
-        return segments, segments.buffer_info()[0]
-
-    segments, _ = _plan_into(
-        _lib.mori_tp_plan_segments, config, src_pages, dst_pages, allocate, "plan_segments"
-    )
-    view = memoryview(segments)
-    return view[0::3].tolist(), view[1::3].tolist(), view[2::3].tolist()
+    return _segments_out(fill, as_arrays, "plan_segments")
 
 
 _BACKENDS = {
@@ -553,6 +612,27 @@ _BACKENDS = {
 def _pointer_array(pointers: Sequence[int], name: str, where: str) -> Any:
     values = [_unsigned(p, f"{name}[{i}]", 64, where) for i, p in enumerate(pointers)]
     return (ctypes.c_void_p * len(values))(*values)
+
+
+def _kv_buffers(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], src_capacity: int,
+               dst_capacity: int, where: str) -> Tuple[_ffi.MoriKvBuffers, Tuple[Any, Any]]:
+    """The MoriKvBuffers of a send, and the two pointer arrays it points into (keep them alive
+    for the call)."""
+    if len(src_ptrs) != len(dst_ptrs):
+        raise InvalidArgumentError(
+            f"{where}: {len(src_ptrs)} source buffers but {len(dst_ptrs)} destination buffers "
+            "(they are paired one to one)"
+        )
+    src_array = _pointer_array(src_ptrs, "src_ptrs", where)
+    dst_array = _pointer_array(dst_ptrs, "dst_ptrs", where)
+    buffers = _ffi.MoriKvBuffers(
+        ctypes.cast(src_array, ctypes.POINTER(ctypes.c_void_p)),
+        ctypes.cast(dst_array, ctypes.POINTER(ctypes.c_void_p)),
+        len(src_array),
+        _unsigned(src_capacity, "src_capacity", 64, where),
+        _unsigned(dst_capacity, "dst_capacity", 64, where),
+    )
+    return buffers, (src_array, dst_array)
 
 
 def _send_options(backend: str, stream: Optional[int], synchronize: bool, copy_kernel: bool,
@@ -623,21 +703,8 @@ def send_kvcache(
     """
     where = "send_kvcache"
     c_config = _c_config(config, where)
-    if len(src_ptrs) != len(dst_ptrs):
-        raise InvalidArgumentError(
-            f"{where}: {len(src_ptrs)} source buffers but {len(dst_ptrs)} destination buffers "
-            "(they are paired one to one)"
-        )
+    buffers, _arrays = _kv_buffers(src_ptrs, dst_ptrs, src_capacity, dst_capacity, where)
     options = _send_options(backend, stream, synchronize, copy_kernel, where)
-    src_array = _pointer_array(src_ptrs, "src_ptrs", where)
-    dst_array = _pointer_array(dst_ptrs, "dst_ptrs", where)
-    buffers = _ffi.MoriKvBuffers(
-        ctypes.cast(src_array, ctypes.POINTER(ctypes.c_void_p)),
-        ctypes.cast(dst_array, ctypes.POINTER(ctypes.c_void_p)),
-        len(src_array),
-        _unsigned(src_capacity, "src_capacity", 64, where),
-        _unsigned(dst_capacity, "dst_capacity", 64, where),
-    )
     src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
     status = _lib.mori_send_kvcache(
         ctypes.byref(c_config),
@@ -758,24 +825,13 @@ def plan_transfer(
     def function(c_config: Any, *rest: Any) -> int:
         return _lib.mori_tp_plan_transfer(c_config, value, *rest)
 
-    if as_arrays:
-        _require_numpy(where)
+    def fill(allocate: Any, bounded: bool) -> Tuple[Any, int]:
         # At most one segment per token row, as for plan_segments.
         rows = config.page_size if isinstance(config, SliceConfig) else 0
-        segments, count = _plan_into(
-            function, config, src_pages, dst_pages, _numpy_allocate(3), where,
-            upper_bound=lambda pages: pages * rows,
-        )
-        segments = _trimmed(segments, count)
-        return segments[:, 0], segments[:, 1], segments[:, 2]
+        return _plan_into(function, config, src_pages, dst_pages, allocate, where,
+                          upper_bound=(lambda pages: pages * rows) if bounded else None)
 
-    def allocate(count: int) -> Tuple[Any, Any]:
-        segments = array.array("Q", [0]) * (3 * count)
-        return segments, segments.buffer_info()[0]
-
-    segments, _ = _plan_into(function, config, src_pages, dst_pages, allocate, where)
-    view = memoryview(segments)
-    return view[0::3].tolist(), view[1::3].tolist(), view[2::3].tolist()
+    return _segments_out(fill, as_arrays, where)
 
 
 class RankMemory(NamedTuple):
@@ -964,3 +1020,21 @@ def unpack_kvcache(
     )
     if status != _ffi.MORI_OK:
         _raise_last(status)
+
+
+# Any page layout, page sizes that differ, partial pages: in a module of its own, which uses the
+# helpers above (so it is imported last).
+from ._pair import (  # noqa: E402
+    Layout,
+    PairConfig,
+    Request,
+    check_pair_transfer,
+    pack_kvcache_pair,
+    pair_config,
+    pair_plan,
+    pair_segments,
+    pair_staging_for,
+    pair_staging_len,
+    send_kvcache_pair,
+    unpack_kvcache_pair,
+)

@@ -109,6 +109,43 @@ class MoriTpMemory(ctypes.Structure):
     ]
 
 
+class MoriTpLayout(ctypes.Structure):
+    _fields_ = [
+        ("total_kv_heads", ctypes.c_uint32),
+        ("tp_size", ctypes.c_uint32),
+        ("tp_rank", ctypes.c_uint32),
+        ("page_size", ctypes.c_uint32),
+        ("head_bytes", ctypes.c_uint64),
+        ("page_stride", ctypes.c_uint64),
+        ("offset", ctypes.c_uint64),
+        ("token_stride", ctypes.c_uint64),
+        ("head_stride", ctypes.c_uint64),
+    ]
+
+
+class MoriTpPairConfig(ctypes.Structure):
+    _fields_ = [
+        ("action", ctypes.c_uint32),
+        ("first_head", ctypes.c_uint32),
+        ("num_heads", ctypes.c_uint32),
+        ("src_first_local", ctypes.c_uint32),
+        ("dst_first_local", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("src", MoriTpLayout),
+        ("dst", MoriTpLayout),
+    ]
+
+
+class MoriTpRequest(ctypes.Structure):
+    _fields_ = [
+        ("src_pages", ctypes.c_void_p),  # const int32_t *, passed by address
+        ("num_src_pages", ctypes.c_size_t),
+        ("dst_pages", ctypes.c_void_p),  # const int32_t *
+        ("num_dst_pages", ctypes.c_size_t),
+        ("num_tokens", ctypes.c_uint64),
+    ]
+
+
 #: sizeof of each struct in include/mori_tp.h on a 64-bit (LP64 or LLP64) platform.
 EXPECTED_SIZES = {
     MoriTpSliceParams: 40,
@@ -118,10 +155,17 @@ EXPECTED_SIZES = {
     MoriKvBuffers: 40,
     MoriSendOptions: 16,
     MoriTpMemory: 24,
+    MoriTpLayout: 56,
+    MoriTpPairConfig: 136,
+    MoriTpRequest: 40,
 }
 
 _STATUS = ctypes.c_int32
 _CONFIG_P = ctypes.POINTER(MoriTpSliceConfig)
+_LAYOUT_P = ctypes.POINTER(MoriTpLayout)
+_PAIR_P = ctypes.POINTER(MoriTpPairConfig)
+_REQUEST_P = ctypes.POINTER(MoriTpRequest)
+_MEMORY_P = ctypes.POINTER(MoriTpMemory)
 
 # Page arrays and plan outputs are declared as addresses (void *) rather than typed pointers:
 # numpy and array.array buffers are then passed by their address with no ctypes wrapper object
@@ -224,6 +268,97 @@ SIGNATURES = {
             ctypes.c_uint64,  # dst_capacity
             ctypes.c_void_p,  # const int32_t *dst_pages
             ctypes.c_size_t,  # num_pages
+            ctypes.POINTER(MoriSendOptions),
+        ],
+    ),
+    "mori_tp_layout_nhd": (
+        _STATUS,
+        [
+            ctypes.c_uint32,  # total_kv_heads
+            ctypes.c_uint32,  # tp_size
+            ctypes.c_uint32,  # tp_rank
+            ctypes.c_uint32,  # page_size
+            ctypes.c_uint64,  # head_bytes
+            _LAYOUT_P,
+        ],
+    ),
+    "mori_tp_layout_hnd": (
+        _STATUS,
+        [
+            ctypes.c_uint32,  # total_kv_heads
+            ctypes.c_uint32,  # tp_size
+            ctypes.c_uint32,  # tp_rank
+            ctypes.c_uint32,  # page_size
+            ctypes.c_uint64,  # head_bytes
+            _LAYOUT_P,
+        ],
+    ),
+    "mori_tp_pair_config": (_STATUS, [_LAYOUT_P, _LAYOUT_P, _PAIR_P]),
+    "mori_tp_pair_segments": (
+        _STATUS,
+        [
+            _PAIR_P,
+            _REQUEST_P,
+            ctypes.c_uint32,  # MoriTpStaging staging
+            ctypes.c_void_p,  # MoriSegment *out
+            ctypes.c_size_t,  # capacity
+            ctypes.POINTER(ctypes.c_size_t),  # out_len
+        ],
+    ),
+    "mori_tp_pair_plan": (
+        _STATUS,
+        [
+            _PAIR_P,
+            _REQUEST_P,
+            ctypes.c_void_p,  # MoriCopyRect *out
+            ctypes.c_size_t,  # capacity
+            ctypes.POINTER(ctypes.c_size_t),  # out_len
+        ],
+    ),
+    "mori_tp_pair_staging_for": (_STATUS, [_PAIR_P, ctypes.POINTER(ctypes.c_uint32)]),
+    "mori_tp_pair_staging_len": (
+        _STATUS,
+        [_PAIR_P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)],
+    ),
+    "mori_tp_check_pair_transfer": (
+        _STATUS,
+        [
+            _PAIR_P,
+            _REQUEST_P,
+            ctypes.c_uint32,  # MoriTpStaging staging
+            _MEMORY_P,  # prefill
+            _MEMORY_P,  # decode
+        ],
+    ),
+    "mori_send_kvcache_pair": (
+        _STATUS,
+        [_PAIR_P, ctypes.POINTER(MoriKvBuffers), _REQUEST_P, ctypes.POINTER(MoriSendOptions)],
+    ),
+    "mori_pack_kvcache_pair": (
+        _STATUS,
+        [
+            _PAIR_P,
+            ctypes.c_uint32,  # MoriTpStaging staging_mode
+            ctypes.POINTER(ctypes.c_void_p),  # const void *const *src
+            ctypes.c_size_t,  # num_buffers
+            ctypes.c_uint64,  # src_capacity
+            _REQUEST_P,
+            ctypes.c_void_p,  # void *staging
+            ctypes.c_uint64,  # staging_capacity
+            ctypes.POINTER(MoriSendOptions),
+        ],
+    ),
+    "mori_unpack_kvcache_pair": (
+        _STATUS,
+        [
+            _PAIR_P,
+            ctypes.c_uint32,  # MoriTpStaging staging_mode
+            ctypes.c_void_p,  # const void *staging
+            ctypes.c_uint64,  # staging_capacity
+            ctypes.POINTER(ctypes.c_void_p),  # void *const *dst
+            ctypes.c_size_t,  # num_buffers
+            ctypes.c_uint64,  # dst_capacity
+            _REQUEST_P,
             ctypes.POINTER(MoriSendOptions),
         ],
     ),

@@ -27,13 +27,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 import mori_tp
 from mori_tp import Staging
-from mori_tp.engines import KvMemory, plan_request
+from mori_tp.engines import KvMemory, RequestPlan, plan_request
 from mori_tp.engines.loopback import (
     ENGINES,
     DecodePeer,
@@ -193,18 +193,25 @@ class Demo:
         self.dst_capacity = dst_cap * self.config.dst_item_len
         self.staging_bytes = self.num_buffers * mori_tp.staging_len(self.config,
                                                                     len(self.src_pages))
-        rng = np.random.default_rng(setup.seed)
+        #: Bytes of one decode page, to locate a wrong byte.
+        self.dst_page_bytes = self.config.dst_item_len
+        self._connect(setup.seed)
+
+    def _connect(self, seed: int) -> None:
+        """Source buffers of random bytes and a staging region, this process's engine and the
+        decode child; then the expected decode bytes and the warm-up."""
+        rng = np.random.default_rng(seed)
         self.sources = [rng.integers(0, 256, self.src_capacity, dtype=np.uint8)
                         for _ in range(self.num_buffers)]
         self.staging = np.zeros(max(self.staging_bytes, 1), dtype=np.uint8)
         self.local = KvMemory(tuple(int(s.ctypes.data) for s in self.sources), self.src_capacity,
                               int(self.staging.ctypes.data), self.staging_bytes)
         self._tags = 0
-        self.driver = driver(engine)
+        self.driver = driver(self.engine)
         self.transport = self.driver.start("prefill")
         self.transport.register(self.local)
-        self.peer_process = DecodePeer(engine, [(self.num_buffers, self.dst_capacity)],
-                                       self.staging_bytes, timeout)
+        self.peer_process = DecodePeer(self.engine, [(self.num_buffers, self.dst_capacity)],
+                                       self.staging_bytes, self.timeout)
         try:
             self.remote = self.peer_process.memories[0]
             self.peer = self.driver.connect(self.transport, self.peer_process.address)
@@ -215,7 +222,14 @@ class Demo:
             self.peer_process.close()
             raise
 
-    def _expected(self) -> List[bytes]:
+    #: The method _warm_up runs once, untimed.
+    warm_method = "staged"
+
+    def expected_for(self, method: str) -> List[bytes]:
+        """What the decode buffers must hold after ``method``."""
+        return self.expected
+
+    def _expected(self) -> Any:
         """What the decode buffers must hold: sentinel bytes, then one send_kvcache."""
         want = [sentinel(0, b, self.dst_capacity) for b in range(self.num_buffers)]
         mori_tp.send_kvcache(
@@ -233,8 +247,9 @@ class Demo:
         one = np.ones(1, dtype=np.uint64)
         self.driver.write(self.transport, self.peer, one * np.uint64(self.local.buffers[0]),
                           one * np.uint64(self.remote.buffers[0]), one, tag, self.timeout)
-        self.peer_process.receive([Receive(0, self.config, (), 0, 0, 0, tag)])
-        self.run("staged")
+        self.peer_process.receive([Receive(0, self.config, self.receive_request(), 0, 0, 0,
+                                           tag)])
+        self.run(self.warm_method)
 
     def close(self) -> None:
         self.peer_process.close()
@@ -242,6 +257,20 @@ class Demo:
     def _tag(self) -> bytes:
         self._tags += 1
         return f"demo-{self._tags}".encode()
+
+    def receive_request(self) -> Any:
+        """What the decode rank's unpack_request takes for this request."""
+        return tuple(self.dst_pages)
+
+    def per_token(self) -> Tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
+        """One buffer's per-token list."""
+        return per_token_segments(self.config, self.src_pages, self.dst_pages)
+
+    def plan(self, method: str) -> RequestPlan:
+        """The plan of a mori-tp ``method``."""
+        chosen = {"direct": Staging.NONE, "staged": self.staged_with, BOTH: Staging.BOTH}[method]
+        return plan_request(self.config, self.src_pages, self.dst_pages, local=self.local,
+                            remote=self.remote, staging=chosen)
 
     def run(self, method: str) -> Tuple[float, int, int, int, str, float, float, float]:
         """Moves the request once with ``method``; checks every byte; returns (seconds,
@@ -251,8 +280,7 @@ class Demo:
         timeout = self.timeout
         start = time.perf_counter()
         if method == "per-token":
-            local, remote, sizes = per_token_segments(self.config, self.src_pages,
-                                                      self.dst_pages)
+            local, remote, sizes = self.per_token()
             src_bases = np.asarray(self.local.buffers, dtype=np.uint64)[:, None]
             dst_bases = np.asarray(self.remote.buffers, dtype=np.uint64)[:, None]
             src = (src_bases + local).ravel()
@@ -262,18 +290,15 @@ class Demo:
             calls = self.driver.write(self.transport, self.peer, src, dst, lengths, tag, timeout)
             write = time.perf_counter() - write_start
             staging, pack, segments, moved = None, 0.0, len(lengths), int(lengths.sum())
-            receive = Receive(0, self.config, tuple(self.dst_pages), Staging.NONE, 0, 0, tag)
+            receive = Receive(0, self.config, self.receive_request(), Staging.NONE, 0, 0, tag)
         else:
-            chosen = {"direct": Staging.NONE, "staged": self.staged_with,
-                      BOTH: Staging.BOTH}[method]
-            plan = plan_request(self.config, self.src_pages, self.dst_pages,
-                                local=self.local, remote=self.remote, staging=chosen)
+            plan = self.plan(method)
             result = self.driver.send(self.transport, self.peer, plan, tag, timeout)
             staging, pack, write = result.staging, result.pack_seconds, result.write_seconds
             segments, moved, calls = result.segments, result.bytes, result.calls
             slot_len = self.staging_bytes if staging.unpacks else 0
-            receive = Receive(0, self.config, tuple(self.dst_pages), int(staging), 0, slot_len,
-                              tag)
+            receive = Receive(0, plan.config, self.receive_request(), int(staging), 0,
+                              slot_len, tag)
         unpack = self.peer_process.receive([receive])
         seconds = time.perf_counter() - start
         self.verify(method)
@@ -282,11 +307,11 @@ class Demo:
 
     def verify(self, method: str) -> None:
         got = self.peer_process.digests()[0]
-        for b, (have, want) in enumerate(zip(got, self.expected)):
+        for b, (have, want) in enumerate(zip(got, self.expected_for(method))):
             if have != digest(want):
                 data = self.peer_process.fetch(0, b)
                 at = first_difference(data, want)
-                item = self.config.dst_item_len
+                item = self.dst_page_bytes
                 raise AssertionError(
                     f"{self.engine} {method}: decode buffer {b} differs from send_kvcache's "
                     f"result first at byte {at} (page {at // item}, byte {at % item} of it)"

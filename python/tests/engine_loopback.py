@@ -1,12 +1,18 @@
 """Two processes on 127.0.0.1 joined by a real transfer engine: this one holds every prefill
 rank of a layout and writes (the initiator), a child holds every decode rank (the target).
 
-For each layout (tp2to8, tp8to2, tp4to8 and the non-integer H=12 P6->D4; page size 16;
-fragmented pages; three layers, K and V) and each staging choice (staging_for's, NONE, SRC,
-DST, BOTH), every sending pair moves its request through the engine, the child unpacks the
+Slice configs: for each layout (tp2to8, tp8to2, tp4to8 and the non-integer H=12 P6->D4; page
+size 16; fragmented pages; three layers, K and V) and each staging choice (staging_for's, NONE,
+SRC, DST, BOTH), every sending pair moves its request through the engine, the child unpacks the
 staged ones, and every byte of every decode buffer must equal what mori_send_kvcache (host
 backend) leaves in a copy of the same sentinel-filled buffers, bytes outside the slices
 included. A negative control drops one segment and requires the check to fail, at that segment.
+
+Pair configs (any page layout): HND to HND with 4 and 8 KV heads (TP 2->8, 8->2), NHD to HND,
+page size 16 -> 64 and 64 -> 16, and a partial last page, each with pair_staging_for's choice
+and NONE (the partial page in every mode), checked against mori_send_kvcache_pair the same way;
+each case has a negative control (one dropped segment, or a plan made for a decode layout the
+decode rank does not have) that must fail the check.
 
     python3 python/tests/engine_loopback.py mooncake|nixl
 
@@ -21,14 +27,15 @@ import signal
 import sys
 import time
 from dataclasses import replace
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 import mori_tp
+import pair_oracle
 from layouts import Layout, fragmented_request, tools_required
 from mori_tp import Action, Staging
-from mori_tp.engines import KvMemory, plan_request
+from mori_tp.engines import KvMemory, RequestPlan, plan_request
 from mori_tp.engines.loopback import (
     DecodePeer,
     Receive,
@@ -39,17 +46,15 @@ from mori_tp.engines.loopback import (
     run_program,
     sentinel,
 )
+from pair_oracle import Deployment
 
-LAYOUTS = {
-    "tp2to8": Layout(heads=4, p_tp=2, d_tp=8, page_size=16, bytes_per_head=32),
-    "tp8to2": Layout(heads=4, p_tp=8, d_tp=2, page_size=16, bytes_per_head=32),
-    "tp4to8": Layout(heads=8, p_tp=4, d_tp=8, page_size=16, bytes_per_head=32),
-    "h12p6d4": Layout(heads=12, p_tp=6, d_tp=4, page_size=16, bytes_per_head=32),
-}
 BUFFERS = 6  # K and V of three layers
 #: None: staging_for's choice; then every mode forced.
 STAGINGS: Tuple[Optional[Staging], ...] = (None, Staging.NONE, Staging.SRC, Staging.DST,
                                            Staging.BOTH)
+#: Pair cases move with the library's choice and pages to pages (the composition law of the
+#: other modes is in test_pair.py), except the partial page, which moves in every mode.
+PAIR_STAGINGS: Tuple[Optional[Staging], ...] = (None, Staging.NONE)
 REQUEST = fragmented_request(seed=2024, runs=5)
 STEP_TIMEOUT = 60.0
 #: Below the 300 s that tests/python.rs allows, so that this script reports a hang itself.
@@ -60,12 +65,107 @@ class Failure(AssertionError):
     pass
 
 
+class SliceCase:
+    """A layout of section-4 slice configs: whole token-major pages of one size (REQUEST)."""
+
+    stagings = STAGINGS
+
+    def __init__(self, name: str, layout: Layout) -> None:
+        self.name, self.layout = name, layout
+        self.p_tp, self.d_tp = layout.p_tp, layout.d_tp
+        self.src_capacity = REQUEST.src_capacity_pages * layout.src_item_len
+        self.dst_capacity = REQUEST.dst_capacity_pages * layout.dst_item_len
+
+    def pairs(self):
+        return self.layout.pairs()
+
+    def config(self, p: int, d: int) -> Any:
+        return self.layout.config(p, d)
+
+    def staging_bytes(self, config: Any) -> int:
+        return BUFFERS * mori_tp.staging_len(config, len(REQUEST.src_pages))
+
+    def plan(self, config: Any, local: KvMemory, remote: KvMemory,
+             staging: Optional[Staging]) -> RequestPlan:
+        return plan_request(config, REQUEST.src_pages, REQUEST.dst_pages, local=local,
+                            remote=remote, staging=staging)
+
+    def receive_request(self) -> Any:
+        return tuple(REQUEST.dst_pages)
+
+    def send(self, config: Any, src: Sequence[int], dst: Sequence[int], src_capacity: int,
+             dst_capacity: int) -> None:
+        mori_tp.send_kvcache(config, src, dst, src_capacity=src_capacity,
+                             dst_capacity=dst_capacity, src_pages=REQUEST.src_pages,
+                             dst_pages=REQUEST.dst_pages, backend="host")
+
+
+class PairCase(SliceCase):
+    """A deployment of pair configs: its own layouts, page sizes and request of tokens."""
+
+    def __init__(self, name: str, deployment: Deployment, tokens: int, seed: int,
+                 negative: str, stagings: Tuple[Optional[Staging], ...] = PAIR_STAGINGS) -> None:
+        self.name, self.deployment, self.negative = name, deployment, negative
+        self.stagings = stagings
+        self.p_tp, self.d_tp = deployment.p_tp, deployment.d_tp
+        self.pages = deployment.request(tokens, seed)
+        self.request = self.pages.api()
+        prefill, decode = deployment.layouts(0, 0, self.pages)
+        self.src_capacity = pair_oracle.capacity(prefill, self.pages.src_capacity_pages)
+        self.dst_capacity = pair_oracle.capacity(decode, self.pages.dst_capacity_pages)
+
+    def pairs(self):
+        return self.deployment.pairs()
+
+    def config(self, p: int, d: int) -> Any:
+        return mori_tp.pair_config(*self.deployment.layouts(p, d, self.pages))
+
+    def staging_bytes(self, config: Any) -> int:
+        return BUFFERS * mori_tp.pair_staging_len(config, self.request.num_tokens)
+
+    def plan(self, config: Any, local: KvMemory, remote: KvMemory,
+             staging: Optional[Staging]) -> RequestPlan:
+        return plan_request(config, self.request, local=local, remote=remote, staging=staging)
+
+    def receive_request(self) -> Any:
+        return self.request
+
+    def send(self, config: Any, src: Sequence[int], dst: Sequence[int], src_capacity: int,
+             dst_capacity: int) -> None:
+        mori_tp.send_kvcache_pair(config, src, dst, src_capacity=src_capacity,
+                                  dst_capacity=dst_capacity, request=self.request,
+                                  backend="host")
+
+    def misread(self) -> "PairCase":
+        """The same request planned for a decode layout of the other kind (HND for NHD and the
+        reverse): what a prefill rank does with a wrong handshake."""
+        kind = "nhd" if self.deployment.dst_kind == "hnd" else "hnd"
+        wrong = PairCase(self.name, replace(self.deployment, dst_kind=kind), 0, 0, "")
+        wrong.pages, wrong.request = self.pages, self.request
+        return wrong
+
+
+CASES: List[SliceCase] = [
+    SliceCase("tp2to8", Layout(heads=4, p_tp=2, d_tp=8, page_size=16, bytes_per_head=32)),
+    SliceCase("tp8to2", Layout(heads=4, p_tp=8, d_tp=2, page_size=16, bytes_per_head=32)),
+    SliceCase("tp4to8", Layout(heads=8, p_tp=4, d_tp=8, page_size=16, bytes_per_head=32)),
+    SliceCase("h12p6d4", Layout(heads=12, p_tp=6, d_tp=4, page_size=16, bytes_per_head=32)),
+    PairCase("hnd 2to8", Deployment("", 4, 2, 8, "hnd", 16, "hnd", 16, 32), 192, 1, "drop"),
+    PairCase("hnd 8to2", Deployment("", 8, 8, 2, "hnd", 16, "hnd", 16, 32), 192, 2, "layout"),
+    PairCase("nhd>hnd", Deployment("", 8, 2, 4, "nhd", 16, "hnd", 16, 32), 192, 3, "layout"),
+    PairCase("16to64", Deployment("", 8, 4, 8, "hnd", 16, "hnd", 64, 32), 256, 4, "drop"),
+    PairCase("64to16", Deployment("", 8, 8, 4, "nhd", 64, "nhd", 16, 32), 256, 5, "drop"),
+    PairCase("partial", Deployment("", 4, 2, 4, "hnd", 16, "nhd", 64, 32), 173, 6, "drop",
+             STAGINGS),
+]
+
+
 class Prefill:
     """Every prefill rank's buffers and a staging pool in this process, registered once."""
 
     def __init__(self, transport) -> None:
-        ranks = max(layout.p_tp for layout in LAYOUTS.values())
-        self.capacity = REQUEST.src_capacity_pages * max(l.src_item_len for l in LAYOUTS.values())
+        ranks = max(case.p_tp for case in CASES)
+        self.capacity = max(case.src_capacity for case in CASES)
         self.buffers = [[np.zeros(self.capacity, dtype=np.uint8) for _ in range(BUFFERS)]
                         for _ in range(ranks)]
         self.slot = slot_len()
@@ -84,34 +184,38 @@ class Prefill:
                 data[:] = rng.integers(0, 256, data.nbytes, dtype=np.uint8)
 
 
+def sending(case: SliceCase) -> List[Tuple[Tuple[int, int], Any]]:
+    """((p, d), config) of every pair of ``case`` that sends."""
+    configs = ((pair, case.config(*pair)) for pair in case.pairs())
+    return [(pair, config) for pair, config in configs if config.action is Action.SEND]
+
+
 def slot_len() -> int:
     """The most staging bytes any pair's request needs (BUFFERS x staging_len)."""
-    widest = max(min(l.bytes_per_token(l.p_tp), l.bytes_per_token(l.d_tp))
-                 for l in LAYOUTS.values())
-    return BUFFERS * len(REQUEST.src_pages) * 16 * widest
+    return max(case.staging_bytes(config) for case in CASES for _, config in sending(case))
 
 
 def max_pairs() -> int:
-    return max(sum(l.config(p, d).action is Action.SEND for p, d in l.pairs())
-               for l in LAYOUTS.values())
+    return max(len(sending(case)) for case in CASES)
 
 
-def expected_digests(layout: Layout, prefill: Prefill, decode_capacity: int,
+def expected_buffers(case: SliceCase, prefill: Prefill, decode_capacity: int, d: int,
+                     buffers: Sequence[int]) -> List["np.ndarray"]:
+    """Decode rank ``d``'s ``buffers`` after one host send per pair of ``case``."""
+    want = [sentinel(d, b, decode_capacity) for b in buffers]
+    if d < case.d_tp:
+        for p in range(case.p_tp):
+            case.send(case.config(p, d), [prefill.memories[p].buffers[b] for b in buffers],
+                      [int(w.ctypes.data) for w in want], prefill.capacity, decode_capacity)
+    return want
+
+
+def expected_digests(case: SliceCase, prefill: Prefill, decode_capacity: int,
                      decode_ranks: int) -> List[List[str]]:
-    """Every decode buffer after one send_kvcache per pair on the host backend."""
-    out = []
-    for d in range(decode_ranks):
-        want = [sentinel(d, b, decode_capacity) for b in range(BUFFERS)]
-        if d < layout.d_tp:
-            for p in range(layout.p_tp):
-                mori_tp.send_kvcache(
-                    layout.config(p, d), prefill.memories[p].buffers,
-                    [int(w.ctypes.data) for w in want],
-                    src_capacity=prefill.capacity, dst_capacity=decode_capacity,
-                    src_pages=REQUEST.src_pages, dst_pages=REQUEST.dst_pages, backend="host",
-                )
-        out.append([digest(w) for w in want])
-    return out
+    """Every decode buffer after one host send per pair."""
+    return [[digest(w) for w in expected_buffers(case, prefill, decode_capacity, d,
+                                                 range(BUFFERS))]
+            for d in range(decode_ranks)]
 
 
 class Run:
@@ -120,9 +224,8 @@ class Run:
         self.driver = driver(engine)
         self.transport = self.driver.start("prefill")
         self.prefill = Prefill(self.transport)
-        self.decode_capacity = REQUEST.dst_capacity_pages * max(
-            l.dst_item_len for l in LAYOUTS.values())
-        self.decode_ranks = max(l.d_tp for l in LAYOUTS.values())
+        self.decode_capacity = max(case.dst_capacity for case in CASES)
+        self.decode_ranks = max(case.d_tp for case in CASES)
         self.peer = DecodePeer(engine, [(BUFFERS, self.decode_capacity)] * self.decode_ranks,
                                self.prefill.slot * max_pairs(), STEP_TIMEOUT)
         self.remote = self.driver.connect(self.transport, self.peer.address)
@@ -133,22 +236,18 @@ class Run:
         self.tags += 1
         return f"loopback-{self.tags}".encode()
 
-    def plans(self, layout: Layout, staging: Optional[Staging]):
+    def plans(self, case: SliceCase, staging: Optional[Staging]):
         """(pair, plan, Receive) of every sending pair, each with its own staging slots."""
         out = []
         slot = 0
-        for p, d in layout.pairs():
-            config = layout.config(p, d)
-            if config.action is not Action.SEND:
-                continue
+        for (p, d), config in sending(case):
             local = replace(self.prefill.memories[p],
                             staging=self.prefill.memories[p].staging + slot,
                             staging_capacity=self.prefill.slot)
             remote = replace(self.peer.memories[d], staging=self.peer.pool[0] + slot,
                              staging_capacity=self.prefill.slot)
-            plan = plan_request(config, REQUEST.src_pages, REQUEST.dst_pages,
-                                local=local, remote=remote, staging=staging)
-            receive = Receive(d, config, tuple(REQUEST.dst_pages), int(plan.staging), slot,
+            plan = case.plan(config, local, remote, staging)
+            receive = Receive(d, config, case.receive_request(), int(plan.staging), slot,
                               self.prefill.slot, self.tag())
             out.append(((p, d), plan, receive))
             slot += self.prefill.slot
@@ -160,31 +259,24 @@ class Run:
         return [(d, b) for d, (have_rank, want_rank) in enumerate(zip(got, want))
                 for b, (have, wanted) in enumerate(zip(have_rank, want_rank)) if have != wanted]
 
-    def first_wrong_byte(self, layout: Layout, d: int, b: int) -> int:
-        data = np.frombuffer(self.peer.fetch(d, b), dtype=np.uint8).copy()
-        want = sentinel(d, b, self.decode_capacity)
-        if d < layout.d_tp:
-            for p in range(layout.p_tp):
-                mori_tp.send_kvcache(
-                    layout.config(p, d), [self.prefill.memories[p].buffers[b]],
-                    [int(want.ctypes.data)], src_capacity=self.prefill.capacity,
-                    dst_capacity=self.decode_capacity, src_pages=REQUEST.src_pages,
-                    dst_pages=REQUEST.dst_pages, backend="host",
-                )
-        return first_difference(data.tobytes(), want.tobytes())
+    def first_wrong_byte(self, case: SliceCase, d: int, b: int) -> int:
+        data = self.peer.fetch(d, b)
+        want = expected_buffers(case, self.prefill, self.decode_capacity, d, [b])[0]
+        return first_difference(data, want.tobytes())
 
-    def layout_cases(self, name: str, layout: Layout, seed: int) -> int:
+    def layout_cases(self, seed: int, case: SliceCase) -> int:
         self.prefill.fill(seed)
-        want = expected_digests(layout, self.prefill, self.decode_capacity, self.decode_ranks)
+        want = expected_digests(case, self.prefill, self.decode_capacity, self.decode_ranks)
         moved = 0
-        for staging in STAGINGS:
+        for staging in case.stagings:
             self.peer.reset()
-            plans = self.plans(layout, staging)
+            plans = self.plans(case, staging)
             for _, plan, receive in plans:
                 result = self.driver.send(self.transport, self.remote, plan, receive.tag,
                                           STEP_TIMEOUT)
                 if (result.segments, result.bytes) != (plan.segments, plan.bytes):
-                    raise Failure(f"{name}: send reported {result} for {plan.segments} segments")
+                    raise Failure(f"{case.name}: send reported {result} for {plan.segments} "
+                                  "segments")
                 moved += 1
             self.peer.receive([receive for _, _, receive in plans])
             label = "staging_for" if staging is None else staging.name
@@ -192,23 +284,23 @@ class Run:
             if wrong:
                 d, b = wrong[0]
                 raise Failure(
-                    f"{self.engine} {name} {label}: {len(wrong)} decode buffers differ from "
-                    f"send_kvcache's result; decode rank {d} buffer {b} first at byte "
-                    f"{self.first_wrong_byte(layout, d, b)}"
+                    f"{self.engine} {case.name} {label}: {len(wrong)} decode buffers differ "
+                    f"from the host send's result; decode rank {d} buffer {b} first at byte "
+                    f"{self.first_wrong_byte(case, d, b)}"
                 )
             modes = sorted({plan.staging.name for _, plan, _ in plans})
-            print(f"  {name:8} {label:11} {len(plans)} sending pairs ({', '.join(modes)}): "
-                  "every decode byte as send_kvcache leaves it")
+            segments = sum(plan.segments for _, plan, _ in plans)
+            print(f"  {case.name:8} {label:11} {len(plans)} sending pairs ({', '.join(modes)}), "
+                  f"{segments} segments: every decode byte as the host send leaves it")
         return moved
 
-    def negative_control(self, staging: Staging) -> None:
+    def negative_control(self, case: SliceCase, staging: Staging) -> None:
         """Drops one segment of one pair and requires the check to fail (for NONE: at the
         dropped segment's first byte)."""
-        layout = LAYOUTS["tp2to8"]
         self.prefill.fill(7)
-        want = expected_digests(layout, self.prefill, self.decode_capacity, self.decode_ranks)
+        want = expected_digests(case, self.prefill, self.decode_capacity, self.decode_ranks)
         self.peer.reset()
-        plans = self.plans(layout, staging)
+        plans = self.plans(case, staging)
         (p, d), dropped_plan, dropped_receive = plans[0]
         for _, plan, receive in plans:
             # What send() does, with one segment left out of the write.
@@ -227,18 +319,36 @@ class Run:
         self.peer.receive([receive for _, _, receive in plans])
         wrong = self.mismatches(want)
         if not wrong:
-            raise Failure(f"{self.engine}: dropping one segment ({staging.name}) went unnoticed")
+            raise Failure(f"{self.engine} {case.name}: dropping one segment ({staging.name}) "
+                          "went unnoticed")
         if wrong != [(d, 0)]:
-            raise Failure(f"{self.engine}: dropping one segment of decode rank {d} buffer 0 "
-                          f"({staging.name}) changed the check of {wrong}")
-        at = self.first_wrong_byte(layout, d, 0)
+            raise Failure(f"{self.engine} {case.name}: dropping one segment of decode rank {d} "
+                          f"buffer 0 ({staging.name}) changed the check of {wrong}")
+        at = self.first_wrong_byte(case, d, 0)
         if staging is Staging.NONE and not dropped_at <= at < dropped_end:
             raise Failure(
-                f"{self.engine}: first wrong byte {at} is outside the dropped segment "
-                f"[{dropped_at}, {dropped_end})"
+                f"{self.engine} {case.name}: first wrong byte {at} is outside the dropped "
+                f"segment [{dropped_at}, {dropped_end})"
             )
-        print(f"  negative control ({staging.name}): dropping one segment of pair ({p}, {d}) "
-              f"fails the check, at decode rank {d} buffer 0 byte {at}")
+        print(f"  {case.name:8} negative control ({staging.name}): dropping one segment of pair "
+              f"({p}, {d}) fails the check, at decode rank {d} buffer 0 byte {at}")
+
+    def wrong_layout_control(self, case: PairCase) -> None:
+        """Every pair planned for a decode layout of the other kind must fail the check."""
+        self.prefill.fill(8)
+        want = expected_digests(case, self.prefill, self.decode_capacity, self.decode_ranks)
+        self.peer.reset()
+        wrong_case = case.misread()
+        plans = self.plans(wrong_case, Staging.NONE)
+        for _, plan, receive in plans:
+            self.driver.send(self.transport, self.remote, plan, receive.tag, STEP_TIMEOUT)
+        self.peer.receive([receive for _, _, receive in plans])
+        wrong = self.mismatches(want)
+        if not wrong:
+            raise Failure(f"{self.engine} {case.name}: a plan for decode layout "
+                          f"{wrong_case.deployment.dst_kind} went unnoticed")
+        print(f"  {case.name:8} negative control: planned for a {wrong_case.deployment.dst_kind} "
+              f"decode layout, {len(wrong)} decode buffers fail the check")
 
     def close(self) -> None:
         self.peer.close()
@@ -262,10 +372,15 @@ def main(engine: str) -> int:
     try:
         print(f"{engine}: prefill pid {os.getpid()} -> decode child, 127.0.0.1")
         sends = 0
-        for seed, (name, layout) in enumerate(LAYOUTS.items()):
-            sends += run.layout_cases(name, layout, seed)
-        run.negative_control(Staging.NONE)
-        run.negative_control(Staging.BOTH)
+        for seed, case in enumerate(CASES):
+            sends += run.layout_cases(seed, case)
+        run.negative_control(CASES[0], Staging.NONE)
+        run.negative_control(CASES[0], Staging.BOTH)
+        for case in CASES:
+            if isinstance(case, PairCase) and case.negative == "drop":
+                run.negative_control(case, mori_tp.pair_staging_for(case.config(0, 0)))
+            elif isinstance(case, PairCase):
+                run.wrong_layout_control(case)
     except Failure as failure:
         print(f"FAILED: {failure}")
         return 1

@@ -4,9 +4,11 @@ two processes in engine_loopback.py."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ from typing import List
 from unittest import mock
 
 import mori_tp
+import pair_oracle
 from layouts import (
     Layout,
     fragmented_request,
@@ -24,6 +27,7 @@ from layouts import (
     tools_required,
 )
 from mori_tp import Action, Staging
+from pair_oracle import Deployment
 
 try:
     import numpy as np
@@ -75,16 +79,29 @@ class Sides:
     def __init__(self, layout: Layout, p: int, d: int, request=REQUEST) -> None:
         self.config = layout.config(p, d)
         self.request = request
-        src_len = request.src_capacity_pages * layout.src_item_len
-        dst_len = request.dst_capacity_pages * layout.dst_item_len
-        self.src = [np.frombuffer(identified_buffer(layout, layout.p_tp, p, b,
-                                                    request.src_capacity_pages),
-                                  dtype=np.uint8).copy() for b in range(BUFFERS)]
-        self.initial = [np.frombuffer(sentinel_buffer(d, b, dst_len), dtype=np.uint8)
-                        for b in range(BUFFERS)]
+        self.allocate(
+            [identified_buffer(layout, layout.p_tp, p, b, request.src_capacity_pages)
+             for b in range(BUFFERS)],
+            [sentinel_buffer(d, b, request.dst_capacity_pages * layout.dst_item_len)
+             for b in range(BUFFERS)],
+            mori_tp.staging_len(self.config, len(request.src_pages)),
+        )
+
+    def send(self, want: List["np.ndarray"]) -> None:
+        """One send_kvcache of the request, from the sources into ``want``."""
+        mori_tp.send_kvcache(self.config, self.local.buffers, [w.ctypes.data for w in want],
+                             src_capacity=self.local.capacity, dst_capacity=self.remote.capacity,
+                             src_pages=self.request.src_pages, dst_pages=self.request.dst_pages,
+                             backend="host")
+
+    def allocate(self, sources: List[bytes], initial: List[bytes], staging_len: int) -> None:
+        """Source and destination buffers holding these bytes, and staging pools for a
+        request of ``staging_len`` bytes per buffer."""
+        src_len, dst_len = len(sources[0]), len(initial[0])
+        self.src = [np.frombuffer(data, dtype=np.uint8).copy() for data in sources]
+        self.initial = [np.frombuffer(data, dtype=np.uint8) for data in initial]
         self.dst = [x.copy() for x in self.initial]
-        self.staging_bytes = BUFFERS * mori_tp.staging_len(self.config,
-                                                           len(request.src_pages))
+        self.staging_bytes = BUFFERS * staging_len
         # Pools larger than one request, with the request's slot in the middle.
         self.src_pool = np.zeros(3 * self.staging_bytes + 64, dtype=np.uint8)
         self.dst_pool = np.zeros(3 * self.staging_bytes + 64, dtype=np.uint8)
@@ -98,12 +115,8 @@ class Sides:
             self.local, staging=self.src_pool.ctypes.data, staging_capacity=self.src_pool.nbytes)
         self.remote_registered = dataclasses.replace(
             self.remote, staging=self.dst_pool.ctypes.data, staging_capacity=self.dst_pool.nbytes)
-        want = [x.copy() for x in self.initial]
-        mori_tp.send_kvcache(self.config, self.local.buffers, [w.ctypes.data for w in want],
-                             src_capacity=src_len, dst_capacity=dst_len,
-                             src_pages=request.src_pages, dst_pages=request.dst_pages,
-                             backend="host")
-        self.want = want
+        self.want = [x.copy() for x in self.initial]
+        self.send(self.want)
 
     def plan(self, staging=None):
         return plan_request(self.config, self.request.src_pages, self.request.dst_pages,
@@ -120,6 +133,66 @@ class Sides:
                 test.fail(f"{what}: decode buffer {b} differs from send_kvcache's first at {at}")
         test.assertFalse(all(np.array_equal(x, y) for x, y in zip(self.dst, self.initial)),
                          f"{what}: nothing was written")
+
+
+class PairSides(Sides):
+    """The same for a pair of two layouts (pair_oracle.Deployment): one send_kvcache_pair."""
+
+    def __init__(self, deployment: Deployment, p: int, d: int, tokens: int, seed: int) -> None:
+        pages = deployment.request(tokens, seed)
+        prefill, decode = deployment.layouts(p, d, pages)
+        self.config = mori_tp.pair_config(prefill, decode)
+        self.request = pages.api()
+        rng = random.Random(seed)
+        self.allocate([rng.randbytes(pair_oracle.capacity(prefill, pages.src_capacity_pages))
+                    for _ in range(BUFFERS)],
+                   [rng.randbytes(pair_oracle.capacity(decode, pages.dst_capacity_pages))
+                    for _ in range(BUFFERS)],
+                   mori_tp.pair_staging_len(self.config, tokens))
+
+    def send(self, want: List["np.ndarray"]) -> None:
+        mori_tp.send_kvcache_pair(self.config, self.local.buffers, [w.ctypes.data for w in want],
+                                  src_capacity=self.local.capacity,
+                                  dst_capacity=self.remote.capacity, request=self.request,
+                                  backend="host")
+
+    def plan(self, staging=None):
+        return plan_request(self.config, self.request, local=self.local, remote=self.remote,
+                            staging=staging)
+
+    def receive(self, staging) -> None:
+        unpack_request(self.config, self.request, memory=self.remote, staging=staging,
+                       backend="host")
+
+
+#: Pairs of two layouts for which pair_staging_for chooses each mode, with partial last pages.
+PAIR_CASES = {
+    # HND TP 2 -> 8 (4 heads), decode page 64: the decode page is the one head, SRC.
+    Staging.SRC: (Deployment("hnd 16 to 64", 4, 2, 8, "hnd", 16, "hnd", 64), 0, 1, 90),
+    # NHD TP 8 -> 2 (8 heads), page 64 -> 16: the prefill token is the one head, DST.
+    Staging.DST: (Deployment("nhd 64 to 16", 8, 8, 2, "nhd", 64, "nhd", 16), 5, 1, 150),
+    # NHD TP 6 -> HND TP 4 (12 heads): one head of two to one of three, BOTH.
+    Staging.BOTH: (Deployment("nhd to hnd h12", 12, 6, 4, "nhd", 16, "hnd", 16), 1, 0, 70),
+    # HND TP 8 -> 8: pages of one head on both sides, NONE.
+    Staging.NONE: (Deployment("hnd tp8to8", 8, 8, 8, "hnd", 16, "hnd", 16), 5, 5, 45),
+}
+
+
+class EveryPairStagingMixin:
+    """For each transport: pair configs in every staging mode, as the slice configs are."""
+
+    def move(self, sides: Sides, staging) -> Staging:
+        """Sends ``sides``'s request with ``staging``, receives it; returns the staging used."""
+        raise NotImplementedError
+
+    def test_pair_configs_move_every_staging_byte_for_byte(self):
+        for chosen, (deployment, p, d, tokens) in PAIR_CASES.items():
+            for staging in (None, *Staging):
+                sides = PairSides(deployment, p, d, tokens, seed=int(chosen))
+                used = self.move(sides, staging)
+                self.assertIs(used, chosen if staging is None else staging)
+                sides.assert_delivered(self, f"{type(self).__name__} {deployment.name} "
+                                             f"{used.name}")
 
 
 
@@ -232,7 +305,84 @@ class PlanRequestTest(unittest.TestCase):
 
 
 @needs_numpy
-class MooncakeTransportTest(unittest.TestCase):
+class PairPlanRequestTest(unittest.TestCase):
+    """plan_request and unpack_request with a PairConfig and a Request."""
+
+    def setUp(self):
+        deployment, p, d, tokens = PAIR_CASES[Staging.SRC]
+        self.sides = PairSides(deployment, p, d, tokens, seed=31)
+
+    def test_the_default_staging_is_pair_staging_for_and_the_segments_are_pair_segments(self):
+        sides = self.sides
+        plan = sides.plan()
+        self.assertIs(plan.staging, mori_tp.pair_staging_for(sides.config))
+        self.assertIs(plan.request, sides.request)
+        self.assertEqual(plan.staging_len, sides.staging_bytes // BUFFERS)
+        self.assertEqual((plan.src_pages.tolist(), plan.dst_pages.tolist()),
+                         (list(sides.request.src_pages), list(sides.request.dst_pages)))
+        self.assertEqual(
+            (plan.src_offsets.tolist(), plan.dst_offsets.tolist(), plan.lengths.tolist()),
+            mori_tp.pair_segments(sides.config, sides.request, Staging.SRC))
+        src, dst, _ = plan.addresses()
+        per_buffer = len(plan.lengths)
+        for b in range(BUFFERS):
+            part = slice(b * per_buffer, (b + 1) * per_buffer)
+            self.assertEqual(src[part].tolist(), (sides.local.staging + b * plan.staging_len
+                                                  + plan.src_offsets).tolist())
+            self.assertEqual(dst[part].tolist(),
+                             (sides.remote.buffers[b] + plan.dst_offsets).tolist())
+
+    def test_pack_then_the_segments_then_unpack_deliver_the_request(self):
+        for staging in Staging:
+            sides = PairSides(*PAIR_CASES[Staging.SRC], seed=32)
+            plan = sides.plan(staging)
+            plan.pack(backend="host")
+            for s, t, n in zip(*plan.addresses()):
+                ctypes.memmove(int(t), int(s), int(n))
+            sides.receive(staging)
+            sides.assert_delivered(self, f"pair {staging.name}")
+
+    def test_the_library_refuses_pages_and_regions_with_its_messages(self):
+        sides, request = self.sides, self.sides.request
+        short = mori_tp.Request(request.src_pages[:-1], request.dst_pages, request.num_tokens)
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError,
+                                    "^mori_tp_check_pair_transfer: .*prefill side: 5 pages for "
+                                    "90 tokens of page_size 16"):
+            plan_request(sides.config, short, local=sides.local, remote=sides.remote)
+        # Room for one page: the request's other pages end past it.
+        remote = dataclasses.replace(sides.remote, capacity=sides.config.dst.page_stride)
+        with self.assertRaisesRegex(mori_tp.OutOfBoundsError,
+                                    "^mori_tp_check_pair_transfer: .*decode side: page"):
+            plan_request(sides.config, request, local=sides.local, remote=remote)
+        needed = sides.staging_bytes
+        local = dataclasses.replace(sides.local, staging_capacity=needed - 1)
+        with self.assertRaisesRegex(mori_tp.BufferTooSmallError,
+                                    f"prefill side: staging_capacity {needed - 1} is below the "
+                                    f"{needed} bytes"):
+            plan_request(sides.config, request, local=local, remote=sides.remote)
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError, "staging 5"):
+            sides.plan(staging=5)
+        with self.assertRaisesRegex(mori_tp.InvalidArgumentError, "staging 5"):
+            sides.receive(5)
+
+    def test_each_family_takes_its_own_request_form(self):
+        sides, request = self.sides, self.sides.request
+        with self.assertRaisesRegex(TypeError, "with a PairConfig, pass one Request"):
+            plan_request(sides.config, request.src_pages, request.dst_pages, local=sides.local,
+                         remote=sides.remote)
+        sliced = LAYOUTS[Staging.SRC].config(0, 1)
+        with self.assertRaisesRegex(TypeError, "with a SliceConfig, pass src_pages and dst_pages"):
+            plan_request(sliced, request, local=sides.local, remote=sides.remote)
+
+
+@needs_numpy
+class MooncakeTransportTest(EveryPairStagingMixin, unittest.TestCase):
+    def move(self, sides: Sides, staging) -> Staging:
+        sender, receiver = self.transports(sides)
+        result = sender.send(receiver.session_id, sides.plan(staging))
+        sides.receive(result.staging)
+        return result.staging
+
     def transports(self, sides: Sides):
         peers = {}
         prefill, decode = FakeMooncake(15001, peers), FakeMooncake(15002, peers)
@@ -289,7 +439,14 @@ class MooncakeTransportTest(unittest.TestCase):
 
 
 @needs_numpy
-class NixlTransportTest(unittest.TestCase):
+class NixlTransportTest(EveryPairStagingMixin, unittest.TestCase):
+    def move(self, sides: Sides, staging) -> Staging:
+        sender, receiver = self.transports(sides)
+        result = sender.send("decode", sides.plan(staging), notification=b"pair")
+        receiver.wait_notification("prefill", b"pair", timeout=1)
+        sides.receive(result.staging)
+        return result.staging
+
     def transports(self, sides: Sides):
         agents = {}
         sender = NixlTransport(FakeNixlAgent("prefill", agents))
@@ -347,9 +504,15 @@ class NixlTransportTest(unittest.TestCase):
 
 
 @needs_numpy
-class MoriIoTransportTest(unittest.TestCase):
+class MoriIoTransportTest(EveryPairStagingMixin, unittest.TestCase):
     """MORI-IO cannot run here (libamdhip64 7, an RDMA NIC): its adapter is checked against the
     calls a recording stand-in receives."""
+
+    def move(self, sides: Sides, staging) -> Staging:
+        sender, _ = self.transports(sides)
+        result = sender.send("decode-engine", sides.plan(staging))
+        sides.receive(result.staging)
+        return result.staging
 
     def transports(self, sides: Sides):
         sender = MoriIoTransport(FakeMoriIo("prefill-engine"), location="CPU")

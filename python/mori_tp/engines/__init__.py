@@ -18,11 +18,16 @@ them (numpy is needed here)::
     # On the decode rank, once the connector says the request has landed:
     engines.unpack_request(config, dst_pages, memory=decode_local)  # unpack if staged
 
+For any page layout (HND pages, page sizes that differ, a partial last page), pass a
+:class:`~mori_tp.PairConfig` and a :class:`~mori_tp.Request` instead of a SliceConfig and page
+lists: ``plan_request(pair, request, local=..., remote=...)`` and ``unpack_request(pair,
+request, memory=...)``; the staging default is then :func:`mori_tp.pair_staging_for`.
+
 ``local`` and ``remote`` are :class:`KvMemory`: the buffer addresses, their capacity and a
 staging region of each rank. The decode rank sends its :class:`KvMemory` (``to_dict()``) and its
 engine address to the prefill rank at handshake, as connectors already do for buffer pointers.
-Both ranks derive the staging mode from the pair's config (:func:`mori_tp.staging_for`) unless
-the connector chooses another and tells the receiver.
+Both ranks derive the staging mode from the pair's config (:func:`mori_tp.staging_for`, or
+:func:`mori_tp.pair_staging_for`) unless the connector chooses another and tells the receiver.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import mori_tp
 from mori_tp import (
     InvalidArgumentError,
     PageIndices,
+    PairConfig,
+    Request,
     SliceConfig,
     Staging,
 )
@@ -154,11 +161,13 @@ class SendResult:
 class RequestPlan:
     """One request of one (prefill rank, decode rank) pair, ready for an engine: get it from
     :func:`plan_request`. Segment offsets are per buffer; :meth:`addresses` applies them to
-    every buffer's base on both sides."""
+    every buffer's base on both sides. A plan of a :class:`~mori_tp.PairConfig` carries its
+    :class:`~mori_tp.Request` (``request``), and :meth:`pack` uses the pair functions."""
 
-    config: SliceConfig
+    #: A SliceConfig (whole pages of one size, token-major) or a PairConfig (any layout).
+    config: Union[SliceConfig, PairConfig]
     staging: Staging
-    #: The request's page lists (int32).
+    #: The request's page lists (int32); with a PairConfig, those of ``request``.
     src_pages: "np.ndarray"
     dst_pages: "np.ndarray"
     #: The prefill rank's memory (this process) and the decode rank's (the peer).
@@ -170,6 +179,8 @@ class RequestPlan:
     src_offsets: "np.ndarray"
     dst_offsets: "np.ndarray"
     lengths: "np.ndarray"
+    #: The Request of a PairConfig plan; None with a SliceConfig.
+    request: Optional[Request] = None
 
     @property
     def num_buffers(self) -> int:
@@ -215,19 +226,27 @@ class RequestPlan:
         if not self.staging.packs:
             return 0.0
         start = time.perf_counter()
-        mori_tp.pack_kvcache(
-            self.config, self.local.buffers, self.local.staging,
-            src_capacity=self.local.capacity, src_pages=self.src_pages,
-            staging_capacity=self.local.staging_capacity,
-            backend=backend, stream=stream, synchronize=synchronize,
-        )
+        if isinstance(self.config, PairConfig):
+            mori_tp.pack_kvcache_pair(
+                self.config, self.staging, self.local.buffers, self.local.staging,
+                src_capacity=self.local.capacity, request=self.request,
+                staging_capacity=self.local.staging_capacity,
+                backend=backend, stream=stream, synchronize=synchronize,
+            )
+        else:
+            mori_tp.pack_kvcache(
+                self.config, self.local.buffers, self.local.staging,
+                src_capacity=self.local.capacity, src_pages=self.src_pages,
+                staging_capacity=self.local.staging_capacity,
+                backend=backend, stream=stream, synchronize=synchronize,
+            )
         return time.perf_counter() - start
 
 
 def plan_request(
-    config: SliceConfig,
-    src_pages: PageIndices,
-    dst_pages: PageIndices,
+    config: Union[SliceConfig, PairConfig],
+    request: Union[Request, PageIndices],
+    dst_pages: Optional[PageIndices] = None,
     *,
     local: KvMemory,
     remote: KvMemory,
@@ -240,43 +259,58 @@ def plan_request(
     staging_len`` bytes. Nothing is packed or written here (see the transports' ``send``).
 
     Args:
-        config: the pair's :class:`~mori_tp.SliceConfig`.
-        src_pages, dst_pages: the request's paired page indices.
+        config: the pair's :class:`~mori_tp.SliceConfig`, or its :class:`~mori_tp.PairConfig`
+            for any page layout.
+        request: with a PairConfig, the :class:`~mori_tp.Request`; with a SliceConfig, the
+            source pages, and ``dst_pages`` the paired destination pages.
+        dst_pages: with a SliceConfig only.
         local: the prefill rank's :class:`KvMemory` (this process).
         remote: the decode rank's :class:`KvMemory`, from the handshake.
-        staging: a :class:`~mori_tp.Staging`; default :func:`mori_tp.staging_for`, which the
-            decode rank computes the same way. If you choose another, tell the receiver.
+        staging: a :class:`~mori_tp.Staging`; default :func:`mori_tp.staging_for` (with a
+            PairConfig :func:`mori_tp.pair_staging_for`), which the decode rank computes the
+            same way. If you choose another, tell the receiver.
 
     Raises:
-        InvalidArgumentError: buffer counts differ, page lists differ in length, an unknown
-            staging value, a bad config.
+        InvalidArgumentError: buffer counts differ, page lists differ in length (SliceConfig)
+            or do not cover the request's tokens (PairConfig), an unknown staging value, a bad
+            config.
         OutOfBoundsError: a page is negative or ends past its side's capacity.
         BufferTooSmallError: a staging region is missing or smaller than the request needs.
+        TypeError: a Request with a SliceConfig, page lists with a PairConfig.
     """
-    chosen = mori_tp.staging_for(config) if staging is None else staging
     if not isinstance(local, KvMemory) or not isinstance(remote, KvMemory):
         raise TypeError("plan_request: local and remote must be KvMemory")
-    # The library checks the staging value, the page lists, both sides' capacities and staging
+    # The library checks the staging value, the pages, both sides' capacities and staging
     # regions and the buffer counts, with messages that name the values.
-    mori_tp.check_transfer(config, chosen, src_pages, dst_pages,
-                           prefill=local.rank_memory(), decode=remote.rank_memory())
-    src_offsets, dst_offsets, lengths = mori_tp.plan_transfer(
-        config, chosen, src_pages, dst_pages, as_arrays=True
-    )
-    chosen = _staging(chosen, "plan_request")
-    src = np.asarray(src_pages, dtype=np.int32)
-    dst = np.asarray(dst_pages, dtype=np.int32)
-    length = mori_tp.staging_len(config, len(src))
+    memory = {"prefill": local.rank_memory(), "decode": remote.rank_memory()}
+    if isinstance(config, PairConfig):
+        if dst_pages is not None:
+            raise TypeError("plan_request: with a PairConfig, pass one Request (it holds both "
+                            "page lists), not dst_pages")
+        chosen = mori_tp.pair_staging_for(config) if staging is None else staging
+        mori_tp.check_pair_transfer(config, request, chosen, **memory)
+        offsets = mori_tp.pair_segments(config, request, chosen, as_arrays=True)
+        length = mori_tp.pair_staging_len(config, request.num_tokens)
+        src_pages, dst_pages, pair_request = request.src_pages, request.dst_pages, request
+    else:
+        if dst_pages is None or isinstance(request, Request):
+            raise TypeError("plan_request: with a SliceConfig, pass src_pages and dst_pages "
+                            "(a Request goes with a PairConfig)")
+        chosen = mori_tp.staging_for(config) if staging is None else staging
+        mori_tp.check_transfer(config, chosen, request, dst_pages, **memory)
+        offsets = mori_tp.plan_transfer(config, chosen, request, dst_pages, as_arrays=True)
+        src_pages, pair_request = request, None
+        length = mori_tp.staging_len(config, len(src_pages))
     return RequestPlan(
-        config, chosen, src, dst, local, remote, length,
-        np.ascontiguousarray(src_offsets), np.ascontiguousarray(dst_offsets),
-        np.ascontiguousarray(lengths),
+        config, _staging(chosen, "plan_request"), np.asarray(src_pages, dtype=np.int32),
+        np.asarray(dst_pages, dtype=np.int32), local, remote, length,
+        *(np.ascontiguousarray(column) for column in offsets), request=pair_request,
     )
 
 
 def unpack_request(
-    config: SliceConfig,
-    dst_pages: PageIndices,
+    config: Union[SliceConfig, PairConfig],
+    request: Union[Request, PageIndices],
     *,
     memory: KvMemory,
     staging: Optional[Union[Staging, int]] = None,
@@ -289,19 +323,30 @@ def unpack_request(
     there is nothing to do). Returns the staging used.
 
     Args:
-        config: the pair's config (the decode rank computes the same one as the prefill rank).
-        dst_pages: the request's destination pages, in request order.
+        config: the pair's config (the decode rank computes the same one as the prefill rank):
+            a SliceConfig, or a PairConfig.
+        request: with a PairConfig, the :class:`~mori_tp.Request` (both page lists); with a
+            SliceConfig, the request's destination pages, in request order.
         memory: this decode rank's :class:`KvMemory`, whose staging field is the region the
             prefill rank wrote (the same slot it was told at handshake or per request).
-        staging: the staging the prefill rank used; default :func:`mori_tp.staging_for`.
+        staging: the staging the prefill rank used; default :func:`mori_tp.staging_for` (with a
+            PairConfig :func:`mori_tp.pair_staging_for`).
         backend, stream, synchronize: as for :func:`mori_tp.unpack_kvcache`.
     """
-    chosen = _staging(mori_tp.staging_for(config) if staging is None else staging,
-                      "unpack_request")
-    if chosen.unpacks:
+    pair = isinstance(config, PairConfig)
+    if staging is None:
+        staging = mori_tp.pair_staging_for(config) if pair else mori_tp.staging_for(config)
+    chosen = _staging(staging, "unpack_request")
+    if chosen.unpacks and pair:
+        mori_tp.unpack_kvcache_pair(
+            config, chosen, memory.staging, memory.buffers, dst_capacity=memory.capacity,
+            request=request, staging_capacity=memory.staging_capacity,
+            backend=backend, stream=stream, synchronize=synchronize,
+        )
+    elif chosen.unpacks:
         mori_tp.unpack_kvcache(
             config, memory.staging, memory.buffers, dst_capacity=memory.capacity,
-            dst_pages=dst_pages, staging_capacity=memory.staging_capacity,
+            dst_pages=request, staging_capacity=memory.staging_capacity,
             backend=backend, stream=stream, synchronize=synchronize,
         )
     return chosen

@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -154,8 +154,11 @@ class Receive:
     """One request the decode child must complete: wait for ``tag``, unpack if staged."""
 
     rank: int
-    config: mori_tp.SliceConfig
-    dst_pages: Tuple[int, ...]
+    #: A SliceConfig or a PairConfig.
+    config: Union[mori_tp.SliceConfig, mori_tp.PairConfig]
+    #: What :func:`unpack_request` takes with that config: the destination pages, or the
+    #: Request.
+    request: Union[Tuple[int, ...], mori_tp.Request]
     staging: int
     #: Offset of the request's slot in the child's staging pool.
     slot: int
@@ -336,8 +339,8 @@ def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: i
                 slot = KvMemory(memory.buffers, memory.capacity, pool_address + item.slot,
                                 item.slot_len) if item.slot_len else memory
                 start = time.perf_counter()
-                unpack_request(item.config, list(item.dst_pages), memory=slot,
-                               staging=item.staging, backend="host")
+                unpack_request(item.config, item.request, memory=slot, staging=item.staging,
+                               backend="host")
                 seconds += time.perf_counter() - start
             conn.send(("received", seconds))
         elif kind == "digests":
