@@ -12,13 +12,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{hip_link, root, run, scratch};
+use common::{STATIC_LIBS, hip_link, root, run, scratch};
 
 use mori_tp::ffi::MORI_TP_ABI_VERSION;
 
-/// The system libraries a C program links next to libmori_tp.a (from
-/// `cargo rustc --lib -- --print native-static-libs`); the README lists exactly these.
-const STATIC_LIBS: &str = "-lpthread -ldl -lm -lrt -lutil -lgcc_s";
 /// How the README links the shared library.
 const SHARED_LINK: &str = "-lmori_tp -Wl,-rpath,";
 const STRICT: &[&str] = &["-Wall", "-Wextra", "-Werror", "-pedantic"];

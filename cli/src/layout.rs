@@ -1,8 +1,11 @@
 //! A deployment: a model served by a prefill engine of TP size P and a decode engine of TP size D,
-//! validated by the library. The byte sizes of pages follow the layout the header describes: a
-//! rank's heads sit contiguous inside each token, each `head_dim * dtype` bytes.
+//! each side with its own page layout (token-major NHD or head-major HND) and page size, validated
+//! by the library. Every byte position comes from the library's layouts (`mori_tp::Layout::nhd`,
+//! `mori_tp::Layout::hnd`): each head is `head_dim * dtype` bytes.
 
-use mori_tp::{Error, Side, SliceConfig, SliceParams, Topology, TpSide, slice_config};
+use mori_tp::{
+    Error, PairConfig, Side, SliceConfig, SliceParams, Topology, TpSide, pair_config, slice_config,
+};
 
 use crate::model::{Dtype, Model};
 
@@ -11,20 +14,90 @@ use crate::model::{Dtype, Model};
 /// 1024 x 1024, `plan --json` lists a million pairs. Real engines stay far below it.
 pub const MAX_TP_SIZE: u32 = 1024;
 
-/// A model, a dtype, a page size and both TP sizes, checked by the library.
+/// How one side orders the elements (token slot, head) of a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PageOrder {
+    /// Token-major: each token slot holds the rank's heads back to back (SGLang; vLLM's
+    /// FlashAttention layout)
+    Nhd,
+    /// Head-major: each head holds the page's token slots back to back (vLLM with NIXL, vLLM on
+    /// ROCm)
+    Hnd,
+}
+
+impl PageOrder {
+    /// `nhd` or `hnd`, as the flags and `--json` spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PageOrder::Nhd => "nhd",
+            PageOrder::Hnd => "hnd",
+        }
+    }
+
+    /// `NHD` or `HND`, for people.
+    pub fn label(self) -> &'static str {
+        match self {
+            PageOrder::Nhd => "NHD",
+            PageOrder::Hnd => "HND",
+        }
+    }
+}
+
+/// One side's pages: their order and their token slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Paging {
+    pub order: PageOrder,
+    /// Token slots per page.
+    pub page_size: u32,
+}
+
+impl Paging {
+    /// Token-major pages of `page_size` slots: the layout of sections 2-6 of the C API.
+    #[cfg(test)]
+    pub fn nhd(page_size: u32) -> Paging {
+        Paging {
+            order: PageOrder::Nhd,
+            page_size,
+        }
+    }
+
+    /// Pages a request of `tokens` tokens occupies: `ceil(tokens / page_size)`.
+    pub fn pages(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(u64::from(self.page_size))
+    }
+
+    /// Token slots of the last page a request of `tokens` tokens leaves unused (0: whole pages).
+    pub fn unused_slots(&self, tokens: u64) -> u64 {
+        self.pages(tokens) * u64::from(self.page_size) - tokens
+    }
+
+    /// `HND pages of 16 tokens`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} pages of {} token{}",
+            self.order.label(),
+            self.page_size,
+            if self.page_size == 1 { "" } else { "s" }
+        )
+    }
+}
+
+/// A model, a dtype, each side's paging and both TP sizes, checked by the library.
 #[derive(Clone, Debug)]
 pub struct Layout {
     pub model: Model,
     pub dtype: Dtype,
-    /// Tokens per page, the same on both sides.
-    pub page_size: u32,
+    /// The prefill side's page order and page size.
+    pub prefill_paging: Paging,
+    /// The decode side's page order and page size.
+    pub decode_paging: Paging,
     /// Both sides' head ownership, from the library.
     pub topology: Topology,
     /// `head_dim * dtype` bytes.
     pub bytes_per_head: u64,
-    /// Bytes of one page of one layer buffer on a prefill rank.
+    /// Bytes of one page of one layer buffer on a prefill rank (the layout's `page_stride`).
     pub src_item_len: u64,
-    /// Bytes of one page of one layer buffer on a decode rank.
+    /// Bytes of one page of one layer buffer on a decode rank (the layout's `page_stride`).
     pub dst_item_len: u64,
 }
 
@@ -66,7 +139,7 @@ impl std::fmt::Display for LayoutError {
 
 impl Problem {
     /// A problem in the library's words, with its numbers where it is about a TP size.
-    fn from_library(error: &Error) -> Problem {
+    pub fn from_library(error: &Error) -> Problem {
         let topology = match *error {
             Error::IndivisibleTp {
                 side,
@@ -93,12 +166,13 @@ impl Problem {
 
 impl Layout {
     /// Validates the deployment with the library: both TP sizes against the model's KV heads
-    /// (every invalid side is reported, each with the nearest valid sizes), then the byte layout
-    /// of a page on each side.
+    /// (every invalid side is reported, each with the nearest valid sizes), then each side's
+    /// page layout (`mori_tp::Layout::nhd` or `hnd`), then the pair config of the two.
     pub fn new(
         model: Model,
         dtype: Dtype,
-        page_size: u32,
+        prefill_paging: Paging,
+        decode_paging: Paging,
         prefill_tp: u32,
         decode_tp: u32,
     ) -> Result<Layout, LayoutError> {
@@ -125,36 +199,34 @@ impl Layout {
             return Err(LayoutError { summary, problems });
         }
         let topology = Topology::new(model.kv_heads, prefill_tp, decode_tp).map_err(fail)?;
-
         let bytes_per_head = u64::from(model.head_dim) * u64::from(dtype.bytes());
-        let item_len = |side: &TpSide| {
-            bytes_per_head
-                .checked_mul(u64::from(side.heads_per_rank()))
-                .and_then(|b| b.checked_mul(u64::from(page_size)))
-                .ok_or_else(|| LayoutError {
-                    summary: summary.clone(),
-                    problems: vec![Problem {
-                        message: format!(
-                            "{}: a page of {page_size} tokens x {} heads x {bytes_per_head} \
-                             bytes overflows 64 bits",
-                            side.side(),
-                            side.heads_per_rank()
-                        ),
-                        topology: None,
-                    }],
-                })
-        };
-        let layout = Layout {
-            src_item_len: item_len(topology.prefill())?,
-            dst_item_len: item_len(topology.decode())?,
+        let mut layout = Layout {
             model,
             dtype,
-            page_size,
+            prefill_paging,
+            decode_paging,
             topology,
             bytes_per_head,
+            // Set below from the library's layouts.
+            src_item_len: 0,
+            dst_item_len: 0,
         };
-        // The library has the last word on the byte layout of every pair.
-        layout.slice_config(0, 0).map_err(fail)?;
+        // Each side's layout as the library builds it (its overflow checks name the factors).
+        for side in [Side::Prefill, Side::Decode] {
+            let rank_layout = layout.rank_layout(side, 0).map_err(|error| LayoutError {
+                summary: summary.clone(),
+                problems: vec![Problem {
+                    message: format!("{side}: {}: {error}", layout.paging(side).describe()),
+                    topology: None,
+                }],
+            })?;
+            match side {
+                Side::Prefill => layout.src_item_len = rank_layout.page_stride,
+                Side::Decode => layout.dst_item_len = rank_layout.page_stride,
+            }
+        }
+        // The library has the last word on the pair.
+        layout.pair_config(0, 0).map_err(fail)?;
         Ok(layout)
     }
 
@@ -166,6 +238,26 @@ impl Layout {
     /// `D`.
     pub fn decode_tp(&self) -> u32 {
         self.topology.decode().tp_size()
+    }
+
+    /// One side's paging.
+    pub fn paging(&self, side: Side) -> &Paging {
+        match side {
+            Side::Prefill => &self.prefill_paging,
+            Side::Decode => &self.decode_paging,
+        }
+    }
+
+    /// True for the one layout of sections 2-6 of the C API: token-major pages of one size on
+    /// both sides, where the plan reads as it always has.
+    pub fn is_classic(&self) -> bool {
+        self.prefill_paging.order == PageOrder::Nhd && self.prefill_paging == self.decode_paging
+    }
+
+    /// The page size both sides share, if they do.
+    pub fn common_page_size(&self) -> Option<u32> {
+        (self.prefill_paging.page_size == self.decode_paging.page_size)
+            .then_some(self.prefill_paging.page_size)
     }
 
     /// The heads prefill rank `p` owns (`p` below the prefill TP size).
@@ -187,23 +279,94 @@ impl Layout {
         u64::from(layers) * u64::from(self.model.attention.buffers_per_layer())
     }
 
-    /// The library's inputs for the pair (prefill rank `p`, decode rank `d`).
+    /// The library's layout of rank `rank` of `side` (`mori_tp_layout_nhd` or `_hnd`).
+    pub fn rank_layout(&self, side: Side, rank: u32) -> mori_tp::Result<mori_tp::Layout> {
+        let paging = self.paging(side);
+        let tp_size = match side {
+            Side::Prefill => self.prefill_tp(),
+            Side::Decode => self.decode_tp(),
+        };
+        let make = match paging.order {
+            PageOrder::Nhd => mori_tp::Layout::nhd,
+            PageOrder::Hnd => mori_tp::Layout::hnd,
+        };
+        make(
+            self.model.kv_heads,
+            tp_size,
+            rank,
+            paging.page_size,
+            self.bytes_per_head,
+        )
+    }
+
+    /// The library's pair config of (prefill rank `p`, decode rank `d`) from both ranks' layouts.
+    pub fn pair_config(&self, p: u32, d: u32) -> mori_tp::Result<PairConfig> {
+        pair_config(
+            &self.rank_layout(Side::Prefill, p)?,
+            &self.rank_layout(Side::Decode, d)?,
+        )
+    }
+
+    /// The library's section-4 inputs for the pair (prefill rank `p`, decode rank `d`): the real
+    /// pages for the classic layout, else one token per page (the per-token view: heads, offsets
+    /// and widths inside a token-major slot, which do not depend on the page size).
     pub fn slice_params(&self, p: u32, d: u32) -> SliceParams {
+        let (page_size, src_item_len, dst_item_len) = match self.common_page_size() {
+            Some(page_size) if self.is_classic() => {
+                (page_size, self.src_item_len, self.dst_item_len)
+            }
+            _ => {
+                let per_token =
+                    |side: &TpSide| u64::from(side.heads_per_rank()) * self.bytes_per_head;
+                (
+                    1,
+                    per_token(self.topology.prefill()),
+                    per_token(self.topology.decode()),
+                )
+            }
+        };
         SliceParams {
             prefill_tp_size: self.prefill_tp(),
             prefill_tp_rank: p,
             decode_tp_size: self.decode_tp(),
             decode_tp_rank: d,
             total_kv_heads: self.model.kv_heads,
-            page_size: self.page_size,
-            src_item_len: self.src_item_len,
-            dst_item_len: self.dst_item_len,
+            page_size,
+            src_item_len,
+            dst_item_len,
         }
     }
 
-    /// The library's slice for the pair (prefill rank `p`, decode rank `d`).
+    /// The library's section-4 slice for the pair (prefill rank `p`, decode rank `d`): which heads
+    /// move and where they sit inside a token-major slot (see [`Layout::slice_params`]).
     pub fn slice_config(&self, p: u32, d: u32) -> mori_tp::Result<SliceConfig> {
         slice_config(&self.slice_params(p, d))
+    }
+
+    /// The partial last pages of a request of `tokens` tokens, in words (None: whole pages).
+    pub fn partial_pages(&self, tokens: u64) -> Option<String> {
+        let (pre, dec) = (&self.prefill_paging, &self.decode_paging);
+        let used = |paging: &Paging| {
+            format!(
+                "{} of {} slots",
+                u64::from(paging.page_size) - paging.unused_slots(tokens),
+                paging.page_size
+            )
+        };
+        let text = match (pre.unused_slots(tokens) > 0, dec.unused_slots(tokens) > 0) {
+            (false, false) => return None,
+            (true, true) if pre.page_size == dec.page_size => {
+                format!("the last page of each side holds {}", used(pre))
+            }
+            (true, true) => format!(
+                "the last prefill page holds {}, the last decode page {}",
+                used(pre),
+                used(dec)
+            ),
+            (true, false) => format!("the last prefill page holds {}", used(pre)),
+            (false, true) => format!("the last decode page holds {}", used(dec)),
+        };
+        Some(text + " (the slots after the last token are never written)")
     }
 
     /// A one-line description of a side's sharding.

@@ -18,7 +18,7 @@ use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
 
-use crate::layout::{Layout, LayoutError, MAX_TP_SIZE};
+use crate::layout::{Layout, LayoutError, MAX_TP_SIZE, PageOrder, Paging};
 use crate::model::{
     Attention, Dtype, DtypeArg, Model, ModelChoice, PRESETS, parse_dtype, parse_model,
     preset_by_name, read_config,
@@ -53,6 +53,8 @@ Examples:
   mori-tp plan --model meta-llama/Llama-3.1-8B-Instruct --prefill-tp 2 --decode-tp 8 --svg l.svg
   mori-tp plan --config path/to/model-dir --prefill-tp 8 --decode-tp 2 --json
   mori-tp simulate --model deepseek-v3 --prefill-tp 8 --decode-tp 4 --page-size 64
+  mori-tp simulate --model llama-3.1-8b --prefill-tp 8 --decode-tp 2 --prefill-layout hnd \
+      --decode-layout nhd --prefill-page-size 16 --decode-page-size 64 --tokens 1000
 
 Exit status: 0 success; 1 simulate found a wrong byte (or a copy failed); 2 bad usage or an
 unreadable config.json; 3 the layout cannot work (the message names the values and the nearest
@@ -72,9 +74,15 @@ enum Command {
         long_about = "Check a layout and show, for each decode rank, which prefill rank sends it \
                       which KV heads, at which byte offsets inside each token, which prefill \
                       ranks skip because another replica sends the same head, which staging an \
-                      RDMA connector should use for each sending pair (staging_for: who packs, \
-                      who unpacks, the staging bytes per request), and how many bytes the decode \
-                      rank receives per token and per request.\n\n\
+                      RDMA connector should use for each sending pair (pair_staging_for: who \
+                      packs, who unpacks, the staging bytes per request) and the segments an RDMA \
+                      engine gets per buffer with it and without it (for the request's pages \
+                      back to back), and how many bytes the decode rank receives per token and \
+                      per request.\n\n\
+                      Each engine has its own page layout (--prefill-layout, --decode-layout: nhd \
+                      token-major or hnd head-major) and page size (--prefill-page-size, \
+                      --decode-page-size; --page-size sets both). A request of --tokens N tokens \
+                      may end in a partly used page; the plan says so.\n\n\
                       A layout works only if each TP size divides the model's KV head count or \
                       is a multiple of it; otherwise mori-tp exits with status 3 and names the \
                       nearest valid TP sizes (with --json, as a JSON error object on stdout)."
@@ -84,16 +92,19 @@ enum Command {
     #[command(
         long_about = "Move one request's KV cache in host memory through the library and verify \
                       every byte.\n\n\
-                      Allocates the KV buffers of every prefill and decode rank, fills the \
-                      prefill side with bytes that identify their layer buffer, page, token and \
-                      head, and the decode side with a sentinel. Then, for every pair the library \
-                      says must send, plans a fragmented list of pages and copies it with the \
-                      library's host engine (or its HIP engine with --backend hip), and checks \
-                      every decode byte: the requested pages must hold exactly the heads each \
-                      decode rank owns, everything else must be untouched. Then moves every \
-                      pair again the way an RDMA connector would with staging: pack, copy the \
-                      segments of plan_transfer, unpack, into a second set of decode buffers, \
-                      checked the same way. Prints the copies issued, compared with a per-token \
+                      Allocates the KV buffers of every prefill and decode rank in each side's \
+                      page layout and page size, fills the prefill side with bytes that identify \
+                      their layer buffer, page, slot and head (written where the layout puts \
+                      that head: head-major pages keep a head's tokens together), and the decode \
+                      side with a sentinel. Then, for every pair the library says must send, \
+                      plans a fragmented list of pages on each side and copies the request's \
+                      --tokens tokens with the library's host engine (or its HIP engine with \
+                      --backend hip), and checks every decode byte: the slots of the request's \
+                      tokens must hold exactly the heads each decode rank owns, everything else \
+                      (other pages, the slots after the last token of a partial last page) must \
+                      be untouched. Then moves every pair again the way an RDMA connector would \
+                      with staging: pack, copy the segments of pair_segments, unpack, into a \
+                      second set of decode buffers, checked the same way. Prints the copies issued, compared with a per-token \
                       copy plan, the segments an RDMA engine would get (per token, direct, \
                       staged), the bytes moved and the copy speed. Exits with status 1 on any \
                       wrong byte.\n\n\
@@ -222,16 +233,56 @@ struct DeploymentArgs {
     )]
     dtype: Option<DtypeArg>,
 
-    /// Tokens per KV-cache page (both engines)
+    /// Tokens per KV-cache page, both engines [default: 1]
     #[arg(
         long,
         value_name = "TOKENS",
-        default_value_t = 1,
         allow_negative_numbers = true,
         value_parser = count("a page size", u32::MAX),
         help_heading = "Layout"
     )]
-    page_size: u32,
+    page_size: Option<u32>,
+
+    /// Tokens per KV-cache page of the prefill engine, where it differs from the decode engine's
+    /// [default: --page-size]
+    #[arg(
+        long,
+        value_name = "TOKENS",
+        allow_negative_numbers = true,
+        value_parser = count("a page size", u32::MAX),
+        help_heading = "Layout"
+    )]
+    prefill_page_size: Option<u32>,
+
+    /// Tokens per KV-cache page of the decode engine [default: --page-size]
+    #[arg(
+        long,
+        value_name = "TOKENS",
+        allow_negative_numbers = true,
+        value_parser = count("a page size", u32::MAX),
+        help_heading = "Layout"
+    )]
+    decode_page_size: Option<u32>,
+
+    /// Page layout of the prefill engine
+    #[arg(
+        long,
+        value_name = "LAYOUT",
+        value_enum,
+        default_value_t = PageOrder::Nhd,
+        help_heading = "Layout"
+    )]
+    prefill_layout: PageOrder,
+
+    /// Page layout of the decode engine
+    #[arg(
+        long,
+        value_name = "LAYOUT",
+        value_enum,
+        default_value_t = PageOrder::Nhd,
+        help_heading = "Layout"
+    )]
+    decode_layout: PageOrder,
 
     /// Tensor-parallel size of the prefill engine (the sender), at most 1024
     #[arg(
@@ -255,7 +306,8 @@ struct DeploymentArgs {
     )]
     decode_tp: u32,
 
-    /// Tokens in one request (rounded up to whole pages)
+    /// Tokens in one request; the last page of a side may be partly used (its slots after the
+    /// request's tokens are never written)
     #[arg(
         long,
         value_name = "N",
@@ -272,11 +324,14 @@ struct PlanArgs {
     #[command(flatten)]
     deployment: DeploymentArgs,
 
-    /// Print one JSON object instead of text: {"model", "prefill_tp", "decode_tp", ..., "pairs":
+    /// Print one JSON object instead of text: {"model", "prefill_tp", "decode_tp", ...,
+    /// "prefill_layout", "decode_layout", "prefill_page_size", "decode_page_size", ..., "pairs":
     /// [one per pair that shares a head; sending pairs carry "staging": "none", "src", "dst" or
-    /// "both" and "staging_bytes_per_request"], "decode_ranks": [one per decode rank]}. Head
-    /// ranges are half-open [first, end): "shared_heads": [2, 4] means heads 2 and 3. On a
-    /// layout that cannot work, prints {"error": {...}} instead, with the same exit status.
+    /// "both", "staging_bytes_per_request", "segments_per_buffer",
+    /// "direct_segments_per_buffer", and both ranks' layouts], "decode_ranks": [one per decode
+    /// rank]}. Head ranges are half-open [first, end): "shared_heads": [2, 4] means heads 2 and
+    /// 3. On a layout that cannot work, prints {"error": {...}} instead, with the same exit
+    /// status.
     #[arg(long)]
     json: bool,
 
@@ -524,13 +579,36 @@ impl DeploymentArgs {
         }
     }
 
+    /// One side's page size: its own flag, else --page-size, else 1. A side's flag that
+    /// disagrees with --page-size is refused rather than silently winning.
+    fn page_size(&self, flag: &str, own: Option<u32>) -> Result<u32, Failure> {
+        match (self.page_size, own) {
+            (Some(both), Some(one)) if both != one => Err(Failure::Usage(format!(
+                "--page-size {both} sets both engines' page size, but --{flag} {one} says \
+                 otherwise; give --page-size alone, or --prefill-page-size and \
+                 --decode-page-size"
+            ))),
+            (_, Some(size)) | (Some(size), None) => Ok(size),
+            (None, None) => Ok(1),
+        }
+    }
+
     fn layout(&self, notes: &mut Vec<String>) -> Result<Layout, Failure> {
+        let prefill = Paging {
+            order: self.prefill_layout,
+            page_size: self.page_size("prefill-page-size", self.prefill_page_size)?,
+        };
+        let decode = Paging {
+            order: self.decode_layout,
+            page_size: self.page_size("decode-page-size", self.decode_page_size)?,
+        };
         let model = self.model(notes)?;
         let dtype = self.dtype(&model, notes)?;
         Ok(Layout::new(
             model,
             dtype,
-            self.page_size,
+            prefill,
+            decode,
             self.prefill_tp,
             self.decode_tp,
         )?)

@@ -147,7 +147,16 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
                 if pair.sends() { (s + 1, k) } else { (s, k + 1) }
             },
         );
-    let total_height = TOP + height + MARGIN + 40.0;
+    // A caption line for the page layouts, where they are not the classic token-major ones.
+    let layouts = (!layout.is_classic()).then(|| {
+        format!(
+            "Pages: prefill {}, decode {}; the layouts change where a head's bytes sit, not who \
+             sends what.",
+            layout.prefill_paging.describe(),
+            layout.decode_paging.describe()
+        )
+    });
+    let total_height = TOP + height + MARGIN + 40.0 + if layouts.is_some() { 16.0 } else { 0.0 };
     let mut svg = String::new();
     let _ = writeln!(
         svg,
@@ -325,6 +334,15 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
          that holds the heads but skips them, because another prefill rank sends them.</text>",
         TOP + height + 44.0
     );
+    if let Some(caption) = layouts {
+        let _ = writeln!(
+            svg,
+            "<text id=\"layouts\" x=\"{MARGIN}\" y=\"{:.1}\" font-size=\"11\" \
+             fill=\"#666\">{}</text>",
+            TOP + height + 60.0,
+            escape(&caption)
+        );
+    }
     svg += "</svg>\n";
     Ok(svg)
 }

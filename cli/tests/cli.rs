@@ -175,6 +175,29 @@ fn every_preset_plans_exactly_the_tp_sizes_the_divisibility_rule_allows() {
 
 /// Checks a `plan --json` output pair by pair against the library's slice_config, and against
 /// the sender rule.
+/// The library's section-4 slice of pair (p, d) of a model with `heads` KV heads of
+/// `bytes_per_head` bytes, token-major pages of `page_size` tokens on both sides.
+fn section4_config(
+    heads: u32,
+    (p_size, p): (u32, u32),
+    (d_size, d): (u32, u32),
+    page_size: u32,
+    bytes_per_head: u64,
+) -> mori_tp::SliceConfig {
+    let item = |t: u32| u64::from(page_size) * u64::from((heads / t).max(1)) * bytes_per_head;
+    slice_config(&SliceParams {
+        prefill_tp_size: p_size,
+        prefill_tp_rank: p,
+        decode_tp_size: d_size,
+        decode_tp_rank: d,
+        total_kv_heads: heads,
+        page_size,
+        src_item_len: item(p_size),
+        dst_item_len: item(d_size),
+    })
+    .unwrap()
+}
+
 fn check_plan_json(model: &str, p_size: u32, d_size: u32, page_size: u32, dtype: &str) {
     let (heads, head_dim, layers, attention) = MODELS
         .iter()
@@ -221,17 +244,7 @@ fn check_plan_json(model: &str, p_size: u32, d_size: u32, page_size: u32, dtype:
     for d in 0..d_size {
         let mut received = 0;
         for p in 0..p_size {
-            let lib = slice_config(&SliceParams {
-                prefill_tp_size: p_size,
-                prefill_tp_rank: p,
-                decode_tp_size: d_size,
-                decode_tp_rank: d,
-                total_kv_heads: heads,
-                page_size,
-                src_item_len: item(p_size),
-                dst_item_len: item(d_size),
-            })
-            .unwrap();
+            let lib = section4_config(heads, (p_size, p), (d_size, d), page_size, bytes_per_head);
             let Some(pair) = pairs.get(&(u64::from(p), u64::from(d))) else {
                 assert_eq!(lib.action, Action::NotPaired, "pair ({p}, {d}) left out");
                 continue;
@@ -602,7 +615,7 @@ fn simulate_verifies_small_layouts_and_counts_what_the_rules_predict() {
         let pages = tokens.div_ceil(page_size);
         assert_eq!(number_before(&out, "request:", "page"), pages, "{out}");
         // Each sending pair issues one copy per run of pages per buffer (K and V of each layer);
-        // a per-token plan, one per token.
+        // a per-token plan, one per token: 190 of them, the last page holding 2 of its 4 slots.
         let buffers = layers_limit * 2;
         let runs = number_before(&out, "request:", "run");
         assert!(runs > 1 && runs < pages, "a fragmented request: {out}");
@@ -613,7 +626,7 @@ fn simulate_verifies_small_layouts_and_counts_what_the_rules_predict() {
         );
         assert_eq!(
             number_before(&out, "copies:", "("),
-            pages * page_size * pairs * buffers,
+            tokens * pairs * buffers,
             "{out}"
         );
         // An RDMA engine's segments, from the ownership rule's slot and slice widths (in heads): one
@@ -624,11 +637,7 @@ fn simulate_verifies_small_layouts_and_counts_what_the_rules_predict() {
             let (src, dst) = (owned(heads, p, sp), owned(heads, d, sd));
             let width = src.end.min(dst.end) - src.start.max(dst.start);
             let (src_wider, dst_wider) = (src.len() as u32 > width, dst.len() as u32 > width);
-            direct += if src_wider || dst_wider {
-                pages * page_size
-            } else {
-                runs
-            };
+            direct += if src_wider || dst_wider { tokens } else { runs };
             staged += if src_wider && dst_wider { 1 } else { runs };
         }
         let line = out.lines().find(|l| l.starts_with("segments:")).unwrap();
@@ -641,7 +650,7 @@ fn simulate_verifies_small_layouts_and_counts_what_the_rules_predict() {
         assert!(line.contains("per-token"), "{out}");
         assert_eq!(
             number_before(&rest, "segments:", "per-token"),
-            pages * page_size * pairs * buffers
+            tokens * pairs * buffers
         );
         assert_eq!(
             number_before(&rest, "segments:", "direct"),
@@ -697,6 +706,11 @@ fn help_explains_the_tool_to_a_newcomer() {
         "--kv-heads",
         "--prefill-tp",
         "--json",
+        "--prefill-layout",
+        "--decode-layout",
+        "--prefill-page-size",
+        "--decode-page-size",
+        "head-major",
     ] {
         assert!(plan.contains(needle), "plan --help lacks {needle}:\n{plan}");
     }
@@ -711,6 +725,9 @@ fn help_explains_the_tool_to_a_newcomer() {
         "--seed",
         "--fragmentation",
         "--backend",
+        "--prefill-layout",
+        "--decode-page-size",
+        "partial last page",
     ] {
         assert!(
             sim.contains(needle),
@@ -925,6 +942,22 @@ fn the_svg_picture_shows_every_rank_and_every_pair_where_the_plan_puts_them() {
         12,
         6,
         4,
+    );
+    // Page layouts and page sizes do not change who sends what.
+    check_svg(
+        &[
+            "--model",
+            "llama-3.1-70b",
+            "--prefill-layout",
+            "hnd",
+            "--prefill-page-size",
+            "16",
+            "--decode-page-size",
+            "64",
+        ],
+        8,
+        16,
+        2,
     );
 }
 
@@ -1253,4 +1286,654 @@ fn the_hip_backend_runs_or_fails_with_the_librarys_message() {
         );
         assert!(stdout(&out).is_empty());
     }
+}
+
+// ---- page layouts and page sizes per side, partial last pages -------------------------------
+
+/// `plan --json` with `args` after the command.
+fn plan_json(args: &[&str]) -> Value {
+    let mut all = vec!["plan", "--json"];
+    all.extend_from_slice(args);
+    json_of(&all)
+}
+
+/// The sending pairs of a JSON plan, by (prefill rank, decode rank).
+fn sending(plan: &Value) -> BTreeMap<(u32, u32), Value> {
+    plan["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|pair| pair["action"] == "send")
+        .map(|pair| {
+            let rank = |key: &str| pair[key].as_u64().unwrap() as u32;
+            ((rank("prefill_rank"), rank("decode_rank")), pair.clone())
+        })
+        .collect()
+}
+
+/// A `MoriTpLayout` as the JSON plan writes it: (total_kv_heads, tp_size, tp_rank, page_size,
+/// head_bytes, page_stride, offset, token_stride, head_stride).
+fn layout_fields(value: &Value) -> [u64; 9] {
+    [
+        "total_kv_heads",
+        "tp_size",
+        "tp_rank",
+        "page_size",
+        "head_bytes",
+        "page_stride",
+        "offset",
+        "token_stride",
+        "head_stride",
+    ]
+    .map(|key| {
+        value[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in {value}"))
+    })
+}
+
+fn staging_name(staging: Staging) -> &'static str {
+    match staging {
+        Staging::None => "none",
+        Staging::Src => "src",
+        Staging::Dst => "dst",
+        Staging::Both => "both",
+    }
+}
+
+/// Checks every sending pair of a JSON plan against the library: the pair config of both ranks'
+/// layouts (`Layout::nhd` or `Layout::hnd`), `pair_staging_for`, the staging length and the
+/// segments `pair_segments` gives for the request on pages 0, 1, ... of each side.
+fn check_pairs_against_the_library(plan: &Value, layouts: [&str; 2]) {
+    use mori_tp::{Layout, Request, pair_config, pair_segments, pair_staging_for};
+    let num = |key: &str| plan[key].as_u64().unwrap_or_else(|| panic!("{key}"));
+    let heads = plan["model"]["kv_heads"].as_u64().unwrap() as u32;
+    let hb = plan["model"]["bytes_per_head"].as_u64().unwrap();
+    let buffers = plan["model"]["layers"].as_u64().unwrap()
+        * plan["model"]["buffers_per_layer"].as_u64().unwrap();
+    let tokens = num("request_tokens");
+    let page_sizes = [num("prefill_page_size"), num("decode_page_size")];
+    assert_eq!(plan["prefill_layout"], layouts[0]);
+    assert_eq!(plan["decode_layout"], layouts[1]);
+    let pages: Vec<Vec<i32>> = page_sizes
+        .iter()
+        .map(|&ps| (0..tokens.div_ceil(ps) as i32).collect())
+        .collect();
+    assert_eq!(num("prefill_pages"), pages[0].len() as u64);
+    assert_eq!(num("decode_pages"), pages[1].len() as u64);
+    let make = |order: &str, tp: u64, rank: u32, ps: u64| {
+        let make = if order == "hnd" {
+            Layout::hnd
+        } else {
+            Layout::nhd
+        };
+        make(heads, tp as u32, rank, ps as u32, hb).unwrap()
+    };
+    let pairs = sending(plan);
+    assert!(!pairs.is_empty());
+    for ((p, d), pair) in pairs {
+        let src = make(layouts[0], num("prefill_tp"), p, page_sizes[0]);
+        let dst = make(layouts[1], num("decode_tp"), d, page_sizes[1]);
+        let config = pair_config(&src, &dst).unwrap();
+        let at = format!("({p}, {d})");
+        assert_eq!(pair["first_head"], config.first_head(), "{at}");
+        assert_eq!(pair["num_heads"], config.num_heads(), "{at}");
+        assert_eq!(pair["src_first_local"], config.src_first_local(), "{at}");
+        assert_eq!(pair["dst_first_local"], config.dst_first_local(), "{at}");
+        let src_fields = [
+            src.total_kv_heads.into(),
+            src.tp_size.into(),
+            src.tp_rank.into(),
+            src.page_size.into(),
+            src.head_bytes,
+            src.page_stride,
+            src.offset,
+            src.token_stride,
+            src.head_stride,
+        ];
+        assert_eq!(layout_fields(&pair["src_layout"]), src_fields, "{at}");
+        assert_eq!(
+            layout_fields(&pair["dst_layout"])[..4],
+            [
+                u64::from(dst.total_kv_heads),
+                dst.tp_size.into(),
+                dst.tp_rank.into(),
+                dst.page_size.into()
+            ]
+        );
+        assert_eq!(
+            layout_fields(&pair["dst_layout"])[4..],
+            [
+                dst.head_bytes,
+                dst.page_stride,
+                dst.offset,
+                dst.token_stride,
+                dst.head_stride
+            ],
+            "{at}"
+        );
+        let staging = pair_staging_for(&config);
+        assert_eq!(pair["staging"], staging_name(staging), "{at}");
+        assert_eq!(
+            pair["staging_bytes_per_request"],
+            config.staging_len(tokens).unwrap() * buffers,
+            "{at}"
+        );
+        let request = Request {
+            src_pages: &pages[0],
+            dst_pages: &pages[1],
+            num_tokens: tokens,
+        };
+        let count = |mode| pair_segments(&config, &request, mode).unwrap().len();
+        assert_eq!(pair["segments_per_buffer"], count(staging), "{at}");
+        assert_eq!(
+            pair["direct_segments_per_buffer"],
+            count(Staging::None),
+            "{at}"
+        );
+    }
+}
+
+#[test]
+fn head_major_pages_of_an_8_kv_head_model_from_tp_8_to_tp_2_as_vllm_on_rocm_keeps_them() {
+    let deployment = [
+        "--model",
+        "llama-3.1-8b",
+        "--prefill-tp",
+        "8",
+        "--decode-tp",
+        "2",
+        "--prefill-layout",
+        "hnd",
+        "--decode-layout",
+        "hnd",
+        "--page-size",
+        "16",
+        "--tokens",
+        "40",
+    ];
+    let plan = plan_json(&deployment);
+    check_pairs_against_the_library(&plan, ["hnd", "hnd"]);
+    // By hand (CONTRACT's HND strides, 256-byte heads): a prefill rank holds 1 head, so a page
+    // is 16 slots x 256 B = 4096 B; a decode rank holds 4 heads, each a 4096-byte block of a
+    // 16384-byte page.
+    assert_eq!(plan["page_size"], 16);
+    assert_eq!(plan["src_item_len"], 4096);
+    assert_eq!(plan["dst_item_len"], 16384);
+    assert_eq!(plan["partial_last_page"], true);
+    let pairs = sending(&plan);
+    assert_eq!(pairs.len(), 8);
+    for ((p, d), pair) in pairs {
+        assert_eq!(d, p / 4);
+        assert_eq!(pair["first_head"], p);
+        assert_eq!(pair["dst_first_local"], p % 4);
+        assert_eq!(
+            layout_fields(&pair["src_layout"]),
+            [8, 8, p.into(), 16, 256, 4096, 0, 256, 4096]
+        );
+        assert_eq!(
+            layout_fields(&pair["dst_layout"]),
+            [8, 2, d.into(), 16, 256, 16384, 0, 256, 4096]
+        );
+        // The prefill pages hold the slice alone, back to back: the decode rank unpacks, and the
+        // transport gets one segment per buffer instead of one per page (3 pages for 40 tokens).
+        assert_eq!(pair["staging"], "dst");
+        assert_eq!(pair["segments_per_buffer"], 1);
+        assert_eq!(pair["direct_segments_per_buffer"], 3);
+        assert_eq!(pair["staging_bytes_per_request"], 40 * 256 * 64);
+    }
+    let text = stdout(&mori_tp(&[&["plan"][..], &deployment].concat()));
+    for line in [
+        "cache:    bf16, 256 B per head; prefill HND pages of 16 tokens, decode HND pages of 16 tokens",
+        "  prefill rank 5 sends head 5: bytes [0, 4096) of each 4096 B head-major page -> [4096, 8192) of each 16384 B head-major page",
+        "    segments per buffer: 1 segment with staging dst, 3 unstaged",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+    }
+    assert!(
+        text.contains("the last page of each side holds 8 of 16 slots"),
+        "{text}"
+    );
+}
+
+#[test]
+fn token_major_prefill_to_head_major_decode_packs_on_the_prefill_rank() {
+    let plan = plan_json(&[
+        "--model",
+        "llama-3.1-8b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--decode-layout",
+        "hnd",
+        "--page-size",
+        "16",
+        "--tokens",
+        "64",
+    ]);
+    check_pairs_against_the_library(&plan, ["nhd", "hnd"]);
+    assert_eq!(plan["partial_last_page"], false);
+    for ((p, d), pair) in sending(&plan) {
+        assert_eq!(p, d / 4);
+        assert_eq!(pair["src_first_local"], d % 4);
+        // One head out of four-head NHD slots (1024 B apart): a segment per token unstaged; the
+        // decode rank's one-head HND pages take the packed slice in one segment.
+        assert_eq!(pair["staging"], "src");
+        assert_eq!(pair["direct_segments_per_buffer"], 64);
+        assert_eq!(pair["segments_per_buffer"], 1);
+    }
+}
+
+#[test]
+fn page_sizes_that_differ_between_the_sides_plan_either_way() {
+    for (prefill, decode, p, d, staging, staged, direct) in [
+        // One head into four-head slots: the decode rank unpacks; a segment per token unstaged.
+        ("16", "64", "8", "2", "dst", 1, 100),
+        ("64", "16", "8", "2", "dst", 1, 100),
+        // Whole tokens on both sides: pages to pages, one segment for pages back to back.
+        ("16", "64", "2", "2", "none", 1, 1),
+        ("64", "16", "2", "2", "none", 1, 1),
+    ] {
+        let plan = plan_json(&[
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-tp",
+            p,
+            "--decode-tp",
+            d,
+            "--prefill-page-size",
+            prefill,
+            "--decode-page-size",
+            decode,
+            "--tokens",
+            "100",
+        ]);
+        check_pairs_against_the_library(&plan, ["nhd", "nhd"]);
+        let at = format!("{prefill} -> {decode}, TP {p} -> {d}");
+        // 100 tokens: 7 pages of 16 (the last holds 4) and 2 of 64 (the last holds 36).
+        assert_eq!(plan["page_size"], Value::Null, "{at}");
+        assert_eq!(plan["prefill_page_size"], prefill.parse::<u64>().unwrap());
+        let pages = |ps: &str| 100u64.div_ceil(ps.parse().unwrap());
+        assert_eq!(plan["prefill_pages"], pages(prefill), "{at}");
+        assert_eq!(plan["decode_pages"], pages(decode), "{at}");
+        assert_eq!(plan["partial_last_page"], true, "{at}");
+        for pair in sending(&plan).values() {
+            assert_eq!(pair["staging"], staging, "{at}");
+            assert_eq!(pair["segments_per_buffer"], staged, "{at}");
+            assert_eq!(pair["direct_segments_per_buffer"], direct, "{at}");
+        }
+    }
+}
+
+#[test]
+fn token_major_pages_of_one_size_count_the_segments_of_the_section_4_functions() {
+    // Whole pages, NHD on both sides, one page size: the counts are those of plan_transfer and
+    // plan_segments for the same pages, and the staging that of staging_for.
+    use mori_tp::{plan_segments, plan_transfer};
+    for (model, heads, p_size, d_size, page_size) in [
+        ("qwen2.5-7b", 4u32, 2u32, 8u32, 16u32),
+        ("llama-3.1-8b", 8, 16, 2, 4),
+        ("llama-3.1-8b", 8, 8, 8, 64),
+        ("deepseek-v3", 1, 8, 4, 1),
+    ] {
+        let (p_text, d_text, ps_text) = (
+            p_size.to_string(),
+            d_size.to_string(),
+            page_size.to_string(),
+        );
+        let plan = plan_json(&[
+            "--model",
+            model,
+            "--prefill-tp",
+            &p_text,
+            "--decode-tp",
+            &d_text,
+            "--page-size",
+            &ps_text,
+            "--tokens",
+            "1024",
+        ]);
+        assert_eq!(plan["partial_last_page"], false);
+        let head_dim = MODELS.iter().find(|m| m.0 == model).unwrap().2;
+        let bytes_per_head = u64::from(head_dim) * 2;
+        let pages: Vec<i32> = (0..1024 / page_size as i32).collect();
+        for ((p, d), pair) in sending(&plan) {
+            let config =
+                section4_config(heads, (p_size, p), (d_size, d), page_size, bytes_per_head);
+            let staging = staging_for(&config).unwrap();
+            let at = format!("{model} ({p}, {d})");
+            assert_eq!(pair["staging"], staging_name(staging), "{at}");
+            assert_eq!(
+                pair["segments_per_buffer"],
+                plan_transfer(&config, staging, &pages, &pages)
+                    .unwrap()
+                    .len(),
+                "{at}"
+            );
+            assert_eq!(
+                pair["direct_segments_per_buffer"],
+                plan_segments(&config, &pages, &pages).unwrap().len(),
+                "{at}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_partial_last_page_is_said_in_text_and_json() {
+    // The text wraps at 100 columns; compare its words.
+    let words = |text: String| text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let text = |tokens: &str| {
+        let out = mori_tp(&["plan", "--page-size", "16", "--tokens", tokens]);
+        assert_eq!(code(&out), 0, "{}", stderr(&out));
+        words(stdout(&out))
+    };
+    let partial = text("40");
+    assert!(
+        partial.contains(
+            "40 tokens on 3 pages of 16 a side; the last page of each side holds 8 of 16 slots"
+        ),
+        "{partial}"
+    );
+    assert!(partial.contains("per 40-token request"), "{partial}");
+    assert!(!text("48").contains("holds"));
+    let plan = plan_json(&["--page-size", "16", "--tokens", "40"]);
+    assert_eq!(plan["partial_last_page"], true);
+    assert_eq!(plan["request_tokens"], 40);
+    // Only the request's tokens move: 40, not the 48 slots of its pages.
+    let rank = &plan["decode_ranks"][0];
+    assert_eq!(
+        rank["bytes_per_request"].as_u64().unwrap(),
+        40 * rank["bytes_per_token"].as_u64().unwrap()
+    );
+    let both = plan_json(&[
+        "--prefill-page-size",
+        "16",
+        "--decode-page-size",
+        "64",
+        "--tokens",
+        "64",
+    ]);
+    assert_eq!(both["partial_last_page"], false);
+    let text = words(stdout(&mori_tp(&[
+        "plan",
+        "--prefill-page-size",
+        "16",
+        "--decode-page-size",
+        "64",
+        "--tokens",
+        "100",
+    ])));
+    assert!(
+        text.contains(
+            "the last prefill page holds 4 of 16 slots, the last decode page 36 of 64 slots"
+        ),
+        "{text}"
+    );
+}
+
+#[test]
+fn page_size_sets_both_sides_and_a_contradicting_side_flag_is_refused() {
+    let plan = plan_json(&["--page-size", "32"]);
+    assert_eq!(plan["prefill_page_size"], 32);
+    assert_eq!(plan["decode_page_size"], 32);
+    assert_eq!(plan["page_size"], 32);
+    // Agreeing flags are not a contradiction.
+    let plan = plan_json(&["--page-size", "32", "--decode-page-size", "32"]);
+    assert_eq!(plan["decode_page_size"], 32);
+    // One side's own flag, the other side at the default of 1.
+    let plan = plan_json(&["--decode-page-size", "8"]);
+    assert_eq!(plan["prefill_page_size"], 1);
+    assert_eq!(plan["decode_page_size"], 8);
+    for command in ["plan", "simulate"] {
+        for (flag, value) in [("--prefill-page-size", "64"), ("--decode-page-size", "8")] {
+            let out = mori_tp(&[command, "--page-size", "16", flag, value]);
+            assert_eq!(code(&out), 2, "{command} {flag}");
+            assert!(stdout(&out).is_empty());
+            let err = stderr(&out);
+            assert!(
+                err.contains(&format!(
+                    "--page-size 16 sets both engines' page size, but {flag} {value}"
+                )),
+                "{err}"
+            );
+        }
+    }
+    let out = mori_tp(&[
+        "plan",
+        "--json",
+        "--page-size",
+        "16",
+        "--prefill-page-size",
+        "64",
+    ]);
+    assert_eq!(code(&out), 2);
+    let error: Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    assert_eq!(error["error"]["kind"], "usage");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--prefill-page-size 64")
+    );
+}
+
+#[test]
+fn bad_layout_and_page_size_values_exit_2_naming_the_value() {
+    for (args, says) in [
+        (vec!["plan", "--prefill-layout", "nchw"], "'nchw'"),
+        (vec!["simulate", "--decode-layout", "HND-ish"], "'HND-ish'"),
+        (
+            vec!["plan", "--decode-layout", ""],
+            "possible values: nhd, hnd",
+        ),
+        (vec!["plan", "--prefill-page-size", "0"], "0 is too small"),
+        (vec!["plan", "--decode-page-size", "-4"], "-4 is negative"),
+        (
+            vec!["simulate", "--prefill-page-size", "1.5"],
+            "1.5 is not a whole number",
+        ),
+    ] {
+        let out = mori_tp(&args);
+        assert_eq!(code(&out), 2, "{args:?}");
+        assert!(stdout(&out).is_empty(), "{args:?}");
+        assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn a_layout_that_cannot_work_exits_3_with_the_librarys_numbers() {
+    for command in ["plan", "simulate"] {
+        // A head-major page whose size overflows 64 bits: the library names the factors.
+        let out = mori_tp(&[
+            command,
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "4294967295",
+            "--dtype",
+            "fp32",
+            "--prefill-layout",
+            "hnd",
+            "--prefill-page-size",
+            "4294967295",
+        ]);
+        assert_eq!(code(&out), 3, "{command}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(
+                "prefill side: HND pages of 4294967295 tokens: invalid argument: page_size * \
+                 head_bytes = 4294967295 * 17179869180 overflows 64 bits"
+            ),
+            "{err}"
+        );
+        // A TP size that does not fit the heads, whatever the layout.
+        let out = mori_tp(&[
+            command,
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-tp",
+            "3",
+            "--prefill-layout",
+            "hnd",
+            "--decode-page-size",
+            "64",
+        ]);
+        assert_eq!(code(&out), 3, "{command}");
+        assert!(
+            stderr(&out).contains("tp_size 3 and total_kv_heads 8"),
+            "{}",
+            stderr(&out)
+        );
+    }
+}
+
+#[test]
+fn simulate_moves_every_mix_of_layouts_and_page_sizes_and_agrees_with_the_plan() {
+    // Fragmentation 0: each side's pages are one run, so the segments are the plan's.
+    let common = [
+        "--model",
+        "llama-3.1-8b",
+        "--tokens",
+        "150",
+        "--layers-limit",
+        "2",
+        "--fragmentation",
+        "0",
+    ];
+    for (p, d, prefill, decode) in [
+        // vLLM on ROCm: HND, 8 KV heads, TP 8 -> 2.
+        ("8", "2", ["hnd", "16"], ["hnd", "16"]),
+        ("2", "8", ["nhd", "16"], ["hnd", "16"]),
+        ("8", "2", ["hnd", "16"], ["nhd", "64"]),
+        ("4", "2", ["nhd", "64"], ["hnd", "16"]),
+    ] {
+        let mut args = common.to_vec();
+        args.extend_from_slice(&[
+            "--prefill-tp",
+            p,
+            "--decode-tp",
+            d,
+            "--prefill-layout",
+            prefill[0],
+            "--prefill-page-size",
+            prefill[1],
+            "--decode-layout",
+            decode[0],
+            "--decode-page-size",
+            decode[1],
+        ]);
+        let out = simulate(&args);
+        let at = format!("{args:?}");
+        assert!(out.trim_end().ends_with("OK"), "{at}\n{out}");
+        let label = |order: &str| order.to_uppercase();
+        assert!(
+            out.contains(&format!(
+                "prefill {} pages of {} tokens, decode {} pages of {} tokens",
+                label(prefill[0]),
+                prefill[1],
+                label(decode[0]),
+                decode[1]
+            )),
+            "{out}"
+        );
+        // 150 tokens leave both last pages partial; the check covers the slots after them.
+        let flat = out.split_whitespace().collect::<Vec<_>>().join(" ");
+        for (paging, used) in [(prefill, "holds"), (decode, "")] {
+            let slots = if paging[1] == "16" {
+                "6 of 16"
+            } else {
+                "22 of 64"
+            };
+            assert!(flat.contains(&format!("{used} {slots} slots")), "{out}");
+        }
+        assert!(
+            flat.contains("the slots after the last token are never written"),
+            "{out}"
+        );
+        let mut plan_args = vec!["plan", "--json"];
+        plan_args.extend_from_slice(&args[..2]);
+        plan_args.extend_from_slice(&args[2..4]);
+        plan_args.extend_from_slice(&args[8..]);
+        let plan = json_of(&plan_args);
+        let pairs = sending(&plan);
+        assert_eq!(
+            number_before(&out, "sent:", "pair"),
+            pairs.len() as u64,
+            "{out}"
+        );
+        // A per-token plan copies each token of each pair once per buffer (4: K and V of 2
+        // layers), and once per head where a head-major side keeps a token's heads apart.
+        let (mut direct, mut staged, mut per_token) = (0, 0, 0);
+        for pair in pairs.values() {
+            direct += pair["direct_segments_per_buffer"].as_u64().unwrap();
+            staged += pair["segments_per_buffer"].as_u64().unwrap();
+            let heads = pair["num_heads"].as_u64().unwrap();
+            let hnd = prefill[0] == "hnd" || decode[0] == "hnd";
+            per_token += 150 * if hnd { heads } else { 1 };
+        }
+        assert_eq!(number_before(&out, "copies:", "("), per_token * 4, "{out}");
+        let rest = out
+            .lines()
+            .skip_while(|l| !l.starts_with("segments:"))
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert_eq!(
+            number_before(&rest, "segments:", "direct"),
+            direct * 4,
+            "{out}"
+        );
+        assert_eq!(
+            number_before(&rest, "segments:", "staged"),
+            staged * 4,
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn the_svg_picture_says_the_page_layouts_in_its_caption() {
+    let picture = |name: &str, extra: &[&str]| {
+        let file = scratch_file(name, "");
+        let mut args = vec![
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-tp",
+            "8",
+            "--decode-tp",
+            "2",
+            "--svg",
+            file.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = mori_tp(&args);
+        assert_eq!(code(&out), 0, "{}", stderr(&out));
+        std::fs::read_to_string(&file).unwrap()
+    };
+    let plain = picture("caption-nhd.svg", &[]);
+    let mixed = picture(
+        "caption-hnd.svg",
+        &["--prefill-layout", "hnd", "--decode-page-size", "64"],
+    );
+    let doc = roxmltree::Document::parse(&mixed).expect("well-formed XML");
+    let caption = doc
+        .descendants()
+        .find(|n| n.attribute("id") == Some("layouts"))
+        .expect("a caption line for the layouts");
+    assert!(
+        caption
+            .text()
+            .unwrap()
+            .contains("prefill HND pages of 1 token, decode NHD pages of 64 tokens"),
+        "{:?}",
+        caption.text()
+    );
+    assert!(!plain.contains("id=\"layouts\""));
+    // Layouts change where bytes sit, not who sends what: the same arrows.
+    let arrows = |svg: &str| svg.matches("class=\"send\"").count();
+    assert_eq!(arrows(&plain), arrows(&mixed));
+    assert_eq!(arrows(&plain), 8);
 }

@@ -56,6 +56,10 @@ pub fn built_static_library() -> PathBuf {
     lib
 }
 
+/// The system libraries a C program links next to libmori_tp.a (from
+/// `cargo rustc --lib -- --print native-static-libs`); the README lists exactly these.
+pub const STATIC_LIBS: &str = "-lpthread -ldl -lm -lrt -lutil -lgcc_s";
+
 /// With the HIP backend built in (`--features hip`), a program that links libmori_tp also links
 /// libamdhip64: from the HIP install `hipconfig -p` names (what hip-sys linked against), else the
 /// linker's default paths.
