@@ -14,6 +14,8 @@
 //!   staging modes for RDMA engines.
 //! - [`backend`]: the validated job of one call and the engines that perform it (host copies,
 //!   HIP `hipMemcpy2DAsync` or one copy-kernel launch).
+//! - [`pool`]: a staging pool: one region (host memory from mmap, or device memory from HIP)
+//!   registered with a transfer engine once, slots handed out per request.
 //! - [`send`](mod@send): send, pack and unpack: validate buffers and staging, then run a job.
 //! - [`ffi`]: the C ABI of `include/mori_tp.h`, a thin layer over the above.
 //!
@@ -24,6 +26,9 @@ pub mod backend;
 pub mod error;
 pub mod ffi;
 pub mod plan;
+// Rust API: the C ABI's pool functions are in ffi.
+/// cbindgen:ignore
+pub mod pool;
 pub mod send;
 pub mod slice;
 // Rust API, not C API: cbindgen must not turn these enums into opaque C types (the C ABI's
@@ -37,6 +42,7 @@ pub use plan::{
     CopyRect, Plan, Segment, SideGeometry, plan, plan_segments, plan_transfer, staging_for,
     staging_len,
 };
+pub use pool::{PoolInfo, Slot, StagingPool};
 pub use send::{pack, pack_host, send, send_host, unpack, unpack_host};
 pub use slice::{
     IntoValid, Pairing, SliceConfig, SliceParams, Topology, TpSide, ValidConfig, slice_config,
