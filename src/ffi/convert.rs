@@ -8,6 +8,7 @@ use super::boundary::{Failure, Result};
 use super::types::*;
 use crate::backend::{Backend, SendOptions};
 use crate::plan::Plan;
+use crate::pool::PoolMemoryKind;
 use crate::slice::{SliceConfig, SliceParams, ValidConfig};
 use crate::types::{Action, Staging};
 
@@ -213,6 +214,14 @@ impl CEnum for Staging {
     ];
 }
 
+impl CEnum for PoolMemoryKind {
+    const C_TYPE: &'static str = "MoriTpPoolMemory";
+    const VALUES: &'static [(u32, Self, &'static str)] = &[
+        (MORI_TP_POOL_HOST, PoolMemoryKind::Host, "HOST"),
+        (MORI_TP_POOL_DEVICE, PoolMemoryKind::Device, "DEVICE"),
+    ];
+}
+
 impl From<&MoriTpSliceParams> for SliceParams {
     fn from(p: &MoriTpSliceParams) -> Self {
         SliceParams {
@@ -343,6 +352,7 @@ mod tests {
         round_trips::<Action>();
         round_trips::<Backend>();
         round_trips::<Staging>();
+        round_trips::<PoolMemoryKind>();
         assert_eq!(
             Staging::from_c(7, "staging").unwrap_err().to_string(),
             "invalid argument: staging 7 is not a MoriTpStaging (0 NONE, 1 SRC, 2 DST, 3 BOTH)"
