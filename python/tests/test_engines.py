@@ -72,18 +72,20 @@ class Sides:
     """One pair's prefill and decode memory in this process, each with a staging region, and
     what the decode buffers must hold after the request (one send_kvcache)."""
 
-    def __init__(self, layout: Layout, p: int, d: int, request=REQUEST) -> None:
+    def __init__(self, layout: Layout, p: int, d: int, request=REQUEST,
+                 buffers: int = BUFFERS) -> None:
         self.config = layout.config(p, d)
         self.request = request
+        self.buffers = buffers
         src_len = request.src_capacity_pages * layout.src_item_len
         dst_len = request.dst_capacity_pages * layout.dst_item_len
         self.src = [np.frombuffer(identified_buffer(layout, layout.p_tp, p, b,
                                                     request.src_capacity_pages),
-                                  dtype=np.uint8).copy() for b in range(BUFFERS)]
+                                  dtype=np.uint8).copy() for b in range(buffers)]
         self.initial = [np.frombuffer(sentinel_buffer(d, b, dst_len), dtype=np.uint8)
-                        for b in range(BUFFERS)]
+                        for b in range(buffers)]
         self.dst = [x.copy() for x in self.initial]
-        self.staging_bytes = BUFFERS * mori_tp.staging_len(self.config,
+        self.staging_bytes = buffers * mori_tp.staging_len(self.config,
                                                            len(request.src_pages))
         # Pools larger than one request, with the request's slot in the middle.
         self.src_pool = np.zeros(3 * self.staging_bytes + 64, dtype=np.uint8)
@@ -114,7 +116,7 @@ class Sides:
                        staging=staging, backend="host")
 
     def assert_delivered(self, test: unittest.TestCase, what: str) -> None:
-        for b in range(BUFFERS):
+        for b in range(self.buffers):
             if not np.array_equal(self.dst[b], self.want[b]):
                 at = int(np.flatnonzero(self.dst[b] != self.want[b])[0])
                 test.fail(f"{what}: decode buffer {b} differs from send_kvcache's first at {at}")

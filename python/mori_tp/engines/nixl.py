@@ -40,7 +40,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, List, NoReturn, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -254,6 +254,23 @@ class NixlTransport:
         calls = self.write(peer, src, dst, lengths, notification=notification, timeout=timeout)
         return SendResult(plan.staging, plan.segments, plan.bytes, calls, pack_seconds,
                           time.perf_counter() - start)
+
+    def notify(self, peer: str, message: bytes, *, carrier: Any = None) -> None:
+        """Sends ``message`` to ``peer`` without data (``send_notif``); ``carrier`` is for
+        engines that need one (Mooncake) and is ignored here."""
+        self.agent.send_notif(peer, message)
+
+    def poll_notifications(self) -> List[Tuple[str, bytes]]:
+        """Every notification received and not yet taken, as ``(peer name, message)``, oldest
+        first per peer. Takes them all: use it or :meth:`wait_notification`, not both."""
+        notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
+        out = []
+        for peer, messages in notifs.items():
+            taken = messages[:]
+            # Only what was copied: a message appended meanwhile stays for the next call.
+            del messages[:len(taken)]
+            out.extend((_text(peer), bytes(m)) for m in taken)
+        return out
 
     def wait_notification(self, peer: str, message: bytes, *, timeout: float = 60.0) -> None:
         """Waits until ``peer`` has sent exactly ``message`` (a :meth:`send` notification) and
