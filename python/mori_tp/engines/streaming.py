@@ -500,6 +500,7 @@ class Incoming:
     backend: str
     timeout: float
     on_chunk: Optional[Callable[["Incoming", Tuple[Tuple[int, int], ...]], None]] = None
+    on_done: Optional[Callable[["Incoming"], None]] = None
     #: Buffers that have landed (and been unpacked, when staged).
     buffers_ready: Set[int] = field(default_factory=set)
     #: Chunk indices that have landed.
@@ -561,18 +562,18 @@ class Receiver:
                memory: KvMemory, num_buffers: Optional[int] = None,
                staging: Optional[Union[Staging, int]] = None, backend: str = "auto",
                timeout: float = DEFAULT_TIMEOUT,
-               on_chunk: Optional[Callable[[Incoming, Tuple[Tuple[int, int], ...]], None]] = None
-               ) -> Incoming:
+               on_chunk: Optional[Callable[[Incoming, Tuple[Tuple[int, int], ...]], None]] = None,
+               on_done: Optional[Callable[[Incoming], None]] = None) -> Incoming:
         """Registers a request: its pair's config, its destination pages, this rank's memory
         whose staging field is the request's slot, and the staging the sender uses (default
         :func:`mori_tp.staging_for`). ``on_chunk(incoming, ranges)`` runs after each chunk has
-        landed and been unpacked (per-layer readiness); ``timeout`` bounds the time without
-        progress."""
+        landed and been unpacked (per-layer readiness), ``on_done(incoming)`` once it completes
+        or fails (both on the polling thread); ``timeout`` bounds the time without progress."""
         chosen = _staging(mori_tp.staging_for(config) if staging is None else staging,
                           "Receiver.expect")
         incoming = Incoming(_check_request_id(request_id), config, dst_pages, memory, chosen,
                             len(memory.buffers) if num_buffers is None else num_buffers,
-                            backend, timeout, on_chunk)
+                            backend, timeout, on_chunk, on_done)
         with self._lock:
             if request_id in self._incoming and not self._incoming[request_id].done.is_set():
                 raise InvalidArgumentError(f"Receiver.expect: request {request_id} is already "
@@ -603,7 +604,7 @@ class Receiver:
                     continue
                 self._apply(incoming, message)
             now = time.monotonic()
-            for incoming in self._incoming.values():
+            for incoming in list(self._incoming.values()):
                 if not incoming.done.is_set() and now - incoming.last_progress > incoming.timeout:
                     self._fail(incoming, TransferError(
                         f"request {incoming.request_id}: no progress for {incoming.timeout} s: "
@@ -645,7 +646,11 @@ class Receiver:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.poll()
+            try:
+                self.poll()
+            except Exception as error:  # noqa: BLE001 - keep polling; waits stay bounded
+                self.violations.append(f"poll raised {error!r}")
+                time.sleep(0.01)
             time.sleep(self.poll_interval)
 
     # -- applying messages --
@@ -654,9 +659,18 @@ class Receiver:
         if incoming.done.is_set():
             return
         incoming.error = error
+        self._finish(incoming)
+
+    def _finish(self, incoming: Incoming) -> None:
         incoming.finished_at = time.monotonic()
         incoming.done.set()
         self._finished.append(incoming)
+        if incoming.on_done is not None:
+            try:
+                incoming.on_done(incoming)
+            except Exception as error:  # noqa: BLE001 - the polling thread must go on
+                self.violations.append(f"request {incoming.request_id}: on_done raised "
+                                       f"{error!r}")
 
     def _apply(self, incoming: Incoming, message: Message) -> None:
         rid = incoming.request_id
@@ -707,7 +721,11 @@ class Receiver:
             incoming.chunks.add(message.index)
             incoming.buffers_ready.update(buffers)
             if incoming.on_chunk is not None:
-                incoming.on_chunk(incoming, tuple(ranges))
+                try:
+                    incoming.on_chunk(incoming, tuple(ranges))
+                except Exception as error:  # noqa: BLE001 - the request fails with it
+                    self._fail(incoming, error)
+                    return
         if message.sealed is not None:
             if incoming.sealed is not None and incoming.sealed != message.sealed:
                 self._fail(incoming, TransferError(
@@ -729,6 +747,4 @@ class Receiver:
                     f"request {rid}: all {incoming.sealed} chunks arrived, but "
                     f"{incoming.missing()}"))
                 return
-            incoming.finished_at = time.monotonic()
-            incoming.done.set()
-            self._finished.append(incoming)
+            self._finish(incoming)
