@@ -317,6 +317,10 @@ typedef struct MoriTpPoolInfo {
    */
   uint64_t largest_free;
   /**
+   * The free blocks free_bytes is split into (at most live_slots + 1).
+   */
+  uint64_t free_blocks;
+  /**
    * The MoriTpPoolMemory of the region.
    */
   uint32_t memory;
@@ -903,10 +907,11 @@ uint32_t mori_abi_version(void);
  * reports the errno. Device memory (MORI_TP_POOL_DEVICE) is one hipMalloc on the calling
  * thread's current device, freed by mori_tp_pool_destroy.
  *
- * Slots are multiples of options->min_slot bytes carved by a buddy allocator that trims each
- * slot to the units it needs: a slot wastes less than min_slot bytes, and a slot of B bytes
- * (B a power of two times min_slot) is granted whenever live_slots + live_bytes / B is below
- * the number of B-aligned blocks of the region (capacity / B for a power-of-two capacity).
+ * Slots are multiples of options->min_slot bytes, each taken from the front of the smallest
+ * free block that holds it (lowest address first), and a freed slot merges with the free space
+ * on either side. So a slot wastes less than min_slot bytes, the free space is split into at
+ * most live_slots + 1 blocks, and a slot of S bytes is granted whenever free_bytes >=
+ * (live_slots + 1) * S (rounded to min_slot).
  *
  * @param[in]  options   Capacity, slot unit, memory kind. Must not be NULL.
  * @param[out] out_pool  Receives the pool's handle; written only on MORI_OK. Must not be NULL.
@@ -938,7 +943,7 @@ MoriStatus mori_tp_pool_create(const struct MoriTpPoolOptions *options,
  *   0, or out_slot is misaligned;
  *   MORI_ERR_BUFFER_TOO_SMALL if the pool is full for this size (the message names the block
  *   needed, the largest free block, the live slots and their bytes), or if size exceeds the
- *   pool's largest block, which no wait can fix (the message says so);
+ *   pool's capacity, which no wait can fix (the message says so);
  *   MORI_ERR_PANIC on an internal error.
  */
 MoriStatus mori_tp_pool_try_alloc(MoriTpPool pool,
@@ -948,8 +953,9 @@ MoriStatus mori_tp_pool_try_alloc(MoriTpPool pool,
 /**
  * Takes a slot of at least size bytes, waiting up to timeout_ms milliseconds while the pool is
  * full for it (backpressure: the call returns as soon as other threads free enough space). A
- * size larger than the pool's largest block is refused at once. A concurrent
- * mori_tp_pool_destroy ends the wait with MORI_ERR_INVALID_ARGUMENT.
+ * size larger than the pool's capacity is refused at once. A concurrent
+ * mori_tp_pool_destroy ends the wait with MORI_ERR_INVALID_ARGUMENT. Waiters are not served in
+ * order: whichever fits first after a free gets the space.
  *
  * @param[in]  pool        A live pool.
  * @param[in]  size        Bytes needed (> 0).

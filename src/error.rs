@@ -370,16 +370,13 @@ pub enum Error {
     /// A slot of 0 bytes was asked for.
     #[error("invalid argument: staging pool: a slot of 0 bytes")]
     ZeroSlot,
-    /// No block of the pool can ever hold a slot this large.
+    /// The pool can never hold a slot this large.
     #[error(
-        "buffer too small: staging pool: a slot of {size} bytes is larger than the pool's largest block of {largest_block} bytes (capacity {capacity}); it can never be granted"
+        "buffer too small: staging pool: a slot of {size} bytes is larger than the pool's capacity of {capacity} bytes; it can never be granted"
     )]
     SlotLargerThanPool {
         /// Bytes asked for.
         size: u64,
-        /// The largest block the pool has (its capacity when that is a power of two times
-        /// min_slot).
-        largest_block: u64,
         /// The pool's capacity.
         capacity: u64,
     },
@@ -391,7 +388,7 @@ pub enum Error {
     PoolFull {
         /// Bytes asked for.
         size: u64,
-        /// The block it needs (the next power of two of min_slot units).
+        /// The block it needs: `size` rounded up to a multiple of min_slot.
         block: u64,
         /// The largest block free now.
         largest_free: u64,

@@ -137,12 +137,12 @@ fn a_full_pool_answers_buffer_too_small_at_once_or_after_the_timeout() {
         MORI_ERR_BUFFER_TOO_SMALL,
         &["mori_tp_pool_alloc", "still full after waiting"],
     );
-    // A slot no block can ever hold is refused without waiting for the (long) timeout.
+    // A slot larger than the pool is refused without waiting for the (long) timeout.
     assert_refused(
         alloc(pool, 2 << 20, 600_000).unwrap_err(),
         MORI_ERR_BUFFER_TOO_SMALL,
         &[
-            "larger than the pool's largest block of 1048576 bytes",
+            "larger than the pool's capacity of 1048576 bytes",
             "can never be granted",
         ],
     );

@@ -935,6 +935,8 @@ class PoolInfo:
     free_bytes: int
     #: The largest slot :meth:`StagingPool.try_alloc` would grant now.
     largest_free: int
+    #: The free blocks ``free_bytes`` is split into (at most ``live_slots + 1``).
+    free_blocks: int
     #: ``"host"`` or ``"device"``.
     memory: str
     #: Locked in RAM (host memory that mlock accepted; device memory always).
@@ -957,10 +959,10 @@ class StagingPool:
 
     Host memory comes from mmap (2 MiB aligned, huge pages advised, mlock where permitted,
     populated up front); ``memory="device"`` is one hipMalloc on the current device (library
-    built with HIP). Slots are multiples of ``min_slot`` bytes (default 64 KiB) from a buddy
-    allocator that wastes less than ``min_slot`` per slot. Thread-safe: :meth:`alloc` waits
-    (with the GIL released) while the pool is full, so concurrent requests queue for space
-    instead of failing.
+    built with HIP). Slots are multiples of ``min_slot`` bytes (default 64 KiB) from a best-fit
+    allocator that coalesces free space and wastes less than ``min_slot`` per slot.
+    Thread-safe: :meth:`alloc` waits (with the GIL released) while the pool is full, so
+    concurrent requests queue for space instead of failing.
 
     Args:
         capacity: bytes of the region, a multiple of ``min_slot``.
@@ -999,9 +1001,6 @@ class StagingPool:
         self.capacity: int = first.capacity
         self.min_slot: int = first.min_slot
         self.memory: str = memory
-        units = self.capacity // self.min_slot
-        #: The largest slot the pool can ever grant.
-        self.largest_block: int = self.min_slot << (units.bit_length() - 1)
 
     @property
     def handle(self) -> int:
@@ -1024,7 +1023,7 @@ class StagingPool:
         Raises :class:`BufferTooSmallError` for a size no block can ever hold."""
         size = _unsigned(size, "size", 64, "StagingPool.try_alloc")
         status, slot = self._slot(_lib.mori_tp_pool_try_alloc, size)
-        if status == _ffi.MORI_ERR_BUFFER_TOO_SMALL and 0 < size <= self.largest_block:
+        if status == _ffi.MORI_ERR_BUFFER_TOO_SMALL and 0 < size <= self.capacity:
             return None
         if status != _ffi.MORI_OK:
             _raise_last(status)
@@ -1062,7 +1061,7 @@ class StagingPool:
             _raise_last(status)
         return PoolInfo(
             out.base or 0, out.capacity, out.min_slot, out.live_slots, out.live_bytes,
-            out.free_bytes, out.largest_free,
+            out.free_bytes, out.largest_free, out.free_blocks,
             "device" if out.memory == _ffi.MORI_TP_POOL_DEVICE else "host",
             bool(out.flags & _ffi.MORI_TP_POOL_LOCKED),
             bool(out.flags & _ffi.MORI_TP_POOL_HUGE_PAGES), out.lock_errno,

@@ -126,6 +126,7 @@ class MoriTpPoolInfo(ctypes.Structure):
         ("live_bytes", ctypes.c_uint64),
         ("free_bytes", ctypes.c_uint64),
         ("largest_free", ctypes.c_uint64),
+        ("free_blocks", ctypes.c_uint64),
         ("memory", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("lock_errno", ctypes.c_int32),
@@ -149,7 +150,7 @@ EXPECTED_SIZES = {
     MoriSendOptions: 16,
     MoriTpPoolOptions: 24,
     MoriTpSlot: 24,
-    MoriTpPoolInfo: 72,
+    MoriTpPoolInfo: 80,
 }
 
 _STATUS = ctypes.c_int32

@@ -261,6 +261,8 @@ pub struct MoriTpPoolInfo {
     /// The largest slot mori_tp_pool_try_alloc would grant now; below free_bytes when the free
     /// space is split.
     pub largest_free: u64,
+    /// The free blocks free_bytes is split into (at most live_slots + 1).
+    pub free_blocks: u64,
     /// The MoriTpPoolMemory of the region.
     pub memory: u32,
     /// MORI_TP_POOL_LOCKED and MORI_TP_POOL_HUGE_PAGES bits.

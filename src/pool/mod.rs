@@ -2,9 +2,10 @@
 //! slots are handed out per request and returned afterwards.
 //!
 //! Host memory comes from the operating system ([`HostMemory`]: mmap, huge pages, mlock); device
-//! memory from HIP ([`DeviceMemory`]: `hipMalloc`). Slots come from a buddy allocator whose
-//! slots are trimmed to the `min_slot` units they need (see [`buddy`](self) for the bounds on
-//! fragmentation). The pool is thread-safe: [`StagingPool::try_alloc`] never blocks and says
+//! memory from HIP ([`DeviceMemory`]: `hipMalloc`). Slots come from an address-ordered best-fit
+//! allocator over `min_slot` units that coalesces free blocks; by design a slot wastes less than
+//! one unit, and a slot of `n` units is granted whenever the free units are at least
+//! `(live_slots + 1) * n` (the free space is split into at most `live_slots + 1` blocks). The pool is thread-safe: [`StagingPool::try_alloc`] never blocks and says
 //! when the pool is full, [`StagingPool::alloc`] waits up to a timeout for a slot to be freed
 //! (backpressure instead of failure). Misuse (a double free, an offset that starts no slot, a
 //! pool closed while slots are live) is refused with an error that names the offsets.
@@ -14,12 +15,12 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-mod buddy;
 mod device;
+mod fit;
 mod host;
 
-use buddy::{Buddy, Refusal};
 pub use device::DeviceMemory;
+use fit::{Fit, Refusal};
 pub use host::HostMemory;
 
 /// The slot unit the C API uses when the caller passes 0: a slot wastes less than this.
@@ -101,6 +102,8 @@ pub struct PoolInfo {
     pub free_bytes: u64,
     /// The largest slot [`StagingPool::try_alloc`] would grant now.
     pub largest_free: u64,
+    /// Free blocks the free bytes are split into (at most `live_slots + 1`).
+    pub free_blocks: usize,
 }
 
 /// Checks a pool's shape before any memory is asked for.
@@ -126,7 +129,7 @@ pub fn check_shape(capacity: u64, min_slot: u64) -> Result<()> {
 
 #[derive(Debug)]
 struct State {
-    buddy: Buddy,
+    fit: Fit,
     closed: bool,
 }
 
@@ -162,7 +165,7 @@ impl<M: PoolMemory> StagingPool<M> {
         Ok(StagingPool {
             shift: min_slot.trailing_zeros(),
             state: Mutex::new(State {
-                buddy: Buddy::new(memory.size() >> min_slot.trailing_zeros()),
+                fit: Fit::new(memory.size() >> min_slot.trailing_zeros()),
                 closed: false,
             }),
             freed: Condvar::new(),
@@ -227,7 +230,7 @@ impl<M: PoolMemory> StagingPool<M> {
             return Err(Error::ZeroSlot);
         }
         let units = ((size - 1) >> self.shift) + 1;
-        match state.buddy.alloc(units) {
+        match state.fit.alloc(units) {
             Ok(start) => Ok(Slot {
                 offset: self.bytes(start),
                 size: self.bytes(units),
@@ -236,16 +239,14 @@ impl<M: PoolMemory> StagingPool<M> {
             }),
             Err(Refusal::TooLarge) => Err(Error::SlotLargerThanPool {
                 size,
-                largest_block: self
-                    .bytes(1 << (63 - (self.memory.size() >> self.shift).leading_zeros())),
                 capacity: self.memory.size(),
             }),
             Err(_) => Err(Error::PoolFull {
                 size,
-                block: self.bytes(units.next_power_of_two()),
-                largest_free: self.bytes(state.buddy.largest_free()),
-                live_slots: state.buddy.live_slots(),
-                live_bytes: self.bytes(state.buddy.live_units()),
+                block: self.bytes(units),
+                largest_free: self.bytes(state.fit.largest_free()),
+                live_slots: state.fit.live_slots(),
+                live_bytes: self.bytes(state.fit.live_units()),
                 capacity: self.memory.size(),
                 waited_ms,
             }),
@@ -269,18 +270,17 @@ impl<M: PoolMemory> StagingPool<M> {
         };
         if offset % self.bytes(1) != 0 || offset >= self.memory.size() {
             // No slot starts off a unit boundary or past the end: name the slot holding it.
-            let inside = state
-                .buddy
-                .slots()
-                .map(|(s, n)| (self.bytes(s), self.bytes(n)))
-                .find(|&(s, n)| s <= offset && offset < s + n);
+            let inside = (offset < self.memory.size())
+                .then(|| state.fit.slot_holding(offset >> self.shift))
+                .flatten()
+                .map(|(s, n)| (self.bytes(s), self.bytes(n)));
             return Err(Error::NotASlot {
                 offset,
                 inside,
                 capacity: self.memory.size(),
             });
         }
-        let units = state.buddy.free(offset >> self.shift).map_err(refused)?;
+        let units = state.fit.free(offset >> self.shift).map_err(refused)?;
         drop(state);
         self.freed.notify_all();
         Ok(self.bytes(units))
@@ -289,16 +289,17 @@ impl<M: PoolMemory> StagingPool<M> {
     /// The pool's counters now.
     pub fn info(&self) -> PoolInfo {
         let state = self.lock();
-        let live_bytes = self.bytes(state.buddy.live_units());
+        let live_bytes = self.bytes(state.fit.live_units());
         PoolInfo {
             base: self.memory.base(),
             capacity: self.memory.size(),
             min_slot: self.bytes(1),
             memory: self.memory.report(),
-            live_slots: state.buddy.live_slots(),
+            live_slots: state.fit.live_slots(),
             live_bytes,
             free_bytes: self.memory.size() - live_bytes,
-            largest_free: self.bytes(state.buddy.largest_free()),
+            largest_free: self.bytes(state.fit.largest_free()),
+            free_blocks: state.fit.free_blocks(),
         }
     }
 
@@ -307,10 +308,10 @@ impl<M: PoolMemory> StagingPool<M> {
     /// still be writing into them.
     pub fn close(&self) -> Result<()> {
         let mut state = self.lock();
-        if let Some((first, _)) = state.buddy.slots().next() {
+        if let Some((first, _)) = state.fit.slots().next() {
             return Err(Error::PoolInUse {
-                live_slots: state.buddy.live_slots(),
-                live_bytes: self.bytes(state.buddy.live_units()),
+                live_slots: state.fit.live_slots(),
+                live_bytes: self.bytes(state.fit.live_units()),
                 first: self.bytes(first),
             });
         }
