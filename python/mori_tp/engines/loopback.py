@@ -390,10 +390,15 @@ class StreamPeer:
         )
         self._process.start()
         child_conn.close()
-        if not self._conn.poll(max(timeout, 120.0)):
+        try:
+            if not self._conn.poll(max(timeout, 120.0)):
+                raise PeerError("the decode process sent nothing before it was ready")
+            message = self._conn.recv()
+        except (EOFError, OSError, PeerError) as error:
+            code = self._process.exitcode
             self.close()
-            raise PeerError("the decode process sent nothing before it was ready")
-        message = self._conn.recv()
+            raise PeerError(f"the decode process did not start (exit code {code}): "
+                            f"{error}") from None
         if message[0] != "ready":
             self.close()
             raise PeerError(f"the decode process failed:\n{message[1]}")

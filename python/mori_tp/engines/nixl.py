@@ -150,7 +150,8 @@ class NixlTransport:
         agent: a ``nixl_agent`` with a backend that handles ``mem_type`` (UCX for DRAM).
         mem_type: ``"DRAM"`` for host memory, ``"VRAM"`` for GPU memory.
         device_id: the GPU of the buffers (0 for DRAM).
-        poll_interval: seconds between polls while waiting for a transfer or a notification.
+        poll_interval: seconds between polls while waiting for a transfer or a notification
+            (0: poll again at once, letting other Python threads run in between).
     """
 
     def __init__(self, agent: Any, *, mem_type: str = "DRAM", device_id: int = 0,
@@ -231,8 +232,9 @@ class NixlTransport:
                         f"nixl: a write of {len(lengths)} segments to {peer} was still in "
                         f"progress after {timeout} s"
                     )
-                if self.poll_interval:
-                    time.sleep(self.poll_interval)
+                # sleep(0) still releases the GIL: a thread packing the next chunk, or any
+                # other Python thread, is not held up for the interpreter's switch interval.
+                time.sleep(self.poll_interval)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(
