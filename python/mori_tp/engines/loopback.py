@@ -53,7 +53,10 @@ class Driver:
 
     name = ""
 
-    def start(self, role: str) -> Any:
+    def start(self, role: str, polled: bool = False) -> Any:
+        """A transport for ``role``. ``polled``: this process polls its transport all the time
+        (a Receiver thread, or a writer), so the engine needs no thread of its own for
+        progress."""
         raise NotImplementedError
 
     def address(self, transport: Any) -> Any:
@@ -79,7 +82,7 @@ class Driver:
 class MooncakeDriver(Driver):
     name = "mooncake"
 
-    def start(self, role: str) -> Any:
+    def start(self, role: str, polled: bool = False) -> Any:
         from .mooncake import MooncakeTransport
 
         return MooncakeTransport.start("127.0.0.1")
@@ -104,10 +107,13 @@ class MooncakeDriver(Driver):
 class NixlDriver(Driver):
     name = "nixl"
 
-    def start(self, role: str) -> Any:
+    def start(self, role: str, polled: bool = False) -> Any:
         from .nixl import NixlTransport
 
-        return NixlTransport.start(f"mori-tp-{role}-{os.getpid()}")
+        # NIXL's progress thread polls without pause (about a third of a core here); a process
+        # that polls anyway does without it.
+        return NixlTransport.start(f"mori-tp-{role}-{os.getpid()}",
+                                   progress_thread=False if polled else None)
 
     def address(self, transport: Any) -> Any:
         return transport.metadata()
@@ -529,7 +535,8 @@ def _stream_serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_byt
     from .streaming import Receiver
 
     drive = driver(engine)
-    transport = drive.start("decode")
+    # The Receiver's thread polls the transport from connect() on.
+    transport = drive.start("decode", polled=True)
     buffers = [[np.empty(capacity, dtype=np.uint8) for _ in range(count)]
                for count, capacity in ranks]
     pool = mori_tp.StagingPool(pool_bytes, min_slot=min_slot) if pool_bytes else None

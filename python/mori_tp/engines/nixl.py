@@ -166,13 +166,21 @@ class NixlTransport:
 
     @classmethod
     def start(cls, name: str, *, backends: Sequence[str] = ("UCX",), mem_type: str = "DRAM",
-              device_id: int = 0) -> "NixlTransport":
+              device_id: int = 0,
+              progress_thread: Optional[bool] = None) -> "NixlTransport":
         """Creates a ``nixl_agent(name)`` with ``backends`` (names must be unique among the
         agents that talk to each other). Loads the system libnl first
-        (:func:`preload_system_libnl`), so that the process exits cleanly."""
+        (:func:`preload_system_libnl`), so that the process exits cleanly.
+
+        ``progress_thread``: NIXL's own progress thread (``enable_prog_thread``; None: NIXL's
+        default, on). It polls continuously; without it the agent makes progress when this
+        transport polls (writes, notifications), which leaves the cores to the copies."""
         nixl_agent, nixl_agent_config = _import_agent()
         preload_system_libnl()
-        agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        options: Dict[str, Any] = {"backends": list(backends)}
+        if progress_thread is not None:
+            options["enable_prog_thread"] = progress_thread
+        agent = nixl_agent(name, nixl_agent_config(**options))
         return cls(agent, mem_type=mem_type, device_id=device_id)
 
     @property

@@ -246,6 +246,8 @@ class RequestStream:
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._carrier: Optional[Tuple[int, int]] = None
+        #: Chunks queued for the packing thread and not yet handed to the writing thread.
+        self._in_packing = 0
         self.pack_seconds = 0.0
         self.write_seconds = 0.0
         self.segments = 0
@@ -256,11 +258,14 @@ class RequestStream:
     # -- what the caller does --
 
     def submit(self, layers: Union[int, Sequence[int], None] = None, *,
-               buffers: Optional[BufferRanges] = None, ready: Any = None) -> int:
+               buffers: Optional[BufferRanges] = None, ready: Any = None,
+               pack_here: bool = False) -> int:
         """Queues one chunk: ``layers`` (a layer or several; needs ``layers=`` at open) or
         ``buffers`` (ranges). Packing waits for ``ready`` (None: ready now; a callable; or an
         object with ``synchronize()``, such as the layer's torch.cuda.Event) on the streamer's
-        thread, so this returns at once. Returns the chunk's index.
+        thread, so this returns at once; with ``pack_here`` it waits and packs on the calling
+        thread instead (one thread handoff fewer per chunk, for a caller that has nothing else
+        to do, as :meth:`Streamer.send`). Returns the chunk's index.
 
         Raises InvalidArgumentError, changing nothing, for a buffer already submitted (a layer
         submitted twice), a stream already sealed, or ranges outside the buffers; the error of
@@ -293,7 +298,13 @@ class RequestStream:
                 self._submitted[b] = True
             index = self._chunks
             self._chunks += 1
-        self._streamer._packing.put((self, index, _merged(indices), ready))
+            if not pack_here:
+                self._in_packing += 1
+        item = (self, index, _merged(indices), ready)
+        if pack_here:
+            self._streamer._pack(item)
+        else:
+            self._streamer._packing.put(item)
         return index
 
     def seal(self) -> int:
@@ -312,7 +323,10 @@ class RequestStream:
                     f"seal: request {self.request_id}: {self._describe(missing)} never "
                     "submitted (seal after the last layer)")
             self._sealed = self._chunks
-        self._streamer._packing.put((self, None, None, None))
+            # Straight to the writing thread when no chunk of this stream waits to be packed.
+            direct = self._in_packing == 0
+        (self._streamer._writing if direct else self._streamer._packing).put(
+            (self, None, None, None))
         return self._chunks
 
     def wait(self, timeout: Optional[float] = None) -> SendResult:
@@ -397,8 +411,9 @@ class Streamer:
         at once and sealed; returns when every chunk is written."""
         request = self.open(peer, plan, request_id, backend=backend, stream=stream,
                             timeout=timeout)
+        # The caller packs chunk i+1 while the writing thread writes chunk i.
         for ranges in chunk_ranges(plan.num_buffers, plan.bytes_per_buffer, chunks):
-            request.submit(buffers=[ranges])
+            request.submit(buffers=[ranges], pack_here=True)
         request.seal()
         return request.wait()
 
@@ -420,15 +435,28 @@ class Streamer:
             if item is None:
                 self._writing.put(None)
                 return
-            request, index, ranges, ready = item
-            if index is not None and request._error is None:
-                try:
-                    _wait_ready(ready)
-                    request.pack_seconds += request.plan.pack(
-                        backend=request.backend, stream=request.stream, buffers=ranges)
-                except BaseException as error:  # noqa: B036 - reported to the caller's wait
-                    request._fail(error)
-            self._writing.put(item)
+            self._packed(item)
+
+    def _pack(self, item: Tuple[RequestStream, Optional[int], Any, Any]) -> None:
+        """Waits for a chunk's data and packs it (if the staging packs), then hands it to the
+        writing thread; a seal passes through."""
+        request, index, ranges, ready = item
+        if index is not None and request._error is None:
+            try:
+                _wait_ready(ready)
+                request.pack_seconds += request.plan.pack(
+                    backend=request.backend, stream=request.stream, buffers=ranges)
+            except BaseException as error:  # noqa: B036 - reported to the caller's wait
+                request._fail(error)
+        self._writing.put(item)
+
+    def _packed(self, item: Tuple[RequestStream, Optional[int], Any, Any]) -> None:
+        """The packing thread's part: pack, then count the chunk out of the packing queue."""
+        request = item[0]
+        self._pack(item)
+        if item[1] is not None:
+            with request._lock:
+                request._in_packing -= 1
 
     def _write_loop(self) -> None:
         while True:
@@ -541,11 +569,18 @@ class Receiver:
 
     Call :meth:`poll` from your loop, or :meth:`start` a thread that polls. Notifications for a
     request that is not expected yet are kept until it is.
+
+    The thread polls every ``poll_interval`` seconds while notifications keep coming and backs
+    off, doubling, to ``max_poll_interval`` while none do: a poll is not free (NIXL's
+    ``update_notifs`` polled back to back takes about 40% of a core here), and on a host with
+    few cores that time comes out of the copies.
     """
 
-    def __init__(self, transport: Any, *, poll_interval: float = 0.0002) -> None:
+    def __init__(self, transport: Any, *, poll_interval: float = 0.0001,
+                 max_poll_interval: float = 0.001) -> None:
         self.transport = transport
         self.poll_interval = poll_interval
+        self.max_poll_interval = max(max_poll_interval, poll_interval)
         self._lock = threading.RLock()
         self._incoming: Dict[str, Incoming] = {}
         self._early: Dict[str, List[Message]] = {}
@@ -554,6 +589,7 @@ class Receiver:
         self._stop = threading.Event()
         #: Notifications that are not this protocol's, as (peer, message), for other users.
         self.others: List[Tuple[Any, bytes]] = []
+        self._received = 0
         #: Messages for requests that had already completed, in words: a sender that sent
         #: more than it sealed. Reported here and on the request (its ``error``).
         self.violations: List[str] = []
@@ -594,6 +630,7 @@ class Receiver:
         completed or failed since the last poll."""
         with self._lock:
             for peer, raw in self.transport.poll_notifications():
+                self._received += 1
                 message = parse_message(raw)
                 if message is None:
                     self.others.append((peer, raw))
@@ -645,13 +682,22 @@ class Receiver:
             self._thread.join(10)
 
     def _run(self) -> None:
+        interval = self.poll_interval
         while not self._stop.is_set():
             try:
-                self.poll()
+                busy = self._poll_counting()
             except Exception as error:  # noqa: BLE001 - keep polling; waits stay bounded
                 self.violations.append(f"poll raised {error!r}")
-                time.sleep(0.01)
-            time.sleep(self.poll_interval)
+                busy = False
+            interval = self.poll_interval if busy else min(2 * interval,
+                                                           self.max_poll_interval)
+            time.sleep(interval)
+
+    def _poll_counting(self) -> bool:
+        """Polls; whether any notification came."""
+        before = self._received
+        self.poll()
+        return self._received != before
 
     # -- applying messages --
 
