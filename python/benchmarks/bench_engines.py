@@ -143,7 +143,7 @@ class StreamBench:
             remote = replace(remote, buffers=tuple(remote.buffers[b] for b in buffers))
         need = len(local.buffers) * mori_tp.staging_len(self.config, len(self.src_pages))
         slot_address = self.peer.expect(rid, 0, self.config, self.dst_pages, int(staging),
-                                        need if staging.unpacks else 0)
+                                        need if staging.unpacks else 0, buffers=buffers)
         remote = replace(remote, staging=slot_address,
                          staging_capacity=need if slot_address else 0)
         slot = None
@@ -195,7 +195,7 @@ class StreamBench:
         return seconds
 
     def one_layer(self, staging: Staging) -> float:
-        """One layer's K and V as a request of their own (timing only)."""
+        """One layer's K and V as a request of their own."""
         rid, plan, slot = self.prepare(staging, buffers=(0, self.layers))
         start = time.monotonic()
         self.streamer.send(self.handle, plan, rid)

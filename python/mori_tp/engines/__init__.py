@@ -23,6 +23,11 @@ staging region of each rank. The decode rank sends its :class:`KvMemory` (``to_d
 engine address to the prefill rank at handshake, as connectors already do for buffer pointers.
 Both ranks derive the staging mode from the pair's config (:func:`mori_tp.staging_for`) unless
 the connector chooses another and tells the receiver.
+
+:class:`Streamer` and :class:`Receiver` (:mod:`mori_tp.engines.streaming`) move a request in
+chunks of buffers instead, so that packing, writing and unpacking overlap, or layer by layer as
+the prefill's compute finishes each layer; a :class:`mori_tp.StagingPool` per rank provides the
+staging slots.
 """
 
 from __future__ import annotations

@@ -469,12 +469,16 @@ class StreamPeer:
 
     def expect(self, request_id: str, rank: int, config: mori_tp.SliceConfig,
                dst_pages: Sequence[int], staging: int, slot_bytes: int,
-               timeout: Optional[float] = None) -> int:
+               timeout: Optional[float] = None,
+               buffers: Optional[Sequence[int]] = None) -> int:
         """Has the child allocate a slot of ``slot_bytes`` (waiting while its pool is full:
-        backpressure) and expect the request; returns the slot's address (0 without one)."""
+        backpressure) and expect the request; returns the slot's address (0 without one).
+        ``buffers``: the rank's buffers the request moves, in the request's order (default
+        all)."""
+        wait = self.timeout if timeout is None else timeout
         return self.call("expect", request_id, rank, config, tuple(dst_pages), staging,
-                         slot_bytes, self.timeout if timeout is None else timeout,
-                         timeout=(self.timeout if timeout is None else timeout) + 30)
+                         slot_bytes, wait, None if buffers is None else tuple(buffers),
+                         timeout=wait + 30)
 
     def ended(self, request_id: str, timeout: Optional[float] = None) -> Expected:
         """Waits until the child reports the request ended; returns the report."""
@@ -592,8 +596,10 @@ def _stream_serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_byt
                 drive.connect(transport, args[0])
                 receiver.start()
             elif kind == "expect":
-                rid, rank, config, dst_pages, staging, slot_bytes, wait = args
+                rid, rank, config, dst_pages, staging, slot_bytes, wait, chosen = args
                 memory = memories[rank]
+                if chosen is not None:
+                    memory = KvMemory(tuple(memory.buffers[b] for b in chosen), memory.capacity)
                 answer = 0
                 if slot_bytes:
                     if pool is None:

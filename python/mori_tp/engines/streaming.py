@@ -40,10 +40,11 @@ request with an error that names them; a request that makes no progress for ``ti
 seconds (default :data:`DEFAULT_TIMEOUT`) fails naming what is missing. Nothing waits forever.
 
 Chunk size (:func:`chunk_ranges`): ``min(num_buffers, MAX_AUTO_CHUNKS, bytes //
-MIN_CHUNK_BYTES)`` chunks (at least 1) of whole buffers, as even as buffers allow. With ``n``
-chunks the stages that are not the bottleneck are hidden but for about ``1/n`` of their time,
-and each chunk costs one engine call and one notification (40-60 us measured here for
-Mooncake over TCP); see BENCHMARKS.md for the measurement behind the constants.
+MIN_CHUNK_BYTES)`` chunks (at least 1) of whole buffers, as even as buffers allow: 4 chunks from
+16 MiB up. With ``n`` chunks the stages that are not the bottleneck are hidden but for about
+``1/n`` of their time, and each chunk costs one engine call, one notification and two thread
+wake-ups (about 0.3 ms measured here); REFERENCE.md section 11 and BENCHMARKS.md give the
+measurement behind the constants.
 """
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ __all__ = [
 #: Seconds any wait of this module lasts at most unless told otherwise: a stream's wait, a
 #: receiver's wait, one engine write, and a request that makes no progress.
 DEFAULT_TIMEOUT = 60.0
-#: No automatic chunk is smaller than this: below it the per-chunk engine call and notification
-#: cost more than the overlap saves.
-MIN_CHUNK_BYTES = 1 << 20
-#: At most this many automatic chunks: 8 hides all but about 1/8 of the shorter stages.
-MAX_AUTO_CHUNKS = 8
+#: No automatic chunk is smaller than this: each chunk costs about 0.3 ms here (an engine call,
+#: a notification, two thread wake-ups), which smaller chunks do not win back (BENCHMARKS.md).
+MIN_CHUNK_BYTES = 4 << 20
+#: At most this many automatic chunks: more were slower on two cores, where the stages compete
+#: for the same cores (BENCHMARKS.md); pass ``chunks=`` where more cores are free.
+MAX_AUTO_CHUNKS = 4
 
 PROTOCOL = "mori-tp/1"
 
