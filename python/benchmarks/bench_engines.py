@@ -406,7 +406,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=60.0,
                         help="start no new round once the rounds took this many seconds")
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
-    parser.add_argument("--chunks", nargs="*", type=int, default=[2, 4, 16],
+    parser.add_argument("--chunks", nargs="*", type=int, default=[2, 8, 16],
                         help="staged suite: fixed chunk counts measured beside the automatic")
     parser.add_argument("--compute", type=float, default=0.002,
                         help="streaming suite: seconds of simulated compute per layer")

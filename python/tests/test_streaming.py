@@ -10,6 +10,7 @@ import random
 import threading
 import unittest
 from typing import Any, List, Tuple
+from unittest import mock
 
 import mori_tp
 from layouts import tools_required
@@ -83,11 +84,16 @@ def expect(receiver: "Receiver", sides: "Sides", rid: str, staging: Staging,
 
 @needs_numpy
 class ChunkRuleTest(unittest.TestCase):
-    def test_auto_chunks_are_whole_buffers_at_least_4_mib_at_most_four(self):
-        self.assertEqual(chunk_ranges(16, 1 << 20), [(4 * i, 4 * i + 4) for i in range(4)])
-        self.assertEqual(chunk_ranges(16, 100_000), [(0, 16)])
-        self.assertEqual(chunk_ranges(3, 1 << 24), [(0, 1), (1, 2), (2, 3)])
-        self.assertEqual(chunk_ranges(16, 3 << 18), [(0, 5), (5, 10), (10, 16)])
+    def test_auto_chunks_are_whole_buffers_of_4_mib_or_more_at_most_half_the_cores(self):
+        with mock.patch("os.cpu_count", return_value=2):
+            self.assertEqual(chunk_ranges(16, 1 << 20), [(0, 8), (8, 16)])
+            self.assertEqual(chunk_ranges(16, 100_000), [(0, 16)])
+            self.assertEqual(chunk_ranges(3, 1 << 24), [(0, 1), (1, 3)])
+        with mock.patch("os.cpu_count", return_value=64):
+            self.assertEqual(chunk_ranges(16, 1 << 20), [(4 * i, 4 * i + 4) for i in range(4)])
+            self.assertEqual(chunk_ranges(16, 4 << 20), [(2 * i, 2 * i + 2) for i in range(8)])
+            self.assertEqual(chunk_ranges(3, 1 << 24), [(0, 1), (1, 2), (2, 3)])
+            self.assertEqual(chunk_ranges(16, 3 << 18), [(0, 5), (5, 10), (10, 16)])
         self.assertEqual(chunk_ranges(10, 0, chunks=4), [(0, 2), (2, 5), (5, 7), (7, 10)])
         with self.assertRaises(InvalidArgumentError):
             chunk_ranges(4, 10, chunks=5)

@@ -39,9 +39,9 @@ buffer that arrives twice, or a seal whose count disagrees with what arrived, fa
 request with an error that names them; a request that makes no progress for ``timeout``
 seconds (default :data:`DEFAULT_TIMEOUT`) fails naming what is missing. Nothing waits forever.
 
-Chunk size (:func:`chunk_ranges`): ``min(num_buffers, MAX_AUTO_CHUNKS, bytes //
-MIN_CHUNK_BYTES)`` chunks (at least 1) of whole buffers, as even as buffers allow: 4 chunks from
-16 MiB up. With ``n`` chunks the stages that are not the bottleneck are hidden but for about
+Chunk size (:func:`chunk_ranges`): ``min(num_buffers, cap, bytes // MIN_CHUNK_BYTES)``
+chunks (at least 1) of whole buffers, as even as buffers allow, where ``cap`` is half the host's
+cores, at least 2 and at most ``MAX_AUTO_CHUNKS``: 2 chunks from 8 MiB up on two cores. With ``n`` chunks the stages that are not the bottleneck are hidden but for about
 ``1/n`` of their time, and each chunk costs one engine call, one notification and two thread
 wake-ups (about 0.3 ms measured here); REFERENCE.md section 11 and BENCHMARKS.md give the
 measurement behind the constants.
@@ -49,6 +49,7 @@ measurement behind the constants.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -88,9 +89,9 @@ DEFAULT_TIMEOUT = 60.0
 #: No automatic chunk is smaller than this: each chunk costs about 0.3 ms here (an engine call,
 #: a notification, two thread wake-ups), which smaller chunks do not win back (BENCHMARKS.md).
 MIN_CHUNK_BYTES = 4 << 20
-#: At most this many automatic chunks: more were slower on two cores, where the stages compete
-#: for the same cores (BENCHMARKS.md); pass ``chunks=`` where more cores are free.
-MAX_AUTO_CHUNKS = 4
+#: At most this many automatic chunks, and at most half the host's cores: overlapped stages need
+#: cores of their own (on two cores 2 chunks matched or beat 1, 4, 8 and 16; BENCHMARKS.md).
+MAX_AUTO_CHUNKS = 8
 
 PROTOCOL = "mori-tp/1"
 
@@ -103,7 +104,8 @@ def chunk_ranges(num_buffers: int, bytes_per_buffer: int,
         return []
     if chunks is None:
         total = num_buffers * max(bytes_per_buffer, 0)
-        chunks = min(num_buffers, MAX_AUTO_CHUNKS, max(1, total // MIN_CHUNK_BYTES))
+        cap = max(2, min(MAX_AUTO_CHUNKS, (os.cpu_count() or 2) // 2))
+        chunks = min(num_buffers, cap, max(1, total // MIN_CHUNK_BYTES))
     if not 1 <= chunks <= num_buffers:
         raise InvalidArgumentError(
             f"chunk_ranges: {chunks} chunks of {num_buffers} buffers (1 to {num_buffers})"
