@@ -222,6 +222,29 @@ impl Recorder {
             .map(|(_, status)| status)
     }
 
+    /// A new allocation of `size` bytes (host memory, 8-byte aligned); its address.
+    fn allocate(&self, size: usize) -> usize {
+        let allocation = vec![0u64; size.div_ceil(8)].into_boxed_slice();
+        let returned = allocation.as_ptr() as usize;
+        self.allocations.borrow_mut().push(allocation);
+        returned
+    }
+
+    /// Frees a live allocation, as hipFree and hipFreeAsync do; any other pointer is refused.
+    fn release(&self, pointer: *mut c_void) -> HipStatus {
+        let mut allocations = self.allocations.borrow_mut();
+        match allocations
+            .iter()
+            .position(|a| std::ptr::eq(a.as_ptr().cast::<c_void>(), pointer))
+        {
+            Some(index) => {
+                allocations.swap_remove(index);
+                HipStatus::SUCCESS
+            }
+            None => HipStatus::ERROR_INVALID_VALUE,
+        }
+    }
+
     /// The live allocation that holds `[start, start + len)`.
     fn allocation_holds(&self, start: usize, len: usize) -> bool {
         self.allocations.borrow().iter().any(|a| {
@@ -404,9 +427,7 @@ impl HipRuntime for Recorder {
             };
             return Err(self.record(call, "hipMallocAsync").expect("injected"));
         }
-        let allocation = vec![0u64; size.div_ceil(8)].into_boxed_slice();
-        let returned = allocation.as_ptr() as usize;
-        self.allocations.borrow_mut().push(allocation);
+        let returned = self.allocate(size);
         self.record(
             Call::MallocAsync {
                 size,
@@ -478,17 +499,7 @@ impl HipRuntime for Recorder {
         if let Some(status) = self.record(Call::FreeAsync { pointer, stream }, "hipFreeAsync") {
             return status;
         }
-        let mut allocations = self.allocations.borrow_mut();
-        match allocations
-            .iter()
-            .position(|a| std::ptr::eq(a.as_ptr().cast::<c_void>(), pointer))
-        {
-            Some(index) => {
-                allocations.swap_remove(index);
-                HipStatus::SUCCESS
-            }
-            None => HipStatus::ERROR_INVALID_VALUE,
-        }
+        self.release(pointer)
     }
 
     fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
@@ -496,9 +507,7 @@ impl HipRuntime for Recorder {
             let call = Call::Malloc { size, returned: 0 };
             return Err(self.record(call, "hipMalloc").expect("injected"));
         }
-        let allocation = vec![0u64; size.div_ceil(8)].into_boxed_slice();
-        let returned = allocation.as_ptr() as usize;
-        self.allocations.borrow_mut().push(allocation);
+        let returned = self.allocate(size);
         self.record(Call::Malloc { size, returned }, "");
         Ok(without_provenance_mut(returned))
     }
@@ -507,17 +516,7 @@ impl HipRuntime for Recorder {
         if let Some(status) = self.record(Call::Free { pointer }, "hipFree") {
             return status;
         }
-        let mut allocations = self.allocations.borrow_mut();
-        match allocations
-            .iter()
-            .position(|a| std::ptr::eq(a.as_ptr().cast::<c_void>(), pointer))
-        {
-            Some(index) => {
-                allocations.swap_remove(index);
-                HipStatus::SUCCESS
-            }
-            None => HipStatus::ERROR_INVALID_VALUE,
-        }
+        self.release(pointer)
     }
 }
 

@@ -60,14 +60,25 @@ class Failure(AssertionError):
     pass
 
 
+def prefill_buffers() -> Tuple[int, List[List["np.ndarray"]]]:
+    """(capacity, buffers per rank) for every prefill rank of every layout."""
+    ranks = max(layout.p_tp for layout in LAYOUTS.values())
+    capacity = REQUEST.src_capacity_pages * max(l.src_item_len for l in LAYOUTS.values())
+    return capacity, [[np.zeros(capacity, dtype=np.uint8) for _ in range(BUFFERS)]
+                      for _ in range(ranks)]
+
+
+def decode_shape() -> Tuple[int, int]:
+    """(capacity of each buffer, ranks) the decode child holds for every layout."""
+    return (REQUEST.dst_capacity_pages * max(l.dst_item_len for l in LAYOUTS.values()),
+            max(l.d_tp for l in LAYOUTS.values()))
+
+
 class Prefill:
     """Every prefill rank's buffers and a staging pool in this process, registered once."""
 
     def __init__(self, transport) -> None:
-        ranks = max(layout.p_tp for layout in LAYOUTS.values())
-        self.capacity = REQUEST.src_capacity_pages * max(l.src_item_len for l in LAYOUTS.values())
-        self.buffers = [[np.zeros(self.capacity, dtype=np.uint8) for _ in range(BUFFERS)]
-                        for _ in range(ranks)]
+        self.capacity, self.buffers = prefill_buffers()
         self.slot = slot_len()
         self.pool = np.zeros(self.slot * max_pairs(), dtype=np.uint8)
         self.memories = [KvMemory(tuple(int(b.ctypes.data) for b in rank), self.capacity,
@@ -120,9 +131,7 @@ class Run:
         self.driver = driver(engine)
         self.transport = self.driver.start("prefill")
         self.prefill = Prefill(self.transport)
-        self.decode_capacity = REQUEST.dst_capacity_pages * max(
-            l.dst_item_len for l in LAYOUTS.values())
-        self.decode_ranks = max(l.d_tp for l in LAYOUTS.values())
+        self.decode_capacity, self.decode_ranks = decode_shape()
         self.peer = DecodePeer(engine, [(BUFFERS, self.decode_capacity)] * self.decode_ranks,
                                self.prefill.slot * max_pairs(), STEP_TIMEOUT)
         self.remote = self.driver.connect(self.transport, self.peer.address)
@@ -244,7 +253,9 @@ class Run:
         self.peer.close()
 
 
-def main(engine: str) -> int:
+def skip_or_arm(engine: str, total_timeout: int) -> Optional[int]:
+    """The exit status when ``engine`` is missing (77 skipped, 1 under MORI_TP_REQUIRE_TOOLS),
+    else None after arming an alarm that ends the process after ``total_timeout`` seconds."""
     problem = engine_available(engine)
     if problem:
         if tools_required():
@@ -254,9 +265,16 @@ def main(engine: str) -> int:
         return 77
     # A last resort above the per-step timeouts: nothing here may hang the test run.
     signal.signal(signal.SIGALRM, lambda *_: (print(f"FAILED: still running after "
-                                                     f"{TOTAL_TIMEOUT} s", flush=True),
+                                                     f"{total_timeout} s", flush=True),
                                                os._exit(124)))
-    signal.alarm(TOTAL_TIMEOUT)
+    signal.alarm(total_timeout)
+    return None
+
+
+def main(engine: str) -> int:
+    status = skip_or_arm(engine, TOTAL_TIMEOUT)
+    if status is not None:
+        return status
     start = time.monotonic()
     run = Run(engine)
     try:

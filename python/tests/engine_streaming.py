@@ -22,26 +22,29 @@ MORI_TP_REQUIRE_TOOLS=1 that is a failure instead). tests/python.rs runs it unde
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
 from dataclasses import replace
 from typing import Any, List, Optional, Tuple
 
-import numpy as np
 
 import mori_tp
-from engine_loopback import BUFFERS, LAYOUTS, REQUEST, expected_digests
-from layouts import Layout, tools_required
+from engine_loopback import (
+    BUFFERS,
+    LAYOUTS,
+    REQUEST,
+    decode_shape,
+    expected_digests,
+    prefill_buffers,
+    skip_or_arm,
+    slot_len,
+)
+from engine_loopback import Prefill as PlainPrefill
+from layouts import Layout
 from mori_tp import Action, Staging
 from mori_tp.engines import KvMemory, Streamer, plan_request
-from mori_tp.engines.loopback import (
-    StreamPeer,
-    driver,
-    engine_available,
-    run_program,
-)
+from mori_tp.engines.loopback import StreamPeer, driver, run_program
 from mori_tp.engines.streaming import chunk_message
 
 LAYERS = BUFFERS // 2
@@ -60,33 +63,18 @@ def sending_pairs(layout: Layout) -> List[Tuple[int, int]]:
     return [(p, d) for p, d in layout.pairs() if layout.config(p, d).action is Action.SEND]
 
 
-def slot_bytes() -> int:
-    """The most staging bytes any pair's request needs."""
-    widest = max(min(l.bytes_per_token(l.p_tp), l.bytes_per_token(l.d_tp))
-                 for l in LAYOUTS.values())
-    return BUFFERS * len(REQUEST.src_pages) * 16 * widest
-
-
-class Prefill:
-    """Every prefill rank's buffers and one staging pool, registered once."""
+class Prefill(PlainPrefill):
+    """Every prefill rank's buffers (as engine_loopback's) and one StagingPool, registered
+    once."""
 
     def __init__(self, transport: Any) -> None:
-        ranks = max(layout.p_tp for layout in LAYOUTS.values())
-        self.capacity = REQUEST.src_capacity_pages * max(l.src_item_len for l in LAYOUTS.values())
-        self.buffers = [[np.zeros(self.capacity, dtype=np.uint8) for _ in range(BUFFERS)]
-                        for _ in range(ranks)]
-        self.pool = mori_tp.StagingPool(-(-slot_bytes() * 4 // (1 << 16)) * (1 << 16))
+        self.capacity, self.buffers = prefill_buffers()
+        self.pool = mori_tp.StagingPool(-(-slot_len() * 4 // (1 << 16)) * (1 << 16))
         self.memories = [KvMemory(tuple(int(b.ctypes.data) for b in rank), self.capacity)
                          for rank in self.buffers]
         for memory in self.memories:
             transport.register(memory)
         transport.register(KvMemory((), 0, self.pool.address, self.pool.capacity))
-
-    def fill(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        for rank in self.buffers:
-            for data in rank:
-                data[:] = rng.integers(0, 256, data.nbytes, dtype=np.uint8)
 
 
 class Run:
@@ -95,12 +83,10 @@ class Run:
         self.driver = driver(engine)
         self.transport = self.driver.start("prefill")
         self.prefill = Prefill(self.transport)
-        self.decode_capacity = REQUEST.dst_capacity_pages * max(
-            l.dst_item_len for l in LAYOUTS.values())
-        self.decode_ranks = max(l.d_tp for l in LAYOUTS.values())
+        self.decode_capacity, self.decode_ranks = decode_shape()
         # Room for two requests: more in flight must wait for a slot.
         self.peer = StreamPeer(engine, [(BUFFERS, self.decode_capacity)] * self.decode_ranks,
-                               2 * -(-slot_bytes() // (1 << 16)) * (1 << 16), STEP_TIMEOUT)
+                               2 * -(-slot_len() // (1 << 16)) * (1 << 16), STEP_TIMEOUT)
         self.remote = self.driver.connect(self.transport, self.peer.address)
         self.peer.connect(self.driver.address(self.transport))
         self.streamer = Streamer(self.transport, timeout=STEP_TIMEOUT)
@@ -288,17 +274,9 @@ class Run:
 
 
 def main(engine: str) -> int:
-    problem = engine_available(engine)
-    if problem:
-        if tools_required():
-            print(f"FAILED: {problem} (MORI_TP_REQUIRE_TOOLS=1: a missing engine fails)")
-            return 1
-        print(f"SKIPPED: {problem}")
-        return 77
-    signal.signal(signal.SIGALRM, lambda *_: (print(f"FAILED: still running after "
-                                                     f"{TOTAL_TIMEOUT} s", flush=True),
-                                               os._exit(124)))
-    signal.alarm(TOTAL_TIMEOUT)
+    status = skip_or_arm(engine, TOTAL_TIMEOUT)
+    if status is not None:
+        return status
     start = time.monotonic()
     run = Run(engine)
     try:

@@ -187,15 +187,8 @@ class DecodePeer:
                  timeout: float = 60.0) -> None:
         self.engine = engine
         self.timeout = timeout
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
-            target=_decode_main,
-            args=(child_conn, engine, list(ranks), staging_pool, timeout, os.getpid()),
-            daemon=True,
-        )
-        self._process.start()
-        child_conn.close()
+        self._process, self._conn = _start_child(_serve, engine, list(ranks), staging_pool,
+                                                 timeout)
         _, self.address, memories, pool = self._expect("ready", timeout=max(timeout, 120.0))
         #: The child's buffers, one KvMemory per decode rank; staging = the whole pool.
         self.memories = [KvMemory.from_dict(m) for m in memories]
@@ -248,19 +241,7 @@ class DecodePeer:
 
     def close(self) -> None:
         """Stops the child: asks, then terminates, then kills."""
-        if self._process.is_alive():
-            try:
-                self._conn.send(("stop",))
-            except (OSError, ValueError):
-                pass
-            self._process.join(5)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-        self._conn.close()
+        _stop_child(self._process, self._conn, ("stop",))
 
     def __enter__(self) -> "DecodePeer":
         return self
@@ -277,20 +258,47 @@ def _die_with_parent(parent: int) -> None:
         os._exit(3)
 
 
-def _decode_main(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: int,
-                 timeout: float, parent: int) -> None:
+def _child_main(serve: Callable[..., None], conn: Any, parent: int, *args: Any) -> None:
+    """A decode child's process: ``serve(conn, *args)``, any failure reported to the parent,
+    then an exit that skips native destructors (NIXL's can crash, see engines.nixl)."""
     _die_with_parent(parent)
     try:
-        _serve(conn, engine, ranks, staging_pool, timeout)
+        serve(conn, *args)
     except BaseException:  # noqa: B036 - report anything to the parent, then exit
-        import traceback
-
         try:
             conn.send(("error", traceback.format_exc()))
         except (OSError, ValueError):
             pass
         os._exit(1)
     os._exit(0)
+
+
+def _start_child(serve: Callable[..., None], *args: Any) -> Tuple[Any, Any]:
+    """Starts a decode child running ``serve(conn, *args)``; returns (process, parent's end)."""
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=_child_main,
+                              args=(serve, child_conn, os.getpid(), *args), daemon=True)
+    process.start()
+    child_conn.close()
+    return process, conn
+
+
+def _stop_child(process: Any, conn: Any, stop: Tuple[Any, ...]) -> None:
+    """Asks a decode child to stop, then terminates it, then kills it."""
+    if process.is_alive():
+        try:
+            conn.send(stop)
+        except (OSError, ValueError):
+            pass
+        process.join(5)
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    conn.close()
 
 
 def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: int,
@@ -387,15 +395,8 @@ class StreamPeer:
 
         self.engine = engine
         self.timeout = timeout
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
-            target=_stream_main,
-            args=(child_conn, engine, list(ranks), pool_bytes, min_slot, timeout, os.getpid()),
-            daemon=True,
-        )
-        self._process.start()
-        child_conn.close()
+        self._process, self._conn = _start_child(_stream_serve, engine, list(ranks), pool_bytes,
+                                                 min_slot, timeout)
         try:
             if not self._conn.poll(max(timeout, 120.0)):
                 raise PeerError("the decode process sent nothing before it was ready")
@@ -497,39 +498,14 @@ class StreamPeer:
         return self.call("fetch", rank, buffer)
 
     def close(self) -> None:
-        if self._process.is_alive():
-            try:
-                self._conn.send(("stop", 0))
-            except (OSError, ValueError):
-                pass
-            self._process.join(5)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-        self._conn.close()
+        """Stops the child: asks, then terminates, then kills."""
+        _stop_child(self._process, self._conn, ("stop", 0))
 
     def __enter__(self) -> "StreamPeer":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _stream_main(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_bytes: int,
-                 min_slot: int, timeout: float, parent: int) -> None:
-    _die_with_parent(parent)
-    try:
-        _stream_serve(conn, engine, ranks, pool_bytes, min_slot, timeout)
-    except BaseException:  # noqa: B036 - report anything to the parent, then exit
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except (OSError, ValueError):
-            pass
-        os._exit(1)
-    os._exit(0)
 
 
 def _stream_serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_bytes: int,
