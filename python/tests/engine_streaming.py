@@ -28,7 +28,6 @@ import time
 from dataclasses import replace
 from typing import Any, List, Optional, Tuple
 
-
 import mori_tp
 from engine_loopback import (
     BUFFERS,
