@@ -1,14 +1,16 @@
 //! A staging pool: one region, allocated and registered with a transfer engine once, whose
 //! slots are handed out per request and returned afterwards.
 //!
-//! Host memory comes from the operating system ([`HostMemory`]: mmap, huge pages, mlock); device
-//! memory from HIP ([`DeviceMemory`]: `hipMalloc`). Slots come from an address-ordered best-fit
-//! allocator over `min_slot` units that coalesces free blocks; by design a slot wastes less than
-//! one unit, and a slot of `n` units is granted whenever the free units are at least
-//! `(live_slots + 1) * n` (the free space is split into at most `live_slots + 1` blocks). The pool is thread-safe: [`StagingPool::try_alloc`] never blocks and says
-//! when the pool is full, [`StagingPool::alloc`] waits up to a timeout for a slot to be freed
-//! (backpressure instead of failure). Misuse (a double free, an offset that starts no slot, a
-//! pool closed while slots are live) is refused with an error that names the offsets.
+//! Host memory comes from the operating system ([`HostMemory`](crate::pool::HostMemory): mmap,
+//! huge pages, mlock); device memory from HIP ([`DeviceMemory`](crate::pool::DeviceMemory):
+//! `hipMalloc`). Slots come from an address-ordered best-fit allocator over `min_slot` units
+//! that coalesces free blocks; by design a slot wastes less than one unit, and a slot of `n`
+//! units is granted whenever the free units are at least `(live_slots + 1) * n` (the free space
+//! is split into at most `live_slots + 1` blocks). The pool is thread-safe:
+//! [`StagingPool::try_alloc`] never blocks and says when the pool is full,
+//! [`StagingPool::alloc`] waits up to a timeout for a slot to be freed (backpressure instead of
+//! failure). Misuse (a double free, an offset that starts no slot, a pool closed while slots are
+//! live) is refused with an error that names the offsets.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
