@@ -422,7 +422,8 @@ typedef struct MoriSegment {
 /**
  * A field is out of range: zero TP size, page size or item length; rank >= TP size; unknown
  * enum or flag value; inconsistent config fields; a misaligned pointer; a size that overflows
- * 64 bits; a staging region that overlaps a page buffer.
+ * 64 bits; a staging region that overlaps a page buffer; a staging pool handle that is not live,
+ * a freed offset that starts no live slot, a pool destroyed with live slots.
  */
 #define MORI_ERR_INVALID_ARGUMENT 2
 
@@ -448,8 +449,9 @@ typedef struct MoriSegment {
 #define MORI_ERR_OUT_OF_BOUNDS 6
 
 /**
- * The caller's output array is too small (*out_len holds the entries needed), or a staging
- * region holds fewer bytes than the request needs.
+ * The caller's output array is too small (*out_len holds the entries needed), a staging
+ * region holds fewer bytes than the request needs, or a staging pool has no free block for a
+ * slot (mori_tp_pool_try_alloc, mori_tp_pool_alloc).
  */
 #define MORI_ERR_BUFFER_TOO_SMALL 7
 

@@ -14,7 +14,8 @@ pub const MORI_OK: MoriStatus = 0;
 pub const MORI_ERR_NULL_POINTER: MoriStatus = 1;
 /// A field is out of range: zero TP size, page size or item length; rank >= TP size; unknown
 /// enum or flag value; inconsistent config fields; a misaligned pointer; a size that overflows
-/// 64 bits; a staging region that overlaps a page buffer.
+/// 64 bits; a staging region that overlaps a page buffer; a staging pool handle that is not live,
+/// a freed offset that starts no live slot, a pool destroyed with live slots.
 pub const MORI_ERR_INVALID_ARGUMENT: MoriStatus = 2;
 /// total_kv_heads and a TP size divide neither way, or total_kv_heads is 0.
 pub const MORI_ERR_TOPOLOGY: MoriStatus = 3;
@@ -25,8 +26,9 @@ pub const MORI_ERR_LAYOUT_MISMATCH: MoriStatus = 4;
 pub const MORI_ERR_SLICE_OVERFLOW: MoriStatus = 5;
 /// A page index is negative, or its page ends past the buffer capacity (or past 2^64 bytes).
 pub const MORI_ERR_OUT_OF_BOUNDS: MoriStatus = 6;
-/// The caller's output array is too small (*out_len holds the entries needed), or a staging
-/// region holds fewer bytes than the request needs.
+/// The caller's output array is too small (*out_len holds the entries needed), a staging
+/// region holds fewer bytes than the request needs, or a staging pool has no free block for a
+/// slot (mori_tp_pool_try_alloc, mori_tp_pool_alloc).
 pub const MORI_ERR_BUFFER_TOO_SMALL: MoriStatus = 7;
 /// The requested copy backend is not built in, or it has no device.
 pub const MORI_ERR_BACKEND_UNAVAILABLE: MoriStatus = 8;
