@@ -53,6 +53,17 @@
 #define MORI_SEND_COPY_KERNEL 2
 
 /**
+ * MoriTpPoolInfo.flags bit: the region is locked in RAM (host memory that mlock accepted, or
+ * device memory).
+ */
+#define MORI_TP_POOL_LOCKED 1
+
+/**
+ * MoriTpPoolInfo.flags bit: the kernel accepted madvise(MADV_HUGEPAGE) for the region.
+ */
+#define MORI_TP_POOL_HUGE_PAGES 2
+
+/**
  * The ABI version this header describes; compare with mori_abi_version() at start-up.
  */
 #define MORI_TP_ABI_VERSION 1
@@ -179,6 +190,111 @@ typedef struct MoriSendOptions {
    */
   void *stream;
 } MoriSendOptions;
+
+/**
+ * How mori_tp_pool_create makes a staging pool.
+ */
+typedef struct MoriTpPoolOptions {
+  /**
+   * Bytes of the region: a non-zero multiple of min_slot. A power of two times min_slot lets
+   * one slot take the whole region.
+   */
+  uint64_t capacity;
+  /**
+   * The slot unit: a power of two; every slot is a multiple of it. 0 = 65536.
+   */
+  uint64_t min_slot;
+  /**
+   * A MoriTpPoolMemory: MORI_TP_POOL_HOST or MORI_TP_POOL_DEVICE.
+   */
+  uint32_t memory;
+  /**
+   * 0 (reserved; other values are refused).
+   */
+  uint32_t flags;
+} MoriTpPoolOptions;
+
+/**
+ * A staging pool: a handle from mori_tp_pool_create, valid until mori_tp_pool_destroy. Handles
+ * are never reused, so a destroyed (or made-up) handle is refused with
+ * MORI_ERR_INVALID_ARGUMENT instead of touching freed memory. 0 is never a pool.
+ */
+typedef uint64_t MoriTpPool;
+
+/**
+ * One slot of a staging pool, from mori_tp_pool_alloc or mori_tp_pool_try_alloc.
+ */
+typedef struct MoriTpSlot {
+  /**
+   * Bytes from the region's first byte: what a peer adds to the base it registered. Pass it
+   * to mori_tp_pool_free.
+   */
+  uint64_t offset;
+  /**
+   * Bytes granted: the size asked for, rounded up to a multiple of min_slot.
+   */
+  uint64_t size;
+  /**
+   * The slot's first byte: the region's base + offset (a device address for device pools).
+   */
+  void *address;
+} MoriTpSlot;
+
+/**
+ * A staging pool's region and counters at one moment (mori_tp_pool_info).
+ */
+typedef struct MoriTpPoolInfo {
+  /**
+   * The region's first byte: register [base, base + capacity) with the transfer engine once.
+   */
+  void *base;
+  /**
+   * Bytes in the region.
+   */
+  uint64_t capacity;
+  /**
+   * The slot unit.
+   */
+  uint64_t min_slot;
+  /**
+   * Slots allocated and not yet freed.
+   */
+  uint64_t live_slots;
+  /**
+   * Bytes those slots hold.
+   */
+  uint64_t live_bytes;
+  /**
+   * capacity - live_bytes.
+   */
+  uint64_t free_bytes;
+  /**
+   * The largest slot mori_tp_pool_try_alloc would grant now; below free_bytes when the free
+   * space is split.
+   */
+  uint64_t largest_free;
+  /**
+   * The free blocks free_bytes is split into (at most live_slots + 1).
+   */
+  uint64_t free_blocks;
+  /**
+   * The MoriTpPoolMemory of the region.
+   */
+  uint32_t memory;
+  /**
+   * MORI_TP_POOL_LOCKED and MORI_TP_POOL_HUGE_PAGES bits.
+   */
+  uint32_t flags;
+  /**
+   * The errno mlock failed with (EPERM: not permitted; ENOMEM or EAGAIN: past
+   * RLIMIT_MEMLOCK), or 0 when the region is locked (always 0 for device memory).
+   */
+  int32_t lock_errno;
+  /**
+   * 0.
+   */
+  uint32_t reserved;
+} MoriTpPoolInfo;
 
 /**
  * One rank's page layout: where each (token slot, head) of its pages lives. Each rank describes
@@ -330,6 +446,11 @@ typedef uint32_t MoriBackend;
 typedef uint32_t MoriTpStaging;
 
 /**
+ * Where a staging pool's region lives; the type of MoriTpPoolOptions.memory.
+ */
+typedef uint32_t MoriTpPoolMemory;
+
+/**
  * Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
  *
  * Per layer there is one K and one V buffer (MLA: one latent buffer); a buffer is an array of
@@ -455,7 +576,8 @@ typedef struct MoriTpMemory {
 /**
  * A field is out of range: zero TP size, page size or item length; rank >= TP size; unknown
  * enum or flag value; inconsistent config fields; a misaligned pointer; a size that overflows
- * 64 bits; a staging region that overlaps a page buffer.
+ * 64 bits; a staging region that overlaps a page buffer; a staging pool handle that is not live,
+ * a freed offset that starts no live slot, a pool destroyed with live slots.
  */
 #define MORI_ERR_INVALID_ARGUMENT 2
 
@@ -481,8 +603,9 @@ typedef struct MoriTpMemory {
 #define MORI_ERR_OUT_OF_BOUNDS 6
 
 /**
- * The caller's output array is too small (*out_len holds the entries needed), or a staging
- * region holds fewer bytes than the request needs.
+ * The caller's output array is too small (*out_len holds the entries needed), a staging
+ * region holds fewer bytes than the request needs, or a staging pool has no free block for a
+ * slot (mori_tp_pool_try_alloc, mori_tp_pool_alloc).
  */
 #define MORI_ERR_BUFFER_TOO_SMALL 7
 
@@ -554,6 +677,18 @@ typedef struct MoriTpMemory {
  * Both ranks stage: one transport segment per buffer.
  */
 #define MORI_TP_STAGING_BOTH 3
+
+/**
+ * Host memory from mmap: aligned to 2 MiB, transparent huge pages requested, locked in RAM
+ * (mlock) where the process may lock it, and populated before the pool is returned.
+ */
+#define MORI_TP_POOL_HOST 0
+
+/**
+ * Device memory from one hipMalloc on the calling thread's current device (library built with
+ * the `hip` feature).
+ */
+#define MORI_TP_POOL_DEVICE 1
 
 #ifdef __cplusplus
 extern "C" {
@@ -955,6 +1090,130 @@ const char *mori_version(void);
  * differs from the MORI_TP_ABI_VERSION it was compiled against.
  */
 uint32_t mori_abi_version(void);
+
+/**
+ * Creates a staging pool: one region of options->capacity bytes, carved into slots per
+ * request. Register the whole region with the transfer engine once (mori_tp_pool_info gives
+ * its base), then give each request a slot and tell the peer its offset.
+ *
+ * Host memory (MORI_TP_POOL_HOST) is an anonymous mmap aligned to 2 MiB, advised to use
+ * transparent huge pages (madvise MADV_HUGEPAGE), locked in RAM with mlock where the process
+ * may lock it, and populated before this returns; where mlock is refused (RLIMIT_MEMLOCK,
+ * `ulimit -l`, without CAP_IPC_LOCK) the pool still works, unlocked, and mori_tp_pool_info
+ * reports the errno. Device memory (MORI_TP_POOL_DEVICE) is one hipMalloc on the calling
+ * thread's current device, freed by mori_tp_pool_destroy.
+ *
+ * Slots are multiples of options->min_slot bytes, each taken from the front of the smallest
+ * free block that holds it (lowest address first), and a freed slot merges with the free space
+ * on either side. So a slot wastes less than min_slot bytes, the free space is split into at
+ * most live_slots + 1 blocks, and a slot of S bytes is granted whenever free_bytes >=
+ * (live_slots + 1) * S (rounded to min_slot).
+ *
+ * @param[in]  options   Capacity, slot unit, memory kind. Must not be NULL.
+ * @param[out] out_pool  Receives the pool's handle; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if options or out_pool is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT for a zero capacity, a min_slot that is not a power of two, a
+ *   capacity that is not a multiple of min_slot, an unknown memory kind, non-zero flags, a
+ *   misaligned pointer, or host memory the system refuses to map (the message names the errno);
+ *   MORI_ERR_BACKEND_UNAVAILABLE for device memory without the HIP backend or without a device;
+ *   MORI_ERR_GPU if hipMalloc fails (the message names the HIP error);
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pool_create(const struct MoriTpPoolOptions *options,
+                               MoriTpPool *out_pool);
+
+/**
+ * Takes a slot of at least size bytes without waiting: MORI_ERR_BUFFER_TOO_SMALL at once when
+ * no free block can hold it now (the pool is full for this size; retry after a free, or use
+ * mori_tp_pool_alloc to wait). The lowest free block that fits is used.
+ *
+ * @param[in]  pool      A live pool.
+ * @param[in]  size      Bytes needed (> 0), e.g. num_buffers * mori_tp_staging_len.
+ * @param[out] out_slot  Receives the slot; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if out_slot is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool (destroyed or never created), size is
+ *   0, or out_slot is misaligned;
+ *   MORI_ERR_BUFFER_TOO_SMALL if the pool is full for this size (the message names the block
+ *   needed, the largest free block, the live slots and their bytes), or if size exceeds the
+ *   pool's capacity, which no wait can fix (the message says so);
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pool_try_alloc(MoriTpPool pool,
+                                  uint64_t size,
+                                  struct MoriTpSlot *out_slot);
+
+/**
+ * Takes a slot of at least size bytes, waiting up to timeout_ms milliseconds while the pool is
+ * full for it (backpressure: the call returns as soon as other threads free enough space). A
+ * size larger than the pool's capacity is refused at once. A concurrent
+ * mori_tp_pool_destroy ends the wait with MORI_ERR_INVALID_ARGUMENT. Waiters are not served in
+ * order: whichever fits first after a free gets the space.
+ *
+ * @param[in]  pool        A live pool.
+ * @param[in]  size        Bytes needed (> 0).
+ * @param[in]  timeout_ms  The longest wait, in milliseconds (0: like mori_tp_pool_try_alloc).
+ * @param[out] out_slot    Receives the slot; written only on MORI_OK. Must not be NULL.
+ *
+ * @return the codes of mori_tp_pool_try_alloc; MORI_ERR_BUFFER_TOO_SMALL once the pool stayed
+ *   full for timeout_ms (the message says how long it waited); MORI_ERR_INVALID_ARGUMENT also
+ *   when the pool was destroyed during the wait.
+ */
+MoriStatus mori_tp_pool_alloc(MoriTpPool pool,
+                              uint64_t size,
+                              uint64_t timeout_ms,
+                              struct MoriTpSlot *out_slot);
+
+/**
+ * Returns a slot to its pool. Call it once the slot's request is over on this rank (packed and
+ * written, or received and unpacked), and only once: the engine must be done with the bytes.
+ *
+ * @param[in] pool    A live pool.
+ * @param[in] offset  The slot's offset (MoriTpSlot.offset).
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool, if offset was a slot that is already
+ *   free (a double free), or if no slot starts at offset (the message says whether it lies
+ *   inside a live slot, in free space or past the capacity); nothing changes then;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pool_free(MoriTpPool pool,
+                             uint64_t offset);
+
+/**
+ * The pool's region and counters now: its base and capacity (what to register with the
+ * engine), how its memory was prepared, and the live slots, live bytes, free bytes and largest
+ * free slot (free_bytes - largest_free is space that only smaller slots can use).
+ *
+ * @param[in]  pool      A live pool.
+ * @param[out] out_info  Receives the state; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if out_info is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool or out_info is misaligned;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pool_info(MoriTpPool pool,
+                             struct MoriTpPoolInfo *out_info);
+
+/**
+ * Destroys a pool and frees its region (munmap, or hipFree for device memory). Refused while
+ * slots are live, because an engine may still be writing into them: free every slot first
+ * (and deregister the region from the engine). Calls waiting in mori_tp_pool_alloc on this
+ * pool return MORI_ERR_INVALID_ARGUMENT. After MORI_OK the handle is invalid for good.
+ *
+ * @param[in] pool  A live pool.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool (destroyed already, or never
+ *   created), or if slots are still live (the message names how many, their bytes and the
+ *   first offset; the pool stays usable);
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pool_destroy(MoriTpPool pool);
 
 /**
  * Fills the token-major (NHD) layout of one rank, offset 0, as SGLang and vLLM's

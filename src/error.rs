@@ -541,6 +541,100 @@ pub enum Error {
         capacity: u64,
     },
 
+    // ---- the staging pool ----
+    /// A pool's capacity or slot unit is unusable.
+    #[error("invalid argument: staging pool: {reason} (capacity {capacity}, min_slot {min_slot})")]
+    PoolShape {
+        /// What is wrong, in words.
+        reason: &'static str,
+        /// The capacity asked for.
+        capacity: u64,
+        /// The slot unit asked for.
+        min_slot: u64,
+    },
+    /// The operating system refused the pool's memory.
+    #[error("invalid argument: staging pool: {call} of {bytes} bytes failed with errno {errno} ({})", std::io::Error::from_raw_os_error(*.errno))]
+    PoolMemory {
+        /// The system call that failed (`"mmap"`).
+        call: &'static str,
+        /// Bytes asked for.
+        bytes: u64,
+        /// Its `errno`.
+        errno: i32,
+    },
+    /// A slot of 0 bytes was asked for.
+    #[error("invalid argument: staging pool: a slot of 0 bytes")]
+    ZeroSlot,
+    /// The pool can never hold a slot this large.
+    #[error(
+        "buffer too small: staging pool: a slot of {size} bytes is larger than the pool's capacity of {capacity} bytes; it can never be granted"
+    )]
+    SlotLargerThanPool {
+        /// Bytes asked for.
+        size: u64,
+        /// The pool's capacity.
+        capacity: u64,
+    },
+    /// The pool has no free block for the slot now (after waiting `waited_ms`, if it waited).
+    #[error(
+        "buffer too small: staging pool full: a slot of {size} bytes needs a free block of {block} bytes, the largest free block is {largest_free} bytes ({live_slots} live slots hold {live_bytes} of {capacity} bytes){}",
+        waited(.waited_ms)
+    )]
+    PoolFull {
+        /// Bytes asked for.
+        size: u64,
+        /// The block it needs: `size` rounded up to a multiple of min_slot.
+        block: u64,
+        /// The largest block free now.
+        largest_free: u64,
+        /// Slots in use.
+        live_slots: usize,
+        /// Bytes they hold.
+        live_bytes: u64,
+        /// The pool's capacity.
+        capacity: u64,
+        /// Milliseconds waited for a free block (`None`: the call does not wait).
+        waited_ms: Option<u64>,
+    },
+    /// An offset that was a slot is freed again.
+    #[error(
+        "invalid argument: staging pool: offset {offset} was a slot of {size} bytes that is already free (a double free)"
+    )]
+    SlotDoubleFree {
+        /// The offset freed.
+        offset: u64,
+        /// The slot's bytes when it was live.
+        size: u64,
+    },
+    /// An offset where no slot starts is freed.
+    #[error("invalid argument: staging pool: no slot starts at offset {offset} ({})", not_a_slot(*.offset, .inside, *.capacity))]
+    NotASlot {
+        /// The offset freed.
+        offset: u64,
+        /// The live slot that contains it, as (offset, bytes), if one does.
+        inside: Option<(u64, u64)>,
+        /// The pool's capacity.
+        capacity: u64,
+    },
+    /// A pool is destroyed while slots are live.
+    #[error(
+        "invalid argument: staging pool: {live_slots} slots ({live_bytes} bytes, the first at offset {first}) are still allocated; free them before destroying the pool (an engine may still be writing into them)"
+    )]
+    PoolInUse {
+        /// Slots in use.
+        live_slots: usize,
+        /// Bytes they hold.
+        live_bytes: u64,
+        /// The lowest live offset.
+        first: u64,
+    },
+    /// The pool was destroyed while the call waited for a slot.
+    #[error("invalid argument: staging pool: destroyed while waiting for a slot of {size} bytes")]
+    PoolClosed {
+        /// Bytes asked for.
+        size: u64,
+    },
+
     // ---- backends ----
     /// A stream was passed to the host backend, which takes none.
     #[error("invalid argument: options.stream is {stream:#x} but {} (pass NULL, or request MORI_BACKEND_HIP)", host_stream_reason(.auto_fallback))]
@@ -593,7 +687,14 @@ impl Error {
             | SumOverflow { .. }
             | PairConfigEdited { .. }
             | PageCountForTokens { .. }
-            | StagingModeNotAllowed { .. } => ErrorClass::InvalidArgument,
+            | StagingModeNotAllowed { .. }
+            | PoolShape { .. }
+            | PoolMemory { .. }
+            | ZeroSlot
+            | SlotDoubleFree { .. }
+            | NotASlot { .. }
+            | PoolInUse { .. }
+            | PoolClosed { .. } => ErrorClass::InvalidArgument,
             ZeroKvHeads | IndivisibleTp { .. } | KvHeadsDiffer { .. } => ErrorClass::Topology,
             ItemLenNotWholeTokens { .. }
             | TokenNotWholeHeads { .. }
@@ -609,7 +710,9 @@ impl Error {
             | PageEndOverflow { .. }
             | PagePastHeadRun { .. } => ErrorClass::OutOfBounds,
             NullBuffer { .. } | NullStaging { .. } => ErrorClass::NullPointer,
-            StagingTooSmall { .. } => ErrorClass::BufferTooSmall,
+            StagingTooSmall { .. } | SlotLargerThanPool { .. } | PoolFull { .. } => {
+                ErrorClass::BufferTooSmall
+            }
             BackendUnavailable { .. } => ErrorClass::BackendUnavailable,
             Gpu { .. } => ErrorClass::Gpu,
         }
@@ -633,6 +736,25 @@ fn nearest(below: &u32, above: &Option<u32>) -> String {
     match above {
         Some(above) => format!("nearest valid tp sizes: {below} and {above}"),
         None => format!("nearest valid tp size: {below}"),
+    }
+}
+
+/// The end of [`Error::PoolFull`]'s message: how long the call waited.
+fn waited(waited_ms: &Option<u64>) -> String {
+    match waited_ms {
+        Some(ms) => format!("; still full after waiting {ms} ms"),
+        None => String::new(),
+    }
+}
+
+/// Where a freed offset that starts no slot lies.
+fn not_a_slot(offset: u64, inside: &Option<(u64, u64)>, capacity: u64) -> String {
+    match inside {
+        Some((start, size)) => {
+            format!("it lies inside the live slot at offset {start} of {size} bytes")
+        }
+        None if offset >= capacity => format!("it is past the pool's capacity {capacity}"),
+        None => "it lies in free space".into(),
     }
 }
 

@@ -16,6 +16,8 @@
 //!   order with the fewest segments; the staging modes for RDMA engines.
 //! - [`backend`]: the validated job of one call and the engines that perform it (host copies,
 //!   HIP `hipMemcpy2DAsync` or one copy-kernel launch).
+//! - [`pool`]: a staging pool: one region (host memory from mmap, or device memory from HIP)
+//!   registered with a transfer engine once, slots handed out per request.
 //! - [`send`](mod@send): send, pack and unpack: validate buffers and staging, then run a job.
 //! - [`ffi`]: the C ABI of `include/mori_tp.h`, a thin layer over the above.
 //!
@@ -27,6 +29,9 @@ pub mod error;
 pub mod ffi;
 pub mod layout;
 pub mod plan;
+// Rust API: the C ABI's pool functions are in ffi.
+/// cbindgen:ignore
+pub mod pool;
 pub mod send;
 pub mod slice;
 // Rust API, not C API: cbindgen must not turn these enums into opaque C types (the C ABI's
@@ -44,6 +49,7 @@ pub use plan::{
     pair_plan, pair_segments, pair_staging_for, plan, plan_segments, plan_transfer, staging_for,
     staging_len,
 };
+pub use pool::{PoolInfo, Slot, StagingPool};
 pub use send::{
     pack, pack_host, pack_host_with, pack_into, pack_into_host, send, send_host, send_host_with,
     unpack, unpack_from, unpack_from_host, unpack_host, unpack_host_with,

@@ -17,6 +17,7 @@ use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::ptr::{null_mut, without_provenance_mut};
+use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 
 use common::{
@@ -27,6 +28,7 @@ use mori_tp::backend::hip::{
     HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
     Memcpy2dAsync,
 };
+use mori_tp::pool::{DeviceMemory, PoolMemory, PoolMemoryKind, StagingPool};
 use mori_tp::{
     Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, SliceParams,
     pack, pack_host, send, slice_config, unpack, unpack_host,
@@ -63,6 +65,14 @@ enum Call {
     FreeAsync {
         pointer: *mut c_void,
         stream: *mut c_void,
+    },
+    /// `returned` as for `MallocAsync`.
+    Malloc {
+        size: usize,
+        returned: usize,
+    },
+    Free {
+        pointer: *mut c_void,
     },
 }
 
@@ -167,7 +177,8 @@ type Region = (usize, usize);
 /// row outside the registered buffers (where a GPU would fault), without copying anything.
 #[derive(Debug)]
 struct Recorder {
-    calls: RefCell<Vec<Call>>,
+    /// Shared, so that a test can read the calls of a runtime that something else owns.
+    calls: Rc<RefCell<Vec<Call>>>,
     devices: Result<i32, HipStatus>,
     /// Fail the n-th hipMemcpy2DAsync (counting from 0) with this status, copying nothing.
     fail_copy: Option<(usize, HipStatus)>,
@@ -187,7 +198,7 @@ struct Recorder {
 impl Recorder {
     fn new(src: &[&[u8]], dst: &mut [&mut [u8]]) -> Self {
         Recorder {
-            calls: RefCell::new(Vec::new()),
+            calls: Rc::new(RefCell::new(Vec::new())),
             devices: Ok(1),
             fail_copy: None,
             sync_status: HipStatus::SUCCESS,
@@ -209,6 +220,29 @@ impl Recorder {
         self.fail_call
             .filter(|(fail, _)| *fail == name)
             .map(|(_, status)| status)
+    }
+
+    /// A new allocation of `size` bytes (host memory, 8-byte aligned); its address.
+    fn allocate(&self, size: usize) -> usize {
+        let allocation = vec![0u64; size.div_ceil(8)].into_boxed_slice();
+        let returned = allocation.as_ptr() as usize;
+        self.allocations.borrow_mut().push(allocation);
+        returned
+    }
+
+    /// Frees a live allocation, as hipFree and hipFreeAsync do; any other pointer is refused.
+    fn release(&self, pointer: *mut c_void) -> HipStatus {
+        let mut allocations = self.allocations.borrow_mut();
+        match allocations
+            .iter()
+            .position(|a| std::ptr::eq(a.as_ptr().cast::<c_void>(), pointer))
+        {
+            Some(index) => {
+                allocations.swap_remove(index);
+                HipStatus::SUCCESS
+            }
+            None => HipStatus::ERROR_INVALID_VALUE,
+        }
     }
 
     /// The live allocation that holds `[start, start + len)`.
@@ -393,9 +427,7 @@ impl HipRuntime for Recorder {
             };
             return Err(self.record(call, "hipMallocAsync").expect("injected"));
         }
-        let allocation = vec![0u64; size.div_ceil(8)].into_boxed_slice();
-        let returned = allocation.as_ptr() as usize;
-        self.allocations.borrow_mut().push(allocation);
+        let returned = self.allocate(size);
         self.record(
             Call::MallocAsync {
                 size,
@@ -467,17 +499,24 @@ impl HipRuntime for Recorder {
         if let Some(status) = self.record(Call::FreeAsync { pointer, stream }, "hipFreeAsync") {
             return status;
         }
-        let mut allocations = self.allocations.borrow_mut();
-        match allocations
-            .iter()
-            .position(|a| std::ptr::eq(a.as_ptr().cast::<c_void>(), pointer))
-        {
-            Some(index) => {
-                allocations.swap_remove(index);
-                HipStatus::SUCCESS
-            }
-            None => HipStatus::ERROR_INVALID_VALUE,
+        self.release(pointer)
+    }
+
+    fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+        if self.fail_call.is_some_and(|(name, _)| name == "hipMalloc") {
+            let call = Call::Malloc { size, returned: 0 };
+            return Err(self.record(call, "hipMalloc").expect("injected"));
         }
+        let returned = self.allocate(size);
+        self.record(Call::Malloc { size, returned }, "");
+        Ok(without_provenance_mut(returned))
+    }
+
+    unsafe fn free(&self, pointer: *mut c_void) -> HipStatus {
+        if let Some(status) = self.record(Call::Free { pointer }, "hipFree") {
+            return status;
+        }
+        self.release(pointer)
     }
 }
 
@@ -1201,6 +1240,8 @@ fn names(calls: &[Call]) -> Vec<&'static str> {
             Call::MemcpyHostToDevice { .. } => "hipMemcpyAsync",
             Call::Launch(_) => "hipModuleLaunchKernel",
             Call::FreeAsync { .. } => "hipFreeAsync",
+            Call::Malloc { .. } => "hipMalloc",
+            Call::Free { .. } => "hipFree",
         })
         .collect()
 }
@@ -1437,4 +1478,68 @@ fn the_rust_table_layout_and_grid_rule_match_the_c_header() {
         assert_eq!(k::rows_per_block(width), rpb);
         assert_eq!(k::grid(rows, rpb, buffers), grid);
     }
+}
+
+/// A recorder with a device and no buffers: for the staging pool's device memory.
+fn pool_recorder() -> Recorder {
+    Recorder::new(&[], &mut [])
+}
+
+#[test]
+fn a_device_pool_is_one_hipmalloc_for_its_life_and_one_hipfree_at_the_end() {
+    let recorder = pool_recorder();
+    let calls = Rc::clone(&recorder.calls);
+    let memory = DeviceMemory::new(recorder, 1 << 20).expect("the recorder has a device");
+    let base = memory.base() as usize;
+    let pool = StagingPool::new(memory, 4096).unwrap();
+    let info = pool.info();
+    assert_eq!(info.memory.kind, PoolMemoryKind::Device);
+    assert_eq!((info.base as usize, info.capacity), (base, 1 << 20));
+    let a = pool.try_alloc(10_000).unwrap();
+    let b = pool.try_alloc(4096).unwrap();
+    for slot in [a, b] {
+        assert_eq!(slot.address as usize, base + slot.offset as usize);
+        assert!(slot.offset + slot.size <= 1 << 20);
+    }
+    pool.free(a.offset).unwrap();
+    pool.free(b.offset).unwrap();
+    let malloc = Call::Malloc {
+        size: 1 << 20,
+        returned: base,
+    };
+    // Slots are carved on the host, without runtime calls.
+    assert_eq!(*calls.borrow(), [Call::DeviceCount, malloc]);
+    drop(pool);
+    let free = Call::Free {
+        pointer: without_provenance_mut(base),
+    };
+    assert_eq!(*calls.borrow(), [Call::DeviceCount, malloc, free]);
+}
+
+#[test]
+fn a_failing_hipmalloc_is_a_gpu_error_naming_the_size_and_status() {
+    let mut recorder = pool_recorder();
+    recorder.fail_call = Some(("hipMalloc", HipStatus(2)));
+    let error = DeviceMemory::new(recorder, 1 << 30).unwrap_err();
+    let Error::Gpu {
+        call,
+        status,
+        message,
+    } = &error
+    else {
+        panic!("{error}");
+    };
+    assert_eq!((*call, *status), ("hipMalloc", 2));
+    assert!(
+        message.contains("hipMalloc(1073741824 bytes) for a staging pool returned"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_device_pool_without_a_device_is_backend_unavailable() {
+    let mut recorder = pool_recorder();
+    recorder.devices = Ok(0);
+    let error = DeviceMemory::new(recorder, 4096).unwrap_err();
+    assert!(matches!(error, Error::BackendUnavailable { .. }), "{error}");
 }

@@ -1,7 +1,8 @@
 //! Runs the Python package's tests against the libmori_tp shared library that this `cargo test`
 //! just built, so the README's one test command covers the Python binding too:
 //! `python/tests` (standard-library unittest), and the two-process transfers through real
-//! engines (`python/tests/engine_loopback.py`, Mooncake and NIXL over 127.0.0.1).
+//! engines (`python/tests/engine_loopback.py` and, pipelined and streamed with staging pools,
+//! `python/tests/engine_streaming.py`; Mooncake and NIXL over 127.0.0.1).
 
 mod common;
 
@@ -154,6 +155,30 @@ fn mooncake_moves_every_pair_byte_exact_between_two_processes() {
 #[test]
 fn nixl_moves_every_pair_byte_exact_between_two_processes() {
     engine_moves_every_pair_between_two_processes("nixl");
+}
+
+fn engine_streams_requests_between_two_processes(engine: &str) {
+    let test = format!("{engine}_pipelines_and_streams_requests_byte_exact_between_two_processes");
+    let args = ["python/tests/engine_streaming.py", engine];
+    let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(300)) else {
+        return;
+    };
+    assert!(
+        output.status.success(),
+        "{engine} pipelined and streamed transfers failed ({}):\n{report}",
+        output.status
+    );
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn mooncake_pipelines_and_streams_requests_byte_exact_between_two_processes() {
+    engine_streams_requests_between_two_processes("mooncake");
+}
+
+#[test]
+fn nixl_pipelines_and_streams_requests_byte_exact_between_two_processes() {
+    engine_streams_requests_between_two_processes("nixl");
 }
 
 /// nixl-cu12 1.5.1's UCX loads the system libefa, libibverbs and libnl next to its own copies,

@@ -14,7 +14,7 @@ seconds). Prints a Markdown table and whether the targets hold: staged >= 10x fa
 per-token on tp2to8 and tp8to2, >= 20x fewer segments there, and staged never slower than
 direct.
 
-Then any page layout (``--layout-cases``; ``--only layouts`` runs just these): the same model
+Then any page layout (``--layout-cases``; ``--suites layouts`` runs just these): the same model
 and request kept head-major (HND) or token-major (NHD) by both engines, for tp2to8, tp8to2 and
 tp2to8 with prefill pages of 16 tokens and decode pages of 64, 4096 tokens: per-token lists (NHD,
 one segment per token per buffer, as connectors build them), HND pages to pages without staging
@@ -27,26 +27,27 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 import mori_tp
 from mori_tp import Staging
-from mori_tp.demo import (
-    BOTH,
-    LAYOUTS,
-    METHODS,
-    Demo,
-    Row,
-    Setup,
-    first_sender,
-    fragmented_pages,
+from mori_tp.demo import BOTH, LAYOUTS, METHODS, Demo, Row, Setup, first_sender, fragmented_pages
+from mori_tp.engines import KvMemory, RequestPlan, Streamer, chunk_ranges, plan_request
+from mori_tp.engines.loopback import (
+    ENGINES,
+    StreamPeer,
+    digest,
+    driver,
+    engine_available,
+    run_program,
+    sentinel,
 )
-from mori_tp.engines import RequestPlan, plan_request
-from mori_tp.engines.loopback import ENGINES, engine_available, run_program, sentinel
+from mori_tp.engines.streaming import chunk_message
 
 TARGET_LAYOUTS = ("tp2to8", "tp8to2")
 
@@ -170,6 +171,337 @@ def median_ms(rows: List[Dict[str, Row]], method: str) -> float:
     return statistics.median(r[method].best for r in rows) * 1e3
 
 
+# --- staging pools, pipelining, streaming, requests in flight --------------------------------
+
+MIB = 1 << 20
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+class StreamBench:
+    """One prefill process (this one) and a decode child (:class:`StreamPeer`) with staging
+    pools on both sides, moving ``setup``'s request with the streaming machinery. Times run
+    from the first pack or write until the decode process has received (and unpacked) the
+    request, on the one clock both processes share (CLOCK_MONOTONIC)."""
+
+    def __init__(self, engine: str, setup: Setup, pool_requests: int = 2,
+                 timeout: float = 120.0) -> None:
+        self.engine = engine
+        self.setup = setup
+        self.timeout = timeout
+        self.config = setup.config()
+        self.src_pages, self.dst_pages, src_cap, dst_cap = fragmented_pages(
+            -(-setup.tokens // setup.page_size), setup.seed)
+        self.layers = setup.layers
+        self.num_buffers = 2 * setup.layers
+        self.src_capacity = src_cap * self.config.src_item_len
+        self.dst_capacity = dst_cap * self.config.dst_item_len
+        self.need = self.num_buffers * mori_tp.staging_len(self.config, len(self.src_pages))
+        rng = np.random.default_rng(setup.seed)
+        self.sources = [rng.integers(0, 256, self.src_capacity, dtype=np.uint8)
+                        for _ in range(self.num_buffers)]
+        self.local = KvMemory(tuple(int(x.ctypes.data) for x in self.sources),
+                              self.src_capacity)
+        pool_bytes = pool_requests * _round_up(self.need, 1 << 16)
+        self.pool = mori_tp.StagingPool(pool_bytes)
+        self.driver = driver(engine)
+        self.transport = self.driver.start("prefill")
+        self.transport.register(self.local)
+        self.transport.register(KvMemory((), 0, self.pool.address, self.pool.capacity))
+        self.peer = StreamPeer(engine, [(self.num_buffers, self.dst_capacity)], pool_bytes,
+                               timeout)
+        try:
+            self.remote = self.peer.memories[0]
+            self.handle = self.driver.connect(self.transport, self.peer.address)
+            self.peer.connect(self.driver.address(self.transport))
+            self.streamer = Streamer(self.transport, timeout=timeout)
+            want = [sentinel(0, b, self.dst_capacity) for b in range(self.num_buffers)]
+            mori_tp.send_kvcache(self.config, self.local.buffers,
+                                 [int(w.ctypes.data) for w in want],
+                                 src_capacity=self.src_capacity, dst_capacity=self.dst_capacity,
+                                 src_pages=self.src_pages, dst_pages=self.dst_pages,
+                                 backend="host")
+            self.expected = [digest(w) for w in want]
+            self._ids = 0
+            self._lock = threading.Lock()
+            # First use of the engine, the pools and the pages: paid once per process.
+            self.contiguous()
+            self.pipelined(Staging.BOTH, None, verify=True)
+        except BaseException:
+            self.peer.close()
+            raise
+
+    def close(self) -> None:
+        self.streamer.close()
+        self.peer.close()
+
+    def _id(self, label: str) -> str:
+        with self._lock:
+            self._ids += 1
+            return f"{label}-{self._ids}"
+
+    def prepare(self, staging: Staging, buffers: Optional[Tuple[int, ...]] = None):
+        """Slots on both sides and the plan (untimed: a connector's handshake does this)."""
+        rid = self._id(staging.name.lower())
+        local, remote = self.local, self.remote
+        if buffers is not None:
+            local = replace(local, buffers=tuple(local.buffers[b] for b in buffers))
+            remote = replace(remote, buffers=tuple(remote.buffers[b] for b in buffers))
+        need = len(local.buffers) * mori_tp.staging_len(self.config, len(self.src_pages))
+        slot_address = self.peer.expect(rid, 0, self.config, self.dst_pages, int(staging),
+                                        need if staging.unpacks else 0, buffers=buffers)
+        remote = replace(remote, staging=slot_address,
+                         staging_capacity=need if slot_address else 0)
+        slot = None
+        if staging.packs:
+            slot = self.pool.alloc(need, timeout=self.timeout)
+            local = replace(local, staging=slot.address, staging_capacity=slot.size)
+        plan = plan_request(self.config, self.src_pages, self.dst_pages, local=local,
+                            remote=remote, staging=staging)
+        return rid, plan, slot
+
+    def finish(self, rid: str, slot: Any) -> float:
+        report = self.peer.ended(rid)
+        if slot is not None:
+            self.pool.free(slot)
+        if report.error:
+            raise AssertionError(f"{self.engine}: {rid} failed on the decode side: "
+                                 f"{report.error}")
+        return report.finished_at
+
+    def verify(self, what: str) -> None:
+        got = self.peer.digests()[0]
+        wrong = [b for b, (x, y) in enumerate(zip(got, self.expected)) if x != y]
+        if wrong:
+            raise AssertionError(f"{self.engine} {what}: decode buffers {wrong} differ from "
+                                 "send_kvcache's result")
+
+    def contiguous(self) -> float:
+        """One segment of the request's bytes, prefill pool to decode pool, through the same
+        engine and the same completion message: the engine's own limit for these bytes."""
+        rid = self._id("contiguous")
+        slot_address = self.peer.expect(rid, 0, self.config, self.dst_pages, int(Staging.NONE),
+                                        self.need)
+        slot = self.pool.alloc(self.need, timeout=self.timeout)
+        message = chunk_message(rid, 0, [(0, self.num_buffers)], sealed=1)
+        start = time.monotonic()
+        self.transport.write(self.handle, [slot.address], [slot_address], [self.need],
+                             notification=message, timeout=self.timeout)
+        return self.finish(rid, slot) - start
+
+    def pipelined(self, staging: Staging, chunks: Optional[int], verify: bool = False) -> float:
+        if verify:
+            self.peer.reset()
+        rid, plan, slot = self.prepare(staging)
+        start = time.monotonic()
+        self.streamer.send(self.handle, plan, rid, chunks=chunks)
+        seconds = self.finish(rid, slot) - start
+        if verify:
+            self.verify(f"{staging.name} in {chunks or 'auto'} chunks")
+        return seconds
+
+    def one_layer(self, staging: Staging) -> float:
+        """One layer's K and V as a request of their own."""
+        rid, plan, slot = self.prepare(staging, buffers=(0, self.layers))
+        start = time.monotonic()
+        self.streamer.send(self.handle, plan, rid)
+        return self.finish(rid, slot) - start
+
+    def behind_compute(self, staging: Staging, compute: float, streamed: bool,
+                       verify: bool = False) -> float:
+        """Seconds from the end of the last layer's (simulated) compute until the decode
+        process has the request: streamed layer by layer, or sent whole after the compute."""
+        if verify:
+            self.peer.reset()
+        rid, plan, slot = self.prepare(staging)
+        ready = [threading.Event() for _ in range(self.layers)]
+        ended = [0.0] * self.layers
+
+        def prefill() -> None:
+            for layer in range(self.layers):
+                time.sleep(compute)  # the layer's forward pass, on the GPU in a real engine
+                ended[layer] = time.monotonic()
+                ready[layer].set()
+
+        worker = threading.Thread(target=prefill)
+        worker.start()
+        if streamed:
+            stream = self.streamer.open(self.handle, plan, rid, layers=self.layers)
+            for layer in range(self.layers):
+                stream.submit(layer, ready=lambda layer=layer: ready[layer].wait(self.timeout))
+            stream.seal()
+            stream.wait()
+        else:
+            ready[-1].wait(self.timeout)
+            self.streamer.send(self.handle, plan, rid)
+        worker.join(self.timeout)
+        seconds = self.finish(rid, slot) - ended[-1]
+        if verify:
+            self.verify(f"{'streamed' if streamed else 'whole'} behind compute")
+        return seconds
+
+    def in_flight(self, concurrency: int, requests: int, staging: Staging) -> Dict[str, float]:
+        """``requests`` requests from ``concurrency`` threads at once, each waiting for pool
+        slots on both sides; latency from a request's start (slots included) to its arrival."""
+        self.peer.reset()
+        latencies: List[float] = []
+        failures: List[BaseException] = []
+        counter = iter(range(requests))
+        lock = threading.Lock()
+
+        def worker() -> None:
+            try:
+                while True:
+                    with lock:
+                        if next(counter, None) is None:
+                            return
+                    start = time.monotonic()
+                    rid, plan, slot = self.prepare(staging)
+                    self.streamer.send(self.handle, plan, rid)
+                    latencies.append(self.finish(rid, slot) - start)
+            except BaseException as error:  # noqa: B036 - reported below
+                failures.append(error)
+
+        start = time.monotonic()
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(self.timeout * 10)
+        elapsed = time.monotonic() - start
+        if failures:
+            raise failures[0]
+        self.verify(f"{concurrency} in flight")
+        latencies.sort()
+        return {
+            "requests_per_s": len(latencies) / elapsed,
+            "gb_per_s": len(latencies) * self.need / elapsed / 1e9,
+            "p50": latencies[len(latencies) // 2],
+            "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        }
+
+
+def _best(runs: int, measure: Callable[[], float]) -> float:
+    """The fastest of ``runs`` runs: the one least disturbed by other work on the machine."""
+    return min(measure() for _ in range(runs))
+
+
+def _rounds(count: int, budget: float, measure: Callable[[], Dict[str, float]]
+            ) -> List[Dict[str, float]]:
+    out: List[Dict[str, float]] = []
+    start = time.monotonic()
+    while len(out) < count and (not out or time.monotonic() - start < budget):
+        out.append(measure())
+    return out
+
+
+def _median(rows: List[Dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
+    """Staged (sequential and pipelined) against one contiguous write of the same bytes."""
+    lines = []
+    for layout in ("tp2to8", "tp8to2"):
+        for tokens in args.tokens:
+            setup = Setup(layout, tokens, args.layers, 16, 256, first_sender(layout))
+            bench = StreamBench(engine, setup)
+            chosen = mori_tp.staging_for(bench.config)
+            auto = len(chunk_ranges(bench.num_buffers, bench.need // bench.num_buffers))
+            try:
+                def one_round() -> Dict[str, float]:
+                    runs = args.staged_runs
+                    bench.pipelined(chosen, None, verify=True)
+                    bench.pipelined(Staging.BOTH, None, verify=True)
+                    row = {"contiguous": _best(runs, bench.contiguous)}
+                    row["sequential"] = _best(runs, lambda: bench.pipelined(chosen, 1))
+                    row["sequential BOTH"] = _best(runs, lambda: bench.pipelined(Staging.BOTH, 1))
+                    row["pipelined"] = _best(runs, lambda: bench.pipelined(chosen, None))
+                    row["pipelined BOTH"] = _best(runs,
+                                                  lambda: bench.pipelined(Staging.BOTH, None))
+                    for chunks in args.chunks:
+                        row[f"BOTH {chunks}"] = _best(
+                            runs, lambda: bench.pipelined(Staging.BOTH, chunks))
+                    return row
+
+                rows = _rounds(args.rounds, args.budget, one_round)
+            finally:
+                bench.close()
+            ratio = {k: statistics.median(r["contiguous"] / r[k] for r in rows)
+                     for k in rows[0] if k != "contiguous"}
+            ms = {k: _median(rows, k) * 1e3 for k in rows[0]}
+            line = (f"| {engine} | {layout} | {tokens} | {bench.need / MIB:.0f} MiB | "
+                    f"{chosen.name} | {auto} | {ms['contiguous']:.1f} | "
+                    f"{ms['sequential']:.1f} ({ratio['sequential']:.2f}) | "
+                    f"{ms['sequential BOTH']:.1f} ({ratio['sequential BOTH']:.2f}) | "
+                    f"{ms['pipelined']:.1f} ({ratio['pipelined']:.2f}) | "
+                    f"{ms['pipelined BOTH']:.1f} ({ratio['pipelined BOTH']:.2f}) | " +
+                    ", ".join(f"{c}: {ratio[f'BOTH {c}']:.2f}" for c in args.chunks) +
+                    f" | {len(rows)} |")
+            print(line, flush=True)
+            lines.append(line)
+    return lines
+
+
+def streaming_suite(args: argparse.Namespace, engine: str) -> List[str]:
+    """Streamed layer by layer against whole after compute: the tail after the last layer."""
+    lines = []
+    for layout in ("tp2to8", "tp8to2"):
+        tokens = args.tokens[0]
+        setup = Setup(layout, tokens, args.layers, 16, 256, first_sender(layout))
+        bench = StreamBench(engine, setup)
+        staging = Staging.BOTH
+        try:
+            def one_round() -> Dict[str, float]:
+                runs = args.staged_runs
+                bench.behind_compute(staging, args.compute, False, verify=True)
+                bench.behind_compute(staging, args.compute, True, verify=True)
+                return {
+                    "layer": _best(runs, lambda: bench.one_layer(staging)),
+                    "whole": _best(runs, lambda: bench.behind_compute(staging, args.compute,
+                                                                      False)),
+                    "streamed": _best(runs, lambda: bench.behind_compute(staging, args.compute,
+                                                                         True)),
+                }
+
+            rows = _rounds(args.rounds, args.budget, one_round)
+        finally:
+            bench.close()
+        per_layer = statistics.median(r["streamed"] / r["layer"] for r in rows)
+        gain = statistics.median(r["whole"] / r["streamed"] for r in rows)
+        line = (f"| {engine} | {layout} | {tokens} | {args.layers} x {args.compute * 1e3:.0f} ms "
+                f"| {staging.name} | {_median(rows, 'layer') * 1e3:.1f} | "
+                f"{_median(rows, 'whole') * 1e3:.1f} | {_median(rows, 'streamed') * 1e3:.1f} | "
+                f"{per_layer:.2f} | {gain:.1f}x | {len(rows)} |")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def inflight_suite(args: argparse.Namespace, engine: str) -> List[str]:
+    """1, 4 and 16 requests in flight through one transport pair with pools of 8 requests."""
+    lines = []
+    layout, tokens = "tp2to8", args.tokens[0]
+    setup = Setup(layout, tokens, args.layers, 16, 256, first_sender(layout))
+    bench = StreamBench(engine, setup, pool_requests=8)
+    try:
+        for concurrency in (1, 4, 16):
+            result = bench.in_flight(concurrency, args.requests, Staging.BOTH)
+            line = (f"| {engine} | {layout} | {tokens} | {concurrency} | {args.requests} | "
+                    f"{result['requests_per_s']:.0f} | {result['gb_per_s']:.2f} | "
+                    f"{result['p50'] * 1e3:.1f} | {result['p99'] * 1e3:.1f} |")
+            print(line, flush=True)
+            lines.append(line)
+    finally:
+        bench.close()
+    return lines
+
+
+SUITES = ("methods", "layouts", "staged", "streaming", "inflight")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
@@ -177,35 +509,67 @@ def main() -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--staged-runs", type=int, default=5)
+    parser.add_argument("--staged-runs", type=int, default=5,
+                        help="runs of each cheap method per round (the fastest counts)")
     parser.add_argument("--budget", type=float, default=60.0,
                         help="start no new round once the rounds took this many seconds")
-    parser.add_argument("--only", choices=("slices", "layouts"), default=None,
-                        help="run only the slice-config part or only the layout part")
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
+    parser.add_argument("--chunks", nargs="*", type=int, default=[2, 8, 16],
+                        help="staged suite: fixed chunk counts measured beside the automatic")
+    parser.add_argument("--compute", type=float, default=0.002,
+                        help="streaming suite: seconds of simulated compute per layer")
+    parser.add_argument("--requests", type=int, default=48,
+                        help="inflight suite: requests per concurrency level")
     parser.add_argument("--layout-cases", nargs="+", choices=list(LAYOUT_CASES),
-                        default=list(LAYOUT_CASES))
-    parser.add_argument("--layout-tokens", type=int, default=4096)
+                        default=list(LAYOUT_CASES), help="layouts suite: the cases")
+    parser.add_argument("--layout-tokens", type=int, default=4096,
+                        help="layouts suite: tokens per request")
     args = parser.parse_args()
     print(f"mori-tp {mori_tp.library_version()} ({mori_tp.library_path}), "
           f"Python {platform.python_version()}, {platform.machine()}", flush=True)
-    engines = []
+    if "methods" in args.suites:
+        methods_suite(args)
+    engines = [e for e in args.engines if not engine_available(e)]
+    if "layouts" in args.suites:
+        layouts(args, engines)
+    tables = {
+        "staged": ("Staged against one contiguous write (ms; in brackets contiguous / staged, "
+                   "the fraction of the engine's own limit)",
+                   "| engine | layout | tokens | bytes | staging_for | auto chunks | contiguous "
+                   "| sequential | sequential BOTH | pipelined | pipelined BOTH | BOTH, n chunks "
+                   "| rounds |\n|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
+                   staged_suite),
+        "streaming": ("Streamed by layer against whole after compute: ms from the end of the last "
+                      "layer's compute until decode has the request",
+                      "| engine | layout | tokens | compute | staging | one layer alone | whole "
+                      "| streamed | streamed / one layer | whole / streamed | rounds |\n"
+                      "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+                      streaming_suite),
+        "inflight": ("Requests in flight through one transport pair, pools of 8 requests (BOTH)",
+                     "| engine | layout | tokens | in flight | requests | requests/s | GB/s | "
+                     "p50 (ms) | p99 (ms) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|",
+                     inflight_suite),
+    }
+    for suite in SUITES[2:]:
+        if suite not in args.suites:
+            continue
+        title, header, run = tables[suite]
+        lines = []
+        for engine in engines:
+            lines += run(args, engine)
+        print(f"\n{title}\n\n{header}")
+        print("\n".join(lines), flush=True)
+    return 0
+
+
+def methods_suite(args: argparse.Namespace) -> None:
+    """Per-token vs direct vs staged (the demo's methods)."""
+    results: List[Tuple[str, str, int, List[Dict[str, Row]]]] = []
     for engine in args.engines:
         problem = engine_available(engine)
         if problem:
             print(f"skipping {engine}: {problem}")
-        else:
-            engines.append(engine)
-    if args.only != "layouts":
-        slices(args, engines)
-    if args.only != "slices":
-        layouts(args, engines)
-    return 0
-
-
-def slices(args: argparse.Namespace, engines: List[str]) -> None:
-    """Section-4 slice configs: per-token, direct, staged and staged BOTH."""
-    results: List[Tuple[str, str, int, List[Dict[str, Row]]]] = []
-    for engine in engines:
+            continue
         for layout in args.layouts:
             for tokens in args.tokens:
                 setup = Setup(layout, tokens, args.layers, 16, 256, first_sender(layout))

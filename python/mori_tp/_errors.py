@@ -40,7 +40,9 @@ class NullPointerError(MoriError):
 class InvalidArgumentError(MoriError):
     """MORI_ERR_INVALID_ARGUMENT: a field is out of range (zero TP size, page size or item
     length; rank >= TP size; unknown backend; a value that does not fit its C type),
-    inconsistent config fields, or page or buffer lists of different lengths."""
+    inconsistent config fields, or page or buffer lists of different lengths; a staging pool's
+    misuse (a double free, an offset that starts no slot, a closed pool), or a stream's (a layer
+    submitted twice or never)."""
 
     status = "MORI_ERR_INVALID_ARGUMENT"
     code = 2
@@ -82,8 +84,10 @@ class OutOfBoundsError(MoriError):
 class BufferTooSmallError(MoriError):
     """MORI_ERR_BUFFER_TOO_SMALL: a staging region is smaller than the request needs
     (:func:`~mori_tp.pack_kvcache`, :func:`~mori_tp.unpack_kvcache`,
-    :func:`mori_tp.engines.plan_request`; the message names both sizes). The plan functions
-    size their outputs first, so from them it would mean a bug in mori_tp; please report it."""
+    :func:`mori_tp.engines.plan_request`; the message names both sizes), or a
+    :class:`~mori_tp.StagingPool` has no room for a slot (``alloc`` after its timeout; a size
+    beyond the capacity). The plan functions size their outputs first, so from them it would
+    mean a bug in mori_tp; please report it."""
 
     status = "MORI_ERR_BUFFER_TOO_SMALL"
     code = 7

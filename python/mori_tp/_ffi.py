@@ -146,6 +146,46 @@ class MoriTpRequest(ctypes.Structure):
     ]
 
 
+class MoriTpPoolOptions(ctypes.Structure):
+    _fields_ = [
+        ("capacity", ctypes.c_uint64),
+        ("min_slot", ctypes.c_uint64),
+        ("memory", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+    ]
+
+
+class MoriTpSlot(ctypes.Structure):
+    _fields_ = [
+        ("offset", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+    ]
+
+
+class MoriTpPoolInfo(ctypes.Structure):
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("capacity", ctypes.c_uint64),
+        ("min_slot", ctypes.c_uint64),
+        ("live_slots", ctypes.c_uint64),
+        ("live_bytes", ctypes.c_uint64),
+        ("free_bytes", ctypes.c_uint64),
+        ("largest_free", ctypes.c_uint64),
+        ("free_blocks", ctypes.c_uint64),
+        ("memory", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("lock_errno", ctypes.c_int32),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+# MoriTpPoolMemory values and MoriTpPoolInfo.flags bits.
+MORI_TP_POOL_HOST = 0
+MORI_TP_POOL_DEVICE = 1
+MORI_TP_POOL_LOCKED = 1
+MORI_TP_POOL_HUGE_PAGES = 2
+
 #: sizeof of each struct in include/mori_tp.h on a 64-bit (LP64 or LLP64) platform.
 EXPECTED_SIZES = {
     MoriTpSliceParams: 40,
@@ -158,6 +198,9 @@ EXPECTED_SIZES = {
     MoriTpLayout: 56,
     MoriTpPairConfig: 136,
     MoriTpRequest: 40,
+    MoriTpPoolOptions: 24,
+    MoriTpSlot: 24,
+    MoriTpPoolInfo: 80,
 }
 
 _STATUS = ctypes.c_int32
@@ -362,6 +405,21 @@ SIGNATURES = {
             ctypes.POINTER(MoriSendOptions),
         ],
     ),
+    "mori_tp_pool_create": (
+        _STATUS,
+        [ctypes.POINTER(MoriTpPoolOptions), ctypes.POINTER(ctypes.c_uint64)],
+    ),
+    "mori_tp_pool_try_alloc": (
+        _STATUS,
+        [ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(MoriTpSlot)],
+    ),
+    "mori_tp_pool_alloc": (
+        _STATUS,
+        [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(MoriTpSlot)],
+    ),
+    "mori_tp_pool_free": (_STATUS, [ctypes.c_uint64, ctypes.c_uint64]),
+    "mori_tp_pool_info": (_STATUS, [ctypes.c_uint64, ctypes.POINTER(MoriTpPoolInfo)]),
+    "mori_tp_pool_destroy": (_STATUS, [ctypes.c_uint64]),
     "mori_status_str": (ctypes.c_char_p, [_STATUS]),
     "mori_last_error_message": (ctypes.c_char_p, []),
     "mori_version": (ctypes.c_char_p, []),

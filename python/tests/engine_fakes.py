@@ -6,6 +6,7 @@ memmove, so that a request's bytes can be compared with send_kvcache's."""
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -24,6 +25,21 @@ class Memory:
             raise AssertionError(f"{what} [0x{address:x}, +{length}) is not registered")
 
 
+class TransferOpcode:
+    """``mooncake.engine.TransferOpcode``."""
+
+    Read = "read"
+    Write = "write"
+
+
+@dataclass
+class TransferNotify:
+    """``mooncake.engine.TransferNotify``: a sender-chosen name and a message."""
+
+    name: str
+    msg: str
+
+
 class FakeMooncake:
     """``mooncake.engine.TransferEngine`` after initialize(): one per side; ``peers`` maps a
     session id to the peer fake whose memory it writes."""
@@ -36,6 +52,9 @@ class FakeMooncake:
         self.memory = Memory()
         self.calls: List[Tuple[str, int]] = []
         self.register_status = 0
+        #: Notifications received, oldest first (get_notifies takes them).
+        self.inbox: List[TransferNotify] = []
+        self.lock = threading.Lock()
 
     def get_rpc_port(self) -> int:
         return self.port
@@ -62,6 +81,23 @@ class FakeMooncake:
             peer.memory.check(d, n, "destination")
             ctypes.memmove(d, s, n)
         return 0
+
+    def batch_transfer_sync(self, session: str, src: List[int], dst: List[int],
+                            lengths: List[int], opcode: Any, notify: Any = None) -> int:
+        assert opcode == TransferOpcode.Write
+        if not lengths:
+            return -1  # the real engine refuses an empty batch, notification or not
+        status = self.batch_transfer_sync_write(session, src, dst, lengths)
+        if status == 0 and notify is not None:
+            peer = self.peers[session]
+            with peer.lock:
+                peer.inbox.append(TransferNotify(notify.name, notify.msg))
+        return status
+
+    def get_notifies(self) -> List[TransferNotify]:
+        with self.lock:
+            taken, self.inbox = self.inbox, []
+        return taken
 
 
 class FakeNixlAgent:

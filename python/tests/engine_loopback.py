@@ -159,15 +159,28 @@ CASES: List[SliceCase] = [
              STAGINGS),
 ]
 
+#: The section-4 cases by name (the pipelined and streamed tests take theirs from here).
+LAYOUTS = {case.name: case for case in CASES if not isinstance(case, PairCase)}
+
+
+def prefill_buffers() -> Tuple[int, List[List["np.ndarray"]]]:
+    """(capacity, buffers per rank) for every prefill rank of every case."""
+    ranks = max(case.p_tp for case in CASES)
+    capacity = max(case.src_capacity for case in CASES)
+    return capacity, [[np.zeros(capacity, dtype=np.uint8) for _ in range(BUFFERS)]
+                      for _ in range(ranks)]
+
+
+def decode_shape() -> Tuple[int, int]:
+    """(capacity of each buffer, ranks) the decode child holds for every case."""
+    return (max(case.dst_capacity for case in CASES), max(case.d_tp for case in CASES))
+
 
 class Prefill:
     """Every prefill rank's buffers and a staging pool in this process, registered once."""
 
     def __init__(self, transport) -> None:
-        ranks = max(case.p_tp for case in CASES)
-        self.capacity = max(case.src_capacity for case in CASES)
-        self.buffers = [[np.zeros(self.capacity, dtype=np.uint8) for _ in range(BUFFERS)]
-                        for _ in range(ranks)]
+        self.capacity, self.buffers = prefill_buffers()
         self.slot = slot_len()
         self.pool = np.zeros(self.slot * max_pairs(), dtype=np.uint8)
         self.memories = [KvMemory(tuple(int(b.ctypes.data) for b in rank), self.capacity,
@@ -224,8 +237,7 @@ class Run:
         self.driver = driver(engine)
         self.transport = self.driver.start("prefill")
         self.prefill = Prefill(self.transport)
-        self.decode_capacity = max(case.dst_capacity for case in CASES)
-        self.decode_ranks = max(case.d_tp for case in CASES)
+        self.decode_capacity, self.decode_ranks = decode_shape()
         self.peer = DecodePeer(engine, [(BUFFERS, self.decode_capacity)] * self.decode_ranks,
                                self.prefill.slot * max_pairs(), STEP_TIMEOUT)
         self.remote = self.driver.connect(self.transport, self.peer.address)
@@ -354,7 +366,9 @@ class Run:
         self.peer.close()
 
 
-def main(engine: str) -> int:
+def skip_or_arm(engine: str, total_timeout: int) -> Optional[int]:
+    """The exit status when ``engine`` is missing (77 skipped, 1 under MORI_TP_REQUIRE_TOOLS),
+    else None after arming an alarm that ends the process after ``total_timeout`` seconds."""
     problem = engine_available(engine)
     if problem:
         if tools_required():
@@ -364,9 +378,16 @@ def main(engine: str) -> int:
         return 77
     # A last resort above the per-step timeouts: nothing here may hang the test run.
     signal.signal(signal.SIGALRM, lambda *_: (print(f"FAILED: still running after "
-                                                     f"{TOTAL_TIMEOUT} s", flush=True),
+                                                     f"{total_timeout} s", flush=True),
                                                os._exit(124)))
-    signal.alarm(TOTAL_TIMEOUT)
+    signal.alarm(total_timeout)
+    return None
+
+
+def main(engine: str) -> int:
+    status = skip_or_arm(engine, TOTAL_TIMEOUT)
+    if status is not None:
+        return status
     start = time.monotonic()
     run = Run(engine)
     try:

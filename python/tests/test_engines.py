@@ -76,14 +76,15 @@ class Sides:
     """One pair's prefill and decode memory in this process, each with a staging region, and
     what the decode buffers must hold after the request (one send_kvcache)."""
 
-    def __init__(self, layout: Layout, p: int, d: int, request=REQUEST) -> None:
+    def __init__(self, layout: Layout, p: int, d: int, request=REQUEST,
+                 buffers: int = BUFFERS) -> None:
         self.config = layout.config(p, d)
         self.request = request
         self.allocate(
             [identified_buffer(layout, layout.p_tp, p, b, request.src_capacity_pages)
-             for b in range(BUFFERS)],
+             for b in range(buffers)],
             [sentinel_buffer(d, b, request.dst_capacity_pages * layout.dst_item_len)
-             for b in range(BUFFERS)],
+             for b in range(buffers)],
             mori_tp.staging_len(self.config, len(request.src_pages)),
         )
 
@@ -97,11 +98,12 @@ class Sides:
     def allocate(self, sources: List[bytes], initial: List[bytes], staging_len: int) -> None:
         """Source and destination buffers holding these bytes, and staging pools for a
         request of ``staging_len`` bytes per buffer."""
+        self.buffers = len(sources)
         src_len, dst_len = len(sources[0]), len(initial[0])
         self.src = [np.frombuffer(data, dtype=np.uint8).copy() for data in sources]
         self.initial = [np.frombuffer(data, dtype=np.uint8) for data in initial]
         self.dst = [x.copy() for x in self.initial]
-        self.staging_bytes = BUFFERS * staging_len
+        self.staging_bytes = self.buffers * staging_len
         # Pools larger than one request, with the request's slot in the middle.
         self.src_pool = np.zeros(3 * self.staging_bytes + 64, dtype=np.uint8)
         self.dst_pool = np.zeros(3 * self.staging_bytes + 64, dtype=np.uint8)
@@ -127,7 +129,7 @@ class Sides:
                        staging=staging, backend="host")
 
     def assert_delivered(self, test: unittest.TestCase, what: str) -> None:
-        for b in range(BUFFERS):
+        for b in range(self.buffers):
             if not np.array_equal(self.dst[b], self.want[b]):
                 at = int(np.flatnonzero(self.dst[b] != self.want[b])[0])
                 test.fail(f"{what}: decode buffer {b} differs from send_kvcache's first at {at}")

@@ -22,6 +22,7 @@ SCALARS = {
     "int32_t": ctypes.c_int32,
     "size_t": ctypes.c_size_t,
     "MoriStatus": ctypes.c_int32,
+    "MoriTpPool": ctypes.c_uint64,
 }
 # Every struct _ffi declares (each has its header size there); the header must hold the same set.
 STRUCTS = {cls.__name__: cls for cls in _ffi.EXPECTED_SIZES}
@@ -117,6 +118,9 @@ class HeaderParityTest(unittest.TestCase):
         backends = {f"MORI_BACKEND_{k.upper()}": v for k, v in mori_tp._BACKENDS.items()}
         self.assertEqual(
             backends, {k: v for k, v in defines.items() if k.startswith("MORI_BACKEND_")})
+        pool = {name: getattr(_ffi, name) for name in defines if name.startswith("MORI_TP_POOL_")}
+        self.assertEqual(pool, {k: v for k, v in defines.items() if k.startswith("MORI_TP_POOL_")})
+        self.assertEqual(len(pool), 4)
 
 
 def import_in_subprocess(env_library):

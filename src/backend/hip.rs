@@ -228,16 +228,26 @@ pub trait HipRuntime {
     /// # Safety
     /// `pointer` must come from [`HipRuntime::malloc_async`] and not be freed yet.
     unsafe fn free_async(&self, pointer: *mut c_void, stream: *mut c_void) -> HipStatus;
+
+    /// `hipMalloc(&pointer, size)` on the current device: a device staging pool's region.
+    fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus>;
+
+    /// `hipFree(pointer)`.
+    ///
+    /// # Safety
+    /// `pointer` must come from [`HipRuntime::malloc`], not be freed yet, and no stream may
+    /// still use it.
+    unsafe fn free(&self, pointer: *mut c_void) -> HipStatus;
 }
 
 /// "hipErrorNoDevice (100)": the runtime's name for a status and its number, which stays
 /// meaningful when a newer runtime returns a code this library has never heard of.
-fn describe<R: HipRuntime>(runtime: &R, status: HipStatus) -> String {
+pub(crate) fn describe<R: HipRuntime>(runtime: &R, status: HipStatus) -> String {
     format!("{} ({})", runtime.error_name(status), status.0)
 }
 
 /// Ok with the device count when the runtime has at least one device, else why not.
-fn require_device<R: HipRuntime>(runtime: &R) -> Result<i32> {
+pub(crate) fn require_device<R: HipRuntime>(runtime: &R) -> Result<i32> {
     match runtime.device_count() {
         Ok(count) if count > 0 => Ok(count),
         Ok(count) => Err(Error::BackendUnavailable {
@@ -631,6 +641,8 @@ mod lib_hip {
             extra: *mut *mut c_void,
         ) -> HipStatus;
         fn hipFreeAsync(pointer: *mut c_void, stream: *mut c_void) -> HipStatus;
+        fn hipMalloc(pointer: *mut *mut c_void, size: usize) -> HipStatus;
+        fn hipFree(pointer: *mut c_void) -> HipStatus;
     }
 
     // HIP_LAUNCH_PARAM_* (hip/hip_runtime_api.h): markers of hipModuleLaunchKernel's `extra`.
@@ -797,6 +809,18 @@ mod lib_hip {
         unsafe fn free_async(&self, pointer: *mut c_void, stream: *mut c_void) -> HipStatus {
             // SAFETY: forwarded from the caller.
             unsafe { hipFreeAsync(pointer, stream) }
+        }
+
+        fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+            let mut pointer = null_mut();
+            // SAFETY: a valid out-pointer for the duration of the call.
+            let status = unsafe { hipMalloc(&mut pointer, size) };
+            out(status, pointer)
+        }
+
+        unsafe fn free(&self, pointer: *mut c_void) -> HipStatus {
+            // SAFETY: forwarded from the caller.
+            unsafe { hipFree(pointer) }
         }
     }
 }

@@ -41,6 +41,8 @@ pub(crate) enum Failure {
         /// `out == NULL && capacity == 0`: the caller asked for the size, nothing failed.
         size_query: bool,
     },
+    /// A pool handle that is not a live pool.
+    UnknownPool(u64),
     /// A panic (a bug) was caught at the boundary.
     Panic(String),
 }
@@ -78,7 +80,8 @@ impl Failure {
             Failure::Misaligned { .. }
             | Failure::ArrayTooLong { .. }
             | Failure::UnknownValue { .. }
-            | Failure::UnknownFlags { .. } => ErrorClass::InvalidArgument,
+            | Failure::UnknownFlags { .. }
+            | Failure::UnknownPool(_) => ErrorClass::InvalidArgument,
             Failure::BufferTooSmall { .. } => ErrorClass::BufferTooSmall,
             Failure::Panic(_) => return None,
         })
@@ -122,6 +125,11 @@ impl fmt::Display for Failure {
             } => write!(
                 f,
                 "the result needs {needed} entries, the output array holds {capacity}"
+            ),
+            Failure::UnknownPool(handle) => write!(
+                f,
+                "pool {handle} is not a live staging pool (destroyed, or never returned by \
+                 mori_tp_pool_create)"
             ),
             Failure::Panic(message) => f.write_str(message),
             Failure::Core(_) => unreachable!("returned above"),
@@ -342,6 +350,7 @@ mod tests {
                 capacity: 1,
                 size_query: false,
             },
+            Failure::UnknownPool(5),
         ] {
             let label = failure.class().unwrap().label();
             assert!(failure.to_string().starts_with(&format!("{label}: ")));

@@ -10,6 +10,7 @@ use crate::backend::{Backend, CopyJob, KvBuffers, SendOptions, open_engine};
 use crate::error::Error;
 use crate::layout::{PairConfig, Request, pair_config};
 use crate::plan::Walk;
+use crate::pool::PoolMemoryKind;
 use crate::slice::{SliceConfig, ValidConfig};
 use crate::types::{Action, Staging};
 
@@ -288,6 +289,14 @@ impl CEnum for Staging {
     ];
 }
 
+impl CEnum for PoolMemoryKind {
+    const C_TYPE: &'static str = "MoriTpPoolMemory";
+    const VALUES: &'static [(u32, Self, &'static str)] = &[
+        (MORI_TP_POOL_HOST, PoolMemoryKind::Host, "HOST"),
+        (MORI_TP_POOL_DEVICE, PoolMemoryKind::Device, "DEVICE"),
+    ];
+}
+
 impl From<&SliceConfig> for MoriTpSliceConfig {
     fn from(c: &SliceConfig) -> Self {
         MoriTpSliceConfig {
@@ -474,6 +483,7 @@ mod tests {
         round_trips::<Action>();
         round_trips::<Backend>();
         round_trips::<Staging>();
+        round_trips::<PoolMemoryKind>();
         assert_eq!(
             Staging::from_c(7, "staging").unwrap_err().to_string(),
             "invalid argument: staging 7 is not a MoriTpStaging (0 NONE, 1 SRC, 2 DST, 3 BOTH)"

@@ -25,10 +25,12 @@ use crate::types::Staging;
 
 mod boundary;
 mod convert;
+mod pool;
 mod types;
 
 use boundary::{ffi_boundary, last_error_ptr};
 use convert::*;
+pub use pool::*;
 pub use types::*;
 
 /// Logs the first config of each distinct layout at debug level: a canary an operator turns on

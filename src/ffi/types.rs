@@ -16,7 +16,8 @@ pub const MORI_OK: MoriStatus = 0;
 pub const MORI_ERR_NULL_POINTER: MoriStatus = 1;
 /// A field is out of range: zero TP size, page size or item length; rank >= TP size; unknown
 /// enum or flag value; inconsistent config fields; a misaligned pointer; a size that overflows
-/// 64 bits; a staging region that overlaps a page buffer.
+/// 64 bits; a staging region that overlaps a page buffer; a staging pool handle that is not live,
+/// a freed offset that starts no live slot, a pool destroyed with live slots.
 pub const MORI_ERR_INVALID_ARGUMENT: MoriStatus = 2;
 /// total_kv_heads and a TP size divide neither way, or total_kv_heads is 0.
 pub const MORI_ERR_TOPOLOGY: MoriStatus = 3;
@@ -27,8 +28,9 @@ pub const MORI_ERR_LAYOUT_MISMATCH: MoriStatus = 4;
 pub const MORI_ERR_SLICE_OVERFLOW: MoriStatus = 5;
 /// A page index is negative, or its page ends past the buffer capacity (or past 2^64 bytes).
 pub const MORI_ERR_OUT_OF_BOUNDS: MoriStatus = 6;
-/// The caller's output array is too small (*out_len holds the entries needed), or a staging
-/// region holds fewer bytes than the request needs.
+/// The caller's output array is too small (*out_len holds the entries needed), a staging
+/// region holds fewer bytes than the request needs, or a staging pool has no free block for a
+/// slot (mori_tp_pool_try_alloc, mori_tp_pool_alloc).
 pub const MORI_ERR_BUFFER_TOO_SMALL: MoriStatus = 7;
 /// The requested copy backend is not built in, or it has no device.
 pub const MORI_ERR_BACKEND_UNAVAILABLE: MoriStatus = 8;
@@ -86,6 +88,26 @@ pub const MORI_TP_STAGING_SRC: MoriTpStaging = 1;
 pub const MORI_TP_STAGING_DST: MoriTpStaging = 2;
 /// Both ranks stage: one transport segment per buffer.
 pub const MORI_TP_STAGING_BOTH: MoriTpStaging = 3;
+
+/// A staging pool: a handle from mori_tp_pool_create, valid until mori_tp_pool_destroy. Handles
+/// are never reused, so a destroyed (or made-up) handle is refused with
+/// MORI_ERR_INVALID_ARGUMENT instead of touching freed memory. 0 is never a pool.
+pub type MoriTpPool = u64;
+
+/// Where a staging pool's region lives; the type of MoriTpPoolOptions.memory.
+pub type MoriTpPoolMemory = u32;
+/// Host memory from mmap: aligned to 2 MiB, transparent huge pages requested, locked in RAM
+/// (mlock) where the process may lock it, and populated before the pool is returned.
+pub const MORI_TP_POOL_HOST: MoriTpPoolMemory = 0;
+/// Device memory from one hipMalloc on the calling thread's current device (library built with
+/// the `hip` feature).
+pub const MORI_TP_POOL_DEVICE: MoriTpPoolMemory = 1;
+
+/// MoriTpPoolInfo.flags bit: the region is locked in RAM (host memory that mlock accepted, or
+/// device memory).
+pub const MORI_TP_POOL_LOCKED: u32 = 1;
+/// MoriTpPoolInfo.flags bit: the kernel accepted madvise(MADV_HUGEPAGE) for the region.
+pub const MORI_TP_POOL_HUGE_PAGES: u32 = 2;
 
 /// The ABI version this header describes; compare with mori_abi_version() at start-up.
 pub const MORI_TP_ABI_VERSION: u32 = 1;
@@ -226,4 +248,64 @@ pub struct MoriTpRequest {
     pub num_dst_pages: usize,
     /// N: the request's tokens; 0 is an empty request.
     pub num_tokens: u64,
+}
+
+/// How mori_tp_pool_create makes a staging pool.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoriTpPoolOptions {
+    /// Bytes of the region: a non-zero multiple of min_slot. A power of two times min_slot lets
+    /// one slot take the whole region.
+    pub capacity: u64,
+    /// The slot unit: a power of two; every slot is a multiple of it. 0 = 65536.
+    pub min_slot: u64,
+    /// A MoriTpPoolMemory: MORI_TP_POOL_HOST or MORI_TP_POOL_DEVICE.
+    pub memory: u32,
+    /// 0 (reserved; other values are refused).
+    pub flags: u32,
+}
+
+/// One slot of a staging pool, from mori_tp_pool_alloc or mori_tp_pool_try_alloc.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoriTpSlot {
+    /// Bytes from the region's first byte: what a peer adds to the base it registered. Pass it
+    /// to mori_tp_pool_free.
+    pub offset: u64,
+    /// Bytes granted: the size asked for, rounded up to a multiple of min_slot.
+    pub size: u64,
+    /// The slot's first byte: the region's base + offset (a device address for device pools).
+    pub address: *mut c_void,
+}
+
+/// A staging pool's region and counters at one moment (mori_tp_pool_info).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoriTpPoolInfo {
+    /// The region's first byte: register [base, base + capacity) with the transfer engine once.
+    pub base: *mut c_void,
+    /// Bytes in the region.
+    pub capacity: u64,
+    /// The slot unit.
+    pub min_slot: u64,
+    /// Slots allocated and not yet freed.
+    pub live_slots: u64,
+    /// Bytes those slots hold.
+    pub live_bytes: u64,
+    /// capacity - live_bytes.
+    pub free_bytes: u64,
+    /// The largest slot mori_tp_pool_try_alloc would grant now; below free_bytes when the free
+    /// space is split.
+    pub largest_free: u64,
+    /// The free blocks free_bytes is split into (at most live_slots + 1).
+    pub free_blocks: u64,
+    /// The MoriTpPoolMemory of the region.
+    pub memory: u32,
+    /// MORI_TP_POOL_LOCKED and MORI_TP_POOL_HUGE_PAGES bits.
+    pub flags: u32,
+    /// The errno mlock failed with (EPERM: not permitted; ENOMEM or EAGAIN: past
+    /// RLIMIT_MEMLOCK), or 0 when the region is locked (always 0 for device memory).
+    pub lock_errno: i32,
+    /// 0.
+    pub reserved: u32,
 }

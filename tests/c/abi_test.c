@@ -4,7 +4,8 @@
  * byte for byte, directly and staged (pack, transport segments, unpack), the plan functions with
  * their size query, one call for each refusal class, and every function of the layout API
  * (section 7): an HND prefill at TP 8 into an NHD decode at TP 2 with a larger page and a partial
- * last page, direct and staged, checked byte for byte against a loop over every element.
+ * last page, direct and staged, checked byte for byte against a loop over every element; and a
+ * staging pool (slots, full, misuse, a destroyed handle).
  * Exits 0 after printing "all checks passed".
  */
 #include "mori_tp.h"
@@ -479,11 +480,35 @@ static void layouts(void) {
     CHECK(memcmp(staged, dstbuf, sizeof staged) == 0);
 }
 
+/* A staging pool from C: slots inside the region, full, misuse, a dead handle. */
+static void staging_pool(void) {
+    MoriTpPoolOptions options = {1u << 20, 65536, MORI_TP_POOL_HOST, 0};
+    MoriTpPool pool = 0;
+    MoriTpSlot a, b;
+    MoriTpPoolInfo info;
+    CHECK(sizeof(MoriTpPool) == 8 && sizeof(MoriTpPoolOptions) == 24);
+    CHECK(sizeof(MoriTpSlot) == 24 && sizeof(MoriTpPoolInfo) == 80);
+    EXPECT(mori_tp_pool_create(&options, &pool), MORI_OK, NULL);
+    EXPECT(mori_tp_pool_info(pool, &info), MORI_OK, NULL);
+    CHECK(info.capacity == (1u << 20) && info.min_slot == 65536 && info.memory == MORI_TP_POOL_HOST);
+    EXPECT(mori_tp_pool_try_alloc(pool, 100000, &a), MORI_OK, NULL);
+    CHECK(a.size == 131072 && (char *)a.address == (char *)info.base + a.offset);
+    memset(a.address, 0x5a, (size_t)a.size);
+    EXPECT(mori_tp_pool_alloc(pool, 950000, 0, &b), MORI_ERR_BUFFER_TOO_SMALL, "staging pool full");
+    EXPECT(mori_tp_pool_free(pool, a.offset + 1), MORI_ERR_INVALID_ARGUMENT, "inside the live slot");
+    EXPECT(mori_tp_pool_destroy(pool), MORI_ERR_INVALID_ARGUMENT, "still allocated");
+    EXPECT(mori_tp_pool_free(pool, a.offset), MORI_OK, NULL);
+    EXPECT(mori_tp_pool_free(pool, a.offset), MORI_ERR_INVALID_ARGUMENT, "double free");
+    EXPECT(mori_tp_pool_destroy(pool), MORI_OK, NULL);
+    EXPECT(mori_tp_pool_try_alloc(pool, 1, &b), MORI_ERR_INVALID_ARGUMENT, "not a live staging pool");
+}
+
 int main(void) {
     check_layout();
     full_transfer();
     refusals();
     layouts();
+    staging_pool();
     if (failures != 0) {
         fprintf(stderr, "%d checks failed\n", failures);
         return 1;

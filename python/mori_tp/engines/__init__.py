@@ -28,6 +28,11 @@ staging region of each rank. The decode rank sends its :class:`KvMemory` (``to_d
 engine address to the prefill rank at handshake, as connectors already do for buffer pointers.
 Both ranks derive the staging mode from the pair's config (:func:`mori_tp.staging_for`, or
 :func:`mori_tp.pair_staging_for`) unless the connector chooses another and tells the receiver.
+
+:class:`Streamer` and :class:`Receiver` (:mod:`mori_tp.engines.streaming`) move a request in
+chunks of buffers instead, so that packing, writing and unpacking overlap, or layer by layer as
+the prefill's compute finishes each layer; a :class:`mori_tp.StagingPool` per rank provides the
+staging slots.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mori_tp
 from mori_tp import (
@@ -55,7 +60,15 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
     ) from _error
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
+    "BufferRanges",
+    "Incoming",
     "KvMemory",
+    "Receiver",
+    "RequestStream",
+    "Streamer",
+    "chunk_ranges",
+    "layer_buffers",
     "RequestPlan",
     "SendResult",
     "TransferError",
@@ -67,6 +80,12 @@ __all__ = [
 class TransferError(RuntimeError):
     """A transfer engine refused or failed a call. The message names the engine call, its
     return value or state and the segment counts; bytes may have landed partially."""
+
+
+#: Buffer ranges: a list of ``(first, end)`` pairs, each a half-open range of buffer indices
+#: (buffer ``b``'s staged bytes sit at ``b * staging_len``, so a range is one contiguous part of
+#: a staging region).
+BufferRanges = Sequence[Tuple[int, int]]
 
 
 def _int(value: Any, name: str, where: str) -> int:
@@ -155,6 +174,8 @@ class SendResult:
     write_seconds: float
     #: Engine-specific handles the receiver may need (MORI-IO transfer ids); empty otherwise.
     transfer_ids: Tuple[int, ...] = field(default=())
+    #: Chunks the request was written in (a pipelined or streamed send; 1 otherwise).
+    chunks: int = 1
 
 
 @dataclass(frozen=True)
@@ -196,48 +217,63 @@ class RequestPlan:
         """Bytes moved, all buffers together."""
         return int(self.lengths.sum()) * self.num_buffers
 
-    def src_bases(self) -> "np.ndarray":
+    @property
+    def bytes_per_buffer(self) -> int:
+        """Bytes moved per buffer."""
+        return int(self.lengths.sum())
+
+    def src_bases(self, buffers: Optional[BufferRanges] = None) -> "np.ndarray":
         """Each buffer's source base: its page buffer, or its part of the local staging region
-        when the prefill rank packs."""
-        return self._bases(self.local, self.staging.packs)
+        when the prefill rank packs (only the buffers in ``buffers`` when given)."""
+        return self._bases(self.local, self.staging.packs, buffers)
 
-    def dst_bases(self) -> "np.ndarray":
+    def dst_bases(self, buffers: Optional[BufferRanges] = None) -> "np.ndarray":
         """Each buffer's destination base: its page buffer, or its part of the decode rank's
-        staging region when the decode rank unpacks."""
-        return self._bases(self.remote, self.staging.unpacks)
+        staging region when the decode rank unpacks (only the buffers in ``buffers``)."""
+        return self._bases(self.remote, self.staging.unpacks, buffers)
 
-    def _bases(self, memory: KvMemory, staged: bool) -> "np.ndarray":
+    def _bases(self, memory: KvMemory, staged: bool,
+               buffers: Optional[BufferRanges]) -> "np.ndarray":
+        chosen = np.asarray(buffer_indices(buffers, self.num_buffers), dtype=np.uint64)
         if staged:
-            steps = np.arange(self.num_buffers, dtype=np.uint64) * np.uint64(self.staging_len)
-            return np.uint64(memory.staging) + steps
-        return np.asarray(memory.buffers, dtype=np.uint64)
+            return np.uint64(memory.staging) + chosen * np.uint64(self.staging_len)
+        return np.asarray(memory.buffers, dtype=np.uint64)[chosen.astype(np.intp)]
 
-    def addresses(self) -> Tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
+    def addresses(self, buffers: Optional[BufferRanges] = None
+                  ) -> Tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
         """``(src, dst, lengths)``: absolute addresses of every segment of every buffer, buffer
-        by buffer, as numpy uint64 arrays (what batch-write APIs take)."""
-        src = (self.src_bases()[:, None] + self.src_offsets[None, :]).ravel()
-        dst = (self.dst_bases()[:, None] + self.dst_offsets[None, :]).ravel()
-        return src, dst, np.tile(self.lengths, self.num_buffers)
+        by buffer, as numpy uint64 arrays (what batch-write APIs take). With ``buffers`` (a list
+        of ``(first, end)`` ranges), only those buffers' segments, in that order."""
+        src_bases = self.src_bases(buffers)
+        src = (src_bases[:, None] + self.src_offsets[None, :]).ravel()
+        dst = (self.dst_bases(buffers)[:, None] + self.dst_offsets[None, :]).ravel()
+        return src, dst, np.tile(self.lengths, len(src_bases))
 
     def pack(self, backend: str = "auto", stream: Optional[int] = None,
-             synchronize: bool = True) -> float:
+             synchronize: bool = True, buffers: Optional[BufferRanges] = None) -> float:
         """Packs the local buffers into the local staging region when the staging is SRC or
-        BOTH (else does nothing); returns the seconds it took. Transports call it in send()."""
+        BOTH (else does nothing); returns the seconds it took. Transports call it in send().
+        With ``buffers``, packs only those ranges of buffers: range ``(b0, b1)`` lands at
+        ``[b0 * staging_len, b1 * staging_len)`` of the region, as in a whole pack."""
         if not self.staging.packs:
             return 0.0
         start = time.perf_counter()
-        if isinstance(self.config, PairConfig):
-            mori_tp.pack_kvcache_pair(
-                self.config, self.staging, self.local.buffers, self.local.staging,
-                src_capacity=self.local.capacity, request=self.request,
-                staging_capacity=self.local.staging_capacity,
-                backend=backend, stream=stream, synchronize=synchronize,
-            )
-        else:
+        for first, end in _ranges(buffers, self.num_buffers):
+            # Range (b0, b1) is one contiguous part of the region: a pack of those buffers.
+            region = self.local.staging + first * self.staging_len
+            capacity = (end - first) * self.staging_len
+            if isinstance(self.config, PairConfig):
+                mori_tp.pack_kvcache_pair(
+                    self.config, self.staging, self.local.buffers[first:end], region,
+                    src_capacity=self.local.capacity, request=self.request,
+                    staging_capacity=capacity,
+                    backend=backend, stream=stream, synchronize=synchronize,
+                )
+                continue
             mori_tp.pack_kvcache(
-                self.config, self.local.buffers, self.local.staging,
+                self.config, self.local.buffers[first:end], region,
                 src_capacity=self.local.capacity, src_pages=self.src_pages,
-                staging_capacity=self.local.staging_capacity,
+                staging_capacity=capacity,
                 backend=backend, stream=stream, synchronize=synchronize,
             )
         return time.perf_counter() - start
@@ -317,6 +353,7 @@ def unpack_request(
     backend: str = "auto",
     stream: Optional[int] = None,
     synchronize: bool = True,
+    buffers: Optional[BufferRanges] = None,
 ) -> Staging:
     """The decode rank's part of a request, after the engine has delivered every segment:
     unpacks its staging region into its page buffers when the staging is DST or BOTH (else
@@ -332,24 +369,67 @@ def unpack_request(
         staging: the staging the prefill rank used; default :func:`mori_tp.staging_for` (with a
             PairConfig :func:`mori_tp.pair_staging_for`).
         backend, stream, synchronize: as for :func:`mori_tp.unpack_kvcache`.
+        buffers: only these ``(first, end)`` ranges of buffers (a chunk of a pipelined or
+            streamed request); range ``(b0, b1)`` is read from ``[b0 * staging_len,
+            b1 * staging_len)`` of the region.
     """
     pair = isinstance(config, PairConfig)
     if staging is None:
         staging = mori_tp.pair_staging_for(config) if pair else mori_tp.staging_for(config)
     chosen = _staging(staging, "unpack_request")
-    if chosen.unpacks and pair:
-        mori_tp.unpack_kvcache_pair(
-            config, chosen, memory.staging, memory.buffers, dst_capacity=memory.capacity,
-            request=request, staging_capacity=memory.staging_capacity,
-            backend=backend, stream=stream, synchronize=synchronize,
-        )
-    elif chosen.unpacks:
+    if not chosen.unpacks:
+        return chosen
+    ranges = _ranges(buffers, len(memory.buffers))
+    length = 0
+    if buffers is not None:
+        length = (mori_tp.pair_staging_len(config, request.num_tokens) if pair
+                  else mori_tp.staging_len(config, len(request)))
+    for first, end in ranges:
+        if buffers is None:
+            region, capacity = memory.staging, memory.staging_capacity
+        else:
+            # The part of the region the whole request would give these buffers, clipped to
+            # the region so that a region too small is refused by the library with its sizes.
+            offset = min(first * length, memory.staging_capacity)
+            region = memory.staging + offset
+            capacity = min((end - first) * length, memory.staging_capacity - offset)
+        if pair:
+            mori_tp.unpack_kvcache_pair(
+                config, chosen, region, memory.buffers[first:end], dst_capacity=memory.capacity,
+                request=request, staging_capacity=capacity,
+                backend=backend, stream=stream, synchronize=synchronize,
+            )
+            continue
         mori_tp.unpack_kvcache(
-            config, memory.staging, memory.buffers, dst_capacity=memory.capacity,
-            dst_pages=request, staging_capacity=memory.staging_capacity,
+            config, region, memory.buffers[first:end], dst_capacity=memory.capacity,
+            dst_pages=request, staging_capacity=capacity,
             backend=backend, stream=stream, synchronize=synchronize,
         )
     return chosen
+
+
+
+def _ranges(buffers: Optional[BufferRanges], num_buffers: int) -> List[Tuple[int, int]]:
+    """``buffers`` checked against ``num_buffers`` (None: all of them, as one range)."""
+    if buffers is None:
+        return [(0, num_buffers)]
+    out = []
+    for item in buffers:
+        try:
+            first, end = (operator.index(v) for v in item)
+        except (TypeError, ValueError):
+            raise TypeError(f"buffer range {item!r} is not a (first, end) pair of ints") from None
+        if not 0 <= first < end <= num_buffers:
+            raise InvalidArgumentError(
+                f"buffer range ({first}, {end}) is empty or outside the {num_buffers} buffers"
+            )
+        out.append((first, end))
+    return out
+
+
+def buffer_indices(buffers: Optional[BufferRanges], num_buffers: int) -> List[int]:
+    """The buffer indices of ``buffers``, in order (None: every buffer)."""
+    return [b for first, end in _ranges(buffers, num_buffers) for b in range(first, end)]
 
 
 def _staging(value: Any, where: str) -> Staging:
@@ -359,3 +439,15 @@ def _staging(value: Any, where: str) -> Staging:
         raise InvalidArgumentError(
             f"{where}: staging {value!r} is not a Staging (0 NONE, 1 SRC, 2 DST, 3 BOTH)"
         ) from None
+
+
+# The engine-neutral chunked transfers; imported last, as they build on the names above.
+from .streaming import (  # noqa: E402
+    DEFAULT_TIMEOUT,
+    Incoming,
+    Receiver,
+    RequestStream,
+    Streamer,
+    chunk_ranges,
+    layer_buffers,
+)

@@ -53,7 +53,10 @@ class Driver:
 
     name = ""
 
-    def start(self, role: str) -> Any:
+    def start(self, role: str, polled: bool = False) -> Any:
+        """A transport for ``role``. ``polled``: this process polls its transport all the time
+        (a Receiver thread, or a writer), so the engine needs no thread of its own for
+        progress."""
         raise NotImplementedError
 
     def address(self, transport: Any) -> Any:
@@ -79,7 +82,7 @@ class Driver:
 class MooncakeDriver(Driver):
     name = "mooncake"
 
-    def start(self, role: str) -> Any:
+    def start(self, role: str, polled: bool = False) -> Any:
         from .mooncake import MooncakeTransport
 
         return MooncakeTransport.start("127.0.0.1")
@@ -104,10 +107,13 @@ class MooncakeDriver(Driver):
 class NixlDriver(Driver):
     name = "nixl"
 
-    def start(self, role: str) -> Any:
+    def start(self, role: str, polled: bool = False) -> Any:
         from .nixl import NixlTransport
 
-        return NixlTransport.start(f"mori-tp-{role}-{os.getpid()}")
+        # NIXL's progress thread polls without pause (about a third of a core here); a process
+        # that polls anyway does without it.
+        return NixlTransport.start(f"mori-tp-{role}-{os.getpid()}",
+                                   progress_thread=False if polled else None)
 
     def address(self, transport: Any) -> Any:
         return transport.metadata()
@@ -184,15 +190,8 @@ class DecodePeer:
                  timeout: float = 60.0) -> None:
         self.engine = engine
         self.timeout = timeout
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
-            target=_decode_main,
-            args=(child_conn, engine, list(ranks), staging_pool, timeout, os.getpid()),
-            daemon=True,
-        )
-        self._process.start()
-        child_conn.close()
+        self._process, self._conn = _start_child(_serve, engine, list(ranks), staging_pool,
+                                                 timeout)
         _, self.address, memories, pool = self._expect("ready", timeout=max(timeout, 120.0))
         #: The child's buffers, one KvMemory per decode rank; staging = the whole pool.
         self.memories = [KvMemory.from_dict(m) for m in memories]
@@ -245,19 +244,7 @@ class DecodePeer:
 
     def close(self) -> None:
         """Stops the child: asks, then terminates, then kills."""
-        if self._process.is_alive():
-            try:
-                self._conn.send(("stop",))
-            except (OSError, ValueError):
-                pass
-            self._process.join(5)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-        self._conn.close()
+        _stop_child(self._process, self._conn, ("stop",))
 
     def __enter__(self) -> "DecodePeer":
         return self
@@ -274,20 +261,47 @@ def _die_with_parent(parent: int) -> None:
         os._exit(3)
 
 
-def _decode_main(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: int,
-                 timeout: float, parent: int) -> None:
+def _child_main(serve: Callable[..., None], conn: Any, parent: int, *args: Any) -> None:
+    """A decode child's process: ``serve(conn, *args)``, any failure reported to the parent,
+    then an exit that skips native destructors (NIXL's can crash, see engines.nixl)."""
     _die_with_parent(parent)
     try:
-        _serve(conn, engine, ranks, staging_pool, timeout)
+        serve(conn, *args)
     except BaseException:  # noqa: B036 - report anything to the parent, then exit
-        import traceback
-
         try:
             conn.send(("error", traceback.format_exc()))
         except (OSError, ValueError):
             pass
         os._exit(1)
     os._exit(0)
+
+
+def _start_child(serve: Callable[..., None], *args: Any) -> Tuple[Any, Any]:
+    """Starts a decode child running ``serve(conn, *args)``; returns (process, parent's end)."""
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=_child_main,
+                              args=(serve, child_conn, os.getpid(), *args), daemon=True)
+    process.start()
+    child_conn.close()
+    return process, conn
+
+
+def _stop_child(process: Any, conn: Any, stop: Tuple[Any, ...]) -> None:
+    """Asks a decode child to stop, then terminates it, then kills it."""
+    if process.is_alive():
+        try:
+            conn.send(stop)
+        except (OSError, ValueError):
+            pass
+        process.join(5)
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    conn.close()
 
 
 def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: int,
@@ -350,6 +364,243 @@ def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: i
             conn.send(("bytes", buffers[request[1]][request[2]].tobytes()))
         else:
             raise ValueError(f"unknown request {kind!r}")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a :class:`StreamPeer` child reports when a request it expects ends."""
+
+    request_id: str
+    #: The child's time.monotonic() when it ended (the same clock as the parent's on Linux).
+    finished_at: float
+    #: None, or the error in words.
+    error: Optional[str]
+    unpack_seconds: float
+    #: The ranges of each chunk, in the order they landed.
+    chunks: Tuple[Tuple[Tuple[int, int], ...], ...]
+
+
+class StreamPeer:
+    """A decode child that receives pipelined and streamed requests with a
+    :class:`~mori_tp.engines.Receiver`, staging slots from a :class:`mori_tp.StagingPool`
+    registered once. Its calls may come from several parent threads at once.
+
+    Args:
+        engine: ``"mooncake"`` or ``"nixl"``.
+        ranks: for each decode rank the child holds, ``(num_buffers, capacity)``.
+        pool_bytes: capacity of the child's staging pool (0: none); ``min_slot`` its unit.
+        timeout: seconds any one step may take before the parent gives up on the child.
+    """
+
+    def __init__(self, engine: str, ranks: Sequence[Tuple[int, int]], pool_bytes: int,
+                 timeout: float = 60.0, min_slot: int = 1 << 16) -> None:
+        import threading
+
+        self.engine = engine
+        self.timeout = timeout
+        self._process, self._conn = _start_child(_stream_serve, engine, list(ranks), pool_bytes,
+                                                 min_slot, timeout)
+        try:
+            if not self._conn.poll(max(timeout, 120.0)):
+                raise PeerError("the decode process sent nothing before it was ready")
+            message = self._conn.recv()
+        except (EOFError, OSError, PeerError) as error:
+            code = self._process.exitcode
+            self.close()
+            raise PeerError(f"the decode process did not start (exit code {code}): "
+                            f"{error}") from None
+        if message[0] != "ready":
+            self.close()
+            raise PeerError(f"the decode process failed:\n{message[1]}")
+        _, self.address, memories, pool = message
+        self.memories = [KvMemory.from_dict(m) for m in memories]
+        #: (address, bytes) of the child's staging pool.
+        self.pool = tuple(pool)
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._replies: dict = {}
+        self._ended: dict = {}
+        self._changed = threading.Condition()
+        self._failure: Optional[str] = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                message = ("error", f"the decode process exited (code {self._process.exitcode})")
+            with self._changed:
+                if message[0] == "reply":
+                    self._replies[message[1]] = message[2]
+                elif message[0] == "ended":
+                    self._ended[message[1].request_id] = message[1]
+                else:
+                    self._failure = message[1]
+                self._changed.notify_all()
+            if message[0] == "error":
+                return
+
+    def _wait_for(self, what: str, ready: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not ready():
+                if self._failure is not None:
+                    raise PeerError(f"the decode process failed:\n{self._failure}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerError(f"the decode process sent nothing for {timeout} s "
+                                    f"(waiting for {what})")
+                self._changed.wait(left)
+
+    def call(self, kind: str, *args: Any, timeout: Optional[float] = None) -> Any:
+        """Runs ``kind`` in the child; returns its answer."""
+        with self._lock:
+            self._calls += 1
+            call = self._calls
+            self._conn.send((kind, call, *args))
+        self._wait_for(kind, lambda: call in self._replies,
+                       self.timeout if timeout is None else timeout)
+        with self._changed:
+            answer = self._replies.pop(call)
+        if isinstance(answer, tuple) and answer and answer[0] == "refused":
+            raise PeerError(f"the decode process refused {kind}: {answer[1]}")
+        return answer
+
+    def connect(self, address: Any) -> None:
+        self.call("connect", address)
+
+    def expect(self, request_id: str, rank: int, config: mori_tp.SliceConfig,
+               dst_pages: Sequence[int], staging: int, slot_bytes: int,
+               timeout: Optional[float] = None,
+               buffers: Optional[Sequence[int]] = None) -> int:
+        """Has the child allocate a slot of ``slot_bytes`` (waiting while its pool is full:
+        backpressure) and expect the request; returns the slot's address (0 without one).
+        ``buffers``: the rank's buffers the request moves, in the request's order (default
+        all)."""
+        wait = self.timeout if timeout is None else timeout
+        return self.call("expect", request_id, rank, config, tuple(dst_pages), staging,
+                         slot_bytes, wait, None if buffers is None else tuple(buffers),
+                         timeout=wait + 30)
+
+    def ended(self, request_id: str, timeout: Optional[float] = None) -> Expected:
+        """Waits until the child reports the request ended; returns the report."""
+        self._wait_for(f"request {request_id}", lambda: request_id in self._ended,
+                       self.timeout if timeout is None else timeout)
+        with self._changed:
+            return self._ended.pop(request_id)
+
+    def reset(self) -> None:
+        self.call("reset")
+
+    def digests(self) -> List[List[str]]:
+        return self.call("digests")
+
+    def fetch(self, rank: int, buffer: int) -> bytes:
+        return self.call("fetch", rank, buffer)
+
+    def close(self) -> None:
+        """Stops the child: asks, then terminates, then kills."""
+        _stop_child(self._process, self._conn, ("stop", 0))
+
+    def __enter__(self) -> "StreamPeer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _stream_serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_bytes: int,
+                  min_slot: int, timeout: float) -> None:
+    import threading
+
+    from .streaming import Receiver
+
+    drive = driver(engine)
+    # The Receiver's thread polls the transport from connect() on.
+    transport = drive.start("decode", polled=True)
+    buffers = [[np.empty(capacity, dtype=np.uint8) for _ in range(count)]
+               for count, capacity in ranks]
+    pool = mori_tp.StagingPool(pool_bytes, min_slot=min_slot) if pool_bytes else None
+
+    def reset() -> None:
+        for rank, rank_buffers in enumerate(buffers):
+            for b, data in enumerate(rank_buffers):
+                data[:] = sentinel(rank, b, data.nbytes)
+
+    reset()
+    memories = [KvMemory(tuple(int(data.ctypes.data) for data in rank_buffers), capacity)
+                for rank_buffers, (_, capacity) in zip(buffers, ranks)]
+    for memory in memories:
+        transport.register(memory)
+    if pool is not None:
+        transport.register(KvMemory((), 0, pool.address, pool.capacity))
+    sending = threading.Lock()
+
+    def send(message: Tuple[Any, ...]) -> None:
+        with sending:
+            conn.send(message)
+
+    send(("ready", drive.address(transport), [m.to_dict() for m in memories],
+          (pool.address if pool else 0, pool.capacity if pool else 0)))
+    receiver = Receiver(transport)
+    chunks: dict = {}
+
+    def ended(incoming: Any) -> None:
+        slot = chunks.pop(("slot", incoming.request_id), None)
+        if slot is not None and pool is not None:
+            pool.free(slot)
+        error = None if incoming.error is None else str(incoming.error)
+        send(("ended", Expected(incoming.request_id, incoming.finished_at or time.monotonic(),
+                                error, incoming.unpack_seconds,
+                                tuple(chunks.pop(incoming.request_id, ())))))
+        receiver.forget(incoming)
+
+    def landed(incoming: Any, ranges: Any) -> None:
+        chunks.setdefault(incoming.request_id, []).append(ranges)
+
+    while True:
+        # A parent that stays silent this long is gone or stuck: stop rather than linger.
+        if not conn.poll(max(timeout, 60.0) * 2):
+            return
+        request = conn.recv()
+        kind, call, args = request[0], request[1], request[2:]
+        if kind == "stop":
+            receiver.close()
+            return
+        answer: Any = None
+        try:
+            if kind == "connect":
+                drive.connect(transport, args[0])
+                receiver.start()
+            elif kind == "expect":
+                rid, rank, config, dst_pages, staging, slot_bytes, wait, chosen = args
+                memory = memories[rank]
+                if chosen is not None:
+                    memory = KvMemory(tuple(memory.buffers[b] for b in chosen), memory.capacity)
+                answer = 0
+                if slot_bytes:
+                    if pool is None:
+                        raise ValueError("this decode process has no staging pool")
+                    slot = pool.alloc(slot_bytes, timeout=wait)
+                    chunks[("slot", rid)] = slot
+                    memory = KvMemory(memory.buffers, memory.capacity, slot.address,
+                                      slot.size)
+                    answer = slot.address
+                receiver.expect(rid, config, list(dst_pages), memory=memory, staging=staging,
+                                backend="host", timeout=wait, on_chunk=landed, on_done=ended)
+            elif kind == "reset":
+                reset()
+            elif kind == "digests":
+                answer = [[digest(data) for data in rank_buffers] for rank_buffers in buffers]
+            elif kind == "fetch":
+                answer = buffers[args[0]][args[1]].tobytes()
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+        except mori_tp.MoriError as error:
+            answer = ("refused", str(error))
+        send(("reply", call, answer))
 
 
 def run_program(main: Callable[[], Optional[int]]) -> NoReturn:

@@ -11,9 +11,12 @@ Who calls what:
 - Both ranks: one :class:`MooncakeTransport` per process, and :meth:`~MooncakeTransport.register`
   of its :class:`~mori_tp.engines.KvMemory` (buffers and staging pool) once.
 - Decode rank (target): publishes :attr:`~MooncakeTransport.session_id` and its ``KvMemory``
-  at handshake; after the prefill rank reports a request done (Mooncake has no completion
-  notification of its own here: connectors send one over their side channel, as SGLang's does),
-  calls :func:`mori_tp.engines.unpack_request`.
+  at handshake; once the request has landed, calls :func:`mori_tp.engines.unpack_request`.
+  It learns that from a notification: :meth:`~MooncakeTransport.write` with ``notification``
+  sends one after the data (``batch_transfer_sync`` with a ``TransferNotify`` named after the
+  sender's session id), which the target reads with :meth:`~MooncakeTransport.poll_notifications`
+  or :meth:`~MooncakeTransport.wait_notification` (``get_notifies``), or over the connector's own
+  side channel, as SGLang's does.
 - Prefill rank (initiator): :func:`mori_tp.engines.plan_request`, then
   :meth:`~MooncakeTransport.send` to the decode rank's session id; it returns once every
   segment is written.
@@ -30,8 +33,9 @@ more than one call.
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import KvMemory, RequestPlan, SendResult, TransferError
 
@@ -64,6 +68,8 @@ class MooncakeTransport:
         self.engine = engine
         self.hostname = hostname
         self.max_segments_per_call = max_segments_per_call
+        #: Notifications received and not yet taken, per sender.
+        self._notifications: Dict[str, List[bytes]] = {}
 
     @classmethod
     def start(cls, hostname: str = "127.0.0.1", *, protocol: str = "tcp",
@@ -109,20 +115,34 @@ class MooncakeTransport:
             self.engine.unregister_memory(address)
 
     def write(self, session_id: str, src: Sequence[int], dst: Sequence[int],
-              lengths: Sequence[int]) -> int:
+              lengths: Sequence[int], *, notification: bytes = b"",
+              timeout: Optional[float] = None) -> int:
         """Writes ``lengths[i]`` bytes from local ``src[i]`` to remote ``dst[i]`` for every i,
         in calls of at most ``max_segments_per_call``; returns the number of calls. Blocks
-        until every segment is written."""
+        until every segment is written. A ``notification`` goes with the last call and reaches
+        the peer after the data; Mooncake sends none without data, so an empty list with a
+        notification is refused (see :meth:`notify`). ``timeout`` is accepted for the
+        transports' common signature; Mooncake's synchronous write has no timeout of its own
+        (its TCP transport gives up on a dead peer by itself)."""
         count = len(lengths)
         if not len(src) == len(dst) == count:
             raise ValueError(f"{len(src)} sources, {len(dst)} destinations, {count} lengths")
+        if notification and not count:
+            raise TransferError(
+                f"mooncake: a notification to {session_id} needs at least one segment to carry "
+                "it (Mooncake sends notifications only with a transfer)"
+            )
         calls = 0
         for start in range(0, count, self.max_segments_per_call):
             end = min(start + self.max_segments_per_call, count)
-            status = self.engine.batch_transfer_sync_write(
-                session_id, _ints(src[start:end]), _ints(dst[start:end]),
-                _ints(lengths[start:end]),
-            )
+            args = (session_id, _ints(src[start:end]), _ints(dst[start:end]),
+                    _ints(lengths[start:end]))
+            if notification and end == count:
+                notify_type, opcode = self._notify_types()
+                notify = notify_type(self.session_id, notification.decode("latin-1"))
+                status = self.engine.batch_transfer_sync(*args, opcode.Write, notify)
+            else:
+                status = self.engine.batch_transfer_sync_write(*args)
             calls += 1
             if status != 0:
                 raise TransferError(
@@ -131,6 +151,55 @@ class MooncakeTransport:
                     f"{start} were written"
                 )
         return calls
+
+    def _notify_types(self) -> Tuple[Any, Any]:
+        """``TransferNotify`` and ``TransferOpcode`` of the engine's own module."""
+        module = sys.modules.get(type(self.engine).__module__)
+        if module is None or not hasattr(module, "TransferNotify"):
+            import mooncake.engine as module  # type: ignore[no-redef]
+        return module.TransferNotify, module.TransferOpcode
+
+    def notify(self, session_id: str, message: bytes, *,
+               carrier: Optional[Tuple[int, int]] = None) -> None:
+        """Sends ``message`` to the peer without new data. Mooncake only sends a notification
+        with a transfer, so ``carrier`` names one byte to write again, ``(local address,
+        remote address)``: a byte an earlier write of the same request already copied, whose
+        source has not changed since, so the write changes nothing."""
+        if carrier is None:
+            raise TransferError(
+                f"mooncake: a notification to {session_id} needs a carrier byte (Mooncake sends "
+                "notifications only with a transfer)"
+            )
+        self.write(session_id, [carrier[0]], [carrier[1]], [1], notification=message)
+
+    def poll_notifications(self) -> List[Tuple[str, bytes]]:
+        """Every notification received since the last call, as ``(sender session id,
+        message)``, oldest first, including those :meth:`wait_notification` has set aside."""
+        out = [(peer, message) for peer, messages in self._notifications.items()
+               for message in messages]
+        self._notifications.clear()
+        out.extend((_text(n.name), _text(n.msg).encode("latin-1"))
+                   for n in self.engine.get_notifies())
+        return out
+
+    def wait_notification(self, session_id: str, message: bytes, *,
+                          timeout: float = 60.0) -> None:
+        """Waits until the peer ``session_id`` has sent exactly ``message`` (a :meth:`write`
+        notification) and consumes it; others stay for later calls. Raises
+        :class:`TransferError` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for peer, received in self.poll_notifications():
+                self._notifications.setdefault(peer, []).append(received)
+            waiting = self._notifications.get(session_id, [])
+            if message in waiting:
+                waiting.remove(message)
+                return
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"mooncake: no notification {message!r} from {session_id} within {timeout} s"
+                )
+            time.sleep(0.0005)
 
     def send(self, session_id: str, plan: RequestPlan, *, backend: str = "auto",
              stream: Optional[int] = None) -> SendResult:
@@ -144,6 +213,10 @@ class MooncakeTransport:
         calls = self.write(session_id, src, dst, lengths)
         return SendResult(plan.staging, plan.segments, plan.bytes, calls, pack_seconds,
                           time.perf_counter() - start)
+
+
+def _text(value: Any) -> str:
+    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
 
 
 def _ints(values: Any) -> Any:

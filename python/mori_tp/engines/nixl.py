@@ -40,7 +40,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, List, NoReturn, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -150,7 +150,8 @@ class NixlTransport:
         agent: a ``nixl_agent`` with a backend that handles ``mem_type`` (UCX for DRAM).
         mem_type: ``"DRAM"`` for host memory, ``"VRAM"`` for GPU memory.
         device_id: the GPU of the buffers (0 for DRAM).
-        poll_interval: seconds between polls while waiting for a transfer or a notification.
+        poll_interval: seconds between polls while waiting for a transfer or a notification
+            (0: poll again at once, letting other Python threads run in between).
     """
 
     def __init__(self, agent: Any, *, mem_type: str = "DRAM", device_id: int = 0,
@@ -165,13 +166,21 @@ class NixlTransport:
 
     @classmethod
     def start(cls, name: str, *, backends: Sequence[str] = ("UCX",), mem_type: str = "DRAM",
-              device_id: int = 0) -> "NixlTransport":
+              device_id: int = 0,
+              progress_thread: Optional[bool] = None) -> "NixlTransport":
         """Creates a ``nixl_agent(name)`` with ``backends`` (names must be unique among the
         agents that talk to each other). Loads the system libnl first
-        (:func:`preload_system_libnl`), so that the process exits cleanly."""
+        (:func:`preload_system_libnl`), so that the process exits cleanly.
+
+        ``progress_thread``: NIXL's own progress thread (``enable_prog_thread``; None: NIXL's
+        default, on). It polls continuously; without it the agent makes progress when this
+        transport polls (writes, notifications), which leaves the cores to the copies."""
         nixl_agent, nixl_agent_config = _import_agent()
         preload_system_libnl()
-        agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        options: Dict[str, Any] = {"backends": list(backends)}
+        if progress_thread is not None:
+            options["enable_prog_thread"] = progress_thread
+        agent = nixl_agent(name, nixl_agent_config(**options))
         return cls(agent, mem_type=mem_type, device_id=device_id)
 
     @property
@@ -231,8 +240,9 @@ class NixlTransport:
                         f"nixl: a write of {len(lengths)} segments to {peer} was still in "
                         f"progress after {timeout} s"
                     )
-                if self.poll_interval:
-                    time.sleep(self.poll_interval)
+                # sleep(0) still releases the GIL: a thread packing the next chunk, or any
+                # other Python thread, is not held up for the interpreter's switch interval.
+                time.sleep(self.poll_interval)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(
@@ -254,6 +264,23 @@ class NixlTransport:
         calls = self.write(peer, src, dst, lengths, notification=notification, timeout=timeout)
         return SendResult(plan.staging, plan.segments, plan.bytes, calls, pack_seconds,
                           time.perf_counter() - start)
+
+    def notify(self, peer: str, message: bytes, *, carrier: Any = None) -> None:
+        """Sends ``message`` to ``peer`` without data (``send_notif``); ``carrier`` is for
+        engines that need one (Mooncake) and is ignored here."""
+        self.agent.send_notif(peer, message)
+
+    def poll_notifications(self) -> List[Tuple[str, bytes]]:
+        """Every notification received and not yet taken, as ``(peer name, message)``, oldest
+        first per peer. Takes them all: use it or :meth:`wait_notification`, not both."""
+        notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
+        out = []
+        for peer, messages in notifs.items():
+            taken = messages[:]
+            # Only what was copied: a message appended meanwhile stays for the next call.
+            del messages[:len(taken)]
+            out.extend((_text(peer), bytes(m)) for m in taken)
+        return out
 
     def wait_notification(self, peer: str, message: bytes, *, timeout: float = 60.0) -> None:
         """Waits until ``peer`` has sent exactly ``message`` (a :meth:`send` notification) and
