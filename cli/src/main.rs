@@ -4,6 +4,8 @@
 //! Every slice, plan and copy comes from the library's Rust API; this binary only chooses the
 //! model, formats and verifies.
 
+mod facts;
+mod group_plan;
 mod layout;
 mod model;
 mod plan;
@@ -516,6 +518,7 @@ impl DeploymentArgs {
                     Attention::KeyValue
                 },
                 torch_dtype: None,
+                facts: None,
             }
         } else if let Some(choice) = &self.model {
             if !choice.typed.eq_ignore_ascii_case(choice.preset.name) {

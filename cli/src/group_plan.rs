@@ -1,0 +1,357 @@
+//! `plan --config` for a model of several groups: for every group and part, which prefill rank
+//! sends which units to each decode rank (the library's section-3 topology and its section-7
+//! pair config of both ranks' layouts), and the bytes each pair and each decode rank moves per
+//! token and per request.
+//!
+//! A paged part's layouts are the deployment's (`--prefill-layout`, `--decode-layout` and the
+//! page sizes). A slot part's layout is the engine's and is not known here; its pair configs are
+//! built on one page per slot holding each unit's bytes of the slot whole, which fixes the
+//! action, the units and the local indices (they depend only on `H` and the TP sizes) and the
+//! byte counts, and nothing else: the output says so.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use mori_tp::{Action, Side, Topology, TpSide, pair_config};
+
+use crate::facts::{Dtypes, Group, ModelFacts, Part, Storage, UnitBytes};
+use crate::layout::{Layout, LayoutError, PageOrder, Paging, Problem};
+use crate::model::Dtype;
+
+/// One part of one pair.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartPair {
+    /// Index into the group's parts.
+    pub part: usize,
+    pub action: Action,
+    /// The units both ranks own.
+    pub shared: Range<u32>,
+    /// The prefill rank that sends `shared`.
+    pub sent_by: u32,
+    /// From the library's pair config (zeros unless SEND).
+    pub first_unit: u32,
+    pub num_units: u32,
+    pub src_first_local: u32,
+    pub dst_first_local: u32,
+    /// Bytes moved per token over the group's layers and buffers (paged parts; None for slots).
+    pub bytes_per_token: Option<u64>,
+    /// Bytes moved per request (0 for a replica).
+    pub bytes_per_request: u64,
+}
+
+/// One (prefill rank, decode rank) pair of a group: its parts that share units.
+#[derive(Clone, Debug)]
+pub struct GroupPair {
+    pub prefill_rank: u32,
+    pub decode_rank: u32,
+    pub parts: Vec<PartPair>,
+}
+
+/// What one decode rank receives of a group.
+#[derive(Clone, Debug)]
+pub struct GroupRank {
+    pub decode_rank: u32,
+    /// The units it owns, per part.
+    pub owned: Vec<Range<u32>>,
+    pub pairs: Vec<GroupPair>,
+    pub bytes_per_token: Option<u64>,
+    pub bytes_per_request: u64,
+}
+
+/// A part with its sides checked.
+#[derive(Clone, Debug)]
+pub struct PartSetup {
+    pub part: Part,
+    pub topology: Topology,
+    pub unit_bytes: u64,
+}
+
+/// A group ready to plan.
+#[derive(Clone, Debug)]
+pub struct GroupSetup {
+    pub group: Group,
+    pub parts: Vec<PartSetup>,
+    /// The tokens of a request that move (paged: N, or the window's last tokens).
+    pub tokens_moved: Option<u64>,
+    /// `bf16`, `fp32`, `fp8 + fp32 scales`, per part.
+    pub dtype_names: Vec<String>,
+}
+
+/// Every group of a hybrid model, checked against both TP sizes.
+#[derive(Clone, Debug)]
+pub struct GroupsPlan {
+    pub facts: ModelFacts,
+    pub groups: Vec<GroupSetup>,
+    pub prefill: Paging,
+    pub decode: Paging,
+    pub tokens: u32,
+    pub ssm_dtype: Dtype,
+}
+
+/// The name a part's dtype goes by.
+fn dtype_name(bytes: UnitBytes, cache: Dtype, state: Dtype) -> String {
+    match bytes {
+        UnitBytes::Cache(_) => cache.to_string(),
+        UnitBytes::State(_) => state.to_string(),
+        UnitBytes::Fixed(_) => "fp8+fp32_scales".into(),
+        UnitBytes::MlaLatent { .. } if cache.bytes() == 1 => "fp8_ds_mla".into(),
+        UnitBytes::MlaLatent { .. } => cache.to_string(),
+    }
+}
+
+impl GroupsPlan {
+    /// Checks every part's units against both TP sizes: by section 3 (the library), and for the
+    /// parts engines split only evenly, `units % tp == 0`. Every problem is reported.
+    pub fn new(
+        facts: &ModelFacts,
+        layout: &Layout,
+        ssm_dtype: Dtype,
+        tokens: u32,
+    ) -> Result<GroupsPlan, LayoutError> {
+        let (p_size, d_size) = (layout.prefill_tp(), layout.decode_tp());
+        let dtypes = Dtypes {
+            cache: u64::from(layout.dtype.bytes()),
+            cache_is_fp8: layout.dtype.bytes() == 1,
+            state: u64::from(ssm_dtype.bytes()),
+        };
+        let mut problems = Vec::new();
+        let mut groups = Vec::new();
+        for group in &facts.groups {
+            let mut parts = Vec::new();
+            for part in &group.parts {
+                for (side, tp) in [(Side::Prefill, p_size), (Side::Decode, d_size)] {
+                    if part.must_divide && part.units % tp != 0 {
+                        problems.push(Problem {
+                            message: format!(
+                                "{side}: TP {tp} does not divide the {} {} {}s of {}: vLLM and \
+                                 SGLang split them only evenly",
+                                part.units, part.name, part.unit, group.name
+                            ),
+                            topology: None,
+                        });
+                    }
+                }
+                match Topology::new(part.units, p_size, d_size) {
+                    Ok(topology) => parts.push(PartSetup {
+                        part: part.clone(),
+                        topology,
+                        unit_bytes: part.bytes.bytes(dtypes),
+                    }),
+                    Err(e) => {
+                        let problem = Problem::from_library(&e);
+                        if !problems.contains(&problem) {
+                            problems.push(problem);
+                        }
+                    }
+                }
+            }
+            let tokens_moved = match group.storage {
+                Storage::Paged { window: None } => Some(u64::from(tokens)),
+                Storage::Paged { window: Some(w) } => Some(u64::from(tokens.min(w))),
+                Storage::Slot { .. } => None,
+            };
+            let dtype_names = group
+                .parts
+                .iter()
+                .map(|p| dtype_name(p.bytes, layout.dtype, ssm_dtype))
+                .collect();
+            groups.push(GroupSetup {
+                group: group.clone(),
+                parts,
+                tokens_moved,
+                dtype_names,
+            });
+        }
+        if !problems.is_empty() {
+            return Err(LayoutError {
+                summary: format!(
+                    "{} cannot run with prefill TP {p_size} and decode TP {d_size}:",
+                    layout.model.name
+                ),
+                problems,
+            });
+        }
+        let plan = GroupsPlan {
+            facts: facts.clone(),
+            groups,
+            prefill: layout.prefill_paging,
+            decode: layout.decode_paging,
+            tokens,
+            ssm_dtype,
+        };
+        // The library checks every part's layouts once, on rank 0 of each side.
+        for g in 0..plan.groups.len() {
+            for p in 0..plan.groups[g].parts.len() {
+                plan.pair(g, p, 0, 0).map_err(|e| LayoutError {
+                    summary: format!(
+                        "{}: the {} part of {}:",
+                        layout.model.name,
+                        plan.groups[g].parts[p].part.name,
+                        plan.groups[g].group.name
+                    ),
+                    problems: vec![Problem::from_library(&e)],
+                })?;
+            }
+        }
+        Ok(plan)
+    }
+
+    pub fn prefill_tp(&self) -> u32 {
+        self.groups[0].parts[0].topology.prefill().tp_size()
+    }
+
+    pub fn decode_tp(&self) -> u32 {
+        self.groups[0].parts[0].topology.decode().tp_size()
+    }
+
+    /// The library's layout of a part on one rank: the deployment's paging for a paged part; for
+    /// a slot, one page per slot holding each unit's bytes of the slot whole.
+    pub fn rank_layout(
+        &self,
+        group: usize,
+        part: usize,
+        side: Side,
+        rank: u32,
+    ) -> mori_tp::Result<mori_tp::Layout> {
+        let g = &self.groups[group];
+        let setup = &g.parts[part];
+        let topology = &setup.topology;
+        let tp = match side {
+            Side::Prefill => topology.prefill().tp_size(),
+            Side::Decode => topology.decode().tp_size(),
+        };
+        let units = setup.part.units;
+        match g.group.storage {
+            Storage::Paged { .. } => {
+                let paging = match side {
+                    Side::Prefill => self.prefill,
+                    Side::Decode => self.decode,
+                };
+                let make = match paging.order {
+                    PageOrder::Nhd => mori_tp::Layout::nhd,
+                    PageOrder::Hnd => mori_tp::Layout::hnd,
+                };
+                make(units, tp, rank, paging.page_size, setup.unit_bytes)
+            }
+            Storage::Slot { steps } => mori_tp::Layout::nhd(
+                units,
+                tp,
+                rank,
+                1,
+                setup.unit_bytes * u64::from(steps),
+            ),
+        }
+    }
+
+    /// Part `part` of group `group` between prefill rank `p` and decode rank `d`.
+    fn pair(&self, group: usize, part: usize, p: u32, d: u32) -> mori_tp::Result<PartPair> {
+        let g = &self.groups[group];
+        let setup = &g.parts[part];
+        let pairing = setup.topology.pairing(p, d)?;
+        let config = pair_config(
+            &self.rank_layout(group, part, Side::Prefill, p)?,
+            &self.rank_layout(group, part, Side::Decode, d)?,
+        )?;
+        debug_assert_eq!(config.action(), pairing.action);
+        let sends = config.action() == Action::Send;
+        let per_layer_unit = setup.unit_bytes
+            * u64::from(g.group.buffers_per_layer)
+            * g.group.layers.len() as u64;
+        let moved = if sends {
+            u64::from(config.num_heads()) * per_layer_unit
+        } else {
+            0
+        };
+        let (bytes_per_token, bytes_per_request) = match g.group.storage {
+            Storage::Paged { .. } => (
+                Some(moved),
+                moved * g.tokens_moved.expect("paged groups move tokens"),
+            ),
+            Storage::Slot { steps } => (None, moved * u64::from(steps)),
+        };
+        let sent_by = if pairing.action == Action::NotPaired {
+            0
+        } else {
+            setup
+                .topology
+                .sender(d, pairing.shared_heads.start)
+                .expect("a shared unit has a sender")
+        };
+        Ok(PartPair {
+            part,
+            action: config.action(),
+            shared: pairing.shared_heads,
+            sent_by,
+            first_unit: config.first_head(),
+            num_units: config.num_heads(),
+            src_first_local: config.src_first_local(),
+            dst_first_local: config.dst_first_local(),
+            bytes_per_token,
+            bytes_per_request,
+        })
+    }
+
+    /// The prefill ranks that share a unit of `part` with decode rank `d`: consecutive, from the
+    /// first owner of its first unit to the last replica of its last one.
+    fn sharing(side: &TpSide, prefill: &TpSide, d: u32) -> Range<u32> {
+        const IN_RANGE: &str = "ranks below their TP sizes, units below the part's";
+        let owned = side.owned_heads(d).expect(IN_RANGE);
+        let first = prefill.first_owner(owned.start).expect(IN_RANGE);
+        let last =
+            prefill.first_owner(owned.end - 1).expect(IN_RANGE) + prefill.replication() - 1;
+        first..last + 1
+    }
+
+    /// What decode rank `d` receives of group `group`, pair by pair in prefill rank order.
+    pub fn rank(&self, group: usize, d: u32) -> mori_tp::Result<GroupRank> {
+        let g = &self.groups[group];
+        let mut by_prefill: BTreeMap<u32, Vec<PartPair>> = BTreeMap::new();
+        let mut owned = Vec::new();
+        for (i, setup) in g.parts.iter().enumerate() {
+            let (prefill, decode) = (setup.topology.prefill(), setup.topology.decode());
+            owned.push(decode.owned_heads(d).expect("a decode rank below its TP size"));
+            for p in Self::sharing(decode, prefill, d) {
+                let pair = self.pair(group, i, p, d)?;
+                if pair.action != Action::NotPaired {
+                    by_prefill.entry(p).or_default().push(pair);
+                }
+            }
+        }
+        let pairs: Vec<GroupPair> = by_prefill
+            .into_iter()
+            .map(|(p, parts)| GroupPair {
+                prefill_rank: p,
+                decode_rank: d,
+                parts,
+            })
+            .collect();
+        let parts = pairs.iter().flat_map(|pair| &pair.parts);
+        let bytes_per_token = match g.group.storage {
+            Storage::Paged { .. } => Some(parts.clone().filter_map(|p| p.bytes_per_token).sum()),
+            Storage::Slot { .. } => None,
+        };
+        let bytes_per_request = parts.map(|p| p.bytes_per_request).sum();
+        Ok(GroupRank {
+            decode_rank: d,
+            owned,
+            pairs,
+            bytes_per_token,
+            bytes_per_request,
+        })
+    }
+
+    /// Every decode rank of a group, computed as the iterator advances.
+    pub fn ranks(&self, group: usize) -> impl Iterator<Item = mori_tp::Result<GroupRank>> + '_ {
+        (0..self.decode_tp()).map(move |d| self.rank(group, d))
+    }
+}
+
+/// A group's sum over a pair's parts.
+pub fn pair_bytes(pair: &GroupPair) -> (Option<u64>, u64) {
+    let per_token = pair
+        .parts
+        .iter()
+        .map(|p| p.bytes_per_token)
+        .try_fold(0u64, |sum, b| b.map(|b| sum + b));
+    (per_token, pair.parts.iter().map(|p| p.bytes_per_request).sum())
+}
