@@ -218,9 +218,7 @@ fn layer_types(
     }
     Ok(fallback.map(|(_, every, full, other)| {
         (0..layers)
-            .map(|i| {
-                if (i + 1) % every == 0 { full } else { other }.to_string()
-            })
+            .map(|i| if (i + 1) % every == 0 { full } else { other }.to_string())
             .collect()
     }))
 }
@@ -311,8 +309,7 @@ pub fn derive(obj: &Map<String, Value>, kv: &KvShape) -> Result<ModelFacts, Stri
     }
 
     let linear = obj.get("linear_conv_kernel_dim").is_some()
-        || string_list(obj, "layer_types")?
-            .is_some_and(|t| t.contains(&"linear_attention"));
+        || string_list(obj, "layer_types")?.is_some_and(|t| t.contains(&"linear_attention"));
     if linear {
         let interval = positive(obj, "full_attention_interval")?;
         let types = layer_types(
@@ -386,7 +383,12 @@ pub fn derive(obj: &Map<String, Value>, kv: &KvShape) -> Result<ModelFacts, Stri
 
     Ok(facts(
         "dense",
-        vec![kv_group("full_attention", "K and V of every token", all, kv)],
+        vec![kv_group(
+            "full_attention",
+            "K and V of every token",
+            all,
+            kv,
+        )],
     ))
 }
 

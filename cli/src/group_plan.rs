@@ -233,13 +233,9 @@ impl GroupsPlan {
                 };
                 make(units, tp, rank, paging.page_size, setup.unit_bytes)
             }
-            Storage::Slot { steps } => mori_tp::Layout::nhd(
-                units,
-                tp,
-                rank,
-                1,
-                setup.unit_bytes * u64::from(steps),
-            ),
+            Storage::Slot { steps } => {
+                mori_tp::Layout::nhd(units, tp, rank, 1, setup.unit_bytes * u64::from(steps))
+            }
         }
     }
 
@@ -254,9 +250,8 @@ impl GroupsPlan {
         )?;
         debug_assert_eq!(config.action(), pairing.action);
         let sends = config.action() == Action::Send;
-        let per_layer_unit = setup.unit_bytes
-            * u64::from(g.group.buffers_per_layer)
-            * g.group.layers.len() as u64;
+        let per_layer_unit =
+            setup.unit_bytes * u64::from(g.group.buffers_per_layer) * g.group.layers.len() as u64;
         let moved = if sends {
             u64::from(config.num_heads()) * per_layer_unit
         } else {
@@ -297,8 +292,7 @@ impl GroupsPlan {
         const IN_RANGE: &str = "ranks below their TP sizes, units below the part's";
         let owned = side.owned_heads(d).expect(IN_RANGE);
         let first = prefill.first_owner(owned.start).expect(IN_RANGE);
-        let last =
-            prefill.first_owner(owned.end - 1).expect(IN_RANGE) + prefill.replication() - 1;
+        let last = prefill.first_owner(owned.end - 1).expect(IN_RANGE) + prefill.replication() - 1;
         first..last + 1
     }
 
@@ -309,7 +303,11 @@ impl GroupsPlan {
         let mut owned = Vec::new();
         for (i, setup) in g.parts.iter().enumerate() {
             let (prefill, decode) = (setup.topology.prefill(), setup.topology.decode());
-            owned.push(decode.owned_heads(d).expect("a decode rank below its TP size"));
+            owned.push(
+                decode
+                    .owned_heads(d)
+                    .expect("a decode rank below its TP size"),
+            );
             for p in Self::sharing(decode, prefill, d) {
                 let pair = self.pair(group, i, p, d)?;
                 if pair.action != Action::NotPaired {
@@ -353,5 +351,350 @@ pub fn pair_bytes(pair: &GroupPair) -> (Option<u64>, u64) {
         .iter()
         .map(|p| p.bytes_per_token)
         .try_fold(0u64, |sum, b| b.map(|b| sum + b));
-    (per_token, pair.parts.iter().map(|p| p.bytes_per_request).sum())
+    (
+        per_token,
+        pair.parts.iter().map(|p| p.bytes_per_request).sum(),
+    )
+}
+
+/// `layers 0-2, 4-6 and 8 (7 layers)`.
+pub fn layers_text(layers: &[u32]) -> String {
+    let mut runs: Vec<Range<u32>> = Vec::new();
+    for &l in layers {
+        match runs.last_mut() {
+            Some(run) if run.end == l => run.end = l + 1,
+            _ => runs.push(l..l + 1),
+        }
+    }
+    let shown: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            if r.len() == 1 {
+                r.start.to_string()
+            } else {
+                format!("{}-{}", r.start, r.end - 1)
+            }
+        })
+        .collect();
+    let list = match shown.as_slice() {
+        [one] => one.clone(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+        [] => String::new(),
+    };
+    let s = if layers.len() == 1 { "" } else { "s" };
+    let word = if layers.len() == 1 { "layer" } else { "layers" };
+    format!("{word} {list} ({} layer{s})", layers.len())
+}
+
+/// `x heads 0-15`, `B group 3`, `index_k record 0`.
+fn units_text(part: &Part, units: &Range<u32>) -> String {
+    match units.len() {
+        1 => format!("{} {} {}", part.name, part.unit, units.start),
+        n => format!(
+            "{} {}s {}-{}",
+            part.name,
+            part.unit,
+            units.start,
+            units.start + n as u32 - 1
+        ),
+    }
+}
+
+/// The per-token and per-request bytes of a pair or a rank, for people.
+fn bytes_text(per_token: Option<u64>, per_request: u64, tokens: u32, moved: Option<u64>) -> String {
+    use crate::layout::{grouped, human_bytes};
+    match (per_token, moved) {
+        (Some(t), Some(m)) if m < u64::from(tokens) => format!(
+            "{} B per token, {} per request (its last {} tokens)",
+            grouped(t),
+            human_bytes(per_request),
+            grouped(m)
+        ),
+        (Some(t), _) => format!(
+            "{} B per token, {} per {}-token request",
+            grouped(t),
+            human_bytes(per_request),
+            grouped(u64::from(tokens))
+        ),
+        (None, _) => format!("{} per request", human_bytes(per_request)),
+    }
+}
+
+impl GroupsPlan {
+    /// The groups for people: each group's layers, storage and parts, then every decode rank's
+    /// senders (replicas that skip included) and the bytes of each pair and of the rank.
+    pub fn write_text(&self, out: &mut dyn std::io::Write) -> Result<(), crate::plan::Failure> {
+        use std::fmt::Write as _;
+        let fail = |e: mori_tp::Error| LayoutError {
+            summary: "a group's pair:".into(),
+            problems: vec![Problem::from_library(&e)],
+        };
+        let main = self.facts.main_group().name;
+        out.write_all(b"\n")?;
+        out.write_all(
+            crate::layout::labelled(
+                "groups:",
+                &format!(
+                    "{} kinds of state over {} layers ({}); what each decode rank receives of \
+                     each",
+                    self.groups.len(),
+                    self.facts.total_layers,
+                    family_text(self.facts.family)
+                ),
+            )
+            .as_bytes(),
+        )?;
+        for (g, setup) in self.groups.iter().enumerate() {
+            let group = &setup.group;
+            let mut text = String::new();
+            let storage = match group.storage {
+                Storage::Paged { window: None } => "paged".to_string(),
+                Storage::Paged { window: Some(w) } => {
+                    format!("paged, the last {w} tokens (sliding_window)")
+                }
+                Storage::Slot { steps } => format!(
+                    "one slot per request of {steps} time step{}",
+                    if steps == 1 { "" } else { "s" }
+                ),
+            };
+            text += &crate::layout::labelled(
+                "group",
+                &format!(
+                    "{} ({}): {}; {}; {} buffer{} per layer",
+                    group.name,
+                    group.what,
+                    layers_text(&group.layers),
+                    storage,
+                    group.buffers_per_layer,
+                    if group.buffers_per_layer == 1 {
+                        ""
+                    } else {
+                        "s"
+                    }
+                ),
+            );
+            let step = match group.storage {
+                Storage::Paged { .. } => "per token",
+                Storage::Slot { .. } => "per time step",
+            };
+            let parts: Vec<String> = setup
+                .parts
+                .iter()
+                .zip(&setup.dtype_names)
+                .map(|(p, dtype)| {
+                    let units = p.part.units;
+                    let held = if units == 1 {
+                        "held whole by every rank"
+                    } else {
+                        "sharded"
+                    };
+                    format!(
+                        "{} {} {}{} x {} B {step} ({dtype}), {held}",
+                        p.part.name,
+                        units,
+                        p.part.unit,
+                        if units == 1 { "" } else { "s" },
+                        crate::layout::grouped(p.unit_bytes)
+                    )
+                })
+                .collect();
+            text += &crate::layout::labelled("  parts:", &parts.join("; "));
+            if matches!(group.storage, Storage::Slot { .. }) {
+                text += &crate::layout::labelled(
+                    "  slot:",
+                    "where each part lies in a slot is the engine's (vLLM keeps a conv state as \
+                     (state_len, dim) or (dim, state_len), SGLang as its own shape; a slot may \
+                     be padded) and is not guessed here: the sends and bytes below do not \
+                     depend on it, and Python's mori_tp.models takes the engine's strides",
+                );
+            }
+            if group.name == main {
+                text += &crate::layout::labelled("  pairs:", "the plan above is this group's");
+                out.write_all(text.as_bytes())?;
+                continue;
+            }
+            out.write_all(text.as_bytes())?;
+            for rank in self.ranks(g) {
+                let rank = rank.map_err(fail)?;
+                let owned: Vec<String> = setup
+                    .parts
+                    .iter()
+                    .zip(&rank.owned)
+                    .map(|(p, r)| units_text(&p.part, r))
+                    .collect();
+                let mut text = format!(
+                    "  decode rank {}, {}:\n",
+                    rank.decode_rank,
+                    owned.join(", ")
+                );
+                for pair in &rank.pairs {
+                    let sends: Vec<String> = pair
+                        .parts
+                        .iter()
+                        .filter(|p| p.action == Action::Send)
+                        .map(|p| {
+                            let part = &setup.parts[p.part].part;
+                            units_text(part, &(p.first_unit..p.first_unit + p.num_units))
+                        })
+                        .collect();
+                    if !sends.is_empty() {
+                        let (t, r) = pair_bytes(pair);
+                        let _ = writeln!(
+                            text,
+                            "    prefill rank {} sends {}: {}",
+                            pair.prefill_rank,
+                            sends.join(", "),
+                            bytes_text(t, r, self.tokens, setup.tokens_moved)
+                        );
+                    }
+                    for p in pair
+                        .parts
+                        .iter()
+                        .filter(|p| p.action == Action::SkipReplica)
+                    {
+                        let part = &setup.parts[p.part].part;
+                        let _ = writeln!(
+                            text,
+                            "    prefill rank {} skips {} (replica: prefill rank {} sends it)",
+                            pair.prefill_rank,
+                            units_text(part, &p.shared),
+                            p.sent_by
+                        );
+                    }
+                }
+                let _ = writeln!(
+                    text,
+                    "    receives {}",
+                    bytes_text(
+                        rank.bytes_per_token,
+                        rank.bytes_per_request,
+                        self.tokens,
+                        setup.tokens_moved
+                    )
+                );
+                out.write_all(text.as_bytes())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The groups as the value of the plan's `"groups"` field: one object per group, its pairs
+    /// one per line, streamed as they are computed.
+    pub fn write_json(&self, out: &mut dyn std::io::Write) -> Result<(), crate::plan::Failure> {
+        use serde_json::{Value, json};
+        let fail = |e: mori_tp::Error| LayoutError {
+            summary: "a group's pair:".into(),
+            problems: vec![Problem::from_library(&e)],
+        };
+        let range = |r: &Range<u32>| json!([r.start, r.end]);
+        out.write_all(b"[")?;
+        for (g, setup) in self.groups.iter().enumerate() {
+            let group = &setup.group;
+            let (storage, window, steps) = match group.storage {
+                Storage::Paged { window } => ("paged", window, None),
+                Storage::Slot { steps } => ("slot", None, Some(steps)),
+            };
+            let parts: Vec<Value> = setup
+                .parts
+                .iter()
+                .zip(&setup.dtype_names)
+                .map(|(p, dtype)| {
+                    json!({
+                        "name": p.part.name,
+                        "unit": p.part.unit,
+                        "units": p.part.units,
+                        "unit_bytes": p.unit_bytes,
+                        "dtype": dtype,
+                        "held_whole": p.part.units == 1,
+                        "must_divide": p.part.must_divide,
+                    })
+                })
+                .collect();
+            let head = json!({
+                "name": group.name,
+                "layers": group.layers,
+                "buffers_per_layer": group.buffers_per_layer,
+                "storage": storage,
+                "window": window,
+                "slot_steps": steps,
+                "tokens_moved": setup.tokens_moved,
+                "parts": parts,
+            });
+            let head = head.to_string();
+            // The object without its closing brace, so the pairs follow it.
+            write!(
+                out,
+                "{}\n    {},\n    \"pairs\": [",
+                if g == 0 { "\n  " } else { ",\n  " },
+                &head[..head.len() - 1]
+            )?;
+            let mut ranks = Vec::new();
+            let mut first = true;
+            for rank in self.ranks(g) {
+                let rank = rank.map_err(fail)?;
+                for pair in &rank.pairs {
+                    let (t, r) = pair_bytes(pair);
+                    let parts: Vec<Value> = pair
+                        .parts
+                        .iter()
+                        .map(|p| {
+                            json!({
+                                "part": setup.parts[p.part].part.name,
+                                "action": p.action.as_str(),
+                                "shared_units": range(&p.shared),
+                                "sent_by": p.sent_by,
+                                "first_unit": p.first_unit,
+                                "num_units": p.num_units,
+                                "src_first_local": p.src_first_local,
+                                "dst_first_local": p.dst_first_local,
+                                "bytes_per_token": p.bytes_per_token,
+                                "bytes_per_request": p.bytes_per_request,
+                            })
+                        })
+                        .collect();
+                    let value = json!({
+                        "prefill_rank": pair.prefill_rank,
+                        "decode_rank": pair.decode_rank,
+                        "bytes_per_token": t,
+                        "bytes_per_request": r,
+                        "parts": parts,
+                    });
+                    write!(out, "{}      {value}", if first { "\n" } else { ",\n" })?;
+                    first = false;
+                }
+                let owned: serde_json::Map<String, Value> = setup
+                    .parts
+                    .iter()
+                    .zip(&rank.owned)
+                    .map(|(p, r)| (p.part.name.to_string(), range(r)))
+                    .collect();
+                ranks.push(json!({
+                    "decode_rank": rank.decode_rank,
+                    "owned_units": owned,
+                    "bytes_per_token": rank.bytes_per_token,
+                    "bytes_per_request": rank.bytes_per_request,
+                }));
+            }
+            out.write_all(b"\n    ],\n    \"decode_ranks\": [")?;
+            for (i, rank) in ranks.iter().enumerate() {
+                write!(out, "{}      {rank}", if i == 0 { "\n" } else { ",\n" })?;
+            }
+            out.write_all(b"\n    ]}")?;
+        }
+        out.write_all(b"\n  ]")?;
+        Ok(())
+    }
+}
+
+/// A family for people.
+pub fn family_text(family: &str) -> &'static str {
+    match family {
+        "dense" => "dense attention",
+        "mla" => "multi-head latent attention",
+        "mla_indexer" => "MLA with a sparse-attention indexer",
+        "sliding_window" => "full and sliding-window attention",
+        "gated_deltanet" => "full attention and Gated DeltaNet",
+        "mamba2" => "Mamba2 and attention",
+        _ => "other",
+    }
 }

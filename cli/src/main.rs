@@ -235,6 +235,18 @@ struct DeploymentArgs {
     )]
     dtype: Option<DtypeArg>,
 
+    /// Element type of Mamba2 SSM and Gated DeltaNet recurrent states (models read with
+    /// --config that keep them) [default: the config's mamba_ssm_cache_dtype or mamba_ssm_dtype,
+    /// else --dtype, with a note: vLLM keeps them in the model's dtype unless
+    /// --mamba-ssm-cache-dtype says otherwise, SGLang in fp32 unless SGLANG_MAMBA_SSM_DTYPE does]
+    #[arg(
+        long,
+        value_name = "DTYPE",
+        value_parser = parse_dtype,
+        help_heading = "Layout"
+    )]
+    ssm_dtype: Option<DtypeArg>,
+
     /// Tokens per KV-cache page, both engines [default: 1]
     #[arg(
         long,
@@ -541,9 +553,82 @@ impl DeploymentArgs {
                 .into()
         };
         if let Some(layers) = self.layers {
+            match &mut model.facts {
+                Some(facts) if facts.is_hybrid() => {
+                    return Err(Failure::Usage(format!(
+                        "--layers {layers}: {} has {} groups of layers ({}), each with its own \
+                         layers from the config; leave out --layers",
+                        model.name,
+                        facts.groups.len(),
+                        facts
+                            .groups
+                            .iter()
+                            .map(|g| g.name)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
+                }
+                Some(facts) => {
+                    facts.total_layers = layers;
+                    facts.groups[0].layers = (0..layers).collect();
+                }
+                None => {}
+            }
             model.layers = layers;
         }
         Ok(model)
+    }
+
+    /// The dtype of SSM and recurrent states: --ssm-dtype, else the config's, else the cache's
+    /// (with a note saying so).
+    fn ssm_dtype(
+        &self,
+        model: &Model,
+        cache: Dtype,
+        notes: &mut Vec<String>,
+    ) -> Result<Dtype, Failure> {
+        let Some(facts) = model.facts.as_ref().filter(|f| f.has_state()) else {
+            return Ok(cache);
+        };
+        let from_config = facts.ssm_dtype.as_deref();
+        match (self.ssm_dtype, from_config) {
+            (Some(DtypeArg::Is(dtype)), _) => Ok(dtype),
+            (_, Some(text)) => Dtype::parse(text).ok_or_else(|| {
+                Failure::Usage(format!(
+                    "{}'s SSM state dtype \"{text}\" is not one mori-tp knows; give --ssm-dtype \
+                     ({})",
+                    model.name,
+                    model::DTYPE_SPELLINGS
+                ))
+            }),
+            (Some(DtypeArg::Auto), None) | (None, None) => {
+                notes.push(format!(
+                    "{}'s config names no SSM state dtype: its states are taken as {cache}, the \
+                     cache's (vLLM's default; SGLang keeps them in fp32): give --ssm-dtype to \
+                     say which",
+                    model.name
+                ));
+                Ok(cache)
+            }
+        }
+    }
+
+    /// The plan of every group, for a model read from a config.json.
+    fn groups(
+        &self,
+        layout: &Layout,
+        notes: &mut Vec<String>,
+    ) -> Result<Option<group_plan::GroupsPlan>, Failure> {
+        let Some(facts) = &layout.model.facts else {
+            return Ok(None);
+        };
+        let ssm = self.ssm_dtype(&layout.model, layout.dtype, notes)?;
+        Ok(Some(group_plan::GroupsPlan::new(
+            facts,
+            layout,
+            ssm,
+            self.tokens,
+        )?))
     }
 
     /// The KV-cache dtype: as given, or the config's own for `auto` (the default with --config).
@@ -662,6 +747,7 @@ fn presets(json: bool) -> String {
 fn plan(args: &PlanArgs, out: &mut dyn Write, notes: &mut Vec<String>) -> Result<(), Failure> {
     let layout = args.deployment.layout(notes)?;
     let tokens = args.deployment.tokens;
+    let groups = args.deployment.groups(&layout, notes)?;
     if let Some(path) = &args.svg {
         let picture = svg::render(&layout, tokens).map_err(|e| match e {
             svg::Refusal::Layout(e) => Failure::Layout(e),
@@ -672,9 +758,12 @@ fn plan(args: &PlanArgs, out: &mut dyn Write, notes: &mut Vec<String>) -> Result
         notes.push(format!("drew the layout into {}", path.display()));
     }
     if args.json {
-        plan::write_json(&layout, tokens, out)?;
+        plan::write_json(&layout, tokens, groups.as_ref(), out)?;
     } else {
         plan::write_text(&layout, tokens, out)?;
+        if let Some(groups) = groups.as_ref().filter(|g| g.facts.is_hybrid()) {
+            groups.write_text(out)?;
+        }
     }
     Ok(())
 }

@@ -383,7 +383,10 @@ pub(crate) fn required(obj: &Map<String, Value>, key: &str, why: &str) -> Result
 }
 
 /// `hidden_size / num_attention_heads`, the head dimension of configs without `head_dim`.
-pub(crate) fn head_dim_from_hidden(obj: &Map<String, Value>, fallback_for: &str) -> Result<u32, String> {
+pub(crate) fn head_dim_from_hidden(
+    obj: &Map<String, Value>,
+    fallback_for: &str,
+) -> Result<u32, String> {
     let why = format!("needed to derive the head dimension without `{fallback_for}`");
     let hidden = required(obj, "hidden_size", &why)?;
     let heads = required(obj, "num_attention_heads", &why)?;
