@@ -85,7 +85,6 @@ pub struct GroupsPlan {
     pub prefill: Paging,
     pub decode: Paging,
     pub tokens: u32,
-    pub ssm_dtype: Dtype,
 }
 
 /// The name a part's dtype goes by.
@@ -177,7 +176,6 @@ impl GroupsPlan {
             prefill: layout.prefill_paging,
             decode: layout.decode_paging,
             tokens,
-            ssm_dtype,
         };
         // The library checks every part's layouts once, on rank 0 of each side.
         for g in 0..plan.groups.len() {
@@ -196,8 +194,49 @@ impl GroupsPlan {
         Ok(plan)
     }
 
-    pub fn prefill_tp(&self) -> u32 {
-        self.groups[0].parts[0].topology.prefill().tp_size()
+    /// One layout per unit count among the parts (in the order they first appear), with a
+    /// caption naming the groups and parts that shard that way: what `--svg` draws, one panel
+    /// each. A part's units move like KV heads of the same count, so a panel is the classic
+    /// picture of that many heads.
+    pub fn panels(&self, layout: &Layout) -> Result<Vec<(String, Layout)>, LayoutError> {
+        let mut counts: Vec<(u32, Vec<String>)> = Vec::new();
+        for setup in &self.groups {
+            for p in &setup.parts {
+                let name = format!("{} {}", setup.group.name, p.part.name);
+                match counts.iter_mut().find(|(units, _)| *units == p.part.units) {
+                    Some((_, names)) => names.push(name),
+                    None => counts.push((p.part.units, vec![name])),
+                }
+            }
+        }
+        counts
+            .into_iter()
+            .map(|(units, names)| {
+                let model = crate::model::Model {
+                    name: layout.model.name.clone(),
+                    kv_heads: units,
+                    head_dim: 1,
+                    layers: 1,
+                    attention: crate::model::Attention::KeyValue,
+                    torch_dtype: None,
+                    facts: None,
+                };
+                let caption = format!(
+                    "{units} unit{} ({})",
+                    if units == 1 { "" } else { "s" },
+                    names.join(", ")
+                );
+                let panel = Layout::new(
+                    model,
+                    Dtype::Fp8,
+                    layout.prefill_paging,
+                    layout.decode_paging,
+                    layout.prefill_tp(),
+                    layout.decode_tp(),
+                )?;
+                Ok((caption, panel))
+            })
+            .collect()
     }
 
     pub fn decode_tp(&self) -> u32 {

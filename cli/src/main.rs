@@ -749,7 +749,16 @@ fn plan(args: &PlanArgs, out: &mut dyn Write, notes: &mut Vec<String>) -> Result
     let tokens = args.deployment.tokens;
     let groups = args.deployment.groups(&layout, notes)?;
     if let Some(path) = &args.svg {
-        let picture = svg::render(&layout, tokens).map_err(|e| match e {
+        let panels = match groups.as_ref().filter(|g| g.facts.is_hybrid()) {
+            Some(groups) => groups.panels(&layout)?,
+            None => Vec::new(),
+        };
+        let picture = if panels.len() > 1 {
+            svg::render_groups(&panels, tokens)
+        } else {
+            svg::render(&layout, tokens)
+        };
+        let picture = picture.map_err(|e| match e {
             svg::Refusal::Layout(e) => Failure::Layout(e),
             svg::Refusal::TooLarge(message) => Failure::Usage(message),
         })?;
