@@ -630,7 +630,12 @@ mod tests {
         assert_eq!(unit_bytes(&f, "mla_latent", "latent", fp8), 512 + 16 + 128);
         let model = from_config_json(text, "config.json").unwrap();
         assert_eq!(
-            (model.kv_heads, model.head_dim, model.layers, model.attention),
+            (
+                model.kv_heads,
+                model.head_dim,
+                model.layers,
+                model.attention
+            ),
             (1, 576, 61, Attention::Mla)
         );
         // DeepSeek V3 (no indexer) keeps its single latent group.
@@ -642,7 +647,10 @@ mod tests {
             "config.json",
         )
         .unwrap_err();
-        assert!(odd.contains("index_head_dim") && odd.contains("100"), "{odd}");
+        assert!(
+            odd.contains("index_head_dim") && odd.contains("100"),
+            "{odd}"
+        );
     }
 
     #[test]
@@ -668,12 +676,7 @@ mod tests {
         assert_eq!(full.name, "full_attention");
         assert_eq!(full.layers, (1..24).step_by(2).collect::<Vec<_>>());
         assert_eq!(sliding.layers, (0..24).step_by(2).collect::<Vec<_>>());
-        assert_eq!(
-            sliding.storage,
-            Storage::Paged {
-                window: Some(128)
-            }
-        );
+        assert_eq!(sliding.storage, Storage::Paged { window: Some(128) });
         assert_eq!(unit_bytes(&f, "sliding_attention", "kv", BF16), 64 * 2);
         // The classic plan describes the full-attention layers.
         let model = from_config_json(&text, "config.json").unwrap();
@@ -691,12 +694,7 @@ mod tests {
         let full: Vec<u32> = (0..62).filter(|i| (i + 1) % 6 == 0).collect();
         assert_eq!(f.groups[0].layers, full);
         assert_eq!(f.groups[1].layers.len(), 62 - full.len());
-        assert_eq!(
-            f.groups[1].storage,
-            Storage::Paged {
-                window: Some(1024)
-            }
-        );
+        assert_eq!(f.groups[1].storage, Storage::Paged { window: Some(1024) });
         let no_window = from_config_json(
             r#"{"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1,
                 "head_dim": 256, "sliding_window_pattern": 6}"#,
@@ -775,7 +773,10 @@ mod tests {
             .map(|p| (p.name, p.units, p.bytes.bytes(BF16)))
             .collect();
         // x: 128 heads of 64 channels; B and C: 8 groups of ssm_state_size 128 channels.
-        assert_eq!(conv, [("x", 128, 64 * 2), ("B", 8, 128 * 2), ("C", 8, 128 * 2)]);
+        assert_eq!(
+            conv,
+            [("x", 128, 64 * 2), ("B", 8, 128 * 2), ("C", 8, 128 * 2)]
+        );
         assert_eq!(unit_bytes(&f, "ssm_state", "state", BF16), 64 * 128 * 2);
         assert_eq!(unit_bytes(&f, "full_attention", "kv", BF16), 128 * 2);
         let model = from_config_json(&text, "config.json").unwrap();
@@ -799,7 +800,10 @@ mod tests {
             "config.json",
         )
         .unwrap_err();
-        assert!(err.contains("layer_types") && err.contains('2') && err.contains('3'), "{err}");
+        assert!(
+            err.contains("layer_types") && err.contains('2') && err.contains('3'),
+            "{err}"
+        );
         let err = from_config_json(
             r#"{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
                 "head_dim": 8, "sliding_window": 16,
