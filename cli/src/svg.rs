@@ -281,7 +281,8 @@ fn panel(
     let faint = if skips > 200 { 0.3 } else { 0.7 };
     let _ = writeln!(
         svg,
-        "<g id=\"{prefix}skips\" stroke=\"#888\" stroke-width=\"1\" stroke-dasharray=\"4 3\" fill=\"none\" \
+        "<g id=\"{prefix}skips\" stroke=\"#888\" stroke-width=\"1\" stroke-dasharray=\"4 3\" \
+         fill=\"none\" \
          opacity=\"{faint}\">"
     );
     for rank in &ranks {
@@ -440,8 +441,8 @@ fn rank_box(
     let text_y = slot.y + slot.height / 2.0 + 5.0;
     let _ = writeln!(
         svg,
-        "<g class=\"rank\" id=\"{prefix}{name}\"><rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{BOX_WIDTH}\" \
-         height=\"{:.1}\" rx=\"5\" fill=\"{fill}\" stroke=\"{stroke}\" stroke-width=\"1.2\"{dash}/>\
+        "<g class=\"rank\" id=\"{prefix}{name}\"><rect x=\"{x:.1}\" y=\"{:.1}\" \
+         width=\"{BOX_WIDTH}\" height=\"{:.1}\" rx=\"5\" fill=\"{fill}\" stroke=\"{stroke}\" stroke-width=\"1.2\"{dash}/>\
          <text class=\"name\" x=\"{:.1}\" y=\"{text_y:.1}\" font-size=\"14\" \
          font-weight=\"bold\">{name}</text><text class=\"heads\" x=\"{:.1}\" y=\"{text_y:.1}\" \
          font-size=\"13\" fill=\"{}\">{}</text><text class=\"note\" x=\"{:.1}\" y=\"{text_y:.1}\" \
