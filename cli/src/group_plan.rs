@@ -538,13 +538,18 @@ impl GroupsPlan {
                 })
                 .collect();
             text += &crate::layout::labelled("  parts:", &parts.join("; "));
-            if matches!(group.storage, Storage::Slot { .. }) {
+            let first_slot = self
+                .groups
+                .iter()
+                .position(|g| matches!(g.group.storage, Storage::Slot { .. }));
+            if first_slot == Some(g) {
                 text += &crate::layout::labelled(
                     "  slot:",
-                    "where each part lies in a slot is the engine's (vLLM keeps a conv state as \
-                     (state_len, dim) or (dim, state_len), SGLang as its own shape; a slot may \
-                     be padded) and is not guessed here: the sends and bytes below do not \
-                     depend on it, and Python's mori_tp.models takes the engine's strides",
+                    "where each part lies in a state slot is the engine's (vLLM keeps a conv \
+                     state as (state_len, dim) or (dim, state_len), SGLang as its own shape; a \
+                     slot may be padded) and is not guessed here: the sends and bytes of every \
+                     slot group below do not depend on it; Python's mori_tp.models takes the \
+                     engine's strides",
                 );
             }
             if group.name == main {

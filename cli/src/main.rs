@@ -54,6 +54,7 @@ Examples:
   mori-tp plan --model llama-3.1-70b --prefill-tp 16 --decode-tp 4
   mori-tp plan --model meta-llama/Llama-3.1-8B-Instruct --prefill-tp 2 --decode-tp 8 --svg l.svg
   mori-tp plan --config path/to/model-dir --prefill-tp 8 --decode-tp 2 --json
+  mori-tp plan --config cli/configs/nemotron-h-8b-base-8k --prefill-tp 2 --decode-tp 4
   mori-tp simulate --model deepseek-v3 --prefill-tp 8 --decode-tp 4 --page-size 64
   mori-tp simulate --model llama-3.1-8b --prefill-tp 8 --decode-tp 2 --prefill-layout hnd \
       --decode-layout nhd --prefill-page-size 16 --decode-page-size 64 --tokens 1000
@@ -175,8 +176,9 @@ struct DeploymentArgs {
     model: Option<ModelChoice>,
 
     /// Read the model from a Hugging Face config.json, or from the config.json in a model
-    /// directory (KV heads, head dim, layers, torch_dtype; GQA, MLA and GLM configs are
-    /// understood)
+    /// directory (KV heads, head dim, layers, torch_dtype; GQA, MLA and GLM configs, and the
+    /// groups of hybrid models: sliding-window layers, Gated DeltaNet and Mamba2 states,
+    /// DeepSeek V3.2's indexer; cli/configs holds examples)
     #[arg(
         long,
         value_name = "PATH",
