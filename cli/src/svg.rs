@@ -367,7 +367,6 @@ fn panel(
     let idle: Vec<bool> = out_arrows.iter().map(|&n| n == 0).collect();
     for (p, slot) in prefill.iter().enumerate() {
         let heads = layout.prefill_heads(p as u32);
-        let note = if idle[p] { " (replica)" } else { "" };
         rank_box(
             &mut svg,
             &format!("p{p}"),
@@ -375,7 +374,6 @@ fn panel(
             left,
             slot,
             &heads,
-            note,
             idle[p],
         );
     }
@@ -387,7 +385,6 @@ fn panel(
             right,
             slot,
             &ranks[d].heads,
-            "",
             false,
         );
     }
@@ -397,7 +394,7 @@ fn panel(
              writes [2, 4])."
                 .to_string()
         },
-        |f| escape(f),
+        escape,
     );
     let _ = writeln!(
         svg,
@@ -430,9 +427,10 @@ fn rank_box(
     x: f64,
     slot: &Slot,
     heads: &std::ops::Range<u32>,
-    note: &str,
     idle: bool,
 ) {
+    // A prefill rank that sends nothing holds replicas only.
+    let note = if idle { "(replica)" } else { "" };
     let (fill, stroke, dash) = if idle {
         ("#f2f2f2", "#999", " stroke-dasharray=\"5 3\"")
     } else {
@@ -454,6 +452,6 @@ fn rank_box(
         colour(heads.start),
         escape(&heads_label(heads)),
         x + 100.0,
-        escape(note.trim()),
+        escape(note),
     );
 }
