@@ -273,24 +273,28 @@ fn pattern_layers(pattern: &str, c: char) -> Vec<u64> {
         .collect()
 }
 
+/// Nemotron-H-8B from prefill TP 2 to decode TP 4, a request of 1,000 tokens.
+const NEMOTRON_2_TO_4: [&str; 9] = [
+    "plan",
+    "--config",
+    "cli/configs/nemotron-h-8b-base-8k",
+    "--prefill-tp",
+    "2",
+    "--decode-tp",
+    "4",
+    "--tokens",
+    "1000",
+];
+
 #[test]
 fn a_mamba2_hybrid_plans_every_group_with_the_bytes_of_its_formulas() {
     let cfg = config("nemotron-h-8b-base-8k");
     let field = |key: &str| u(&cfg[key]);
     let pattern = cfg["hybrid_override_pattern"].as_str().unwrap();
     let (p_size, d_size, tokens) = (2u64, 4u64, 1000u64);
-    let plan = json_of(&[
-        "plan",
-        "--config",
-        "cli/configs/nemotron-h-8b-base-8k",
-        "--prefill-tp",
-        "2",
-        "--decode-tp",
-        "4",
-        "--tokens",
-        "1000",
-        "--json",
-    ]);
+    let mut args = NEMOTRON_2_TO_4.to_vec();
+    args.push("--json");
+    let plan = json_of(&args);
     assert_eq!(plan["model"]["family"], "mamba2");
     assert_eq!(
         u(&plan["model"]["total_layers"]),
@@ -366,17 +370,7 @@ fn a_mamba2_hybrid_plans_every_group_with_the_bytes_of_its_formulas() {
     }
 
     // The text says the same, and that the slot layout is the engine's.
-    let out = mori_tp(&[
-        "plan",
-        "--config",
-        "cli/configs/nemotron-h-8b-base-8k",
-        "--prefill-tp",
-        "2",
-        "--decode-tp",
-        "4",
-        "--tokens",
-        "1000",
-    ]);
+    let out = mori_tp(&NEMOTRON_2_TO_4);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("groups:   3 kinds of state over 52 layers"),
@@ -468,7 +462,7 @@ fn a_sliding_window_group_moves_only_its_window() {
 
 #[test]
 fn a_dense_config_keeps_its_plan_and_its_one_group_agrees_with_it() {
-    let out = mori_tp(&[
+    let mut args = vec![
         "plan",
         "--config",
         "cli/configs/llama-3.1-8b",
@@ -476,19 +470,12 @@ fn a_dense_config_keeps_its_plan_and_its_one_group_agrees_with_it() {
         "8",
         "--decode-tp",
         "2",
-    ]);
+    ];
+    let out = mori_tp(&args);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && !text.contains("groups:"), "{text}");
-    let plan = json_of(&[
-        "plan",
-        "--config",
-        "cli/configs/llama-3.1-8b",
-        "--prefill-tp",
-        "8",
-        "--decode-tp",
-        "2",
-        "--json",
-    ]);
+    args.push("--json");
+    let plan = json_of(&args);
     assert_eq!(plan["groups"].as_array().unwrap().len(), 1);
     let full = group(&plan, "full_attention");
     for (rank, classic) in full["decode_ranks"]
