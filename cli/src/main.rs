@@ -345,9 +345,10 @@ struct PlanArgs {
     /// [one per pair that shares a head; sending pairs carry "staging": "none", "src", "dst" or
     /// "both", "staging_bytes_per_request", "segments_per_buffer",
     /// "direct_segments_per_buffer", and both ranks' layouts], "decode_ranks": [one per decode
-    /// rank]}. Head ranges are half-open [first, end): "shared_heads": [2, 4] means heads 2 and
-    /// 3. On a layout that cannot work, prints {"error": {...}} instead, with the same exit
-    /// status.
+    /// rank]}; with --config also "groups": [every group of layers, its parts, and what each
+    /// pair and decode rank moves of it]. Head ranges are half-open [first, end):
+    /// "shared_heads": [2, 4] means heads 2 and 3. On a layout that cannot work, prints
+    /// {"error": {...}} instead, with the same exit status.
     #[arg(long)]
     json: bool,
 
@@ -785,6 +786,15 @@ fn simulate(
     notes: &mut Vec<String>,
 ) -> Result<(), Failure> {
     let layout = args.deployment.layout(notes)?;
+    if let Some(facts) = layout.model.facts.as_ref().filter(|f| f.is_hybrid()) {
+        notes.push(format!(
+            "simulate moves {}'s {} group ({} of its {} layers); `plan --config` lists every group",
+            layout.model.name,
+            facts.main_group().name,
+            layout.model.layers,
+            facts.total_layers
+        ));
+    }
     let options = simulate::Options {
         tokens: args.deployment.tokens,
         layers_limit: args.layers_limit,
