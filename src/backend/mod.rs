@@ -20,10 +20,10 @@ pub(crate) use job::{check_capacity_fits, first_null};
 // Without the `hip` feature only their unit tests use them.
 /// cbindgen:ignore
 #[cfg_attr(not(feature = "hip"), allow(dead_code))]
-mod copy_kernel;
+pub(crate) mod copy_kernel;
 /// cbindgen:ignore
 #[cfg_attr(not(feature = "hip"), allow(dead_code))]
-mod hip;
+pub(crate) mod hip;
 
 /// Performs a whole [`CopyJob`]: every rect of a plan on every buffer pair of a call.
 ///

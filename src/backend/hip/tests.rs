@@ -20,6 +20,7 @@ mod recorder;
 use std::collections::HashSet;
 use std::ffi::c_void;
 use std::ptr::{null_mut, without_provenance_mut};
+use std::rc::Rc;
 
 use common::{
     MODELS, Request, Sender, SideBuffers, every_model_deployment, odd_deployments, transfer,
@@ -34,6 +35,7 @@ use super::{
     Memcpy2dAsync, TABLE_SLOTS,
 };
 use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
+use crate::pool::{DeviceMemory, PoolMemory, PoolMemoryKind, StagingPool};
 use crate::{
     Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, SliceParams,
     pack, pack_host, send, slice_config, unpack, unpack_host,
@@ -1520,13 +1522,15 @@ fn a_device_pool_is_one_hipmalloc_for_its_life_and_one_hipfree_at_the_end() {
 
 #[test]
 fn a_failing_hipmalloc_is_a_gpu_error_naming_the_size_and_status() {
-    let mut recorder = pool_recorder();
-    recorder.fail_call = Some(("hipMalloc", HipStatus(2)));
+    let recorder = pool_recorder();
+    recorder.fail_call.set(Some(("hipMalloc", HipStatus(2))));
     let error = DeviceMemory::new(recorder, 1 << 30).unwrap_err();
     let Error::Gpu {
         call,
         status,
         message,
+        buffer: None,
+        rect: None,
     } = &error
     else {
         panic!("{error}");

@@ -11,6 +11,7 @@ use std::cell::{Cell, RefCell};
 use std::ffi::{CStr, CString, c_void};
 use std::process::Command;
 use std::ptr::without_provenance_mut;
+use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 
 use super::super::{
@@ -267,7 +268,8 @@ pub struct Module {
 /// doing anything.
 #[derive(Debug)]
 pub struct Recorder {
-    pub calls: RefCell<Vec<Call>>,
+    /// Every call so far, shared so that a test can read it after handing the recorder away.
+    pub calls: Rc<RefCell<Vec<Call>>>,
     /// What hipGetDeviceCount answers.
     pub devices: Result<i32, HipStatus>,
     /// Fail the n-th hipMemcpy2DAsync (counting from 0) with this status, copying nothing.
@@ -308,7 +310,7 @@ impl Recorder {
             .map(|b| (b.as_mut_ptr() as usize, b.len()))
             .collect();
         Recorder {
-            calls: RefCell::new(Vec::new()),
+            calls: Rc::new(RefCell::new(Vec::new())),
             devices: Ok(1),
             fail_copy: None,
             sync_status: HipStatus::SUCCESS,
