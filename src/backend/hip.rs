@@ -13,17 +13,20 @@
 //! The engine never leaves the caller's current device changed: a copy runs on the device of the
 //! caller's stream (for the NULL stream, the caller's current device). The copy kernel is loaded
 //! once per device, for the stream's device (`hipStreamGetDevice`, resolved at run time because
-//! HIP 5.2 lacks it; without it, the current device): `hipModuleLoadData` loads for the current
-//! device only, and a launch runs on the stream's device, so when the two differ the engine
-//! makes the stream's device current for the load and switches back.
+//! HIP 5.2 lacks it; without it, the current device, which an event of that device recorded on
+//! the stream confirms): `hipModuleLoadData` loads for the current device only, and a launch
+//! runs on the stream's device, so when the two differ the engine makes the stream's device
+//! current for the load and switches back.
 //!
 //! A kernel call is, in order: the capture check (a capturing stream gets the per-rect copies,
 //! whose graph nodes keep nothing of the call), the device's kernel state (loaded once; checked
-//! to have survived a `hipDeviceReset`), the buffers the kernel cannot reach refused (each base
-//! checked once with `hipPointerGetAttributes`), then on the stream: one `hipMemcpyAsync` of the
-//! table from pinned host memory into a device buffer, the launch, and `hipEventRecord` of the
-//! buffer pair's event, so that the next call that takes the pair waits for this one. There are
-//! [`TABLE_SLOTS`] such pairs per device, grown when a table outgrows them.
+//! to have survived a `hipDeviceReset`), without `hipStreamGetDevice` the stream's device
+//! checked, the buffers the kernel cannot reach refused (device memory checked once per base
+//! with `hipPointerGetAttributes`, host memory on every call), then on the stream: one
+//! `hipMemcpyAsync` of the table from pinned host memory into a device buffer, the launch, and
+//! `hipEventRecord` of the buffer pair's event, so that the next call that takes the pair waits
+//! for this one. There are [`TABLE_SLOTS`] such pairs per device, grown when a table outgrows
+//! them.
 
 use std::collections::HashSet;
 use std::ffi::{CStr, c_void};
@@ -86,6 +89,12 @@ pub const TABLE_SLOTS: usize = 4;
 
 /// The smallest table buffer: 1000 rects and their bases fit.
 pub const MIN_TABLE_BYTES: usize = 64 * 1024;
+
+/// Bytes each device table buffer is allocated beyond its table room, so that its size is one
+/// no caller asks for (a power of two and a bit): after `hipDeviceReset` frees the buffer, an
+/// allocation that takes its address has another size, and the reset check does not mistake
+/// it for the buffer.
+pub const TABLE_TAIL_BYTES: usize = 192;
 
 /// The arguments of one `hipMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind,
 /// stream)`, in that order.
@@ -257,6 +266,10 @@ pub trait HipRuntime {
     /// `hipPointerGetAttributes(&attributes, pointer)`.
     fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, HipStatus>;
 
+    /// `hipMemGetAddressRange(&base, &size, pointer)`: the device allocation that holds
+    /// `pointer`, as its base address and size.
+    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus>;
+
     /// `hipMemcpyAsync(dst, src, size, hipMemcpyHostToDevice, stream)`.
     ///
     /// # Safety
@@ -277,7 +290,6 @@ pub trait HipRuntime {
     /// `launch.function` must be the copy kernel on the stream's device, and every address the
     /// table behind `launch.args` names must stay valid until the stream has run the kernel.
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), HipStatus>;
-
 }
 
 /// "hipErrorNoDevice (100)": the runtime's name for a status and its number, which stays
@@ -393,7 +405,11 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Slot {
     device: usize,
     host: usize,
+    /// Table bytes both buffers hold (the device buffer has [`TABLE_TAIL_BYTES`] more).
     capacity: usize,
+    /// The device buffer's size as `hipMemGetAddressRange` reported it after the allocation:
+    /// what the reset check compares.
+    allocated: usize,
     event: usize,
 }
 
@@ -406,6 +422,9 @@ pub struct DeviceKernel {
     slots: [Option<Slot>; TABLE_SLOTS],
     next: usize,
     reachable: HashSet<usize>,
+    /// An event of this device, recorded on a caller's stream to check that the stream belongs
+    /// to the device where the runtime cannot say (no `hipStreamGetDevice`); made on first use.
+    probe: Option<usize>,
 }
 
 /// Base addresses remembered as reachable per device before the set starts over.
@@ -484,7 +503,8 @@ struct LaunchDevice {
     /// The calling thread's current device.
     current: i32,
     /// True when the stream is not NULL but the runtime has no `hipStreamGetDevice`, so
-    /// `device` is the current device by assumption.
+    /// `device` is the current device by assumption, which [`HipEngine::probe_stream_device`]
+    /// checks before anything is allocated or issued.
     assumed: bool,
 }
 
@@ -692,6 +712,7 @@ impl<R: HipRuntime> HipEngine<R> {
                 slots: [None; TABLE_SLOTS],
                 next: 0,
                 reachable: HashSet::new(),
+                probe: None,
             }),
             Err(error) => {
                 // SAFETY: loaded above, on this device; nothing runs it.
@@ -716,12 +737,12 @@ impl<R: HipRuntime> HipEngine<R> {
         let Some(first) = first else {
             return Ok(kernel);
         };
+        // After hipDeviceReset the runtime no longer knows the buffer, or knows the address as
+        // part of an allocation of another size.
         let alive = self
             .runtime
-            .pointer_info(first.device as *const c_void)
-            .is_ok_and(|info| {
-                info.device == at.device && info.device_pointer as usize == first.device
-            });
+            .address_range(first.device as *mut c_void)
+            .is_ok_and(|range| range == (first.device, first.allocated));
         if alive {
             return Ok(kernel);
         }
@@ -732,6 +753,49 @@ impl<R: HipRuntime> HipEngine<R> {
         );
         cache.forget(at.device, &kernel);
         cache.get_or_load(at.device, load)
+    }
+
+    /// Where the runtime has no `hipStreamGetDevice`: records the device's probe event on the
+    /// stream, which the runtime refuses (`hipErrorInvalidHandle`) when the stream belongs to
+    /// another device, so that such a stream is refused before anything is allocated or issued
+    /// for it, instead of failing at the launch.
+    fn probe_stream_device(&self, state: &mut DeviceKernel, at: LaunchDevice) -> Result<()> {
+        let event = match state.probe {
+            Some(event) => event,
+            None => {
+                // The current device is `at.device` (assumed), so the event is that device's.
+                let event = self.runtime.event_create().or_gpu(
+                    &self.runtime,
+                    "hipEventCreateWithFlags",
+                    || {
+                        Context::args("(hipEventDisableTiming)").note(format!(
+                            " (the stream check's event on device {})",
+                            at.device
+                        ))
+                    },
+                )? as usize;
+                state.probe = Some(event);
+                event
+            }
+        };
+        // SAFETY: the device's probe event, never destroyed, and the caller's live stream.
+        unsafe { self.runtime.event_record(event as *mut c_void, self.stream) }.or_gpu(
+            &self.runtime,
+            "hipEventRecord",
+            || {
+                Context::args(format!(
+                    "(an event of the current device {}, stream {:p})",
+                    at.current, self.stream
+                ))
+                .note(format!(
+                    ": this HIP runtime has no hipStreamGetDevice, so mori-tp checks that the \
+                     stream belongs to the current device {} by recording an event of that \
+                     device on it, which the runtime refuses for a stream of another device; \
+                     with MORI_SEND_COPY_KERNEL, make the stream's device current",
+                    at.current
+                ))
+            },
+        )
     }
 
     /// Refuses a buffer base the kernel cannot reach. A base found to be device memory is not
@@ -841,20 +905,44 @@ impl<R: HipRuntime> HipEngine<R> {
     /// A new table pair of `capacity` bytes on the current device, with `event` or a new one;
     /// nothing stays allocated when a step fails.
     fn allocate_slot(&self, device: i32, capacity: usize, event: Option<usize>) -> Result<Slot> {
-        let what = || format!("({capacity} bytes for the copy kernel's table on device {device})");
+        let what = |size: usize| {
+            move || {
+                Context::args(format!(
+                    "({size} bytes for the copy kernel's table on device {device})"
+                ))
+            }
+        };
+        let size = capacity + TABLE_TAIL_BYTES;
         let device_buffer =
             self.runtime
-                .malloc(capacity)
-                .or_gpu(&self.runtime, "hipMalloc", || Context::args(what()))?;
-        let host =
-            self.runtime
-                .host_malloc(capacity)
-                .or_gpu(&self.runtime, "hipHostMalloc", || Context::args(what()));
-        let host = match host {
+                .malloc(size)
+                .or_gpu(&self.runtime, "hipMalloc", what(size))?;
+        // SAFETY (each cleanup below): allocated here, never used, freed once.
+        let free_device = || unsafe {
+            let _ = self.runtime.free(device_buffer);
+        };
+        let allocated = match self.runtime.address_range(device_buffer).or_gpu(
+            &self.runtime,
+            "hipMemGetAddressRange",
+            || {
+                Context::args(format!("({device_buffer:p})"))
+                    .note(" (the copy kernel's new table buffer)")
+            },
+        ) {
+            Ok((_, allocated)) => allocated,
+            Err(error) => {
+                free_device();
+                return Err(error);
+            }
+        };
+        let host = match self.runtime.host_malloc(capacity).or_gpu(
+            &self.runtime,
+            "hipHostMalloc",
+            what(capacity),
+        ) {
             Ok(host) => host,
             Err(error) => {
-                // SAFETY: allocated above, never used.
-                let _ = unsafe { self.runtime.free(device_buffer) };
+                free_device();
                 return Err(error);
             }
         };
@@ -873,14 +961,13 @@ impl<R: HipRuntime> HipEngine<R> {
                 device: device_buffer as usize,
                 host: host as usize,
                 capacity,
+                allocated,
                 event,
             }),
             Err(error) => {
+                free_device();
                 // SAFETY: allocated above, never used.
-                unsafe {
-                    let _ = self.runtime.free(device_buffer);
-                    let _ = self.runtime.host_free(host);
-                }
+                let _ = unsafe { self.runtime.host_free(host) };
                 Err(error)
             }
         }
@@ -911,6 +998,9 @@ impl<R: HipRuntime> HipEngine<R> {
         let at = self.launch_device()?;
         let kernel = self.device_kernel(at)?;
         let mut state = lock(&kernel);
+        if at.assumed {
+            self.probe_stream_device(&mut state, at)?;
+        }
         self.check_reachable(&mut state, job)?;
         let bytes = table.byte_len();
         let (index, slot) = self.take_slot(&mut state, at, bytes)?;
@@ -959,18 +1049,10 @@ impl<R: HipRuntime> HipEngine<R> {
         launched
             .or_gpu(&self.runtime, "hipModuleLaunchKernel", || {
                 let args = &launch.args;
-                let mut note = format!(
+                let note = format!(
                     " ({} buffers x {} rects, {} rows per buffer)",
                     args.num_buffers, args.num_rects, args.total_rows
                 );
-                if at.assumed {
-                    note.push_str(&format!(
-                        " (this HIP runtime has no hipStreamGetDevice, so the stream was taken \
-                         to belong to the current device {}: with MORI_SEND_COPY_KERNEL, make \
-                         the stream's device current)",
-                        at.current
-                    ));
-                }
                 Context::args(format!(
                     "(mori_copy_kernel, grid ({}, {}, 1), block ({}, 1, 1), stream {:p}) on \
                      device {}",

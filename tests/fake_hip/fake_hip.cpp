@@ -15,7 +15,7 @@
 //   hipHostRegister'd memory that kernels reach only at a different device address (the one
 //   hipHostGetDevicePointer returns, as often on a GPU);
 // - hipPointerGetAttributes, which knows only those kinds of memory (pageable host memory is
-//   hipErrorInvalidValue, as in HIP 5);
+//   hipErrorInvalidValue, as in HIP 5), and hipMemGetAddressRange of device memory;
 // - graph capture: work on a capturing stream is recorded and runs at hipGraphLaunch. A graph that
 //   captured an upload from pageable host memory refuses to launch (hipErrorIllegalAddress): the
 //   runtime would read that memory at every replay, long after its owner may have freed it;
@@ -652,6 +652,20 @@ hipError_t hipPointerGetAttributes(hipPointerAttribute_t *attributes, const void
         return hipSuccess;
     }
     return hipErrorInvalidValue;
+}
+
+hipError_t hipMemGetAddressRange(hipDeviceptr_t *base, size_t *size, hipDeviceptr_t ptr) {
+    if (base == nullptr || size == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    Guard guard(lock);
+    auto it = holding(device_memory, reinterpret_cast<uintptr_t>(ptr), 1);
+    if (it == device_memory.end()) {
+        return hipErrorNotFound;  // as clr answers for an address it does not know
+    }
+    *base = reinterpret_cast<hipDeviceptr_t>(it->first);
+    *size = it->second.size;
+    return hipSuccess;
 }
 
 hipError_t hipModuleLoadData(hipModule_t *module, const void *image) {

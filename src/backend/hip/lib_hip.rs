@@ -64,6 +64,11 @@ unsafe extern "C" {
         attributes: *mut PointerAttributes,
         pointer: *const c_void,
     ) -> HipStatus;
+    fn hipMemGetAddressRange(
+        base: *mut *mut c_void,
+        size: *mut usize,
+        pointer: *mut c_void,
+    ) -> HipStatus;
     fn hipMemcpyAsync(
         dst: *mut c_void,
         src: *const c_void,
@@ -306,6 +311,13 @@ impl HipRuntime for LibHip {
             device_pointer: attributes.device_pointer,
             host_pointer: attributes.host_pointer,
         })
+    }
+
+    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus> {
+        let (mut base, mut size) = (null_mut(), 0usize);
+        // SAFETY: valid out-pointers; the runtime only looks the address up.
+        let status = unsafe { hipMemGetAddressRange(&mut base, &mut size, pointer) };
+        out(status, (base as usize, size))
     }
 
     unsafe fn memcpy_host_to_device_async(

@@ -32,7 +32,7 @@ use recorder::{
 
 use super::{
     HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelLaunch, MIN_TABLE_BYTES,
-    Memcpy2dAsync, TABLE_SLOTS,
+    Memcpy2dAsync, TABLE_SLOTS, TABLE_TAIL_BYTES,
 };
 use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
 use crate::pool::{DeviceMemory, PoolMemory, PoolMemoryKind, StagingPool};
@@ -466,7 +466,8 @@ fn handed(calls: &[Call]) -> Handed {
 
 /// The calls a kernel send on a fresh runtime must make: the device check; for a caller's
 /// stream the capture check; hipGetDevice (and the stream's device); the load on that device;
-/// each buffer base checked once; the first table buffer pair and its event; then on the stream
+/// each buffer base checked once; the first table buffer pair (the device buffer's size read
+/// back) and its event; then on the stream
 /// one upload of the table (64 bytes per rect, 16 per buffer) from the pinned buffer, one launch,
 /// the event's record, and hipStreamSynchronize only if asked.
 fn expected_kernel_calls(
@@ -509,8 +510,11 @@ fn expected_kernel_calls(
     let size = 64 * num_rects + 16 * num_buffers;
     let capacity = size.max(MIN_TABLE_BYTES).next_power_of_two();
     calls.push(Call::Malloc {
-        size: capacity,
+        size: capacity + TABLE_TAIL_BYTES,
         returned: handed.table,
+    });
+    calls.push(Call::AddressRange {
+        pointer: without_provenance_mut(handed.table),
     });
     calls.push(Call::HostMalloc {
         size: capacity,
@@ -927,6 +931,7 @@ fn a_failing_launch_is_a_gpu_error_that_still_fences_the_table_and_waits_when_as
             "hipPointerGetAttributes",
             "hipPointerGetAttributes",
             "hipMalloc",
+            "hipMemGetAddressRange",
             "hipHostMalloc",
             "hipEventCreateWithFlags",
             "hipMemcpyAsync",
@@ -951,6 +956,7 @@ fn each_failing_kernel_path_call_is_named_and_issues_nothing_after_it_but_its_cl
         ("hipModuleGetFunction", &["hipModuleUnload"][..]),
         ("hipPointerGetAttributes", &[][..]),
         ("hipMalloc", &[][..]),
+        ("hipMemGetAddressRange", &["hipFree"][..]),
         ("hipHostMalloc", &["hipFree"][..]),
         ("hipEventCreateWithFlags", &["hipFree", "hipHostFree"][..]),
         ("hipMemcpyAsync", &[][..]),
@@ -1112,7 +1118,17 @@ fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there(
     assert_eq!(first[switch + 3], Call::SetDevice(0));
     let alloc = names_first.iter().position(|n| *n == "hipMalloc").unwrap();
     assert_eq!(first[alloc - 1], Call::SetDevice(1));
-    assert_eq!(first[alloc + 3], Call::SetDevice(0));
+    assert_eq!(
+        names_first[alloc..alloc + 5],
+        [
+            "hipMalloc",
+            "hipMemGetAddressRange",
+            "hipHostMalloc",
+            "hipEventCreateWithFlags",
+            "hipSetDevice"
+        ]
+    );
+    assert_eq!(first[alloc + 4], Call::SetDevice(0));
     for (result, _) in &runs {
         assert!(result.is_ok(), "{result:?}");
     }
@@ -1123,15 +1139,18 @@ fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there(
 }
 
 #[test]
-fn without_hip_stream_get_device_a_stream_on_another_device_is_a_gpu_error_that_says_why() {
+fn without_hip_stream_get_device_a_stream_on_another_device_is_refused_before_anything_is_allocated()
+ {
     if cpu_kernel_or_skip("without_hip_stream_get_device_...").is_none() {
         return;
     }
+    let want = fixture_sent_by_host();
     let mut f = Fixture::new();
-    let initial = f.dst.ranks[3].clone();
-    let (result, calls) = kernel_fixture_run(
+    let stream = without_provenance_mut(0xde71_0000);
+    // Three sends with device 0 current, then one with the stream's device 1 current.
+    let runs = kernel_fixture_sends(
         &mut f,
-        &kernel_options(false, without_provenance_mut(0xde71_0000)),
+        &kernel_options(false, stream),
         |r| {
             r.stream_home.set(1);
             Recorder {
@@ -1140,19 +1159,62 @@ fn without_hip_stream_get_device_a_stream_on_another_device_is_a_gpu_error_that_
                 ..r
             }
         },
+        4,
+        |i, r| {
+            if i == 3 {
+                let (device, host) = r.live_allocations();
+                assert_eq!(
+                    (device, host),
+                    (0, 0),
+                    "the refused sends allocated nothing"
+                );
+                *r.current.borrow_mut() = 1;
+            }
+        },
     );
-    let message = gpu_message(result);
-    for part in [
-        "hipModuleLaunchKernel(mori_copy_kernel",
-        "returned hipErrorInvalidDevice (101)",
-        "this HIP runtime has no hipStreamGetDevice",
-        "the current device 0",
-    ] {
-        assert!(message.contains(part), "{message:?} lacks {part:?}");
+    for (i, (result, calls)) in runs.iter().take(3).enumerate() {
+        let (call, status, message, _) = gpu_error(result.clone());
+        assert_eq!(
+            (call, status),
+            ("hipEventRecord", 400),
+            "send {i}: {message}"
+        );
+        for part in [
+            "hipEventRecord(an event of the current device 0, stream 0xde710000) returned \
+             hipErrorInvalidHandle (400)",
+            "this HIP runtime has no hipStreamGetDevice",
+            "make the stream's device current",
+        ] {
+            assert!(message.contains(part), "{message:?} lacks {part:?}");
+        }
+        let n = names(calls);
+        for never in [
+            "hipSetDevice",
+            "hipMalloc",
+            "hipHostMalloc",
+            "hipMemcpyAsync",
+            "hipModuleLaunchKernel",
+        ] {
+            assert!(!n.contains(&never), "send {i}: {n:?}");
+        }
+        // The probe event is made once, with the kernel's state.
+        assert_eq!(
+            n.contains(&"hipEventCreateWithFlags"),
+            i == 0,
+            "send {i}: {n:?}"
+        );
     }
-    assert!(!names(&calls).contains(&"hipSetDevice"));
-    assert_eq!(f.dst.ranks[3], initial);
-    assert_eq!(HipStatus::ERROR_INVALID_DEVICE, HipStatus(101));
+    let (result, calls) = &runs[3];
+    assert!(result.is_ok(), "{result:?}");
+    // The stream's device is current: loaded there, checked, sent.
+    let n = names(calls);
+    let probe = n.iter().position(|c| *c == "hipEventRecord").unwrap();
+    assert!(
+        n[..probe].contains(&"hipModuleLoadData")
+            && n[probe + 1..].contains(&"hipModuleLaunchKernel"),
+        "{n:?}"
+    );
+    assert_eq!(f.dst.ranks[3], want);
 }
 
 #[test]
@@ -1215,7 +1277,7 @@ fn the_table_buffers_are_reused_fenced_by_their_events_and_grown_when_outgrown()
                     "hipStreamIsCapturing",
                     "hipGetDevice",
                     "hipStreamGetDevice",
-                    "hipPointerGetAttributes",
+                    "hipMemGetAddressRange",
                     "hipEventSynchronize",
                     "hipMemcpyAsync",
                     "hipModuleLaunchKernel",
@@ -1282,7 +1344,10 @@ fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle
         .filter(|c| {
             !matches!(
                 c,
-                Call::DeviceCount | Call::GetDevice | Call::PointerInfo { .. }
+                Call::DeviceCount
+                    | Call::GetDevice
+                    | Call::PointerInfo { .. }
+                    | Call::AddressRange { .. }
             )
         })
         .take(5)
@@ -1301,7 +1366,7 @@ fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle
                 pointer: without_provenance_mut(first.host)
             },
             Call::Malloc {
-                size: bigger,
+                size: bigger + TABLE_TAIL_BYTES,
                 returned: handed(last).table
             },
             Call::HostMalloc {
@@ -1340,7 +1405,7 @@ fn a_refusing_allocator_is_a_gpu_error_naming_hip_malloc_that_writes_nothing() {
     let (call, status, message, _) = gpu_error(result);
     assert_eq!((call, status), ("hipMalloc", 2));
     assert!(
-        message.contains("hipMalloc(65536 bytes for the copy kernel's table on device 0) returned hipErrorOutOfMemory (2)"),
+        message.contains("hipMalloc(65728 bytes for the copy kernel's table on device 0) returned hipErrorOutOfMemory (2)"),
         "{message}"
     );
     assert!(!names(&calls).contains(&"hipModuleLaunchKernel"));
@@ -1409,8 +1474,8 @@ fn each_buffer_base_is_checked_once() {
             .filter(|c| matches!(c, Call::PointerInfo { .. }))
             .count()
     };
-    // Four buffer pairs: eight bases, then only the table buffer's check for a reset.
-    assert_eq!((checks(&runs[0].1), checks(&runs[1].1)), (8, 1));
+    // Four buffer pairs: eight bases, then none (the reset check asks hipMemGetAddressRange).
+    assert_eq!((checks(&runs[0].1), checks(&runs[1].1)), (8, 0));
 }
 
 #[test]
@@ -1450,6 +1515,51 @@ fn after_a_device_reset_the_kernel_is_loaded_again() {
     );
     assert_eq!(f.dst.ranks[3], want);
     assert_eq!(INVALID_RESOURCE_HANDLE, HipStatus(400));
+}
+
+#[test]
+fn after_a_device_reset_an_allocation_at_the_old_table_buffers_address_is_left_alone() {
+    if cpu_kernel_or_skip("after_a_device_reset_an_allocation_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let reused = std::cell::Cell::new(0usize);
+    // Between the two sends the device is reset and the caller's next allocation (64 KiB, a
+    // size callers ask for) gets the address of the kernel's first table buffer.
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(true, null_mut()),
+        |r| r,
+        2,
+        |i, r| {
+            if i == 1 {
+                reused.set(r.reset_device_and_reuse_address(0, MIN_TABLE_BYTES));
+            }
+        },
+    );
+    for (result, _) in &runs {
+        assert!(result.is_ok(), "{result:?}");
+    }
+    let (first, second) = (&runs[0].1, &runs[1].1);
+    assert_eq!(handed(first).table, reused.get());
+    // The second send sees an allocation of another size there: it loads the kernel again and
+    // uploads its table into a new buffer, never into the caller's memory.
+    let n = names(second);
+    assert!(
+        n.contains(&"hipModuleLoadData") && n.contains(&"hipMalloc"),
+        "{n:?}"
+    );
+    let uploads: Vec<usize> = second
+        .iter()
+        .filter_map(|c| match c {
+            Call::MemcpyHostToDevice { dst, .. } => Some(*dst as usize),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(uploads, [handed(second).table]);
+    assert_ne!(uploads[0], reused.get());
+    assert_eq!(f.dst.ranks[3], want);
 }
 
 #[test]

@@ -23,7 +23,7 @@ use crate::backend::copy_kernel::{BLOCK_THREADS, KernelArgs, KernelRect};
 
 /// `hipErrorInvalidMemcpyDirection` (hip/hip_runtime_api.h).
 pub const INVALID_MEMCPY_DIRECTION: HipStatus = HipStatus(21);
-/// `hipErrorInvalidResourceHandle`.
+/// `hipErrorInvalidHandle` (`hipErrorInvalidResourceHandle` is the same value).
 pub const INVALID_RESOURCE_HANDLE: HipStatus = HipStatus(400);
 /// `hipErrorIllegalAddress`.
 pub const ILLEGAL_ADDRESS: HipStatus = HipStatus(700);
@@ -75,6 +75,9 @@ pub enum Call {
     PointerInfo {
         pointer: *const c_void,
     },
+    AddressRange {
+        pointer: *mut c_void,
+    },
     MemcpyHostToDevice {
         dst: *mut c_void,
         src: *const c_void,
@@ -106,6 +109,7 @@ impl Call {
             Call::EventRecord { .. } => "hipEventRecord",
             Call::EventSynchronize { .. } => "hipEventSynchronize",
             Call::PointerInfo { .. } => "hipPointerGetAttributes",
+            Call::AddressRange { .. } => "hipMemGetAddressRange",
             Call::MemcpyHostToDevice { .. } => "hipMemcpyAsync",
             Call::Launch(_) => "hipModuleLaunchKernel",
         }
@@ -244,6 +248,8 @@ fn inside(regions: &[Region], start: usize, len: usize) -> bool {
 #[derive(Debug)]
 pub struct Allocation {
     device: i32,
+    /// The size asked for (what hipMemGetAddressRange reports).
+    size: usize,
     words: Box<[u64]>,
 }
 
@@ -353,6 +359,31 @@ impl Recorder {
         }
     }
 
+    /// What hipDeviceReset does to `device`, after which the caller allocates `size` bytes and
+    /// the allocator hands out the address of the device's first freed allocation again: the
+    /// runtime's modules are gone, and that address is the start of the caller's allocation.
+    /// Returns the address.
+    pub fn reset_device_and_reuse_address(&self, device: i32, size: usize) -> usize {
+        let mut allocations = self.device_allocations.borrow_mut();
+        let at = allocations
+            .iter()
+            .position(|a| a.device == device)
+            .expect("the device has an allocation");
+        // The caller's allocation keeps the freed one's memory (and so its address).
+        let mut reused = allocations.swap_remove(at);
+        allocations.retain(|a| a.device != device);
+        reused.size = size.min(reused.words.len() * 8);
+        let address = reused.base();
+        allocations.push(reused);
+        drop(allocations);
+        for module in self.modules.borrow_mut().iter_mut() {
+            if module.device == device {
+                module.live = false;
+            }
+        }
+        address
+    }
+
     /// Live hipMalloc'd and hipHostMalloc'd allocations.
     pub fn live_allocations(&self) -> (usize, usize) {
         (
@@ -434,6 +465,7 @@ impl Recorder {
     fn allocate(list: &RefCell<Vec<Allocation>>, device: i32, size: usize) -> usize {
         let allocation = Allocation {
             device,
+            size,
             words: vec![0u64; size.div_ceil(8).max(1)].into_boxed_slice(),
         };
         let base = allocation.base();
@@ -535,7 +567,7 @@ impl HipRuntime for Recorder {
             100 => "hipErrorNoDevice",
             101 => "hipErrorInvalidDevice",
             209 => "hipErrorNoBinaryForGpu",
-            400 => "hipErrorInvalidResourceHandle",
+            400 => "hipErrorInvalidHandle",
             500 => "hipErrorNotFound",
             700 => "hipErrorIllegalAddress",
             _ => "hipErrorUnknown",
@@ -707,6 +739,17 @@ impl HipRuntime for Recorder {
         }
         // Unknown to the runtime: pageable host memory.
         Err(HipStatus::ERROR_INVALID_VALUE)
+    }
+
+    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus> {
+        self.record(Call::AddressRange { pointer })?;
+        self.device_allocations
+            .borrow()
+            .iter()
+            .find(|a| a.holds(pointer as usize, 1))
+            .map(|a| (a.base(), a.size))
+            // hipErrorNotFound, as clr answers for an address it does not know.
+            .ok_or(HipStatus(500))
     }
 
     unsafe fn memcpy_host_to_device_async(
