@@ -75,7 +75,8 @@ pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
 /// cannot reach (pageable host memory; registered memory at its host address); peer access it
 /// cannot see. The kernel is loaded for the stream's device, once per device (found with
 /// hipStreamGetDevice; with HIP 5.2, which lacks it, the stream must belong to the calling
-/// thread's current device). A stream that is capturing a graph gets the per-rect copies. The
+/// thread's current device, and a stream of another device is refused with MORI_ERR_GPU before
+/// anything is issued). A stream that is capturing a graph gets the per-rect copies. The
 /// kernel copies in no particular order: a destination byte written twice in one call (a
 /// repeated destination page or buffer), or one that is also a source byte, may end as either
 /// copy leaves it, where the per-rect path leaves the last copy's. The host backend ignores the
