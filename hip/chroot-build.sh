@@ -55,10 +55,12 @@ if [ "${1:-}" = --inside ]; then
   else
     echo "hip-chroot: the compressed bundle ($compressed) was built and checked:" $("$bundler" --list --type=o --input="$compressed")
   fi
-  # No GPU here: the program must refuse cleanly (77); with one it must pass (0).
-  rc=0
-  "$OUT/programs/device_test" || rc=$?
-  case $rc in 0 | 77) ;; *) echo "hip-chroot: device_test exited $rc"; status=1 ;; esac
+  # No GPU here: each program must refuse cleanly (77); with one it must pass (0).
+  for program in device_test "bench --quick"; do
+    rc=0
+    $OUT/programs/$program || rc=$?
+    case $rc in 0 | 77) ;; *) echo "hip-chroot: $program exited $rc"; status=1 ;; esac
+  done
   if [ $status -eq 0 ]; then
     echo "hip-chroot: passed: code objects for $REQUIRED in the copy kernel and libmori_tp.a; the hip/ programs built for them"
   fi
