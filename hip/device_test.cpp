@@ -23,6 +23,8 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -374,6 +376,33 @@ mori_testkit::Pages one_page_runs() {
     return mori_testkit::fixed_runs(24, 48, 1);
 }
 
+// Zeroed host bytes on whole pages of their own, as hipHostRegister pins whole pages.
+class PageBytes {
+  public:
+    explicit PageBytes(size_t size) : size_(size) {
+        const size_t page = 4096, rounded = (size + page - 1) / page * page;
+        bytes_ = static_cast<uint8_t *>(std::aligned_alloc(page, rounded));
+        if (bytes_ == nullptr) {
+            std::fprintf(stderr, "device_test: cannot allocate %zu host bytes\n", rounded);
+            std::exit(kFailed);
+        }
+        std::memset(bytes_, 0, rounded);
+    }
+    ~PageBytes() { std::free(bytes_); }
+    PageBytes(const PageBytes &) = delete;
+    PageBytes &operator=(const PageBytes &) = delete;
+
+    uint8_t *data() { return bytes_; }
+    size_t size() const { return size_; }
+    uint8_t &operator[](size_t i) { return bytes_[i]; }
+    uint8_t *begin() { return bytes_; }
+    uint8_t *end() { return bytes_ + size_; }
+
+  private:
+    size_t size_;
+    uint8_t *bytes_;
+};
+
 // Host memory registered with hipHostRegister, through the copy kernel: at the address
 // hipHostGetDevicePointer returns the bytes land; at its host address, when that differs, the
 // library refuses (the kernel would fault) and writes nothing. The per-rect path takes either.
@@ -381,7 +410,7 @@ void registered_host_memory() {
     const MoriTpSliceParams params = {2, 1, 4, 3, 8, 1, 64, 32};  // 8 heads of 16 B, pair (1, 3)
     MoriTpSliceConfig config;
     MORI_OK_OR_DIE(mori_tp_slice_config(&params, &config));
-    std::vector<uint8_t> src(4 * 64), dst(4 * 32);
+    PageBytes src(4 * 64), dst(4 * 32);
     for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 7 + 3);
     HIP_OK(hipHostRegister(src.data(), src.size(), hipHostRegisterDefault));
     HIP_OK(hipHostRegister(dst.data(), dst.size(), hipHostRegisterDefault));
