@@ -5,6 +5,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+// The offload-bundle reader tests/copy_kernel.rs uses too.
+#[path = "hip/bundle.rs"]
+mod bundle;
+
 fn main() {
     set_soname();
     // With the `hip` feature only: without it, nothing costly runs.
@@ -52,12 +56,18 @@ const KERNEL_ARCHS: [&str; 3] = ["gfx90a", "gfx942", "gfx950"];
 /// `$OUT_DIR/copy_kernel.hsaco`, a clang offload bundle that hipModuleLoadData accepts, checks
 /// that the bundle holds one code object per target, and tells the library which targets it has
 /// (`MORI_TP_HIP_KERNEL_ARCHS`). `HIPCC` names the compiler (default: hipcc on PATH, else
-/// `$ROCM_PATH/bin/hipcc`).
+/// `$ROCM_PATH/bin/hipcc`); `MORI_TP_HIPCC_FLAGS` adds flags (space-separated), such as
+/// `--offload-compress`, whose compressed bundle is checked with `clang-offload-bundler --list`.
 fn build_copy_kernel() {
-    for file in ["hip/copy_kernel.hip", "hip/copy_kernel.h"] {
+    for file in ["hip/copy_kernel.hip", "hip/copy_kernel.h", "hip/bundle.rs"] {
         println!("cargo:rerun-if-changed={file}");
     }
-    for var in ["HIPCC", "MORI_TP_HIP_ARCHS", "ROCM_PATH"] {
+    for var in [
+        "HIPCC",
+        "MORI_TP_HIP_ARCHS",
+        "MORI_TP_HIPCC_FLAGS",
+        "ROCM_PATH",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
@@ -88,6 +98,11 @@ fn build_copy_kernel() {
             "-Werror",
         ])
         .args(archs.iter().map(|a| format!("--offload-arch={a}")))
+        .args(
+            env::var("MORI_TP_HIPCC_FLAGS")
+                .unwrap_or_default()
+                .split_whitespace(),
+        )
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.hip"))
         .arg("-o")
         .arg(&bundle)
@@ -105,14 +120,33 @@ fn build_copy_kernel() {
         );
     }
     let image = fs::read(&bundle).expect("read the kernel bundle");
-    let targets = bundle_targets(&image)
-        .unwrap_or_else(|why| panic!("{} is not a clang offload bundle: {why}", bundle.display()));
+    let targets = match bundle::read(&image) {
+        Ok(bundle::Bundle::Plain(ids)) => ids,
+        Ok(bundle::Bundle::Compressed { version, method }) => {
+            match list_compressed(&bundle) {
+                Ok(ids) => ids,
+                Err(why) => {
+                    // hipModuleLoadData of a runtime that reads compressed bundles takes it as
+                    // it is; only the check is skipped.
+                    println!(
+                        "cargo:warning=the copy kernel's bundle is compressed (format {version}, \
+                         method {method}) and its targets cannot be listed ({why}); it is \
+                         embedded unchecked"
+                    );
+                    archs
+                        .iter()
+                        .map(|a| format!("hipv4-amdgcn-amd-amdhsa--{a}"))
+                        .collect()
+                }
+            }
+        }
+        Err(why) => panic!("{} is not a clang offload bundle: {why}", bundle.display()),
+    };
     for arch in &archs {
-        let id = format!("hipv4-amdgcn-amd-amdhsa--{arch}");
         assert!(
             targets
                 .iter()
-                .any(|t| t == &id || t.starts_with(&format!("{id}:"))),
+                .any(|t| bundle::gpu_target(t) == Some(arch.as_str())),
             "{} lacks a code object for {arch}; it holds {targets:?}",
             bundle.display()
         );
@@ -169,30 +203,47 @@ fn probe_archs(hipcc: &str, out: &Path) -> Vec<String> {
         .collect()
 }
 
-/// The target ids of an uncompressed clang offload bundle: the magic
-/// `__CLANG_OFFLOAD_BUNDLE__`, a little-endian u64 entry count, then per entry u64 offset, u64
-/// size, u64 id length and the id.
-fn bundle_targets(image: &[u8]) -> Result<Vec<String>, String> {
-    const MAGIC: &[u8] = b"__CLANG_OFFLOAD_BUNDLE__";
-    let rest = image
-        .strip_prefix(MAGIC)
-        .ok_or("no __CLANG_OFFLOAD_BUNDLE__ magic")?;
-    let mut at = 0usize;
-    let count = u64_at(rest, &mut at)?;
-    let mut ids = Vec::new();
-    for _ in 0..count {
-        let (_offset, _size) = (u64_at(rest, &mut at)?, u64_at(rest, &mut at)?);
-        let len = usize::try_from(u64_at(rest, &mut at)?).map_err(|_| "huge entry id")?;
-        let id = rest.get(at..at + len).ok_or("truncated entry id")?;
-        at += len;
-        ids.push(String::from_utf8_lossy(id).into_owned());
+/// The target ids of the compressed bundle at `path`, from `clang-offload-bundler --list` (on
+/// PATH, next to the clang that `hipconfig --hipclangpath` names, or in `$ROCM_PATH/llvm/bin`).
+fn list_compressed(path: &Path) -> Result<Vec<String>, String> {
+    let mut dirs: Vec<PathBuf> = env::var_os("PATH")
+        .map(|p| env::split_paths(&p).collect())
+        .unwrap_or_default();
+    if let Ok(out) = Command::new("hipconfig").arg("--hipclangpath").output() {
+        dirs.push(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
     }
-    Ok(ids)
-}
-
-/// The little-endian u64 at `*at`, advancing `*at` past it.
-fn u64_at(bytes: &[u8], at: &mut usize) -> Result<u64, String> {
-    let field = bytes.get(*at..*at + 8).ok_or("truncated header")?;
-    *at += 8;
-    Ok(u64::from_le_bytes(field.try_into().expect("8 bytes")))
+    if let Ok(rocm) = env::var("ROCM_PATH") {
+        dirs.push(Path::new(&rocm).join("llvm/bin"));
+    }
+    // Debian installs it as clang-offload-bundler-<LLVM version>.
+    let bundler = dirs
+        .iter()
+        .filter_map(|dir| fs::read_dir(dir).ok())
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("clang-offload-bundler"))
+        })
+        .ok_or("no clang-offload-bundler found")?;
+    let output = Command::new(&bundler)
+        .args(["--list", "--type=o"])
+        .arg(format!("--input={}", path.display()))
+        .output()
+        .map_err(|e| format!("{} did not run: {e}", bundler.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{} --list failed: {}",
+            bundler.display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect())
 }

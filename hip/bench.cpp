@@ -10,10 +10,20 @@
 // page sizes 1 and 16 and the request's pages in runs of 1, 4 or 16 pages (shuffled with gaps on
 // both sides: each run is one rect), or all contiguous.
 //
+// Then, for TP 2 -> 8 with one-page runs of page size 1 and with page size 16, contiguous: the
+// staging region in pinned host memory (hipHostMalloc; pack and unpack, against a hipMemcpyAsync
+// from device to pinned memory), and with two or more devices with peer access, prefill buffers
+// on device 0 and decode buffers, staging and the stream on device 1 while device 0 is current
+// (against a hipMemcpyAsync from device 0 to device 1).
+//
 // Columns: calls = runtime calls per mori call (memcpy2d: rects x buffers; kernel: 1 launch);
 // ms = time per call from hipEvents around `iterations` calls on one stream without
 // MORI_SEND_SYNCHRONIZE (so it includes the host's cost of issuing them); GB/s of slice bytes;
-// ratio = GB/s over the memcpy ceiling; kernel/2d = the kernel's speed-up over memcpy2d.
+// ratio = GB/s over the memcpy ceiling; kernel/2d = the kernel's speed-up over memcpy2d;
+// lanes = the kernel's active-lane utilisation: the share of its threads' steps that move bytes
+// (hip/lane_count.cpp counts it on the CPU from the kernel's own source and the same table; it
+// depends only on the rects' rows and widths, which a send and both halves of a staged transfer
+// share).
 //
 // Usage: bench [--quick]   (--quick: small sizes and few iterations, for the test suite)
 // Exit: 0 done, 1 failed, 77 "skipped: no HIP device".
@@ -22,9 +32,11 @@
 #include <cinttypes>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.hpp"
+#include "lane_count.h"
 #include "testkit.hpp"
 
 namespace {
@@ -48,14 +60,17 @@ struct Settings {
     int iterations;
 };
 
+// The time per call of `body` on `stream`, a stream of `device` (its events must be that device's).
 template <class Body>
-float time_ms(hipStream_t stream, int warmup, int iterations, const Body &body) {
+float time_ms(int device, hipStream_t stream, int warmup, int iterations, const Body &body) {
     for (int i = 0; i < warmup; i++) {
         body();
     }
     hipEvent_t start, stop;
-    HIP_OK(hipEventCreate(&start));
-    HIP_OK(hipEventCreate(&stop));
+    on_device(device, [&] {
+        HIP_OK(hipEventCreate(&start));
+        HIP_OK(hipEventCreate(&stop));
+    });
     HIP_OK(hipStreamSynchronize(stream));
     HIP_OK(hipEventRecord(start, stream));
     for (int i = 0; i < iterations; i++) {
@@ -70,19 +85,41 @@ float time_ms(hipStream_t stream, int warmup, int iterations, const Body &body) 
     return ms / static_cast<float>(iterations);
 }
 
+// Where a case's memory lives.
+struct Placement {
+    const char *name;
+    int src_device;      // prefill buffers
+    int dst_device;      // decode buffers and the stream
+    int staging_device;  // the staging region; -1: pinned host memory
+    bool send;           // time mori_send_kvcache (it uses no staging region)
+};
+
+constexpr Placement kLocal = {"device memory", 0, 0, 0, true};
+constexpr Placement kPinnedStaging = {"staging in pinned host memory", 0, 0, -1, false};
+constexpr Placement kPeer = {"prefill on device 0, decode on device 1", 0, 1, 1, true};
+
 struct Buffers {
     std::vector<void *> pointers;
     uint64_t capacity = 0;
+    int device;  // -1: pinned host memory
 
-    Buffers(uint32_t count, uint64_t bytes, int fill) : pointers(count), capacity(bytes) {
+    Buffers(uint32_t count, uint64_t bytes, int fill, int device_ = 0)
+        : pointers(count), capacity(bytes), device(device_) {
         for (void *&p : pointers) {
-            HIP_OK(hipMalloc(&p, bytes));
-            HIP_OK(hipMemset(p, fill, bytes));
+            if (device < 0) {
+                HIP_OK(hipHostMalloc(&p, bytes, hipHostMallocDefault));
+                std::memset(p, fill, bytes);
+            } else {
+                on_device(device, [&] {
+                    HIP_OK(hipMalloc(&p, bytes));
+                    HIP_OK(hipMemset(p, fill, bytes));
+                });
+            }
         }
     }
     ~Buffers() {
         for (void *p : pointers) {
-            (void)hipFree(p);
+            (void)(device < 0 ? hipHostFree(p) : hipFree(p));
         }
     }
     Buffers(const Buffers &) = delete;
@@ -90,17 +127,21 @@ struct Buffers {
 };
 
 void print_row(const char *layout, uint32_t page_size, const std::string &pages, const char *op, const char *path,
-               uint64_t calls, float ms, uint64_t bytes, double ceiling_gbs, double versus) {
+               uint64_t calls, float ms, uint64_t bytes, double ceiling_gbs, double versus, double lanes) {
     const double gbs = static_cast<double>(bytes) / (ms * 1e6);
-    char speedup[16] = "";
+    char speedup[16] = "", utilisation[16] = "-";
     if (versus > 0) {
         std::snprintf(speedup, sizeof speedup, "%.2f", gbs / versus);
     }
-    std::printf("%-7s %4u %-11s %-6s %-8s %9" PRIu64 " %9.3f %9.1f %6.2f %9s\n", layout, page_size, pages.c_str(),
-                op, path, calls, ms, gbs, gbs / ceiling_gbs, speedup);
+    if (lanes >= 0) {
+        std::snprintf(utilisation, sizeof utilisation, "%.1f%%", 100.0 * lanes);
+    }
+    std::printf("%-7s %4u %-11s %-6s %-8s %9" PRIu64 " %9.3f %9.1f %6.2f %9s %7s\n", layout, page_size,
+                pages.c_str(), op, path, calls, ms, gbs, gbs / ceiling_gbs, speedup, utilisation);
 }
 
-void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings &s, hipStream_t stream) {
+void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings &s, const Placement &where,
+              hipStream_t stream) {
     const uint64_t src_bpt = (kHeads / l.prefill_tp) * kBytesPerHead;
     const uint64_t dst_bpt = (l.decode_tp <= kHeads ? kHeads / l.decode_tp : 1) * kBytesPerHead;
     const uint64_t pages = s.tokens / page_size;
@@ -120,26 +161,35 @@ void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings 
     if (planned != MORI_OK && planned != MORI_ERR_BUFFER_TOO_SMALL) {
         MORI_OK_OR_DIE(planned);
     }
+    std::vector<MoriCopyRect> plan(rects);
+    MORI_OK_OR_DIE(mori_tp_plan(&config, src_pages.data(), dst_pages.data(), pages, plan.data(), rects, &rects));
     uint64_t staging_len = 0;
     MORI_OK_OR_DIE(mori_tp_staging_len(&config, pages, &staging_len));
 
-    Buffers src(s.buffers, capacity_pages * page_size * src_bpt, 1);
-    Buffers dst(s.buffers, capacity_pages * page_size * dst_bpt, 2);
-    Buffers staging(1, staging_len * s.buffers, 3);
+    Buffers src(s.buffers, capacity_pages * page_size * src_bpt, 1, where.src_device);
+    Buffers dst(s.buffers, capacity_pages * page_size * dst_bpt, 2, where.dst_device);
+    Buffers staging(1, staging_len * s.buffers, 3, where.staging_device);
     const uint64_t bytes = staging_len * s.buffers;  // slice bytes of one call
-    Buffers flat(2, bytes, 4);
+    // The ceiling: one copy of the call's bytes from the prefill side's memory to where they go.
+    Buffers flat_src(1, bytes, 4, where.src_device);
+    Buffers flat_dst(1, bytes, 4, where.send ? where.dst_device : where.staging_device);
     const MoriKvBuffers kv = {src.pointers.data(), dst.pointers.data(), s.buffers, src.capacity, dst.capacity};
+    const double lanes = mori_copy_lane_utilisation(plan.data(), plan.size(), reinterpret_cast<uint64_t>(src.pointers[0]),
+                                                    reinterpret_cast<uint64_t>(dst.pointers[0]));
 
-    const float flat_ms = time_ms(stream, s.warmup, s.iterations, [&] {
-        HIP_OK(hipMemcpyAsync(flat.pointers[1], flat.pointers[0], bytes, hipMemcpyDeviceToDevice, stream));
+    const float flat_ms = time_ms(where.dst_device, stream, s.warmup, s.iterations, [&] {
+        HIP_OK(hipMemcpyAsync(flat_dst.pointers[0], flat_src.pointers[0], bytes, hipMemcpyDefault, stream));
     });
     const double ceiling = static_cast<double>(bytes) / (flat_ms * 1e6);
     const std::string shape = run == 0 ? "contiguous" : "runs of " + std::to_string(run);
-    print_row(l.name, page_size, shape, "-", "memcpy", 1, flat_ms, bytes, ceiling, 0);
+    print_row(l.name, page_size, shape, "-", "memcpy", 1, flat_ms, bytes, ceiling, 0, -1);
 
     // Each op with flags 0 (memcpy2d) and MORI_SEND_COPY_KERNEL (kernel).
     const char *ops[] = {"send", "pack", "unpack"};
     for (const char *op : ops) {
+        if (!where.send && std::strcmp(op, "send") == 0) {
+            continue;
+        }
         double memcpy2d_gbs = 0;
         for (const uint32_t flags : {0u, static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
             const MoriSendOptions options = {MORI_BACKEND_HIP, flags, stream};
@@ -147,7 +197,7 @@ void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings 
             const uint64_t calls = flags == 0 ? rects * s.buffers : 1;
             const int iterations = static_cast<int>(
                 std::max<uint64_t>(1, std::min<uint64_t>(s.iterations, kCallBudget / calls)));
-            const float ms = time_ms(stream, iterations < s.iterations ? 1 : s.warmup, iterations, [&] {
+            const float ms = time_ms(where.dst_device, stream, iterations < s.iterations ? 1 : s.warmup, iterations, [&] {
                 if (std::strcmp(op, "send") == 0) {
                     MORI_OK_OR_DIE(mori_send_kvcache(&config, &kv, src_pages.data(), dst_pages.data(), pages, &options));
                 } else if (std::strcmp(op, "pack") == 0) {
@@ -162,7 +212,7 @@ void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings 
             // buffer as the send: one per run.
             const bool kernel = flags != 0;
             print_row(l.name, page_size, shape, op, kernel ? "kernel" : "memcpy2d", calls, ms, bytes, ceiling,
-                      kernel ? memcpy2d_gbs : 0);
+                      kernel ? memcpy2d_gbs : 0, kernel ? lanes : -1);
             if (!kernel) {
                 memcpy2d_gbs = static_cast<double>(bytes) / (ms * 1e6);
             }
@@ -180,26 +230,59 @@ int main(int argc, char **argv) {
         return skip;
     }
     const Settings settings = quick ? Settings{256, 4, 1, 2} : Settings{16384, 32, 3, 20};
-    int device = -1;
+    int device = -1, devices = 0;
     HIP_OK(hipGetDevice(&device));
+    HIP_OK(hipGetDeviceCount(&devices));
     hipDeviceProp_t props;
     HIP_OK(hipGetDeviceProperties(&props, device));
-    std::printf("bench: device %d, %s (%s); %" PRIu64 " tokens x %u buffers per call, 8 heads of 256 B, "
+    std::printf("bench: device %d of %d, %s (%s); %" PRIu64 " tokens x %u buffers per call, 8 heads of 256 B, "
                 "%d iterations%s\n",
-                device, props.name, props.gcnArchName, settings.tokens, settings.buffers, settings.iterations,
-                quick ? " (--quick)" : "");
-    std::printf("%-7s %4s %-11s %-6s %-8s %9s %9s %9s %6s %9s\n", "layout", "page", "pages", "op", "path", "calls",
-                "ms", "GB/s", "ratio", "kernel/2d");
+                device, devices, props.name, props.gcnArchName, settings.tokens, settings.buffers,
+                settings.iterations, quick ? " (--quick)" : "");
+    const auto header = [] {
+        std::printf("%-7s %4s %-11s %-6s %-8s %9s %9s %9s %6s %9s %7s\n", "layout", "page", "pages", "op", "path",
+                    "calls", "ms", "GB/s", "ratio", "kernel/2d", "lanes");
+    };
+    header();
     hipStream_t stream;
     HIP_OK(hipStreamCreate(&stream));
     for (const Layout &layout : kLayouts) {
         for (uint32_t page_size : {1u, 16u}) {
             for (uint64_t run : {uint64_t{1}, uint64_t{4}, uint64_t{16}, uint64_t{0}}) {
-                run_case(layout, page_size, run, settings, stream);
+                run_case(layout, page_size, run, settings, kLocal, stream);
             }
         }
     }
     HIP_OK(hipStreamDestroy(stream));
+
+    // The fragmented shape and one long run, with the memory elsewhere.
+    const auto placed = [&](const Placement &where) {
+        std::printf("bench: %s\n", where.name);
+        header();
+        hipStream_t on;
+        on_device(where.dst_device, [&] { HIP_OK(hipStreamCreate(&on)); });
+        run_case(kLayouts[0], 1, 1, settings, where, on);
+        run_case(kLayouts[0], 16, 0, settings, where, on);
+        HIP_OK(hipStreamDestroy(on));
+    };
+    placed(kPinnedStaging);
+    int peers[2] = {0, 0};
+    if (devices >= 2 && device == 0) {
+        HIP_OK(hipDeviceCanAccessPeer(&peers[0], 0, 1));
+        HIP_OK(hipDeviceCanAccessPeer(&peers[1], 1, 0));
+    }
+    if (peers[0] != 0 && peers[1] != 0) {
+        for (const auto &link : {std::pair{0, 1}, std::pair{1, 0}}) {
+            const int to = link.second;
+            on_device(link.first, [&] {
+                const hipError_t status = hipDeviceEnablePeerAccess(to, 0);
+                if (status != hipSuccess && status != hipErrorPeerAccessAlreadyEnabled) HIP_OK(status);
+            });
+        }
+        placed(kPeer);
+    } else {
+        std::printf("bench: %s: skipped (needs devices 0 and 1 with peer access, device 0 current)\n", kPeer.name);
+    }
     std::printf("bench: done\n");
     return kPassed;
 }

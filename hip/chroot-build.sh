@@ -2,7 +2,9 @@
 # Builds libmori_tp with the HIP backend (and so the copy kernel) and the hip/ programs with
 # Debian forky's HIP toolchain (hipcc 7.0.2, HIP 6.4.3, clang 21) in a chroot, and checks that
 # the kernel's code-object bundle, the library and the programs hold code objects for gfx942
-# (MI300) and gfx950 (MI350). Debian 12's own hipcc 5.2 builds gfx90a (MI200) only.
+# (MI300) and gfx950 (MI350). Debian 12's own hipcc 5.2 builds gfx90a (MI200) only. It also
+# builds the library once more with a compressed bundle (--offload-compress), whose targets
+# build.rs must list.
 #
 # The chroot is made once with mmdebstrap and reused (a stamp names its suite and packages);
 # the build runs in it under `unshare --mount`, with /proc, the checkout and the host's Rust
@@ -28,7 +30,11 @@ if [ "${1:-}" = --inside ]; then
   cd "$ROOT"
   echo "hip-chroot: $(hipcc --version 2>/dev/null | grep -m1 'HIP version'), $(hipcc --version 2>/dev/null | grep -m1 'clang version')"
   cargo build --release --lib --features hip --offline --target-dir "$OUT/cargo"
-  make -C hip HIPCC=hipcc MORI_TP_LIB="$OUT/cargo/release/libmori_tp.a" BUILD="$OUT/programs" | tee "$OUT/make.log"
+  make -C hip HIPCC=hipcc HOST_CXX=clang++ MORI_TP_LIB="$OUT/cargo/release/libmori_tp.a" BUILD="$OUT/programs" | tee "$OUT/make.log"
+  # A compressed bundle (hipcc --offload-compress, which clang 21 knows): build.rs must read its
+  # targets with clang-offload-bundler instead of refusing it.
+  MORI_TP_HIPCC_FLAGS=--offload-compress cargo build --release --lib --features hip --offline \
+    --target-dir "$OUT/cargo-compressed" 2>&1 | tee "$OUT/compressed.log" | tail -n 3
 
   bundler=$(ls /usr/bin/clang-offload-bundler* | head -n 1)
   kernel=$(ls -t "$OUT"/cargo/release/build/mori-tp-*/out/copy_kernel.hsaco | head -n 1)
@@ -41,10 +47,20 @@ if [ "${1:-}" = --inside ]; then
     grep -Fqa "$id" "$OUT/cargo/release/libmori_tp.a" || { echo "hip-chroot: libmori_tp.a does not embed $arch"; status=1; }
     grep -Eq "^built for: .*\\b$arch\\b" "$OUT/make.log" || { echo "hip-chroot: make did not build for $arch"; status=1; }
   done
-  # No GPU here: the program must refuse cleanly (77); with one it must pass (0).
-  rc=0
-  "$OUT/programs/device_test" || rc=$?
-  case $rc in 0 | 77) ;; *) echo "hip-chroot: device_test exited $rc"; status=1 ;; esac
+  compressed=$(ls -t "$OUT"/cargo-compressed/release/build/mori-tp-*/out/copy_kernel.hsaco | head -n 1)
+  if [ "$(head -c 4 "$compressed")" != CCOB ]; then
+    echo "hip-chroot: --offload-compress did not give a compressed bundle"; status=1
+  elif grep -q "embedded unchecked" "$OUT/compressed.log"; then
+    echo "hip-chroot: build.rs could not list the compressed bundle's targets"; status=1
+  else
+    echo "hip-chroot: the compressed bundle ($compressed) was built and checked:" $("$bundler" --list --type=o --input="$compressed")
+  fi
+  # No GPU here: each program must refuse cleanly (77); with one it must pass (0).
+  for program in device_test "bench --quick"; do
+    rc=0
+    $OUT/programs/$program || rc=$?
+    case $rc in 0 | 77) ;; *) echo "hip-chroot: $program exited $rc"; status=1 ;; esac
+  done
   if [ $status -eq 0 ]; then
     echo "hip-chroot: passed: code objects for $REQUIRED in the copy kernel and libmori_tp.a; the hip/ programs built for them"
   fi

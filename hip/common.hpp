@@ -1,5 +1,6 @@
-// Helpers shared by the HIP programs: error checks, the "no device" protocol, and the
-// head ownership rule (REFERENCE.md section 3) restated independently of the library.
+// Helpers shared by the HIP programs: error checks, the "no device" protocol, switching the
+// current device for a moment, and the head ownership rule (REFERENCE.md section 3) restated
+// independently of the library.
 #pragma once
 
 #include <hip/hip_runtime.h>
@@ -35,6 +36,17 @@ constexpr int kSkipped = 77;
             std::exit(kFailed);                                                               \
         }                                                                                     \
     } while (0)
+
+// Runs `f` with `device` current (no change for -1, which the programs use for pinned host
+// memory), then makes the caller's device current again.
+template <class F>
+void on_device(int device, const F &f) {
+    int current = 0;
+    HIP_OK(hipGetDevice(&current));
+    if (device >= 0) HIP_OK(hipSetDevice(device));
+    f();
+    HIP_OK(hipSetDevice(current));
+}
 
 // The heads rank `rank` of a side with TP size `tp` owns (REFERENCE.md section 3).
 struct HeadRange {

@@ -25,14 +25,17 @@
  * launch (threads run in no particular order, so such a byte may end as either copy leaves it).
  *
  * Work split: the rows of all rects, in order, form one flattened list of total_rows rows. Grid
- * x walks tiles of rows_per_block consecutive rows of that list, grid y walks buffers. A block
- * finds its tile's first rect by binary search of first_row, then copies the tile's rows of each
- * rect with the widest of 16, 8 or 4-byte loads and stores that the alignment of both row
- * starts, both pitches and the width allows (bytes otherwise). No shared memory, no atomics, no
- * barriers: threads are independent, so the same source also runs on a CPU (hip/cpu_shim.hpp).
+ * x walks tiles of rows_per_block consecutive rows of that list, grid y walks buffers. A block's
+ * threads form groups of lanes_per_row lanes (the blockDim.x / lanes_per_row whole groups; the
+ * threads left over idle), and group g copies rows g, g + groups, g + 2 * groups, ... of the tile,
+ * whichever rects they belong to: one-row rects keep every group busy as well as tall ones do.
+ * A group finds its row's rect by binary search of first_row, and its lanes copy the row with
+ * the widest of 16, 8 or 4-byte loads and stores that both row starts and the width allow (bytes
+ * otherwise), lane i taking units i, i + lanes, ... No shared memory, no atomics, no barriers:
+ * threads are independent, so the same source also runs on a CPU (hip/cpu_shim.hpp).
  *
  * This header is plain C (and C++), usable from host code, device code and the CPU shim. The
- * Rust side (src/backend/hip.rs) mirrors these structs and formulas; keep them in sync.
+ * Rust side (src/backend/copy_kernel.rs) mirrors these structs and formulas; keep them in sync.
  */
 #ifndef MORI_COPY_KERNEL_H
 #define MORI_COPY_KERNEL_H
@@ -66,7 +69,7 @@ typedef struct MoriCopyKernelRect {
     uint64_t reserved;   /* 0; pads the entry to 64 bytes */
 } MoriCopyKernelRect;
 
-/* The kernel's one parameter, passed by value (7 x 8 = 56 bytes). */
+/* The kernel's one parameter, passed by value (8 x 8 = 64 bytes). */
 typedef struct MoriCopyKernelArgs {
     const MoriCopyKernelRect *rects; /* num_rects entries, device-accessible */
     const uint64_t *src_bases;       /* num_buffers source base addresses, device-accessible */
@@ -75,6 +78,7 @@ typedef struct MoriCopyKernelArgs {
     uint64_t num_buffers;
     uint64_t total_rows;     /* sum of all heights = first_row + height of the last rect */
     uint64_t rows_per_block; /* rows of one tile, >= 1 (mori_copy_rows_per_block) */
+    uint64_t lanes_per_row;  /* threads per row, >= 1 (mori_copy_lanes_per_row); capped at blockDim.x */
 } MoriCopyKernelArgs;
 
 /* Rows per tile for rects whose widest row is `max_width` bytes:
@@ -85,6 +89,17 @@ static inline uint64_t mori_copy_rows_per_block(uint64_t max_width) {
         rows = 1;
     }
     return rows > MORI_COPY_MAX_ROWS_PER_BLOCK ? MORI_COPY_MAX_ROWS_PER_BLOCK : rows;
+}
+
+/* Threads per row for rects whose widest row is `max_width` bytes: enough for one 16-byte unit
+ * each, clamp(ceil(max_width / 16), 1, MORI_COPY_BLOCK_THREADS). A row that moves in narrower
+ * units gives each lane several. */
+static inline uint64_t mori_copy_lanes_per_row(uint64_t max_width) {
+    uint64_t lanes = max_width / 16 + (max_width % 16 != 0);
+    if (lanes < 1) {
+        lanes = 1;
+    }
+    return lanes > MORI_COPY_BLOCK_THREADS ? MORI_COPY_BLOCK_THREADS : lanes;
 }
 
 /* The grid that gives each (tile, buffer) its own block, within the caps:

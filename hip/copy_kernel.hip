@@ -32,6 +32,13 @@ MORI_DEVICE void mori_store(uint64_t address, T value) {
 
 #include "copy_kernel.h"
 
+// Counts one (thread, step) of a tile, and whether the thread moved bytes in it. Nothing on a
+// GPU; the CPU shim counts, which is how the tests and hip/bench measure the share of lanes
+// that work (active-lane utilisation).
+#ifndef MORI_COPY_COUNT_LANE
+#define MORI_COPY_COUNT_LANE(active) ((void)(active))
+#endif
+
 namespace mori_copy {
 
 // 16 bytes as one value, so that an aligned row moves with 128-bit loads and stores (GCC and
@@ -42,10 +49,11 @@ MORI_DEVICE uint64_t min_u64(uint64_t a, uint64_t b) {
     return a < b ? a : b;
 }
 
-// The index of the rect that holds flattened row `row`: the last rect whose first_row <= row
-// (rects are sorted by first_row; a zero-height rect is skipped by the caller's walk).
-MORI_DEVICE uint64_t find_rect(const MoriCopyKernelRect *rects, uint64_t num_rects, uint64_t row) {
-    uint64_t lo = 0, hi = num_rects;  // answer in [lo, hi)
+// The rect that holds flattened row `row`: the last one in [lo, num_rects) whose first_row <= row
+// (rects are sorted by first_row, and the one at lo starts at or before row). A zero-height rect
+// never holds a row: the next rect starts at the same row and wins.
+MORI_DEVICE uint64_t find_rect(const MoriCopyKernelRect *rects, uint64_t lo, uint64_t num_rects, uint64_t row) {
+    uint64_t hi = num_rects;  // answer in [lo, hi)
     while (hi - lo > 1) {
         const uint64_t mid = lo + (hi - lo) / 2;
         if (rects[mid].first_row <= row) {
@@ -57,55 +65,43 @@ MORI_DEVICE uint64_t find_rect(const MoriCopyKernelRect *rects, uint64_t num_rec
     return lo;
 }
 
-// Copies `rows` rows of `width` bytes as units of T (width, pitches and both starts are
-// multiples of sizeof(T)). Threads split into groups of a power-of-two size, each group one row
-// at a time, its lanes over consecutive units: narrow rows still use every thread, and adjacent
-// lanes touch adjacent addresses.
+// One row of `width` bytes as units of T (both starts and the width are multiples of
+// sizeof(T)): lane `lane` of `lanes` takes units lane, lane + lanes, ..., so adjacent lanes touch
+// adjacent addresses. True when this lane moved any unit.
 template <class T>
-MORI_DEVICE void copy_rows(uint64_t src, uint64_t dst, uint64_t src_pitch, uint64_t dst_pitch, uint64_t width,
-                           uint64_t rows) {
+MORI_DEVICE bool copy_row(uint64_t s, uint64_t d, uint64_t width, uint32_t lane, uint32_t lanes) {
     const uint64_t units = width / sizeof(T);
-    uint32_t lanes = 1;
-    while (lanes < units && lanes < blockDim.x) {
-        lanes <<= 1;
+    uint64_t unit = lane;
+    // Four loads in flight before their stores, for rows wider than one pass of the group.
+    for (; unit + 3 * lanes < units; unit += 4 * lanes) {
+        const T a = mori_load<T>(s + unit * sizeof(T));
+        const T b = mori_load<T>(s + (unit + lanes) * sizeof(T));
+        const T c = mori_load<T>(s + (unit + 2 * lanes) * sizeof(T));
+        const T e = mori_load<T>(s + (unit + 3 * lanes) * sizeof(T));
+        mori_store<T>(d + unit * sizeof(T), a);
+        mori_store<T>(d + (unit + lanes) * sizeof(T), b);
+        mori_store<T>(d + (unit + 2 * lanes) * sizeof(T), c);
+        mori_store<T>(d + (unit + 3 * lanes) * sizeof(T), e);
     }
-    const uint32_t groups = blockDim.x / lanes;
-    const uint32_t lane = threadIdx.x & (lanes - 1);
-    for (uint64_t row = threadIdx.x / lanes; row < rows; row += groups) {
-        const uint64_t s = src + row * src_pitch, d = dst + row * dst_pitch;
-        uint64_t unit = lane;
-        // Four loads in flight before their stores, for rows wider than one pass of the group.
-        for (; unit + 3 * lanes < units; unit += 4 * lanes) {
-            const T a = mori_load<T>(s + unit * sizeof(T));
-            const T b = mori_load<T>(s + (unit + lanes) * sizeof(T));
-            const T c = mori_load<T>(s + (unit + 2 * lanes) * sizeof(T));
-            const T e = mori_load<T>(s + (unit + 3 * lanes) * sizeof(T));
-            mori_store<T>(d + unit * sizeof(T), a);
-            mori_store<T>(d + (unit + lanes) * sizeof(T), b);
-            mori_store<T>(d + (unit + 2 * lanes) * sizeof(T), c);
-            mori_store<T>(d + (unit + 3 * lanes) * sizeof(T), e);
-        }
-        for (; unit < units; unit += lanes) {
-            mori_store<T>(d + unit * sizeof(T), mori_load<T>(s + unit * sizeof(T)));
-        }
+    for (; unit < units; unit += lanes) {
+        mori_store<T>(d + unit * sizeof(T), mori_load<T>(s + unit * sizeof(T)));
     }
+    return lane < units;
 }
 
-// Rows [first, first + rows) of `rect` for one buffer, with the widest unit both sides allow.
-MORI_DEVICE void copy_rect_rows(const MoriCopyKernelRect &rect, uint64_t src_base, uint64_t dst_base,
-                                uint64_t first, uint64_t rows) {
-    const uint64_t src = src_base + rect.src_offset + first * rect.src_pitch;
-    const uint64_t dst = dst_base + rect.dst_offset + first * rect.dst_pitch;
-    const uint64_t alignment = src | dst | rect.src_pitch | rect.dst_pitch | rect.width;
+// One row with the widest unit both starts and the width allow.
+MORI_DEVICE bool copy_row_widest(uint64_t s, uint64_t d, uint64_t width, uint32_t lane, uint32_t lanes) {
+    const uint64_t alignment = s | d | width;
     if (alignment % 16 == 0) {
-        copy_rows<U128>(src, dst, rect.src_pitch, rect.dst_pitch, rect.width, rows);
-    } else if (alignment % 8 == 0) {
-        copy_rows<uint64_t>(src, dst, rect.src_pitch, rect.dst_pitch, rect.width, rows);
-    } else if (alignment % 4 == 0) {
-        copy_rows<uint32_t>(src, dst, rect.src_pitch, rect.dst_pitch, rect.width, rows);
-    } else {
-        copy_rows<uint8_t>(src, dst, rect.src_pitch, rect.dst_pitch, rect.width, rows);
+        return copy_row<U128>(s, d, width, lane, lanes);
     }
+    if (alignment % 8 == 0) {
+        return copy_row<uint64_t>(s, d, width, lane, lanes);
+    }
+    if (alignment % 4 == 0) {
+        return copy_row<uint32_t>(s, d, width, lane, lanes);
+    }
+    return copy_row<uint8_t>(s, d, width, lane, lanes);
 }
 
 }  // namespace mori_copy
@@ -116,21 +112,32 @@ extern "C" __global__ void __launch_bounds__(MORI_COPY_BLOCK_THREADS)
     if (args.num_rects == 0 || args.rows_per_block == 0) {
         return;
     }
+    const uint32_t lanes = static_cast<uint32_t>(
+        args.lanes_per_row == 0 ? 1 : min_u64(args.lanes_per_row, blockDim.x));
+    const uint32_t groups = blockDim.x / lanes;
+    // Threads past the last whole group (when lanes does not divide the block) stay idle.
+    const uint32_t group = threadIdx.x / lanes, lane = threadIdx.x % lanes;
     const uint64_t tiles = (args.total_rows + args.rows_per_block - 1) / args.rows_per_block;
     for (uint64_t buffer = blockIdx.y; buffer < args.num_buffers; buffer += gridDim.y) {
         const uint64_t src_base = args.src_bases[buffer], dst_base = args.dst_bases[buffer];
         for (uint64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            uint64_t row = tile * args.rows_per_block;
-            const uint64_t end = min_u64(row + args.rows_per_block, args.total_rows);
-            // The tile's rows, rect by rect: a tile may span several short rects.
-            for (uint64_t index = find_rect(args.rects, args.num_rects, row); row < end && index < args.num_rects;
-                 index++) {
-                const MoriCopyKernelRect rect = args.rects[index];
-                const uint64_t rect_end = min_u64(end, rect.first_row + rect.height);
-                if (rect_end > row) {
-                    copy_rect_rows(rect, src_base, dst_base, row - rect.first_row, rect_end - row);
-                    row = rect_end;
+            const uint64_t first = tile * args.rows_per_block;
+            const uint64_t end = min_u64(first + args.rows_per_block, args.total_rows);
+            const uint64_t steps = (end - first + groups - 1) / groups;
+            // Each group takes every groups-th row of the tile, across rect boundaries; its rows
+            // only move forward, so each search starts at the previous row's rect.
+            uint64_t index = 0;
+            for (uint64_t step = 0; step < steps; step++) {
+                const uint64_t row = first + step * groups + group;
+                bool active = false;
+                if (group < groups && row < end) {
+                    index = find_rect(args.rects, index, args.num_rects, row);
+                    const MoriCopyKernelRect rect = args.rects[index];
+                    const uint64_t r = row - rect.first_row;
+                    active = copy_row_widest(src_base + rect.src_offset + r * rect.src_pitch,
+                                             dst_base + rect.dst_offset + r * rect.dst_pitch, rect.width, lane, lanes);
                 }
+                MORI_COPY_COUNT_LANE(active);
             }
         }
     }

@@ -10,6 +10,11 @@
 // it, and a misaligned access aborts here instead of passing silently.
 //
 // The thread coordinates are thread_local: launches on different host threads do not interfere.
+//
+// It also counts, per launch, the (thread, step) slots of the kernel's tiles and how many of them
+// moved bytes (MORI_COPY_COUNT_LANE): the kernel's active-lane utilisation, which depends only on
+// its work split, so the count here is the GPU's too. A dry run (mori_cpu_lanes.dry_run) counts
+// without touching memory: loads read zeros and stores are dropped, alignment still checked.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +41,31 @@ inline thread_local MoriDim3 threadIdx, blockIdx, blockDim, gridDim;
 #endif
 #define MORI_DEVICE inline
 
+// The lane count of the launches on this host thread since the last reset.
+struct MoriCpuLanes {
+    uint64_t slots = 0;   // (thread, step) pairs the kernel's tiles ran
+    uint64_t active = 0;  // of those, the ones that moved bytes
+    bool dry_run = false;
+    double utilisation() const { return slots == 0 ? 0.0 : static_cast<double>(active) / static_cast<double>(slots); }
+};
+
+inline thread_local MoriCpuLanes mori_cpu_lanes;
+
+#define MORI_COPY_COUNT_LANE(moved)                 \
+    do {                                            \
+        mori_cpu_lanes.slots++;                     \
+        mori_cpu_lanes.active += (moved) ? 1 : 0;   \
+    } while (0)
+
+// Where the host reaches a device address: the address itself, unless a stand-in runtime maps
+// device addresses of its own (tests/fake_hip: hipHostRegister'd memory seen through another
+// address, as on a GPU) and installs the translation here.
+inline uint64_t (*mori_cpu_translate)(uint64_t address) = nullptr;
+
+inline uint64_t mori_cpu_address(uint64_t address) {
+    return mori_cpu_translate == nullptr ? address : mori_cpu_translate(address);
+}
+
 // Alignment of a T access: natural alignment, at least the size for the vector types a GPU
 // loads in one instruction (at most 16 bytes).
 template <class T>
@@ -51,14 +81,20 @@ template <class T>
 inline T mori_load(uint64_t address) {
     mori_cpu_check_alignment<T>(address, "load");
     T value;
-    std::memcpy(&value, reinterpret_cast<const void *>(address), sizeof(T));
+    if (mori_cpu_lanes.dry_run) {
+        std::memset(&value, 0, sizeof(T));
+        return value;
+    }
+    std::memcpy(&value, reinterpret_cast<const void *>(mori_cpu_address(address)), sizeof(T));
     return value;
 }
 
 template <class T>
 inline void mori_store(uint64_t address, T value) {
     mori_cpu_check_alignment<T>(address, "store");
-    std::memcpy(reinterpret_cast<void *>(address), &value, sizeof(T));
+    if (!mori_cpu_lanes.dry_run) {
+        std::memcpy(reinterpret_cast<void *>(mori_cpu_address(address)), &value, sizeof(T));
+    }
 }
 
 // Runs kernel(args) for every thread of a grid x block launch, blocks and threads in an order

@@ -10,13 +10,27 @@
 // on the decode side, on one stream), checking the staging bytes too, and checks that a refused
 // call writes nothing. Each of these runs once per path.
 //
+// Then the same in the places a deployment puts memory, each on both paths:
+// - the fragmented shape: page size 1 and runs of one page, so every rect is one row;
+// - pinned host memory (hipHostMalloc) for every buffer and staging region;
+// - with two or more devices: prefill buffers on device 0, decode buffers, staging and the stream
+//   on device 1, while device 0 stays current (so the kernel must load on the stream's device),
+//   with peer access enabled both ways where the devices allow it;
+// and host memory registered with hipHostRegister: the copy kernel takes it at the address
+// hipHostGetDevicePointer returns, and refuses its host address when that differs.
+//
 // Exit: 0 passed, 1 failed, 77 "skipped: no HIP device".
 
+#include <algorithm>
 #include <cinttypes>
+#include <cstdlib>
+#include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.hpp"
+#include "testkit.hpp"
 
 namespace {
 
@@ -41,11 +55,40 @@ const Layout kLayouts[] = {
 };
 
 // A fragmented request: four runs of 3, 1, 2 and 4 pages, out of order on both sides.
-const int32_t kSrcPages[] = {3, 4, 5, 9, 0, 1, 12, 13, 14, 15};
-const int32_t kDstPages[] = {7, 8, 9, 1, 4, 5, 10, 11, 12, 13};
-constexpr size_t kPages = sizeof kSrcPages / sizeof kSrcPages[0];
-constexpr uint64_t kSrcCapacityPages = 16;
-constexpr uint64_t kDstCapacityPages = 14;
+mori_testkit::Pages fragmented_request() {
+    mori_testkit::Pages pages;
+    pages.src = {3, 4, 5, 9, 0, 1, 12, 13, 14, 15};
+    pages.dst = {7, 8, 9, 1, 4, 5, 10, 11, 12, 13};
+    pages.src_capacity_pages = 16;
+    pages.dst_capacity_pages = 14;
+    return pages;
+}
+
+// Where a test's buffers live and which stream it uses.
+struct Placement {
+    const char *name;
+    int src_device;  // prefill buffers' device (-1: pinned host memory)
+    int dst_device;  // decode buffers', staging regions' and the stream's device (-1: pinned host memory)
+};
+
+constexpr Placement kLocal = {"device memory", 0, 0};
+constexpr Placement kPinned = {"pinned host memory", -1, -1};
+constexpr Placement kTwoDevices = {"prefill on device 0, decode on device 1", 0, 1};
+
+// `bytes` of memory as `device` says: hipMalloc'd there, or pinned host memory for -1.
+void *allocate(int device, uint64_t bytes) {
+    void *p = nullptr;
+    if (device < 0) {
+        HIP_OK(hipHostMalloc(&p, bytes, hipHostMallocDefault));
+    } else {
+        on_device(device, [&] { HIP_OK(hipMalloc(&p, bytes)); });
+    }
+    return p;
+}
+
+void release(int device, void *p) {
+    (void)(device < 0 ? hipHostFree(p) : hipFree(p));
+}
 
 // Source bytes: a hash of (buffer, page, token, global head, byte), so any misplaced byte shows.
 uint8_t pattern(uint32_t buffer, uint32_t page, uint32_t token, uint32_t head, uint32_t byte) {
@@ -63,6 +106,7 @@ uint8_t sentinel(uint32_t rank, uint32_t buffer, uint64_t offset) {
 }
 
 struct Side {
+    int device;  // as Placement says
     uint32_t tp;
     uint64_t bytes_per_token;
     uint64_t item_len;
@@ -80,19 +124,20 @@ void fail(const std::string &what) {
 
 class Test {
   public:
-    explicit Test(const Layout &l)
-        : l_(l), bph_(uint64_t{l.head_dim} * l.dtype_bytes), buffers_(l.layers * (l.separate_v ? 2 : 1)) {
-        src_ = make_side(l.prefill_tp, kSrcCapacityPages);
-        dst_ = make_side(l.decode_tp, kDstCapacityPages);
-        staged_ = make_side(l.decode_tp, kDstCapacityPages);
-        HIP_OK(hipStreamCreate(&stream_));
+    Test(const Layout &l, const mori_testkit::Pages &pages, const Placement &where)
+        : l_(l), pages_(pages), where_(where), bph_(uint64_t{l.head_dim} * l.dtype_bytes),
+          buffers_(l.layers * (l.separate_v ? 2 : 1)) {
+        src_ = make_side(l.prefill_tp, pages.src_capacity_pages, where.src_device);
+        dst_ = make_side(l.decode_tp, pages.dst_capacity_pages, where.dst_device);
+        staged_ = make_side(l.decode_tp, pages.dst_capacity_pages, where.dst_device);
+        on_device(where.dst_device, [&] { HIP_OK(hipStreamCreate(&stream_)); });
     }
 
     ~Test() {
         for (Side *side : {&src_, &dst_, &staged_}) {
             for (auto &rank : side->ranks) {
                 for (void *p : rank) {
-                    (void)hipFree(p);
+                    release(side->device, p);
                 }
             }
         }
@@ -100,7 +145,8 @@ class Test {
     }
 
     void run() {
-        std::printf("%s: %u buffers, %" PRIu64 " bytes per head\n", l_.name, buffers_, bph_);
+        std::printf("%s, %s, %zu pages: %u buffers, %" PRIu64 " bytes per head\n", l_.name, where_.name,
+                    pages_.src.size(), buffers_, bph_);
         for (const uint32_t path : {0u, static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
             const std::string name = path == 0 ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
             fill();
@@ -113,8 +159,9 @@ class Test {
     }
 
   private:
-    Side make_side(uint32_t tp, uint64_t capacity_pages) {
+    Side make_side(uint32_t tp, uint64_t capacity_pages, int device) {
         Side side;
+        side.device = device;
         side.tp = tp;
         side.bytes_per_token = owned_heads(l_.heads, tp, 0).count * bph_;
         side.item_len = l_.page_size * side.bytes_per_token;
@@ -123,7 +170,7 @@ class Test {
         for (auto &rank : side.ranks) {
             rank.resize(buffers_);
             for (void *&p : rank) {
-                HIP_OK(hipMalloc(&p, side.capacity));
+                p = allocate(device, side.capacity);
             }
         }
         return side;
@@ -142,7 +189,7 @@ class Test {
                                        owned.first + static_cast<uint32_t>(in_token / bph_),
                                        static_cast<uint32_t>(in_token % bph_));
                 }
-                HIP_OK(hipMemcpy(src_.ranks[p][b], host.data(), src_.capacity, hipMemcpyHostToDevice));
+                HIP_OK(hipMemcpy(src_.ranks[p][b], host.data(), src_.capacity, hipMemcpyDefault));
             }
         }
         for (Side *side : {&dst_, &staged_}) {
@@ -152,7 +199,7 @@ class Test {
                     for (uint64_t at = 0; at < side->capacity; at++) {
                         init[at] = sentinel(d, b, at);
                     }
-                    HIP_OK(hipMemcpy(side->ranks[d][b], init.data(), side->capacity, hipMemcpyHostToDevice));
+                    HIP_OK(hipMemcpy(side->ranks[d][b], init.data(), side->capacity, hipMemcpyDefault));
                 }
             }
         }
@@ -183,7 +230,8 @@ class Test {
                 // Alternate the created stream and the null stream.
                 const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path,
                                                  (p + d) % 2 == 0 ? stream_ : nullptr};
-                MORI_OK_OR_DIE(mori_send_kvcache(&c, &kv, kSrcPages, kDstPages, kPages, &options));
+                MORI_OK_OR_DIE(mori_send_kvcache(&c, &kv, pages_.src.data(), pages_.dst.data(), pages_.src.size(),
+                                                 &options));
                 sends += c.action == MORI_TP_ACTION_SEND;
             }
         }
@@ -212,17 +260,17 @@ class Test {
                 if (c.action != MORI_TP_ACTION_SEND) {
                     continue;
                 }
+                const size_t n = pages_.src.size();
                 uint64_t staging_len = 0;
-                MORI_OK_OR_DIE(mori_tp_staging_len(&c, kPages, &staging_len));
+                MORI_OK_OR_DIE(mori_tp_staging_len(&c, n, &staging_len));
                 const uint64_t region_bytes = staging_len * buffers_;
-                void *region = nullptr;
-                HIP_OK(hipMalloc(&region, region_bytes));
-                MORI_OK_OR_DIE(mori_pack_kvcache(&c, src_.ranks[p].data(), buffers_, src_.capacity, kSrcPages,
-                                                 kPages, region, region_bytes, &async));
+                void *region = allocate(where_.dst_device, region_bytes);
+                MORI_OK_OR_DIE(mori_pack_kvcache(&c, src_.ranks[p].data(), buffers_, src_.capacity, pages_.src.data(),
+                                                 n, region, region_bytes, &async));
                 MORI_OK_OR_DIE(mori_unpack_kvcache(&c, region, region_bytes, staged_.ranks[d].data(), buffers_,
-                                                   staged_.capacity, kDstPages, kPages, &sync));
+                                                   staged_.capacity, pages_.dst.data(), n, &sync));
                 verify_staging(region, staging_len, c, p, d);
-                HIP_OK(hipFree(region));
+                release(where_.dst_device, region);
             }
         }
     }
@@ -233,13 +281,13 @@ class Test {
         std::vector<uint8_t> host(staging_len);
         for (uint32_t b = 0; b < buffers_; b++) {
             HIP_OK(hipMemcpy(host.data(), static_cast<uint8_t *>(region) + b * staging_len, staging_len,
-                             hipMemcpyDeviceToHost));
+                             hipMemcpyDefault));
             uint64_t at = 0;
-            for (size_t i = 0; i < kPages; i++) {
+            for (size_t i = 0; i < pages_.src.size(); i++) {
                 for (uint32_t t = 0; t < l_.page_size; t++) {
                     for (uint32_t k = 0; k < c.num_heads; k++) {
                         for (uint64_t x = 0; x < bph_; x++, at++) {
-                            const uint8_t want = pattern(b, static_cast<uint32_t>(kSrcPages[i]), t,
+                            const uint8_t want = pattern(b, static_cast<uint32_t>(pages_.src[i]), t,
                                                          c.first_head + k, static_cast<uint32_t>(x));
                             if (host[at] != want) {
                                 fail(std::string(l_.name) + ": staging of pair (" + std::to_string(p) +
@@ -262,12 +310,12 @@ class Test {
             want[at] = sentinel(d, b, at);
         }
         const HeadRange owned = owned_heads(l_.heads, side.tp, d);
-        for (size_t i = 0; i < kPages; i++) {
+        for (size_t i = 0; i < pages_.src.size(); i++) {
             for (uint32_t t = 0; t < l_.page_size; t++) {
                 for (uint32_t k = 0; k < owned.count; k++) {
-                    const uint64_t base = kDstPages[i] * side.item_len + t * side.bytes_per_token + k * bph_;
+                    const uint64_t base = pages_.dst[i] * side.item_len + t * side.bytes_per_token + k * bph_;
                     for (uint64_t x = 0; x < bph_; x++) {
-                        want[base + x] = pattern(b, static_cast<uint32_t>(kSrcPages[i]), t, owned.first + k,
+                        want[base + x] = pattern(b, static_cast<uint32_t>(pages_.src[i]), t, owned.first + k,
                                                  static_cast<uint32_t>(x));
                     }
                 }
@@ -280,11 +328,11 @@ class Test {
         std::vector<uint8_t> got(side.capacity);
         for (uint32_t d = 0; d < side.tp; d++) {
             for (uint32_t b = 0; b < buffers_; b++) {
-                HIP_OK(hipMemcpy(got.data(), side.ranks[d][b], side.capacity, hipMemcpyDeviceToHost));
+                HIP_OK(hipMemcpy(got.data(), side.ranks[d][b], side.capacity, hipMemcpyDefault));
                 const std::vector<uint8_t> want = expected(side, d, b);
                 for (uint64_t at = 0; at < side.capacity; at++) {
                     if (got[at] != want[at]) {
-                        fail(std::string(l_.name) + " (" + how + "): decode rank " + std::to_string(d) +
+                        fail(std::string(l_.name) + ", " + where_.name + " (" + how + "): decode rank " + std::to_string(d) +
                              " buffer " + std::to_string(b) + ": first wrong byte at " + std::to_string(at) +
                              " (page " + std::to_string(at / side.item_len) + ", byte " +
                              std::to_string(at % side.item_len) + " of the page)");
@@ -301,7 +349,7 @@ class Test {
         const MoriTpSliceConfig c = config(0, 0);
         const MoriKvBuffers kv = buffers(src_.ranks[0], dst_.ranks[0], src_.capacity, dst_.capacity);
         const int32_t src_pages[2] = {0, 1};
-        const int32_t dst_pages[2] = {0, static_cast<int32_t>(kDstCapacityPages)};
+        const int32_t dst_pages[2] = {0, static_cast<int32_t>(pages_.dst_capacity_pages)};
         const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path, stream_};
         const MoriStatus status = mori_send_kvcache(&c, &kv, src_pages, dst_pages, 2, &options);
         if (status != MORI_ERR_OUT_OF_BOUNDS) {
@@ -312,11 +360,127 @@ class Test {
     }
 
     const Layout &l_;
+    mori_testkit::Pages pages_;
+    Placement where_;
     uint64_t bph_;
     uint32_t buffers_;
     Side src_, dst_, staged_;
     hipStream_t stream_ = nullptr;
 };
+
+// Qwen2.5-7B's heads with one-token pages: with runs of one page every rect is one row.
+const Layout kOneTokenPages = {"qwen2.5-7b bf16 page size 1, prefill TP 2 -> decode TP 8", 4, 128, 2, 1, 2, 8, 2, true};
+
+// The fragmented shape: 48 pages in runs of one page, shuffled with gaps on both sides.
+mori_testkit::Pages one_page_runs() {
+    return mori_testkit::fixed_runs(24, 48, 1);
+}
+
+// Zeroed host bytes on whole pages of their own, as hipHostRegister pins whole pages.
+class PageBytes {
+  public:
+    explicit PageBytes(size_t size) : size_(size) {
+        const size_t page = 4096, rounded = (size + page - 1) / page * page;
+        bytes_ = static_cast<uint8_t *>(std::aligned_alloc(page, rounded));
+        if (bytes_ == nullptr) {
+            std::fprintf(stderr, "device_test: cannot allocate %zu host bytes\n", rounded);
+            std::exit(kFailed);
+        }
+        std::memset(bytes_, 0, rounded);
+    }
+    ~PageBytes() { std::free(bytes_); }
+    PageBytes(const PageBytes &) = delete;
+    PageBytes &operator=(const PageBytes &) = delete;
+
+    uint8_t *data() { return bytes_; }
+    size_t size() const { return size_; }
+    uint8_t &operator[](size_t i) { return bytes_[i]; }
+    uint8_t *begin() { return bytes_; }
+    uint8_t *end() { return bytes_ + size_; }
+
+  private:
+    size_t size_;
+    uint8_t *bytes_;
+};
+
+// Host memory registered with hipHostRegister, through the copy kernel: at the address
+// hipHostGetDevicePointer returns the bytes land; at its host address, when that differs, the
+// library refuses (the kernel would fault) and writes nothing. The per-rect path takes either.
+void registered_host_memory() {
+    const MoriTpSliceParams params = {2, 1, 4, 3, 8, 1, 64, 32};  // 8 heads of 16 B, pair (1, 3)
+    MoriTpSliceConfig config;
+    MORI_OK_OR_DIE(mori_tp_slice_config(&params, &config));
+    PageBytes src(4 * 64), dst(4 * 32);
+    for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 7 + 3);
+    HIP_OK(hipHostRegister(src.data(), src.size(), hipHostRegisterDefault));
+    HIP_OK(hipHostRegister(dst.data(), dst.size(), hipHostRegisterDefault));
+    void *src_device = nullptr, *dst_device = nullptr;
+    HIP_OK(hipHostGetDevicePointer(&src_device, src.data(), 0));
+    HIP_OK(hipHostGetDevicePointer(&dst_device, dst.data(), 0));
+    const int32_t pages[3] = {0, 1, 3};
+    const MoriSendOptions kernel = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL, nullptr};
+    const auto expect = [&](const char *how) {
+        for (uint32_t page = 0; page < 4; page++) {
+            for (uint32_t x = 0; x < 32; x++) {
+                const bool sent = page != 2;
+                const uint8_t want = sent ? src[page * 64 + 32 + x] : uint8_t{0xEE};
+                if (dst[page * 32 + x] != want) {
+                    fail(std::string("registered host memory, ") + how + ": wrong byte " + std::to_string(x) +
+                         " of page " + std::to_string(page));
+                    return;
+                }
+            }
+        }
+    };
+    {
+        std::fill(dst.begin(), dst.end(), 0xEE);
+        const void *srcs[1] = {src_device};
+        void *dsts[1] = {dst_device};
+        const MoriKvBuffers kv = {srcs, dsts, 1, src.size(), dst.size()};
+        MORI_OK_OR_DIE(mori_send_kvcache(&config, &kv, pages, pages, 3, &kernel));
+        expect("copy kernel at the hipHostGetDevicePointer address");
+    }
+    if (src_device != src.data()) {
+        std::fill(dst.begin(), dst.end(), 0xEE);
+        const void *srcs[1] = {src.data()};
+        void *dsts[1] = {dst.data()};
+        const MoriKvBuffers kv = {srcs, dsts, 1, src.size(), dst.size()};
+        const MoriStatus status = mori_send_kvcache(&config, &kv, pages, pages, 3, &kernel);
+        if (status != MORI_ERR_GPU || std::strstr(mori_last_error_message(), "hipHostRegister") == nullptr ||
+            std::count(dst.begin(), dst.end(), uint8_t{0xEE}) != static_cast<long>(dst.size())) {
+            fail(std::string("the copy kernel given registered memory's host address returned ") +
+                 mori_status_str(status) + ": " + mori_last_error_message());
+        }
+        const MoriSendOptions per_rect = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, nullptr};
+        MORI_OK_OR_DIE(mori_send_kvcache(&config, &kv, pages, pages, 3, &per_rect));
+        expect("hipMemcpy2DAsync at the host address");
+        std::printf("registered host memory (hipHostRegister): the copy kernel takes the device address %p, "
+                    "refuses the host address %p; the per-rect path takes both\n",
+                    src_device, static_cast<void *>(src.data()));
+    } else {
+        std::printf("registered host memory (hipHostRegister): device address = host address here\n");
+    }
+    HIP_OK(hipHostUnregister(src.data()));
+    HIP_OK(hipHostUnregister(dst.data()));
+}
+
+// Enables peer access between devices 0 and 1 where the hardware allows it; false otherwise.
+bool enable_peer_access() {
+    int forward = 0, backward = 0;
+    HIP_OK(hipDeviceCanAccessPeer(&forward, 0, 1));
+    HIP_OK(hipDeviceCanAccessPeer(&backward, 1, 0));
+    if (forward == 0 || backward == 0) {
+        return false;
+    }
+    for (const auto &link : {std::pair{0, 1}, std::pair{1, 0}}) {
+        const int peer = link.second;
+        on_device(link.first, [&] {
+            const hipError_t status = hipDeviceEnablePeerAccess(peer, 0);
+            if (status != hipSuccess && status != hipErrorPeerAccessAlreadyEnabled) HIP_OK(status);
+        });
+    }
+    return true;
+}
 
 }  // namespace
 
@@ -325,13 +489,32 @@ int main() {
     if (skip >= 0) {
         return skip;
     }
-    int device = -1;
+    int device = -1, devices = 0;
     HIP_OK(hipGetDevice(&device));
+    HIP_OK(hipGetDeviceCount(&devices));
     hipDeviceProp_t props;
     HIP_OK(hipGetDeviceProperties(&props, device));
-    std::printf("device_test: device %d, %s (%s)\n", device, props.name, props.gcnArchName);
+    std::printf("device_test: device %d of %d, %s (%s)\n", device, devices, props.name, props.gcnArchName);
     for (const Layout &layout : kLayouts) {
-        Test(layout).run();
+        Test(layout, fragmented_request(), kLocal).run();
+    }
+    std::printf("one-page runs (every rect one row):\n");
+    Test(kOneTokenPages, one_page_runs(), kLocal).run();
+    std::printf("pinned host memory (hipHostMalloc):\n");
+    Test(kLayouts[0], fragmented_request(), kPinned).run();
+    Test(kOneTokenPages, one_page_runs(), kPinned).run();
+    registered_host_memory();
+    if (devices >= 2 && device == 0) {
+        if (enable_peer_access()) {
+            std::printf("two devices, device 0 current, stream and decode side on device 1, peer access on:\n");
+            Test(kLayouts[0], fragmented_request(), kTwoDevices).run();
+            Test(kLayouts[1], fragmented_request(), kTwoDevices).run();
+            Test(kOneTokenPages, one_page_runs(), kTwoDevices).run();
+        } else {
+            std::printf("two devices, but devices 0 and 1 cannot access each other: not checked\n");
+        }
+    } else {
+        std::printf("one device: the two-device checks need two (and device 0 current)\n");
     }
     int after = -1;
     HIP_OK(hipGetDevice(&after));

@@ -39,16 +39,23 @@
 /**
  * MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
  * one copy-kernel launch, plus at most one upload of the rect table, instead of one
- * hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMallocAsync of the table,
- * hipMemcpyAsync of it, hipModuleLaunchKernel, hipFreeAsync. Every buffer (and a staging
- * region) must then be memory the kernel can address: device memory, a peer device's memory
- * with peer access enabled, or host memory mapped into the device (hipHostMalloc); pageable
- * host memory is not (the GPU faults). The kernel is loaded once per device, on the calling
- * thread's current device, so the stream must belong to that device. The kernel copies in no
- * particular order: a destination byte written twice in one call (a repeated destination page
- * or buffer), or one that is also a source byte, may end as either copy leaves it, where the
- * per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
- * same).
+ * hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMemcpyAsync of the table
+ * from pinned host memory into a device buffer the library keeps per device,
+ * hipModuleLaunchKernel, hipEventRecord (the buffer's fence). Every buffer (and a staging
+ * region) must then be memory a kernel on the stream's device reaches: its device memory, a
+ * peer device's memory with peer access enabled, hipHostMalloc'd memory, or hipHostRegister'd
+ * memory at the address hipHostGetDevicePointer returns. A kernel that touches other memory
+ * aborts the process (in the HSA runtime), so the library first asks hipPointerGetAttributes
+ * about each buffer and refuses with MORI_ERR_GPU, writing nothing, what it can tell the kernel
+ * cannot reach (pageable host memory; registered memory at its host address); peer access it
+ * cannot see. The kernel is loaded for the stream's device, once per device (found with
+ * hipStreamGetDevice; with HIP 5.2, which lacks it, the stream must belong to the calling
+ * thread's current device, and a stream of another device is refused with MORI_ERR_GPU before
+ * anything is issued). A stream that is capturing a graph gets the per-rect copies. The
+ * kernel copies in no particular order: a destination byte written twice in one call (a
+ * repeated destination page or buffer), or one that is also a source byte, may end as either
+ * copy leaves it, where the per-rect path leaves the last copy's. The host backend ignores the
+ * flag (its result is the same).
  */
 #define MORI_SEND_COPY_KERNEL 2
 
@@ -804,8 +811,9 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  * side be device memory, a peer device's memory (enable peer access first) or host memory.
  * Pageable host memory is legal but makes each copy synchronous and slow; pin it
  * (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on the stream's
- * device (the NULL stream: the calling thread's current device); mori-tp never calls
- * hipSetDevice, so the current device is left as it was. D2D copies are fastest when width,
+ * device (the NULL stream: the calling thread's current device); the calling thread's current
+ * device is left as it was (with MORI_SEND_COPY_KERNEL the library makes the stream's device
+ * current only while it loads the kernel there). D2D copies are fastest when width,
  * pitches and offsets are multiples of 16 bytes (see the README for real models). AUTO is HIP
  * when the library is built with it and a device is present (the device count is read once per
  * process), else HOST.

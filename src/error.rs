@@ -659,6 +659,10 @@ pub enum Error {
         status: i32,
         /// The call, the runtime's error name and where in the transfer it happened.
         message: String,
+        /// The buffer pair the failure belongs to, when it belongs to one.
+        buffer: Option<usize>,
+        /// The rect whose copy failed (per-rect copies).
+        rect: Option<usize>,
     },
 }
 

@@ -24,6 +24,11 @@
 //! `REFERENCE.md` explains the model and the promises (ownership, the sender rule, layouts,
 //! staging, the ABI conventions); the C header is the reference for C and C++ users.
 
+// The HIP engine's unit tests share the integration tests' helpers (tests/common), which name
+// the crate `mori_tp`.
+#[cfg(test)]
+extern crate self as mori_tp;
+
 pub mod backend;
 pub mod error;
 pub mod ffi;

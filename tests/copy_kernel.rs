@@ -15,6 +15,10 @@ use std::process::Command;
 
 use common::{built_static_library as static_library, hip_link, root};
 
+// The offload-bundle reader build.rs uses.
+#[path = "../hip/bundle.rs"]
+mod bundle;
+
 fn compiler_present() -> bool {
     Command::new("c++")
         .arg("--version")
@@ -92,23 +96,21 @@ fn the_copy_kernel_source_is_clean_under_address_and_undefined_behaviour_sanitiz
     );
 }
 
-/// The target ids of an uncompressed clang offload bundle (the magic, a u64 count, then per
-/// entry u64 offset, u64 size, u64 id length and the id, little-endian).
+/// The copy kernel's bundle as libmori_tp.a embeds it: the first bundle header in the archive
+/// that names an AMD GPU target, and those targets.
 #[cfg(feature = "hip")]
-fn bundle_targets(image: &[u8]) -> Vec<String> {
-    let body = image
-        .strip_prefix(b"__CLANG_OFFLOAD_BUNDLE__")
-        .expect("the embedded kernel is a clang offload bundle");
-    let word = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().unwrap()) as usize;
-    let mut at = 8;
-    (0..word(0))
-        .map(|_| {
-            let len = word(at + 16);
-            let id = String::from_utf8_lossy(&body[at + 24..at + 24 + len]).into_owned();
-            at += 24 + len;
-            id
+fn embedded_bundle(archive: &[u8]) -> Option<(usize, Vec<String>)> {
+    let magic = bundle::PLAIN_MAGIC;
+    (0..archive.len().saturating_sub(magic.len()))
+        .filter(|&at| archive[at..].starts_with(magic))
+        .find_map(|at| match bundle::read(&archive[at..]) {
+            Ok(bundle::Bundle::Plain(ids))
+                if ids.iter().any(|id| bundle::gpu_target(id).is_some()) =>
+            {
+                Some((at, ids))
+            }
+            _ => None,
         })
-        .collect()
 }
 
 /// The targets of gfx90a, gfx942 and gfx950 that `hipcc` compiles a kernel for.
@@ -159,32 +161,33 @@ fn the_library_built_with_hip_embeds_the_kernel_for_every_target_its_hipcc_suppo
     }
     #[cfg(feature = "hip")]
     {
-        use mori_tp::backend::copy_kernel::{ARCHS, IMAGE};
-        let targets = bundle_targets(IMAGE);
-        let built: Vec<&str> = ARCHS.split(',').collect();
-        for arch in &built {
-            let id = format!("hipv4-amdgcn-amd-amdhsa--{arch}");
-            assert!(
-                targets
-                    .iter()
-                    .any(|t| *t == id || t.starts_with(&format!("{id}:"))),
-                "the embedded bundle lacks {arch}: {targets:?}"
-            );
-        }
-        if std::env::var_os("MORI_TP_HIP_ARCHS").is_none() {
+        // libmori_tp.a holds the bundle verbatim (the library's own copy is not public API).
+        let archive = std::fs::read(static_library()).expect("read libmori_tp.a");
+        let (at, targets) =
+            embedded_bundle(&archive).expect("libmori_tp.a does not embed the kernel bundle");
+        let built: Vec<&str> = targets
+            .iter()
+            .filter_map(|id| bundle::gpu_target(id))
+            .collect();
+        assert!(
+            !built.is_empty(),
+            "the embedded bundle holds no GPU target: {targets:?}"
+        );
+        if let Ok(archs) = std::env::var("MORI_TP_HIP_ARCHS") {
+            for arch in archs.split([' ', ',']).filter(|a| !a.is_empty()) {
+                assert!(
+                    built.contains(&arch),
+                    "the embedded bundle lacks {arch}: {targets:?}"
+                );
+            }
+        } else {
             assert_eq!(
                 built,
                 targets_hipcc_supports(),
-                "build.rs built for {ARCHS}, but hipcc supports a different set"
+                "the library embeds code objects for {built:?}, but hipcc supports a different set"
             );
         }
-        // libmori_tp.a holds the bundle verbatim and calls hipModuleLaunchKernel.
-        let archive = std::fs::read(static_library()).expect("read libmori_tp.a");
-        let head = &IMAGE[..IMAGE.len().min(4096)];
-        assert!(
-            archive.windows(head.len()).any(|w| w == head),
-            "libmori_tp.a does not embed the kernel bundle"
-        );
+        eprintln!("the embedded copy kernel (at byte {at} of libmori_tp.a) holds {targets:?}");
         let symbols = Command::new("nm")
             .arg("--undefined-only")
             .arg(static_library())
@@ -198,6 +201,56 @@ fn the_library_built_with_hip_embeds_the_kernel_for_every_target_its_hipcc_suppo
         ] {
             assert!(symbols.contains(call), "libmori_tp.a does not call {call}");
         }
-        eprintln!("the embedded copy kernel holds {targets:?}");
     }
+}
+
+/// A header of an uncompressed bundle with entries of these ids.
+fn plain_header(ids: &[&str]) -> Vec<u8> {
+    let mut bytes = bundle::PLAIN_MAGIC.to_vec();
+    bytes.extend((ids.len() as u64).to_le_bytes());
+    for (n, id) in ids.iter().enumerate() {
+        bytes.extend((4096 * (n as u64 + 1)).to_le_bytes());
+        bytes.extend(100u64.to_le_bytes());
+        bytes.extend((id.len() as u64).to_le_bytes());
+        bytes.extend(id.as_bytes());
+    }
+    bytes
+}
+
+#[test]
+fn the_bundle_reader_lists_the_targets_of_a_plain_bundle_and_refuses_garbage() {
+    let ids = [
+        "host-x86_64-unknown-linux-gnu-",
+        "hipv4-amdgcn-amd-amdhsa--gfx90a:xnack-",
+        "hipv4-amdgcn-amd-amdhsa--gfx942",
+    ];
+    let header = plain_header(&ids);
+    assert_eq!(
+        bundle::read(&header),
+        Ok(bundle::Bundle::Plain(ids.map(String::from).to_vec()))
+    );
+    let gpus: Vec<_> = ids.iter().filter_map(|id| bundle::gpu_target(id)).collect();
+    assert_eq!(gpus, ["gfx90a", "gfx942"]);
+    assert!(
+        bundle::read(&header[..header.len() - 3]).is_err(),
+        "truncated id"
+    );
+    assert!(bundle::read(b"\x7fELF not a bundle").is_err());
+}
+
+/// `hipcc --offload-compress` writes a compressed bundle; build.rs used to panic on it.
+#[test]
+fn the_bundle_reader_recognises_a_compressed_bundle_instead_of_refusing_it() {
+    let mut compressed = bundle::COMPRESSED_MAGIC.to_vec();
+    compressed.extend(2u16.to_le_bytes()); // format version
+    compressed.extend(2u16.to_le_bytes()); // zstd
+    compressed.extend([0u8; 24]);
+    assert_eq!(
+        bundle::read(&compressed),
+        Ok(bundle::Bundle::Compressed {
+            version: 2,
+            method: 2
+        })
+    );
+    assert!(bundle::read(b"CCOB\x01").is_err(), "truncated header");
 }

@@ -3,9 +3,10 @@
 //! with a HIP device, or exit 77 with "skipped: no HIP device" (after checking that the library
 //! refuses MORI_BACKEND_HIP cleanly) on one without.
 //!
-//! Then it runs them again over tests/fake_hip (LD_PRELOAD: host memory behind the HIP calls), where
-//! they must pass: that checks the programs' own logic (layouts, expected bytes, staging configs,
-//! timing) on machines without a GPU. It says nothing about a GPU.
+//! Then it runs them again over tests/fake_hip (LD_PRELOAD: host memory behind the HIP calls), with
+//! one and with two devices, where they must pass: that checks the programs' own logic (layouts,
+//! expected bytes, staging configs, pinned and registered host memory, the two-device placement,
+//! timing, the lane count) on machines without a GPU. It says nothing about a GPU.
 //!
 //! Needs the `hip` feature and hipcc (HIPCC overrides the compiler). Without them the test says
 //! so and skips, unless MORI_TP_REQUIRE_HIP=1 (CI), which makes either missing a failure;
@@ -95,23 +96,43 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
     }
 
     let fake = common::build_fake_hip().unwrap_or_else(|why| panic!("{why}"));
-    for (program, args, passed) in [
+    for (program, args, devices, passed) in [
         (
             "device_test",
             &[][..],
+            "1",
             &[
                 "direct, hipMemcpy2DAsync per rect: every decode byte checked",
                 "pack + unpack, one copy-kernel launch: every decode byte checked",
+                "page size 1, prefill TP 2 -> decode TP 8, device memory, 48 pages",
+                "pinned host memory, 48 pages",
+                "registered host memory (hipHostRegister): the copy kernel takes the device address",
+                "one device: the two-device checks need two",
                 "device_test: all checks passed",
             ][..],
         ),
-        // Rows of both paths; the last row is the kernel path of the last case.
+        (
+            "device_test",
+            &[][..],
+            "2",
+            &[
+                "two devices, device 0 current, stream and decode side on device 1, peer access on:",
+                "prefill on device 0, decode on device 1, 48 pages",
+                "device_test: all checks passed",
+            ][..],
+        ),
+        // Rows of both paths; the last local row is the kernel path of the last case. The
+        // fragmented shape keeps every lane of the kernel busy.
         (
             "bench",
             &["--quick"][..],
+            "2",
             &[
                 "tp2to8     1 runs of 1   send   memcpy2d      1024",
+                "tp2to8     1 runs of 1   send   kernel           1",
                 "tp4to8    16 contiguous  unpack kernel           1",
+                "bench: staging in pinned host memory",
+                "bench: prefill on device 0, decode on device 1",
                 "bench: done",
             ][..],
         ),
@@ -119,7 +140,7 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
         let output = Command::new(build.join(program))
             .args(args)
             .env("LD_PRELOAD", &fake)
-            .env_remove("FAKE_HIP_DEVICES")
+            .env("FAKE_HIP_DEVICES", devices)
             .env_remove("FAKE_HIP_COPY_STATUS")
             .env_remove("FAKE_HIP_LAUNCH_STATUS")
             .output()
@@ -129,8 +150,19 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
             output.status.code() == Some(0)
                 && out.contains("fake_hip")
                 && passed.iter().all(|p| out.contains(p)),
-            "{program} over the stand-in runtime ({:?}) lacks one of {passed:?}:\n{out}",
+            "{program} over the stand-in runtime with {devices} devices ({:?}) lacks one of \
+             {passed:?}:\n{out}",
             output.status
         );
+        if program == "bench" {
+            let fragmented = out
+                .lines()
+                .find(|l| l.starts_with("tp2to8     1 runs of 1   send   kernel"))
+                .expect("the fragmented kernel row");
+            assert!(
+                fragmented.ends_with("100.0%"),
+                "one-row rects keep every lane busy: {fragmented}"
+            );
+        }
     }
 }

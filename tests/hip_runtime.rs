@@ -104,25 +104,28 @@ fn config_2_to_4() -> MoriTpSliceConfig {
     config
 }
 
-/// One small send over host memory: 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair
-/// (1, 3), one-token pages 0, 1, 3 (two rects), two buffers. Returns the status, the message
-/// (if it failed) and whether every destination byte is still what it was.
-fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
-    let src = [vec![7u8; 4 * 64], vec![8u8; 4 * 64]];
-    let mut dst = [vec![9u8; 4 * 32], vec![9u8; 4 * 32]];
+/// One small send: 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token
+/// pages 0, 1, 3 (two rects), between source buffers of 4 * 64 bytes and destination buffers of
+/// 4 * 32 bytes, with `options`. Returns the status and the message (if it failed).
+///
+/// # Safety
+/// `src` and `dst` must hold that many bytes each, where the backend of `options` reaches them,
+/// until the copies are complete (on return, or refused, unless the stream runs them later).
+unsafe fn send_pages_0_1_3(
+    src: &[*const std::ffi::c_void],
+    dst: &[*mut std::ffi::c_void],
+    options: &MoriSendOptions,
+) -> (MoriStatus, String) {
     let config = config_2_to_4();
-    let srcs = [src[0].as_ptr().cast(), src[1].as_ptr().cast()];
-    let [d0, d1] = &mut dst;
-    let dsts = [d0.as_mut_ptr().cast(), d1.as_mut_ptr().cast()];
     let buffers = MoriKvBuffers {
-        src: srcs.as_ptr(),
-        dst: dsts.as_ptr(),
-        num_buffers: 2,
+        src: src.as_ptr(),
+        dst: dst.as_ptr(),
+        num_buffers: src.len(),
         src_capacity: 4 * 64,
         dst_capacity: 4 * 32,
     };
     let pages = [0, 1, 3];
-    // SAFETY: valid pointers and lengths; the copies are complete on return or refused.
+    // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
     let status = unsafe {
         mori_send_kvcache(
             &config,
@@ -138,6 +141,19 @@ fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
     } else {
         last_error()
     };
+    (status, message)
+}
+
+/// [`send_pages_0_1_3`] over host memory, two buffers. Returns the status, the message (if it
+/// failed) and whether every destination byte is still what it was.
+fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
+    let src = [vec![7u8; 4 * 64], vec![8u8; 4 * 64]];
+    let mut dst = [vec![9u8; 4 * 32], vec![9u8; 4 * 32]];
+    let srcs = [src[0].as_ptr().cast(), src[1].as_ptr().cast()];
+    let [d0, d1] = &mut dst;
+    let dsts = [d0.as_mut_ptr().cast(), d1.as_mut_ptr().cast()];
+    // SAFETY: host buffers of the stated sizes; the copies are complete on return or refused.
+    let (status, message) = unsafe { send_pages_0_1_3(&srcs, &dsts, options) };
     (status, message, dst.iter().flatten().all(|&b| b == 9))
 }
 
@@ -260,35 +276,103 @@ fn the_real_hip_bindings_work_against_a_stand_in_runtime_with_a_device() {
             return;
         }
     };
-    let exe = std::env::current_exe().expect("test executable path");
     // Everything works; every hipMemcpy2DAsync fails; every kernel launch fails.
     for injected in [
         None,
         Some(("FAKE_HIP_COPY_STATUS", "999")),
         Some(("FAKE_HIP_LAUNCH_STATUS", "999")),
     ] {
-        let mut child = Command::new(&exe);
-        child
-            .args(["--exact", "fake_runtime_child", "--ignored", "--nocapture"])
-            .env("LD_PRELOAD", &fake)
-            .env(CHILD, "1")
-            .env_remove("FAKE_HIP_DEVICES")
-            .env_remove("FAKE_HIP_COPY_STATUS")
-            .env_remove("FAKE_HIP_LAUNCH_STATUS");
-        if let Some((var, status)) = injected {
-            child.env(var, status);
-        }
-        let output = child.output().expect("run the child test");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        assert!(
-            output.status.success() && text.contains("1 passed"),
-            "{injected:?}:\n{text}"
-        );
+        let env: Vec<(&str, &str)> = injected.into_iter().collect();
+        let (passed, text) = run_child(&fake, "fake_runtime_child", &env);
+        assert!(passed, "{injected:?}:\n{text}");
     }
+}
+
+/// Runs the ignored test `test` of this executable in a child process over the stand-in runtime
+/// `fake`, with `env` on top of a clean FAKE_HIP_* environment; whether it passed, and its output.
+fn run_child(fake: &std::path::Path, test: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let exe = std::env::current_exe().expect("test executable path");
+    let mut child = Command::new(&exe);
+    child
+        .args(["--exact", test, "--ignored", "--nocapture"])
+        .env("LD_PRELOAD", fake)
+        .env(CHILD, "1");
+    for var in [
+        "FAKE_HIP_DEVICES",
+        "FAKE_HIP_COPY_STATUS",
+        "FAKE_HIP_LAUNCH_STATUS",
+        "FAKE_HIP_MALLOC_STATUS",
+        "FAKE_HIP_MALLOC_ASYNC_STATUS",
+        SCENARIO,
+    ] {
+        child.env_remove(var);
+    }
+    child.envs(env.iter().copied());
+    let output = child.output().expect("run the child test");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success() && text.contains("1 passed"), text)
+}
+
+/// Which of `fake_runtime_scenario`'s checks a child runs.
+const SCENARIO: &str = "MORI_TP_FAKE_HIP_SCENARIO";
+
+/// The copy-kernel path over the stand-in runtime in the situations a first GPU deployment meets
+/// (issue 24), each in its own process: a stream on a second GPU (with and without
+/// hipStreamGetDevice), graph capture, an allocator that refuses, a device reset, and pinned and
+/// registered host memory.
+#[test]
+fn the_kernel_path_handles_other_devices_capture_refusing_allocators_resets_and_host_memory() {
+    let test = "the_kernel_path_handles_other_devices_capture_...";
+    if !cfg!(feature = "hip") {
+        common::skip_missing(
+            test,
+            "MORI_TP_REQUIRE_HIP",
+            "built without the `hip` feature",
+        );
+        return;
+    }
+    let fakes = common::build_fake_hip().and_then(|f| Ok((f, common::build_fake_hip_5_2()?)));
+    let (fake, fake_5_2) = match fakes {
+        Ok(fakes) => fakes,
+        Err(why) => {
+            common::skip_missing(test, "MORI_TP_REQUIRE_HIP", &why);
+            return;
+        }
+    };
+    for (scenario, runtime, env) in [
+        ("multi_gpu", &fake, &[("FAKE_HIP_DEVICES", "2")][..]),
+        ("multi_gpu_5_2", &fake_5_2, &[("FAKE_HIP_DEVICES", "2")][..]),
+        ("capture", &fake, &[][..]),
+        (
+            "allocator",
+            &fake,
+            &[("FAKE_HIP_MALLOC_ASYNC_STATUS", "2")][..],
+        ),
+        ("reset", &fake, &[][..]),
+        ("host_memory", &fake, &[][..]),
+    ] {
+        let mut env = env.to_vec();
+        env.push((SCENARIO, scenario));
+        let (passed, text) = run_child(runtime, "fake_runtime_scenario", &env);
+        assert!(passed, "{scenario}:\n{text}");
+    }
+}
+
+#[test]
+#[ignore = "run by the_kernel_path_handles_other_devices_capture_..."]
+fn fake_runtime_scenario() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        eprintln!("skipped: runs only as a child of the stand-in runtime test");
+        return;
+    };
+    #[cfg(feature = "hip")]
+    device::scenario(&scenario);
+    #[cfg(not(feature = "hip"))]
+    panic!("{scenario}: built without the `hip` feature");
 }
 
 #[test]
@@ -332,14 +416,16 @@ fn fake_runtime_child() {
             let (status, message, unchanged) = small_send(&sync);
             assert_eq!((status, unchanged), (MORI_OK, false), "{message}");
             // AUTO chose HIP: it takes a stream, which the host backend refuses.
-            let mut fake_stream = 0u8;
-            let auto = MoriSendOptions {
-                backend: MORI_BACKEND_AUTO,
-                flags: MORI_SEND_SYNCHRONIZE,
-                stream: (&raw mut fake_stream).cast(),
-            };
-            let (status, message, _) = small_send(&auto);
-            assert_eq!(status, MORI_OK, "{message}");
+            #[cfg(feature = "hip")]
+            {
+                let auto = MoriSendOptions {
+                    backend: MORI_BACKEND_AUTO,
+                    flags: MORI_SEND_SYNCHRONIZE,
+                    stream: device::stream_on(0),
+                };
+                let (status, message, _) = small_send(&auto);
+                assert_eq!(status, MORI_OK, "{message}");
+            }
             // Every byte, through libamdhip64's entry points.
             odd_deployments(&mut *ffi_sender(Some(sync)));
             let request = fragmented_request(7, 5);
@@ -361,14 +447,40 @@ mod device {
 
     use super::*;
 
-    // hip/hip_runtime_api.h; resolved to tests/fake_hip in the child.
+    // hip/hip_runtime_api.h (all in HIP 5.2); resolved to tests/fake_hip in the child.
     unsafe extern "C" {
         fn hipMalloc(pointer: *mut *mut c_void, size: usize) -> i32;
         fn hipFree(pointer: *mut c_void) -> i32;
         fn hipMemcpy(dst: *mut c_void, src: *const c_void, size: usize, kind: i32) -> i32;
+        fn hipGetDevice(device: *mut i32) -> i32;
+        fn hipSetDevice(device: i32) -> i32;
+        fn hipDeviceEnablePeerAccess(peer: i32, flags: u32) -> i32;
+        fn hipDeviceReset() -> i32;
+        fn hipStreamCreate(stream: *mut *mut c_void) -> i32;
+        fn hipStreamDestroy(stream: *mut c_void) -> i32;
+        fn hipStreamBeginCapture(stream: *mut c_void, mode: i32) -> i32;
+        fn hipStreamEndCapture(stream: *mut c_void, graph: *mut *mut c_void) -> i32;
+        fn hipGraphInstantiate(
+            exec: *mut *mut c_void,
+            graph: *mut c_void,
+            error_node: *mut *mut c_void,
+            log: *mut i8,
+            log_size: usize,
+        ) -> i32;
+        fn hipGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> i32;
+        fn hipGraphExecDestroy(exec: *mut c_void) -> i32;
+        fn hipGraphDestroy(graph: *mut c_void) -> i32;
+        fn hipStreamSynchronize(stream: *mut c_void) -> i32;
+        fn hipHostMalloc(pointer: *mut *mut c_void, size: usize, flags: u32) -> i32;
+        fn hipHostFree(pointer: *mut c_void) -> i32;
+        fn hipHostRegister(pointer: *mut c_void, size: usize, flags: u32) -> i32;
+        fn hipHostUnregister(pointer: *mut c_void) -> i32;
+        fn hipHostGetDevicePointer(device: *mut *mut c_void, host: *mut c_void, flags: u32) -> i32;
     }
     const HOST_TO_DEVICE: i32 = 1;
     const DEVICE_TO_HOST: i32 = 2;
+    /// `hipStreamCaptureModeGlobal`.
+    const CAPTURE_GLOBAL: i32 = 0;
 
     /// A hipMalloc'd copy of host bytes, freed on drop.
     struct DeviceBuffer {
@@ -391,6 +503,20 @@ mod device {
                 pointer,
                 len: bytes.len(),
             }
+        }
+
+        fn write(&self, bytes: &[u8]) {
+            assert_eq!(bytes.len(), self.len);
+            // SAFETY: both sides hold `len` bytes.
+            let status = unsafe {
+                hipMemcpy(
+                    self.pointer,
+                    bytes.as_ptr().cast(),
+                    self.len,
+                    HOST_TO_DEVICE,
+                )
+            };
+            assert_eq!(status, 0);
         }
 
         fn to_host(&self, out: &mut [u8]) {
@@ -423,18 +549,152 @@ mod device {
         }
     }
 
-    /// A sender that mirrors the buffers into device memory, sends with `options` and copies
-    /// the destinations back; the status must be `want` (on failure, with the message parts).
-    fn device_sender(options: MoriSendOptions) -> Box<Sender<'static>> {
+    /// Runs `f` with `device` current, then makes the caller's device current again.
+    fn on_device<T>(device: i32, f: impl FnOnce() -> T) -> T {
+        let mut current = -1;
+        // SAFETY: valid out-pointer; the devices exist in the stand-in.
+        unsafe {
+            assert_eq!(hipGetDevice(&mut current), 0);
+            assert_eq!(hipSetDevice(device), 0);
+        }
+        let result = f();
+        // SAFETY: as above.
+        assert_eq!(unsafe { hipSetDevice(current) }, 0);
+        result
+    }
+
+    fn current_device() -> i32 {
+        let mut device = -1;
+        // SAFETY: valid out-pointer.
+        assert_eq!(unsafe { hipGetDevice(&mut device) }, 0);
+        device
+    }
+
+    /// A stream of `device`.
+    pub(super) fn stream_on(device: i32) -> *mut c_void {
+        on_device(device, || {
+            let mut stream = null_mut();
+            // SAFETY: valid out-pointer.
+            assert_eq!(unsafe { hipStreamCreate(&mut stream) }, 0);
+            stream
+        })
+    }
+
+    /// Where a [`Mirror`] keeps its bytes.
+    #[derive(Clone, Copy, Debug)]
+    enum Memory {
+        /// hipMalloc'd on this device.
+        Device(i32),
+        /// hipHostMalloc'd: kernels reach it at its host address.
+        Pinned,
+        /// Host memory registered with hipHostRegister, handed out at the address
+        /// hipHostGetDevicePointer returns (or at its host address when `host_address`).
+        Registered { host_address: bool },
+    }
+
+    /// A copy of host bytes in `memory`, freed on drop; `pointer` is what a send is given.
+    struct Mirror {
+        memory: Memory,
+        pointer: *mut c_void,
+        /// The allocation: a DeviceBuffer, the pinned block, or the registered host bytes.
+        device: Option<DeviceBuffer>,
+        host: Vec<u8>,
+        len: usize,
+    }
+
+    impl Mirror {
+        fn new(memory: Memory, bytes: &[u8]) -> Self {
+            let mut mirror = Mirror {
+                memory,
+                pointer: null_mut(),
+                device: None,
+                host: Vec::new(),
+                len: bytes.len(),
+            };
+            match memory {
+                Memory::Device(device) => {
+                    let buffer = on_device(device, || DeviceBuffer::from_host(bytes));
+                    mirror.pointer = buffer.pointer;
+                    mirror.device = Some(buffer);
+                }
+                Memory::Pinned => {
+                    // SAFETY: a valid out-pointer; the block holds `len` bytes afterwards.
+                    unsafe {
+                        assert_eq!(hipHostMalloc(&mut mirror.pointer, bytes.len().max(1), 0), 0);
+                        std::ptr::copy_nonoverlapping(
+                            bytes.as_ptr(),
+                            mirror.pointer.cast(),
+                            bytes.len(),
+                        );
+                    }
+                }
+                Memory::Registered { host_address } => {
+                    mirror.host = bytes.to_vec();
+                    let host = mirror.host.as_mut_ptr().cast();
+                    // SAFETY: live host bytes of that length, unregistered on drop.
+                    unsafe {
+                        assert_eq!(hipHostRegister(host, bytes.len(), 0), 0);
+                        assert_eq!(hipHostGetDevicePointer(&mut mirror.pointer, host, 0), 0);
+                    }
+                    if host_address {
+                        mirror.pointer = host;
+                    }
+                }
+            }
+            mirror
+        }
+
+        fn read(&self, out: &mut [u8]) {
+            assert_eq!(out.len(), self.len);
+            match (&self.device, self.memory) {
+                (Some(device), _) => device.to_host(out),
+                (None, Memory::Pinned) => {
+                    // SAFETY: the pinned block holds `len` bytes; the send has completed.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.pointer.cast(),
+                            out.as_mut_ptr(),
+                            self.len,
+                        )
+                    }
+                }
+                (None, _) => out.copy_from_slice(&self.host),
+            }
+        }
+    }
+
+    impl Drop for Mirror {
+        fn drop(&mut self) {
+            // SAFETY: each allocated above, released once (device buffers drop themselves).
+            unsafe {
+                match self.memory {
+                    Memory::Device(_) => {}
+                    Memory::Pinned => {
+                        hipHostFree(self.pointer);
+                    }
+                    Memory::Registered { .. } => {
+                        hipHostUnregister(self.host.as_mut_ptr().cast());
+                    }
+                }
+            }
+        }
+    }
+
+    /// A sender that mirrors the sources into `src` memory and the destinations into `dst`
+    /// memory, sends with `options` (which must synchronize) and copies the destinations back;
+    /// the status must be MORI_OK.
+    fn mirrored_sender(
+        src_in: Memory,
+        dst_in: Memory,
+        options: MoriSendOptions,
+    ) -> Box<Sender<'static>> {
         Box::new(move |plan, request, src, dst| {
             let config = MoriTpSliceConfig::from(plan.config());
-            let src_dev: Vec<DeviceBuffer> =
-                src.iter().map(|b| DeviceBuffer::from_host(b)).collect();
-            let dst_dev: Vec<DeviceBuffer> =
-                dst.iter().map(|b| DeviceBuffer::from_host(b)).collect();
+            let src_copies: Vec<Mirror> = src.iter().map(|b| Mirror::new(src_in, b)).collect();
+            let dst_copies: Vec<Mirror> = dst.iter().map(|b| Mirror::new(dst_in, b)).collect();
             let src_ptrs: Vec<*const c_void> =
-                src_dev.iter().map(|b| b.pointer.cast_const()).collect();
-            let dst_ptrs: Vec<*mut c_void> = dst_dev.iter().map(|b| b.pointer).collect();
+                src_copies.iter().map(|b| b.pointer.cast_const()).collect();
+            let dst_ptrs: Vec<*mut c_void> = dst_copies.iter().map(|b| b.pointer).collect();
             let buffers = MoriKvBuffers {
                 src: src_ptrs.as_ptr(),
                 dst: dst_ptrs.as_ptr(),
@@ -442,7 +702,7 @@ mod device {
                 src_capacity: src.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
                 dst_capacity: dst.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
             };
-            // SAFETY: device buffers of the stated capacities, synchronised before return.
+            // SAFETY: buffers of the stated capacities, synchronised before return.
             let status = unsafe {
                 mori_send_kvcache(
                     &config,
@@ -454,11 +714,343 @@ mod device {
                 )
             };
             assert_eq!(status, MORI_OK, "{}", last_error());
-            for (device, host) in dst_dev.iter().zip(dst.iter_mut()) {
-                device.to_host(host);
+            for (copy, host) in dst_copies.iter().zip(dst.iter_mut()) {
+                copy.read(host);
             }
             None
         })
+    }
+
+    /// A sender through device memory of device 0.
+    fn device_sender(options: MoriSendOptions) -> Box<Sender<'static>> {
+        mirrored_sender(Memory::Device(0), Memory::Device(0), options)
+    }
+
+    /// One small send (as `small_send`: 8 heads of 16 bytes, 2 -> 4, pair (1, 3), pages 0, 1,
+    /// 3, one buffer pair) of source bytes 7 into destination bytes 9, in `memory`: the status,
+    /// the message (if it failed) and the destination after.
+    fn small_send_in(memory: Memory, options: MoriSendOptions) -> (MoriStatus, String, Vec<u8>) {
+        let src = Mirror::new(memory, &[7u8; 4 * 64]);
+        let dst = Mirror::new(memory, &[9u8; 4 * 32]);
+        // SAFETY: buffers of the stated sizes; the options synchronize.
+        let (status, message) =
+            unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) };
+        let mut after = vec![0u8; 4 * 32];
+        dst.read(&mut after);
+        (status, message, after)
+    }
+
+    /// What `small_send_in` leaves in the destination when it succeeds: decode rank 3 holds
+    /// heads 6 and 7, the second half of each prefill token, of pages 0, 1 and 3.
+    fn small_send_result(source: u8) -> Vec<u8> {
+        let mut want = vec![9u8; 4 * 32];
+        for page in [0, 1, 3] {
+            want[page * 32..page * 32 + 32].fill(source);
+        }
+        want
+    }
+
+    /// `fake_hip_stat(name)` of the stand-in runtime this child runs over.
+    pub(super) fn stat(name: &str) -> i64 {
+        // SAFETY: dlsym with a NUL-terminated name.
+        let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"fake_hip_stat".as_ptr()) };
+        assert!(
+            !symbol.is_null(),
+            "the stand-in runtime exports fake_hip_stat"
+        );
+        // SAFETY: fake_hip_stat's C signature is `long (const char *)` (long is 64-bit on the
+        // Linux targets the stand-in builds for).
+        let stat: unsafe extern "C" fn(*const std::ffi::c_char) -> i64 =
+            unsafe { std::mem::transmute(symbol) };
+        let name = std::ffi::CString::new(name).expect("no NUL");
+        // SAFETY: a NUL-terminated name.
+        let value: i64 = unsafe { stat(name.as_ptr()) };
+        assert!(value >= 0, "fake_hip_stat does not count {name:?}");
+        value
+    }
+
+    pub(super) fn scenario(name: &str) {
+        match name {
+            "multi_gpu" => multi_gpu(),
+            "multi_gpu_5_2" => multi_gpu_without_stream_get_device(),
+            "capture" => capture(),
+            "allocator" => allocator(),
+            "reset" => reset(),
+            "host_memory" => host_memory(),
+            other => panic!("unknown scenario {other}"),
+        }
+    }
+
+    /// Issue 24.1: one thread drives two GPUs by stream. With device 0 current, a stream and
+    /// buffers of device 1 get the kernel loaded on device 1; device 0 stays current. A kernel
+    /// on device 0 reads device 1's memory once peer access is enabled.
+    fn multi_gpu() {
+        assert_eq!(current_device(), 0);
+        let stream = stream_on(1);
+        let on_1 = MoriSendOptions {
+            stream,
+            ..kernel_options()
+        };
+        let (status, message, after) = small_send_in(Memory::Device(1), on_1);
+        assert_eq!(
+            (status, after),
+            (MORI_OK, small_send_result(7)),
+            "{message}"
+        );
+        odd_deployments(&mut *mirrored_sender(
+            Memory::Device(1),
+            Memory::Device(1),
+            on_1,
+        ));
+        let request = fragmented_request(3, 5);
+        transfer(
+            8,
+            128,
+            4,
+            2,
+            8,
+            16,
+            &request,
+            &mut *mirrored_sender(Memory::Device(1), Memory::Device(1), on_1),
+        );
+        assert_eq!(
+            current_device(),
+            0,
+            "the caller's current device is left as it was"
+        );
+        // SAFETY: device 1 exists; peer access from the current device 0.
+        assert_eq!(unsafe { hipDeviceEnablePeerAccess(1, 0) }, 0);
+        transfer(
+            8,
+            128,
+            4,
+            2,
+            8,
+            16,
+            &request,
+            &mut *mirrored_sender(Memory::Device(1), Memory::Device(0), kernel_options()),
+        );
+        // SAFETY: created above.
+        unsafe { hipStreamDestroy(stream) };
+    }
+
+    /// HIP 5.2 has no hipStreamGetDevice: the stream is taken to belong to the current device,
+    /// which an event of that device recorded on it confirms, and a stream of another device is
+    /// refused with a message that says so before anything is uploaded or launched. With the
+    /// stream's device current it works.
+    fn multi_gpu_without_stream_get_device() {
+        let stream = stream_on(1);
+        let on_1 = MoriSendOptions {
+            stream,
+            ..kernel_options()
+        };
+        let (status, message, after) = small_send_in(Memory::Device(1), on_1);
+        assert_eq!(status, MORI_ERR_GPU, "{message}");
+        for part in [
+            "hipEventRecord(an event of the current device 0, stream 0x",
+            "hipErrorInvalidHandle (400)",
+            "this HIP runtime has no hipStreamGetDevice",
+            "make the stream's device current",
+        ] {
+            assert!(message.contains(part), "{message:?} lacks {part:?}");
+        }
+        assert_eq!(after, vec![9u8; 4 * 32], "a refused call writes nothing");
+        on_device(1, || {
+            let (status, message, after) = small_send_in(Memory::Device(1), on_1);
+            assert_eq!(
+                (status, after),
+                (MORI_OK, small_send_result(7)),
+                "{message}"
+            );
+        });
+        // SAFETY: created above.
+        unsafe { hipStreamDestroy(stream) };
+    }
+
+    /// Issue 24.3: a send with MORI_SEND_COPY_KERNEL captured into a graph copies, at every
+    /// replay, what the source holds then: the capture holds only copies of caller memory.
+    fn capture() {
+        let stream = stream_on(0);
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        // Capturing: no MORI_SEND_SYNCHRONIZE (a capturing stream cannot be waited for).
+        let options = MoriSendOptions {
+            backend: MORI_BACKEND_HIP,
+            flags: MORI_SEND_COPY_KERNEL,
+            stream,
+        };
+        let (mut graph, mut exec) = (null_mut(), null_mut());
+        // SAFETY: live stream and device buffers, alive until the graph has run; the graph and
+        // its instance are destroyed below.
+        unsafe {
+            assert_eq!(hipStreamBeginCapture(stream, CAPTURE_GLOBAL), 0);
+            let (status, message) =
+                send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options);
+            assert_eq!(status, MORI_OK, "{message}");
+            assert_eq!(hipStreamEndCapture(stream, &mut graph), 0);
+            assert_eq!(
+                hipGraphInstantiate(&mut exec, graph, null_mut(), null_mut(), 0),
+                0
+            );
+        }
+        let launches = stat("graph_launches");
+        for source in [5u8, 6] {
+            src.write(&[source; 4 * 64]);
+            // SAFETY: the instance and stream above.
+            unsafe {
+                assert_eq!(hipGraphLaunch(exec, stream), 0, "the graph replays");
+                assert_eq!(hipStreamSynchronize(stream), 0);
+            }
+            let mut after = vec![0u8; 4 * 32];
+            dst.to_host(&mut after);
+            assert_eq!(
+                after,
+                small_send_result(source),
+                "replay of source bytes {source}"
+            );
+        }
+        assert_eq!(stat("graph_launches"), launches + 2);
+        // SAFETY: made above, destroyed once.
+        unsafe {
+            hipGraphExecDestroy(exec);
+            hipGraphDestroy(graph);
+            hipStreamDestroy(stream);
+        }
+    }
+
+    /// Issue 24.2: the kernel path never uses hipMallocAsync (refused here, as some ROCm
+    /// versions do); a refusing hipMalloc is a GPU error naming it that writes nothing and is
+    /// not remembered: the next call allocates again.
+    fn allocator() {
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let send = || {
+            // SAFETY: device buffers of the stated sizes; the options synchronize.
+            let (status, message) = unsafe {
+                send_pages_0_1_3(
+                    &[src.pointer.cast_const()],
+                    &[dst.pointer],
+                    &kernel_options(),
+                )
+            };
+            let mut after = vec![0u8; 4 * 32];
+            dst.to_host(&mut after);
+            (status, message, after)
+        };
+        // SAFETY: this child runs one test on one thread; the stand-in reads it per call.
+        unsafe { std::env::set_var("FAKE_HIP_MALLOC_STATUS", "2") };
+        let (status, message, after) = send();
+        assert_eq!(status, MORI_ERR_GPU, "{message}");
+        assert!(
+            message.contains("hipMalloc(65728 bytes for the copy kernel's table on device 0) returned hipErrorOutOfMemory (2)"),
+            "{message}"
+        );
+        assert_eq!(after, vec![9u8; 4 * 32]);
+        // SAFETY: as above.
+        unsafe { std::env::remove_var("FAKE_HIP_MALLOC_STATUS") };
+        let (status, message, after) = send();
+        assert_eq!(
+            (status, after),
+            (MORI_OK, small_send_result(7)),
+            "{message}"
+        );
+        let request = fragmented_request(5, 4);
+        transfer(
+            8,
+            128,
+            4,
+            2,
+            8,
+            16,
+            &request,
+            &mut *device_sender(kernel_options()),
+        );
+    }
+
+    /// Issue 24.6: hipDeviceReset frees the kernel's table buffers and invalidates its module;
+    /// the next call notices and loads the kernel again.
+    fn reset() {
+        let request = fragmented_request(9, 4);
+        transfer(
+            8,
+            128,
+            4,
+            2,
+            8,
+            16,
+            &request,
+            &mut *device_sender(kernel_options()),
+        );
+        let loads = stat("module_loads");
+        // SAFETY: no buffer of this test is alive across the reset.
+        assert_eq!(unsafe { hipDeviceReset() }, 0);
+        transfer(
+            8,
+            128,
+            4,
+            2,
+            8,
+            16,
+            &request,
+            &mut *device_sender(kernel_options()),
+        );
+        assert_eq!(
+            stat("module_loads"),
+            loads + 1,
+            "loaded once more after the reset"
+        );
+    }
+
+    /// Issue 24.4: pinned host memory is reached at its host address; registered host memory at
+    /// the address hipHostGetDevicePointer returns, while its host address is refused before
+    /// anything is launched, naming the address to use.
+    fn host_memory() {
+        let request = fragmented_request(13, 5);
+        for memory in [
+            Memory::Pinned,
+            Memory::Registered {
+                host_address: false,
+            },
+        ] {
+            transfer(
+                8,
+                128,
+                4,
+                2,
+                8,
+                16,
+                &request,
+                &mut *mirrored_sender(memory, memory, kernel_options()),
+            );
+            let (status, message, after) = small_send_in(memory, kernel_options());
+            assert_eq!(
+                (status, after),
+                (MORI_OK, small_send_result(7)),
+                "{memory:?}: {message}"
+            );
+        }
+        let (status, message, after) =
+            small_send_in(Memory::Registered { host_address: true }, kernel_options());
+        assert_eq!(status, MORI_ERR_GPU, "{message}");
+        assert!(
+            message.contains("hipPointerGetAttributes(source buffer 0, ")
+                && message.contains("registered with hipHostRegister, which devices address at 0x")
+                && message.contains("hipHostGetDevicePointer"),
+            "{message}"
+        );
+        assert_eq!(after, vec![9u8; 4 * 32], "a refused call writes nothing");
+        // The per-rect path copies host memory at its host address.
+        let per_rect = MoriSendOptions {
+            flags: MORI_SEND_SYNCHRONIZE,
+            ..kernel_options()
+        };
+        let (status, message, after) =
+            small_send_in(Memory::Registered { host_address: true }, per_rect);
+        assert_eq!(
+            (status, after),
+            (MORI_OK, small_send_result(7)),
+            "{message}"
+        );
     }
 
     pub(super) fn the_copy_kernel_moves_device_memory_byte_exact() {
@@ -482,45 +1074,25 @@ mod device {
             );
         }
         pack_and_unpack_match_a_direct_send();
-        // Pageable host memory is not device memory: a GPU kernel would fault on it, and the
-        // stand-in refuses the launch as hipErrorIllegalAddress, writing nothing.
+        // Pageable host memory is not memory a kernel reaches: a GPU would fault and abort the
+        // process, so the library asks the runtime about each buffer first and refuses it,
+        // writing nothing (the stand-in, like HIP 5, does not know pageable memory).
         let (status, message, unchanged) = small_send(&kernel_options());
         assert_eq!(status, MORI_ERR_GPU, "{message}");
         assert!(
-            message.contains("hipModuleLaunchKernel(mori_copy_kernel")
-                && message.contains("hipErrorIllegalAddress (700)"),
+            message.contains("hipPointerGetAttributes(source buffer 0, ")
+                && message.contains("hipErrorInvalidValue (1)")
+                && message.contains("pageable host memory"),
             "{message}"
         );
         assert!(unchanged);
+        // Every table went up from pinned memory: none of the uploads that HIP performs
+        // synchronously, waiting for the stream.
+        assert_eq!(stat("pageable_async_copies"), 0);
     }
 
     pub(super) fn a_failing_launch_is_reported_and_writes_nothing(code: &str) {
-        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
-        let initial = [9u8; 4 * 32];
-        let dst = DeviceBuffer::from_host(&initial);
-        let config = super::config_2_to_4();
-        let srcs = [src.pointer.cast_const()];
-        let dsts = [dst.pointer];
-        let buffers = MoriKvBuffers {
-            src: srcs.as_ptr(),
-            dst: dsts.as_ptr(),
-            num_buffers: 1,
-            src_capacity: 4 * 64,
-            dst_capacity: 4 * 32,
-        };
-        let pages = [0, 1, 3];
-        // SAFETY: device buffers of the stated capacities.
-        let status = unsafe {
-            mori_send_kvcache(
-                &config,
-                &buffers,
-                pages.as_ptr(),
-                pages.as_ptr(),
-                3,
-                &kernel_options(),
-            )
-        };
-        let message = last_error();
+        let (status, message, after) = small_send_in(Memory::Device(0), kernel_options());
         assert_eq!(status, MORI_ERR_GPU, "{message}");
         for part in [
             "mori_send_kvcache: GPU error: hipModuleLaunchKernel(mori_copy_kernel, grid (1, 1, 1)",
@@ -529,9 +1101,7 @@ mod device {
         ] {
             assert!(message.contains(part), "{message:?} lacks {part:?}");
         }
-        let mut after = [0u8; 4 * 32];
-        dst.to_host(&mut after);
-        assert_eq!(after, initial, "a failed launch writes nothing");
+        assert_eq!(after, vec![9u8; 4 * 32], "a failed launch writes nothing");
     }
 
     /// Pack on the prefill side and unpack on the decode side, both through the kernel on

@@ -44,7 +44,7 @@ pub struct KernelRect {
     pub reserved: u64,
 }
 
-/// The kernel's one argument (`MoriCopyKernelArgs`), passed by value: 56 bytes. The three
+/// The kernel's one argument (`MoriCopyKernelArgs`), passed by value: 64 bytes. The three
 /// pointers are device addresses inside the uploaded table.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -63,6 +63,8 @@ pub struct KernelArgs {
     pub total_rows: u64,
     /// Rows of one tile, at least 1.
     pub rows_per_block: u64,
+    /// Threads per row, at least 1.
+    pub lanes_per_row: u64,
 }
 
 /// Rows per tile for rows of at most `max_width` bytes (`mori_copy_rows_per_block`).
@@ -71,6 +73,12 @@ pub fn rows_per_block(max_width: u64) -> u64 {
         .checked_div(max_width)
         .unwrap_or(MAX_ROWS_PER_BLOCK)
         .clamp(1, MAX_ROWS_PER_BLOCK)
+}
+
+/// Threads per row for rows of at most `max_width` bytes: one 16-byte unit each
+/// (`mori_copy_lanes_per_row`).
+pub fn lanes_per_row(max_width: u64) -> u64 {
+    max_width.div_ceil(16).clamp(1, u64::from(BLOCK_THREADS))
 }
 
 /// The grid `(x, y)` that gives each (tile, buffer) its own block within the caps
@@ -82,19 +90,16 @@ pub fn grid(total_rows: u64, rows_per_block: u64, num_buffers: u64) -> (u32, u32
     if x == 0 || y == 0 { (0, 0) } else { (x, y) }
 }
 
-/// A call's table, ready to upload: rects, then source bases, then destination bases, as u64
-/// words (so every part is 8-byte aligned, as the kernel reads it).
+/// A call's table, ready to upload: rects, then source bases, then destination bases (every
+/// part 8-byte aligned, as the kernel reads it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelTable {
-    words: Vec<u64>,
-    num_rects: u64,
-    num_buffers: u64,
+    rects: Vec<KernelRect>,
+    src_bases: Vec<u64>,
+    dst_bases: Vec<u64>,
     total_rows: u64,
     max_width: u64,
 }
-
-/// u64 words per [`KernelRect`].
-const RECT_WORDS: usize = std::mem::size_of::<KernelRect>() / 8;
 
 impl KernelTable {
     /// The table of `job`: its rects with their prefix sums of heights, and its base pointers.
@@ -107,51 +112,71 @@ impl KernelTable {
             4 * num_rects as u64 + num_buffers as u64,
             16,
         )?;
-        let mut words = Vec::with_capacity(num_rects * RECT_WORDS + 2 * num_buffers);
+        let mut rects = Vec::with_capacity(num_rects);
         let (mut total_rows, mut max_width) = (0u64, 0u64);
         for rect in job.rects() {
-            words.extend_from_slice(&[
-                rect.src_offset,
-                rect.dst_offset,
-                rect.src_pitch,
-                rect.dst_pitch,
-                rect.width,
-                rect.height,
-                total_rows,
-                0,
-            ]);
+            rects.push(KernelRect {
+                src_offset: rect.src_offset,
+                dst_offset: rect.dst_offset,
+                src_pitch: rect.src_pitch,
+                dst_pitch: rect.dst_pitch,
+                width: rect.width,
+                height: rect.height,
+                first_row: total_rows,
+                reserved: 0,
+            });
             // Cannot overflow: the job's total bytes (rows x width) fit in u64.
             total_rows += rect.height;
             max_width = max_width.max(rect.width);
         }
-        words.extend(job.buffers().map(|(src, _)| src as u64));
-        words.extend(job.buffers().map(|(_, dst)| dst as u64));
         Ok(KernelTable {
-            words,
-            num_rects: num_rects as u64,
-            num_buffers: num_buffers as u64,
+            rects,
+            src_bases: job.buffers().map(|(src, _)| src as u64).collect(),
+            dst_bases: job.buffers().map(|(_, dst)| dst as u64).collect(),
             total_rows,
             max_width,
         })
     }
 
-    /// The bytes to upload, in the layout the kernel reads.
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: any u64 is 8 initialised bytes; u8 has no alignment requirement.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), self.words.len() * 8) }
+    /// Buffer pairs in the table.
+    pub fn num_buffers(&self) -> usize {
+        self.src_bases.len()
+    }
+
+    /// Bytes of the table as the kernel reads it.
+    pub fn byte_len(&self) -> usize {
+        std::mem::size_of_val(self.rects.as_slice()) + 16 * self.num_buffers()
+    }
+
+    /// Writes the table into `out` (at least [`KernelTable::byte_len`] bytes), in the kernel's
+    /// layout.
+    pub fn write_to(&self, out: &mut [u8]) {
+        let rects = std::mem::size_of_val(self.rects.as_slice());
+        let bases = 8 * self.num_buffers();
+        // SAFETY: KernelRect is repr(C) of eight u64s (no padding), so its slice is initialised
+        // bytes; u8 has no alignment requirement.
+        let rect_bytes = unsafe { std::slice::from_raw_parts(self.rects.as_ptr().cast(), rects) };
+        out[..rects].copy_from_slice(rect_bytes);
+        for (part, words) in [(rects, &self.src_bases), (rects + bases, &self.dst_bases)] {
+            for (at, word) in words.iter().enumerate() {
+                out[part + 8 * at..part + 8 * at + 8].copy_from_slice(&word.to_ne_bytes());
+            }
+        }
     }
 
     /// The kernel's argument once the table is at device address `table`.
     pub fn args(&self, table: u64) -> KernelArgs {
-        let rects = self.num_rects * std::mem::size_of::<KernelRect>() as u64;
+        let rects = std::mem::size_of_val(self.rects.as_slice()) as u64;
+        let num_buffers = self.num_buffers() as u64;
         KernelArgs {
             rects: table,
             src_bases: table + rects,
-            dst_bases: table + rects + 8 * self.num_buffers,
-            num_rects: self.num_rects,
-            num_buffers: self.num_buffers,
+            dst_bases: table + rects + 8 * num_buffers,
+            num_rects: self.rects.len() as u64,
+            num_buffers,
             total_rows: self.total_rows,
             rows_per_block: rows_per_block(self.max_width),
+            lanes_per_row: lanes_per_row(self.max_width),
         }
     }
 
@@ -160,7 +185,7 @@ impl KernelTable {
         grid(
             self.total_rows,
             rows_per_block(self.max_width),
-            self.num_buffers,
+            self.num_buffers() as u64,
         )
     }
 }
@@ -190,7 +215,7 @@ mod tests {
     #[test]
     fn the_structs_have_the_c_header_sizes() {
         assert_eq!(std::mem::size_of::<KernelRect>(), 64);
-        assert_eq!(std::mem::size_of::<KernelArgs>(), 56);
+        assert_eq!(std::mem::size_of::<KernelArgs>(), 64);
     }
 
     #[test]
@@ -202,10 +227,115 @@ mod tests {
     }
 
     #[test]
+    fn lanes_per_row_gives_each_lane_one_16_byte_unit_of_the_widest_row() {
+        assert_eq!(lanes_per_row(256), 16);
+        assert_eq!(lanes_per_row(1152), 72);
+        assert_eq!(lanes_per_row(72), 5);
+        assert_eq!(lanes_per_row(0), 1);
+        assert_eq!(lanes_per_row(1), 1);
+        assert_eq!(lanes_per_row(16_000), u64::from(BLOCK_THREADS));
+    }
+
+    #[test]
     fn the_grid_covers_every_tile_and_buffer_up_to_the_caps() {
         assert_eq!(grid(1000, 64, 70_000), (16, MAX_GRID_Y));
         assert_eq!(grid(1 << 40, 1, 3), (MAX_GRID_X, 3));
         assert_eq!(grid(0, 64, 3), (0, 0));
         assert_eq!(grid(5, 64, 0), (0, 0));
+    }
+
+    #[test]
+    fn the_rust_table_layout_and_grid_rule_match_the_c_header() {
+        let header = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.h"),
+        )
+        .expect("hip/copy_kernel.h");
+        let define = |name: &str| -> u64 {
+            let line = header
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} is not defined"));
+            line.split_whitespace()
+                .nth(2)
+                .unwrap()
+                .trim_end_matches('u')
+                .parse()
+                .unwrap()
+        };
+        use super as k;
+        assert_eq!(
+            define("MORI_COPY_BLOCK_THREADS"),
+            u64::from(k::BLOCK_THREADS)
+        );
+        assert_eq!(define("MORI_COPY_MAX_GRID_X"), u64::from(k::MAX_GRID_X));
+        assert_eq!(define("MORI_COPY_MAX_GRID_Y"), u64::from(k::MAX_GRID_Y));
+        assert_eq!(define("MORI_COPY_TILE_BYTES"), k::TILE_BYTES);
+        assert_eq!(
+            define("MORI_COPY_MAX_ROWS_PER_BLOCK"),
+            k::MAX_ROWS_PER_BLOCK
+        );
+        assert!(header.contains(&format!(
+            "#define MORI_COPY_KERNEL_NAME \"{}\"",
+            k::KERNEL_NAME.to_str().unwrap()
+        )));
+        // The struct fields, in order, as the header declares them (one per line).
+        let fields = |name: &str| -> Vec<String> {
+            let start = header.find(&format!("typedef struct {name} {{")).unwrap();
+            let body = &header[start..start + header[start..].find('}').unwrap()];
+            body.lines()
+                .skip(1)
+                .filter_map(|l| {
+                    let decl = l.split("/*").next().unwrap().trim().trim_end_matches(';');
+                    let field = decl.rsplit(' ').next()?.trim_start_matches('*');
+                    (!field.is_empty()).then(|| field.to_string())
+                })
+                .collect()
+        };
+        // Every field is 8 bytes, so the header's order fixes each offset.
+        use std::mem::offset_of;
+        let rect_offsets = [
+            ("src_offset", offset_of!(k::KernelRect, src_offset)),
+            ("dst_offset", offset_of!(k::KernelRect, dst_offset)),
+            ("src_pitch", offset_of!(k::KernelRect, src_pitch)),
+            ("dst_pitch", offset_of!(k::KernelRect, dst_pitch)),
+            ("width", offset_of!(k::KernelRect, width)),
+            ("height", offset_of!(k::KernelRect, height)),
+            ("first_row", offset_of!(k::KernelRect, first_row)),
+            ("reserved", offset_of!(k::KernelRect, reserved)),
+        ];
+        let args_offsets = [
+            ("rects", offset_of!(KernelArgs, rects)),
+            ("src_bases", offset_of!(KernelArgs, src_bases)),
+            ("dst_bases", offset_of!(KernelArgs, dst_bases)),
+            ("num_rects", offset_of!(KernelArgs, num_rects)),
+            ("num_buffers", offset_of!(KernelArgs, num_buffers)),
+            ("total_rows", offset_of!(KernelArgs, total_rows)),
+            ("rows_per_block", offset_of!(KernelArgs, rows_per_block)),
+            ("lanes_per_row", offset_of!(KernelArgs, lanes_per_row)),
+        ];
+        for (name, offsets) in [
+            ("MoriCopyKernelRect", &rect_offsets[..]),
+            ("MoriCopyKernelArgs", &args_offsets[..]),
+        ] {
+            let declared = fields(name);
+            assert_eq!(declared.len(), offsets.len(), "{name}: {declared:?}");
+            for (index, (field, (rust, offset))) in declared.iter().zip(offsets).enumerate() {
+                assert_eq!((field.as_str(), *offset), (*rust, 8 * index), "{name}");
+            }
+        }
+        // The header's formulas, restated: tiles of clamp(16384 / width, 1, 1024) rows, one lane
+        // per 16 bytes of the widest row (at most a block), grid x over tiles, y over buffers.
+        for (rows, width, buffers) in [
+            (1000u64, 256u64, 70_000u64),
+            (1 << 40, 1, 3),
+            (7, 20_000, 2),
+        ] {
+            let rpb = (16_384 / width).clamp(1, 1024);
+            let x = rows.div_ceil(rpb).min(u64::from(MAX_GRID_X)) as u32;
+            let y = buffers.min(u64::from(MAX_GRID_Y)) as u32;
+            assert_eq!(k::rows_per_block(width), rpb);
+            assert_eq!(k::lanes_per_row(width), width.div_ceil(16).clamp(1, 256));
+            assert_eq!(k::grid(rows, rpb, buffers), (x, y));
+        }
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! An engine knows rects and pointers, nothing of heads or TP: the plan decides what to copy, the
 //! engine only how. The host engine is always built; the HIP engine's marshalling is always built
-//! too (see [`hip`]), but only the `hip` feature links it to the real HIP runtime.
+//! too (its unit tests run it on a recording runtime anywhere), but only the `hip` feature links
+//! it to the real HIP runtime.
 
 use std::ffi::c_void;
 
@@ -15,11 +16,14 @@ pub use host::HostEngine;
 pub use job::{CopyJob, KvBuffers, SendReport};
 pub(crate) use job::{check_capacity_fits, first_null};
 
-// Rust-side engine internals, not C API: cbindgen must not copy them into the header.
+// Engine internals, neither Rust nor C API (cbindgen must not copy them into the header).
+// Without the `hip` feature only their unit tests use them.
 /// cbindgen:ignore
-pub mod copy_kernel;
+#[cfg_attr(not(feature = "hip"), allow(dead_code))]
+pub(crate) mod copy_kernel;
 /// cbindgen:ignore
-pub mod hip;
+#[cfg_attr(not(feature = "hip"), allow(dead_code))]
+pub(crate) mod hip;
 
 /// Performs a whole [`CopyJob`]: every rect of a plan on every buffer pair of a call.
 ///

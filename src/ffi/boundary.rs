@@ -325,6 +325,8 @@ mod tests {
                 call: "hipX",
                 status: 1,
                 message: "x".into(),
+                buffer: None,
+                rect: None,
             }),
             Failure::Panic(String::new()),
         ];

@@ -213,8 +213,9 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
 /// side be device memory, a peer device's memory (enable peer access first) or host memory.
 /// Pageable host memory is legal but makes each copy synchronous and slow; pin it
 /// (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on the stream's
-/// device (the NULL stream: the calling thread's current device); mori-tp never calls
-/// hipSetDevice, so the current device is left as it was. D2D copies are fastest when width,
+/// device (the NULL stream: the calling thread's current device); the calling thread's current
+/// device is left as it was (with MORI_SEND_COPY_KERNEL the library makes the stream's device
+/// current only while it loads the kernel there). D2D copies are fastest when width,
 /// pitches and offsets are multiples of 16 bytes (see the README for real models). AUTO is HIP
 /// when the library is built with it and a device is present (the device count is read once per
 /// process), else HOST.

@@ -64,16 +64,23 @@ pub const MORI_BACKEND_HIP: MoriBackend = 2;
 pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
 /// MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
 /// one copy-kernel launch, plus at most one upload of the rect table, instead of one
-/// hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMallocAsync of the table,
-/// hipMemcpyAsync of it, hipModuleLaunchKernel, hipFreeAsync. Every buffer (and a staging
-/// region) must then be memory the kernel can address: device memory, a peer device's memory
-/// with peer access enabled, or host memory mapped into the device (hipHostMalloc); pageable
-/// host memory is not (the GPU faults). The kernel is loaded once per device, on the calling
-/// thread's current device, so the stream must belong to that device. The kernel copies in no
-/// particular order: a destination byte written twice in one call (a repeated destination page
-/// or buffer), or one that is also a source byte, may end as either copy leaves it, where the
-/// per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
-/// same).
+/// hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMemcpyAsync of the table
+/// from pinned host memory into a device buffer the library keeps per device,
+/// hipModuleLaunchKernel, hipEventRecord (the buffer's fence). Every buffer (and a staging
+/// region) must then be memory a kernel on the stream's device reaches: its device memory, a
+/// peer device's memory with peer access enabled, hipHostMalloc'd memory, or hipHostRegister'd
+/// memory at the address hipHostGetDevicePointer returns. A kernel that touches other memory
+/// aborts the process (in the HSA runtime), so the library first asks hipPointerGetAttributes
+/// about each buffer and refuses with MORI_ERR_GPU, writing nothing, what it can tell the kernel
+/// cannot reach (pageable host memory; registered memory at its host address); peer access it
+/// cannot see. The kernel is loaded for the stream's device, once per device (found with
+/// hipStreamGetDevice; with HIP 5.2, which lacks it, the stream must belong to the calling
+/// thread's current device, and a stream of another device is refused with MORI_ERR_GPU before
+/// anything is issued). A stream that is capturing a graph gets the per-rect copies. The
+/// kernel copies in no particular order: a destination byte written twice in one call (a
+/// repeated destination page or buffer), or one that is also a source byte, may end as either
+/// copy leaves it, where the per-rect path leaves the last copy's. The host backend ignores the
+/// flag (its result is the same).
 pub const MORI_SEND_COPY_KERNEL: u32 = 2;
 
 /// Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.

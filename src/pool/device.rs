@@ -31,6 +31,8 @@ impl<R: HipRuntime> DeviceMemory<R> {
                 "hipMalloc({len} bytes) for a staging pool returned {}",
                 describe(&runtime, status)
             ),
+            buffer: None,
+            rect: None,
         })?;
         Ok(DeviceMemory {
             runtime,
@@ -49,8 +51,7 @@ impl<R: HipRuntime> Drop for DeviceMemory<R> {
     fn drop(&mut self) {
         // SAFETY: the allocation this value owns, freed once; the pool refuses to close while
         // slots (and so the transfers that use them) are live.
-        let status = unsafe { self.runtime.free(self.base as *mut c_void) };
-        if !status.is_success() {
+        if let Err(status) = unsafe { self.runtime.free(self.base as *mut c_void) } {
             log::warn!(
                 "mori-tp staging pool: hipFree({:#x}) returned {}",
                 self.base,

@@ -493,9 +493,18 @@ pub fn odd_deployments(send: &mut Sender<'_>) {
 /// Builds tests/fake_hip/fake_hip.cpp (a host-memory stand-in for libamdhip64's functions, for
 /// LD_PRELOAD) with `c++` against the installed HIP headers; Err says what is missing.
 pub fn build_fake_hip() -> Result<PathBuf, String> {
+    build_fake_hip_variant("libfake_hip.so", &[])
+}
+
+/// The stand-in of a HIP 5.2 runtime: without hipStreamGetDevice, which HIP 6.0 added.
+pub fn build_fake_hip_5_2() -> Result<PathBuf, String> {
+    build_fake_hip_variant("libfake_hip_5_2.so", &["-DFAKE_HIP_5_2"])
+}
+
+/// tests/fake_hip built as `name` with the preprocessor `defines`.
+fn build_fake_hip_variant(name: &str, defines: &[&str]) -> Result<PathBuf, String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake_hip");
-    std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    let out = scratch(&["fake_hip"]);
     // The HIP install hip-sys linked against: `hipconfig -p`, else the compiler's default paths.
     let include = Command::new("hipconfig")
         .arg("-p")
@@ -503,8 +512,11 @@ pub fn build_fake_hip() -> Result<PathBuf, String> {
         .ok()
         .filter(|o| o.status.success())
         .map(|o| Path::new(String::from_utf8_lossy(&o.stdout).trim()).join("include"));
-    let library = out.join("libfake_hip.so");
-    let partial = out.join(format!("libfake_hip.so.{}", std::process::id()));
+    let library = out.join(name);
+    // Unique per build, also between tests of one process building at once.
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let build = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let partial = out.join(format!("{name}.{}.{build}", std::process::id()));
     let mut compile = Command::new("c++");
     compile.args([
         "-std=c++17",
@@ -515,7 +527,7 @@ pub fn build_fake_hip() -> Result<PathBuf, String> {
         "-shared",
         "-fPIC",
     ]);
-    compile.arg("-D__HIP_PLATFORM_AMD__");
+    compile.arg("-D__HIP_PLATFORM_AMD__").args(defines);
     if let Some(include) = include {
         compile.arg("-I").arg(include);
     }

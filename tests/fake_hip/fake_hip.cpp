@@ -1,86 +1,244 @@
-// A host-memory stand-in for the few libamdhip64 functions that the hip/ programs and
-// libmori_tp call, for machines without an AMD GPU. Loaded with LD_PRELOAD, it lets the programs'
-// own logic (layouts, expected bytes, gather/scatter configs, the size query, timing) and the
-// library's real HIP bindings run end to end. It proves nothing about a GPU: "device" memory is
-// malloc'd, every copy is a synchronous memcpy, streams and events only keep order and time.
+// A host-memory stand-in for the libamdhip64 functions that the hip/ programs and libmori_tp
+// call, for machines without an AMD GPU. Loaded with LD_PRELOAD, it lets the programs' own logic
+// (layouts, expected bytes, gather/scatter configs, the size query, timing) and the library's
+// real HIP bindings run end to end. It proves nothing about a GPU: "device" memory is malloc'd,
+// every copy is a synchronous memcpy, streams and events only keep order and time.
 //
-// Kernels: hipModuleLoadData accepts a code-object bundle (or ELF) as hipcc --genco writes it,
-// and its one function is mori-tp's copy kernel, whose own source (hip/copy_kernel.hip) is
-// compiled into this library through hip/cpu_shim.hpp: hipModuleLaunchKernel runs it on the CPU,
-// every thread of every block, blocks in a shuffled order.
+// It models what a runtime does that a caller can get wrong, as clr (ROCm's HIP runtime) does:
+// - several devices (FAKE_HIP_DEVICES=n), a current device per thread, streams, allocations,
+//   events and modules that belong to the device current when they were made; a module loads for
+//   the current device only, looking up its function on another device aborts (clr's guarantee),
+//   and a launch on a stream of a device the function is not loaded on returns
+//   hipErrorInvalidDevice; an event records only on a stream of its own device;
+// - peer access: a kernel reaches another device's memory only after hipDeviceEnablePeerAccess;
+// - pinned host memory (hipHostMalloc) that kernels reach at its host address, and
+//   hipHostRegister'd memory that kernels reach only at a different device address (the one
+//   hipHostGetDevicePointer returns, as often on a GPU);
+// - hipPointerGetAttributes, which knows only those kinds of memory (pageable host memory is
+//   hipErrorInvalidValue, as in HIP 5), and hipMemGetAddressRange of device memory;
+// - graph capture: work on a capturing stream is recorded and runs at hipGraphLaunch. A graph that
+//   captured an upload from pageable host memory refuses to launch (hipErrorIllegalAddress): the
+//   runtime would read that memory at every replay, long after its owner may have freed it;
+// - hipDeviceReset, which frees the device's memory and invalidates its modules;
+// - HIP 5.2 without hipStreamGetDevice (built with -DFAKE_HIP_5_2), and HIP 6 with it.
+//
+// Kernels: hipModuleLoadData accepts a code-object bundle (plain or compressed) or ELF as hipcc
+// --genco writes it, and its one function is mori-tp's copy kernel, whose own source
+// (hip/copy_kernel.hip) is compiled into this library through hip/cpu_shim.hpp:
+// hipModuleLaunchKernel runs it on the CPU, every thread of every block, blocks in a shuffled
+// order.
 //
 // It is strict where a GPU would fail: a copy any row of which leaves the hipMalloc'd
 // allocations (or, for host sides, is NULL) returns hipErrorInvalidValue without copying, as do
 // width > pitch and an unknown hipMemcpyKind. A kernel launch whose table or any row of any
-// (buffer, rect) is not device memory returns hipErrorIllegalAddress without running (a GPU
-// would fault), and one with more threads per block than the kernel is built for returns
-// hipErrorInvalidConfiguration. Each function is defined against the prototype in
-// hip/hip_runtime_api.h, so the compiler holds the stand-in to the real signatures.
+// (buffer, rect) is memory the kernel cannot reach returns hipErrorIllegalAddress without running
+// (a GPU would fault and abort the process), and one with more threads per block than the kernel
+// is built for returns hipErrorInvalidConfiguration. Each function is defined against the
+// prototype in hip/hip_runtime_api.h, so the compiler holds the stand-in to the real signatures.
 //
 // Build: c++ -std=c++17 -shared -fPIC -D__HIP_PLATFORM_AMD__ fake_hip.cpp -o libfake_hip.so
 // Environment (read on every call): FAKE_HIP_DEVICES=0 reports no device, like Debian's runtime
-// on a machine without a GPU; FAKE_HIP_COPY_STATUS=<n> makes every hipMemcpy2DAsync return the
-// status n without copying, FAKE_HIP_LAUNCH_STATUS=<n> every hipModuleLaunchKernel (to test how
-// callers report runtime errors, unknown codes included).
+// on a machine without a GPU, FAKE_HIP_DEVICES=n reports n; FAKE_HIP_COPY_STATUS=<n> makes every
+// hipMemcpy2DAsync return the status n without copying, FAKE_HIP_LAUNCH_STATUS=<n> every
+// hipModuleLaunchKernel, FAKE_HIP_MALLOC_STATUS=<n> every hipMalloc and
+// FAKE_HIP_MALLOC_ASYNC_STATUS=<n> every hipMallocAsync (some ROCm versions report
+// hipErrorOutOfMemory there where hipMalloc works). fake_hip_stat(name) counts what happened
+// (see there).
 
 #include <hip/hip_runtime_api.h>
+#include <sys/mman.h>
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <set>
+#include <string>
+#include <vector>
 
 #define MORI_COPY_KERNEL_CPU
 #include "../../hip/copy_kernel.hip"
 
 struct ihipStream_t {
-    int unused;
+    int device;
+    struct ihipGraph *capture;  // the graph being captured, or nullptr
 };
 
 struct ihipEvent_t {
     std::chrono::steady_clock::time_point at;
-};
-
-struct ihipModule_t {
-    int unused;
+    int device;
 };
 
 // The one function a module holds: the copy kernel, compiled for the CPU.
 struct ihipModuleSymbol_t {
     void (*kernel)(MoriCopyKernelArgs);
+    struct ihipModule_t *module;
 };
+
+struct ihipModule_t {
+    int device;
+    bool live;
+    ihipModuleSymbol_t function;
+};
+
+// A captured graph: its work, in order, and why it must not launch (empty when it may).
+struct ihipGraph {
+    std::vector<std::function<hipError_t()>> work;
+    std::string poisoned;
+};
+
+struct hipGraphExec {
+    ihipGraph *graph;
+};
+
+extern "C" hipError_t hipStreamGetDevice(hipStream_t stream, hipDevice_t *device);
 
 namespace {
 
-std::mutex lock;
-// Live allocations: start address -> size.
-std::map<uintptr_t, size_t> allocations;
-ihipModuleSymbol_t copy_kernel{mori_copy_kernel};
+std::recursive_mutex lock;
+using Guard = std::lock_guard<std::recursive_mutex>;
+
+struct Allocation {
+    size_t size;
+    int device;
+};
+
+// hipMalloc'd memory (start -> size, device) and hipHostMalloc'd memory.
+std::map<uintptr_t, Allocation> device_memory;
+std::map<uintptr_t, size_t> pinned_memory;
+
+// hipHostRegister'd memory: its device address (start of a reserved range) -> host range.
+struct Registered {
+    uintptr_t host;
+    size_t size;
+};
+std::map<uintptr_t, Registered> registered;
+
+std::set<std::pair<int, int>> peer_access;  // (device, peer it may reach)
+std::vector<ihipModule_t *> modules;        // kept after unload or reset: handles stay readable
+thread_local int current_device = 0;
 // Seeds each launch's block order differently.
 uint64_t launches = 0;
+std::map<std::string, long> stats;
+
+int device_count() {
+    const char *devices = std::getenv("FAKE_HIP_DEVICES");
+    return devices == nullptr ? 1 : std::atoi(devices);
+}
 
 bool devices_present() {
-    const char *devices = std::getenv("FAKE_HIP_DEVICES");
-    return devices == nullptr || std::strcmp(devices, "0") != 0;
+    return device_count() > 0;
 }
 
-// True when [p, p + len) lies inside one live allocation.
+void count(const char *what) {
+    Guard guard(lock);
+    stats[what]++;
+}
+
+// Memory for hipMalloc and hipHostMalloc, from addresses of its own (as a GPU's aperture is):
+// once freed, an address is never handed out again, by these or by malloc.
+void *reserve(size_t size) {
+    void *p = mmap(nullptr, size == 0 ? 1 : size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+}
+
+void retire(void *p, size_t size) {
+    mprotect(p, size == 0 ? 1 : size, PROT_NONE);
+}
+
+hipError_t status_from_env(const char *name) {
+    const char *status = std::getenv(name);
+    return status == nullptr ? hipSuccess : static_cast<hipError_t>(std::atoi(status));
+}
+
+int stream_device(hipStream_t stream) {
+    return stream == nullptr ? current_device : stream->device;
+}
+
+// The allocation of `map` that holds [p, p + len), or end().
+template <class Map>
+typename Map::const_iterator holding(const Map &map, uintptr_t p, size_t len) {
+    auto next = map.upper_bound(p);
+    if (next == map.begin()) {
+        return map.end();
+    }
+    auto it = std::prev(next);
+    const size_t size = [&] {
+        if constexpr (std::is_same_v<typename Map::mapped_type, size_t>) {
+            return it->second;
+        } else {
+            return it->second.size;
+        }
+    }();
+    return p >= it->first && p + len >= p && p + len <= it->first + size ? it : map.end();
+}
+
+// The device that holds [p, p + len) in hipMalloc'd memory, or -1.
+int device_of(const void *p, size_t len) {
+    Guard guard(lock);
+    auto it = holding(device_memory, reinterpret_cast<uintptr_t>(p), len);
+    return it == device_memory.end() ? -1 : it->second.device;
+}
+
 bool in_device_memory(const void *p, size_t len) {
-    std::lock_guard<std::mutex> guard(lock);
+    return device_of(p, len) >= 0;
+}
+
+bool in_pinned_memory(const void *p, size_t len) {
+    Guard guard(lock);
+    return holding(pinned_memory, reinterpret_cast<uintptr_t>(p), len) != pinned_memory.end();
+}
+
+// The host address of registered memory's device address `address` (the address itself
+// elsewhere): the CPU shim's translation, so that the kernel reaches it as a GPU would.
+uint64_t translate(uint64_t address) {
+    Guard guard(lock);
+    auto next = registered.upper_bound(address);
+    if (next != registered.begin()) {
+        auto it = std::prev(next);
+        if (address >= it->first && address < it->first + it->second.size) {
+            return it->second.host + (address - it->first);
+        }
+    }
+    return address;
+}
+
+bool in_registered_alias(const void *p, size_t len) {
+    Guard guard(lock);
     const uintptr_t at = reinterpret_cast<uintptr_t>(p);
-    auto next = allocations.upper_bound(at);
-    if (next == allocations.begin()) {
+    auto next = registered.upper_bound(at);
+    if (next == registered.begin()) {
         return false;
     }
-    const auto &[start, size] = *std::prev(next);
-    return at >= start && at + len >= at && at + len <= start + size;
+    auto it = std::prev(next);
+    return at >= it->first && at + len <= it->first + it->second.size;
 }
 
-// Where a side of a copy may be: device memory, host memory (pageable; any non-NULL pointer
-// outside the allocations), or either (hipMemcpyDefault: decided by where the first row starts).
+// Registered memory whose host range holds [p, p + len): its registration, or end().
+std::map<uintptr_t, Registered>::const_iterator registered_host(const void *p, size_t len) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    for (auto it = registered.begin(); it != registered.end(); ++it) {
+        if (at >= it->second.host && at + len <= it->second.host + it->second.size) {
+            return it;
+        }
+    }
+    return registered.end();
+}
+
+// Pageable host memory: none of the kinds the runtime knows.
+bool pageable(const void *p, size_t len) {
+    Guard guard(lock);
+    return !in_device_memory(p, 1) && !in_pinned_memory(p, len) && !in_registered_alias(p, len) &&
+           registered_host(p, len) == registered.end();
+}
+
+// Where a side of a copy may be: device memory, host memory (any non-NULL pointer outside the
+// device allocations), or either (hipMemcpyDefault: decided by where the first row starts).
 enum class Space { Device, Host, Any };
 
 Space resolve(const void *base, Space space) {
@@ -140,14 +298,20 @@ hipError_t copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, siz
         }
     }
     for (size_t r = 0; r < height; r++) {
-        std::memmove(d + r * dpitch, s + r * spitch, width);
+        const uint64_t to = translate(reinterpret_cast<uint64_t>(d + r * dpitch));
+        const uint64_t from = translate(reinterpret_cast<uint64_t>(s + r * spitch));
+        std::memmove(reinterpret_cast<void *>(to), reinterpret_cast<const void *>(from), width);
     }
     return hipSuccess;
 }
 
-hipError_t status_from_env(const char *name) {
-    const char *status = std::getenv(name);
-    return status == nullptr ? hipSuccess : static_cast<hipError_t>(std::atoi(status));
+// Runs `work` now, or records it in the graph `stream` is capturing.
+hipError_t run_or_capture(hipStream_t stream, std::function<hipError_t()> work) {
+    if (stream != nullptr && stream->capture != nullptr) {
+        stream->capture->work.push_back(std::move(work));
+        return hipSuccess;
+    }
+    return work();
 }
 
 // The kernel's argument buffer from hipModuleLaunchKernel's kernelParams or extra.
@@ -177,24 +341,35 @@ bool kernel_args(void **params, void **extra, MoriCopyKernelArgs &args) {
     return true;
 }
 
-// Every byte the launch reads or writes is device memory: the tables and each row of each
-// (buffer, rect). (A GPU would fault on the first one that is not.)
-bool kernel_memory_ok(const MoriCopyKernelArgs &a) {
+// Memory a kernel on `device` reaches: its own device memory, a peer's with access enabled,
+// pinned host memory, and registered memory at its device address.
+bool kernel_reaches(int device, uint64_t address, uint64_t len) {
+    const void *p = reinterpret_cast<const void *>(address);
+    const int owner = device_of(p, len);
+    if (owner >= 0) {
+        Guard guard(lock);
+        return owner == device || peer_access.count({device, owner}) != 0;
+    }
+    return in_pinned_memory(p, len) || in_registered_alias(p, len);
+}
+
+// Every byte the launch reads or writes is memory the kernel reaches from `device`: the tables
+// and each row of each (buffer, rect). (A GPU would fault on the first one that is not.)
+bool kernel_memory_ok(const MoriCopyKernelArgs &a, int device) {
     if (a.num_rects == 0 || a.num_buffers == 0) {
         return true;
     }
-    if (!in_device_memory(a.rects, a.num_rects * sizeof(MoriCopyKernelRect)) ||
-        !in_device_memory(a.src_bases, a.num_buffers * sizeof(uint64_t)) ||
-        !in_device_memory(a.dst_bases, a.num_buffers * sizeof(uint64_t))) {
+    if (!kernel_reaches(device, reinterpret_cast<uint64_t>(a.rects), a.num_rects * sizeof(MoriCopyKernelRect)) ||
+        !kernel_reaches(device, reinterpret_cast<uint64_t>(a.src_bases), a.num_buffers * sizeof(uint64_t)) ||
+        !kernel_reaches(device, reinterpret_cast<uint64_t>(a.dst_bases), a.num_buffers * sizeof(uint64_t))) {
         return false;
     }
     for (uint64_t b = 0; b < a.num_buffers; b++) {
         for (uint64_t r = 0; r < a.num_rects; r++) {
             const MoriCopyKernelRect &rect = a.rects[r];
             for (uint64_t i = 0; i < rect.height; i++) {
-                const auto *src = reinterpret_cast<const void *>(a.src_bases[b] + rect.src_offset + i * rect.src_pitch);
-                const auto *dst = reinterpret_cast<const void *>(a.dst_bases[b] + rect.dst_offset + i * rect.dst_pitch);
-                if (!in_device_memory(src, rect.width) || !in_device_memory(dst, rect.width)) {
+                if (!kernel_reaches(device, a.src_bases[b] + rect.src_offset + i * rect.src_pitch, rect.width) ||
+                    !kernel_reaches(device, a.dst_bases[b] + rect.dst_offset + i * rect.dst_pitch, rect.width)) {
                     return false;
                 }
             }
@@ -207,11 +382,29 @@ bool kernel_memory_ok(const MoriCopyKernelArgs &a) {
 
 extern "C" {
 
+// How often something happened in this process: "pageable_async_copies" (hipMemcpyAsync from
+// pageable host memory, which HIP performs synchronously), "module_loads", "graph_launches";
+// -1 for an unknown name.
+long fake_hip_stat(const char *name) {
+    Guard guard(lock);
+    auto it = stats.find(name);
+    if (it != stats.end()) {
+        return it->second;
+    }
+    const std::string known[] = {"pageable_async_copies", "module_loads", "graph_launches"};
+    for (const std::string &k : known) {
+        if (k == name) {
+            return 0;
+        }
+    }
+    return -1;
+}
+
 hipError_t hipGetDeviceCount(int *count) {
     if (count == nullptr) {
         return hipErrorInvalidValue;
     }
-    *count = devices_present() ? 1 : 0;
+    *count = device_count();
     return devices_present() ? hipSuccess : hipErrorNoDevice;
 }
 
@@ -219,17 +412,62 @@ hipError_t hipGetDevice(int *device) {
     if (!devices_present()) {
         return hipErrorInvalidDevice;
     }
-    *device = 0;
+    *device = current_device;
+    return hipSuccess;
+}
+
+hipError_t hipSetDevice(int device) {
+    if (device < 0 || device >= device_count()) {
+        return hipErrorInvalidDevice;
+    }
+    current_device = device;
     return hipSuccess;
 }
 
 hipError_t hipGetDeviceProperties(hipDeviceProp_t *props, int device) {
-    if (!devices_present() || device != 0) {
+    if (device < 0 || device >= device_count()) {
         return hipErrorInvalidDevice;
     }
     std::memset(props, 0, sizeof *props);
-    std::strcpy(props->name, "fake_hip (host memory, not a GPU)");
+    std::snprintf(props->name, sizeof props->name, "fake_hip device %d (host memory, not a GPU)", device);
     std::strcpy(props->gcnArchName, "none");
+    return hipSuccess;
+}
+
+hipError_t hipDeviceCanAccessPeer(int *can, int device, int peer) {
+    if (can == nullptr || device < 0 || peer < 0 || device >= device_count() || peer >= device_count()) {
+        return hipErrorInvalidDevice;
+    }
+    *can = device != peer;
+    return hipSuccess;
+}
+
+hipError_t hipDeviceEnablePeerAccess(int peer, unsigned int) {
+    if (peer < 0 || peer >= device_count() || peer == current_device) {
+        return hipErrorInvalidDevice;
+    }
+    Guard guard(lock);
+    return peer_access.insert({current_device, peer}).second ? hipSuccess : hipErrorPeerAccessAlreadyEnabled;
+}
+
+hipError_t hipDeviceReset(void) {
+    Guard guard(lock);
+    for (auto it = device_memory.begin(); it != device_memory.end();) {
+        if (it->second.device == current_device) {
+            retire(reinterpret_cast<void *>(it->first), it->second.size);
+            it = device_memory.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    for (ihipModule_t *module : modules) {
+        if (module->device == current_device) {
+            module->live = false;
+        }
+    }
+    for (auto it = peer_access.begin(); it != peer_access.end();) {
+        it = it->first == current_device ? peer_access.erase(it) : std::next(it);
+    }
     return hipSuccess;
 }
 
@@ -239,6 +477,8 @@ const char *hipGetErrorName(hipError_t status) {
         return "hipSuccess";
     case hipErrorInvalidValue:
         return "hipErrorInvalidValue";
+    case hipErrorOutOfMemory:
+        return "hipErrorOutOfMemory";
     case hipErrorInvalidMemcpyDirection:
         return "hipErrorInvalidMemcpyDirection";
     case hipErrorNoDevice:
@@ -249,10 +489,16 @@ const char *hipGetErrorName(hipError_t status) {
         return "hipErrorInvalidConfiguration";
     case hipErrorInvalidImage:
         return "hipErrorInvalidImage";
+    case hipErrorInvalidHandle:
+        return "hipErrorInvalidHandle";
     case hipErrorNotFound:
         return "hipErrorNotFound";
     case hipErrorIllegalAddress:
         return "hipErrorIllegalAddress";
+    case hipErrorPeerAccessAlreadyEnabled:
+        return "hipErrorPeerAccessAlreadyEnabled";
+    case hipErrorStreamCaptureUnsupported:
+        return "hipErrorStreamCaptureUnsupported";
     default:
         return "hipErrorUnknown";
     }
@@ -265,12 +511,15 @@ hipError_t hipMalloc(void **ptr, size_t size) {
     if (ptr == nullptr) {
         return hipErrorInvalidValue;
     }
-    *ptr = std::malloc(size == 0 ? 1 : size);
+    if (const hipError_t status = status_from_env("FAKE_HIP_MALLOC_STATUS"); status != hipSuccess) {
+        return status;
+    }
+    *ptr = reserve(size);
     if (*ptr == nullptr) {
         return hipErrorOutOfMemory;
     }
-    std::lock_guard<std::mutex> guard(lock);
-    allocations[reinterpret_cast<uintptr_t>(*ptr)] = size;
+    Guard guard(lock);
+    device_memory[reinterpret_cast<uintptr_t>(*ptr)] = Allocation{size, current_device};
     return hipSuccess;
 }
 
@@ -278,20 +527,145 @@ hipError_t hipFree(void *ptr) {
     if (ptr == nullptr) {
         return hipSuccess;
     }
-    std::lock_guard<std::mutex> guard(lock);
-    if (allocations.erase(reinterpret_cast<uintptr_t>(ptr)) == 0) {
+    Guard guard(lock);
+    auto it = device_memory.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it == device_memory.end()) {
         return hipErrorInvalidValue;
     }
-    std::free(ptr);
+    retire(ptr, it->second.size);
+    device_memory.erase(it);
     return hipSuccess;
 }
 
 hipError_t hipMallocAsync(void **ptr, size_t size, hipStream_t) {
+    if (const hipError_t status = status_from_env("FAKE_HIP_MALLOC_ASYNC_STATUS"); status != hipSuccess) {
+        return status;
+    }
     return hipMalloc(ptr, size);
 }
 
-hipError_t hipFreeAsync(void *ptr, hipStream_t) {
+hipError_t hipFreeAsync(void *ptr, hipStream_t stream) {
+    // A free captured in a graph would happen at replay; the memory is the graph's until then.
+    if (stream != nullptr && stream->capture != nullptr) {
+        return hipSuccess;
+    }
     return hipFree(ptr);
+}
+
+hipError_t hipHostMalloc(void **ptr, size_t size, unsigned int) {
+    if (ptr == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    *ptr = reserve(size);
+    if (*ptr == nullptr) {
+        return hipErrorOutOfMemory;
+    }
+    Guard guard(lock);
+    pinned_memory[reinterpret_cast<uintptr_t>(*ptr)] = size;
+    return hipSuccess;
+}
+
+hipError_t hipHostFree(void *ptr) {
+    if (ptr == nullptr) {
+        return hipSuccess;
+    }
+    Guard guard(lock);
+    auto it = pinned_memory.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it == pinned_memory.end()) {
+        return hipErrorInvalidValue;
+    }
+    retire(ptr, it->second);
+    pinned_memory.erase(it);
+    return hipSuccess;
+}
+
+hipError_t hipHostRegister(void *host, size_t size, unsigned int) {
+    if (host == nullptr || size == 0) {
+        return hipErrorInvalidValue;
+    }
+    // A range of addresses nothing else uses, for the device's view of the memory.
+    void *alias = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (alias == MAP_FAILED) {
+        return hipErrorOutOfMemory;
+    }
+    Guard guard(lock);
+    registered[reinterpret_cast<uintptr_t>(alias)] = Registered{reinterpret_cast<uintptr_t>(host), size};
+    mori_cpu_translate = translate;
+    return hipSuccess;
+}
+
+hipError_t hipHostUnregister(void *host) {
+    Guard guard(lock);
+    auto it = registered_host(host, 1);
+    if (it == registered.end() || it->second.host != reinterpret_cast<uintptr_t>(host)) {
+        return hipErrorHostMemoryNotRegistered;
+    }
+    registered.erase(it);  // its device addresses stay reserved, never to be reused
+    return hipSuccess;
+}
+
+hipError_t hipHostGetDevicePointer(void **device_pointer, void *host, unsigned int) {
+    if (device_pointer == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    Guard guard(lock);
+    if (in_pinned_memory(host, 1)) {
+        *device_pointer = host;
+        return hipSuccess;
+    }
+    auto it = registered_host(host, 1);
+    if (it == registered.end()) {
+        return hipErrorInvalidValue;
+    }
+    *device_pointer = reinterpret_cast<void *>(it->first + (reinterpret_cast<uintptr_t>(host) - it->second.host));
+    return hipSuccess;
+}
+
+hipError_t hipPointerGetAttributes(hipPointerAttribute_t *attributes, const void *ptr) {
+    if (attributes == nullptr || ptr == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    Guard guard(lock);
+    std::memset(attributes, 0, sizeof *attributes);
+    void *p = const_cast<void *>(ptr);
+    if (const int device = device_of(ptr, 1); device >= 0) {
+        attributes->memoryType = hipMemoryTypeDevice;
+        attributes->device = device;
+        attributes->devicePointer = p;
+        return hipSuccess;
+    }
+    attributes->memoryType = hipMemoryTypeHost;
+    attributes->device = current_device;
+    if (in_pinned_memory(ptr, 1)) {
+        attributes->devicePointer = attributes->hostPointer = p;
+        return hipSuccess;
+    }
+    if (in_registered_alias(ptr, 1)) {
+        attributes->devicePointer = p;
+        attributes->hostPointer = reinterpret_cast<void *>(translate(reinterpret_cast<uint64_t>(ptr)));
+        return hipSuccess;
+    }
+    if (auto it = registered_host(ptr, 1); it != registered.end()) {
+        attributes->hostPointer = p;
+        attributes->devicePointer =
+            reinterpret_cast<void *>(it->first + (reinterpret_cast<uintptr_t>(ptr) - it->second.host));
+        return hipSuccess;
+    }
+    return hipErrorInvalidValue;
+}
+
+hipError_t hipMemGetAddressRange(hipDeviceptr_t *base, size_t *size, hipDeviceptr_t ptr) {
+    if (base == nullptr || size == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    Guard guard(lock);
+    auto it = holding(device_memory, reinterpret_cast<uintptr_t>(ptr), 1);
+    if (it == device_memory.end()) {
+        return hipErrorNotFound;  // as clr answers for an address it does not know
+    }
+    *base = reinterpret_cast<hipDeviceptr_t>(it->first);
+    *size = it->second.size;
+    return hipSuccess;
 }
 
 hipError_t hipModuleLoadData(hipModule_t *module, const void *image) {
@@ -301,16 +675,25 @@ hipError_t hipModuleLoadData(hipModule_t *module, const void *image) {
     if (module == nullptr || image == nullptr) {
         return hipErrorInvalidValue;
     }
-    // What hipcc --genco writes: a clang offload bundle (or one ELF code object).
-    if (std::memcmp(image, "__CLANG_OFFLOAD_BUNDLE__", 24) != 0 && std::memcmp(image, "\x7f" "ELF", 4) != 0) {
+    // What hipcc --genco writes: a clang offload bundle, compressed or not (or one ELF object).
+    if (std::memcmp(image, "__CLANG_OFFLOAD_BUNDLE__", 24) != 0 && std::memcmp(image, "CCOB", 4) != 0 &&
+        std::memcmp(image, "\x7f" "ELF", 4) != 0) {
         return hipErrorInvalidImage;
     }
-    *module = new ihipModule_t{0};
+    auto *loaded = new ihipModule_t{current_device, true, {mori_copy_kernel, nullptr}};
+    loaded->function.module = loaded;
+    Guard guard(lock);
+    modules.push_back(loaded);
+    stats["module_loads"]++;
+    *module = loaded;
     return hipSuccess;
 }
 
 hipError_t hipModuleUnload(hipModule_t module) {
-    delete module;
+    if (module == nullptr || !module->live) {
+        return hipErrorInvalidHandle;
+    }
+    module->live = false;
     return hipSuccess;
 }
 
@@ -318,24 +701,38 @@ hipError_t hipModuleGetFunction(hipFunction_t *function, hipModule_t module, con
     if (function == nullptr || module == nullptr || name == nullptr) {
         return hipErrorInvalidValue;
     }
+    if (module->device != current_device) {
+        // clr: guarantee(false, "Device mismatch from where this module is loaded").
+        std::fprintf(stderr, "fake_hip: hipModuleGetFunction of a module of device %d with device %d current\n",
+                     module->device, current_device);
+        std::abort();
+    }
+    if (!module->live) {
+        return hipErrorInvalidHandle;
+    }
     if (std::strcmp(name, MORI_COPY_KERNEL_NAME) != 0) {
         return hipErrorNotFound;
     }
-    *function = &copy_kernel;
+    *function = &module->function;
     return hipSuccess;
 }
 
 hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
                                  unsigned int block_x, unsigned int block_y, unsigned int block_z, unsigned int,
-                                 hipStream_t, void **params, void **extra) {
+                                 hipStream_t stream, void **params, void **extra) {
     if (!devices_present()) {
         return hipErrorInvalidDevice;
     }
     if (const hipError_t status = status_from_env("FAKE_HIP_LAUNCH_STATUS"); status != hipSuccess) {
         return status;
     }
-    if (f != &copy_kernel) {
-        return hipErrorInvalidResourceHandle;
+    if (f == nullptr || !f->module->live) {
+        return hipErrorInvalidHandle;
+    }
+    const int device = stream_device(stream);
+    // clr: the function has no kernel loaded for the stream's device.
+    if (f->module->device != device) {
+        return hipErrorInvalidDevice;
     }
     if (grid_x == 0 || grid_y == 0 || grid_z == 0 || block_x == 0 || block_y == 0 || block_z == 0 ||
         uint64_t{block_x} * block_y * block_z > MORI_COPY_BLOCK_THREADS) {
@@ -345,16 +742,20 @@ hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int grid_x, unsigned 
     if (!kernel_args(params, extra, args)) {
         return hipErrorInvalidValue;
     }
-    if (!kernel_memory_ok(args)) {
-        return hipErrorIllegalAddress;
-    }
-    uint64_t seed;
-    {
-        std::lock_guard<std::mutex> guard(lock);
-        seed = ++launches;
-    }
-    mori_cpu_launch(f->kernel, MoriDim3{grid_x, grid_y, grid_z}, MoriDim3{block_x, block_y, block_z}, args, seed);
-    return hipSuccess;
+    auto *kernel = f->kernel;
+    const MoriDim3 grid{grid_x, grid_y, grid_z}, block{block_x, block_y, block_z};
+    return run_or_capture(stream, [=] {
+        if (!kernel_memory_ok(args, device)) {
+            return hipErrorIllegalAddress;
+        }
+        uint64_t seed;
+        {
+            Guard guard(lock);
+            seed = ++launches;
+        }
+        mori_cpu_launch(kernel, grid, block, args, seed);
+        return hipSuccess;
+    });
 }
 
 hipError_t hipMemset(void *dst, int value, size_t size) {
@@ -369,26 +770,35 @@ hipError_t hipMemcpy(void *dst, const void *src, size_t size, hipMemcpyKind kind
     return copy_2d(dst, size, src, size, size, 1, kind);
 }
 
-hipError_t hipMemcpyAsync(void *dst, const void *src, size_t size, hipMemcpyKind kind, hipStream_t) {
-    return copy_2d(dst, size, src, size, size, 1, kind);
+hipError_t hipMemcpyAsync(void *dst, const void *src, size_t size, hipMemcpyKind kind, hipStream_t stream) {
+    const bool from_pageable = !in_device_memory(src, 1) && pageable(src, size);
+    if (from_pageable) {
+        count("pageable_async_copies");
+    }
+    if (stream != nullptr && stream->capture != nullptr && from_pageable) {
+        stream->capture->poisoned =
+            "it captured a hipMemcpyAsync from pageable host memory, which the runtime would read at every "
+            "replay";
+    }
+    return run_or_capture(stream, [=] { return copy_2d(dst, size, src, size, size, 1, kind); });
 }
 
 hipError_t hipMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
-                            size_t height, hipMemcpyKind kind, hipStream_t) {
+                            size_t height, hipMemcpyKind kind, hipStream_t stream) {
     if (!devices_present()) {
         return hipErrorInvalidDevice;
     }
     if (const hipError_t status = status_from_env("FAKE_HIP_COPY_STATUS"); status != hipSuccess) {
         return status;
     }
-    return copy_2d(dst, dpitch, src, spitch, width, height, kind);
+    return run_or_capture(stream, [=] { return copy_2d(dst, dpitch, src, spitch, width, height, kind); });
 }
 
 hipError_t hipStreamCreate(hipStream_t *stream) {
     if (!devices_present()) {
         return hipErrorInvalidDevice;
     }
-    *stream = new ihipStream_t{0};
+    *stream = new ihipStream_t{current_device, nullptr};
     return hipSuccess;
 }
 
@@ -397,7 +807,21 @@ hipError_t hipStreamDestroy(hipStream_t stream) {
     return hipSuccess;
 }
 
-hipError_t hipStreamSynchronize(hipStream_t) {
+#ifndef FAKE_HIP_5_2
+// HIP 6.0 and later.
+hipError_t hipStreamGetDevice(hipStream_t stream, hipDevice_t *device) {
+    if (device == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    *device = stream_device(stream);
+    return hipSuccess;
+}
+#endif
+
+hipError_t hipStreamSynchronize(hipStream_t stream) {
+    if (stream != nullptr && stream->capture != nullptr) {
+        return hipErrorStreamCaptureUnsupported;
+    }
     return devices_present() ? hipSuccess : hipErrorInvalidDevice;
 }
 
@@ -405,9 +829,77 @@ hipError_t hipDeviceSynchronize(void) {
     return devices_present() ? hipSuccess : hipErrorInvalidDevice;
 }
 
-hipError_t hipEventCreate(hipEvent_t *event) {
-    *event = new ihipEvent_t{std::chrono::steady_clock::now()};
+hipError_t hipStreamIsCapturing(hipStream_t stream, hipStreamCaptureStatus *status) {
+    if (status == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    *status = stream != nullptr && stream->capture != nullptr ? hipStreamCaptureStatusActive
+                                                              : hipStreamCaptureStatusNone;
     return hipSuccess;
+}
+
+hipError_t hipStreamBeginCapture(hipStream_t stream, hipStreamCaptureMode) {
+    if (stream == nullptr || stream->capture != nullptr) {
+        return hipErrorInvalidValue;
+    }
+    stream->capture = new ihipGraph{};
+    return hipSuccess;
+}
+
+hipError_t hipStreamEndCapture(hipStream_t stream, hipGraph_t *graph) {
+    if (stream == nullptr || stream->capture == nullptr || graph == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    *graph = stream->capture;
+    stream->capture = nullptr;
+    return hipSuccess;
+}
+
+hipError_t hipGraphInstantiate(hipGraphExec_t *exec, hipGraph_t graph, hipGraphNode_t *, char *, size_t) {
+    if (exec == nullptr || graph == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    *exec = new hipGraphExec{graph};
+    return hipSuccess;
+}
+
+hipError_t hipGraphLaunch(hipGraphExec_t exec, hipStream_t stream) {
+    if (exec == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    if (!exec->graph->poisoned.empty()) {
+        std::fprintf(stderr, "fake_hip: hipGraphLaunch refused: %s\n", exec->graph->poisoned.c_str());
+        return hipErrorIllegalAddress;
+    }
+    count("graph_launches");
+    for (const auto &work : exec->graph->work) {
+        if (const hipError_t status = run_or_capture(stream, work); status != hipSuccess) {
+            return status;
+        }
+    }
+    return hipSuccess;
+}
+
+hipError_t hipGraphExecDestroy(hipGraphExec_t exec) {
+    delete exec;
+    return hipSuccess;
+}
+
+hipError_t hipGraphDestroy(hipGraph_t graph) {
+    delete graph;
+    return hipSuccess;
+}
+
+hipError_t hipEventCreateWithFlags(hipEvent_t *event, unsigned) {
+    if (event == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    *event = new ihipEvent_t{std::chrono::steady_clock::now(), current_device};
+    return hipSuccess;
+}
+
+hipError_t hipEventCreate(hipEvent_t *event) {
+    return hipEventCreateWithFlags(event, 0);
 }
 
 hipError_t hipEventDestroy(hipEvent_t event) {
@@ -415,13 +907,16 @@ hipError_t hipEventDestroy(hipEvent_t event) {
     return hipSuccess;
 }
 
-hipError_t hipEventRecord(hipEvent_t event, hipStream_t) {
+hipError_t hipEventRecord(hipEvent_t event, hipStream_t stream) {
+    if (event == nullptr || event->device != stream_device(stream)) {
+        return hipErrorInvalidHandle;
+    }
     event->at = std::chrono::steady_clock::now();
     return hipSuccess;
 }
 
-hipError_t hipEventSynchronize(hipEvent_t) {
-    return hipSuccess;
+hipError_t hipEventSynchronize(hipEvent_t event) {
+    return event == nullptr ? hipErrorInvalidHandle : hipSuccess;
 }
 
 hipError_t hipEventElapsedTime(float *ms, hipEvent_t start, hipEvent_t stop) {

@@ -1,7 +1,8 @@
-// The copy kernel's own source as a shared library for the CPU, with one C entry point that
-// launches it (hip/cpu_shim.hpp: every thread of every block, in an order shuffled by `seed`).
-// tests/hip_engine.rs builds it with c++ -shared and loads it with dlopen, so that its recording
-// HIP runtime runs the real kernel when the engine launches it.
+// The copy kernel's own source as a shared library for the CPU, with C entry points that launch
+// it (hip/cpu_shim.hpp: every thread of every block, in an order shuffled by `seed`) and report
+// the launch's lane count. The HIP engine's unit tests (src/backend/hip/tests.rs) build it with
+// c++ -shared and load it with dlopen, so that their recording HIP runtime runs the real kernel
+// when the engine launches it.
 
 #define MORI_COPY_KERNEL_CPU
 #include "../../hip/copy_kernel.hip"
@@ -9,6 +10,13 @@
 extern "C" void mori_cpu_copy_kernel_launch(uint32_t grid_x, uint32_t grid_y, uint32_t grid_z, uint32_t block_x,
                                             uint32_t block_y, uint32_t block_z, const MoriCopyKernelArgs *args,
                                             uint64_t seed) {
+    mori_cpu_lanes = MoriCpuLanes{};
     mori_cpu_launch(mori_copy_kernel, MoriDim3{grid_x, grid_y, grid_z}, MoriDim3{block_x, block_y, block_z}, *args,
                     seed);
+}
+
+// The (thread, step) slots of the last launch on this thread, and how many moved bytes.
+extern "C" void mori_cpu_copy_kernel_lanes(uint64_t *slots, uint64_t *active) {
+    *slots = mori_cpu_lanes.slots;
+    *active = mori_cpu_lanes.active;
 }

@@ -124,7 +124,14 @@ Table make_table(const std::vector<MoriCopyRect> &rects, const std::vector<uint8
         src_bases[b] = reinterpret_cast<uint64_t>(src[b]);
         dst_bases[b] = reinterpret_cast<uint64_t>(dst[b]);
     }
-    t.args = {table, src_bases, dst_bases, rects.size(), src.size(), rows, mori_copy_rows_per_block(t.max_width)};
+    t.args = {table,
+              src_bases,
+              dst_bases,
+              rects.size(),
+              src.size(),
+              rows,
+              mori_copy_rows_per_block(t.max_width),
+              mori_copy_lanes_per_row(t.max_width)};
     return t;
 }
 
@@ -132,19 +139,24 @@ struct Launch {
     const char *name;
     uint64_t rows_per_block;  // 0: the header's formula
     uint32_t grid_x, grid_y;  // 0: the header's formula
+    uint64_t lanes_per_row;   // 0: the header's formula
 };
 
-// The header's launch, then small grids and tiles: the kernel must not depend on the grid.
+// The header's launch, then small grids, tiles and lane groups (one lane per row, groups that
+// leave threads over, one group per block): the kernel must not depend on them.
 const Launch kLaunches[] = {
-    {"formula", 0, 0, 0},
-    {"one block", 0, 1, 1},
-    {"grid 3x2, 1-row tiles", 1, 3, 2},
-    {"grid 2x3, 7-row tiles", 7, 2, 3},
+    {"formula", 0, 0, 0, 0},
+    {"one block", 0, 1, 1, 0},
+    {"grid 3x2, 1-row tiles", 1, 3, 2, 0},
+    {"grid 2x3, 7-row tiles, 7 lanes per row", 7, 2, 3, 7},
+    {"1 lane per row", 0, 0, 0, 1},
+    {"256 lanes per row, 3-row tiles", 3, 0, 0, 256},
 };
 
 void launch(const Table &table, const Launch &how, uint64_t seed) {
     MoriCopyKernelArgs args = table.args;
     if (how.rows_per_block != 0) args.rows_per_block = how.rows_per_block;
+    if (how.lanes_per_row != 0) args.lanes_per_row = how.lanes_per_row;
     uint32_t grid_x = 0, grid_y = 0;
     mori_copy_grid(args.total_rows, args.rows_per_block, args.num_buffers, &grid_x, &grid_y);
     if (grid_x == 0) return;  // nothing to copy: no launch
@@ -300,8 +312,39 @@ void grid_formula() {
         mori_copy_rows_per_block(1 << 20) != 1) {
         fail("rows per block formula");
     }
+    if (mori_copy_lanes_per_row(256) != 16 || mori_copy_lanes_per_row(72) != 5 || mori_copy_lanes_per_row(0) != 1 ||
+        mori_copy_lanes_per_row(1 << 20) != MORI_COPY_BLOCK_THREADS) {
+        fail("lanes per row formula");
+    }
     static_assert(sizeof(MoriCopyKernelRect) == 64, "a rect entry is 64 bytes");
-    static_assert(sizeof(MoriCopyKernelArgs) == 56, "the args struct is 56 bytes");
+    static_assert(sizeof(MoriCopyKernelArgs) == 64, "the args struct is 64 bytes");
+}
+
+// The fragmented shape (page size 1, runs of one page, one 256-byte head per decode rank): every
+// rect is one row. Each lane group takes its own rows across rects, so every lane of every step
+// works; copying each rect on its own kept 16 of 256 threads busy over 64 steps per tile. The
+// count comes from the CPU shim, and the kernel's work split makes it the GPU's too.
+void fragmented_shape_keeps_every_lane_busy() {
+    const uint64_t rows = 4096, width = 256;
+    std::vector<MoriCopyRect> rects;
+    for (uint64_t i = 0; i < rows; i++) rects.push_back({2 * i * width, (3 * i + 1) * width, width, width, width, 1});
+    // A dry run: the lanes are counted, no memory is touched (the bases only need alignment).
+    uint8_t *base = reinterpret_cast<uint8_t *>(uintptr_t{1} << 20);
+    const Table t = make_table(rects, {base}, {base});
+    uint32_t grid_x = 0, grid_y = 0;
+    mori_copy_grid(t.args.total_rows, t.args.rows_per_block, t.args.num_buffers, &grid_x, &grid_y);
+    mori_cpu_lanes = MoriCpuLanes{};
+    mori_cpu_lanes.dry_run = true;
+    mori_cpu_launch(mori_copy_kernel, MoriDim3{grid_x, grid_y, 1}, MoriDim3{MORI_COPY_BLOCK_THREADS, 1, 1}, t.args, 7);
+    const MoriCpuLanes counted = mori_cpu_lanes;
+    mori_cpu_lanes = MoriCpuLanes{};
+    const uint64_t steps_per_tile = counted.slots / (uint64_t{grid_x} * MORI_COPY_BLOCK_THREADS);
+    std::printf("kernel_test: one-row rects of 256 B: %.1f%% of lanes active, %" PRIu64 " steps per 64-row tile\n",
+                100.0 * counted.utilisation(), steps_per_tile);
+    if (counted.active != counted.slots || steps_per_tile != 4) {
+        fail("one-row rects: " + std::to_string(counted.active) + " of " + std::to_string(counted.slots) +
+             " lane steps active, " + std::to_string(steps_per_tile) + " steps per tile (want all, 4)");
+    }
 }
 
 }  // namespace
@@ -312,6 +355,7 @@ int main() {
         return 1;
     }
     grid_formula();
+    fragmented_shape_keeps_every_lane_busy();
     unusual_tables();
     int cases = 0;
     uint64_t seed = 1;

@@ -1,0 +1,365 @@
+//! The real runtime: `libamdhip64`, linked through the `hip-sys` crate (see REFERENCE.md for why
+//! only its link line is used).
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::ptr::null_mut;
+use std::sync::OnceLock;
+
+// Only the link directive of hip-sys (libamdhip64) is used; its bindings return a Rust enum.
+use hip_sys as _;
+
+use super::super::copy_kernel::{ARCHS, IMAGE, KernelArgs};
+use super::{
+    HIP_MEMCPY_HOST_TO_DEVICE, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
+    Memcpy2dAsync, PointerInfo,
+};
+
+/// `hipPointerAttribute_t` (hip/hip_runtime_api.h): the same layout in HIP 5 and 6, whose first
+/// field is named and numbered differently (`memoryType` / `type`), so it is not read.
+#[repr(C)]
+struct PointerAttributes {
+    memory_type: c_int,
+    device: c_int,
+    device_pointer: *mut c_void,
+    host_pointer: *mut c_void,
+    is_managed: c_int,
+    allocation_flags: c_uint,
+}
+
+// Signatures from hip/hip_runtime_api.h, with hipError_t and the other C enums (int sized) as
+// integers and every handle as an opaque pointer. All are exported by HIP 5.2 and later; what
+// only newer runtimes have is looked up at run time (`optional`).
+unsafe extern "C" {
+    fn hipGetDeviceCount(count: *mut c_int) -> HipStatus;
+    fn hipGetDevice(device: *mut c_int) -> HipStatus;
+    fn hipSetDevice(device: c_int) -> HipStatus;
+    fn hipStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> HipStatus;
+    fn hipMemcpy2DAsync(
+        dst: *mut c_void,
+        dpitch: usize,
+        src: *const c_void,
+        spitch: usize,
+        width: usize,
+        height: usize,
+        kind: c_int,
+        stream: *mut c_void,
+    ) -> HipStatus;
+    fn hipStreamSynchronize(stream: *mut c_void) -> HipStatus;
+    fn hipGetErrorName(status: HipStatus) -> *const c_char;
+    fn hipModuleLoadData(module: *mut *mut c_void, image: *const c_void) -> HipStatus;
+    fn hipModuleGetFunction(
+        function: *mut *mut c_void,
+        module: *mut c_void,
+        name: *const c_char,
+    ) -> HipStatus;
+    fn hipModuleUnload(module: *mut c_void) -> HipStatus;
+    fn hipMalloc(pointer: *mut *mut c_void, size: usize) -> HipStatus;
+    fn hipFree(pointer: *mut c_void) -> HipStatus;
+    fn hipHostMalloc(pointer: *mut *mut c_void, size: usize, flags: c_uint) -> HipStatus;
+    fn hipHostFree(pointer: *mut c_void) -> HipStatus;
+    fn hipEventCreateWithFlags(event: *mut *mut c_void, flags: c_uint) -> HipStatus;
+    fn hipEventRecord(event: *mut c_void, stream: *mut c_void) -> HipStatus;
+    fn hipEventSynchronize(event: *mut c_void) -> HipStatus;
+    fn hipPointerGetAttributes(
+        attributes: *mut PointerAttributes,
+        pointer: *const c_void,
+    ) -> HipStatus;
+    fn hipMemGetAddressRange(
+        base: *mut *mut c_void,
+        size: *mut usize,
+        pointer: *mut c_void,
+    ) -> HipStatus;
+    fn hipMemcpyAsync(
+        dst: *mut c_void,
+        src: *const c_void,
+        size: usize,
+        kind: c_int,
+        stream: *mut c_void,
+    ) -> HipStatus;
+    #[allow(clippy::too_many_arguments)] // HIP's signature
+    fn hipModuleLaunchKernel(
+        function: *mut c_void,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        grid_z: c_uint,
+        block_x: c_uint,
+        block_y: c_uint,
+        block_z: c_uint,
+        shared_bytes: c_uint,
+        stream: *mut c_void,
+        kernel_params: *mut *mut c_void,
+        extra: *mut *mut c_void,
+    ) -> HipStatus;
+}
+
+// HIP_LAUNCH_PARAM_* (hip/hip_runtime_api.h): markers of hipModuleLaunchKernel's `extra`.
+const LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
+const LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
+const LAUNCH_PARAM_END: usize = 3;
+/// `hipHostMallocDefault`.
+const HOST_MALLOC_DEFAULT: c_uint = 0;
+/// `hipEventDisableTiming`: the events only order, they time nothing.
+const EVENT_DISABLE_TIMING: c_uint = 2;
+/// `hipStreamCaptureStatusNone`.
+const CAPTURE_STATUS_NONE: c_int = 0;
+
+/// `hipStreamGetDevice(stream, &device)`: HIP 6.0 and later.
+type StreamGetDevice = unsafe extern "C" fn(*mut c_void, *mut c_int) -> HipStatus;
+
+/// The copy kernel's state per device, for the whole process.
+static KERNELS: KernelCache = KernelCache::new();
+
+/// The function `name` of the library this one's HIP calls go to (libamdhip64, or a stand-in
+/// preloaded in its place), found at run time; None where that library lacks it.
+fn optional(name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: dladdr, dlopen with RTLD_NOLOAD (it only finds an already loaded library, which
+    // stays loaded: this library links it) and dlsym are given valid, NUL-terminated arguments.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        let linked = hipGetDevice as *const c_void;
+        if libc::dladdr(linked, &mut info) != 0 && !info.dli_fname.is_null() {
+            let handle = libc::dlopen(info.dli_fname, libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+            if !handle.is_null() {
+                let symbol = libc::dlsym(handle, name.as_ptr());
+                libc::dlclose(handle);
+                return (!symbol.is_null()).then_some(symbol);
+            }
+        }
+        let symbol = libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr());
+        (!symbol.is_null()).then_some(symbol)
+    }
+}
+
+/// `hipStreamGetDevice`, looked up once.
+fn stream_get_device() -> Option<StreamGetDevice> {
+    static FUNCTION: OnceLock<Option<usize>> = OnceLock::new();
+    let address = (*FUNCTION.get_or_init(|| optional(c"hipStreamGetDevice").map(|f| f as usize)))?;
+    // SAFETY: the address of hipStreamGetDevice, whose C signature is StreamGetDevice.
+    Some(unsafe { std::mem::transmute::<usize, StreamGetDevice>(address) })
+}
+
+/// An out-pointer call's result: the value on success, else the status.
+fn out<T>(status: HipStatus, value: T) -> Result<T, HipStatus> {
+    status.result().map(|()| value)
+}
+
+/// `libamdhip64`. The device count is read once per process: devices do not come and go
+/// under a running HIP program, and AUTO asks on every send.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LibHip;
+
+impl HipRuntime for LibHip {
+    fn device_count(&self) -> Result<i32, HipStatus> {
+        static COUNT: OnceLock<Result<i32, HipStatus>> = OnceLock::new();
+        *COUNT.get_or_init(|| {
+            let mut count: c_int = 0;
+            // SAFETY: `count` is a valid out-pointer for the duration of the call.
+            out(unsafe { hipGetDeviceCount(&mut count) }, count)
+        })
+    }
+
+    fn current_device(&self) -> Result<i32, HipStatus> {
+        let mut device: c_int = 0;
+        // SAFETY: `device` is a valid out-pointer for the duration of the call.
+        out(unsafe { hipGetDevice(&mut device) }, device)
+    }
+
+    fn set_device(&self, device: i32) -> Result<(), HipStatus> {
+        // SAFETY: any value is legal (a bad one is refused with a status).
+        unsafe { hipSetDevice(device) }.result()
+    }
+
+    unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, HipStatus> {
+        let Some(get) = stream_get_device() else {
+            return Ok(None);
+        };
+        let mut device: c_int = 0;
+        // SAFETY: a valid out-pointer; the stream as the caller guarantees.
+        out(unsafe { get(stream, &mut device) }, Some(device))
+    }
+
+    unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, HipStatus> {
+        let mut status: c_int = CAPTURE_STATUS_NONE;
+        // SAFETY: a valid out-pointer; the stream as the caller guarantees.
+        out(unsafe { hipStreamIsCapturing(stream, &mut status) }, status)
+            .map(|status| status != CAPTURE_STATUS_NONE)
+    }
+
+    unsafe fn memcpy_2d_async(&self, a: Memcpy2dAsync) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe {
+            hipMemcpy2DAsync(
+                a.dst, a.dpitch, a.src, a.spitch, a.width, a.height, a.kind, a.stream,
+            )
+        }
+        .result()
+    }
+
+    unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe { hipStreamSynchronize(stream) }.result()
+    }
+
+    fn error_name(&self, status: HipStatus) -> String {
+        // SAFETY: hipGetErrorName takes any value (unknown ones get "hipErrorUnknown") and
+        // returns NULL or a static NUL-terminated string.
+        let name = unsafe { hipGetErrorName(status) };
+        if name.is_null() {
+            return "an unnamed HIP error".into();
+        }
+        // SAFETY: non-NULL, static and NUL-terminated, as above.
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    fn kernel_image(&self) -> KernelImage {
+        KernelImage {
+            bytes: IMAGE,
+            targets: ARCHS,
+        }
+    }
+
+    fn kernel_cache(&self) -> &KernelCache {
+        &KERNELS
+    }
+
+    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, HipStatus> {
+        let mut module = null_mut();
+        // SAFETY: a valid out-pointer; the image is as the caller guarantees.
+        let status = unsafe { hipModuleLoadData(&mut module, image.as_ptr().cast()) };
+        out(status, module)
+    }
+
+    unsafe fn module_get_function(
+        &self,
+        module: *mut c_void,
+        name: &CStr,
+    ) -> Result<*mut c_void, HipStatus> {
+        let mut function = null_mut();
+        // SAFETY: a valid out-pointer and NUL-terminated name; the module as guaranteed.
+        let status = unsafe { hipModuleGetFunction(&mut function, module, name.as_ptr()) };
+        out(status, function)
+    }
+
+    unsafe fn module_unload(&self, module: *mut c_void) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe { hipModuleUnload(module) }.result()
+    }
+
+    fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+        let mut pointer = null_mut();
+        // SAFETY: a valid out-pointer.
+        out(unsafe { hipMalloc(&mut pointer, size) }, pointer)
+    }
+
+    unsafe fn free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe { hipFree(pointer) }.result()
+    }
+
+    fn host_malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+        let mut pointer = null_mut();
+        // SAFETY: a valid out-pointer.
+        out(
+            unsafe { hipHostMalloc(&mut pointer, size, HOST_MALLOC_DEFAULT) },
+            pointer,
+        )
+    }
+
+    unsafe fn host_free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe { hipHostFree(pointer) }.result()
+    }
+
+    fn event_create(&self) -> Result<*mut c_void, HipStatus> {
+        let mut event = null_mut();
+        // SAFETY: a valid out-pointer.
+        out(
+            unsafe { hipEventCreateWithFlags(&mut event, EVENT_DISABLE_TIMING) },
+            event,
+        )
+    }
+
+    unsafe fn event_record(
+        &self,
+        event: *mut c_void,
+        stream: *mut c_void,
+    ) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe { hipEventRecord(event, stream) }.result()
+    }
+
+    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe { hipEventSynchronize(event) }.result()
+    }
+
+    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, HipStatus> {
+        let mut attributes = PointerAttributes {
+            memory_type: 0,
+            device: 0,
+            device_pointer: null_mut(),
+            host_pointer: null_mut(),
+            is_managed: 0,
+            allocation_flags: 0,
+        };
+        // SAFETY: a valid out-pointer; the runtime only looks the address up.
+        let status = unsafe { hipPointerGetAttributes(&mut attributes, pointer) };
+        out(status, ()).map(|()| PointerInfo {
+            device: attributes.device,
+            device_pointer: attributes.device_pointer,
+            host_pointer: attributes.host_pointer,
+        })
+    }
+
+    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus> {
+        let (mut base, mut size) = (null_mut(), 0usize);
+        // SAFETY: valid out-pointers; the runtime only looks the address up.
+        let status = unsafe { hipMemGetAddressRange(&mut base, &mut size, pointer) };
+        out(status, (base as usize, size))
+    }
+
+    unsafe fn memcpy_host_to_device_async(
+        &self,
+        dst: *mut c_void,
+        src: *const c_void,
+        size: usize,
+        stream: *mut c_void,
+    ) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe { hipMemcpyAsync(dst, src, size, HIP_MEMCPY_HOST_TO_DEVICE, stream) }.result()
+    }
+
+    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), HipStatus> {
+        // The argument struct is the kernel's whole argument buffer, passed through `extra`
+        // (which every HIP version implements; HIP 5.2's header says kernelParams is not).
+        // HIP copies it during the call.
+        let mut args: KernelArgs = launch.args;
+        let mut size = std::mem::size_of::<KernelArgs>();
+        let mut extra = [
+            std::ptr::without_provenance_mut(LAUNCH_PARAM_BUFFER_POINTER),
+            (&raw mut args).cast(),
+            std::ptr::without_provenance_mut(LAUNCH_PARAM_BUFFER_SIZE),
+            (&raw mut size).cast(),
+            std::ptr::without_provenance_mut(LAUNCH_PARAM_END),
+        ];
+        // SAFETY: forwarded from the caller; `extra` and what it points to outlive the call.
+        unsafe {
+            hipModuleLaunchKernel(
+                launch.function,
+                launch.grid.0,
+                launch.grid.1,
+                1,
+                launch.block,
+                1,
+                1,
+                0,
+                launch.stream,
+                null_mut(),
+                extra.as_mut_ptr(),
+            )
+        }
+        .result()
+    }
+}

@@ -1,0 +1,1661 @@
+//! The HIP engine's own code path on any machine: a recording runtime (`recorder`) stands in for
+//! libamdhip64, logs every call with its exact arguments, and performs each call on host memory
+//! as strictly as a GPU would. The byte-exact whole-transfer tests run through it on both paths,
+//! every recorded call is checked against the plan, and failures are injected to check how HIP
+//! errors, a missing device, a second GPU, graph capture, a refusing allocator, memory the kernel
+//! cannot reach and a device reset reach the caller.
+//!
+//! The copy-kernel path runs the kernel's own source (hip/copy_kernel.hip), compiled for the CPU
+//! through hip/cpu_shim.hpp with `c++ -shared` when the tests start and loaded with dlopen. Those
+//! tests need a C++ compiler; without one they say so and skip, unless MORI_TP_REQUIRE_TOOLS=1
+//! (CI), which makes a missing compiler a failure.
+//!
+//! These are unit tests, not integration tests, so that the engine's runtime trait stays out of
+//! the crate's API; they share tests/common with the integration tests.
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+mod recorder;
+
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::ptr::{null_mut, without_provenance_mut};
+use std::rc::Rc;
+
+use common::{
+    MODELS, Request, Sender, SideBuffers, every_model_deployment, odd_deployments, transfer,
+};
+use recorder::{
+    Call, ILLEGAL_ADDRESS, INVALID_MEMCPY_DIRECTION, INVALID_RESOURCE_HANDLE, Recorder, TEST_IMAGE,
+    cpu_kernel_or_skip, function_handle, module_handle, names,
+};
+
+use super::{
+    HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelLaunch, MIN_TABLE_BYTES,
+    Memcpy2dAsync, TABLE_SLOTS, TABLE_TAIL_BYTES,
+};
+use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
+use crate::pool::{DeviceMemory, PoolMemory, PoolMemoryKind, StagingPool};
+use crate::{
+    Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, SliceParams,
+    pack, pack_host, send, slice_config, unpack, unpack_host,
+};
+
+fn options(synchronize: bool, stream: *mut c_void) -> SendOptions {
+    SendOptions {
+        backend: Backend::Hip,
+        synchronize,
+        copy_kernel: false,
+        stream,
+    }
+}
+
+fn kernel_options(synchronize: bool, stream: *mut c_void) -> SendOptions {
+    SendOptions {
+        copy_kernel: true,
+        ..options(synchronize, stream)
+    }
+}
+
+/// Sends `plan` through a HipEngine on `runtime`; returns the result and the recorded calls.
+fn hip_send(
+    plan: &Plan<'_>,
+    src: &[&[u8]],
+    dst: &mut [&mut [u8]],
+    runtime: Recorder,
+    options: &SendOptions,
+) -> (crate::Result<SendReport>, Vec<Call>) {
+    let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+    let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let buffers = KvBuffers {
+        src: &src_ptrs,
+        dst: &dst_ptrs,
+        src_capacity: src.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
+        dst_capacity: dst.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
+    };
+    let mut engine = HipEngine::new(runtime, options).expect("the recorder has a device");
+    assert_eq!(engine.name(), "hip");
+    // SAFETY: the pointers come from live slices at least as long as the capacities, and the
+    // recorder refuses any row outside them.
+    let result = unsafe { send(plan, &buffers, &mut engine) };
+    let calls = engine.runtime().calls.borrow().clone();
+    (result, calls)
+}
+
+/// The calls the header documents: the device check, one hipMemcpy2DAsync per (buffer,
+/// rect) in that order with the rect's own numbers, then hipStreamSynchronize only if asked.
+fn expected_calls(
+    plan: &Plan<'_>,
+    src: &[&[u8]],
+    dst: &mut [&mut [u8]],
+    options: &SendOptions,
+) -> Vec<Call> {
+    let mut calls = vec![Call::DeviceCount];
+    if !plan.sends() {
+        return calls;
+    }
+    for (s, d) in src.iter().zip(dst.iter_mut()) {
+        for rect in plan.rects() {
+            calls.push(Call::Memcpy2d(Memcpy2dAsync {
+                dst: d.as_mut_ptr().wrapping_add(rect.dst_offset as usize).cast(),
+                dpitch: rect.dst_pitch as usize,
+                src: s.as_ptr().wrapping_add(rect.src_offset as usize).cast(),
+                spitch: rect.src_pitch as usize,
+                width: rect.width as usize,
+                height: rect.height as usize,
+                kind: 4, // hipMemcpyDefault
+                stream: options.stream,
+            }));
+        }
+    }
+    if options.synchronize {
+        calls.push(Call::Synchronize(options.stream));
+    }
+    calls
+}
+
+/// The stream of the `sends`-th send of a checked sender: the null stream every third send, a
+/// caller's (fake, distinct) stream otherwise, so both kinds reach the runtime.
+fn stream_for_send(sends: usize) -> *mut c_void {
+    if sends % 3 == 0 {
+        null_mut()
+    } else {
+        without_provenance_mut(0x5eed_0000 + sends * 0x100)
+    }
+}
+
+/// A sender for the transfer tests: every send goes through the HIP engine, alternating the
+/// flag and between the null stream and a caller's stream, and its calls must be exactly the
+/// prescribed ones.
+fn checked_hip_sender() -> Box<Sender<'static>> {
+    let mut sends = 0usize;
+    Box::new(move |plan, _, src, dst| {
+        sends += 1;
+        let stream = stream_for_send(sends);
+        let options = options(sends % 2 == 0, stream);
+        let expected = expected_calls(plan, src, dst, &options);
+        let runtime = Recorder::new(src, dst);
+        let (result, calls) = hip_send(plan, src, dst, runtime, &options);
+        let report = result.expect("the recording runtime accepts every planned copy");
+        assert_eq!(calls, expected, "HIP calls for {:?}", plan.config());
+        Some(report)
+    })
+}
+
+#[test]
+fn every_model_tp_pair_page_size_and_dtype_lands_byte_exact_through_the_hip_engine() {
+    let deployments = every_model_deployment(&mut *checked_hip_sender());
+    assert_eq!(deployments, MODELS.len() * 2 * 2 * 25);
+}
+
+#[test]
+fn non_integer_ratios_and_replication_land_byte_exact_through_the_hip_engine() {
+    odd_deployments(&mut *checked_hip_sender());
+}
+
+#[test]
+fn a_run_contiguous_on_both_sides_is_one_hip_copy_per_buffer() {
+    let request = Request {
+        src_pages: (10..20).collect(),
+        dst_pages: (3..13).collect(),
+        src_capacity_pages: 20,
+        dst_capacity_pages: 13,
+    };
+    let outcome = transfer(4, 256, 4, 2, 8, 16, &request, &mut *checked_hip_sender());
+    assert_eq!(
+        outcome.copies,
+        8 * 4,
+        "one hipMemcpy2DAsync per buffer per decode rank"
+    );
+}
+
+/// Llama-style pair (8 heads of 256 bytes, prefill TP 2 -> decode TP 4, ranks 1 -> 3) with a
+/// request of three runs, over four buffers.
+struct Fixture {
+    src: SideBuffers,
+    dst: SideBuffers,
+    src_pages: Vec<i32>,
+    dst_pages: Vec<i32>,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        Fixture {
+            src: SideBuffers::identified(8, 2, 4, 256, 12, 4),
+            dst: SideBuffers::sentinel(8, 4, 4, 256, 10, 4),
+            src_pages: vec![0, 1, 5, 9, 10],
+            dst_pages: vec![7, 8, 2, 0, 1],
+        }
+    }
+
+    fn params(&self, prefill_rank: u32) -> SliceParams {
+        SliceParams {
+            prefill_tp_size: 2,
+            prefill_tp_rank: prefill_rank,
+            decode_tp_size: 4,
+            decode_tp_rank: 3,
+            total_kv_heads: 8,
+            page_size: 4,
+            src_item_len: self.src.item_len() as u64,
+            dst_item_len: self.dst.item_len() as u64,
+        }
+    }
+
+    /// Runs `runtime` (built on this fixture's buffers by `make`) for prefill rank `p`.
+    fn run(
+        &mut self,
+        p: u32,
+        options: &SendOptions,
+        make: impl FnOnce(Recorder) -> Recorder,
+    ) -> (crate::Result<SendReport>, Vec<Call>) {
+        let config = slice_config(&self.params(p)).unwrap();
+        let plan = Plan::new(&config, &self.src_pages, &self.dst_pages).unwrap();
+        let src: Vec<&[u8]> = self.src.ranks[p as usize]
+            .iter()
+            .map(Vec::as_slice)
+            .collect();
+        let mut dst: Vec<&mut [u8]> = self.dst.ranks[3]
+            .iter_mut()
+            .map(Vec::as_mut_slice)
+            .collect();
+        let runtime = make(Recorder::new(&src, &mut dst));
+        hip_send(&plan, &src, &mut dst, runtime, options)
+    }
+}
+
+fn gpu_message(result: crate::Result<SendReport>) -> String {
+    match result {
+        Err(Error::Gpu { message, .. }) => message,
+        other => panic!("expected Error::Gpu, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_failing_copy_is_a_gpu_error_naming_the_hip_error_the_buffer_and_the_rect() {
+    let mut f = Fixture::new();
+    let initial = f.dst.ranks[3].clone();
+    let stream = without_provenance_mut(0xabc000);
+    // Three rects per buffer: the sixth copy is buffer 1, rect 2.
+    let (result, calls) = f.run(1, &options(false, stream), |mut r| {
+        r.fail_copy = Some((5, HipStatus::ERROR_INVALID_VALUE));
+        r
+    });
+    assert!(
+        matches!(
+            result,
+            Err(Error::Gpu {
+                call: "hipMemcpy2DAsync",
+                status: 1,
+                buffer: Some(1),
+                rect: Some(2),
+                ..
+            })
+        ),
+        "the buffer and rect are fields of the error: {result:?}"
+    );
+    let message = gpu_message(result);
+    for part in [
+        "hipMemcpy2DAsync(",
+        "returned hipErrorInvalidValue (1)",
+        "buffer 1 of 4, rect 2 of 3",
+        "width 512, height 8",
+        "stream 0xabc000",
+    ] {
+        assert!(message.contains(part), "{message:?} lacks {part:?}");
+    }
+    assert_eq!(
+        calls.len(),
+        1 + 6,
+        "the device check, then copies up to the failing one"
+    );
+    assert!(
+        !calls.contains(&Call::Synchronize(stream)),
+        "no flag, no wait"
+    );
+    // What was issued before the failure landed; later buffers were never touched.
+    assert_ne!(f.dst.ranks[3][0], initial[0]);
+    assert_eq!(f.dst.ranks[3][2..], initial[2..]);
+}
+
+#[test]
+fn a_failing_copy_with_synchronize_still_waits_for_the_copies_already_issued() {
+    let mut f = Fixture::new();
+    let stream = without_provenance_mut(0xabc000);
+    let (result, calls) = f.run(1, &options(true, stream), |mut r| {
+        r.fail_copy = Some((1, HipStatus(709)));
+        r
+    });
+    assert!(
+        matches!(
+            result,
+            Err(Error::Gpu {
+                buffer: Some(0),
+                rect: Some(1),
+                ..
+            })
+        ),
+        "waiting afterwards keeps the buffer and rect: {result:?}"
+    );
+    let message = gpu_message(result);
+    assert!(
+        message.contains("hipErrorUnknown (709)") && message.contains("buffer 0 of 4, rect 1 of 3"),
+        "{message:?}"
+    );
+    assert_eq!(calls.len(), 1 + 2 + 1);
+    assert_eq!(calls.last(), Some(&Call::Synchronize(stream)));
+}
+
+#[test]
+fn an_unknown_status_from_a_newer_runtime_keeps_its_number() {
+    let mut f = Fixture::new();
+    let (result, _) = f.run(1, &options(false, null_mut()), |mut r| {
+        r.fail_copy = Some((0, HipStatus(123_456)));
+        r
+    });
+    let message = gpu_message(result);
+    assert!(
+        message.contains("returned hipErrorUnknown (123456)"),
+        "{message:?}"
+    );
+}
+
+#[test]
+fn a_failing_synchronize_is_a_gpu_error_after_every_copy_was_issued() {
+    let mut f = Fixture::new();
+    let (result, calls) = f.run(1, &options(true, null_mut()), |mut r| {
+        r.sync_status = HipStatus(719); // hipErrorLaunchFailure
+        r
+    });
+    let message = gpu_message(result);
+    assert!(
+        message.contains("hipStreamSynchronize(stream 0x0) returned hipErrorUnknown (719)"),
+        "{message:?}"
+    );
+    assert_eq!(
+        calls.len(),
+        1 + 12 + 1,
+        "4 buffers x 3 rects, then the wait"
+    );
+}
+
+#[test]
+fn a_refused_request_issues_no_hip_call() {
+    let mut f = Fixture::new();
+    let initial = f.dst.ranks[3].clone();
+    f.dst_pages[4] = 10; // one page past the 10-page destination buffers
+    let (result, calls) = f.run(1, &options(true, null_mut()), |r| r);
+    assert!(
+        matches!(
+            &result,
+            Err(Error::PagePastCapacity {
+                page: 10,
+                position: 4,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    assert_eq!(calls, vec![Call::DeviceCount]);
+    assert_eq!(f.dst.ranks[3], initial);
+}
+
+#[test]
+fn a_pair_that_does_not_send_issues_no_hip_call_even_with_synchronize() {
+    let mut f = Fixture::new();
+    // Decode rank 3 owns heads 6 and 7, which prefill rank 0 does not hold.
+    let (result, calls) = f.run(0, &options(true, null_mut()), |r| r);
+    assert_eq!(result, Ok(SendReport::default()));
+    assert_eq!(calls, vec![Call::DeviceCount]);
+}
+
+#[test]
+fn no_device_is_backend_unavailable_naming_what_the_runtime_said() {
+    let runtime = |devices| Recorder {
+        devices,
+        ..Recorder::new(&[], &mut [])
+    };
+    let opts = options(false, null_mut());
+    for (devices, says) in [
+        (
+            Err(HipStatus::ERROR_NO_DEVICE),
+            "hipGetDeviceCount returned hipErrorNoDevice (100)",
+        ),
+        (Ok(0), "hipGetDeviceCount reports 0"),
+    ] {
+        match HipEngine::new(runtime(devices), &opts) {
+            Err(Error::BackendUnavailable { reason: message }) => {
+                assert!(message.contains(says), "{message:?} lacks {says:?}");
+                assert!(message.contains("needs a HIP device"), "{message:?}");
+            }
+            other => panic!("{devices:?}: expected BackendUnavailable, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn the_recording_runtime_refuses_what_hipmemcpy2d_refuses() {
+    let (src, mut dst) = (vec![1u8; 64], vec![0u8; 64]);
+    let recorder = Recorder::new(&[&src], &mut [&mut dst]);
+    let good = Memcpy2dAsync {
+        dst: dst.as_mut_ptr().cast(),
+        dpitch: 16,
+        src: src.as_ptr().cast(),
+        spitch: 16,
+        width: 8,
+        height: 4,
+        kind: HIP_MEMCPY_DEFAULT,
+        stream: null_mut(),
+    };
+    let refused = [
+        Memcpy2dAsync { width: 17, ..good },
+        Memcpy2dAsync { spitch: 4, ..good },
+        Memcpy2dAsync { height: 5, ..good },
+        Memcpy2dAsync {
+            dst: null_mut(),
+            ..good
+        },
+    ];
+    for args in refused {
+        // SAFETY: the recorder checks every row against the registered buffers.
+        let status = unsafe { recorder.memcpy_2d_async(args) };
+        assert_eq!(status, Err(HipStatus::ERROR_INVALID_VALUE), "{args:?}");
+    }
+    // SAFETY: as above.
+    let status = unsafe { recorder.memcpy_2d_async(Memcpy2dAsync { kind: 9, ..good }) };
+    assert_eq!(status, Err(INVALID_MEMCPY_DIRECTION));
+    assert!(dst.iter().all(|&b| b == 0), "a refused call copies nothing");
+    // SAFETY: as above.
+    assert_eq!(unsafe { recorder.memcpy_2d_async(good) }, Ok(()));
+    let rows: Vec<u8> = (0..64).map(|i| u8::from(i % 16 < 8)).collect();
+    assert_eq!(dst, rows, "rows of width 8 at pitch 16");
+}
+
+// ---- The copy-kernel path ----
+
+/// The rows-per-tile, lanes-per-row and grid rule of hip/copy_kernel.h, restated: tiles of
+/// clamp(16384 / width, 1, 1024) rows, one lane per 16 bytes of the widest row (at most a block),
+/// grid x over tiles and y over buffers, both capped.
+fn expected_geometry(rows: u64, width: u64, buffers: u64) -> (u64, u64, (u32, u32)) {
+    let rows_per_block = (16_384 / width.max(1)).clamp(1, 1024);
+    let lanes = width.div_ceil(16).clamp(1, 256);
+    let x = rows.div_ceil(rows_per_block).min(u64::from(MAX_GRID_X)) as u32;
+    let y = buffers.min(u64::from(MAX_GRID_Y)) as u32;
+    (rows_per_block, lanes, (x, y))
+}
+
+/// What the recorder handed out in `calls`: the first table buffer, its pinned twin and event.
+#[derive(Clone, Copy, Debug, Default)]
+struct Handed {
+    table: usize,
+    host: usize,
+    event: usize,
+}
+
+fn handed(calls: &[Call]) -> Handed {
+    let mut handed = Handed::default();
+    for call in calls {
+        match *call {
+            Call::Malloc { returned, .. } if handed.table == 0 => handed.table = returned,
+            Call::HostMalloc { returned, .. } if handed.host == 0 => handed.host = returned,
+            Call::EventCreate { returned } if handed.event == 0 => handed.event = returned,
+            _ => {}
+        }
+    }
+    handed
+}
+
+/// The calls a kernel send on a fresh runtime must make: the device check; for a caller's
+/// stream the capture check; hipGetDevice (and the stream's device); the load on that device;
+/// each buffer base checked once; the first table buffer pair (the device buffer's size read
+/// back) and its event; then on the stream
+/// one upload of the table (64 bytes per rect, 16 per buffer) from the pinned buffer, one launch,
+/// the event's record, and hipStreamSynchronize only if asked.
+fn expected_kernel_calls(
+    plan: &Plan<'_>,
+    src: &[*const u8],
+    dst: &[*mut u8],
+    options: &SendOptions,
+    handed: Handed,
+) -> Vec<Call> {
+    let mut calls = vec![Call::DeviceCount];
+    let rects: Vec<_> = plan.rects().collect();
+    if !plan.sends() || rects.is_empty() || src.is_empty() {
+        return calls;
+    }
+    let stream = options.stream;
+    if !stream.is_null() {
+        calls.push(Call::IsCapturing(stream));
+    }
+    calls.push(Call::GetDevice);
+    if !stream.is_null() {
+        calls.push(Call::StreamGetDevice(stream));
+    }
+    calls.push(Call::ModuleLoad {
+        bytes: TEST_IMAGE.bytes.len(),
+    });
+    calls.push(Call::GetFunction {
+        module: module_handle(0),
+    });
+    let mut seen = HashSet::new();
+    for (&s, &d) in src.iter().zip(dst) {
+        for base in [s as usize, d as usize] {
+            if seen.insert(base) {
+                calls.push(Call::PointerInfo {
+                    pointer: without_provenance_mut::<c_void>(base),
+                });
+            }
+        }
+    }
+    let (num_rects, num_buffers) = (rects.len(), src.len());
+    let size = 64 * num_rects + 16 * num_buffers;
+    let capacity = size.max(MIN_TABLE_BYTES).next_power_of_two();
+    calls.push(Call::Malloc {
+        size: capacity + TABLE_TAIL_BYTES,
+        returned: handed.table,
+    });
+    calls.push(Call::AddressRange {
+        pointer: without_provenance_mut(handed.table),
+    });
+    calls.push(Call::HostMalloc {
+        size: capacity,
+        returned: handed.host,
+    });
+    calls.push(Call::EventCreate {
+        returned: handed.event,
+    });
+    calls.push(Call::MemcpyHostToDevice {
+        dst: without_provenance_mut(handed.table),
+        src: without_provenance_mut::<c_void>(handed.host),
+        size,
+        stream,
+    });
+    let rows: u64 = rects.iter().map(|r| r.height).sum();
+    let width = rects.iter().map(|r| r.width).max().unwrap_or(0);
+    let (rows_per_block, lanes_per_row, grid) = expected_geometry(rows, width, num_buffers as u64);
+    let rect_bytes = 64 * num_rects as u64;
+    let table = handed.table as u64;
+    calls.push(Call::Launch(KernelLaunch {
+        function: function_handle(0),
+        grid,
+        block: 256,
+        stream,
+        args: KernelArgs {
+            rects: table,
+            src_bases: table + rect_bytes,
+            dst_bases: table + rect_bytes + 8 * num_buffers as u64,
+            num_rects: num_rects as u64,
+            num_buffers: num_buffers as u64,
+            total_rows: rows,
+            rows_per_block,
+            lanes_per_row,
+        },
+    }));
+    calls.push(Call::EventRecord {
+        event: without_provenance_mut(handed.event),
+        stream,
+    });
+    if options.synchronize {
+        calls.push(Call::Synchronize(stream));
+    }
+    calls
+}
+
+/// Runs `job` (a send, pack or unpack, given the engine) through a kernel engine on `runtime`;
+/// returns the result and the recorded calls. Whatever happened, the runtime holds no more
+/// device or pinned memory than the kernel state's table buffers.
+fn kernel_run(
+    runtime: Recorder,
+    options: &SendOptions,
+    job: impl FnOnce(&mut HipEngine<Recorder>) -> crate::Result<SendReport>,
+) -> (crate::Result<SendReport>, Vec<Call>) {
+    let mut engine = HipEngine::new(runtime, options).expect("the recorder has a device");
+    let result = job(&mut engine);
+    let runtime = engine.runtime();
+    let (device, host) = runtime.live_allocations();
+    assert!(
+        device <= TABLE_SLOTS && host <= TABLE_SLOTS,
+        "{device} device and {host} pinned allocations: only the table buffers stay"
+    );
+    let calls = runtime.calls.borrow().clone();
+    (result, calls)
+}
+
+/// A sender for the transfer tests through the copy kernel: alternating the flag and streams as
+/// the per-rect sender does, and checking every call.
+fn checked_kernel_sender() -> Box<Sender<'static>> {
+    let mut sends = 0usize;
+    Box::new(move |plan, _, src, dst| {
+        sends += 1;
+        let stream = stream_for_send(sends);
+        let options = kernel_options(sends % 2 == 0, stream);
+        let runtime = Recorder::new(src, dst);
+        let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+        let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        let buffers = KvBuffers {
+            src: &src_ptrs,
+            dst: &dst_ptrs,
+            src_capacity: src.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
+            dst_capacity: dst.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
+        };
+        // SAFETY: live slices at least as long as the capacities; the recorder checks every row
+        // the kernel would touch before running it.
+        let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
+            send(plan, &buffers, engine)
+        });
+        let report = result.expect("the recording runtime accepts the kernel launch");
+        let expected = expected_kernel_calls(plan, &src_ptrs, &dst_ptrs, &options, handed(&calls));
+        assert_eq!(calls, expected, "HIP calls for {:?}", plan.config());
+        Some(report)
+    })
+}
+
+#[test]
+fn every_model_tp_pair_page_size_and_dtype_lands_byte_exact_through_one_kernel_launch() {
+    if cpu_kernel_or_skip("every_model_..._through_one_kernel_launch").is_none() {
+        return;
+    }
+    let deployments = every_model_deployment(&mut *checked_kernel_sender());
+    assert_eq!(deployments, MODELS.len() * 2 * 2 * 25);
+}
+
+#[test]
+fn non_integer_ratios_and_replication_land_byte_exact_through_one_kernel_launch() {
+    if cpu_kernel_or_skip("non_integer_ratios_..._through_one_kernel_launch").is_none() {
+        return;
+    }
+    odd_deployments(&mut *checked_kernel_sender());
+}
+
+#[test]
+fn odd_widths_and_unaligned_buffers_land_byte_exact_through_one_kernel_launch() {
+    if cpu_kernel_or_skip("odd_widths_..._through_one_kernel_launch").is_none() {
+        return;
+    }
+    // Heads of 1, 3, 6 and 72 bytes: byte, 2-byte-aligned and 8-byte paths of the kernel.
+    for (heads, bytes_per_head, p_tp, d_tp) in
+        [(4, 1, 2, 8), (8, 3, 4, 8), (4, 6, 4, 2), (12, 72, 6, 4)]
+    {
+        let request = common::fragmented_request(u64::from(heads * 31 + bytes_per_head), 6);
+        for page_size in [1, 16] {
+            transfer(
+                heads,
+                bytes_per_head as usize,
+                3,
+                p_tp,
+                d_tp,
+                page_size,
+                &request,
+                &mut *checked_kernel_sender(),
+            );
+        }
+    }
+}
+
+/// Pack, then unpack, through the kernel, each against the host engine's bytes, for layouts
+/// whose slice is narrower than the token slot on one side or both.
+#[test]
+fn pack_and_unpack_through_one_kernel_launch_match_the_host_engine() {
+    if cpu_kernel_or_skip("pack_and_unpack_through_one_kernel_launch").is_none() {
+        return;
+    }
+    for (heads, bytes_per_head, p_tp, d_tp, page_size) in [
+        (4, 256, 2, 8, 16),
+        (8, 128, 8, 2, 1),
+        (12, 72, 6, 4, 4),
+        (1, 1152, 8, 4, 16),
+    ] {
+        let request = common::fragmented_request(u64::from(heads * 7 + p_tp), 5);
+        let src = SideBuffers::identified(
+            heads,
+            p_tp,
+            page_size,
+            bytes_per_head,
+            request.src_capacity_pages,
+            4,
+        );
+        let dst = SideBuffers::sentinel(
+            heads,
+            d_tp,
+            page_size,
+            bytes_per_head,
+            request.dst_capacity_pages,
+            4,
+        );
+        for p in 0..p_tp {
+            for d in 0..d_tp {
+                let config = slice_config(&SliceParams {
+                    prefill_tp_size: p_tp,
+                    prefill_tp_rank: p,
+                    decode_tp_size: d_tp,
+                    decode_tp_rank: d,
+                    total_kv_heads: heads,
+                    page_size: page_size as u32,
+                    src_item_len: src.item_len() as u64,
+                    dst_item_len: dst.item_len() as u64,
+                })
+                .unwrap();
+                pack_unpack_pair(
+                    &config,
+                    &src.ranks[p as usize],
+                    &dst.ranks[d as usize],
+                    &request,
+                );
+            }
+        }
+    }
+}
+
+/// One pair's pack and unpack through the kernel and through the host engine.
+fn pack_unpack_pair(config: &SliceConfig, src: &[Vec<u8>], dst: &[Vec<u8>], request: &Request) {
+    let staging_len = crate::staging_len(config, request.src_pages.len()).unwrap() as usize;
+    let src_slices: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
+    // Host: the reference bytes.
+    let mut host_staging = vec![0x5au8; staging_len * src.len()];
+    pack_host(config, &src_slices, &request.src_pages, &mut host_staging).unwrap();
+    let mut host_dst = dst.to_vec();
+    let mut host_dst_slices: Vec<&mut [u8]> = host_dst.iter_mut().map(Vec::as_mut_slice).collect();
+    unpack_host(
+        config,
+        &host_staging,
+        &mut host_dst_slices,
+        &request.dst_pages,
+    )
+    .unwrap();
+
+    // Kernel: pack.
+    let mut staging = vec![0x5au8; host_staging.len()];
+    let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+    let capacity = src.iter().map(Vec::len).min().unwrap() as u64;
+    let stream = without_provenance_mut(0x57a6_0000);
+    let options = kernel_options(true, stream);
+    let runtime = Recorder::new(&src_slices, &mut [staging.as_mut_slice()]);
+    let staging_ptr = staging.as_mut_ptr();
+    let staging_capacity = staging.len() as u64;
+    // SAFETY: live buffers of the stated capacities; the recorder checks every kernel row.
+    let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
+        pack(
+            config,
+            &src_ptrs,
+            capacity,
+            &request.src_pages,
+            staging_ptr,
+            staging_capacity,
+            engine,
+        )
+    });
+    result.expect("kernel pack");
+    assert_eq!(staging, host_staging, "packed bytes of {config:?}");
+    let launches = calls
+        .iter()
+        .filter(|c| matches!(c, Call::Launch(_)))
+        .count();
+    let uploads = calls
+        .iter()
+        .filter(|c| matches!(c, Call::MemcpyHostToDevice { .. }))
+        .count();
+    let sends = usize::from(staging_len > 0);
+    assert_eq!((launches, uploads), (sends, sends), "{calls:?}");
+
+    // Kernel: unpack.
+    let mut out = dst.to_vec();
+    let mut out_slices: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+    let dst_ptrs: Vec<*mut u8> = out_slices.iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let dst_capacity = out_slices.iter().map(|b| b.len()).min().unwrap() as u64;
+    let runtime = Recorder::new(&[staging.as_slice()], &mut out_slices);
+    // SAFETY: as above.
+    let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
+        unpack(
+            config,
+            staging.as_ptr(),
+            staging_capacity,
+            &dst_ptrs,
+            dst_capacity,
+            &request.dst_pages,
+            engine,
+        )
+    });
+    result.expect("kernel unpack");
+    assert_eq!(out, host_dst, "unpacked bytes of {config:?}");
+    let launches = calls
+        .iter()
+        .filter(|c| matches!(c, Call::Launch(_)))
+        .count();
+    assert_eq!(launches, sends, "{calls:?}");
+}
+
+/// Sends the fixture's pair (1 -> 3) through the kernel `sends` times on one engine, on a
+/// recorder `make` adjusted; `before(i, runtime)` runs before send i. Returns each send's result
+/// and the calls it made.
+fn kernel_fixture_sends(
+    f: &mut Fixture,
+    options: &SendOptions,
+    make: impl FnOnce(Recorder) -> Recorder,
+    sends: usize,
+    mut before: impl FnMut(usize, &Recorder),
+) -> Vec<(crate::Result<SendReport>, Vec<Call>)> {
+    let config = slice_config(&f.params(1)).unwrap();
+    let plan = Plan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
+    let src: Vec<&[u8]> = f.src.ranks[1].iter().map(Vec::as_slice).collect();
+    let mut dst: Vec<&mut [u8]> = f.dst.ranks[3].iter_mut().map(Vec::as_mut_slice).collect();
+    let runtime = make(Recorder::new(&src, &mut dst));
+    let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+    let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let buffers = KvBuffers {
+        src: &src_ptrs,
+        dst: &dst_ptrs,
+        src_capacity: src[0].len() as u64,
+        dst_capacity: dst[0].len() as u64,
+    };
+    let mut engine = HipEngine::new(runtime, options).expect("the recorder has a device");
+    let mut results = Vec::new();
+    for i in 0..sends {
+        before(i, engine.runtime());
+        // The first send's calls include the engine's device check.
+        let from = if i == 0 {
+            0
+        } else {
+            engine.runtime().calls.borrow().len()
+        };
+        // SAFETY: live slices; the recorder checks every row before running the kernel.
+        let result = unsafe { send(&plan, &buffers, &mut engine) };
+        let calls = engine.runtime().calls.borrow()[from..].to_vec();
+        results.push((result, calls));
+    }
+    let (device, host) = engine.runtime().live_allocations();
+    let pairs = TABLE_SLOTS * engine.runtime().devices.unwrap_or(1) as usize;
+    assert!(device <= pairs && host <= pairs, "only table buffers stay");
+    results
+}
+
+/// The fixture's pair (1 -> 3) through the kernel once, on a recorder `make` adjusted.
+fn kernel_fixture_run(
+    f: &mut Fixture,
+    options: &SendOptions,
+    make: impl FnOnce(Recorder) -> Recorder,
+) -> (crate::Result<SendReport>, Vec<Call>) {
+    kernel_fixture_sends(f, options, make, 1, |_, _| {})
+        .pop()
+        .expect("one send")
+}
+
+/// What the fixture's decode rank 3 holds after one host send of pair (1, 3).
+fn fixture_sent_by_host() -> Vec<Vec<u8>> {
+    let mut f = Fixture::new();
+    let config = slice_config(&f.params(1)).unwrap();
+    let plan = Plan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
+    let src: Vec<&[u8]> = f.src.ranks[1].iter().map(Vec::as_slice).collect();
+    let mut dst: Vec<&mut [u8]> = f.dst.ranks[3].iter_mut().map(Vec::as_mut_slice).collect();
+    crate::send_host(&plan, &src, &mut dst).expect("host send");
+    f.dst.ranks[3].clone()
+}
+
+fn gpu_error(result: crate::Result<SendReport>) -> (&'static str, i32, String, Option<usize>) {
+    match result {
+        Err(Error::Gpu {
+            call,
+            status,
+            message,
+            buffer,
+            ..
+        }) => (call, status, message, buffer),
+        other => panic!("expected Error::Gpu, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_kernel_is_loaded_once_per_device_and_reused() {
+    if cpu_kernel_or_skip("the_kernel_is_loaded_once_per_device_and_reused").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let devices = [0, 0, 1, 0, 1];
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(false, null_mut()),
+        |r| Recorder {
+            devices: Ok(2),
+            ..r
+        },
+        devices.len(),
+        |i, r| *r.current.borrow_mut() = devices[i],
+    );
+    let loads: Vec<bool> = runs
+        .into_iter()
+        .map(|(result, calls)| {
+            result.unwrap();
+            names(&calls).contains(&"hipModuleLoadData")
+        })
+        .collect();
+    assert_eq!(loads, [true, false, true, false, false]);
+}
+
+#[test]
+fn a_failing_launch_is_a_gpu_error_that_still_fences_the_table_and_waits_when_asked() {
+    if cpu_kernel_or_skip("a_failing_launch_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let initial = f.dst.ranks[3].clone();
+    let stream = without_provenance_mut(0xabc000);
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, stream), |r| {
+        r.fail_call
+            .set(Some(("hipModuleLaunchKernel", HipStatus(98))));
+        r
+    });
+    let message = gpu_message(result);
+    for part in [
+        "hipModuleLaunchKernel(mori_copy_kernel, grid (",
+        "block (256, 1, 1), stream 0xabc000",
+        "returned hipErrorUnknown (98)",
+        "(4 buffers x 3 rects, 20 rows per buffer)",
+    ] {
+        assert!(message.contains(part), "{message:?} lacks {part:?}");
+    }
+    // The upload was issued before the launch failed: the table buffer's event is recorded all
+    // the same, so that nobody rewrites the buffer while the upload may still read it.
+    assert_eq!(
+        names(&calls),
+        [
+            "hipGetDeviceCount",
+            "hipStreamIsCapturing",
+            "hipGetDevice",
+            "hipStreamGetDevice",
+            "hipModuleLoadData",
+            "hipModuleGetFunction",
+            "hipPointerGetAttributes",
+            "hipPointerGetAttributes",
+            "hipPointerGetAttributes",
+            "hipPointerGetAttributes",
+            "hipPointerGetAttributes",
+            "hipPointerGetAttributes",
+            "hipPointerGetAttributes",
+            "hipPointerGetAttributes",
+            "hipMalloc",
+            "hipMemGetAddressRange",
+            "hipHostMalloc",
+            "hipEventCreateWithFlags",
+            "hipMemcpyAsync",
+            "hipModuleLaunchKernel",
+            "hipEventRecord",
+            "hipStreamSynchronize",
+        ]
+    );
+    assert_eq!(f.dst.ranks[3], initial, "a failed launch writes nothing");
+}
+
+#[test]
+fn each_failing_kernel_path_call_is_named_and_issues_nothing_after_it_but_its_cleanup() {
+    if cpu_kernel_or_skip("each_failing_kernel_path_call_...").is_none() {
+        return;
+    }
+    for (call, then) in [
+        ("hipStreamIsCapturing", &[][..]),
+        ("hipGetDevice", &[][..]),
+        ("hipStreamGetDevice", &[][..]),
+        ("hipModuleLoadData", &[][..]),
+        ("hipModuleGetFunction", &["hipModuleUnload"][..]),
+        ("hipPointerGetAttributes", &[][..]),
+        ("hipMalloc", &[][..]),
+        ("hipMemGetAddressRange", &["hipFree"][..]),
+        ("hipHostMalloc", &["hipFree"][..]),
+        ("hipEventCreateWithFlags", &["hipFree", "hipHostFree"][..]),
+        ("hipMemcpyAsync", &[][..]),
+        ("hipEventRecord", &[][..]),
+    ] {
+        let mut f = Fixture::new();
+        let initial = f.dst.ranks[3].clone();
+        let stream = without_provenance_mut(0x5700_0000);
+        let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
+            r.fail_call.set(Some((call, HipStatus(123_456))));
+            r
+        });
+        match result {
+            Err(Error::Gpu {
+                call: failed,
+                status,
+                message,
+                ..
+            }) => {
+                assert_eq!((failed, status), (call, 123_456), "{message}");
+                assert!(
+                    message.starts_with(call)
+                        && message.contains("hipErrorUnknown (123456)")
+                        && !message.contains("  "),
+                    "{message}"
+                );
+                if call == "hipModuleLoadData" {
+                    assert!(
+                        message.contains("holds code objects for gfx-test"),
+                        "{message}"
+                    );
+                }
+            }
+            other => panic!("{call}: expected a GPU error, got {other:?}"),
+        }
+        let names = names(&calls);
+        let at = names
+            .iter()
+            .position(|n| *n == call)
+            .expect("the call was made");
+        assert_eq!(&names[at + 1..], then, "{call}: {names:?}");
+        if call != "hipEventRecord" {
+            assert_eq!(f.dst.ranks[3], initial, "{call}: nothing launched");
+        }
+    }
+}
+
+#[test]
+fn a_failed_load_is_cached_and_reported_again_without_a_retry() {
+    if cpu_kernel_or_skip("a_failed_load_is_cached_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(false, null_mut()),
+        |r| r,
+        2,
+        |i, r| {
+            r.fail_call
+                .set((i == 0).then_some(("hipModuleLoadData", HipStatus(209))))
+        },
+    );
+    let mut messages = Vec::new();
+    for (i, (result, calls)) in runs.into_iter().enumerate() {
+        let (call, status, message, _) = gpu_error(result);
+        assert_eq!((call, status), ("hipModuleLoadData", 209), "send {i}");
+        assert!(
+            message.contains("hipErrorNoBinaryForGpu (209)") && message.contains("does not retry"),
+            "{message}"
+        );
+        assert_eq!(
+            names(&calls).contains(&"hipModuleLoadData"),
+            i == 0,
+            "send {i} loads: {calls:?}"
+        );
+        messages.push(message);
+    }
+    assert_eq!(messages[0], messages[1]);
+}
+
+#[test]
+fn a_module_without_the_kernel_is_unloaded_again() {
+    if cpu_kernel_or_skip("a_module_without_the_kernel_is_unloaded_again").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, null_mut()), |r| {
+        r.fail_call
+            .set(Some(("hipModuleGetFunction", HipStatus(500))));
+        r
+    });
+    assert!(gpu_message(result).contains("hipErrorNotFound (500)"));
+    assert!(
+        calls.contains(&Call::ModuleUnload {
+            module: module_handle(0)
+        }),
+        "the module is not leaked: {calls:?}"
+    );
+}
+
+#[test]
+fn the_recording_runtime_refuses_a_launch_that_would_touch_unregistered_memory() {
+    if cpu_kernel_or_skip("the_recording_runtime_refuses_a_launch_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let initial = f.dst.ranks[3].clone();
+    // The last destination buffer is not memory the recorder lets the kernel write.
+    let (result, calls) =
+        kernel_fixture_run(&mut f, &kernel_options(false, null_mut()), |mut r| {
+            r.writable.pop();
+            r
+        });
+    assert!(names(&calls).contains(&"hipModuleLaunchKernel"));
+    assert!(
+        gpu_message(result).contains("hipErrorIllegalAddress (700)"),
+        "a launch outside the buffers is refused"
+    );
+    assert_eq!(ILLEGAL_ADDRESS, HipStatus(700));
+    assert_eq!(f.dst.ranks[3], initial);
+}
+
+// ---- Issue 24: what the first GPU deployments would hit ----
+
+#[test]
+fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there() {
+    if cpu_kernel_or_skip("a_stream_on_another_device_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let stream = without_provenance_mut(0xde71_0000);
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(true, stream),
+        |r| {
+            r.stream_home.set(1);
+            Recorder {
+                devices: Ok(2),
+                ..r
+            }
+        },
+        TABLE_SLOTS + 1,
+        |_, _| {},
+    );
+    let (first, last) = (&runs[0].1, &runs[TABLE_SLOTS].1);
+    // Loaded, and its table buffer and event made, with device 1 current; then back to 0.
+    let names_first = names(first);
+    let switch = names_first
+        .iter()
+        .position(|n| *n == "hipSetDevice")
+        .unwrap();
+    assert_eq!(first[switch], Call::SetDevice(1));
+    assert_eq!(
+        names_first[switch + 1..switch + 4],
+        ["hipModuleLoadData", "hipModuleGetFunction", "hipSetDevice"]
+    );
+    assert_eq!(first[switch + 3], Call::SetDevice(0));
+    let alloc = names_first.iter().position(|n| *n == "hipMalloc").unwrap();
+    assert_eq!(first[alloc - 1], Call::SetDevice(1));
+    assert_eq!(
+        names_first[alloc..alloc + 5],
+        [
+            "hipMalloc",
+            "hipMemGetAddressRange",
+            "hipHostMalloc",
+            "hipEventCreateWithFlags",
+            "hipSetDevice"
+        ]
+    );
+    assert_eq!(first[alloc + 4], Call::SetDevice(0));
+    for (result, _) in &runs {
+        assert!(result.is_ok(), "{result:?}");
+    }
+    // Once every table pair exists, a call finds everything on device 1 and switches nothing.
+    assert!(!names(last).contains(&"hipSetDevice"), "{last:?}");
+    assert!(!names(last).contains(&"hipModuleLoadData"));
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+#[test]
+fn without_hip_stream_get_device_a_stream_on_another_device_is_refused_before_anything_is_allocated()
+ {
+    if cpu_kernel_or_skip("without_hip_stream_get_device_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let stream = without_provenance_mut(0xde71_0000);
+    // Three sends with device 0 current, then one with the stream's device 1 current.
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(false, stream),
+        |r| {
+            r.stream_home.set(1);
+            Recorder {
+                devices: Ok(2),
+                has_stream_get_device: false,
+                ..r
+            }
+        },
+        4,
+        |i, r| {
+            if i == 3 {
+                let (device, host) = r.live_allocations();
+                assert_eq!(
+                    (device, host),
+                    (0, 0),
+                    "the refused sends allocated nothing"
+                );
+                *r.current.borrow_mut() = 1;
+            }
+        },
+    );
+    for (i, (result, calls)) in runs.iter().take(3).enumerate() {
+        let (call, status, message, _) = gpu_error(result.clone());
+        assert_eq!(
+            (call, status),
+            ("hipEventRecord", 400),
+            "send {i}: {message}"
+        );
+        for part in [
+            "hipEventRecord(an event of the current device 0, stream 0xde710000) returned \
+             hipErrorInvalidHandle (400)",
+            "this HIP runtime has no hipStreamGetDevice",
+            "make the stream's device current",
+        ] {
+            assert!(message.contains(part), "{message:?} lacks {part:?}");
+        }
+        let n = names(calls);
+        for never in [
+            "hipSetDevice",
+            "hipMalloc",
+            "hipHostMalloc",
+            "hipMemcpyAsync",
+            "hipModuleLaunchKernel",
+        ] {
+            assert!(!n.contains(&never), "send {i}: {n:?}");
+        }
+        // The probe event is made once, with the kernel's state.
+        assert_eq!(
+            n.contains(&"hipEventCreateWithFlags"),
+            i == 0,
+            "send {i}: {n:?}"
+        );
+    }
+    let (result, calls) = &runs[3];
+    assert!(result.is_ok(), "{result:?}");
+    // The stream's device is current: loaded there, checked, sent.
+    let n = names(calls);
+    let probe = n.iter().position(|c| *c == "hipEventRecord").unwrap();
+    assert!(
+        n[..probe].contains(&"hipModuleLoadData")
+            && n[probe + 1..].contains(&"hipModuleLaunchKernel"),
+        "{n:?}"
+    );
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+#[test]
+fn a_capturing_stream_gets_per_rect_copies_whose_graph_nodes_keep_nothing_of_the_call() {
+    if cpu_kernel_or_skip("a_capturing_stream_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let stream = without_provenance_mut(0xca97_0000);
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
+        r.capturing.set(true);
+        r
+    });
+    assert_eq!(result.unwrap().copies, 12);
+    let mut expected = vec!["hipGetDeviceCount", "hipStreamIsCapturing"];
+    expected.extend(["hipMemcpy2DAsync"; 12]);
+    assert_eq!(names(&calls), expected, "no table, no upload, no launch");
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+#[test]
+fn the_table_buffers_are_reused_fenced_by_their_events_and_grown_when_outgrown() {
+    if cpu_kernel_or_skip("the_table_buffers_are_reused_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let stream = without_provenance_mut(0x7ab1_0000);
+    let sends = TABLE_SLOTS + 2;
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(false, stream),
+        |r| r,
+        sends,
+        |_, _| {},
+    );
+    let mut events = Vec::new();
+    for (i, (result, calls)) in runs.iter().enumerate() {
+        assert!(result.is_ok(), "send {i}: {result:?}");
+        let recorded = calls.iter().find_map(|c| match c {
+            Call::EventRecord { event, .. } => Some(*event),
+            _ => None,
+        });
+        events.push(recorded.expect("every send records its table buffer's event"));
+        let n = names(calls);
+        assert!(!n.contains(&"hipMallocAsync") && !n.contains(&"hipFreeAsync"));
+        if i < TABLE_SLOTS {
+            // First use of each of the pairs: allocated, nothing to wait for.
+            assert!(
+                n.contains(&"hipMalloc") && !n.contains(&"hipEventSynchronize"),
+                "{n:?}"
+            );
+        } else {
+            // Steady state: check the device was not reset, wait for the pair's last use,
+            // upload, launch, record. No allocation, no free.
+            assert_eq!(
+                n,
+                [
+                    "hipStreamIsCapturing",
+                    "hipGetDevice",
+                    "hipStreamGetDevice",
+                    "hipMemGetAddressRange",
+                    "hipEventSynchronize",
+                    "hipMemcpyAsync",
+                    "hipModuleLaunchKernel",
+                    "hipEventRecord",
+                ],
+                "send {i}"
+            );
+            assert!(
+                calls.contains(&Call::EventSynchronize {
+                    event: events[i - TABLE_SLOTS]
+                }),
+                "send {i} waits for the send {} before it that used its pair",
+                TABLE_SLOTS
+            );
+        }
+    }
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+#[test]
+fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle() {
+    if cpu_kernel_or_skip("a_table_that_outgrows_...").is_none() {
+        return;
+    }
+    // One 16-byte head, TP 1 -> 1, page size 1: a page of every other slot is one rect, so
+    // 1100 pages make a 70400-byte table, past the first pair's 65536 bytes.
+    let config = slice_config(&SliceParams {
+        prefill_tp_size: 1,
+        prefill_tp_rank: 0,
+        decode_tp_size: 1,
+        decode_tp_rank: 0,
+        total_kv_heads: 1,
+        page_size: 1,
+        src_item_len: 16,
+        dst_item_len: 16,
+    })
+    .unwrap();
+    let pages = |n: i32| -> Vec<i32> { (0..n).map(|i| 2 * i).collect() };
+    let (small, big) = (pages(4), pages(1100));
+    let src: Vec<u8> = (0..2200 * 16).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; 2200 * 16];
+    let (src_ptr, dst_ptr) = (src.as_ptr(), dst.as_mut_ptr());
+    let runtime = Recorder::new(&[&src], &mut [&mut dst]);
+    let mut engine = HipEngine::new(runtime, &kernel_options(false, null_mut())).expect("a device");
+    let mut calls_of = Vec::new();
+    for pages in std::iter::repeat_n(&small, TABLE_SLOTS).chain([&big]) {
+        let plan = Plan::new(&config, pages, pages).unwrap();
+        let buffers = KvBuffers {
+            src: &[src_ptr],
+            dst: &[dst_ptr],
+            src_capacity: 2200 * 16,
+            dst_capacity: 2200 * 16,
+        };
+        let from = engine.runtime().calls.borrow().len();
+        // SAFETY: live buffers of the stated capacities; the recorder checks every row.
+        unsafe { send(&plan, &buffers, &mut engine) }.expect("send");
+        calls_of.push(engine.runtime().calls.borrow()[from..].to_vec());
+    }
+    let first = handed(&calls_of[0]);
+    let last = calls_of.last().unwrap();
+    let grow: Vec<Call> = last
+        .iter()
+        .copied()
+        .filter(|c| {
+            !matches!(
+                c,
+                Call::DeviceCount
+                    | Call::GetDevice
+                    | Call::PointerInfo { .. }
+                    | Call::AddressRange { .. }
+            )
+        })
+        .take(5)
+        .collect();
+    let bigger = (64 * 1100 + 16usize).next_power_of_two();
+    assert_eq!(
+        grow,
+        [
+            Call::EventSynchronize {
+                event: without_provenance_mut(first.event)
+            },
+            Call::Free {
+                pointer: without_provenance_mut(first.table)
+            },
+            Call::HostFree {
+                pointer: without_provenance_mut(first.host)
+            },
+            Call::Malloc {
+                size: bigger + TABLE_TAIL_BYTES,
+                returned: handed(last).table
+            },
+            Call::HostMalloc {
+                size: bigger,
+                returned: handed(last).host
+            },
+        ],
+        "{last:?}"
+    );
+    assert!(
+        !names(last).contains(&"hipEventCreateWithFlags"),
+        "the event is kept"
+    );
+    for (i, byte) in dst.iter().enumerate() {
+        let (page, at) = (i / 16, i % 16);
+        let want = if page % 2 == 0 && page < 2200 {
+            src[i]
+        } else {
+            0
+        };
+        assert_eq!(*byte, want, "byte {at} of page {page}");
+    }
+}
+
+#[test]
+fn a_refusing_allocator_is_a_gpu_error_naming_hip_malloc_that_writes_nothing() {
+    if cpu_kernel_or_skip("a_refusing_allocator_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let initial = f.dst.ranks[3].clone();
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, null_mut()), |r| {
+        r.fail_call.set(Some(("hipMalloc", HipStatus(2))));
+        r
+    });
+    let (call, status, message, _) = gpu_error(result);
+    assert_eq!((call, status), ("hipMalloc", 2));
+    assert!(
+        message.contains("hipMalloc(65728 bytes for the copy kernel's table on device 0) returned hipErrorOutOfMemory (2)"),
+        "{message}"
+    );
+    assert!(!names(&calls).contains(&"hipModuleLaunchKernel"));
+    assert_eq!(f.dst.ranks[3], initial);
+}
+
+#[test]
+fn memory_the_kernel_cannot_reach_is_refused_before_anything_is_allocated() {
+    if cpu_kernel_or_skip("memory_the_kernel_cannot_reach_...").is_none() {
+        return;
+    }
+    // Pageable host memory (unknown to the runtime), and host memory registered with
+    // hipHostRegister passed by its host address while devices see it elsewhere.
+    for pageable in [true, false] {
+        let mut f = Fixture::new();
+        let initial = f.dst.ranks[3].clone();
+        let target = f.dst.ranks[3][2].as_ptr() as usize;
+        let len = f.dst.ranks[3][2].len();
+        let (result, calls) =
+            kernel_fixture_run(&mut f, &kernel_options(false, null_mut()), |mut r| {
+                r.device_memory.retain(|&(base, _)| base != target);
+                if !pageable {
+                    r.registered.push(((target, len), 0x7000_0000_0000));
+                }
+                r
+            });
+        let (call, status, message, buffer) = gpu_error(result);
+        assert_eq!(
+            (call, status, buffer),
+            ("hipPointerGetAttributes", 1, Some(2))
+        );
+        let says = if pageable {
+            "(destination buffer 2, "
+        } else {
+            "which devices address at 0x700000000000"
+        };
+        assert!(
+            message.contains(says) && message.contains("without MORI_SEND_COPY_KERNEL"),
+            "{message}"
+        );
+        let n = names(&calls);
+        assert!(
+            !n.contains(&"hipMalloc") && !n.contains(&"hipModuleLaunchKernel"),
+            "{n:?}"
+        );
+        assert_eq!(f.dst.ranks[3], initial);
+    }
+}
+
+#[test]
+fn each_buffer_base_is_checked_once() {
+    if cpu_kernel_or_skip("each_buffer_base_is_checked_once").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(false, null_mut()),
+        |r| r,
+        2,
+        |_, _| {},
+    );
+    let checks = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter(|c| matches!(c, Call::PointerInfo { .. }))
+            .count()
+    };
+    // Four buffer pairs: eight bases, then none (the reset check asks hipMemGetAddressRange).
+    assert_eq!((checks(&runs[0].1), checks(&runs[1].1)), (8, 0));
+}
+
+#[test]
+fn after_a_device_reset_the_kernel_is_loaded_again() {
+    if cpu_kernel_or_skip("after_a_device_reset_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(true, null_mut()),
+        |r| r,
+        2,
+        |i, r| {
+            if i == 1 {
+                r.reset_device(0);
+            }
+        },
+    );
+    for (result, _) in &runs {
+        assert!(result.is_ok(), "{result:?}");
+    }
+    let second = names(&runs[1].1);
+    assert!(
+        second.contains(&"hipModuleLoadData") && second.contains(&"hipMalloc"),
+        "{second:?}"
+    );
+    let launch = runs[1].1.iter().find_map(|c| match c {
+        Call::Launch(l) => Some(l.function),
+        _ => None,
+    });
+    assert_eq!(
+        launch,
+        Some(function_handle(1)),
+        "the new module's function"
+    );
+    assert_eq!(f.dst.ranks[3], want);
+    assert_eq!(INVALID_RESOURCE_HANDLE, HipStatus(400));
+}
+
+#[test]
+fn after_a_device_reset_an_allocation_at_the_old_table_buffers_address_is_left_alone() {
+    if cpu_kernel_or_skip("after_a_device_reset_an_allocation_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let reused = std::cell::Cell::new(0usize);
+    // Between the two sends the device is reset and the caller's next allocation (64 KiB, a
+    // size callers ask for) gets the address of the kernel's first table buffer.
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(true, null_mut()),
+        |r| r,
+        2,
+        |i, r| {
+            if i == 1 {
+                reused.set(r.reset_device_and_reuse_address(0, MIN_TABLE_BYTES));
+            }
+        },
+    );
+    for (result, _) in &runs {
+        assert!(result.is_ok(), "{result:?}");
+    }
+    let (first, second) = (&runs[0].1, &runs[1].1);
+    assert_eq!(handed(first).table, reused.get());
+    // The second send sees an allocation of another size there: it loads the kernel again and
+    // uploads its table into a new buffer, never into the caller's memory.
+    let n = names(second);
+    assert!(
+        n.contains(&"hipModuleLoadData") && n.contains(&"hipMalloc"),
+        "{n:?}"
+    );
+    let uploads: Vec<usize> = second
+        .iter()
+        .filter_map(|c| match c {
+            Call::MemcpyHostToDevice { dst, .. } => Some(*dst as usize),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(uploads, [handed(second).table]);
+    assert_ne!(uploads[0], reused.get());
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+#[test]
+fn one_row_rects_keep_every_lane_of_the_kernel_busy() {
+    let Some(kernel) = cpu_kernel_or_skip("one_row_rects_keep_every_lane_...") else {
+        return;
+    };
+    // Page size 1 and runs of one page: every rect is one 256-byte row, the shape that left 15
+    // of 16 lane groups idle when each rect was copied on its own.
+    let request = Request {
+        src_pages: (0..64).map(|i| 2 * i).collect(),
+        dst_pages: (0..64).map(|i| 3 * i + 1).collect(),
+        src_capacity_pages: 128,
+        dst_capacity_pages: 192,
+    };
+    let mut utilisation = Vec::new();
+    let mut sender = checked_kernel_sender();
+    let mut measuring =
+        |plan: &Plan<'_>, request: &Request, src: &[&[u8]], dst: &mut [&mut [u8]]| {
+            let report = sender(plan, request, src, dst);
+            if plan.sends() {
+                assert_eq!(plan.num_rects(), 64, "one rect per page");
+                let (slots, active) = kernel.lanes();
+                utilisation.push(active as f64 / slots as f64);
+            }
+            report
+        };
+    transfer(8, 256, 1, 2, 8, 1, &request, &mut measuring);
+    assert!(!utilisation.is_empty());
+    for u in &utilisation {
+        assert!(*u >= 0.999, "active-lane utilisation {u}: {utilisation:?}");
+    }
+}
+
+/// A recorder with a device and no buffers: for the staging pool's device memory.
+fn pool_recorder() -> Recorder {
+    Recorder::new(&[], &mut [])
+}
+
+#[test]
+fn a_device_pool_is_one_hipmalloc_for_its_life_and_one_hipfree_at_the_end() {
+    let recorder = pool_recorder();
+    let calls = Rc::clone(&recorder.calls);
+    let memory = DeviceMemory::new(recorder, 1 << 20).expect("the recorder has a device");
+    let base = memory.base() as usize;
+    let pool = StagingPool::new(memory, 4096).unwrap();
+    let info = pool.info();
+    assert_eq!(info.memory.kind, PoolMemoryKind::Device);
+    assert_eq!((info.base as usize, info.capacity), (base, 1 << 20));
+    let a = pool.try_alloc(10_000).unwrap();
+    let b = pool.try_alloc(4096).unwrap();
+    for slot in [a, b] {
+        assert_eq!(slot.address as usize, base + slot.offset as usize);
+        assert!(slot.offset + slot.size <= 1 << 20);
+    }
+    pool.free(a.offset).unwrap();
+    pool.free(b.offset).unwrap();
+    let malloc = Call::Malloc {
+        size: 1 << 20,
+        returned: base,
+    };
+    // Slots are carved on the host, without runtime calls.
+    assert_eq!(*calls.borrow(), [Call::DeviceCount, malloc]);
+    drop(pool);
+    let free = Call::Free {
+        pointer: without_provenance_mut(base),
+    };
+    assert_eq!(*calls.borrow(), [Call::DeviceCount, malloc, free]);
+}
+
+#[test]
+fn a_failing_hipmalloc_is_a_gpu_error_naming_the_size_and_status() {
+    let recorder = pool_recorder();
+    recorder.fail_call.set(Some(("hipMalloc", HipStatus(2))));
+    let error = DeviceMemory::new(recorder, 1 << 30).unwrap_err();
+    let Error::Gpu {
+        call,
+        status,
+        message,
+        buffer: None,
+        rect: None,
+    } = &error
+    else {
+        panic!("{error}");
+    };
+    assert_eq!((*call, *status), ("hipMalloc", 2));
+    assert!(
+        message.contains("hipMalloc(1073741824 bytes) for a staging pool returned"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_device_pool_without_a_device_is_backend_unavailable() {
+    let mut recorder = pool_recorder();
+    recorder.devices = Ok(0);
+    let error = DeviceMemory::new(recorder, 4096).unwrap_err();
+    assert!(matches!(error, Error::BackendUnavailable { .. }), "{error}");
+}

@@ -1,0 +1,810 @@
+//! A recording stand-in for libamdhip64: it logs every call with its exact arguments and performs
+//! it on host memory, as strictly as a GPU would: hipMemcpy2D's rules for copies; for kernel
+//! launches the function must be loaded on the stream's device, the table must lie in that
+//! device's hipMalloc'd memory and every row of every (buffer, rect) in the registered buffers,
+//! and then the kernel's own source runs on the CPU (tests/kernel/cpu_launch.cpp, built with
+//! `c++ -shared` and loaded with dlopen). Uploads must come from pinned (hipHostMalloc'd)
+//! memory, events must belong to the stream's device, and a function looked up on another
+//! device than its module's panics, as clr aborts there. Failures are injected by name.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::{CStr, CString, c_void};
+use std::process::Command;
+use std::ptr::without_provenance_mut;
+use std::rc::Rc;
+use std::sync::{Arc, OnceLock};
+
+use super::super::{
+    HIP_MEMCPY_DEFAULT, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
+    Memcpy2dAsync, PointerInfo,
+};
+use super::common;
+use crate::backend::copy_kernel::{BLOCK_THREADS, KernelArgs, KernelRect};
+
+/// `hipErrorInvalidMemcpyDirection` (hip/hip_runtime_api.h).
+pub const INVALID_MEMCPY_DIRECTION: HipStatus = HipStatus(21);
+/// `hipErrorInvalidHandle` (`hipErrorInvalidResourceHandle` is the same value).
+pub const INVALID_RESOURCE_HANDLE: HipStatus = HipStatus(400);
+/// `hipErrorIllegalAddress`.
+pub const ILLEGAL_ADDRESS: HipStatus = HipStatus(700);
+
+/// One runtime call as the engine made it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    DeviceCount,
+    GetDevice,
+    SetDevice(i32),
+    StreamGetDevice(*mut c_void),
+    IsCapturing(*mut c_void),
+    Memcpy2d(Memcpy2dAsync),
+    Synchronize(*mut c_void),
+    ModuleLoad {
+        bytes: usize,
+    },
+    GetFunction {
+        module: *mut c_void,
+    },
+    ModuleUnload {
+        module: *mut c_void,
+    },
+    /// `returned` is the allocation the recorder handed out (0 when it failed).
+    Malloc {
+        size: usize,
+        returned: usize,
+    },
+    Free {
+        pointer: *mut c_void,
+    },
+    HostMalloc {
+        size: usize,
+        returned: usize,
+    },
+    HostFree {
+        pointer: *mut c_void,
+    },
+    EventCreate {
+        returned: usize,
+    },
+    EventRecord {
+        event: *mut c_void,
+        stream: *mut c_void,
+    },
+    EventSynchronize {
+        event: *mut c_void,
+    },
+    PointerInfo {
+        pointer: *const c_void,
+    },
+    AddressRange {
+        pointer: *mut c_void,
+    },
+    MemcpyHostToDevice {
+        dst: *mut c_void,
+        src: *const c_void,
+        size: usize,
+        stream: *mut c_void,
+    },
+    Launch(KernelLaunch),
+}
+
+impl Call {
+    /// The HIP function's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Call::DeviceCount => "hipGetDeviceCount",
+            Call::GetDevice => "hipGetDevice",
+            Call::SetDevice(_) => "hipSetDevice",
+            Call::StreamGetDevice(_) => "hipStreamGetDevice",
+            Call::IsCapturing(_) => "hipStreamIsCapturing",
+            Call::Memcpy2d(_) => "hipMemcpy2DAsync",
+            Call::Synchronize(_) => "hipStreamSynchronize",
+            Call::ModuleLoad { .. } => "hipModuleLoadData",
+            Call::GetFunction { .. } => "hipModuleGetFunction",
+            Call::ModuleUnload { .. } => "hipModuleUnload",
+            Call::Malloc { .. } => "hipMalloc",
+            Call::Free { .. } => "hipFree",
+            Call::HostMalloc { .. } => "hipHostMalloc",
+            Call::HostFree { .. } => "hipHostFree",
+            Call::EventCreate { .. } => "hipEventCreateWithFlags",
+            Call::EventRecord { .. } => "hipEventRecord",
+            Call::EventSynchronize { .. } => "hipEventSynchronize",
+            Call::PointerInfo { .. } => "hipPointerGetAttributes",
+            Call::AddressRange { .. } => "hipMemGetAddressRange",
+            Call::MemcpyHostToDevice { .. } => "hipMemcpyAsync",
+            Call::Launch(_) => "hipModuleLaunchKernel",
+        }
+    }
+}
+
+/// The names of `calls`, in order.
+pub fn names(calls: &[Call]) -> Vec<&'static str> {
+    calls.iter().map(Call::name).collect()
+}
+
+/// What the recorder's hipModuleLoadData hands out for its n-th module (and
+/// hipModuleGetFunction for its function): distinct per load, so that a stale one shows.
+pub fn module_handle(n: usize) -> *mut c_void {
+    without_provenance_mut(0x6d6f_6400 + 0x100 * n)
+}
+pub fn function_handle(n: usize) -> *mut c_void {
+    without_provenance_mut(0xf00d_0000 + 0x100 * n)
+}
+
+/// The image the recorder "loads": its bytes are not run, the kernel's CPU build is.
+pub const TEST_IMAGE: KernelImage = KernelImage {
+    bytes: b"__CLANG_OFFLOAD_BUNDLE__ (the recorder runs the CPU build)",
+    targets: "gfx-test",
+};
+
+/// `tests/kernel/cpu_launch.cpp`'s entry points.
+type CpuLaunch = unsafe extern "C" fn(u32, u32, u32, u32, u32, u32, *const KernelArgs, u64);
+type CpuLanes = unsafe extern "C" fn(*mut u64, *mut u64);
+
+/// The copy kernel's own source built for the CPU and loaded, once per test process.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuKernel {
+    launch: CpuLaunch,
+    lanes: CpuLanes,
+}
+
+impl CpuKernel {
+    /// The (thread, step) slots of the last launch on this thread, and how many moved bytes.
+    pub fn lanes(&self) -> (u64, u64) {
+        let (mut slots, mut active) = (0, 0);
+        // SAFETY: two valid out-pointers.
+        unsafe { (self.lanes)(&mut slots, &mut active) };
+        (slots, active)
+    }
+}
+
+/// The CPU kernel; Err says why it cannot be built or loaded.
+pub fn cpu_kernel() -> Result<CpuKernel, String> {
+    static KERNEL: OnceLock<Result<(usize, usize), String>> = OnceLock::new();
+    let addresses = KERNEL.get_or_init(|| {
+        let library = common::scratch(&["cpu-kernel"])
+            .join(format!("libcpu_copy_kernel.{}.so", std::process::id()));
+        let output = Command::new("c++")
+            .args([
+                "-std=c++17",
+                "-O2",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-shared",
+                "-fPIC",
+            ])
+            .arg(common::root().join("tests/kernel/cpu_launch.cpp"))
+            .arg("-o")
+            .arg(&library)
+            .output()
+            .map_err(|e| format!("cannot run c++ ({e}): the kernel's CPU build needs one"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "c++ could not build tests/kernel/cpu_launch.cpp:\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+        let path = CString::new(library.to_string_lossy().into_owned()).expect("no NUL");
+        // SAFETY: a NUL-terminated path; the library has no constructors that need anything.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW) };
+        let symbol = |name: &CStr| {
+            if handle.is_null() {
+                return 0;
+            }
+            // SAFETY: dlsym on a live handle with a NUL-terminated name.
+            unsafe { libc::dlsym(handle, name.as_ptr()) as usize }
+        };
+        let launch = symbol(c"mori_cpu_copy_kernel_launch");
+        let lanes = symbol(c"mori_cpu_copy_kernel_lanes");
+        if launch == 0 || lanes == 0 {
+            // SAFETY: dlerror returns NULL or a NUL-terminated message.
+            let why = unsafe { libc::dlerror() };
+            let why = if why.is_null() {
+                "a symbol is missing".into()
+            } else {
+                // SAFETY: as above.
+                unsafe { CStr::from_ptr(why) }
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            return Err(format!("cannot load {}: {why}", library.display()));
+        }
+        Ok((launch, lanes))
+    });
+    match addresses {
+        // SAFETY: the addresses of the two entry points, whose C signatures these are.
+        Ok((launch, lanes)) => Ok(unsafe {
+            CpuKernel {
+                launch: std::mem::transmute::<usize, CpuLaunch>(*launch),
+                lanes: std::mem::transmute::<usize, CpuLanes>(*lanes),
+            }
+        }),
+        Err(why) => Err(why.clone()),
+    }
+}
+
+/// The CPU kernel, or None after saying why a kernel test skips (a failure under
+/// MORI_TP_REQUIRE_TOOLS=1).
+pub fn cpu_kernel_or_skip(test: &str) -> Option<CpuKernel> {
+    match cpu_kernel() {
+        Ok(kernel) => Some(kernel),
+        Err(why) => {
+            common::skip_missing(test, "MORI_TP_REQUIRE_TOOLS", &why);
+            None
+        }
+    }
+}
+
+/// A host memory range: (first address, length).
+pub type Region = (usize, usize);
+
+fn inside(regions: &[Region], start: usize, len: usize) -> bool {
+    regions
+        .iter()
+        .any(|&(base, size)| start >= base && start + len <= base + size)
+}
+
+/// A hipMalloc'd (device) or hipHostMalloc'd (pinned) allocation: host memory, 8-byte aligned.
+#[derive(Debug)]
+pub struct Allocation {
+    device: i32,
+    /// The size asked for (what hipMemGetAddressRange reports).
+    size: usize,
+    words: Box<[u64]>,
+}
+
+impl Allocation {
+    fn base(&self) -> usize {
+        self.words.as_ptr() as usize
+    }
+
+    fn holds(&self, start: usize, len: usize) -> bool {
+        start >= self.base() && start + len <= self.base() + self.words.len() * 8
+    }
+}
+
+/// A loaded module: the device it was loaded on, and whether a reset has invalidated it.
+#[derive(Clone, Copy, Debug)]
+pub struct Module {
+    device: i32,
+    live: bool,
+}
+
+/// Records every call; replays it on host memory, refusing what a GPU would refuse, without
+/// doing anything.
+#[derive(Debug)]
+pub struct Recorder {
+    /// Every call so far, shared so that a test can read it after handing the recorder away.
+    pub calls: Rc<RefCell<Vec<Call>>>,
+    /// What hipGetDeviceCount answers.
+    pub devices: Result<i32, HipStatus>,
+    /// Fail the n-th hipMemcpy2DAsync (counting from 0) with this status, copying nothing.
+    pub fail_copy: Option<(usize, HipStatus)>,
+    pub sync_status: HipStatus,
+    /// Buffers the copies and the kernel may read and write.
+    pub readable: Vec<Region>,
+    pub writable: Vec<Region>,
+    /// What hipPointerGetAttributes calls device memory besides the runtime's own allocations
+    /// (the test's buffers); it knows nothing else (pageable host memory).
+    pub device_memory: Vec<Region>,
+    /// Host memory registered with hipHostRegister, and the address devices see it at.
+    pub registered: Vec<(Region, usize)>,
+    /// The calling thread's current device (hipGetDevice; hipSetDevice changes it).
+    pub current: RefCell<i32>,
+    /// The device every non-NULL stream belongs to.
+    pub stream_home: Cell<i32>,
+    /// Whether the runtime exports hipStreamGetDevice (HIP 6.0 and later).
+    pub has_stream_get_device: bool,
+    /// Whether every non-NULL stream is capturing a graph.
+    pub capturing: Cell<bool>,
+    /// Fail every call of this name with this status.
+    pub fail_call: Cell<Option<(&'static str, HipStatus)>>,
+    /// The kernel state, shared between recorders to test the cache.
+    pub cache: Arc<KernelCache>,
+    pub device_allocations: RefCell<Vec<Allocation>>,
+    pub host_allocations: RefCell<Vec<Allocation>>,
+    /// Events by handle (index + 1): the device each was created on.
+    pub events: RefCell<Vec<i32>>,
+    pub modules: RefCell<Vec<Module>>,
+}
+
+impl Recorder {
+    pub fn new(src: &[&[u8]], dst: &mut [&mut [u8]]) -> Self {
+        let readable: Vec<Region> = src.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
+        let writable: Vec<Region> = dst
+            .iter_mut()
+            .map(|b| (b.as_mut_ptr() as usize, b.len()))
+            .collect();
+        Recorder {
+            calls: Rc::new(RefCell::new(Vec::new())),
+            devices: Ok(1),
+            fail_copy: None,
+            sync_status: HipStatus::SUCCESS,
+            device_memory: readable.iter().chain(&writable).copied().collect(),
+            readable,
+            writable,
+            registered: Vec::new(),
+            current: RefCell::new(0),
+            stream_home: Cell::new(0),
+            has_stream_get_device: true,
+            capturing: Cell::new(false),
+            fail_call: Cell::new(None),
+            cache: Arc::new(KernelCache::new()),
+            device_allocations: RefCell::new(Vec::new()),
+            host_allocations: RefCell::new(Vec::new()),
+            events: RefCell::new(Vec::new()),
+            modules: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Records `call`; the injected status when `call` is the one to fail.
+    fn record(&self, call: Call) -> Result<(), HipStatus> {
+        let name = call.name();
+        self.calls.borrow_mut().push(call);
+        match self.fail_call.get() {
+            Some((fail, status)) if fail == name => Err(status),
+            _ => Ok(()),
+        }
+    }
+
+    /// What hipDeviceReset does to `device`: its memory is gone, and so are its modules.
+    pub fn reset_device(&self, device: i32) {
+        self.device_allocations
+            .borrow_mut()
+            .retain(|a| a.device != device);
+        for module in self.modules.borrow_mut().iter_mut() {
+            if module.device == device {
+                module.live = false;
+            }
+        }
+    }
+
+    /// What hipDeviceReset does to `device`, after which the caller allocates `size` bytes and
+    /// the allocator hands out the address of the device's first freed allocation again: the
+    /// runtime's modules are gone, and that address is the start of the caller's allocation.
+    /// Returns the address.
+    pub fn reset_device_and_reuse_address(&self, device: i32, size: usize) -> usize {
+        let mut allocations = self.device_allocations.borrow_mut();
+        let at = allocations
+            .iter()
+            .position(|a| a.device == device)
+            .expect("the device has an allocation");
+        // The caller's allocation keeps the freed one's memory (and so its address).
+        let mut reused = allocations.swap_remove(at);
+        allocations.retain(|a| a.device != device);
+        reused.size = size.min(reused.words.len() * 8);
+        let address = reused.base();
+        allocations.push(reused);
+        drop(allocations);
+        for module in self.modules.borrow_mut().iter_mut() {
+            if module.device == device {
+                module.live = false;
+            }
+        }
+        address
+    }
+
+    /// Live hipMalloc'd and hipHostMalloc'd allocations.
+    pub fn live_allocations(&self) -> (usize, usize) {
+        (
+            self.device_allocations.borrow().len(),
+            self.host_allocations.borrow().len(),
+        )
+    }
+
+    /// The device of `stream`'s work.
+    fn stream_device_of(&self, stream: *mut c_void) -> i32 {
+        if stream.is_null() {
+            *self.current.borrow()
+        } else {
+            self.stream_home.get()
+        }
+    }
+
+    fn copies(&self) -> usize {
+        self.calls
+            .borrow()
+            .iter()
+            .filter(|c| matches!(c, Call::Memcpy2d(_)))
+            .count()
+    }
+
+    /// Every row `[start + r * pitch, + width)` lies inside one of `regions`.
+    fn rows_inside(
+        regions: &[Region],
+        start: usize,
+        pitch: usize,
+        width: usize,
+        rows: usize,
+    ) -> bool {
+        (0..rows).all(|r| inside(regions, start + r * pitch, width))
+    }
+
+    /// What a GPU needs before running the kernel on `device`: the table inside that device's
+    /// memory and every row of every (buffer, rect) inside the registered buffers.
+    fn kernel_memory_ok(&self, a: &KernelArgs, device: i32) -> bool {
+        let (rects, buffers) = (a.num_rects as usize, a.num_buffers as usize);
+        let on_device = |start: u64, len: usize| {
+            self.device_allocations
+                .borrow()
+                .iter()
+                .any(|al| al.device == device && al.holds(start as usize, len))
+        };
+        if !on_device(a.rects, rects * 64)
+            || !on_device(a.src_bases, buffers * 8)
+            || !on_device(a.dst_bases, buffers * 8)
+        {
+            return false;
+        }
+        // SAFETY: the three tables lie inside live allocations (checked above).
+        let (table, src, dst) = unsafe {
+            (
+                std::slice::from_raw_parts(a.rects as *const KernelRect, rects),
+                std::slice::from_raw_parts(a.src_bases as *const u64, buffers),
+                std::slice::from_raw_parts(a.dst_bases as *const u64, buffers),
+            )
+        };
+        src.iter().zip(dst).all(|(&s, &d)| {
+            table.iter().all(|r| {
+                let rows = |base: u64, offset: u64, pitch: u64, regions: &[Region]| {
+                    Self::rows_inside(
+                        regions,
+                        (base + offset) as usize,
+                        pitch as usize,
+                        r.width as usize,
+                        r.height as usize,
+                    )
+                };
+                rows(s, r.src_offset, r.src_pitch, &self.readable)
+                    && rows(d, r.dst_offset, r.dst_pitch, &self.writable)
+            })
+        })
+    }
+
+    /// A new allocation of `size` bytes in `list`; its address.
+    fn allocate(list: &RefCell<Vec<Allocation>>, device: i32, size: usize) -> usize {
+        let allocation = Allocation {
+            device,
+            size,
+            words: vec![0u64; size.div_ceil(8).max(1)].into_boxed_slice(),
+        };
+        let base = allocation.base();
+        list.borrow_mut().push(allocation);
+        base
+    }
+
+    /// Frees the allocation at `pointer` in `list`.
+    fn release(list: &RefCell<Vec<Allocation>>, pointer: *mut c_void) -> Result<(), HipStatus> {
+        let mut list = list.borrow_mut();
+        let index = list
+            .iter()
+            .position(|a| a.base() == pointer as usize)
+            .ok_or(HipStatus::ERROR_INVALID_VALUE)?;
+        list.swap_remove(index);
+        Ok(())
+    }
+}
+
+impl HipRuntime for Recorder {
+    fn device_count(&self) -> Result<i32, HipStatus> {
+        self.calls.borrow_mut().push(Call::DeviceCount);
+        self.devices
+    }
+
+    fn current_device(&self) -> Result<i32, HipStatus> {
+        self.record(Call::GetDevice)?;
+        Ok(*self.current.borrow())
+    }
+
+    fn set_device(&self, device: i32) -> Result<(), HipStatus> {
+        self.record(Call::SetDevice(device))?;
+        match self.devices {
+            Ok(count) if (0..count).contains(&device) => {
+                *self.current.borrow_mut() = device;
+                Ok(())
+            }
+            _ => Err(HipStatus::ERROR_INVALID_DEVICE),
+        }
+    }
+
+    unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, HipStatus> {
+        if !self.has_stream_get_device {
+            return Ok(None);
+        }
+        self.record(Call::StreamGetDevice(stream))?;
+        Ok(Some(self.stream_device_of(stream)))
+    }
+
+    unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, HipStatus> {
+        self.record(Call::IsCapturing(stream))?;
+        Ok(self.capturing.get())
+    }
+
+    unsafe fn memcpy_2d_async(&self, a: Memcpy2dAsync) -> Result<(), HipStatus> {
+        let index = self.copies();
+        self.calls.borrow_mut().push(Call::Memcpy2d(a));
+        if let Some((_, status)) = self.fail_copy.filter(|&(n, _)| n == index) {
+            return Err(status);
+        }
+        if a.kind != HIP_MEMCPY_DEFAULT && !(0..=3).contains(&a.kind) {
+            return Err(INVALID_MEMCPY_DIRECTION);
+        }
+        // hipMemcpy2D: non-NULL pointers, width at most each pitch (hipErrorInvalidValue stands
+        // in for every refused argument).
+        if a.dst.is_null() || a.src.is_null() || a.width > a.dpitch || a.width > a.spitch {
+            return Err(HipStatus::ERROR_INVALID_VALUE);
+        }
+        if !Self::rows_inside(&self.readable, a.src as usize, a.spitch, a.width, a.height)
+            || !Self::rows_inside(&self.writable, a.dst as usize, a.dpitch, a.width, a.height)
+        {
+            return Err(HipStatus::ERROR_INVALID_VALUE);
+        }
+        for r in 0..a.height {
+            // SAFETY: every row was checked to lie inside a live buffer registered above.
+            unsafe {
+                std::ptr::copy(
+                    a.src.cast::<u8>().add(r * a.spitch),
+                    a.dst.cast::<u8>().add(r * a.dpitch),
+                    a.width,
+                )
+            };
+        }
+        Ok(())
+    }
+
+    unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), HipStatus> {
+        self.calls.borrow_mut().push(Call::Synchronize(stream));
+        self.sync_status.result()
+    }
+
+    fn error_name(&self, status: HipStatus) -> String {
+        // What hipGetErrorName answers for these codes; anything else is "hipErrorUnknown".
+        match status.0 {
+            0 => "hipSuccess",
+            1 => "hipErrorInvalidValue",
+            2 => "hipErrorOutOfMemory",
+            21 => "hipErrorInvalidMemcpyDirection",
+            100 => "hipErrorNoDevice",
+            101 => "hipErrorInvalidDevice",
+            209 => "hipErrorNoBinaryForGpu",
+            400 => "hipErrorInvalidHandle",
+            500 => "hipErrorNotFound",
+            700 => "hipErrorIllegalAddress",
+            _ => "hipErrorUnknown",
+        }
+        .into()
+    }
+
+    fn kernel_image(&self) -> KernelImage {
+        TEST_IMAGE
+    }
+
+    fn kernel_cache(&self) -> &KernelCache {
+        &self.cache
+    }
+
+    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, HipStatus> {
+        self.record(Call::ModuleLoad { bytes: image.len() })?;
+        let mut modules = self.modules.borrow_mut();
+        modules.push(Module {
+            device: *self.current.borrow(),
+            live: true,
+        });
+        Ok(module_handle(modules.len() - 1))
+    }
+
+    unsafe fn module_get_function(
+        &self,
+        module: *mut c_void,
+        name: &CStr,
+    ) -> Result<*mut c_void, HipStatus> {
+        self.record(Call::GetFunction { module })?;
+        let modules = self.modules.borrow();
+        let Some(n) = (0..modules.len()).find(|&n| module_handle(n) == module) else {
+            return Err(INVALID_RESOURCE_HANDLE);
+        };
+        // clr: "Device mismatch from where this module is loaded" aborts the process.
+        assert_eq!(
+            modules[n].device,
+            *self.current.borrow(),
+            "hipModuleGetFunction on another device than the module's"
+        );
+        // hipErrorNotFound for any other name.
+        if name != c"mori_copy_kernel" {
+            return Err(HipStatus(500));
+        }
+        Ok(function_handle(n))
+    }
+
+    unsafe fn module_unload(&self, module: *mut c_void) -> Result<(), HipStatus> {
+        self.record(Call::ModuleUnload { module })?;
+        let mut modules = self.modules.borrow_mut();
+        match (0..modules.len()).find(|&n| module_handle(n) == module) {
+            Some(n) if modules[n].live => {
+                modules[n].live = false;
+                Ok(())
+            }
+            _ => Err(INVALID_RESOURCE_HANDLE),
+        }
+    }
+
+    fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+        self.record(Call::Malloc { size, returned: 0 })?;
+        let returned = Self::allocate(&self.device_allocations, *self.current.borrow(), size);
+        if let Some(Call::Malloc { returned: r, .. }) = self.calls.borrow_mut().last_mut() {
+            *r = returned;
+        }
+        Ok(without_provenance_mut(returned))
+    }
+
+    unsafe fn free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
+        self.record(Call::Free { pointer })?;
+        Self::release(&self.device_allocations, pointer)
+    }
+
+    fn host_malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+        self.record(Call::HostMalloc { size, returned: 0 })?;
+        let returned = Self::allocate(&self.host_allocations, -1, size);
+        if let Some(Call::HostMalloc { returned: r, .. }) = self.calls.borrow_mut().last_mut() {
+            *r = returned;
+        }
+        Ok(without_provenance_mut(returned))
+    }
+
+    unsafe fn host_free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
+        self.record(Call::HostFree { pointer })?;
+        Self::release(&self.host_allocations, pointer)
+    }
+
+    fn event_create(&self) -> Result<*mut c_void, HipStatus> {
+        self.record(Call::EventCreate { returned: 0 })?;
+        let mut events = self.events.borrow_mut();
+        events.push(*self.current.borrow());
+        let returned = 0xe7e0_0000 + events.len();
+        if let Some(Call::EventCreate { returned: r }) = self.calls.borrow_mut().last_mut() {
+            *r = returned;
+        }
+        Ok(without_provenance_mut(returned))
+    }
+
+    unsafe fn event_record(
+        &self,
+        event: *mut c_void,
+        stream: *mut c_void,
+    ) -> Result<(), HipStatus> {
+        self.record(Call::EventRecord { event, stream })?;
+        // An event records only on a stream of its own device.
+        match self
+            .events
+            .borrow()
+            .get((event as usize).wrapping_sub(0xe7e0_0001))
+        {
+            Some(&device) if device == self.stream_device_of(stream) => Ok(()),
+            _ => Err(INVALID_RESOURCE_HANDLE),
+        }
+    }
+
+    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), HipStatus> {
+        self.record(Call::EventSynchronize { event })?;
+        // Every recorded call has run: the wait is over at once.
+        match self
+            .events
+            .borrow()
+            .get((event as usize).wrapping_sub(0xe7e0_0001))
+        {
+            Some(_) => Ok(()),
+            None => Err(INVALID_RESOURCE_HANDLE),
+        }
+    }
+
+    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, HipStatus> {
+        self.record(Call::PointerInfo { pointer })?;
+        let at = pointer as usize;
+        let device_memory = |device| PointerInfo {
+            device,
+            device_pointer: pointer.cast_mut(),
+            host_pointer: std::ptr::null_mut(),
+        };
+        if let Some(a) = self
+            .device_allocations
+            .borrow()
+            .iter()
+            .find(|a| a.holds(at, 1))
+        {
+            return Ok(device_memory(a.device));
+        }
+        if self
+            .host_allocations
+            .borrow()
+            .iter()
+            .any(|a| a.holds(at, 1))
+        {
+            return Ok(PointerInfo {
+                device: *self.current.borrow(),
+                device_pointer: pointer.cast_mut(),
+                host_pointer: pointer.cast_mut(),
+            });
+        }
+        for &((base, len), alias) in &self.registered {
+            if (base..base + len).contains(&at) {
+                return Ok(PointerInfo {
+                    device: *self.current.borrow(),
+                    device_pointer: without_provenance_mut(alias + (at - base)),
+                    host_pointer: pointer.cast_mut(),
+                });
+            }
+        }
+        if inside(&self.device_memory, at, 1) {
+            return Ok(device_memory(self.stream_home.get()));
+        }
+        // Unknown to the runtime: pageable host memory.
+        Err(HipStatus::ERROR_INVALID_VALUE)
+    }
+
+    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus> {
+        self.record(Call::AddressRange { pointer })?;
+        self.device_allocations
+            .borrow()
+            .iter()
+            .find(|a| a.holds(pointer as usize, 1))
+            .map(|a| (a.base(), a.size))
+            // hipErrorNotFound, as clr answers for an address it does not know.
+            .ok_or(HipStatus(500))
+    }
+
+    unsafe fn memcpy_host_to_device_async(
+        &self,
+        dst: *mut c_void,
+        src: *const c_void,
+        size: usize,
+        stream: *mut c_void,
+    ) -> Result<(), HipStatus> {
+        self.record(Call::MemcpyHostToDevice {
+            dst,
+            src,
+            size,
+            stream,
+        })?;
+        let device = self.device_allocations.borrow();
+        let host = self.host_allocations.borrow();
+        // Only a pinned source is read by the copy engine in stream order; the engine stages
+        // every upload there.
+        if !device.iter().any(|a| a.holds(dst as usize, size))
+            || !host.iter().any(|a| a.holds(src as usize, size))
+        {
+            return Err(HipStatus::ERROR_INVALID_VALUE);
+        }
+        // SAFETY: both ranges lie inside live allocations (checked above), which do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.cast::<u8>(), dst.cast::<u8>(), size) };
+        Ok(())
+    }
+
+    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), HipStatus> {
+        self.record(Call::Launch(*launch))?;
+        let device = self.stream_device_of(launch.stream);
+        let modules = self.modules.borrow();
+        let Some(n) = (0..modules.len()).find(|&n| function_handle(n) == launch.function) else {
+            return Err(INVALID_RESOURCE_HANDLE);
+        };
+        if !modules[n].live {
+            return Err(INVALID_RESOURCE_HANDLE);
+        }
+        // clr: the function has no kernel for the stream's device.
+        if modules[n].device != device {
+            return Err(HipStatus::ERROR_INVALID_DEVICE);
+        }
+        // hipErrorInvalidConfiguration.
+        if launch.grid.0 == 0 || launch.grid.1 == 0 || launch.block > BLOCK_THREADS {
+            return Err(HipStatus(9));
+        }
+        if !self.kernel_memory_ok(&launch.args, device) {
+            return Err(ILLEGAL_ADDRESS);
+        }
+        let kernel = cpu_kernel().expect("kernel tests check for the CPU kernel first");
+        let seed = self.calls.borrow().len() as u64;
+        let (x, y) = launch.grid;
+        // SAFETY: every address the kernel touches was checked above.
+        unsafe { (kernel.launch)(x, y, 1, launch.block, 1, 1, &launch.args, seed) };
+        Ok(())
+    }
+}
