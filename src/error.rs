@@ -618,7 +618,9 @@ pub enum Error {
 
     // ---- pipeline parallelism ----
     /// A pipeline partition lists no stage.
-    #[error("invalid argument: {side}: the pipeline partition is empty (give the layers of each stage)")]
+    #[error(
+        "invalid argument: {side}: the pipeline partition is empty (give the layers of each stage)"
+    )]
     EmptyPartition {
         /// Which engine.
         side: Side,
@@ -637,7 +639,9 @@ pub enum Error {
         partition: Vec<u32>,
     },
     /// A pipeline partition holds more layers than a `u32` counts.
-    #[error("invalid argument: {side}: the pipeline partition holds {layers} layers, more than 4294967295")]
+    #[error(
+        "invalid argument: {side}: the pipeline partition holds {layers} layers, more than 4294967295"
+    )]
     PartitionTooLarge {
         /// Which engine.
         side: Side,
@@ -856,9 +860,7 @@ impl Error {
             StagingTooSmall { .. }
             | GroupsStagingTooSmall { .. }
             | SlotLargerThanPool { .. }
-            | PoolFull { .. } => {
-                ErrorClass::BufferTooSmall
-            }
+            | PoolFull { .. } => ErrorClass::BufferTooSmall,
             BackendUnavailable { .. } => ErrorClass::BackendUnavailable,
             Gpu { .. } => ErrorClass::Gpu,
         }
@@ -924,7 +926,10 @@ fn without_side(error: &Error) -> String {
 fn in_group(group: usize, error: &Error) -> String {
     let message = error.to_string();
     let label = error.class().label();
-    match message.strip_prefix(label).and_then(|rest| rest.strip_prefix(": ")) {
+    match message
+        .strip_prefix(label)
+        .and_then(|rest| rest.strip_prefix(": "))
+    {
         Some(rest) => format!("{label}: group {group}: {rest}"),
         None => format!("group {group}: {message}"),
     }

@@ -21,6 +21,8 @@
 //! sequence) must be a multiple of both page sizes, so that the window's pages hold its tokens
 //! from slot 0.
 
+use std::borrow::Cow;
+
 use crate::backend::{CopyEngine, CopyJob, KvBuffers, SendReport, check_capacity_fits};
 use crate::error::{Error, Result, checked_product};
 use crate::layout::{PairConfig, Request};
@@ -184,8 +186,8 @@ impl<'a> GroupsPlan<'a> {
         for (index, group) in groups.iter().enumerate() {
             let in_group = |error: Error| error.in_group(index);
             check_first_token(group).map_err(in_group)?;
-            let plan =
-                PairPlan::transfer(group.config, &group.request, group.staging).map_err(in_group)?;
+            let plan = PairPlan::transfer(group.config, &group.request, group.staging)
+                .map_err(in_group)?;
             let num_segments = plan.num_segments().map_err(in_group)? as u64;
             let staging_len = plan.bytes_per_buffer();
             let buffers = group.buffers.num_buffers as u64;
@@ -215,7 +217,8 @@ impl<'a> GroupsPlan<'a> {
                 group_segments,
             )
             .map_err(in_group)?;
-            total.bytes = sum("bytes of the request", total.bytes, group_bytes).map_err(in_group)?;
+            total.bytes =
+                sum("bytes of the request", total.bytes, group_bytes).map_err(in_group)?;
             if group.staging.stages_src() {
                 info.src_staging_offset = total.src_staging_bytes;
                 total.src_staging_bytes = sum(
@@ -373,33 +376,20 @@ fn side_pointers<P: Copy>(side: Side, pointers: &[P], num_buffers: usize) -> Res
 /// One job's inputs, owned here so that every job of a call exists before the first runs.
 struct JobParts<'p, 'a> {
     group: usize,
-    plan: PairPlanRef<'p, 'a>,
+    /// The transfer plan of a [`GroupsPlan`], or one made for the call.
+    plan: Cow<'p, PairPlan<'a>>,
     src: Vec<*const u8>,
     dst: Vec<*mut u8>,
     src_capacity: u64,
     dst_capacity: u64,
 }
 
-/// A plan a job runs: the transfer plan of a [`GroupsPlan`], or one made for the call.
-enum PairPlanRef<'p, 'a> {
-    Borrowed(&'p PairPlan<'a>),
-    Owned(PairPlan<'a>),
-}
-
-impl<'a> PairPlanRef<'_, 'a> {
-    fn get(&self) -> &PairPlan<'a> {
-        match self {
-            PairPlanRef::Borrowed(plan) => plan,
-            PairPlanRef::Owned(plan) => plan,
-        }
-    }
-}
-
-/// Validates every job, then runs them in group order on `engine`.
-///
-/// # Safety
-/// As for [`send_groups`]: every pointer valid for its capacity in the memory `engine` reaches.
-unsafe fn run_jobs(parts: &[JobParts<'_, '_>], engine: &mut dyn CopyEngine) -> Result<SendReport> {
+/// Builds every job of a call from its parts (each checked against its buffers), then hands
+/// them to `run`: nothing runs unless every group is valid.
+fn with_jobs<R>(
+    parts: &[JobParts<'_, '_>],
+    run: impl FnOnce(&[(usize, CopyJob<'_>)]) -> Result<R>,
+) -> Result<R> {
     let mut jobs = Vec::with_capacity(parts.len());
     for part in parts {
         let buffers = KvBuffers {
@@ -408,31 +398,36 @@ unsafe fn run_jobs(parts: &[JobParts<'_, '_>], engine: &mut dyn CopyEngine) -> R
             src_capacity: part.src_capacity,
             dst_capacity: part.dst_capacity,
         };
-        let job = CopyJob::new(part.plan.get().walk(), &buffers).map_err(|e| e.in_group(part.group))?;
-        jobs.push(job);
+        let job = CopyJob::new(part.plan.walk(), &buffers).map_err(|e| e.in_group(part.group))?;
+        jobs.push((part.group, job));
     }
+    run(&jobs)
+}
+
+/// Runs validated jobs in group order on `engine`.
+///
+/// # Safety
+/// Every job's pointers valid for their capacities in the memory `engine` reaches, until it
+/// has finished.
+pub(crate) unsafe fn run_jobs(
+    jobs: &[(usize, CopyJob<'_>)],
+    engine: &mut dyn CopyEngine,
+) -> Result<SendReport> {
     let mut report = SendReport::default();
-    for (job, part) in jobs.iter().zip(parts) {
+    for (group, job) in jobs {
         // SAFETY: forwarded from the caller; each job checked its rects against its buffers.
-        let done = unsafe { job.run(engine) }.map_err(|e| e.in_group(part.group))?;
+        let done = unsafe { job.run(engine) }.map_err(|e| e.in_group(*group))?;
         report.copies += done.copies;
         report.bytes += done.bytes;
     }
     Ok(report)
 }
 
-/// Copies every group of a request page to page (section 7's send for each group, whatever
-/// its staging mode): every moved head of every token of every buffer. Every group's buffers
-/// are checked against its pages before the first byte moves, so a refused call writes
-/// nothing; the copies then run group after group. Groups may share buffers (the parts of one
-/// state slot): each writes only its own elements.
-///
-/// # Safety
-/// Each group's `buffers.src[i]` must be readable for `src_capacity` bytes and each
-/// `buffers.dst[i]` writable for `dst_capacity` bytes, in the memory space `engine` addresses,
-/// until the engine has finished; no destination byte a group writes may be a source byte of
-/// the call.
-pub unsafe fn send_groups(plan: &GroupsPlan<'_>, engine: &mut dyn CopyEngine) -> Result<SendReport> {
+/// Validates a send of every group page to page and hands its jobs to `run`.
+pub(crate) fn with_send_jobs<R>(
+    plan: &GroupsPlan<'_>,
+    run: impl FnOnce(&[(usize, CopyJob<'_>)]) -> Result<R>,
+) -> Result<R> {
     let mut parts = Vec::with_capacity(plan.groups.len());
     for (index, group) in plan.groups.iter().enumerate() {
         let in_group = |error: Error| error.in_group(index);
@@ -440,9 +435,9 @@ pub unsafe fn send_groups(plan: &GroupsPlan<'_>, engine: &mut dyn CopyEngine) ->
         let src = side_pointers(Side::Prefill, b.src, b.num_buffers).map_err(in_group)?;
         let dst = side_pointers(Side::Decode, b.dst, b.num_buffers).map_err(in_group)?;
         let direct = if group.staging == Staging::None {
-            PairPlanRef::Borrowed(&plan.plans[index])
+            Cow::Borrowed(&plan.plans[index])
         } else {
-            PairPlanRef::Owned(
+            Cow::Owned(
                 PairPlan::transfer(group.config, &group.request, Staging::None)
                     .map_err(in_group)?,
             )
@@ -456,8 +451,26 @@ pub unsafe fn send_groups(plan: &GroupsPlan<'_>, engine: &mut dyn CopyEngine) ->
             dst_capacity: b.dst_capacity,
         });
     }
+    with_jobs(&parts, run)
+}
+
+/// Copies every group of a request page to page (section 7's send for each group, whatever
+/// its staging mode): every moved head of every token of every buffer. Every group's buffers
+/// are checked against its pages before the first byte moves, so a refused call writes
+/// nothing; the copies then run group after group. Groups may share buffers (the parts of one
+/// state slot): each writes only its own elements.
+///
+/// # Safety
+/// Each group's `buffers.src[i]` must be readable for `src_capacity` bytes and each
+/// `buffers.dst[i]` writable for `dst_capacity` bytes, in the memory space `engine` addresses,
+/// until the engine has finished; no destination byte a group writes may be a source byte of
+/// the call.
+pub unsafe fn send_groups(
+    plan: &GroupsPlan<'_>,
+    engine: &mut dyn CopyEngine,
+) -> Result<SendReport> {
     // SAFETY: forwarded from the caller.
-    unsafe { run_jobs(&parts, engine) }
+    with_send_jobs(plan, |jobs| unsafe { run_jobs(jobs, engine) })
 }
 
 /// Checks a request's staging region on `side` and returns its base, which is never NULL
@@ -513,6 +526,19 @@ pub unsafe fn pack_groups(
     staging_capacity: u64,
     engine: &mut dyn CopyEngine,
 ) -> Result<SendReport> {
+    // SAFETY: forwarded from the caller; each group's part lies inside the region (checked).
+    with_pack_jobs(plan, staging, staging_capacity, |jobs| unsafe {
+        run_jobs(jobs, engine)
+    })
+}
+
+/// Validates a pack of every group that stages the prefill side and hands its jobs to `run`.
+pub(crate) fn with_pack_jobs<R>(
+    plan: &GroupsPlan<'_>,
+    staging: *mut u8,
+    staging_capacity: u64,
+    run: impl FnOnce(&[(usize, CopyJob<'_>)]) -> Result<R>,
+) -> Result<R> {
     let region = check_region(plan, Side::Prefill, staging, staging_capacity)?;
     let mut parts = Vec::new();
     for (index, group) in plan.groups.iter().enumerate() {
@@ -533,19 +559,17 @@ pub unsafe fn pack_groups(
             )
             .map_err(in_group)?;
         }
-        let pack =
-            PairPlan::pack(group.config, group.staging, &group.request).map_err(in_group)?;
+        let pack = PairPlan::pack(group.config, group.staging, &group.request).map_err(in_group)?;
         parts.push(JobParts {
             group: index,
-            plan: PairPlanRef::Owned(pack),
+            plan: Cow::Owned(pack),
             src: src.to_vec(),
             dst: region_bases(plan, Side::Prefill, index, region),
             src_capacity: b.src_capacity,
             dst_capacity: info.staging_len,
         });
     }
-    // SAFETY: forwarded from the caller; each group's part lies inside the region (checked).
-    unsafe { run_jobs(&parts, engine) }
+    with_jobs(&parts, run)
 }
 
 /// Decode side of a staged request: unpacks every group whose staging is DST or BOTH from its
@@ -562,6 +586,19 @@ pub unsafe fn unpack_groups(
     staging_capacity: u64,
     engine: &mut dyn CopyEngine,
 ) -> Result<SendReport> {
+    // SAFETY: forwarded from the caller; each group's part lies inside the region (checked).
+    with_unpack_jobs(plan, staging, staging_capacity, |jobs| unsafe {
+        run_jobs(jobs, engine)
+    })
+}
+
+/// Validates an unpack of every group that stages the decode side and hands its jobs to `run`.
+pub(crate) fn with_unpack_jobs<R>(
+    plan: &GroupsPlan<'_>,
+    staging: *const u8,
+    staging_capacity: u64,
+    run: impl FnOnce(&[(usize, CopyJob<'_>)]) -> Result<R>,
+) -> Result<R> {
     let region = check_region(plan, Side::Decode, staging.cast_mut(), staging_capacity)?;
     let mut parts = Vec::new();
     for (index, group) in plan.groups.iter().enumerate() {
@@ -587,7 +624,7 @@ pub unsafe fn unpack_groups(
             PairPlan::unpack(group.config, group.staging, &group.request).map_err(in_group)?;
         parts.push(JobParts {
             group: index,
-            plan: PairPlanRef::Owned(unpack),
+            plan: Cow::Owned(unpack),
             src: region_bases(plan, Side::Decode, index, region)
                 .into_iter()
                 .map(<*mut u8>::cast_const)
@@ -597,6 +634,5 @@ pub unsafe fn unpack_groups(
             dst_capacity: b.dst_capacity,
         });
     }
-    // SAFETY: forwarded from the caller; each group's part lies inside the region (checked).
-    unsafe { run_jobs(&parts, engine) }
+    with_jobs(&parts, run)
 }
