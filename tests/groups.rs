@@ -14,7 +14,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::ffi::{CStr, c_void};
-use std::ptr::null_mut;
+use std::ptr::{null, null_mut};
 
 use common::{moved_heads, owned_heads};
 use mori_tp::ffi::*;
@@ -927,4 +927,458 @@ fn every_kind_of_group_moves_byte_exact_in_one_request_in_every_staging_mode() {
     // Every kind of group moved bytes somewhere (a pair that shares nothing moves none).
     assert_eq!(moved.len(), 11, "{moved:?}");
     assert!(moved.values().all(|&bytes| bytes > 0), "{moved:?}");
+}
+
+// ---- refusals: the status, the message with its group and numbers, nothing written --------
+
+/// Two groups of one pair (4 KV heads, TP 2 -> 2, ranks 0 and 0): group 0 token-major pages of
+/// 16 on both sides, 40 tokens, staged BOTH; group 1 a window of 20 tokens from token 32, pages
+/// of 16 (token-major) to 32 (head-major), staged DST. Two buffers of 1536 bytes each per group
+/// and side.
+struct Fixture {
+    src: Vec<Vec<u8>>,
+    dst: Vec<Vec<u8>>,
+    src_ptrs: Vec<Vec<*const c_void>>,
+    dst_ptrs: Vec<Vec<*mut c_void>>,
+    pages: [[Vec<i32>; 2]; 2],
+    configs: [MoriTpPairConfig; 2],
+}
+
+const BUFFER: usize = 1536;
+
+impl Fixture {
+    fn new() -> Fixture {
+        let at = [Rank { tp: 2, rank: 0 }, Rank { tp: 2, rank: 0 }];
+        let mut src: Vec<Vec<u8>> = (0..4).map(|b| pattern(b, BUFFER)).collect();
+        let mut dst: Vec<Vec<u8>> = (0..4).map(|b| pattern(0x100 + b, BUFFER)).collect();
+        let src_ptrs = src
+            .chunks_mut(2)
+            .map(|pair| pair.iter().map(|b| b.as_ptr().cast()).collect())
+            .collect();
+        let dst_ptrs = dst
+            .chunks_mut(2)
+            .map(|pair| pair.iter_mut().map(|b| b.as_mut_ptr().cast()).collect())
+            .collect();
+        Fixture {
+            src,
+            dst,
+            src_ptrs,
+            dst_ptrs,
+            pages: [[vec![2, 0, 5], vec![1, 3, 4]], [vec![1, 4], vec![2]]],
+            configs: [
+                pair_config(&nhd(4, at[0], 16, 8), &nhd(4, at[1], 16, 8)),
+                pair_config(&nhd(4, at[0], 16, 8), &hnd(4, at[1], 32, 8)),
+            ],
+        }
+    }
+
+    fn groups(&self) -> Vec<MoriTpGroup> {
+        let group = |g: usize, staging: u32, first_token: u64, tokens: u64| MoriTpGroup {
+            config: self.configs[g],
+            staging,
+            reserved: 0,
+            first_token,
+            request: MoriTpRequest {
+                src_pages: self.pages[g][0].as_ptr(),
+                num_src_pages: self.pages[g][0].len(),
+                dst_pages: self.pages[g][1].as_ptr(),
+                num_dst_pages: self.pages[g][1].len(),
+                num_tokens: tokens,
+            },
+            buffers: MoriKvBuffers {
+                src: self.src_ptrs[g].as_ptr(),
+                dst: self.dst_ptrs[g].as_ptr(),
+                num_buffers: 2,
+                src_capacity: BUFFER as u64,
+                dst_capacity: BUFFER as u64,
+            },
+        };
+        vec![
+            group(0, MORI_TP_STAGING_BOTH, 0, 40),
+            group(1, MORI_TP_STAGING_DST, 32, 20),
+        ]
+    }
+
+    /// Every destination buffer still holds its initial bytes.
+    fn untouched(&self) -> bool {
+        (0..4).all(|b| self.dst[b as usize] == pattern(0x100 + b, BUFFER))
+            && (0..4).all(|b| self.src[b as usize] == pattern(b, BUFFER))
+    }
+}
+
+/// Runs every group function on `groups` that reads what `edit` broke; each must refuse with
+/// `status` and a message containing every one of `parts`, and write nothing.
+fn refused(fixture: &Fixture, groups: &[MoriTpGroup], status: MoriStatus, parts: &[&str]) {
+    let mut region = vec![0xEEu8; 4096];
+    let mut out = vec![MoriTpGroupInfo::default(); groups.len()];
+    let mut total = MoriTpGroupsTotal::default();
+    let mut segments = vec![MoriSegment::default(); 4096];
+    let mut len = 0;
+    let (ptr, n) = (groups.as_ptr(), groups.len());
+    // SAFETY (every call): arrays of the stated sizes, buffers of the stated capacities.
+    let calls: [(&str, MoriStatus); 5] = unsafe {
+        [
+            (
+                "mori_tp_groups_info",
+                mori_tp_groups_info(ptr, n, out.as_mut_ptr(), &mut total),
+            ),
+            (
+                "mori_tp_groups_segments",
+                mori_tp_groups_segments(ptr, n, segments.as_mut_ptr(), 4096, &mut len),
+            ),
+            (
+                "mori_send_kvcache_groups",
+                mori_send_kvcache_groups(ptr, n, &HOST),
+            ),
+            (
+                "mori_pack_kvcache_groups",
+                mori_pack_kvcache_groups(ptr, n, region.as_mut_ptr().cast(), 4096, &HOST),
+            ),
+            (
+                "mori_unpack_kvcache_groups",
+                mori_unpack_kvcache_groups(ptr, n, region.as_ptr().cast(), 4096, &HOST),
+            ),
+        ]
+    };
+    // The messages are checked call by call: the last one is what mori_last_error_message
+    // holds now, so each call is repeated alone below.
+    for (function, got) in calls {
+        assert_eq!(got, status, "{function}: {}", last_error());
+    }
+    for function in 0..5 {
+        // SAFETY: as above.
+        unsafe {
+            match function {
+                0 => mori_tp_groups_info(ptr, n, out.as_mut_ptr(), &mut total),
+                1 => mori_tp_groups_segments(ptr, n, segments.as_mut_ptr(), 4096, &mut len),
+                2 => mori_send_kvcache_groups(ptr, n, &HOST),
+                3 => mori_pack_kvcache_groups(ptr, n, region.as_mut_ptr().cast(), 4096, &HOST),
+                _ => mori_unpack_kvcache_groups(ptr, n, region.as_ptr().cast(), 4096, &HOST),
+            }
+        };
+        let message = last_error();
+        for part in parts {
+            assert!(message.contains(part), "{message:?} lacks {part:?}");
+        }
+    }
+    assert!(fixture.untouched(), "a refused call wrote a page buffer");
+    assert!(
+        region.iter().all(|&b| b == 0xEE),
+        "a refused call wrote the staging region"
+    );
+    assert!(out.iter().all(|i| *i == MoriTpGroupInfo::default()));
+    assert_eq!(total, MoriTpGroupsTotal::default());
+    assert!(segments.iter().all(|s| *s == MoriSegment::default()));
+}
+
+#[test]
+fn a_valid_request_lays_its_groups_regions_back_to_back() {
+    let fixture = Fixture::new();
+    let groups = fixture.groups();
+    let (infos, total) = info(&groups);
+    // Group 0: 40 tokens x 2 heads x 8 bytes = 640 per buffer, staged on both sides; group 1:
+    // 20 tokens, staged on the decode side only, after group 0's 1280 bytes there.
+    assert_eq!(
+        (
+            infos[0].staging_len,
+            infos[0].src_staging_offset,
+            infos[0].dst_staging_offset
+        ),
+        (640, 0, 0)
+    );
+    assert_eq!(
+        (
+            infos[1].staging_len,
+            infos[1].src_staging_offset,
+            infos[1].dst_staging_offset
+        ),
+        (320, 0, 1280)
+    );
+    assert_eq!(
+        (total.src_staging_bytes, total.dst_staging_bytes),
+        (1280, 1920)
+    );
+    assert_eq!(total.bytes, 1920);
+    // BOTH is one segment per buffer; group 1's DST segments follow it.
+    assert_eq!((infos[0].first_segment, infos[0].num_segments), (0, 1));
+    assert_eq!(infos[1].first_segment, 1);
+    assert_eq!(segments(&groups).len() as u64, total.num_segments);
+    let empty = info(&[]);
+    assert_eq!(empty, (vec![], MoriTpGroupsTotal::default()));
+}
+
+#[test]
+fn a_window_that_does_not_start_on_both_pages_is_refused_with_its_numbers() {
+    let fixture = Fixture::new();
+    let mut groups = fixture.groups();
+    groups[1].first_token = 40;
+    refused(
+        &fixture,
+        &groups,
+        MORI_ERR_INVALID_ARGUMENT,
+        &[
+            "invalid argument: group 1: first_token 40 is not a multiple of both page sizes \
+           (prefill page_size 16, decode page_size 32): a window starts on a page of each side; \
+           round it down to 32, a multiple of 32",
+        ],
+    );
+    // On both pages it is accepted: 64 is a multiple of 16 and of 32.
+    groups[1].first_token = 64;
+    info(&groups);
+}
+
+#[test]
+fn every_field_of_a_group_is_checked_and_its_refusal_names_the_group() {
+    let fixture = Fixture::new();
+    let base = fixture.groups();
+    let edits: Vec<(Box<dyn Fn(&mut Vec<MoriTpGroup>)>, MoriStatus, Vec<&str>)> = vec![
+        (
+            Box::new(|g| g[1].reserved = 7),
+            MORI_ERR_INVALID_ARGUMENT,
+            vec!["invalid argument: group 1: reserved is 7, not 0"],
+        ),
+        (
+            Box::new(|g| g[0].staging = 9),
+            MORI_ERR_INVALID_ARGUMENT,
+            vec!["invalid argument: group 0: staging 9 is not a MoriTpStaging"],
+        ),
+        (
+            Box::new(|g| g[1].config.num_heads += 1),
+            MORI_ERR_INVALID_ARGUMENT,
+            vec!["invalid argument: group 1: inconsistent pair config: num_heads 3"],
+        ),
+        (
+            Box::new(|g| g[1].config.dst.head_bytes = 4),
+            MORI_ERR_LAYOUT_MISMATCH,
+            vec!["layout mismatch: group 1: decode side head_bytes 4 != prefill side head_bytes 8"],
+        ),
+        (
+            Box::new(|g| g[1].request.num_src_pages = 1),
+            MORI_ERR_INVALID_ARGUMENT,
+            vec!["invalid argument: group 1: prefill side: 1 pages for 20 tokens of page_size 16"],
+        ),
+        (
+            Box::new(|g| g[0].request.src_pages = std::ptr::null()),
+            MORI_ERR_NULL_POINTER,
+            vec!["null pointer: group 0: request.src_pages is NULL but its length is 3"],
+        ),
+        (
+            Box::new(|g| g[1].request.dst_pages = [-1i32].as_ptr()),
+            MORI_ERR_OUT_OF_BOUNDS,
+            vec!["out of bounds: group 1: decode side: page index -1 at position 0 is negative"],
+        ),
+        (
+            // On both pages, but the window's last token is past 2^64.
+            Box::new(|g| g[0].first_token = u64::MAX - 31),
+            MORI_ERR_INVALID_ARGUMENT,
+            vec!["invalid argument: group 0: ", "first_token + num_tokens"],
+        ),
+    ];
+    for (edit, status, parts) in edits {
+        let mut groups = base.clone();
+        edit(&mut groups);
+        refused(&fixture, &groups, status, &parts);
+    }
+}
+
+#[test]
+fn a_bad_group_after_good_ones_stops_the_whole_request_before_any_byte_moves() {
+    let fixture = Fixture::new();
+    let mut groups = fixture.groups();
+    // Group 1's decode pages end past its buffers: group 0, valid, must not move either.
+    groups[1].buffers.dst_capacity = 1000;
+    let message = |f: &dyn Fn() -> MoriStatus, status: MoriStatus| {
+        assert_eq!(f(), status, "{}", last_error());
+        last_error()
+    };
+    let (ptr, n) = (groups.as_ptr(), groups.len());
+    // SAFETY: the fixture's buffers, of BUFFER bytes (the capacity stated is smaller).
+    let sent = message(
+        &|| unsafe { mori_send_kvcache_groups(ptr, n, &HOST) },
+        MORI_ERR_OUT_OF_BOUNDS,
+    );
+    assert!(
+        sent.starts_with(
+            "mori_send_kvcache_groups: out of bounds: group 1: decode side: page 2 at \
+                          position 0 ends at byte 1536, past dst_capacity 1000"
+        ),
+        "{sent}"
+    );
+    let mut region = vec![0u8; 1920];
+    // SAFETY: as above; the region holds the request's 1920 decode staging bytes.
+    let unpacked = message(
+        &|| unsafe { mori_unpack_kvcache_groups(ptr, n, region.as_ptr().cast(), 1920, &HOST) },
+        MORI_ERR_OUT_OF_BOUNDS,
+    );
+    assert!(
+        unpacked.contains("group 1: decode side: page 2"),
+        "{unpacked}"
+    );
+    // SAFETY: valid pointers.
+    let checked = message(
+        &|| unsafe { mori_tp_check_groups_transfer(ptr, n, 1280, 1920) },
+        MORI_ERR_OUT_OF_BOUNDS,
+    );
+    assert!(
+        checked.contains("group 1: decode side: page 2"),
+        "{checked}"
+    );
+    // A pack reads only the prefill side: group 1 stages nothing there, so it packs group 0.
+    // SAFETY: as above.
+    let packed =
+        unsafe { mori_pack_kvcache_groups(ptr, n, region.as_mut_ptr().cast(), 1280, &HOST) };
+    assert_eq!(packed, MORI_OK, "{}", last_error());
+    assert!(fixture.untouched());
+    assert!(region[..1280].iter().any(|&b| b != 0));
+    region.fill(0);
+
+    // A NULL buffer array where it is read, and a NULL entry.
+    let mut groups = fixture.groups();
+    groups[1].buffers.dst = std::ptr::null();
+    let (ptr, n) = (groups.as_ptr(), groups.len());
+    // SAFETY: as above.
+    let sent = message(
+        &|| unsafe { mori_send_kvcache_groups(ptr, n, &HOST) },
+        MORI_ERR_NULL_POINTER,
+    );
+    assert!(
+        sent.contains(
+            "null pointer: group 1: decode side: the group's buffer pointers are not \
+                       given (NULL or empty) but num_buffers is 2"
+        ),
+        "{sent}"
+    );
+    let nulls: Vec<*const c_void> = vec![fixture.src_ptrs[0][0], std::ptr::null()];
+    let mut groups = fixture.groups();
+    groups[0].buffers.src = nulls.as_ptr();
+    let (ptr, n) = (groups.as_ptr(), groups.len());
+    let base = region.as_mut_ptr();
+    // SAFETY: as above.
+    let packed = message(
+        &|| unsafe { mori_pack_kvcache_groups(ptr, n, base.cast(), 1280, &HOST) },
+        MORI_ERR_NULL_POINTER,
+    );
+    assert!(
+        packed.contains("null pointer: group 0: buffers.src[1] is NULL"),
+        "{packed}"
+    );
+    assert!(fixture.untouched());
+    assert!(region.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn staging_regions_too_small_null_or_overlapping_are_refused() {
+    let fixture = Fixture::new();
+    let groups = fixture.groups();
+    let (ptr, n) = (groups.as_ptr(), groups.len());
+    let mut region = vec![0u8; 2048];
+    let expect = |status: MoriStatus, got: MoriStatus, part: &str| {
+        assert_eq!(got, status, "{}", last_error());
+        let message = last_error();
+        assert!(message.contains(part), "{message:?} lacks {part:?}");
+    };
+    // SAFETY (every call): the fixture's buffers; a region of 2048 bytes (capacities stated
+    // within it), or NULL.
+    unsafe {
+        expect(
+            MORI_ERR_BUFFER_TOO_SMALL,
+            mori_pack_kvcache_groups(ptr, n, region.as_mut_ptr().cast(), 1279, &HOST),
+            "buffer too small: prefill side: staging_capacity 1279 is below the 1280 bytes",
+        );
+        expect(
+            MORI_ERR_BUFFER_TOO_SMALL,
+            mori_unpack_kvcache_groups(ptr, n, region.as_ptr().cast(), 1919, &HOST),
+            "buffer too small: decode side: staging_capacity 1919 is below the 1920 bytes",
+        );
+        expect(
+            MORI_ERR_BUFFER_TOO_SMALL,
+            mori_tp_check_groups_transfer(ptr, n, 1280, 1919),
+            "decode side: staging_capacity 1919 is below the 1920 bytes",
+        );
+        expect(
+            MORI_ERR_NULL_POINTER,
+            mori_unpack_kvcache_groups(ptr, n, null(), 1920, &HOST),
+            "staging is NULL but staging_capacity is 1920",
+        );
+        // The region starts inside group 0's second source buffer.
+        let inside = fixture.src[1].as_ptr().cast_mut().add(100).cast();
+        expect(
+            MORI_ERR_INVALID_ARGUMENT,
+            mori_pack_kvcache_groups(ptr, n, inside, 1280, &HOST),
+            "invalid argument: group 0: the staging region",
+        );
+        assert!(fixture.untouched());
+        assert!(region.iter().all(|&b| b == 0));
+        // Unknown send flags are the call's, not a group's.
+        let bad = MoriSendOptions {
+            flags: 0x80,
+            ..HOST
+        };
+        expect(
+            MORI_ERR_INVALID_ARGUMENT,
+            mori_send_kvcache_groups(ptr, n, &bad),
+            "options.flags 0x80 has unknown bits 0x80",
+        );
+    }
+}
+
+#[test]
+fn the_arrays_of_the_group_functions_follow_the_abi_conventions() {
+    let fixture = Fixture::new();
+    let groups = fixture.groups();
+    let (ptr, n) = (groups.as_ptr(), groups.len());
+    let mut total = MoriTpGroupsTotal::default();
+    let mut len = usize::MAX;
+    // SAFETY (every call): NULL arrays with non-zero lengths are refused before any access.
+    unsafe {
+        assert_eq!(
+            mori_tp_groups_info(null(), 2, null_mut(), &mut total),
+            MORI_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            mori_tp_groups_info(ptr, n, null_mut(), &mut total),
+            MORI_ERR_NULL_POINTER
+        );
+        assert!(
+            last_error().contains("out is NULL but its length is 2"),
+            "{}",
+            last_error()
+        );
+        let mut out = [MoriTpGroupInfo::default(); 2];
+        assert_eq!(
+            mori_tp_groups_info(ptr, n, out.as_mut_ptr(), null_mut()),
+            MORI_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            mori_tp_groups_segments(null(), 1, null_mut(), 0, &mut len),
+            MORI_ERR_NULL_POINTER
+        );
+        assert!(last_error().contains("groups is NULL but its length is 1"));
+        // The size query, then an array one entry short: *out_len says how many, nothing else
+        // is written.
+        assert_eq!(
+            mori_tp_groups_segments(ptr, n, null_mut(), 0, &mut len),
+            MORI_ERR_BUFFER_TOO_SMALL
+        );
+        let needed = len;
+        let mut short = vec![MoriSegment::default(); needed - 1];
+        assert_eq!(
+            mori_tp_groups_segments(ptr, n, short.as_mut_ptr(), needed - 1, &mut len),
+            MORI_ERR_BUFFER_TOO_SMALL
+        );
+        assert_eq!(len, needed);
+        assert!(short.iter().all(|s| *s == MoriSegment::default()));
+        // An empty request: nothing to plan, move or check.
+        assert_eq!(
+            mori_tp_groups_segments(null(), 0, null_mut(), 0, &mut len),
+            MORI_OK
+        );
+        assert_eq!(len, 0);
+        assert_eq!(mori_send_kvcache_groups(null(), 0, &HOST), MORI_OK);
+        assert_eq!(
+            mori_pack_kvcache_groups(null(), 0, null_mut(), 0, &HOST),
+            MORI_OK
+        );
+        assert_eq!(mori_tp_check_groups_transfer(null(), 0, 0, 0), MORI_OK);
+    }
 }
