@@ -268,10 +268,11 @@ def groups(parts: Sequence[Part], src_ptrs: Optional[Dict[str, Sequence[int]]],
     for i, part in enumerate(parts):
         config = part.config()
         mode = None if staging is None else staging(i, config)
+        src = None if src_ptrs is None else [src_ptrs[part.set][b] for b in part.src_buffers]
+        dst = None if dst_ptrs is None else [dst_ptrs[part.set][b] for b in part.dst_buffers]
         out.append(mori_tp.Group(
             config, part.request(), mode, part.first_token, num_buffers=len(part.src_buffers),
-            src_ptrs=None if src_ptrs is None else [src_ptrs[part.set][b] for b in part.src_buffers],
-            dst_ptrs=None if dst_ptrs is None else [dst_ptrs[part.set][b] for b in part.dst_buffers],
-            src_capacity=src_capacity[part.set], dst_capacity=dst_capacity[part.set],
+            src_ptrs=src, dst_ptrs=dst, src_capacity=src_capacity[part.set],
+            dst_capacity=dst_capacity[part.set],
         ))
     return out

@@ -9,6 +9,7 @@ nothing written; numpy outputs equal to lists."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import random
 import unittest
 from typing import Dict, List, Tuple
@@ -208,8 +209,6 @@ class GroupsTest(unittest.TestCase):
                 mori_tp.send_kvcache_groups(edited, backend="host")
             self.assertIn(message, str(caught.exception))
             self.assertEqual(dst.snapshot(), dst.initial)
-
-        import dataclasses
 
         off = dataclasses.replace(groups[window], first_token=groups[window].first_token + 16)
         edited = list(groups)
