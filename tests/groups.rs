@@ -1127,11 +1127,14 @@ fn a_window_that_does_not_start_on_both_pages_is_refused_with_its_numbers() {
     info(&groups);
 }
 
+/// A change that breaks a request, the status it must get and what its message must say.
+type Edit = (Box<dyn Fn(&mut [MoriTpGroup])>, MoriStatus, Vec<&'static str>);
+
 #[test]
 fn every_field_of_a_group_is_checked_and_its_refusal_names_the_group() {
     let fixture = Fixture::new();
     let base = fixture.groups();
-    let edits: Vec<(Box<dyn Fn(&mut Vec<MoriTpGroup>)>, MoriStatus, Vec<&str>)> = vec![
+    let edits: Vec<Edit> = vec![
         (
             Box::new(|g| g[1].reserved = 7),
             MORI_ERR_INVALID_ARGUMENT,

@@ -129,9 +129,12 @@ fn every_pair_of_stages_of_every_small_partition_shares_exactly_the_layers_both_
     assert!(checked > 10_000, "{checked} stage pairs");
 }
 
+/// (prefill partition, decode partition, prefill stage, decode stage, the message).
+type Refusal = (&'static [u32], &'static [u32], u32, u32, &'static str);
+
 #[test]
 fn partitions_that_cannot_describe_one_model_are_refused_with_their_numbers() {
-    let cases: [(&[u32], &[u32], u32, u32, &str); 6] = [
+    let cases: [Refusal; 6] = [
         (
             &[4, 2],
             &[3, 4],
