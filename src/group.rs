@@ -539,37 +539,71 @@ pub(crate) fn with_pack_jobs<R>(
     staging_capacity: u64,
     run: impl FnOnce(&[(usize, CopyJob<'_>)]) -> Result<R>,
 ) -> Result<R> {
-    let region = check_region(plan, Side::Prefill, staging, staging_capacity)?;
+    let parts = staged_parts(plan, Side::Prefill, staging, staging_capacity)?;
+    with_jobs(&parts, run)
+}
+
+/// The jobs of a pack (`side` prefill: pages into the region) or an unpack (decode: the
+/// region into pages) of every group that stages `side`, each checked against the region.
+fn staged_parts<'p, 'a>(
+    plan: &'p GroupsPlan<'a>,
+    side: Side,
+    staging: *mut u8,
+    staging_capacity: u64,
+) -> Result<Vec<JobParts<'p, 'a>>> {
+    let region = check_region(plan, side, staging, staging_capacity)?;
+    let used = side.pick(plan.total.src_staging_bytes, plan.total.dst_staging_bytes);
     let mut parts = Vec::new();
     for (index, group) in plan.groups.iter().enumerate() {
-        if !group.staging.stages_src() {
+        if !group.staging.stages(side) {
             continue;
         }
         let in_group = |error: Error| error.in_group(index);
-        let b = &group.buffers;
-        let src = side_pointers(Side::Prefill, b.src, b.num_buffers).map_err(in_group)?;
-        let info = &plan.infos[index];
-        if !staging.is_null() && crate::backend::first_null(src).is_none() {
-            check_no_overlap(
-                region,
-                plan.total.src_staging_bytes,
-                Side::Prefill,
-                src,
-                b.src_capacity,
-            )
-            .map_err(in_group)?;
+        let (b, info) = (&group.buffers, &plan.infos[index]);
+        let src = side_pointers(Side::Prefill, b.src, b.num_buffers);
+        let dst = side_pointers(Side::Decode, b.dst, b.num_buffers);
+        // The staged side's page buffers, which the region must not overlap.
+        let (pages, capacity): (Vec<*const u8>, u64) = match side {
+            Side::Prefill => (src.map_err(in_group)?.to_vec(), b.src_capacity),
+            Side::Decode => (
+                dst.map_err(in_group)?
+                    .iter()
+                    .map(|&p| p.cast_const())
+                    .collect(),
+                b.dst_capacity,
+            ),
+        };
+        if !staging.is_null() && crate::backend::first_null(&pages).is_none() {
+            check_no_overlap(region, used, side, &pages, capacity).map_err(in_group)?;
         }
-        let pack = PairPlan::pack(group.config, group.staging, &group.request).map_err(in_group)?;
-        parts.push(JobParts {
-            group: index,
-            plan: Cow::Owned(pack),
-            src: src.to_vec(),
-            dst: region_bases(plan, Side::Prefill, index, region),
-            src_capacity: b.src_capacity,
-            dst_capacity: info.staging_len,
-        });
+        let bases = region_bases(plan, side, index, region);
+        let part = match side {
+            Side::Prefill => JobParts {
+                group: index,
+                plan: Cow::Owned(
+                    PairPlan::pack(group.config, group.staging, &group.request)
+                        .map_err(in_group)?,
+                ),
+                src: pages,
+                dst: bases,
+                src_capacity: capacity,
+                dst_capacity: info.staging_len,
+            },
+            Side::Decode => JobParts {
+                group: index,
+                plan: Cow::Owned(
+                    PairPlan::unpack(group.config, group.staging, &group.request)
+                        .map_err(in_group)?,
+                ),
+                src: bases.into_iter().map(<*mut u8>::cast_const).collect(),
+                dst: b.dst.to_vec(),
+                src_capacity: info.staging_len,
+                dst_capacity: capacity,
+            },
+        };
+        parts.push(part);
     }
-    with_jobs(&parts, run)
+    Ok(parts)
 }
 
 /// Decode side of a staged request: unpacks every group whose staging is DST or BOTH from its
@@ -599,40 +633,6 @@ pub(crate) fn with_unpack_jobs<R>(
     staging_capacity: u64,
     run: impl FnOnce(&[(usize, CopyJob<'_>)]) -> Result<R>,
 ) -> Result<R> {
-    let region = check_region(plan, Side::Decode, staging.cast_mut(), staging_capacity)?;
-    let mut parts = Vec::new();
-    for (index, group) in plan.groups.iter().enumerate() {
-        if !group.staging.stages_dst() {
-            continue;
-        }
-        let in_group = |error: Error| error.in_group(index);
-        let b = &group.buffers;
-        let dst = side_pointers(Side::Decode, b.dst, b.num_buffers).map_err(in_group)?;
-        let dst_const: Vec<*const u8> = dst.iter().map(|&p| p.cast_const()).collect();
-        let info = &plan.infos[index];
-        if !staging.is_null() && crate::backend::first_null(&dst_const).is_none() {
-            check_no_overlap(
-                region,
-                plan.total.dst_staging_bytes,
-                Side::Decode,
-                &dst_const,
-                b.dst_capacity,
-            )
-            .map_err(in_group)?;
-        }
-        let unpack =
-            PairPlan::unpack(group.config, group.staging, &group.request).map_err(in_group)?;
-        parts.push(JobParts {
-            group: index,
-            plan: Cow::Owned(unpack),
-            src: region_bases(plan, Side::Decode, index, region)
-                .into_iter()
-                .map(<*mut u8>::cast_const)
-                .collect(),
-            dst: dst.to_vec(),
-            src_capacity: info.staging_len,
-            dst_capacity: b.dst_capacity,
-        });
-    }
+    let parts = staged_parts(plan, Side::Decode, staging.cast_mut(), staging_capacity)?;
     with_jobs(&parts, run)
 }

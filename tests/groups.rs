@@ -1128,7 +1128,11 @@ fn a_window_that_does_not_start_on_both_pages_is_refused_with_its_numbers() {
 }
 
 /// A change that breaks a request, the status it must get and what its message must say.
-type Edit = (Box<dyn Fn(&mut [MoriTpGroup])>, MoriStatus, Vec<&'static str>);
+type Edit = (
+    Box<dyn Fn(&mut [MoriTpGroup])>,
+    MoriStatus,
+    Vec<&'static str>,
+);
 
 #[test]
 fn every_field_of_a_group_is_checked_and_its_refusal_names_the_group() {
