@@ -1674,8 +1674,9 @@ MoriStatus mori_unpack_kvcache_pair(const struct MoriTpPairConfig *config,
  * The staging regions: on each side, the groups that stage it (SRC or BOTH for the prefill
  * side, DST or BOTH for the decode side) each own num_buffers * staging_len bytes, back to
  * back in group order; group g's buffer b is at src_staging_offset + b * staging_len (or
- * dst_staging_offset) of the request's region, laid out as section 7's region for the
- * group's mode. A group that does not stage a side has offset 0 there and takes no bytes.
+ * dst_staging_offset) of the request's region, laid out as mori_tp_pair_segments documents
+ * the region of the group's mode. A group that does not stage a side has offset 0 there and
+ * takes no bytes.
  *
  * @param[in]  groups      num_groups groups. NULL only if num_groups = 0 (an empty request:
  *                         every count 0).
@@ -1696,7 +1697,8 @@ MoriStatus mori_unpack_kvcache_pair(const struct MoriTpPairConfig *config,
  *   MORI_ERR_OUT_OF_BOUNDS for a negative page index, a page whose end overflows 64 bits or,
  *   with heads outside pages, a page past its head's run;
  *   MORI_ERR_PANIC on an internal error.
- *   The message of a refused group starts with its index: "group 2: ...".
+ *   The message of a refusal that concerns one group names it after the status's words:
+ *   "mori_tp_groups_info: invalid argument: group 2: ...".
  */
 MoriStatus mori_tp_groups_info(const struct MoriTpGroup *groups,
                                size_t num_groups,

@@ -1,22 +1,22 @@
 //! A request of several groups: all the state one sequence carries between a prefill rank and
-//! a decode rank, planned and moved as one request.
+//! a decode rank, planned and moved as one request (REFERENCE.md section 14).
 //!
 //! A hybrid or quantized model keeps more than one kind of state per sequence: full-attention
 //! KV pages, sliding-window KV pages (only those inside the window matter), a per-token record
 //! every rank holds whole (DeepSeek V3.2's indexer cache), per-(token, head) scales, and
 //! per-request state slots whose parts are sharded differently (a Mamba2 conv state's x, B and
-//! C). Each is a *group*: its own pair config (section 7's layouts, so geometry, page size,
-//! head count and head bytes may differ by group), its own page list (or, for a state slot,
-//! the one slot index), its own staging mode and its own buffers. Nothing here is new
-//! arithmetic: a group is a [`PairConfig`] and a [`Request`], and everything section 7 checks
-//! and promises holds for each group unchanged. What this module adds is the request around
-//! them: one validation of every group before anything moves, one segment list (the groups'
-//! lists back to back, with each group's range), one staging region per side (the groups'
-//! regions back to back), and send, pack and unpack of all groups in one call.
+//! C). Each is a *group*: its own pair config (two layouts of [`crate::layout`], so geometry,
+//! page size, head count and head bytes may differ by group), its own page list (or, for a
+//! state slot, the one slot index), its own staging mode and its own buffers. Nothing here is
+//! new arithmetic: a group is a [`PairConfig`] and a [`Request`], and everything the pair
+//! functions check and promise holds for each group unchanged. What this module adds is the
+//! request around them: one validation of every group before anything moves, one segment list
+//! (the groups' lists back to back, with each group's range), one staging region per side (the
+//! groups' regions back to back), and send, pack and unpack of all groups in one call.
 //!
 //! A *state slot* is a group of one page: the request's page lists are the slot index on each
 //! side, `page_stride` is the slot stride, and `offset` is where the part starts within the
-//! slot, so section 7's bounds apply to it as to any page. A *sliding window* is a group whose
+//! slot, so the layout's bounds apply to it as to any page. A *sliding window* is a group whose
 //! request covers only the window's tokens; its `first_token` (the window's first token in the
 //! sequence) must be a multiple of both page sizes, so that the window's pages hold its tokens
 //! from slot 0.
@@ -454,7 +454,7 @@ pub(crate) fn with_send_jobs<R>(
     with_jobs(&parts, run)
 }
 
-/// Copies every group of a request page to page (section 7's send for each group, whatever
+/// Copies every group of a request page to page (the pair send for each group, whatever
 /// its staging mode): every moved head of every token of every buffer. Every group's buffers
 /// are checked against its pages before the first byte moves, so a refused call writes
 /// nothing; the copies then run group after group. Groups may share buffers (the parts of one
