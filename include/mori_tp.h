@@ -452,7 +452,9 @@ typedef struct MoriTpGroup {
   struct MoriTpPairConfig config;
   /**
    * A MoriTpStaging: how the group's bytes move through a transfer engine, usually
-   * mori_tp_pair_staging_for(&config). Both ranks must use the same.
+   * mori_tp_pair_staging_for(&config). Both ranks must use the same. A state-slot part that
+   * is one run of bytes on both sides (a DS conv state part, an SSM state) is one segment
+   * per buffer unstaged, where that function may answer BOTH: give it MORI_TP_STAGING_NONE.
    */
   uint32_t staging;
   /**
