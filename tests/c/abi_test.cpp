@@ -496,6 +496,12 @@ void groups() {
     std::vector<MoriSegment> segments(total.num_segments);
     size_t count = 0;
     ok(mori_tp_groups_segments(request.data(), request.size(), segments.data(), segments.size(), &count));
+    ok(mori_tp_check_groups_transfer(request.data(), request.size(), total.src_staging_bytes,
+                                     total.dst_staging_bytes));
+    CHECK(total.dst_staging_bytes > 0);  // the conv parts are staged BOTH
+    EXPECT_ERROR(mori_tp_check_groups_transfer(request.data(), request.size(), total.src_staging_bytes,
+                                               total.dst_staging_bytes - 1),
+                 MORI_ERR_BUFFER_TOO_SMALL, "decode side: staging_capacity");
     std::vector<uint8_t> src_region(total.src_staging_bytes), dst_region(total.dst_staging_bytes);
     ok(mori_pack_kvcache_groups(request.data(), request.size(), src_region.data(), src_region.size(), nullptr));
     for (size_t g = 0; g < request.size(); ++g) {
