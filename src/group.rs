@@ -1,5 +1,5 @@
 //! A request of several groups: all the state one sequence carries between a prefill rank and
-//! a decode rank, planned and moved as one request (REFERENCE.md section 14).
+//! a decode rank, planned and moved as one request (REFERENCE.md section 15).
 //!
 //! A hybrid or quantized model keeps more than one kind of state per sequence: full-attention
 //! KV pages, sliding-window KV pages (only those inside the window matter), a per-token record

@@ -199,7 +199,7 @@ impl Layout {
             return Err(LayoutError { summary, problems });
         }
         let topology = Topology::new(model.kv_heads, prefill_tp, decode_tp).map_err(fail)?;
-        let bytes_per_head = u64::from(model.head_dim) * u64::from(dtype.bytes());
+        let bytes_per_head = model.bytes_per_head(dtype);
         let mut layout = Layout {
             model,
             dtype,

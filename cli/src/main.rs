@@ -4,6 +4,8 @@
 //! Every slice, plan and copy comes from the library's Rust API; this binary only chooses the
 //! model, formats and verifies.
 
+mod facts;
+mod group_plan;
 mod layout;
 mod model;
 mod plan;
@@ -52,6 +54,7 @@ Examples:
   mori-tp plan --model llama-3.1-70b --prefill-tp 16 --decode-tp 4
   mori-tp plan --model meta-llama/Llama-3.1-8B-Instruct --prefill-tp 2 --decode-tp 8 --svg l.svg
   mori-tp plan --config path/to/model-dir --prefill-tp 8 --decode-tp 2 --json
+  mori-tp plan --config cli/configs/nemotron-h-8b-base-8k --prefill-tp 2 --decode-tp 4
   mori-tp simulate --model deepseek-v3 --prefill-tp 8 --decode-tp 4 --page-size 64
   mori-tp simulate --model llama-3.1-8b --prefill-tp 8 --decode-tp 2 --prefill-layout hnd \
       --decode-layout nhd --prefill-page-size 16 --decode-page-size 64 --tokens 1000
@@ -173,8 +176,9 @@ struct DeploymentArgs {
     model: Option<ModelChoice>,
 
     /// Read the model from a Hugging Face config.json, or from the config.json in a model
-    /// directory (KV heads, head dim, layers, torch_dtype; GQA, MLA and GLM configs are
-    /// understood)
+    /// directory (KV heads, head dim, layers, torch_dtype; GQA, MLA and GLM configs, and the
+    /// groups of hybrid models: sliding-window layers, Gated DeltaNet and Mamba2 states,
+    /// DeepSeek V3.2's indexer; cli/configs holds examples)
     #[arg(
         long,
         value_name = "PATH",
@@ -232,6 +236,18 @@ struct DeploymentArgs {
         help_heading = "Layout"
     )]
     dtype: Option<DtypeArg>,
+
+    /// Element type of Mamba2 SSM and Gated DeltaNet recurrent states (models read with
+    /// --config that keep them) [default: the config's mamba_ssm_cache_dtype or mamba_ssm_dtype,
+    /// else --dtype, with a note: vLLM keeps them in the model's dtype unless
+    /// --mamba-ssm-cache-dtype says otherwise, SGLang in fp32 unless SGLANG_MAMBA_SSM_DTYPE does]
+    #[arg(
+        long,
+        value_name = "DTYPE",
+        value_parser = parse_dtype,
+        help_heading = "Layout"
+    )]
+    ssm_dtype: Option<DtypeArg>,
 
     /// Tokens per KV-cache page, both engines [default: 1]
     #[arg(
@@ -329,9 +345,10 @@ struct PlanArgs {
     /// [one per pair that shares a head; sending pairs carry "staging": "none", "src", "dst" or
     /// "both", "staging_bytes_per_request", "segments_per_buffer",
     /// "direct_segments_per_buffer", and both ranks' layouts], "decode_ranks": [one per decode
-    /// rank]}. Head ranges are half-open [first, end): "shared_heads": [2, 4] means heads 2 and
-    /// 3. On a layout that cannot work, prints {"error": {...}} instead, with the same exit
-    /// status.
+    /// rank]}; with --config also "groups": [every group of layers, its parts, and what each
+    /// pair and decode rank moves of it]. Head ranges are half-open [first, end):
+    /// "shared_heads": [2, 4] means heads 2 and 3. On a layout that cannot work, prints
+    /// {"error": {...}} instead, with the same exit status.
     #[arg(long)]
     json: bool,
 
@@ -516,6 +533,7 @@ impl DeploymentArgs {
                     Attention::KeyValue
                 },
                 torch_dtype: None,
+                facts: None,
             }
         } else if let Some(choice) = &self.model {
             if !choice.typed.eq_ignore_ascii_case(choice.preset.name) {
@@ -538,9 +556,82 @@ impl DeploymentArgs {
                 .into()
         };
         if let Some(layers) = self.layers {
+            match &mut model.facts {
+                Some(facts) if facts.is_hybrid() => {
+                    return Err(Failure::Usage(format!(
+                        "--layers {layers}: {} has {} groups of layers ({}), each with its own \
+                         layers from the config; leave out --layers",
+                        model.name,
+                        facts.groups.len(),
+                        facts
+                            .groups
+                            .iter()
+                            .map(|g| g.name)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
+                }
+                Some(facts) => {
+                    facts.total_layers = layers;
+                    facts.groups[0].layers = (0..layers).collect();
+                }
+                None => {}
+            }
             model.layers = layers;
         }
         Ok(model)
+    }
+
+    /// The dtype of SSM and recurrent states: --ssm-dtype, else the config's, else the cache's
+    /// (with a note saying so).
+    fn ssm_dtype(
+        &self,
+        model: &Model,
+        cache: Dtype,
+        notes: &mut Vec<String>,
+    ) -> Result<Dtype, Failure> {
+        let Some(facts) = model.facts.as_ref().filter(|f| f.has_state()) else {
+            return Ok(cache);
+        };
+        let from_config = facts.ssm_dtype.as_deref();
+        match (self.ssm_dtype, from_config) {
+            (Some(DtypeArg::Is(dtype)), _) => Ok(dtype),
+            (_, Some(text)) => Dtype::parse(text).ok_or_else(|| {
+                Failure::Usage(format!(
+                    "{}'s SSM state dtype \"{text}\" is not one mori-tp knows; give --ssm-dtype \
+                     ({})",
+                    model.name,
+                    model::DTYPE_SPELLINGS
+                ))
+            }),
+            (Some(DtypeArg::Auto), None) | (None, None) => {
+                notes.push(format!(
+                    "{}'s config names no SSM state dtype: its states are taken as {cache}, the \
+                     cache's (vLLM's default; SGLang keeps them in fp32): give --ssm-dtype to \
+                     say which",
+                    model.name
+                ));
+                Ok(cache)
+            }
+        }
+    }
+
+    /// The plan of every group, for a model read from a config.json.
+    fn groups(
+        &self,
+        layout: &Layout,
+        notes: &mut Vec<String>,
+    ) -> Result<Option<group_plan::GroupsPlan>, Failure> {
+        let Some(facts) = &layout.model.facts else {
+            return Ok(None);
+        };
+        let ssm = self.ssm_dtype(&layout.model, layout.dtype, notes)?;
+        Ok(Some(group_plan::GroupsPlan::new(
+            facts,
+            layout,
+            ssm,
+            self.tokens,
+        )?))
     }
 
     /// The KV-cache dtype: as given, or the config's own for `auto` (the default with --config).
@@ -659,8 +750,18 @@ fn presets(json: bool) -> String {
 fn plan(args: &PlanArgs, out: &mut dyn Write, notes: &mut Vec<String>) -> Result<(), Failure> {
     let layout = args.deployment.layout(notes)?;
     let tokens = args.deployment.tokens;
+    let groups = args.deployment.groups(&layout, notes)?;
     if let Some(path) = &args.svg {
-        let picture = svg::render(&layout, tokens).map_err(|e| match e {
+        let panels = match groups.as_ref().filter(|g| g.facts.is_hybrid()) {
+            Some(groups) => groups.panels(&layout)?,
+            None => Vec::new(),
+        };
+        let picture = if panels.len() > 1 {
+            svg::render_groups(&panels, tokens)
+        } else {
+            svg::render(&layout, tokens)
+        };
+        let picture = picture.map_err(|e| match e {
             svg::Refusal::Layout(e) => Failure::Layout(e),
             svg::Refusal::TooLarge(message) => Failure::Usage(message),
         })?;
@@ -669,9 +770,12 @@ fn plan(args: &PlanArgs, out: &mut dyn Write, notes: &mut Vec<String>) -> Result
         notes.push(format!("drew the layout into {}", path.display()));
     }
     if args.json {
-        plan::write_json(&layout, tokens, out)?;
+        plan::write_json(&layout, tokens, groups.as_ref(), out)?;
     } else {
         plan::write_text(&layout, tokens, out)?;
+        if let Some(groups) = groups.as_ref().filter(|g| g.facts.is_hybrid()) {
+            groups.write_text(out)?;
+        }
     }
     Ok(())
 }
@@ -682,6 +786,15 @@ fn simulate(
     notes: &mut Vec<String>,
 ) -> Result<(), Failure> {
     let layout = args.deployment.layout(notes)?;
+    if let Some(facts) = layout.model.facts.as_ref().filter(|f| f.is_hybrid()) {
+        notes.push(format!(
+            "simulate moves {}'s {} group ({} of its {} layers); `plan --config` lists every group",
+            layout.model.name,
+            facts.main_group().name,
+            layout.model.layers,
+            facts.total_layers
+        ));
+    }
     let options = simulate::Options {
         tokens: args.deployment.tokens,
         layers_limit: args.layers_limit,

@@ -7,6 +7,8 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use crate::facts::{Dtypes, KvShape, ModelFacts, UnitBytes};
+
 /// How a model stores its KV cache, as far as the transfer is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Attention {
@@ -65,6 +67,26 @@ pub struct Model {
     pub attention: Attention,
     /// The config's `torch_dtype` (newer configs: `dtype`), what `--dtype auto` resolves to.
     pub torch_dtype: Option<String>,
+    /// Every group of layers and its state, for a model read from a config.json (None for a
+    /// preset or numbers given by hand). For a model of several groups, the fields above
+    /// describe its main group (full attention, or the MLA latent): `layers` counts that group's
+    /// layers.
+    pub facts: Option<ModelFacts>,
+}
+
+impl Model {
+    /// Bytes of one head of one token of the main group: `head_dim * dtype`, or what the model's
+    /// facts say (DeepSeek V3.2's fp8 latent is 656 B, not 576).
+    pub fn bytes_per_head(&self, dtype: Dtype) -> u64 {
+        match &self.facts {
+            Some(facts) => facts.main_group().parts[0].bytes.bytes(Dtypes {
+                cache: u64::from(dtype.bytes()),
+                cache_is_fp8: dtype.bytes() == 1,
+                state: u64::from(dtype.bytes()),
+            }),
+            None => u64::from(self.head_dim) * u64::from(dtype.bytes()),
+        }
+    }
 }
 
 /// A built-in model.
@@ -261,6 +283,7 @@ impl From<&Preset> for Model {
             layers: p.layers,
             attention: p.attention,
             torch_dtype: None,
+            facts: None,
         }
     }
 }
@@ -343,7 +366,7 @@ impl fmt::Display for Dtype {
 }
 
 /// Reads a positive integer field; a missing or `null` field is `None`.
-fn positive(obj: &Map<String, Value>, key: &str) -> Result<Option<u32>, String> {
+pub(crate) fn positive(obj: &Map<String, Value>, key: &str) -> Result<Option<u32>, String> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(value) => match value.as_u64().and_then(|n| u32::try_from(n).ok()) {
@@ -355,12 +378,15 @@ fn positive(obj: &Map<String, Value>, key: &str) -> Result<Option<u32>, String> 
     }
 }
 
-fn required(obj: &Map<String, Value>, key: &str, why: &str) -> Result<u32, String> {
+pub(crate) fn required(obj: &Map<String, Value>, key: &str, why: &str) -> Result<u32, String> {
     positive(obj, key)?.ok_or_else(|| format!("`{key}` is missing ({why})"))
 }
 
 /// `hidden_size / num_attention_heads`, the head dimension of configs without `head_dim`.
-fn head_dim_from_hidden(obj: &Map<String, Value>, fallback_for: &str) -> Result<u32, String> {
+pub(crate) fn head_dim_from_hidden(
+    obj: &Map<String, Value>,
+    fallback_for: &str,
+) -> Result<u32, String> {
     let why = format!("needed to derive the head dimension without `{fallback_for}`");
     let hidden = required(obj, "hidden_size", &why)?;
     let heads = required(obj, "num_attention_heads", &why)?;
@@ -443,14 +469,16 @@ pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
             let head_dim = rank
                 .checked_add(rope)
                 .ok_or("kv_lora_rank + qk_rope_head_dim overflows 32 bits")?;
-            return Ok(Model {
+            let model = Model {
                 name: name.to_string(),
                 kv_heads: 1,
                 head_dim,
                 layers,
                 attention: Attention::Mla,
                 torch_dtype,
-            });
+                facts: None,
+            };
+            return with_facts(obj, model, Some((rank, rope)));
         }
 
         let glm_groups = positive(obj, "multi_query_group_num")?;
@@ -460,14 +488,16 @@ pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
                 Some(d) => d,
                 None => head_dim_from_hidden(obj, "kv_channels")?,
             };
-            return Ok(Model {
+            let model = Model {
                 name: name.to_string(),
                 kv_heads: groups,
                 head_dim,
                 layers,
                 attention: Attention::of_heads(query_heads, groups),
                 torch_dtype,
-            });
+                facts: None,
+            };
+            return with_facts(obj, model, None);
         }
 
         let kv_heads = match positive(obj, "num_key_value_heads")? {
@@ -483,19 +513,54 @@ pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
             // GLM names it kv_channels.
             None => match positive(obj, "kv_channels")? {
                 Some(d) => d,
-                None => head_dim_from_hidden(obj, "head_dim")?,
+                // Nemotron-H names it attention_head_dim.
+                None => match positive(obj, "attention_head_dim")? {
+                    Some(d) => d,
+                    None => head_dim_from_hidden(obj, "head_dim")?,
+                },
             },
         };
-        Ok(Model {
+        let model = Model {
             name: name.to_string(),
             kv_heads,
             head_dim,
             layers,
             attention: Attention::of_heads(query_heads, kv_heads),
             torch_dtype,
-        })
+            facts: None,
+        };
+        with_facts(obj, model, None)
     };
     parse().map_err(|e| format!("{name}: {e}"))
+}
+
+/// `model` with its facts (`crate::facts::derive`); a model of several groups describes its main
+/// group: that group's KV heads, head dimension and layer count.
+fn with_facts(
+    obj: &Map<String, Value>,
+    mut model: Model,
+    mla: Option<(u32, u32)>,
+) -> Result<Model, String> {
+    let kv = KvShape {
+        kv_heads: model.kv_heads,
+        head_dim: model.head_dim,
+        layers: model.layers,
+        mla,
+    };
+    let facts = crate::facts::derive(obj, &kv)?;
+    if facts.is_hybrid() {
+        let main = facts.main_group();
+        let part = &main.parts[0];
+        model.kv_heads = part.units;
+        model.head_dim = match part.bytes {
+            UnitBytes::Cache(elements) | UnitBytes::State(elements) => elements as u32,
+            UnitBytes::MlaLatent { rank, rope } => (rank + rope) as u32,
+            UnitBytes::Fixed(bytes) => bytes as u32,
+        };
+        model.layers = main.layers.len() as u32;
+    }
+    model.facts = Some(facts);
+    Ok(model)
 }
 
 #[cfg(test)]

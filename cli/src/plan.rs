@@ -362,20 +362,25 @@ fn json_head(layout: &Layout, tokens: u32) -> Vec<(&'static str, Value)> {
     let model = &layout.model;
     let n = u64::from(tokens);
     let (pre, dec) = (&layout.prefill_paging, &layout.decode_paging);
+    let mut model_json = json!({
+        "name": model.name,
+        "attention": model.attention.label(),
+        "kv_heads": model.kv_heads,
+        "head_dim": model.head_dim,
+        "layers": model.layers,
+        "buffers_per_layer": model.attention.buffers_per_layer(),
+        "dtype": layout.dtype.to_string(),
+        "bytes_per_head": layout.bytes_per_head,
+    });
+    // A model read from a config.json: its family and every layer (`layers` counts the main
+    // group's, which the pairs describe; "groups" describes them all).
+    if let Some(facts) = &model.facts {
+        model_json["family"] = json!(facts.family);
+        model_json["total_layers"] = json!(facts.total_layers);
+        model_json["main_group"] = json!(facts.main_group().name);
+    }
     vec![
-        (
-            "model",
-            json!({
-                "name": model.name,
-                "attention": model.attention.label(),
-                "kv_heads": model.kv_heads,
-                "head_dim": model.head_dim,
-                "layers": model.layers,
-                "buffers_per_layer": model.attention.buffers_per_layer(),
-                "dtype": layout.dtype.to_string(),
-                "bytes_per_head": layout.bytes_per_head,
-            }),
-        ),
+        ("model", model_json),
         ("prefill_tp", json!(layout.prefill_tp())),
         ("decode_tp", json!(layout.decode_tp())),
         // null when the sides' page sizes differ: see prefill_page_size and decode_page_size.
@@ -398,7 +403,12 @@ fn json_head(layout: &Layout, tokens: u32) -> Vec<(&'static str, Value)> {
 
 /// Writes the plan as one JSON object: the layout's fields, then `"pairs"` and `"decode_ranks"`
 /// with one element per line, streamed as they are computed. The layout must be valid.
-pub fn write_json(layout: &Layout, tokens: u32, out: &mut dyn Write) -> Result<(), Failure> {
+pub fn write_json(
+    layout: &Layout,
+    tokens: u32,
+    groups: Option<&crate::group_plan::GroupsPlan>,
+    out: &mut dyn Write,
+) -> Result<(), Failure> {
     out.write_all(b"{\n")?;
     for (key, value) in json_head(layout, tokens) {
         writeln!(out, "  {}: {value},", json!(key))?;
@@ -420,7 +430,12 @@ pub fn write_json(layout: &Layout, tokens: u32, out: &mut dyn Write) -> Result<(
         let separator = if i == 0 { "\n" } else { ",\n" };
         write!(out, "{separator}    {rank}")?;
     }
-    out.write_all(b"\n  ]\n}\n")?;
+    out.write_all(b"\n  ]")?;
+    if let Some(groups) = groups {
+        out.write_all(b",\n  \"groups\": ")?;
+        groups.write_json(out)?;
+    }
+    out.write_all(b"\n}\n")?;
     Ok(())
 }
 
@@ -456,15 +471,22 @@ pub fn header(layout: &Layout) -> String {
         Attention::KeyValue => storage.to_string(),
         other => format!("{} ({storage})", other.label()),
     };
+    let layers = match &m.facts {
+        Some(facts) if facts.is_hybrid() => format!(
+            "{} of {} layers (the {} group; all groups below)",
+            m.layers,
+            facts.total_layers,
+            facts.main_group().name
+        ),
+        _ => format!("{} layer{}", m.layers, if m.layers == 1 { "" } else { "s" }),
+    };
     let _ = writeln!(
         out,
-        "model:    {}: {} KV head{} x head_dim {}, {kind}, {} layer{}",
+        "model:    {}: {} KV head{} x head_dim {}, {kind}, {layers}",
         m.name,
         m.kv_heads,
         if m.kv_heads == 1 { "" } else { "s" },
         m.head_dim,
-        m.layers,
-        if m.layers == 1 { "" } else { "s" },
     );
     if layout.is_classic() {
         let page_size = layout.prefill_paging.page_size;

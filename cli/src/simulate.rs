@@ -856,6 +856,7 @@ mod tests {
                 layers: 2,
                 attention: crate::model::Attention::KeyValue,
                 torch_dtype: None,
+                facts: None,
             },
             Dtype::Fp8,
             Paging::nhd(4),

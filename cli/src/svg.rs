@@ -110,6 +110,87 @@ fn stack(arrows: &[usize], height: f64) -> (Vec<Slot>, f64) {
 
 /// Draws the plan of a valid layout.
 pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
+    let title = format!(
+        "{}: prefill TP {} \u{2192} decode TP {}",
+        layout.model.name,
+        layout.prefill_tp(),
+        layout.decode_tp()
+    );
+    let (body, total_height) = panel(layout, tokens, "", &title, None)?;
+    let mut svg = String::new();
+    open_svg(&mut svg, total_height);
+    svg += &body;
+    svg += "</svg>\n";
+    Ok(svg)
+}
+
+/// The document's opening tag and the arrowheads every panel shares.
+fn open_svg(svg: &mut String, total_height: f64) {
+    let _ = writeln!(
+        svg,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{total_height}\" \
+         viewBox=\"0 0 {WIDTH} {total_height}\" font-family=\"DejaVu Sans, Verdana, sans-serif\">"
+    );
+    // One arrowhead per colour: `context-stroke` would be shorter, but not every renderer has it.
+    *svg += "<defs>";
+    for (i, colour) in PALETTE.iter().enumerate() {
+        let _ = write!(
+            svg,
+            "<marker id=\"arrow{i}\" viewBox=\"0 0 10 10\" refX=\"10\" refY=\"5\" \
+             markerWidth=\"7\" markerHeight=\"7\" orient=\"auto\"><path d=\"M0 0 L10 5 L0 10 \
+             z\" fill=\"{colour}\"/></marker>"
+        );
+    }
+    *svg += "</defs>\n";
+}
+
+/// One panel per kind of sharding of a model of several groups: the parts whose unit counts are
+/// equal move alike, so each count gets one panel, captioned with the groups and parts it stands
+/// for, stacked from the top. Ids inside panel `i` start with `g{i}-`.
+pub fn render_groups(panels: &[(String, Layout)], tokens: u32) -> Result<String, Refusal> {
+    let mut bodies = Vec::new();
+    let mut y = 0.0;
+    for (i, (caption, layout)) in panels.iter().enumerate() {
+        let title = format!(
+            "{caption}: prefill TP {} \u{2192} decode TP {}",
+            layout.prefill_tp(),
+            layout.decode_tp()
+        );
+        let units = layout.model.kv_heads;
+        let footer = format!(
+            "Units are the parts' global indices ({units} of them): h2\u{2013}3 means units 2 and \
+             3 (the JSON plan writes [2, 4])."
+        );
+        let (body, height) = panel(layout, tokens, &format!("g{i}-"), &title, Some(&footer))?;
+        bodies.push((y, height, body));
+        y += height;
+    }
+    let mut svg = String::new();
+    open_svg(&mut svg, y);
+    for (i, (top, height, body)) in bodies.iter().enumerate() {
+        let _ = writeln!(
+            svg,
+            "<g id=\"g{i}\" class=\"panel\" data-units=\"{}\" transform=\"translate(0 {top})\" \
+             data-height=\"{height}\">",
+            panels[i].1.model.kv_heads
+        );
+        svg += body;
+        svg += "</g>\n";
+    }
+    svg += "</svg>\n";
+    Ok(svg)
+}
+
+/// The picture of one layout without the document around it: its background, title, ranks and
+/// arrows, and its height. Element ids start with `prefix`; `footer` replaces the first line
+/// under the ranks.
+fn panel(
+    layout: &Layout,
+    tokens: u32,
+    prefix: &str,
+    title: &str,
+    footer: Option<&str>,
+) -> Result<(String, f64), Refusal> {
     let (p_size, d_size) = (layout.prefill_tp(), layout.decode_tp());
     if p_size.max(d_size) > MAX_SVG_TP {
         return Err(Refusal::TooLarge(format!(
@@ -160,33 +241,14 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
     let mut svg = String::new();
     let _ = writeln!(
         svg,
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{total_height}\" \
-         viewBox=\"0 0 {WIDTH} {total_height}\" font-family=\"DejaVu Sans, Verdana, sans-serif\">"
-    );
-    // One arrowhead per colour: `context-stroke` would be shorter, but not every renderer has it.
-    svg += "<defs>";
-    for (i, colour) in PALETTE.iter().enumerate() {
-        let _ = write!(
-            svg,
-            "<marker id=\"arrow{i}\" viewBox=\"0 0 10 10\" refX=\"10\" refY=\"5\" \
-             markerWidth=\"7\" markerHeight=\"7\" orient=\"auto\"><path d=\"M0 0 L10 5 L0 10 \
-             z\" fill=\"{colour}\"/></marker>"
-        );
-    }
-    svg += "</defs>\n";
-    let _ = writeln!(
-        svg,
         "<rect width=\"{WIDTH}\" height=\"{total_height}\" fill=\"white\"/>"
     );
     let model = &layout.model;
-    let title = format!(
-        "{}: prefill TP {p_size} \u{2192} decode TP {d_size}",
-        model.name
-    );
     let _ = writeln!(
         svg,
-        "<text id=\"title\" x=\"{MARGIN}\" y=\"34\" font-size=\"20\" font-weight=\"bold\">{}</text>",
-        escape(&title)
+        "<text id=\"{prefix}title\" x=\"{MARGIN}\" y=\"34\" font-size=\"20\" \
+         font-weight=\"bold\">{}</text>",
+        escape(title)
     );
     let subtitle = format!(
         "{} KV head{} \u{00b7} {sends} sending pair{} (arrows, labelled with the heads they move) \
@@ -198,7 +260,8 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
     );
     let _ = writeln!(
         svg,
-        "<text id=\"subtitle\" x=\"{MARGIN}\" y=\"58\" font-size=\"13\" fill=\"#444\">{}</text>",
+        "<text id=\"{prefix}subtitle\" x=\"{MARGIN}\" y=\"58\" font-size=\"13\" \
+         fill=\"#444\">{}</text>",
         escape(&subtitle)
     );
     let (left, right) = (MARGIN + 20.0, WIDTH - MARGIN - 20.0 - BOX_WIDTH);
@@ -218,7 +281,8 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
     let faint = if skips > 200 { 0.3 } else { 0.7 };
     let _ = writeln!(
         svg,
-        "<g id=\"skips\" stroke=\"#888\" stroke-width=\"1\" stroke-dasharray=\"4 3\" fill=\"none\" \
+        "<g id=\"{prefix}skips\" stroke=\"#888\" stroke-width=\"1\" stroke-dasharray=\"4 3\" \
+         fill=\"none\" \
          opacity=\"{faint}\">"
     );
     for rank in &ranks {
@@ -258,7 +322,10 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
         }
     }
     let (x1, x2) = (left + BOX_WIDTH, right);
-    let _ = writeln!(svg, "<g id=\"sends\" fill=\"none\" stroke-width=\"1.6\">");
+    let _ = writeln!(
+        svg,
+        "<g id=\"{prefix}sends\" fill=\"none\" stroke-width=\"1.6\">"
+    );
     let mut labels = String::new();
     for (pair, y2) in &arrows {
         let (p, d) = (pair.prefill_rank, pair.decode_rank);
@@ -300,14 +367,13 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
     let idle: Vec<bool> = out_arrows.iter().map(|&n| n == 0).collect();
     for (p, slot) in prefill.iter().enumerate() {
         let heads = layout.prefill_heads(p as u32);
-        let note = if idle[p] { " (replica)" } else { "" };
         rank_box(
             &mut svg,
             &format!("p{p}"),
+            prefix,
             left,
             slot,
             &heads,
-            note,
             idle[p],
         );
     }
@@ -315,17 +381,24 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
         rank_box(
             &mut svg,
             &format!("d{d}"),
+            prefix,
             right,
             slot,
             &ranks[d].heads,
-            "",
             false,
         );
     }
+    let footer = footer.map_or_else(
+        || {
+            "Heads are global KV head indices; h2\u{2013}3 means heads 2 and 3 (the JSON plan \
+             writes [2, 4])."
+                .to_string()
+        },
+        escape,
+    );
     let _ = writeln!(
         svg,
-        "<text x=\"{MARGIN}\" y=\"{:.1}\" font-size=\"11\" fill=\"#666\">Heads are global KV \
-         head indices; h2\u{2013}3 means heads 2 and 3 (the JSON plan writes [2, 4]).</text>",
+        "<text x=\"{MARGIN}\" y=\"{:.1}\" font-size=\"11\" fill=\"#666\">{footer}</text>",
         TOP + height + 28.0
     );
     let _ = writeln!(
@@ -337,26 +410,27 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
     if let Some(caption) = layouts {
         let _ = writeln!(
             svg,
-            "<text id=\"layouts\" x=\"{MARGIN}\" y=\"{:.1}\" font-size=\"11\" \
+            "<text id=\"{prefix}layouts\" x=\"{MARGIN}\" y=\"{:.1}\" font-size=\"11\" \
              fill=\"#666\">{}</text>",
             TOP + height + 60.0,
             escape(&caption)
         );
     }
-    svg += "</svg>\n";
-    Ok(svg)
+    Ok((svg, total_height))
 }
 
 /// One rank: a box with its name and heads, dashed and grey for a replica that sends nothing.
 fn rank_box(
     svg: &mut String,
     name: &str,
+    prefix: &str,
     x: f64,
     slot: &Slot,
     heads: &std::ops::Range<u32>,
-    note: &str,
     idle: bool,
 ) {
+    // A prefill rank that sends nothing holds replicas only.
+    let note = if idle { "(replica)" } else { "" };
     let (fill, stroke, dash) = if idle {
         ("#f2f2f2", "#999", " stroke-dasharray=\"5 3\"")
     } else {
@@ -365,8 +439,8 @@ fn rank_box(
     let text_y = slot.y + slot.height / 2.0 + 5.0;
     let _ = writeln!(
         svg,
-        "<g class=\"rank\" id=\"{name}\"><rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{BOX_WIDTH}\" \
-         height=\"{:.1}\" rx=\"5\" fill=\"{fill}\" stroke=\"{stroke}\" stroke-width=\"1.2\"{dash}/>\
+        "<g class=\"rank\" id=\"{prefix}{name}\"><rect x=\"{x:.1}\" y=\"{:.1}\" \
+         width=\"{BOX_WIDTH}\" height=\"{:.1}\" rx=\"5\" fill=\"{fill}\" stroke=\"{stroke}\" stroke-width=\"1.2\"{dash}/>\
          <text class=\"name\" x=\"{:.1}\" y=\"{text_y:.1}\" font-size=\"14\" \
          font-weight=\"bold\">{name}</text><text class=\"heads\" x=\"{:.1}\" y=\"{text_y:.1}\" \
          font-size=\"13\" fill=\"{}\">{}</text><text class=\"note\" x=\"{:.1}\" y=\"{text_y:.1}\" \
@@ -378,6 +452,6 @@ fn rank_box(
         colour(heads.start),
         escape(&heads_label(heads)),
         x + 100.0,
-        escape(note.trim()),
+        escape(note),
     );
 }

@@ -1,0 +1,346 @@
+"""mori_tp.models: the facts of each family from config fields (the expected numbers worked out
+here from the formulas the module cites), the plan of a TP pairing, and the engine-given
+layouts of state slots moved byte for byte through the library: a Mamba2 conv state whose x, B
+and C parts shard differently, between TP 2 and TP 4, in both orientations and across them, and
+an SSM state. (``cli/tests/models.rs`` checks that this module and ``mori-tp plan --config``
+agree on every config the repository ships.)"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import tempfile
+import unittest
+from typing import Dict, List, Tuple
+
+import mori_tp
+from mori_tp import Action, Request, models
+
+NEMOTRON_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+#: The fields mori-tp reads of nvidia/Nemotron-H-8B-Base-8K's config.json.
+NEMOTRON = {
+    "model_type": "nemotron_h", "num_hidden_layers": 52, "hidden_size": 4096,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "attention_head_dim": 128,
+    "conv_kernel": 4, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
+    "ssm_state_size": 128, "hybrid_override_pattern": NEMOTRON_PATTERN,
+    "torch_dtype": "bfloat16",
+}
+
+#: The fields mori-tp reads of Qwen/Qwen3-Next-80B-A3B-Instruct's config.json.
+QWEN3_NEXT = {
+    "model_type": "qwen3_next", "num_hidden_layers": 48, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_value_head_dim": 128, "torch_dtype": "bfloat16",
+}
+
+#: The fields of deepseek-ai's DeepSeek-V3.2 config.json.
+DEEPSEEK_V32 = {
+    "model_type": "deepseek_v32", "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+    "index_head_dim": 128, "index_n_heads": 64, "torch_dtype": "bfloat16",
+}
+
+
+def gpt_oss(layers: int = 24) -> dict:
+    return {"model_type": "gpt_oss", "num_hidden_layers": layers, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(layers)]}
+
+
+class FamilyTest(unittest.TestCase):
+    def test_a_dense_model_is_one_full_attention_group_on_every_layer(self):
+        facts = models.from_config({"hidden_size": 3584, "num_attention_heads": 28,
+                                    "num_key_value_heads": 4, "num_hidden_layers": 28})
+        self.assertEqual((facts.family, len(facts.groups)), ("dense", 1))
+        (group,) = facts.groups
+        self.assertEqual(group.layers, tuple(range(28)))
+        (kv,) = group.parts
+        self.assertEqual((kv.units, kv.unit_bytes("bf16", "bf16")), (4, 3584 // 28 * 2))
+        self.assertEqual((group.storage, group.buffers_per_layer), ("paged", 2))
+
+    def test_glm_reads_query_groups_and_kv_channels(self):
+        facts = models.from_config({"num_layers": 40, "hidden_size": 4096,
+                                    "num_attention_heads": 32, "multi_query_attention": True,
+                                    "multi_query_group_num": 2, "kv_channels": 128})
+        (kv,) = facts.groups[0].parts
+        self.assertEqual((kv.units, kv.elements, facts.total_layers), (2, 128, 40))
+
+    def test_deepseek_v32_adds_a_132_byte_indexer_record_held_whole(self):
+        facts = models.from_config(DEEPSEEK_V32)
+        self.assertEqual(facts.family, "mla_indexer")
+        latent, indexer = facts.groups
+        self.assertEqual((latent.name, indexer.name), ("mla_latent", "indexer"))
+        self.assertEqual(indexer.layers, tuple(range(61)))
+        (record,) = indexer.parts
+        # index_head_dim fp8 bytes + one 4-byte fp32 scale per 128 of them, any cache dtype.
+        for dtype in ("bf16", "fp8"):
+            self.assertEqual(record.unit_bytes(dtype, dtype), 128 + 128 // 128 * 4)
+        self.assertEqual(record.units, 1)
+        (part,) = latent.parts
+        self.assertEqual(part.unit_bytes("bf16", "bf16"), (512 + 64) * 2)
+        self.assertEqual(part.unit_bytes("fp8", "fp8"), 512 + 512 // 128 * 4 + 64 * 2)
+        with self.assertRaisesRegex(models.ConfigError, "index_head_dim.*100"):
+            models.from_config(dict(DEEPSEEK_V32, index_head_dim=100))
+
+    def test_gpt_oss_layer_types_make_a_full_and_a_sliding_group(self):
+        facts = models.from_config(gpt_oss())
+        full, sliding = facts.groups
+        self.assertEqual(full.layers, tuple(range(1, 24, 2)))
+        self.assertEqual(sliding.layers, tuple(range(0, 24, 2)))
+        self.assertEqual((sliding.window, full.window), (128, None))
+        self.assertEqual(facts.main_group(), full)
+
+    def test_gemma3_follows_its_sliding_window_pattern_without_layer_types(self):
+        facts = models.from_config({"text_config": {
+            "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+            "head_dim": 128, "sliding_window": 1024, "sliding_window_pattern": 6}})
+        full, sliding = facts.groups
+        self.assertEqual(full.layers, tuple(i for i in range(62) if (i + 1) % 6 == 0))
+        self.assertEqual(len(full.layers) + len(sliding.layers), 62)
+        self.assertEqual(sliding.window, 1024)
+
+    def test_qwen3_next_keeps_q_k_v_conv_and_recurrent_state_on_linear_layers(self):
+        facts = models.from_config(QWEN3_NEXT)
+        full, conv, recurrent = facts.groups
+        linear = tuple(i for i in range(48) if (i + 1) % 4)
+        self.assertEqual(full.layers, tuple(i for i in range(48) if (i + 1) % 4 == 0))
+        self.assertEqual((conv.layers, recurrent.layers), (linear, linear))
+        self.assertEqual(conv.slot_steps, 4 - 1)
+        self.assertEqual([(p.name, p.units, p.elements) for p in conv.parts],
+                         [("q", 16, 128), ("k", 16, 128), ("v", 32, 128)])
+        (state,) = recurrent.parts
+        self.assertEqual(state.unit_bytes("bf16", "fp32"), 128 * 128 * 4)
+
+    def test_nemotron_h_reads_its_pattern_into_attention_conv_and_ssm_groups(self):
+        facts = models.from_config(NEMOTRON)
+        full, conv, ssm = facts.groups
+        at = lambda c: tuple(i for i, x in enumerate(NEMOTRON_PATTERN) if x == c)  # noqa: E731
+        self.assertEqual((full.layers, conv.layers, ssm.layers), (at("*"), at("M"), at("M")))
+        self.assertEqual([(p.name, p.unit, p.units, p.elements) for p in conv.parts],
+                         [("x", "head", 128, 64), ("B", "group", 8, 128),
+                          ("C", "group", 8, 128)])
+        (kv,) = full.parts
+        self.assertEqual((kv.units, kv.elements), (8, 128))
+        (state,) = ssm.parts
+        self.assertEqual(state.unit_bytes("bf16", "bf16"), 64 * 128 * 2)
+        single = models.from_config(dict(NEMOTRON, n_groups=1)).group("conv_state")
+        self.assertEqual((single.parts[1].units, single.parts[1].must_divide), (1, False))
+
+    def test_bad_fields_are_named(self):
+        for config, says in [
+            (dict(NEMOTRON, hybrid_override_pattern="M*"), "hybrid_override_pattern"),
+            (dict(NEMOTRON, mamba_num_heads=-1), "mamba_num_heads"),
+            (dict(gpt_oss(), layer_types=["sliding_attention"]), "layer_types"),
+            ({k: v for k, v in gpt_oss().items() if k != "sliding_window"}, "sliding_window"),
+            ({"num_attention_heads": 4}, "num_layers"),
+        ]:
+            with self.assertRaisesRegex(models.ConfigError, says):
+                models.from_config(config)
+
+    def test_read_config_takes_a_file_or_a_model_directory(self):
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump(NEMOTRON, f)
+            for path in (folder, os.path.join(folder, "config.json")):
+                self.assertEqual(models.read_config(path).family, "mamba2")
+            empty = os.path.join(folder, "empty")
+            os.mkdir(empty)
+            with self.assertRaisesRegex(models.ConfigError, "without a config.json"):
+                models.read_config(empty)
+
+
+def rank_of(plan: List[dict], group: str) -> List[dict]:
+    return next(g for g in plan if g["name"] == group)["decode_ranks"]
+
+
+class PlanTest(unittest.TestCase):
+    def test_a_mamba2_plan_moves_each_part_by_its_own_units(self):
+        facts = models.from_config(NEMOTRON)
+        plan = models.plan(facts, 2, 4, 1000)
+        mamba = NEMOTRON_PATTERN.count("M")
+        attention = NEMOTRON_PATTERN.count("*")
+        for d, rank in enumerate(rank_of(plan, "conv_state")):
+            x, g = 128 // 4, 8 // 4
+            self.assertEqual(rank["owned_units"], {"x": [d * x, (d + 1) * x],
+                                                   "B": [d * g, (d + 1) * g],
+                                                   "C": [d * g, (d + 1) * g]})
+            per_step = x * 64 * 2 + 2 * g * 128 * 2
+            self.assertEqual(rank["bytes_per_request"], per_step * 3 * mamba)
+            self.assertIsNone(rank["bytes_per_token"])
+        for rank in rank_of(plan, "ssm_state"):
+            self.assertEqual(rank["bytes_per_request"], 128 // 4 * 64 * 128 * 2 * mamba)
+        for rank in rank_of(plan, "full_attention"):
+            self.assertEqual(rank["bytes_per_token"], 8 // 4 * 128 * 2 * 2 * attention)
+        # The SSM dtype doubles only the SSM state.
+        fp32 = models.plan(facts, 2, 4, 1000, ssm_dtype="float32")
+        self.assertEqual(rank_of(fp32, "ssm_state")[0]["bytes_per_request"],
+                         2 * rank_of(plan, "ssm_state")[0]["bytes_per_request"])
+        self.assertEqual(rank_of(fp32, "conv_state"), rank_of(plan, "conv_state"))
+
+    def test_replicas_of_a_record_held_whole_skip_and_name_their_sender(self):
+        facts = models.from_config(DEEPSEEK_V32)
+        indexer = next(g for g in models.plan(facts, 4, 2, 10) if g["name"] == "indexer")
+        for d in range(2):
+            pairs = [p for p in indexer["pairs"] if p["decode_rank"] == d]
+            self.assertEqual([p["prefill_rank"] for p in pairs], [0, 1, 2, 3])
+            # Section 3 with H = 1: decode rank d's one sender is prefill rank d * P / D.
+            senders = [p["prefill_rank"] for p in pairs if p["parts"][0]["action"] == "send"]
+            self.assertEqual(senders, [d * 4 // 2])
+            for p in pairs:
+                self.assertEqual(p["parts"][0]["sent_by"], d * 4 // 2)
+            self.assertEqual(indexer["decode_ranks"][d]["bytes_per_token"], 132 * 61)
+
+    def test_a_sliding_group_moves_its_window_and_a_tp_the_engines_refuse_is_refused(self):
+        plan = models.plan(models.from_config(gpt_oss()), 1, 4, 1000)
+        sliding = next(g for g in plan if g["name"] == "sliding_attention")
+        self.assertEqual(sliding["tokens_moved"], 128)
+        rank = sliding["decode_ranks"][0]
+        self.assertEqual(rank["bytes_per_request"], rank["bytes_per_token"] * 128)
+        with self.assertRaisesRegex(ValueError, "TP 16 does not divide the 8 B groups"):
+            models.plan(models.from_config(NEMOTRON), 2, 16, 10)
+        with self.assertRaises(mori_tp.TopologyError):
+            models.plan(models.from_config(gpt_oss()), 3, 1, 10)
+
+
+# --- state slots through the library, byte for byte ----------------------------------------
+
+#: A small Mamba2 layer: 8 heads of 2 channels (x), 4 groups of 3 channels (B, C), kernel 4.
+SMALL = dict(NEMOTRON, mamba_num_heads=8, mamba_head_dim=2, n_groups=4, ssm_state_size=3,
+             hybrid_override_pattern="M*", num_hidden_layers=2)
+SLOTS = 3  # slots per buffer; the request's slot is 1
+
+
+def value(part: int, channel: int, step: int) -> bytes:
+    """The two bytes of global channel ``channel`` of part ``part`` at time step ``step``."""
+    return ((part << 12) | (channel << 3) | step).to_bytes(2, "little")
+
+
+def owned_channels(part: models.Part, tp: int, rank: int) -> range:
+    units = part.units
+    lo = rank * (units // tp) if tp <= units else rank // (tp // units)
+    n = units // tp if tp <= units else 1
+    return range(lo * part.elements, (lo + n) * part.elements)
+
+
+def slot_bytes(group: models.Group, tp: int, rank: int, orientation: str) -> Dict[int, bytes]:
+    """Offset -> the two bytes the engine's slot holds there, for a rank's own channels."""
+    channels = [(i, c) for i, p in enumerate(group.parts) for c in owned_channels(p, tp, rank)]
+    steps = group.slot_steps
+    out = {}
+    for local, (part, channel) in enumerate(channels):
+        for t in range(steps):
+            element = t * len(channels) + local if orientation == "sd" else local * steps + t
+            out[element * 2] = value(part, channel, t)
+    return out
+
+
+def filled(size: int, at: Dict[int, bytes], base: int, fill: int) -> ctypes.Array:
+    buf = (ctypes.c_ubyte * size)(*([fill] * size))
+    for offset, data in at.items():
+        buf[base + offset:base + offset + 2] = data
+    return buf
+
+
+class StateSlotTransferTest(unittest.TestCase):
+    def move(self, prefill: Tuple[int, str], decode: Tuple[int, str], per_channel: bool,
+             pad: int) -> None:
+        group = models.from_config(SMALL).group("conv_state")
+        (p_size, p_orient), (d_size, d_orient) = prefill, decode
+        steps = group.slot_steps
+
+        def slot_of(tp: int) -> int:
+            return sum(len(owned_channels(p, tp, 0)) for p in group.parts) * steps * 2
+
+        src_stride, dst_stride = slot_of(p_size), slot_of(d_size) + pad
+        srcs = [filled(SLOTS * src_stride, slot_bytes(group, p_size, p, p_orient), src_stride,
+                       0xAA) for p in range(p_size)]
+        for d in range(d_size):
+            dst = filled(SLOTS * dst_stride, {}, 0, 0x55)
+            dst_layouts = models.conv_state_layouts(group, d_size, d, d_orient, "bf16",
+                                                    slot_stride=dst_stride,
+                                                    per_channel=per_channel)
+            moved = 0
+            for p in range(p_size):
+                src_layouts = models.conv_state_layouts(group, p_size, p, p_orient, "bf16",
+                                                        per_channel=per_channel)
+                for name in ("x", "B", "C"):
+                    config = mori_tp.pair_config(src_layouts[name], dst_layouts[name])
+                    if config.action is not Action.SEND:
+                        continue
+                    tokens = config.src.page_size
+                    request = Request([1], [1], tokens)
+                    mori_tp.send_kvcache_pair(
+                        config, [ctypes.addressof(srcs[p])], [ctypes.addressof(dst)],
+                        src_capacity=len(srcs[p]), dst_capacity=len(dst), request=request,
+                        backend="host")
+                    moved += 1
+            self.assertGreater(moved, 0)
+            want = filled(SLOTS * dst_stride, slot_bytes(group, d_size, d, d_orient),
+                          dst_stride, 0x55)
+            # The padding after the slot and the other slots keep their bytes.
+            self.assertEqual(bytes(dst), bytes(want), f"decode rank {d} of {decode}")
+
+    def test_a_conv_state_of_three_parts_moves_tp2_to_tp4_and_back(self):
+        for orientation in ("sd", "ds"):
+            self.move((2, orientation), (4, orientation), False, 0)
+            self.move((4, orientation), (2, orientation), False, 16)
+
+    def test_across_orientations_per_channel_units_move_it(self):
+        self.move((2, "sd"), (4, "ds"), True, 8)
+        self.move((4, "ds"), (1, "sd"), True, 0)
+
+    def test_one_group_is_held_whole_and_every_decode_rank_gets_it(self):
+        group = models.from_config(dict(SMALL, n_groups=1)).group("conv_state")
+        self.assertEqual([p.units for p in group.parts], [8, 1, 1])
+        plan = models.plan(models.from_config(dict(SMALL, n_groups=1)), 2, 4, 1)
+        conv = next(g for g in plan if g["name"] == "conv_state")
+        for rank in conv["decode_ranks"]:
+            self.assertEqual(rank["owned_units"]["B"], [0, 1])
+
+    def test_an_ssm_state_moves_by_heads(self):
+        ssm = models.from_config(SMALL).group("ssm_state")
+        (part,) = ssm.parts
+        head = part.unit_bytes("fp32", "fp32")
+        self.assertEqual(head, 2 * 3 * 4)
+
+        def state(tp: int, rank: int, stride: int) -> ctypes.Array:
+            per = 8 // tp
+            data = {(h - rank * per) * head + i: bytes([h * 16 + i % 16, i // 16])
+                    for h in range(rank * per, (rank + 1) * per) for i in range(0, head, 2)}
+            return filled(SLOTS * stride, data, stride, 0x11)
+
+        for d in range(4):
+            stride = 8 // 4 * head + 32
+            dst = filled(SLOTS * stride, {}, 0, 0x11)
+            layout = models.state_layout(ssm, 4, d, "fp32", slot_stride=stride)
+            for p in range(2):
+                config = mori_tp.pair_config(models.state_layout(ssm, 2, p, "fp32"), layout)
+                if config.action is Action.SEND:
+                    src = state(2, p, 8 // 2 * head)
+                    mori_tp.send_kvcache_pair(
+                        config, [ctypes.addressof(src)], [ctypes.addressof(dst)],
+                        src_capacity=len(src), dst_capacity=len(dst),
+                        request=Request([1], [1], 1), backend="host")
+            self.assertEqual(bytes(dst), bytes(state(4, d, stride)))
+
+    def test_layouts_refuse_what_they_cannot_describe(self):
+        facts = models.from_config(SMALL)
+        conv, full = facts.group("conv_state"), facts.group("full_attention")
+        with self.assertRaisesRegex(ValueError, "orientation 'nhd'"):
+            models.conv_state_layouts(conv, 2, 0, "nhd", "bf16")
+        with self.assertRaisesRegex(ValueError, "slot_stride 8 is smaller"):
+            models.conv_state_layouts(conv, 2, 0, "sd", "bf16", slot_stride=8)
+        with self.assertRaisesRegex(ValueError, "not a conv state"):
+            models.conv_state_layouts(full, 2, 0, "sd", "bf16")
+        with self.assertRaisesRegex(ValueError, "one slot per request"):
+            models.paged_layout(conv, conv.parts[0], 2, 0, 16, "nhd", "bf16")
+        layout = models.paged_layout(full, full.parts[0], 2, 0, 16, "hnd", "bf16")
+        self.assertEqual(layout, mori_tp.Layout.hnd(8, 2, 0, 16, 128 * 2))
+
+
+if __name__ == "__main__":
+    unittest.main()
