@@ -14,9 +14,11 @@ capacities; the staging regions are one slot per side for the whole request::
 
 Both ranks size their slots with :func:`mori_tp.groups_info` (``src_staging_bytes``,
 ``dst_staging_bytes``), which they compute alike from the same groups. A :class:`GroupsPlan`
-works with every transport's ``send`` (it has the methods a :class:`~mori_tp.engines.RequestPlan`
-offers them); it moves whole, so the chunked :class:`~mori_tp.engines.Streamer` does not take
-it.
+works with the Mooncake and NIXL transports' ``send`` (it has the methods a
+:class:`~mori_tp.engines.RequestPlan` offers them); it moves whole, so the chunked
+:class:`~mori_tp.engines.Streamer` does not take it. Not done yet: MORI-IO's ``send`` addresses
+each buffer through its registered memory descriptor (``src_bases``, ``num_buffers``), which a
+request of groups, whose groups have buffers of their own, does not offer.
 """
 
 from __future__ import annotations
