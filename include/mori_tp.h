@@ -438,6 +438,61 @@ typedef struct MoriTpRequest {
 } MoriTpRequest;
 
 /**
+ * One group of a request of several groups: one kind of state a sequence carries between a
+ * prefill rank and a decode rank (the full-attention KV of some layers, the sliding-window KV
+ * of others, a per-token record, a scale buffer, one part of a per-request state slot), with
+ * its own pair config, pages, staging mode and buffers. The mori_tp_groups_* and
+ * *_kvcache_groups functions take an array of them and treat it as one request.
+ *
+ * A state slot is a group of one page per side: request.src_pages and request.dst_pages are
+ * the slot index, the layouts' page_stride is the slot stride and their offset is where this
+ * part starts inside the slot (page_size = state rows moved as token slots, or 1), and
+ * request.num_tokens is the rows moved (page_size, or 1). A sliding window is a group whose
+ * request covers only the window's tokens, with first_token the window's first token in the
+ * sequence. 232 bytes.
+ */
+typedef struct MoriTpGroup {
+  /**
+   * The group's pair config, from mori_tp_pair_config of its two layouts (derived again and
+   * refused if edited, as by every mori_tp_pair_* function).
+   */
+  struct MoriTpPairConfig config;
+  /**
+   * A MoriTpStaging: how the group's bytes move through a transfer engine, usually
+   * mori_tp_pair_staging_for(&config). Both ranks must use the same. A state-slot part that
+   * is one run of bytes on both sides (a DS conv state part, an SSM state) is one segment
+   * per buffer unstaged, where that function may answer BOTH: give it MORI_TP_STAGING_NONE.
+   */
+  uint32_t staging;
+  /**
+   * 0.
+   */
+  uint32_t reserved;
+  /**
+   * Where the request's token 0 sits in the sequence: 0 for a group that holds the whole
+   * sequence or a state slot; a sliding window's first token otherwise. It must be a
+   * multiple of both layouts' page_size, so that the window's first page starts with it
+   * (round a window's start down to a multiple of both page sizes: that moves at most that
+   * many tokens more). It moves no byte: token k of the request is token first_token + k of
+   * the sequence.
+   */
+  uint64_t first_token;
+  /**
+   * The group's tokens and page lists, as for mori_tp_pair_segments.
+   */
+  struct MoriTpRequest request;
+  /**
+   * The group's num_buffers buffers on each rank and their capacities. The pointer arrays
+   * are read only by the functions that copy through them: mori_send_kvcache_groups reads
+   * src and dst; mori_pack_kvcache_groups reads src of each group whose staging is SRC or
+   * BOTH; mori_unpack_kvcache_groups reads dst of each group whose staging is DST or BOTH.
+   * Elsewhere they may be NULL. Groups may share buffers (the parts of one state slot, or
+   * a KV page and its scales): each group writes only its own elements.
+   */
+  struct MoriKvBuffers buffers;
+} MoriTpGroup;
+
+/**
  * What a (prefill rank, decode rank) pair does; the type of MoriTpSliceConfig.action.
  */
 typedef uint32_t MoriTpAction;
@@ -569,6 +624,87 @@ typedef struct MoriTpMemory {
    */
   uint64_t staging_capacity;
 } MoriTpMemory;
+
+/**
+ * Where one group sits in its request's plan (`MoriTpGroupInfo`). 40 bytes.
+ */
+typedef struct MoriTpGroupInfo {
+  /**
+   * Index of the group's first segment in the request's segment list.
+   */
+  uint64_t first_segment;
+  /**
+   * The group's segments, each applied to every one of its buffers.
+   */
+  uint64_t num_segments;
+  /**
+   * Bytes one of its buffers moves (and stages on a staged side): `num_tokens * n *
+   * head_bytes`, 0 unless its pair sends.
+   */
+  uint64_t staging_len;
+  /**
+   * Where its region starts in the prefill rank's staging region for the request (0 unless
+   * its staging is SRC or BOTH): buffer `b` at `src_staging_offset + b * staging_len`.
+   */
+  uint64_t src_staging_offset;
+  /**
+   * The same in the decode rank's staging region (0 unless DST or BOTH).
+   */
+  uint64_t dst_staging_offset;
+} MoriTpGroupInfo;
+
+/**
+ * What a whole request of groups needs (`MoriTpGroupsTotal`). 40 bytes.
+ */
+typedef struct MoriTpGroupsTotal {
+  /**
+   * Entries of the request's segment list: every group's segments.
+   */
+  uint64_t num_segments;
+  /**
+   * Segments a transfer engine copies: each group's segments times its buffers.
+   */
+  uint64_t transfer_segments;
+  /**
+   * Bytes the request moves: each group's `staging_len` times its buffers.
+   */
+  uint64_t bytes;
+  /**
+   * Bytes of the prefill rank's staging region for the request: the regions of the groups
+   * whose staging is SRC or BOTH, back to back in group order.
+   */
+  uint64_t src_staging_bytes;
+  /**
+   * The same on the decode rank (groups whose staging is DST or BOTH).
+   */
+  uint64_t dst_staging_bytes;
+} MoriTpGroupsTotal;
+
+/**
+ * The layers a prefill stage and a decode stage share (`MoriTpLayerRange`): layers
+ * `first_layer .. first_layer + num_layers` of the model; layer `first_layer + i` is local
+ * layer `prefill_first_local + i` of the prefill stage and `decode_first_local + i` of the
+ * decode stage. When the stages share no layer, `num_layers` is 0, `first_layer` is where the
+ * later of the two stages starts, and both local indices are 0. 16 bytes.
+ */
+typedef struct MoriTpLayerRange {
+  /**
+   * The first shared layer of the model (global index).
+   */
+  uint32_t first_layer;
+  /**
+   * Shared layers (0: the stages share none).
+   */
+  uint32_t num_layers;
+  /**
+   * `first_layer`'s index among the prefill stage's layers (0 when none are shared).
+   */
+  uint32_t prefill_first_local;
+  /**
+   * `first_layer`'s index among the decode stage's layers (0 when none are shared).
+   */
+  uint32_t decode_first_local;
+} MoriTpLayerRange;
 
 /**
  * Success.
@@ -1532,6 +1668,230 @@ MoriStatus mori_unpack_kvcache_pair(const struct MoriTpPairConfig *config,
                                     uint64_t dst_capacity,
                                     const struct MoriTpRequest *request,
                                     const struct MoriSendOptions *options);
+
+/**
+ * Validates a request of several groups and says where each group sits in it: its range in
+ * the request's segment list (mori_tp_groups_segments), the bytes each of its buffers moves,
+ * and where its part starts in each side's staging region; and, for the whole request, the
+ * segments, bytes and staging bytes per side. Both ranks get the same answer from the same
+ * groups (the decode rank sizes its staging slot with total->dst_staging_bytes).
+ *
+ * Each group is checked as the mori_tp_pair_* functions check a pair config and a request
+ * (its config derived again from its layouts, its page counts, every page index), its
+ * staging value, its reserved field, and its first_token against both page sizes. Only
+ * buffers.num_buffers is read from its buffers.
+ *
+ * The staging regions: on each side, the groups that stage it (SRC or BOTH for the prefill
+ * side, DST or BOTH for the decode side) each own num_buffers * staging_len bytes, back to
+ * back in group order; group g's buffer b is at src_staging_offset + b * staging_len (or
+ * dst_staging_offset) of the request's region, laid out as mori_tp_pair_segments documents
+ * the region of the group's mode. A group that does not stage a side has offset 0 there and
+ * takes no bytes.
+ *
+ * @param[in]  groups      num_groups groups. NULL only if num_groups = 0 (an empty request:
+ *                         every count 0).
+ * @param[in]  num_groups  Groups in the request.
+ * @param[out] out         num_groups entries, one per group in order; written only on
+ *                         MORI_OK. NULL only if num_groups = 0.
+ * @param[out] total       Receives the request's totals; written only on MORI_OK. Must not be
+ *                         NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if total is NULL, groups or out is NULL with num_groups > 0, or a
+ *   group's page array is NULL with a non-zero count;
+ *   MORI_ERR_INVALID_ARGUMENT for a group whose config was edited or whose reserved is not 0,
+ *   an unknown staging value, page counts other than ceil(num_tokens / page_size), a
+ *   first_token that is not a multiple of both page sizes (the message names both and the
+ *   start rounded down), a misaligned pointer, or a count that overflows 64 bits;
+ *   MORI_ERR_TOPOLOGY, MORI_ERR_LAYOUT_MISMATCH for a group's invalid layout;
+ *   MORI_ERR_OUT_OF_BOUNDS for a negative page index, a page whose end overflows 64 bits or,
+ *   with heads outside pages, a page past its head's run;
+ *   MORI_ERR_PANIC on an internal error.
+ *   The message of a refusal that concerns one group names it after the status's words:
+ *   "mori_tp_groups_info: invalid argument: group 2: ...".
+ */
+MoriStatus mori_tp_groups_info(const struct MoriTpGroup *groups,
+                               size_t num_groups,
+                               MoriTpGroupInfo *out,
+                               MoriTpGroupsTotal *total);
+
+/**
+ * The transport's segments of a request of several groups: each group's segments (those of
+ * mori_tp_pair_segments for its config, request and staging mode), group after group, in
+ * one array. Group g's are entries [first_segment, first_segment + num_segments) of its
+ * MoriTpGroupInfo (mori_tp_groups_info). Their offsets are relative to each of the group's
+ * buffers' bases: on an unstaged side, the buffer (buffers.src[b] or buffers.dst[b]); on a
+ * staged side, region + the group's staging offset + b * staging_len of that rank's staging
+ * region for the request. A transfer engine applies group g's segments to each of its
+ * buffers; one write of all of them is the whole request.
+ *
+ * The list is one array with per-group ranges, rather than one array per group, so that a
+ * request is one size query and one allocation whatever its groups, as for every other plan
+ * function, and an engine that writes the whole request in one call gets it in one piece.
+ *
+ * @param[in]  groups      num_groups groups (only buffers.num_buffers is read of their
+ *                         buffers). NULL only if num_groups = 0.
+ * @param[in]  num_groups  Groups in the request.
+ * @param[out] out         Array of capacity segments; NULL only if capacity = 0. Written only
+ *                         on MORI_OK. May be uninitialised memory.
+ * @param[in]  capacity    Entries out can hold.
+ * @param[out] out_len     Receives the number of segments (total->num_segments), on MORI_OK
+ *                         and on MORI_ERR_BUFFER_TOO_SMALL. Must not be NULL.
+ *
+ * @return MORI_OK; the codes of mori_tp_groups_info, and MORI_ERR_BUFFER_TOO_SMALL if
+ *   capacity < *out_len (nothing written to out; out = NULL with capacity = 0 is the size
+ *   query).
+ */
+MoriStatus mori_tp_groups_segments(const struct MoriTpGroup *groups,
+                                   size_t num_groups,
+                                   MoriSegment *out,
+                                   size_t capacity,
+                                   size_t *out_len);
+
+/**
+ * Checks a request of several groups against the memory both ranks registered, before a
+ * transfer engine gets its segments (an engine copies whatever it is given): each group as
+ * mori_tp_groups_info checks it; every page of every group, staged side or not, ends within
+ * that side's buffers.src_capacity or buffers.dst_capacity (p * page_stride + extent); and
+ * each rank's staging region for the request holds the bytes of the groups that stage its
+ * side (total->src_staging_bytes, total->dst_staging_bytes).
+ *
+ * @param[in] groups                num_groups groups (pointer arrays not read). NULL only if
+ *                                  num_groups = 0.
+ * @param[in] num_groups            Groups in the request.
+ * @param[in] src_staging_capacity  Bytes of the prefill rank's staging region (or slot) for
+ *                                  the request.
+ * @param[in] dst_staging_capacity  Bytes of the decode rank's.
+ *
+ * @return MORI_OK; the codes of mori_tp_groups_info;
+ *   MORI_ERR_OUT_OF_BOUNDS for a page that ends past its side's capacity (the message names
+ *   the group, the page, its position and both numbers);
+ *   MORI_ERR_BUFFER_TOO_SMALL if a staging capacity is below what the request's groups need
+ *   on that side (the message names the side and both numbers).
+ */
+MoriStatus mori_tp_check_groups_transfer(const struct MoriTpGroup *groups,
+                                         size_t num_groups,
+                                         uint64_t src_staging_capacity,
+                                         uint64_t dst_staging_capacity);
+
+/**
+ * Copies every group of a request page to page, whatever its staging mode: for each group,
+ * what mori_send_kvcache_pair moves for its config, buffers and request. Every group (config,
+ * request, first_token, buffers against pages, NULLs, options) is checked before the first
+ * byte moves, so a refused call writes nothing; then the groups are copied in order, each as
+ * mori_send_kvcache_pair copies a pair (per (buffer, rect) hipMemcpy2DAsync, or with
+ * MORI_SEND_COPY_KERNEL one kernel launch per group that moves bytes; MORI_SEND_SYNCHRONIZE
+ * waits before the call returns).
+ *
+ * @param[in] groups      num_groups groups; buffers.src and buffers.dst of each must hold
+ *                        buffers.num_buffers non-NULL pointers (both NULL only if
+ *                        num_buffers = 0). NULL only if num_groups = 0.
+ * @param[in] num_groups  Groups in the request.
+ * @param[in] options     Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+ *
+ * @return MORI_OK; the codes of mori_tp_groups_info and of mori_send_kvcache_pair (a
+ *   group's buffer array NULL with num_buffers > 0 or an entry NULL: MORI_ERR_NULL_POINTER;
+ *   a page past its capacity: MORI_ERR_OUT_OF_BOUNDS; MORI_ERR_BACKEND_UNAVAILABLE;
+ *   MORI_ERR_GPU), each naming the group.
+ */
+MoriStatus mori_send_kvcache_groups(const struct MoriTpGroup *groups,
+                                    size_t num_groups,
+                                    const struct MoriSendOptions *options);
+
+/**
+ * Prefill side of a staged request of several groups: packs every group whose staging is
+ * SRC or BOTH into its part of the request's staging region (group g's buffer b at
+ * src_staging_offset + b * staging_len, see mori_tp_groups_info), in the region order of the
+ * group's mode, as mori_pack_kvcache_pair packs a pair. Groups that stage nothing on this side
+ * are validated and skipped; their pointer arrays are not read. Call it before the transport
+ * writes the segments of mori_tp_groups_segments.
+ *
+ * Everything is checked before the first byte moves: every group; staging_capacity >=
+ * total->src_staging_bytes (MORI_ERR_BUFFER_TOO_SMALL naming both); the region's used bytes
+ * overlap no packed group's source buffer; backends, stream and flags as for
+ * mori_pack_kvcache_pair (with MORI_SEND_COPY_KERNEL, one launch per packed group).
+ *
+ * @param[in]  groups            num_groups groups; buffers.src of each packed group holds
+ *                               buffers.num_buffers non-NULL pointers. NULL only if
+ *                               num_groups = 0.
+ * @param[in]  num_groups        Groups in the request.
+ * @param[out] staging           The prefill rank's staging region for the request (a pool
+ *                               slot). NULL only if staging_capacity is 0.
+ * @param[in]  staging_capacity  Bytes of the region.
+ * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+ *
+ * @return MORI_OK; the codes of mori_tp_groups_info and of mori_pack_kvcache_pair, each
+ *   naming the group it concerns.
+ */
+MoriStatus mori_pack_kvcache_groups(const struct MoriTpGroup *groups,
+                                    size_t num_groups,
+                                    void *staging,
+                                    uint64_t staging_capacity,
+                                    const struct MoriSendOptions *options);
+
+/**
+ * Decode side of a staged request of several groups: once the transport has written every
+ * segment of mori_tp_groups_segments, unpacks every group whose staging is DST or BOTH from
+ * its part of the request's staging region (group g's buffer b at dst_staging_offset + b *
+ * staging_len) onto its pages, as mori_unpack_kvcache_pair unpacks a pair. Groups that stage
+ * nothing on this side are validated and skipped; their pointer arrays are not read.
+ *
+ * Checks, backends and flags as for mori_pack_kvcache_groups with the roles swapped:
+ * staging_capacity >= total->dst_staging_bytes, no overlap with an unpacked group's
+ * destination buffer.
+ *
+ * @param[in] groups            num_groups groups; buffers.dst of each unpacked group holds
+ *                              buffers.num_buffers non-NULL pointers. NULL only if
+ *                              num_groups = 0.
+ * @param[in] num_groups        Groups in the request.
+ * @param[in] staging           The decode rank's staging region for the request. NULL only if
+ *                              staging_capacity is 0.
+ * @param[in] staging_capacity  Bytes of the region.
+ * @param[in] options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
+ *
+ * @return the codes of mori_pack_kvcache_groups, with dst in place of src.
+ */
+MoriStatus mori_unpack_kvcache_groups(const struct MoriTpGroup *groups,
+                                      size_t num_groups,
+                                      const void *staging,
+                                      uint64_t staging_capacity,
+                                      const struct MoriSendOptions *options);
+
+/**
+ * The layers a prefill pipeline stage and a decode pipeline stage share, when the two engines
+ * split the model's layers into pipeline stages differently (uneven splits included).
+ *
+ * A partition lists the layers of each stage in order: {10, 12, 10} is layers 0-9 on stage 0,
+ * 10-21 on stage 1, 22-31 on stage 2 (the lists vLLM's VLLM_PP_LAYER_PARTITION and SGLang's
+ * SGLANG_PP_LAYER_PARTITION take). The stages share layers out->first_layer .. first_layer +
+ * num_layers - 1; layer first_layer + i is local layer prefill_first_local + i of the prefill
+ * stage (its index among that stage's layers, which is how the engine numbers its per-layer KV
+ * buffers) and decode_first_local + i of the decode stage. Stages that share no layer give
+ * num_layers 0. A prefill stage sends its layers to every decode stage it shares some with.
+ *
+ * @param[in]  prefill_layers  prefill_stages layer counts, one per prefill stage.
+ * @param[in]  prefill_stages  Prefill pipeline size (> 0).
+ * @param[in]  decode_layers   decode_stages layer counts, one per decode stage.
+ * @param[in]  decode_stages   Decode pipeline size (> 0).
+ * @param[in]  prefill_stage   The prefill stage, < prefill_stages.
+ * @param[in]  decode_stage    The decode stage, < decode_stages.
+ * @param[out] out             Receives the shared layers; written only on MORI_OK. Must not
+ *                             be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if out is NULL, or a layer array is NULL with a non-zero count;
+ *   MORI_ERR_INVALID_ARGUMENT for an empty partition, a stage of 0 layers, partitions that hold
+ *   different numbers of layers, a stage out of range or more than 2^32 - 1 layers (the
+ *   message names the side, the partitions and the numbers), or a misaligned pointer;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_pp_layers(const uint32_t *prefill_layers,
+                             size_t prefill_stages,
+                             const uint32_t *decode_layers,
+                             size_t decode_stages,
+                             uint32_t prefill_stage,
+                             uint32_t decode_stage,
+                             MoriTpLayerRange *out);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -541,6 +541,143 @@ pub enum Error {
         capacity: u64,
     },
 
+    // ---- a request of several groups ----
+    /// A refusal that concerns one group of a request of several groups: `error` says what,
+    /// `group` (its index in the request's list) says where.
+    #[error("{}", in_group(*.group, .error))]
+    InGroup {
+        /// The group's index in the request.
+        group: usize,
+        /// The refusal, as it reads for a request of that group alone.
+        error: Box<Error>,
+    },
+    /// A group's first token (a sliding window's start) is not on a page boundary of both
+    /// sides, so its pages could not hold its tokens from slot 0.
+    #[error(
+        "invalid argument: first_token {first_token} is not a multiple of both page sizes \
+         (prefill page_size {src_page_size}, decode page_size {dst_page_size}): a window starts \
+         on a page of each side; round it down to {rounded}, a multiple of {lcm}"
+    )]
+    WindowNotOnPages {
+        /// The group's first token.
+        first_token: u64,
+        /// The prefill layout's page size.
+        src_page_size: u32,
+        /// The decode layout's page size.
+        dst_page_size: u32,
+        /// The least common multiple of the page sizes.
+        lcm: u64,
+        /// `first_token` rounded down to a multiple of `lcm`.
+        rounded: u64,
+    },
+    /// A reserved field is not 0.
+    #[error("invalid argument: {field} is {value}, not 0 (reserved)")]
+    ReservedNotZero {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: u32,
+    },
+    /// A group's buffers on one side are not as many as the group says.
+    #[error(
+        "invalid argument: {side}: {given} buffers given for a group of num_buffers {expected}"
+    )]
+    GroupBufferCount {
+        /// Which engine.
+        side: Side,
+        /// Buffers given.
+        given: usize,
+        /// The group's num_buffers.
+        expected: usize,
+    },
+    /// A group's buffers on one side are needed but not given.
+    #[error(
+        "null pointer: {side}: the group's buffer pointers are not given (NULL or empty) but \
+         num_buffers is {num_buffers}"
+    )]
+    GroupBuffersMissing {
+        /// Which engine.
+        side: Side,
+        /// The group's num_buffers.
+        num_buffers: usize,
+    },
+    /// A request's staging region holds fewer bytes than its groups that stage that side.
+    #[error(
+        "buffer too small: {side}: staging_capacity {capacity} is below the {needed} bytes the \
+         request's groups need on this side (the regions of the groups that stage it, back to \
+         back)"
+    )]
+    GroupsStagingTooSmall {
+        /// Whose staging region.
+        side: Side,
+        /// The sum of the staging groups' `num_buffers * staging_len`.
+        needed: u64,
+        /// The region's capacity.
+        capacity: u64,
+    },
+
+    // ---- pipeline parallelism ----
+    /// A pipeline partition lists no stage.
+    #[error(
+        "invalid argument: {side}: the pipeline partition is empty (give the layers of each stage)"
+    )]
+    EmptyPartition {
+        /// Which engine.
+        side: Side,
+    },
+    /// A pipeline stage holds no layer.
+    #[error(
+        "invalid argument: {side}: stage {stage} of the pipeline partition {partition:?} holds \
+         no layer (every stage holds at least one)"
+    )]
+    ZeroLayerStage {
+        /// Which engine.
+        side: Side,
+        /// The stage.
+        stage: usize,
+        /// The partition: layers per stage.
+        partition: Vec<u32>,
+    },
+    /// A pipeline partition holds more layers than a `u32` counts.
+    #[error(
+        "invalid argument: {side}: the pipeline partition holds {layers} layers, more than 4294967295"
+    )]
+    PartitionTooLarge {
+        /// Which engine.
+        side: Side,
+        /// Its layers.
+        layers: u64,
+    },
+    /// The two pipeline partitions split different numbers of layers.
+    #[error(
+        "invalid argument: the prefill pipeline partition {prefill_partition:?} holds {prefill} \
+         layers but the decode partition {decode_partition:?} holds {decode} (both split the \
+         model's layers)"
+    )]
+    PartitionsDiffer {
+        /// Layers of the prefill partition.
+        prefill: u64,
+        /// Layers of the decode partition.
+        decode: u64,
+        /// The prefill partition.
+        prefill_partition: Vec<u32>,
+        /// The decode partition.
+        decode_partition: Vec<u32>,
+    },
+    /// A pipeline stage is not below its side's number of stages.
+    #[error(
+        "invalid argument: {side}: pipeline stage {stage} is out of range for {stages} stages \
+         (stages are 0..{})", .stages.saturating_sub(1)
+    )]
+    StageOutOfRange {
+        /// Which engine.
+        side: Side,
+        /// The stage given.
+        stage: u32,
+        /// Stages of that side's partition.
+        stages: usize,
+    },
+
     // ---- the staging pool ----
     /// A pool's capacity or slot unit is unusable.
     #[error("invalid argument: staging pool: {reason} (capacity {capacity}, min_slot {min_slot})")]
@@ -671,7 +808,7 @@ impl Error {
     pub fn class(&self) -> ErrorClass {
         use Error::*;
         match self {
-            LayoutArguments { error } => error.class(),
+            LayoutArguments { error } | InGroup { error, .. } => error.class(),
             ZeroTpSize { .. }
             | RankOutOfRange { .. }
             | ZeroPageSize
@@ -698,7 +835,15 @@ impl Error {
             | SlotDoubleFree { .. }
             | NotASlot { .. }
             | PoolInUse { .. }
-            | PoolClosed { .. } => ErrorClass::InvalidArgument,
+            | PoolClosed { .. }
+            | WindowNotOnPages { .. }
+            | ReservedNotZero { .. }
+            | GroupBufferCount { .. }
+            | EmptyPartition { .. }
+            | ZeroLayerStage { .. }
+            | PartitionTooLarge { .. }
+            | PartitionsDiffer { .. }
+            | StageOutOfRange { .. } => ErrorClass::InvalidArgument,
             ZeroKvHeads | IndivisibleTp { .. } | KvHeadsDiffer { .. } => ErrorClass::Topology,
             ItemLenNotWholeTokens { .. }
             | TokenNotWholeHeads { .. }
@@ -713,10 +858,13 @@ impl Error {
             | PagePastCapacity { .. }
             | PageEndOverflow { .. }
             | PagePastHeadRun { .. } => ErrorClass::OutOfBounds,
-            NullBuffer { .. } | NullStaging { .. } => ErrorClass::NullPointer,
-            StagingTooSmall { .. } | SlotLargerThanPool { .. } | PoolFull { .. } => {
-                ErrorClass::BufferTooSmall
+            NullBuffer { .. } | NullStaging { .. } | GroupBuffersMissing { .. } => {
+                ErrorClass::NullPointer
             }
+            StagingTooSmall { .. }
+            | GroupsStagingTooSmall { .. }
+            | SlotLargerThanPool { .. }
+            | PoolFull { .. } => ErrorClass::BufferTooSmall,
             BackendUnavailable { .. } => ErrorClass::BackendUnavailable,
             Gpu { .. } => ErrorClass::Gpu,
         }
@@ -775,4 +923,28 @@ fn host_stream_reason(auto_fallback: &bool) -> &'static str {
 /// A refusal's message without its "prefill side: " (a layout constructor's arguments).
 fn without_side(error: &Error) -> String {
     error.to_string().replacen("prefill side: ", "", 1)
+}
+
+/// An error's message with `group {group}: ` after its class label: the refusal of one group
+/// of a request of several groups.
+fn in_group(group: usize, error: &Error) -> String {
+    let message = error.to_string();
+    let label = error.class().label();
+    match message
+        .strip_prefix(label)
+        .and_then(|rest| rest.strip_prefix(": "))
+    {
+        Some(rest) => format!("{label}: group {group}: {rest}"),
+        None => format!("group {group}: {message}"),
+    }
+}
+
+impl Error {
+    /// This error as the refusal of group `group` of a request of several groups.
+    pub fn in_group(self, group: usize) -> Error {
+        Error::InGroup {
+            group,
+            error: Box::new(self),
+        }
+    }
 }

@@ -11,6 +11,8 @@
 //!   here.
 //! - [`layout`](mod@layout): any page layout (token-major, head-major, strided, offset), the
 //!   pair config two ranks agree on, and requests whose page sizes differ between the sides.
+//! - [`pipeline`](mod@pipeline): which layers a prefill and a decode pipeline stage share when
+//!   the engines split the layers differently.
 //! - [`plan`](mod@plan): a request's elements as coalesced strided copies (rects) or contiguous
 //!   segments, between two sides that are each page buffers or a dense staging region, in the
 //!   order with the fewest segments; the staging modes for RDMA engines.
@@ -19,6 +21,9 @@
 //! - [`pool`]: a staging pool: one region (host memory from mmap, or device memory from HIP)
 //!   registered with a transfer engine once, slots handed out per request.
 //! - [`send`](mod@send): send, pack and unpack: validate buffers and staging, then run a job.
+//! - [`group`](mod@group): a request of several groups (full and sliding-window KV, per-token
+//!   records, scales, state slots), each its own pair config and pages, planned and moved as
+//!   one request.
 //! - [`ffi`]: the C ABI of `include/mori_tp.h`, a thin layer over the above.
 //!
 //! `REFERENCE.md` explains the model and the promises (ownership, the sender rule, layouts,
@@ -32,7 +37,9 @@ extern crate self as mori_tp;
 pub mod backend;
 pub mod error;
 pub mod ffi;
+pub mod group;
 pub mod layout;
+pub mod pipeline;
 pub mod plan;
 // Rust API: the C ABI's pool functions are in ffi.
 /// cbindgen:ignore
@@ -48,7 +55,12 @@ pub use backend::{
     Backend, CopyEngine, CopyJob, HostCopies, HostEngine, KvBuffers, SendOptions, SendReport,
 };
 pub use error::{Error, ErrorClass, Result};
+pub use group::{
+    Group, GroupBuffers, GroupInfo, GroupsPlan, GroupsTotal, pack_groups, send_groups,
+    unpack_groups,
+};
 pub use layout::{Layout, Nesting, PairConfig, Request, ValidLayout, pair_config};
+pub use pipeline::{LayerRange, shared_layers};
 pub use plan::{
     CopyRect, PairPlan, Plan, RankMemory, Segment, Walk, check_pair_transfer, check_transfer,
     pair_plan, pair_segments, pair_staging_for, plan, plan_segments, plan_transfer, staging_for,

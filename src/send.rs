@@ -82,7 +82,7 @@ pub fn send_host_with(
 }
 
 /// Refuses a staging region that overlaps any of the page buffers it is copied with.
-fn check_no_overlap(
+pub(crate) fn check_no_overlap(
     staging: *const u8,
     staging_bytes: u64,
     side: Side,

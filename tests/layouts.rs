@@ -10,10 +10,9 @@
 mod common;
 
 use std::ffi::{CStr, c_void};
-use std::ops::Range;
 use std::ptr::null_mut;
 
-use common::{owned_heads, valid_tp};
+use common::{local_heads, moved_heads, owned_heads, valid_tp};
 use mori_tp::ffi::*;
 use mori_tp_testkit::{Rng, mix};
 
@@ -39,32 +38,7 @@ fn last_error() -> String {
         .into_owned()
 }
 
-// ---- the oracle: the contract's formulas, written again here --------------------------------
-
-fn local_heads(h: u32, tp: u32) -> u32 {
-    if tp <= h { h / tp } else { 1 }
-}
-
-/// The lowest rank of a side of TP size `tp` that owns head `head`.
-fn first_owner(h: u32, tp: u32, head: u32) -> u32 {
-    (0..tp)
-        .find(|&r| owned_heads(h, tp, r).contains(&head))
-        .expect("every head has an owner")
-}
-
-/// The prefill rank that sends head `head` to decode rank `d` (CONTRACT section 3).
-fn sender(h: u32, p_tp: u32, d_tp: u32, d: u32, head: u32) -> u32 {
-    let (rs, rd) = ((p_tp / h).max(1), (d_tp / h).max(1));
-    let j = d - first_owner(h, d_tp, head);
-    first_owner(h, p_tp, head) + j * rs / rd
-}
-
-/// What the oracle expects of a pair: the heads moved, when the pair sends.
-fn moved_heads(h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> Option<Range<u32>> {
-    let (src, dst) = (owned_heads(h, p_tp, p), owned_heads(h, d_tp, d));
-    let shared = src.start.max(dst.start)..src.end.min(dst.end);
-    (!shared.is_empty() && sender(h, p_tp, d_tp, d, shared.start) == p).then_some(shared)
-}
+// ---- the oracle: the contract's formulas, written again here (ownership: tests/common) ---
 
 /// Where element (slot, local head) of page `page` lies in a layout.
 fn element(l: &MoriTpLayout, page: u64, slot: u64, local: u64) -> u64 {

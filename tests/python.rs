@@ -2,7 +2,9 @@
 //! just built, so the README's one test command covers the Python binding too:
 //! `python/tests` (standard-library unittest), and the two-process transfers through real
 //! engines (`python/tests/engine_loopback.py` and, pipelined and streamed with staging pools,
-//! `python/tests/engine_streaming.py`; Mooncake and NIXL over 127.0.0.1).
+//! `python/tests/engine_streaming.py`; requests of several groups of a hybrid model with
+//! pipeline stages that differ, `python/tests/engine_groups.py`; Mooncake and NIXL over
+//! 127.0.0.1).
 
 mod common;
 
@@ -179,6 +181,30 @@ fn mooncake_pipelines_and_streams_requests_byte_exact_between_two_processes() {
 #[test]
 fn nixl_pipelines_and_streams_requests_byte_exact_between_two_processes() {
     engine_streams_requests_between_two_processes("nixl");
+}
+
+fn engine_moves_hybrid_requests_between_two_processes(engine: &str) {
+    let test = format!("{engine}_moves_hybrid_requests_of_several_groups_between_two_processes");
+    let args = ["python/tests/engine_groups.py", engine];
+    let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(300)) else {
+        return;
+    };
+    assert!(
+        output.status.success(),
+        "{engine} requests of several groups failed ({}):\n{report}",
+        output.status
+    );
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn mooncake_moves_hybrid_requests_of_several_groups_between_two_processes() {
+    engine_moves_hybrid_requests_between_two_processes("mooncake");
+}
+
+#[test]
+fn nixl_moves_hybrid_requests_of_several_groups_between_two_processes() {
+    engine_moves_hybrid_requests_between_two_processes("nixl");
 }
 
 /// nixl-cu12 1.5.1's UCX loads the system libefa, libibverbs and libnl next to its own copies,

@@ -38,6 +38,13 @@ sides, a partial last page): each rank describes its pages with a :class:`Layout
     request = mori_tp.Request(src_pages, dst_pages, num_tokens)
     local, remote, sizes = mori_tp.pair_segments(pair, request)
 
+A hybrid or quantized model carries several kinds of state per sequence (full and
+sliding-window KV, a per-token indexer record, scales, Mamba state slots): each is a
+:class:`Group` (a pair config, a request, a staging mode, buffers), and a list of groups is one
+request for :func:`groups_info`, :func:`groups_segments`, :func:`send_kvcache_groups`,
+:func:`pack_kvcache_groups` and :func:`unpack_kvcache_groups`. :func:`pp_layers` maps the
+layers between pipeline stages that the two engines split differently.
+
 Page indices may be lists (or any sequence) of ints, ``array.array('i')``, or numpy integer
 arrays; ``array.array('i')`` and C-contiguous numpy int32 arrays are passed to the library by
 address, without a copy. numpy is optional: only ``as_arrays=True`` output, numpy staging
@@ -100,8 +107,12 @@ __all__ = [
     "BufferTooSmallError",
     "CopyRect",
     "GpuError",
+    "Group",
+    "GroupInfo",
+    "GroupsTotal",
     "InternalError",
     "InvalidArgumentError",
+    "LayerRange",
     "Layout",
     "LayoutMismatchError",
     "MoriError",
@@ -119,11 +130,15 @@ __all__ = [
     "StagingPool",
     "StagingRegion",
     "TopologyError",
+    "check_groups_transfer",
     "check_pair_transfer",
     "check_transfer",
+    "groups_info",
+    "groups_segments",
     "library_path",
     "library_version",
     "pack_kvcache",
+    "pack_kvcache_groups",
     "pack_kvcache_pair",
     "pair_config",
     "pair_plan",
@@ -133,12 +148,15 @@ __all__ = [
     "plan",
     "plan_segments",
     "plan_transfer",
+    "pp_layers",
     "send_kvcache",
+    "send_kvcache_groups",
     "send_kvcache_pair",
     "slice_config",
     "staging_for",
     "staging_len",
     "unpack_kvcache",
+    "unpack_kvcache_groups",
     "unpack_kvcache_pair",
 ]
 
@@ -1235,4 +1253,19 @@ from ._pair import (  # noqa: E402
     pair_staging_len,
     send_kvcache_pair,
     unpack_kvcache_pair,
+)
+
+# Requests of several groups and pipeline layer maps, built on the layout API above.
+from ._groups import (  # noqa: E402
+    Group,
+    GroupInfo,
+    GroupsTotal,
+    LayerRange,
+    check_groups_transfer,
+    groups_info,
+    groups_segments,
+    pack_kvcache_groups,
+    pp_layers,
+    send_kvcache_groups,
+    unpack_kvcache_groups,
 )

@@ -146,6 +146,46 @@ class MoriTpRequest(ctypes.Structure):
     ]
 
 
+class MoriTpGroup(ctypes.Structure):
+    _fields_ = [
+        ("config", MoriTpPairConfig),
+        ("staging", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("first_token", ctypes.c_uint64),
+        ("request", MoriTpRequest),
+        ("buffers", MoriKvBuffers),
+    ]
+
+
+class MoriTpGroupInfo(ctypes.Structure):
+    _fields_ = [
+        ("first_segment", ctypes.c_uint64),
+        ("num_segments", ctypes.c_uint64),
+        ("staging_len", ctypes.c_uint64),
+        ("src_staging_offset", ctypes.c_uint64),
+        ("dst_staging_offset", ctypes.c_uint64),
+    ]
+
+
+class MoriTpGroupsTotal(ctypes.Structure):
+    _fields_ = [
+        ("num_segments", ctypes.c_uint64),
+        ("transfer_segments", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("src_staging_bytes", ctypes.c_uint64),
+        ("dst_staging_bytes", ctypes.c_uint64),
+    ]
+
+
+class MoriTpLayerRange(ctypes.Structure):
+    _fields_ = [
+        ("first_layer", ctypes.c_uint32),
+        ("num_layers", ctypes.c_uint32),
+        ("prefill_first_local", ctypes.c_uint32),
+        ("decode_first_local", ctypes.c_uint32),
+    ]
+
+
 class MoriTpPoolOptions(ctypes.Structure):
     _fields_ = [
         ("capacity", ctypes.c_uint64),
@@ -201,6 +241,10 @@ EXPECTED_SIZES = {
     MoriTpPoolOptions: 24,
     MoriTpSlot: 24,
     MoriTpPoolInfo: 80,
+    MoriTpGroup: 232,
+    MoriTpGroupInfo: 40,
+    MoriTpGroupsTotal: 40,
+    MoriTpLayerRange: 16,
 }
 
 _STATUS = ctypes.c_int32
@@ -209,6 +253,8 @@ _LAYOUT_P = ctypes.POINTER(MoriTpLayout)
 _PAIR_P = ctypes.POINTER(MoriTpPairConfig)
 _REQUEST_P = ctypes.POINTER(MoriTpRequest)
 _MEMORY_P = ctypes.POINTER(MoriTpMemory)
+_GROUP_P = ctypes.POINTER(MoriTpGroup)
+_OPTIONS_P = ctypes.POINTER(MoriSendOptions)
 
 # Page arrays and plan outputs are declared as addresses (void *) rather than typed pointers:
 # numpy and array.array buffers are then passed by their address with no ctypes wrapper object
@@ -403,6 +449,62 @@ SIGNATURES = {
             ctypes.c_uint64,  # dst_capacity
             _REQUEST_P,
             ctypes.POINTER(MoriSendOptions),
+        ],
+    ),
+    "mori_tp_groups_info": (
+        _STATUS,
+        [
+            _GROUP_P,
+            ctypes.c_size_t,  # num_groups
+            ctypes.POINTER(MoriTpGroupInfo),  # out: num_groups entries
+            ctypes.POINTER(MoriTpGroupsTotal),
+        ],
+    ),
+    "mori_tp_groups_segments": (
+        _STATUS,
+        [
+            _GROUP_P,
+            ctypes.c_size_t,  # num_groups
+            ctypes.c_void_p,  # MoriSegment *out
+            ctypes.c_size_t,  # capacity
+            ctypes.POINTER(ctypes.c_size_t),  # out_len
+        ],
+    ),
+    "mori_tp_check_groups_transfer": (
+        _STATUS,
+        [_GROUP_P, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64],
+    ),
+    "mori_send_kvcache_groups": (_STATUS, [_GROUP_P, ctypes.c_size_t, _OPTIONS_P]),
+    "mori_pack_kvcache_groups": (
+        _STATUS,
+        [
+            _GROUP_P,
+            ctypes.c_size_t,  # num_groups
+            ctypes.c_void_p,  # void *staging
+            ctypes.c_uint64,  # staging_capacity
+            _OPTIONS_P,
+        ],
+    ),
+    "mori_unpack_kvcache_groups": (
+        _STATUS,
+        [
+            _GROUP_P,
+            ctypes.c_size_t,  # num_groups
+            ctypes.c_void_p,  # const void *staging
+            ctypes.c_uint64,  # staging_capacity
+            _OPTIONS_P,
+        ],
+    ),
+    "mori_tp_pp_layers": (
+        _STATUS,
+        [
+            ctypes.POINTER(ctypes.c_uint32),  # prefill_layers
+            ctypes.c_size_t,  # prefill_stages
+            ctypes.POINTER(ctypes.c_uint32),  # decode_layers
+            ctypes.c_size_t,  # decode_stages
+            ctypes.c_uint32,  # prefill_stage
+            ctypes.c_uint32,  # decode_stage
+            ctypes.POINTER(MoriTpLayerRange),
         ],
     ),
     "mori_tp_pool_create": (

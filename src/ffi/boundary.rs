@@ -43,6 +43,9 @@ pub(crate) enum Failure {
     },
     /// A pool handle that is not a live pool.
     UnknownPool(u64),
+    /// A failure of one group of a request of several groups (a core error carries its group
+    /// in [`Error::InGroup`] instead).
+    InGroup { group: usize, failure: Box<Failure> },
     /// A panic (a bug) was caught at the boundary.
     Panic(String),
 }
@@ -72,10 +75,22 @@ pub(crate) fn status_of(class: ErrorClass) -> MoriStatus {
 }
 
 impl Failure {
+    /// This failure as the refusal of group `group` of a request of several groups.
+    pub(crate) fn in_group(self, group: usize) -> Failure {
+        match self {
+            Failure::Core(error) => Failure::Core(error.in_group(group)),
+            other => Failure::InGroup {
+                group,
+                failure: Box::new(other),
+            },
+        }
+    }
+
     /// The class of the failure; `None` for a caught panic, which has a code of its own.
     fn class(&self) -> Option<ErrorClass> {
         Some(match self {
             Failure::Core(error) => error.class(),
+            Failure::InGroup { failure, .. } => return failure.class(),
             Failure::NullArgument(_) | Failure::NullArray { .. } => ErrorClass::NullPointer,
             Failure::Misaligned { .. }
             | Failure::ArrayTooLong { .. }
@@ -97,6 +112,15 @@ impl fmt::Display for Failure {
         // A core error's message carries its class already; the rest get the same prefix here.
         let label = match (self, self.class()) {
             (Failure::Core(error), _) => return error.fmt(f),
+            (Failure::InGroup { group, failure }, _) => {
+                let message = failure.to_string();
+                let label = failure.class().map_or("internal error", ErrorClass::label);
+                let rest = message
+                    .strip_prefix(label)
+                    .and_then(|rest| rest.strip_prefix(": "))
+                    .unwrap_or(&message);
+                return write!(f, "{label}: group {group}: {rest}");
+            }
             (_, Some(class)) => class.label(),
             (_, None) => "internal error",
         };
@@ -132,7 +156,7 @@ impl fmt::Display for Failure {
                  mori_tp_pool_create)"
             ),
             Failure::Panic(message) => f.write_str(message),
-            Failure::Core(_) => unreachable!("returned above"),
+            Failure::Core(_) | Failure::InGroup { .. } => unreachable!("returned above"),
         }
     }
 }

@@ -98,7 +98,7 @@ pub(crate) unsafe fn try_slice<'a, T>(
 /// # Safety
 /// A non-NULL `ptr` must point to `capacity` writable `T`s, not aliased by any input, that
 /// outlive the returned slice.
-unsafe fn try_out_slice<'a, T>(
+pub(crate) unsafe fn try_out_slice<'a, T>(
     ptr: *mut T,
     capacity: usize,
     name: &'static str,

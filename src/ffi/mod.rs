@@ -625,3 +625,7 @@ pub extern "C" fn mori_abi_version() -> u32 {
 // Section 7 of the header (any page layout), after the functions above.
 mod pair;
 pub use pair::*;
+
+// Requests of several groups and pipeline layer maps, after section 7 (which they build on).
+mod groups;
+pub use groups::*;

@@ -3,7 +3,9 @@
 
 use std::ffi::c_void;
 
+pub use crate::group::{GroupInfo, GroupsTotal};
 pub use crate::layout::Layout;
+pub use crate::pipeline::LayerRange;
 pub use crate::plan::{CopyRect, RankMemory, Segment};
 pub use crate::slice::SliceParams;
 
@@ -315,4 +317,59 @@ pub struct MoriTpPoolInfo {
     pub lock_errno: i32,
     /// 0.
     pub reserved: u32,
+}
+
+/// Where one group sits in its request (the Rust type is [`GroupInfo`]).
+/// cbindgen:ignore
+pub type MoriTpGroupInfo = GroupInfo;
+
+/// What a whole request of groups needs (the Rust type is [`GroupsTotal`]).
+/// cbindgen:ignore
+pub type MoriTpGroupsTotal = GroupsTotal;
+
+/// The layers two pipeline stages share (the Rust type is [`LayerRange`]).
+/// cbindgen:ignore
+pub type MoriTpLayerRange = LayerRange;
+
+/// One group of a request of several groups: one kind of state a sequence carries between a
+/// prefill rank and a decode rank (the full-attention KV of some layers, the sliding-window KV
+/// of others, a per-token record, a scale buffer, one part of a per-request state slot), with
+/// its own pair config, pages, staging mode and buffers. The mori_tp_groups_* and
+/// *_kvcache_groups functions take an array of them and treat it as one request.
+///
+/// A state slot is a group of one page per side: request.src_pages and request.dst_pages are
+/// the slot index, the layouts' page_stride is the slot stride and their offset is where this
+/// part starts inside the slot (page_size = state rows moved as token slots, or 1), and
+/// request.num_tokens is the rows moved (page_size, or 1). A sliding window is a group whose
+/// request covers only the window's tokens, with first_token the window's first token in the
+/// sequence. 232 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MoriTpGroup {
+    /// The group's pair config, from mori_tp_pair_config of its two layouts (derived again and
+    /// refused if edited, as by every mori_tp_pair_* function).
+    pub config: MoriTpPairConfig,
+    /// A MoriTpStaging: how the group's bytes move through a transfer engine, usually
+    /// mori_tp_pair_staging_for(&config). Both ranks must use the same. A state-slot part that
+    /// is one run of bytes on both sides (a DS conv state part, an SSM state) is one segment
+    /// per buffer unstaged, where that function may answer BOTH: give it MORI_TP_STAGING_NONE.
+    pub staging: u32,
+    /// 0.
+    pub reserved: u32,
+    /// Where the request's token 0 sits in the sequence: 0 for a group that holds the whole
+    /// sequence or a state slot; a sliding window's first token otherwise. It must be a
+    /// multiple of both layouts' page_size, so that the window's first page starts with it
+    /// (round a window's start down to a multiple of both page sizes: that moves at most that
+    /// many tokens more). It moves no byte: token k of the request is token first_token + k of
+    /// the sequence.
+    pub first_token: u64,
+    /// The group's tokens and page lists, as for mori_tp_pair_segments.
+    pub request: MoriTpRequest,
+    /// The group's num_buffers buffers on each rank and their capacities. The pointer arrays
+    /// are read only by the functions that copy through them: mori_send_kvcache_groups reads
+    /// src and dst; mori_pack_kvcache_groups reads src of each group whose staging is SRC or
+    /// BOTH; mori_unpack_kvcache_groups reads dst of each group whose staging is DST or BOTH.
+    /// Elsewhere they may be NULL. Groups may share buffers (the parts of one state slot, or
+    /// a KV page and its scales): each group writes only its own elements.
+    pub buffers: MoriKvBuffers,
 }

@@ -5,7 +5,9 @@
  * their size query, one call for each refusal class, and every function of the layout API
  * (section 7): an HND prefill at TP 8 into an NHD decode at TP 2 with a larger page and a partial
  * last page, direct and staged, checked byte for byte against a loop over every element; and a
- * staging pool (slots, full, misuse, a destroyed handle).
+ * staging pool (slots, full, misuse, a destroyed handle); and a request of several groups (HND
+ * KV pages, a per-token record every rank holds whole, two parts of one state slot) planned,
+ * sent, packed and unpacked as one, with its refusals, and a pipeline layer map.
  * Exits 0 after printing "all checks passed".
  */
 #include "mori_tp.h"
@@ -503,12 +505,226 @@ static void staging_pool(void) {
     EXPECT(mori_tp_pool_try_alloc(pool, 1, &b), MORI_ERR_INVALID_ARGUMENT, "not a live staging pool");
 }
 
+/* A request of four groups between prefill TP 1 and decode rank 1 of TP 2: full-attention KV
+ * (4 heads, HND, pages of 4 -> 8, 10 tokens, K and V); a 12-byte per-token record every rank
+ * holds whole (H = 1, its own buffer); and two parts of one per-request state slot (40 bytes
+ * a slot, slot 1 -> 2), x split by its 4 heads of 6 bytes and B, one 4-byte group every rank
+ * holds, after x. Everything is checked against a loop over every element. */
+#define GN 10u
+static void group_layout(uint32_t h, uint32_t tp, uint32_t rank, uint32_t ps, uint64_t hb,
+                         uint64_t page_stride, uint64_t offset, MoriTpLayout *out) {
+    out->total_kv_heads = h;
+    out->tp_size = tp;
+    out->tp_rank = rank;
+    out->page_size = ps;
+    out->head_bytes = hb;
+    out->page_stride = page_stride;
+    out->offset = offset;
+    out->token_stride = hb;
+    out->head_stride = hb;
+}
+
+static void groups(void) {
+    MoriTpLayout src[4], dst[4];
+    MoriTpGroup g[4];
+    MoriTpGroupInfo info[4];
+    MoriTpGroupsTotal total;
+    MoriTpLayerRange layers;
+    static const int32_t kv_src[3] = {2, 0, 1}, kv_dst[2] = {1, 0};
+    static const int32_t rec_src[3] = {0, 2, 1}, rec_dst[3] = {1, 0, 3};
+    static const int32_t slot_src[1] = {1}, slot_dst[1] = {2};
+    static const uint32_t pp_prefill[2] = {3, 2}, pp_decode[1] = {5}, pp_bad[2] = {3, 3};
+    /* Buffers: KV K and V (2), the record (1), the state slot (1), on each side. */
+    uint8_t s_kv[2][3 * 4 * 4 * 4], d_kv[2][2 * 8 * 2 * 4], s_rec[3 * 4 * 12], d_rec[4 * 4 * 12];
+    uint8_t s_slot[3 * 40], d_slot[3 * 40];
+    uint8_t want_kv[2][sizeof d_kv[0]], want_rec[sizeof d_rec], want_slot[sizeof d_slot];
+    uint8_t init_kv[2][sizeof d_kv[0]], init_rec[sizeof d_rec], init_slot[sizeof d_slot];
+    uint8_t src_region[512], dst_region[512];
+    const void *kv_s[2], *rec_s[1], *slot_s[1];
+    void *kv_d[2], *rec_d[1], *slot_d[1];
+    MoriSegment segments[128];
+    size_t n = 0, i, b, x;
+    int mode;
+
+    CHECK(sizeof(MoriTpGroup) == 232 && offsetof(MoriTpGroup, staging) == 136 &&
+          offsetof(MoriTpGroup, first_token) == 144 && offsetof(MoriTpGroup, request) == 152 &&
+          offsetof(MoriTpGroup, buffers) == 192);
+    CHECK(sizeof(MoriTpGroupInfo) == 40 && offsetof(MoriTpGroupInfo, dst_staging_offset) == 32);
+    CHECK(sizeof(MoriTpGroupsTotal) == 40 && offsetof(MoriTpGroupsTotal, dst_staging_bytes) == 32);
+    CHECK(sizeof(MoriTpLayerRange) == 16 && offsetof(MoriTpLayerRange, decode_first_local) == 12);
+
+    EXPECT(mori_tp_layout_hnd(4, 1, 0, 4, 4, &src[0]), MORI_OK, NULL);
+    EXPECT(mori_tp_layout_hnd(4, 2, 1, 8, 4, &dst[0]), MORI_OK, NULL);
+    EXPECT(mori_tp_layout_nhd(1, 1, 0, 4, 12, &src[1]), MORI_OK, NULL);
+    EXPECT(mori_tp_layout_nhd(1, 2, 1, 4, 12, &dst[1]), MORI_OK, NULL);
+    group_layout(4, 1, 0, 1, 6, 40, 0, &src[2]);      /* x: 4 local heads */
+    group_layout(4, 2, 1, 1, 6, 40, 0, &dst[2]);      /* x: heads 2 and 3 */
+    group_layout(1, 1, 0, 1, 4, 40, 4 * 6, &src[3]);  /* B after x's 24 bytes */
+    group_layout(1, 2, 1, 1, 4, 40, 2 * 6, &dst[3]);  /* B after x's 12 bytes */
+    memset(g, 0, sizeof g);
+    for (i = 0; i < 4; i++)
+        EXPECT(mori_tp_pair_config(&src[i], &dst[i], &g[i].config), MORI_OK, NULL);
+    g[0].request.src_pages = kv_src;
+    g[0].request.num_src_pages = 3;
+    g[0].request.dst_pages = kv_dst;
+    g[0].request.num_dst_pages = 2;
+    g[1].request.src_pages = rec_src;
+    g[1].request.num_src_pages = 3;
+    g[1].request.dst_pages = rec_dst;
+    g[1].request.num_dst_pages = 3;
+    for (i = 2; i < 4; i++) {
+        g[i].request.src_pages = slot_src;
+        g[i].request.num_src_pages = 1;
+        g[i].request.dst_pages = slot_dst;
+        g[i].request.num_dst_pages = 1;
+        g[i].request.num_tokens = 1;
+    }
+    g[0].request.num_tokens = g[1].request.num_tokens = GN;
+
+    for (b = 0; b < 2; b++) {
+        for (i = 0; i < sizeof s_kv[b]; i++) s_kv[b][i] = (uint8_t)(b * 31 + i * 7 + 3);
+        for (i = 0; i < sizeof d_kv[b]; i++) init_kv[b][i] = (uint8_t)(b * 17 + i * 5 + 11);
+        kv_s[b] = s_kv[b];
+        kv_d[b] = d_kv[b];
+    }
+    for (i = 0; i < sizeof s_rec; i++) s_rec[i] = (uint8_t)(i * 13 + 1);
+    for (i = 0; i < sizeof d_rec; i++) init_rec[i] = (uint8_t)(i * 3 + 2);
+    for (i = 0; i < sizeof s_slot; i++) s_slot[i] = (uint8_t)(i * 11 + 5);
+    for (i = 0; i < sizeof d_slot; i++) init_slot[i] = (uint8_t)(i * 19 + 9);
+    rec_s[0] = s_rec;
+    rec_d[0] = d_rec;
+    slot_s[0] = s_slot;
+    slot_d[0] = d_slot;
+    g[0].buffers.src = kv_s;
+    g[0].buffers.dst = kv_d;
+    g[0].buffers.num_buffers = 2;
+    g[0].buffers.src_capacity = sizeof s_kv[0];
+    g[0].buffers.dst_capacity = sizeof d_kv[0];
+    g[1].buffers.src = rec_s;
+    g[1].buffers.dst = rec_d;
+    g[1].buffers.num_buffers = 1;
+    g[1].buffers.src_capacity = sizeof s_rec;
+    g[1].buffers.dst_capacity = sizeof d_rec;
+    for (i = 2; i < 4; i++) {
+        g[i].buffers.src = slot_s;
+        g[i].buffers.dst = slot_d;
+        g[i].buffers.num_buffers = 1;
+        g[i].buffers.src_capacity = sizeof s_slot;
+        g[i].buffers.dst_capacity = sizeof d_slot;
+    }
+
+    /* The oracle, element by element. */
+    memcpy(want_kv, init_kv, sizeof want_kv);
+    memcpy(want_rec, init_rec, sizeof want_rec);
+    memcpy(want_slot, init_slot, sizeof want_slot);
+    for (b = 0; b < 2; b++)
+        for (i = 0; i < GN; i++)
+            for (x = 0; x < 2; x++) /* decode heads 2, 3 = prefill local heads 2, 3 */
+                memcpy(&want_kv[b][element(&dst[0], (uint64_t)kv_dst[i / 8], i % 8, x)],
+                       &s_kv[b][element(&src[0], (uint64_t)kv_src[i / 4], i % 4, 2 + x)], 4);
+    for (i = 0; i < GN; i++)
+        memcpy(&want_rec[element(&dst[1], (uint64_t)rec_dst[i / 4], i % 4, 0)],
+               &s_rec[element(&src[1], (uint64_t)rec_src[i / 4], i % 4, 0)], 12);
+    for (x = 0; x < 2; x++)
+        memcpy(&want_slot[element(&dst[2], 2, 0, x)], &s_slot[element(&src[2], 1, 0, 2 + x)], 6);
+    memcpy(&want_slot[element(&dst[3], 2, 0, 0)], &s_slot[element(&src[3], 1, 0, 0)], 4);
+
+    /* Every group staged as the library chooses, then each mode forced on all of them. */
+    for (mode = -1; mode < 4; mode++) {
+        size_t want_first = 0;
+        uint64_t src_off = 0, dst_off = 0;
+        for (i = 0; i < 4; i++) {
+            if (mode < 0)
+                EXPECT(mori_tp_pair_staging_for(&g[i].config, &g[i].staging), MORI_OK, NULL);
+            else
+                g[i].staging = (uint32_t)mode;
+        }
+        memcpy(d_kv, init_kv, sizeof d_kv);
+        memcpy(d_rec, init_rec, sizeof d_rec);
+        memcpy(d_slot, init_slot, sizeof d_slot);
+        EXPECT(mori_send_kvcache_groups(g, 4, NULL), MORI_OK, NULL);
+        CHECK(memcmp(d_kv, want_kv, sizeof d_kv) == 0 && memcmp(d_rec, want_rec, sizeof d_rec) == 0 &&
+              memcmp(d_slot, want_slot, sizeof d_slot) == 0);
+
+        EXPECT(mori_tp_groups_info(g, 4, info, &total), MORI_OK, NULL);
+        EXPECT(mori_tp_groups_segments(g, 4, NULL, 0, &n), MORI_ERR_BUFFER_TOO_SMALL, "the result needs");
+        CHECK(n == total.num_segments && n <= 128);
+        EXPECT(mori_tp_groups_segments(g, 4, segments, 128, &n), MORI_OK, NULL);
+        for (i = 0; i < 4; i++) {
+            uint64_t bytes = info[i].staging_len * g[i].buffers.num_buffers;
+            int packs = g[i].staging == MORI_TP_STAGING_SRC || g[i].staging == MORI_TP_STAGING_BOTH;
+            int unpacks = g[i].staging == MORI_TP_STAGING_DST || g[i].staging == MORI_TP_STAGING_BOTH;
+            CHECK(info[i].first_segment == want_first);
+            CHECK(info[i].src_staging_offset == (packs ? src_off : 0));
+            CHECK(info[i].dst_staging_offset == (unpacks ? dst_off : 0));
+            want_first += info[i].num_segments;
+            src_off += packs ? bytes : 0;
+            dst_off += unpacks ? bytes : 0;
+        }
+        CHECK(info[0].staging_len == GN * 2 * 4 && info[1].staging_len == GN * 12);
+        CHECK(info[2].staging_len == 2 * 6 && info[3].staging_len == 4);
+        CHECK(total.src_staging_bytes == src_off && total.dst_staging_bytes == dst_off);
+        CHECK(total.bytes == 2 * GN * 8 + GN * 12 + 12 + 4);
+        EXPECT(mori_tp_check_groups_transfer(g, 4, src_off, dst_off), MORI_OK, NULL);
+
+        /* Pack, every group's segments on each of its buffers, unpack. */
+        memcpy(d_kv, init_kv, sizeof d_kv);
+        memcpy(d_rec, init_rec, sizeof d_rec);
+        memcpy(d_slot, init_slot, sizeof d_slot);
+        EXPECT(mori_pack_kvcache_groups(g, 4, src_region, sizeof src_region, NULL), MORI_OK, NULL);
+        for (i = 0; i < 4; i++) {
+            int packs = g[i].staging == MORI_TP_STAGING_SRC || g[i].staging == MORI_TP_STAGING_BOTH;
+            int unpacks = g[i].staging == MORI_TP_STAGING_DST || g[i].staging == MORI_TP_STAGING_BOTH;
+            for (b = 0; b < g[i].buffers.num_buffers; b++)
+                for (x = info[i].first_segment; x < info[i].first_segment + info[i].num_segments; x++) {
+                    uint64_t part = b * info[i].staging_len;
+                    const uint8_t *from = packs ? src_region + info[i].src_staging_offset + part
+                                                : (const uint8_t *)g[i].buffers.src[b];
+                    uint8_t *to = unpacks ? dst_region + info[i].dst_staging_offset + part
+                                          : (uint8_t *)g[i].buffers.dst[b];
+                    memcpy(to + segments[x].dst_offset, from + segments[x].src_offset, segments[x].length);
+                }
+        }
+        EXPECT(mori_unpack_kvcache_groups(g, 4, dst_region, sizeof dst_region, NULL), MORI_OK, NULL);
+        if (memcmp(d_kv, want_kv, sizeof d_kv) != 0 || memcmp(d_rec, want_rec, sizeof d_rec) != 0 ||
+            memcmp(d_slot, want_slot, sizeof d_slot) != 0) {
+            fprintf(stderr, "groups: staging mode %d differs from the oracle\n", mode);
+            failures++;
+        }
+    }
+
+    /* Refusals name the group and write nothing. */
+    memcpy(d_kv, init_kv, sizeof d_kv);
+    g[0].first_token = 4; /* a window must start on both pages: 4 and 8 */
+    EXPECT(mori_send_kvcache_groups(g, 4, NULL), MORI_ERR_INVALID_ARGUMENT,
+           "group 0: first_token 4 is not a multiple of both page sizes (prefill page_size 4, decode "
+           "page_size 8)");
+    g[0].first_token = 8;
+    g[3].buffers.dst = NULL;
+    EXPECT(mori_send_kvcache_groups(g, 4, NULL), MORI_ERR_NULL_POINTER, "group 3: decode side");
+    g[3].buffers.dst = slot_d;
+    g[1].buffers.dst_capacity = 3 * 4 * 12; /* decode page 3 ends past it */
+    EXPECT(mori_send_kvcache_groups(g, 4, NULL), MORI_ERR_OUT_OF_BOUNDS,
+           "group 1: decode side: page 3 at position 2 ends at byte 192, past dst_capacity 144");
+    CHECK(memcmp(d_kv, init_kv, sizeof d_kv) == 0);
+    EXPECT(mori_tp_groups_info(NULL, 4, info, &total), MORI_ERR_NULL_POINTER, "groups is NULL");
+
+    /* Pipeline parallelism: prefill stages of 3 and 2 layers into one decode stage of 5. */
+    EXPECT(mori_tp_pp_layers(pp_prefill, 2, pp_decode, 1, 1, 0, &layers), MORI_OK, NULL);
+    CHECK(layers.first_layer == 3 && layers.num_layers == 2 && layers.prefill_first_local == 0 &&
+          layers.decode_first_local == 3);
+    EXPECT(mori_tp_pp_layers(pp_bad, 2, pp_decode, 1, 0, 0, &layers), MORI_ERR_INVALID_ARGUMENT,
+           "partition [3, 3] holds 6 layers but the decode partition [5] holds 5");
+    CHECK(layers.first_layer == 3); /* written only on success */
+}
+
 int main(void) {
     check_layout();
     full_transfer();
     refusals();
     layouts();
     staging_pool();
+    groups();
     if (failures != 0) {
         fprintf(stderr, "%d checks failed\n", failures);
         return 1;

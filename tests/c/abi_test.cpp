@@ -4,9 +4,13 @@
 // query, one call per refusal class the way a C++ runtime would wrap the C API, failing calls
 // made from thread_local destructors while threads exit, and the layout API (section 7): an NHD
 // prefill at TP 2 with page 64 into HND decode ranks at TP 8 with page 16, every pair, every
-// staging mode, partial last pages. Exits 0 after printing "all checks passed".
+// staging mode, partial last pages; and a request of several groups (a sliding window of HND
+// pages and the x, B and C parts of a Mamba2 conv state slot) moved as one and checked against
+// a loop over every element, and pipeline layer maps. Exits 0 after printing "all checks
+// passed".
 #include "mori_tp.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -378,6 +382,179 @@ void layouts() {
     CHECK(config.src.page_size == 0);  // written only on success
 }
 
+// Where local head j of slot t of page p lies.
+uint64_t at(const MoriTpLayout &l, uint64_t p, uint64_t t, uint64_t j) {
+    return p * l.page_stride + l.offset + t * l.token_stride + j * l.head_stride;
+}
+
+// One group of a request and what the oracle moves for it.
+struct GroupCase {
+    MoriTpLayout src{}, dst{};
+    std::vector<int32_t> src_pages, dst_pages;
+    uint64_t tokens = 0, first_token = 0;
+    std::vector<std::vector<uint8_t>> *from = nullptr, *to = nullptr;
+};
+
+// 8 KV heads, prefill TP 2 rank 1 (heads 4..7) -> decode TP 4 rank 3 (heads 6, 7): a sliding
+// window of 40 tokens from token 64 (a multiple of both page sizes, 16 and 32), HND; and the
+// conv state of a Mamba2 layer in vLLM's SD layout (state_len rows of every channel: x by 8
+// heads of 4 channels, then B and C by 1 group of 4 channels, which every rank holds), slot 3
+// -> slot 0, 2-byte values, the slot padded to 256 bytes.
+void groups() {
+    constexpr uint32_t kRows = 3;
+    const uint32_t p = 1, d = 3;
+    std::vector<std::vector<uint8_t>> kv_src(2, std::vector<uint8_t>(6 * 4 * 16 * 8)),
+        kv_dst(2, std::vector<uint8_t>(4 * 2 * 32 * 8)), conv_src(1, std::vector<uint8_t>(4 * 256)),
+        conv_dst(1, std::vector<uint8_t>(2 * 256));
+    uint32_t salt = 0;
+    for (auto *set : {&kv_src, &kv_dst, &conv_src, &conv_dst}) {
+        ++salt;
+        for (size_t b = 0; b < set->size(); ++b)
+            for (size_t i = 0; i < (*set)[b].size(); ++i)
+                (*set)[b][i] = static_cast<uint8_t>(i * 7 + b * 13 + salt * 41);
+    }
+    const auto initial_kv = kv_dst;
+    const auto initial_conv = conv_dst;
+    // Puts the decode buffers back as they started, in place (the groups point into them).
+    auto restore = [&] {
+        for (size_t b = 0; b < kv_dst.size(); ++b)
+            std::copy(initial_kv[b].begin(), initial_kv[b].end(), kv_dst[b].begin());
+        for (size_t b = 0; b < conv_dst.size(); ++b)
+            std::copy(initial_conv[b].begin(), initial_conv[b].end(), conv_dst[b].begin());
+    };
+    std::vector<GroupCase> cases(4);
+    ok(mori_tp_layout_hnd(8, 2, p, 16, 8, &cases[0].src));
+    ok(mori_tp_layout_hnd(8, 4, d, 32, 8, &cases[0].dst));
+    cases[0].src_pages = {4, 1, 5};
+    cases[0].dst_pages = {0, 3};
+    cases[0].tokens = 40;
+    cases[0].first_token = 64;
+    cases[0].from = &kv_src;
+    cases[0].to = &kv_dst;
+    // conv_dim per rank: 8 / tp heads x 4 channels + 2 x 1 group x 4 channels, 2 bytes each.
+    auto conv = [&](uint32_t tp, uint32_t rank, uint32_t units, uint64_t first_channel) {
+        const uint64_t dim = 8 / tp * 4 + 2 * 4;
+        return MoriTpLayout{units, tp, rank, kRows, 4 * 2, 256, first_channel * 2, dim * 2, 4 * 2};
+    };
+    const uint64_t x_src = 8 / 2 * 4, x_dst = 8 / 4 * 4;
+    const uint64_t firsts[3][2] = {{0, 0}, {x_src, x_dst}, {x_src + 4, x_dst + 4}};
+    for (int part = 0; part < 3; ++part) {
+        GroupCase &c = cases[1 + part];
+        const uint32_t units = part == 0 ? 8 : 1;
+        c.src = conv(2, p, units, firsts[part][0]);
+        c.dst = conv(4, d, units, firsts[part][1]);
+        c.src_pages = {3};
+        c.dst_pages = {0};
+        c.tokens = kRows;
+        c.from = &conv_src;
+        c.to = &conv_dst;
+    }
+    // The oracle.
+    auto want_kv = kv_dst;
+    auto want_conv = conv_dst;
+    for (const GroupCase &c : cases) {
+        auto &want = c.to == &kv_dst ? want_kv : want_conv;
+        MoriTpPairConfig config{};
+        ok(mori_tp_pair_config(&c.src, &c.dst, &config));
+        for (size_t b = 0; b < c.from->size(); ++b)
+            for (uint64_t k = 0; k < c.tokens; ++k)
+                for (uint32_t j = 0; j < config.num_heads; ++j)
+                    std::memcpy(&want[b][at(c.dst, c.dst_pages[k / c.dst.page_size], k % c.dst.page_size,
+                                            config.dst_first_local + j)],
+                                &(*c.from)[b][at(c.src, c.src_pages[k / c.src.page_size], k % c.src.page_size,
+                                                 config.src_first_local + j)],
+                                c.src.head_bytes);
+    }
+    // The request, as a C++ caller builds it.
+    std::vector<std::vector<const void *>> srcs;
+    std::vector<std::vector<void *>> dsts;
+    std::vector<MoriTpGroup> request;
+    for (const GroupCase &c : cases) {
+        srcs.emplace_back();
+        dsts.emplace_back();
+        for (size_t b = 0; b < c.from->size(); ++b) {
+            srcs.back().push_back((*c.from)[b].data());
+            dsts.back().push_back((*c.to)[b].data());
+        }
+        MoriTpGroup g{};
+        ok(mori_tp_pair_config(&c.src, &c.dst, &g.config));
+        ok(mori_tp_pair_staging_for(&g.config, &g.staging));
+        g.first_token = c.first_token;
+        g.request = {c.src_pages.data(), c.src_pages.size(), c.dst_pages.data(), c.dst_pages.size(), c.tokens};
+        g.buffers = {srcs.back().data(), dsts.back().data(), c.from->size(), (*c.from)[0].size(),
+                     (*c.to)[0].size()};
+        request.push_back(g);
+    }
+    ok(mori_send_kvcache_groups(request.data(), request.size(), nullptr));
+    CHECK(kv_dst == want_kv && conv_dst == want_conv);
+
+    // The same through pack, the segments of each group on each buffer, and unpack.
+    restore();
+    std::vector<MoriTpGroupInfo> info(request.size());
+    MoriTpGroupsTotal total{};
+    ok(mori_tp_groups_info(request.data(), request.size(), info.data(), &total));
+    std::vector<MoriSegment> segments(total.num_segments);
+    size_t count = 0;
+    ok(mori_tp_groups_segments(request.data(), request.size(), segments.data(), segments.size(), &count));
+    ok(mori_tp_check_groups_transfer(request.data(), request.size(), total.src_staging_bytes,
+                                     total.dst_staging_bytes));
+    CHECK(total.dst_staging_bytes > 0);  // the conv parts are staged BOTH
+    EXPECT_ERROR(mori_tp_check_groups_transfer(request.data(), request.size(), total.src_staging_bytes,
+                                               total.dst_staging_bytes - 1),
+                 MORI_ERR_BUFFER_TOO_SMALL, "decode side: staging_capacity");
+    std::vector<uint8_t> src_region(total.src_staging_bytes), dst_region(total.dst_staging_bytes);
+    ok(mori_pack_kvcache_groups(request.data(), request.size(), src_region.data(), src_region.size(), nullptr));
+    for (size_t g = 0; g < request.size(); ++g) {
+        const MoriTpGroup &group = request[g];
+        const bool packs = group.staging == MORI_TP_STAGING_SRC || group.staging == MORI_TP_STAGING_BOTH;
+        const bool unpacks = group.staging == MORI_TP_STAGING_DST || group.staging == MORI_TP_STAGING_BOTH;
+        for (size_t b = 0; b < group.buffers.num_buffers; ++b)
+            for (uint64_t s = info[g].first_segment; s < info[g].first_segment + info[g].num_segments; ++s) {
+                const MoriSegment &seg = segments[s];
+                const uint64_t part = b * info[g].staging_len;
+                const uint8_t *from = packs ? src_region.data() + info[g].src_staging_offset + part
+                                            : static_cast<const uint8_t *>(group.buffers.src[b]);
+                uint8_t *to = unpacks ? dst_region.data() + info[g].dst_staging_offset + part
+                                      : static_cast<uint8_t *>(group.buffers.dst[b]);
+                std::memcpy(to + seg.dst_offset, from + seg.src_offset, seg.length);
+            }
+    }
+    ok(mori_unpack_kvcache_groups(request.data(), request.size(), dst_region.data(), dst_region.size(),
+                                  nullptr));
+    CHECK(kv_dst == want_kv && conv_dst == want_conv);
+    CHECK(count == total.num_segments && total.bytes > 0);
+
+    // A window that does not start on both pages, and one request's refusal naming its group.
+    restore();
+    request[0].first_token = 48;  // a multiple of 16, not of 32
+    EXPECT_ERROR(mori_send_kvcache_groups(request.data(), request.size(), nullptr), MORI_ERR_INVALID_ARGUMENT,
+                 "group 0: first_token 48 is not a multiple of both page sizes (prefill page_size 16, decode "
+                 "page_size 32): a window starts on a page of each side; round it down to 32");
+    CHECK(kv_dst == initial_kv);
+    request[0].first_token = 64;
+    request[2].reserved = 1;
+    EXPECT_ERROR(mori_tp_groups_info(request.data(), request.size(), info.data(), &total),
+                 MORI_ERR_INVALID_ARGUMENT, "group 2: reserved is 1, not 0");
+
+    // Pipeline parallelism: prefill PP 2 {3, 3} into decode PP 3 {2, 2, 2}.
+    const std::vector<uint32_t> prefill{3, 3}, decode{2, 2, 2};
+    MoriTpLayerRange range{};
+    ok(mori_tp_pp_layers(prefill.data(), prefill.size(), decode.data(), decode.size(), 0, 1, &range));
+    CHECK(range.first_layer == 2 && range.num_layers == 1 && range.prefill_first_local == 2 &&
+          range.decode_first_local == 0);
+    ok(mori_tp_pp_layers(prefill.data(), prefill.size(), decode.data(), decode.size(), 1, 1, &range));
+    CHECK(range.first_layer == 3 && range.num_layers == 1 && range.prefill_first_local == 0 &&
+          range.decode_first_local == 1);
+    try {
+        ok(mori_tp_pp_layers(prefill.data(), prefill.size(), decode.data(), decode.size(), 2, 0, &range));
+        CHECK(false);
+    } catch (const MoriError &e) {
+        CHECK(e.status == MORI_ERR_INVALID_ARGUMENT);
+        CHECK(std::string(e.what()).find("prefill side: pipeline stage 2 is out of range for 2 stages") !=
+              std::string::npos);
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -385,6 +562,7 @@ int main() {
         transfer();
         refusals();
         layouts();
+        groups();
         failing_calls_from_thread_local_destructors();
         // The main thread too: its thread_local destructor runs at exit, after main returns.
         at_thread_exit.armed = true;

@@ -119,6 +119,32 @@ pub fn owned_heads(heads: u32, tp: u32, rank: u32) -> Range<u32> {
     }
 }
 
+/// The heads a rank of a side of TP size `tp` holds (L).
+pub fn local_heads(heads: u32, tp: u32) -> u32 {
+    if tp <= heads { heads / tp } else { 1 }
+}
+
+/// The lowest rank of a side of TP size `tp` that owns head `head`.
+pub fn first_owner(heads: u32, tp: u32, head: u32) -> u32 {
+    (0..tp)
+        .find(|&r| owned_heads(heads, tp, r).contains(&head))
+        .expect("every head has an owner")
+}
+
+/// The prefill rank that sends head `head` to decode rank `d` (REFERENCE.md section 3).
+pub fn sender(heads: u32, p_tp: u32, d_tp: u32, d: u32, head: u32) -> u32 {
+    let (rs, rd) = ((p_tp / heads).max(1), (d_tp / heads).max(1));
+    let j = d - first_owner(heads, d_tp, head);
+    first_owner(heads, p_tp, head) + j * rs / rd
+}
+
+/// The heads prefill rank `p` moves to decode rank `d`, when the pair sends.
+pub fn moved_heads(heads: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> Option<Range<u32>> {
+    let (src, dst) = (owned_heads(heads, p_tp, p), owned_heads(heads, d_tp, d));
+    let shared = src.start.max(dst.start)..src.end.min(dst.end);
+    (!shared.is_empty() && sender(heads, p_tp, d_tp, d, shared.start) == p).then_some(shared)
+}
+
 pub use mori_tp_testkit::Request;
 
 /// A fragmented request of `runs` runs of 1 to 4 pages, each run contiguous on both sides, the

@@ -33,6 +33,11 @@ Both ranks derive the staging mode from the pair's config (:func:`mori_tp.stagin
 chunks of buffers instead, so that packing, writing and unpacking overlap, or layer by layer as
 the prefill's compute finishes each layer; a :class:`mori_tp.StagingPool` per rank provides the
 staging slots.
+
+A hybrid model's request of several groups (:class:`mori_tp.Group`: full and sliding-window KV,
+per-token records, state slots) is planned with :func:`plan_groups` and moves through the same
+``transport.send`` as one write with one completion; the decode rank calls
+:func:`unpack_groups` (:mod:`mori_tp.engines.groups`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
 __all__ = [
     "DEFAULT_TIMEOUT",
     "BufferRanges",
+    "GroupsPlan",
     "Incoming",
     "KvMemory",
     "Receiver",
@@ -72,7 +78,9 @@ __all__ = [
     "RequestPlan",
     "SendResult",
     "TransferError",
+    "plan_groups",
     "plan_request",
+    "unpack_groups",
     "unpack_request",
 ]
 
@@ -160,8 +168,8 @@ class KvMemory:
 class SendResult:
     """What one :meth:`send` moved and how long each part took."""
 
-    #: The staging the request used.
-    staging: Staging
+    #: The staging the request used (a request of several groups: each group's, in order).
+    staging: Union[Staging, Tuple[Staging, ...]]
     #: Segments handed to the engine (all buffers).
     segments: int
     #: Bytes handed to the engine.
@@ -451,3 +459,6 @@ from .streaming import (  # noqa: E402
     chunk_ranges,
     layer_buffers,
 )
+
+# Requests of several groups; imported last, as they build on the names above.
+from .groups import GroupsPlan, plan_groups, unpack_groups  # noqa: E402

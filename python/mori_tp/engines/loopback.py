@@ -30,7 +30,7 @@ import numpy as np
 
 import mori_tp
 
-from . import KvMemory, RequestPlan, SendResult, unpack_request
+from . import KvMemory, RequestPlan, SendResult, unpack_groups, unpack_request
 
 #: The engines this harness drives (their adapters are mori_tp.engines.mooncake and .nixl).
 ENGINES = ("mooncake", "nixl")
@@ -172,6 +172,39 @@ class Receive:
     tag: bytes
 
 
+@dataclass(frozen=True)
+class GroupPart:
+    """One group of a :class:`ReceiveGroups`, as the decode child rebuilds it on its buffers."""
+
+    #: The child's buffer set (an entry of DecodePeer's ``ranks``) holding the group's buffers.
+    rank: int
+    #: The group's buffers, as indices into that set.
+    buffers: Tuple[int, ...]
+    config: mori_tp.PairConfig
+    request: mori_tp.Request
+    staging: int
+    first_token: int
+
+    def group(self, buffers: Sequence["np.ndarray"]) -> mori_tp.Group:
+        """The group on the child's buffers of its set."""
+        return mori_tp.Group(self.config, self.request, self.staging, self.first_token,
+                             num_buffers=len(self.buffers),
+                             dst_ptrs=[int(buffers[b].ctypes.data) for b in self.buffers],
+                             dst_capacity=buffers[0].nbytes if len(buffers) else 0)
+
+
+@dataclass(frozen=True)
+class ReceiveGroups:
+    """One request of several groups the decode child must complete: wait for ``tag``, then
+    unpack every staged group (:func:`mori_tp.engines.unpack_groups`) from its slot."""
+
+    parts: Tuple[GroupPart, ...]
+    #: Offset of the request's slot in the child's staging pool, and its bytes.
+    slot: int
+    slot_len: int
+    tag: bytes
+
+
 class PeerError(RuntimeError):
     """The decode child failed, timed out or died; the message holds its report."""
 
@@ -230,7 +263,7 @@ class DecodePeer:
         """Refills every buffer with its sentinel bytes and zeroes the staging pool."""
         self._call(("reset",), "ok")
 
-    def receive(self, requests: Sequence[Receive]) -> float:
+    def receive(self, requests: Sequence[Union[Receive, "ReceiveGroups"]]) -> float:
         """Completes ``requests`` in order (wait, unpack); returns the seconds spent unpacking."""
         return self._call(("receive", list(requests)), "received")[1]
 
@@ -349,6 +382,14 @@ def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: i
             seconds = 0.0
             for item in request[1]:
                 drive.wait(transport, peer, item.tag, timeout)
+                if isinstance(item, ReceiveGroups):
+                    groups = [part.group(buffers[part.rank]) for part in item.parts]
+                    start = time.perf_counter()
+                    region = pool_address + item.slot if item.slot_len else 0
+                    unpack_groups(groups, staging=region, staging_capacity=item.slot_len,
+                                  backend="host")
+                    seconds += time.perf_counter() - start
+                    continue
                 memory = memories[item.rank]
                 slot = KvMemory(memory.buffers, memory.capacity, pool_address + item.slot,
                                 item.slot_len) if item.slot_len else memory

@@ -1659,3 +1659,130 @@ fn a_device_pool_without_a_device_is_backend_unavailable() {
     let error = DeviceMemory::new(recorder, 4096).unwrap_err();
     assert!(matches!(error, Error::BackendUnavailable { .. }), "{error}");
 }
+
+// ---- a request of several groups --------------------------------------------------------------
+
+/// Three groups of one pair (8 KV heads, TP 2 rank 0 -> TP 4 rank 1: heads 2 and 3): HND KV
+/// pages, a per-token record (H = 1: prefill rank 0 sends it to decode ranks 0 and 1), and a
+/// group whose prefill rank holds nothing of the decode rank's (4 heads, TP 2 rank 1 -> TP 4
+/// rank 1: NOT_PAIRED). Each group has two buffers of its own.
+struct HipGroups {
+    configs: Vec<crate::PairConfig>,
+    pages: Vec<(Vec<i32>, Vec<i32>, u64)>,
+    src: Vec<Vec<u8>>,
+    dst: Vec<Vec<u8>>,
+}
+
+fn hip_groups() -> HipGroups {
+    use crate::{Layout, pair_config};
+    let kv = pair_config(
+        &Layout::hnd(8, 2, 0, 4, 16).unwrap(),
+        &Layout::hnd(8, 4, 1, 8, 16).unwrap(),
+    )
+    .unwrap();
+    let record = pair_config(
+        &Layout::nhd(1, 2, 0, 4, 12).unwrap(),
+        &Layout::nhd(1, 4, 1, 4, 12).unwrap(),
+    )
+    .unwrap();
+    let none = pair_config(
+        &Layout::nhd(4, 2, 1, 4, 8).unwrap(),
+        &Layout::nhd(4, 4, 1, 4, 8).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(none.action(), crate::Action::NotPaired);
+    let fill = |seed: u64| {
+        (0..2048)
+            .map(|i| (i as u64 * 31 + seed) as u8)
+            .collect::<Vec<u8>>()
+    };
+    HipGroups {
+        configs: vec![kv, record, none],
+        pages: vec![
+            (vec![3, 0, 1], vec![1, 0], 10),
+            (vec![2, 0, 1], vec![0, 3, 2], 10),
+            (vec![0], vec![1], 3),
+        ],
+        src: (0..6).map(fill).collect(),
+        dst: (0..6).map(|b| fill(100 + b)).collect(),
+    }
+}
+
+/// The Rust groups of `h`, group `g` on buffers 2g and 2g + 1.
+fn rust_groups<'a>(
+    h: &'a HipGroups,
+    src: &'a [*const u8],
+    dst: &'a [*mut u8],
+) -> Vec<crate::Group<'a>> {
+    (0..3)
+        .map(|g| {
+            let (s, d, tokens) = &h.pages[g];
+            let mut group = crate::Group::new(
+                &h.configs[g],
+                crate::Request {
+                    src_pages: s,
+                    dst_pages: d,
+                    num_tokens: *tokens,
+                },
+                2,
+            );
+            group.staging = crate::Staging::None;
+            group.buffers.src = &src[2 * g..2 * g + 2];
+            group.buffers.dst = &dst[2 * g..2 * g + 2];
+            group.buffers.src_capacity = 2048;
+            group.buffers.dst_capacity = 2048;
+            group
+        })
+        .collect()
+}
+
+#[test]
+fn a_request_of_groups_runs_one_kernel_launch_per_group_that_moves_bytes() {
+    if cpu_kernel_or_skip("a_request_of_groups_runs_one_kernel_launch_per_group").is_none() {
+        return;
+    }
+    let h = hip_groups();
+    let src_ptrs: Vec<*const u8> = h.src.iter().map(|b| b.as_ptr()).collect();
+    // What the host engine leaves.
+    let mut want = h.dst.clone();
+    let want_ptrs: Vec<*mut u8> = want.iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let groups = rust_groups(&h, &src_ptrs, &want_ptrs);
+    let plan = crate::GroupsPlan::new(&groups).unwrap();
+    // SAFETY: live vectors of 2048 bytes, the capacity stated.
+    unsafe { crate::send_groups(&plan, &mut crate::HostEngine::default()) }.unwrap();
+    let mut dst = h.dst.clone();
+    let srcs: Vec<&[u8]> = h.src.iter().map(Vec::as_slice).collect();
+    let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
+    let runtime = Recorder::new(&srcs, &mut dsts);
+    let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let groups = rust_groups(&h, &src_ptrs, &dst_ptrs);
+    let plan = crate::GroupsPlan::new(&groups).unwrap();
+    let options = kernel_options(true, null_mut());
+    // SAFETY: as above; the recorder refuses any row outside the buffers.
+    let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
+        crate::send_groups(&plan, engine)
+    });
+    result.unwrap();
+    assert_eq!(
+        dst, want,
+        "the kernel's bytes differ from the host engine's"
+    );
+    let names = names(&calls);
+    // Two groups move bytes, each one launch; the group that is not paired issues nothing.
+    assert_eq!(
+        names
+            .iter()
+            .filter(|n| **n == "hipModuleLaunchKernel")
+            .count(),
+        2,
+        "{names:?}"
+    );
+    assert_eq!(
+        names
+            .iter()
+            .filter(|n| **n == "hipStreamSynchronize")
+            .count(),
+        2,
+        "{names:?}"
+    );
+}
