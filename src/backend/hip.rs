@@ -41,9 +41,6 @@ mod lib_hip;
 #[cfg(feature = "hip")]
 pub use lib_hip::LibHip;
 
-#[cfg(test)]
-mod tests;
-
 /// A `hipError_t` exactly as the runtime returns it, kept as an integer: a newer runtime may
 /// return a code that no enum compiled into this library lists, and an unlisted value in a Rust
 /// enum would be undefined behaviour.
@@ -535,7 +532,7 @@ impl<R: HipRuntime> HipEngine<R> {
 
     /// The runtime the engine calls (a test reads its record here).
     #[cfg(test)]
-    fn runtime(&self) -> &R {
+    pub(crate) fn runtime(&self) -> &R {
         &self.runtime
     }
 

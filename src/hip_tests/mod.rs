@@ -13,7 +13,7 @@
 //! These are unit tests, not integration tests, so that the engine's runtime trait stays out of
 //! the crate's API; they share tests/common with the integration tests.
 
-#[path = "../../../tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 mod recorder;
 
@@ -30,11 +30,11 @@ use recorder::{
     cpu_kernel_or_skip, function_handle, module_handle, names,
 };
 
-use super::{
+use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
+use crate::backend::hip::{
     HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelLaunch, MIN_TABLE_BYTES,
     Memcpy2dAsync, TABLE_SLOTS, TABLE_TAIL_BYTES,
 };
-use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
 use crate::pool::{DeviceMemory, PoolMemory, PoolMemoryKind, StagingPool};
 use crate::{
     Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, SliceParams,

@@ -14,12 +14,12 @@ use std::ptr::without_provenance_mut;
 use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 
-use super::super::{
+use super::common;
+use crate::backend::copy_kernel::{BLOCK_THREADS, KernelArgs, KernelRect};
+use crate::backend::hip::{
     HIP_MEMCPY_DEFAULT, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
     Memcpy2dAsync, PointerInfo,
 };
-use super::common;
-use crate::backend::copy_kernel::{BLOCK_THREADS, KernelArgs, KernelRect};
 
 /// `hipErrorInvalidMemcpyDirection` (hip/hip_runtime_api.h).
 pub const INVALID_MEMCPY_DIRECTION: HipStatus = HipStatus(21);
