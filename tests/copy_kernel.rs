@@ -2,7 +2,9 @@
 //! hip/copy_kernel.hip with a C++ compiler through hip/cpu_shim.hpp, links the libmori_tp.a of
 //! this test run, and checks every byte the kernel moves against the library's host backend
 //! (heterogeneous-TP layouts, page sizes 1 and 16, fragmented and contiguous pages, unaligned
-//! widths and base pointers, many buffers, small grids). It runs twice: optimised, and under
+//! widths and base pointers, many buffers, small grids, and the pair plans of any page layout:
+//! head-major and padded pages, page sizes that differ, partial last pages). It runs twice:
+//! optimised, and under
 //! AddressSanitizer and UndefinedBehaviorSanitizer.
 //!
 //! Needs `c++` (g++ or clang++). Without it the tests say so and skip, unless

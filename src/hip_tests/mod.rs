@@ -38,7 +38,7 @@ use crate::backend::hip::{
 use crate::pool::{DeviceMemory, PoolMemory, PoolMemoryKind, StagingPool};
 use crate::{
     Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, SliceParams,
-    pack, pack_host, send, slice_config, unpack, unpack_host,
+    Walk, pack, pack_host, send, slice_config, unpack, unpack_host,
 };
 
 fn options(synchronize: bool, stream: *mut c_void) -> SendOptions {
@@ -59,7 +59,7 @@ fn kernel_options(synchronize: bool, stream: *mut c_void) -> SendOptions {
 
 /// Sends `plan` through a HipEngine on `runtime`; returns the result and the recorded calls.
 fn hip_send(
-    plan: &Plan<'_>,
+    plan: &Walk<'_>,
     src: &[&[u8]],
     dst: &mut [&mut [u8]],
     runtime: Recorder,
@@ -85,7 +85,7 @@ fn hip_send(
 /// The calls the header documents: the device check, one hipMemcpy2DAsync per (buffer,
 /// rect) in that order with the rect's own numbers, then hipStreamSynchronize only if asked.
 fn expected_calls(
-    plan: &Plan<'_>,
+    plan: &Walk<'_>,
     src: &[&[u8]],
     dst: &mut [&mut [u8]],
     options: &SendOptions,
@@ -471,7 +471,7 @@ fn handed(calls: &[Call]) -> Handed {
 /// one upload of the table (64 bytes per rect, 16 per buffer) from the pinned buffer, one launch,
 /// the event's record, and hipStreamSynchronize only if asked.
 fn expected_kernel_calls(
-    plan: &Plan<'_>,
+    plan: &Walk<'_>,
     src: &[*const u8],
     dst: &[*mut u8],
     options: &SendOptions,
@@ -1785,4 +1785,333 @@ fn a_request_of_groups_runs_one_kernel_launch_per_group_that_moves_bytes() {
         2,
         "{names:?}"
     );
+}
+
+// ---- any page layout (section 7) through both HIP paths --------------------------------------
+
+/// A pair of section-7 layouts and a request over them, with the pages each side's buffers
+/// hold.
+struct LayoutCase {
+    name: &'static str,
+    src: crate::Layout,
+    dst: crate::Layout,
+    tokens: u64,
+    /// Pages each buffer holds on the prefill and the decode side.
+    capacity_pages: [i32; 2],
+}
+
+/// A prefill layout whose heads hold their own runs of `pages` pages (vLLM's LHBNC): token-major
+/// within a page, each local head `pages` pages further on.
+fn heads_outside_pages(h: u32, tp: u32, rank: u32, ps: u32, hb: u64, pages: u64) -> crate::Layout {
+    let page_stride = u64::from(ps) * hb;
+    crate::Layout {
+        token_stride: hb,
+        page_stride,
+        head_stride: pages * page_stride,
+        ..crate::Layout::nhd(h, tp, rank, ps, hb).unwrap()
+    }
+}
+
+/// `layout` with its slots `offset` bytes into each page and `pad` spare bytes after them.
+fn padded(layout: crate::Layout, offset: u64, pad: u64) -> crate::Layout {
+    crate::Layout {
+        offset,
+        page_stride: layout.page_stride + offset + pad,
+        ..layout
+    }
+}
+
+/// Head-major, token-major, mixed, page sizes that differ, partial last pages, padded and
+/// offset pages, heads outside pages, odd head widths, and a pair that does not send.
+fn layout_cases() -> Vec<LayoutCase> {
+    use crate::Layout;
+    vec![
+        LayoutCase {
+            name: "HND TP 2 -> 8, pages of 16, a partial last page",
+            src: Layout::hnd(8, 2, 0, 16, 32).unwrap(),
+            dst: Layout::hnd(8, 8, 1, 16, 32).unwrap(),
+            tokens: 40,
+            capacity_pages: [7, 6],
+        },
+        LayoutCase {
+            name: "NHD TP 2 -> HND TP 4, pages of 16 -> 64, a partial last page",
+            src: Layout::nhd(8, 2, 1, 16, 32).unwrap(),
+            dst: Layout::hnd(8, 4, 2, 64, 32).unwrap(),
+            tokens: 173,
+            capacity_pages: [14, 5],
+        },
+        LayoutCase {
+            name: "HND TP 8 -> NHD TP 2, pages of 64 -> 16, 24-byte heads",
+            src: Layout::hnd(8, 8, 3, 64, 24).unwrap(),
+            dst: Layout::nhd(8, 2, 0, 16, 24).unwrap(),
+            tokens: 100,
+            capacity_pages: [4, 9],
+        },
+        LayoutCase {
+            name: "padded, offset NHD -> padded, offset HND, TP 4 -> 4",
+            src: padded(Layout::nhd(8, 4, 1, 16, 32).unwrap(), 48, 80),
+            dst: padded(Layout::hnd(8, 4, 1, 16, 32).unwrap(), 16, 8),
+            tokens: 50,
+            capacity_pages: [6, 6],
+        },
+        LayoutCase {
+            name: "heads outside pages TP 2 -> NHD TP 4",
+            src: heads_outside_pages(8, 2, 0, 16, 32, 8),
+            dst: Layout::nhd(8, 4, 1, 16, 32).unwrap(),
+            tokens: 70,
+            capacity_pages: [8, 8],
+        },
+        LayoutCase {
+            name: "a pair that shares no head",
+            src: Layout::hnd(8, 8, 0, 16, 32).unwrap(),
+            dst: Layout::hnd(8, 8, 1, 16, 32).unwrap(),
+            tokens: 40,
+            capacity_pages: [4, 4],
+        },
+    ]
+}
+
+/// `count` distinct pages below `capacity`: a rotation of 0..capacity, so runs of consecutive
+/// pages with a break where the rotation wraps.
+fn rotated_pages(count: u64, capacity: i32) -> Vec<i32> {
+    let mut pages: Vec<i32> = (0..capacity).collect();
+    pages.rotate_left(capacity as usize / 3);
+    pages.truncate(count as usize);
+    pages
+}
+
+/// Bytes a buffer of `pages` pages of `layout` needs (every element of every page inside).
+fn layout_capacity(layout: &crate::Layout, pages: i32) -> usize {
+    let local = if layout.tp_size <= layout.total_kv_heads {
+        layout.total_kv_heads / layout.tp_size
+    } else {
+        1
+    };
+    let pages_end = pages as u64 * layout.page_stride;
+    let heads_end = layout.offset + u64::from(local) * layout.head_stride;
+    pages_end.max(heads_end) as usize
+}
+
+fn patterned(len: usize, salt: u64) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u64)
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(salt * 97) as u8
+                ^ 0x3c
+        })
+        .collect()
+}
+
+#[test]
+fn any_page_layout_lands_byte_exact_through_both_hip_paths_with_the_planned_calls() {
+    let kernel = cpu_kernel_or_skip("any_page_layout_..._through_both_hip_paths").is_some();
+    const BUFFERS: usize = 3;
+    for case in layout_cases() {
+        let config = crate::pair_config(&case.src, &case.dst).unwrap();
+        let src_pages = rotated_pages(
+            case.tokens.div_ceil(u64::from(case.src.page_size)),
+            case.capacity_pages[0],
+        );
+        let dst_pages = rotated_pages(
+            case.tokens.div_ceil(u64::from(case.dst.page_size)),
+            case.capacity_pages[1],
+        );
+        let request = crate::Request {
+            src_pages: &src_pages,
+            dst_pages: &dst_pages,
+            num_tokens: case.tokens,
+        };
+        let src_len = layout_capacity(&case.src, case.capacity_pages[0]);
+        let dst_len = layout_capacity(&case.dst, case.capacity_pages[1]);
+        let src: Vec<Vec<u8>> = (0..BUFFERS).map(|b| patterned(src_len, b as u64)).collect();
+        let initial: Vec<Vec<u8>> = (0..BUFFERS)
+            .map(|b| patterned(dst_len, 100 + b as u64))
+            .collect();
+        let src_slices: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
+        let plan = crate::PairPlan::transfer(&config, &request, crate::Staging::None).unwrap();
+
+        // The host engine's bytes are the reference (tests/layouts.rs checks them against an
+        // element-by-element oracle).
+        let mut want = initial.clone();
+        let mut want_slices: Vec<&mut [u8]> = want.iter_mut().map(Vec::as_mut_slice).collect();
+        crate::send_host(&plan, &src_slices, &mut want_slices).unwrap();
+        assert_eq!(
+            want != initial,
+            config.sends(),
+            "{}: the host send moves bytes exactly when the pair sends",
+            case.name
+        );
+
+        for (i, synchronize) in [false, true].into_iter().enumerate() {
+            let stream = stream_for_send(i + 1);
+            // Per rect: one hipMemcpy2DAsync per (buffer, rect of the pair plan).
+            let mut got = initial.clone();
+            let mut got_slices: Vec<&mut [u8]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+            let options = options(synchronize, stream);
+            let expected = expected_calls(&plan, &src_slices, &mut got_slices, &options);
+            let runtime = Recorder::new(&src_slices, &mut got_slices);
+            let (result, calls) = hip_send(&plan, &src_slices, &mut got_slices, runtime, &options);
+            result.unwrap_or_else(|e| panic!("{}: per-rect send: {e}", case.name));
+            assert_eq!(calls, expected, "{}: per-rect HIP calls", case.name);
+            assert!(
+                got == want,
+                "{}: per-rect bytes differ from the host's",
+                case.name
+            );
+            if !kernel {
+                continue;
+            }
+            // The copy kernel: one launch for every buffer and rect.
+            let mut got = initial.clone();
+            let mut got_slices: Vec<&mut [u8]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+            let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+            let dst_ptrs: Vec<*mut u8> = got_slices.iter_mut().map(|b| b.as_mut_ptr()).collect();
+            let buffers = KvBuffers {
+                src: &src_ptrs,
+                dst: &dst_ptrs,
+                src_capacity: src_len as u64,
+                dst_capacity: dst_len as u64,
+            };
+            let options = kernel_options(synchronize, stream);
+            let runtime = Recorder::new(&src_slices, &mut got_slices);
+            // SAFETY: live buffers of the stated capacities; the recorder checks every row.
+            let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
+                send(&plan, &buffers, engine)
+            });
+            result.unwrap_or_else(|e| panic!("{}: kernel send: {e}", case.name));
+            let expected =
+                expected_kernel_calls(&plan, &src_ptrs, &dst_ptrs, &options, handed(&calls));
+            assert_eq!(calls, expected, "{}: kernel HIP calls", case.name);
+            assert!(
+                got == want,
+                "{}: kernel bytes differ from the host's",
+                case.name
+            );
+        }
+        if kernel {
+            layout_pack_unpack_through_the_kernel(&case, &config, &request, &src, &initial);
+        }
+    }
+}
+
+/// Pack (SRC, BOTH) and unpack (DST, BOTH) of one layout case through the kernel, against the
+/// host engine's region and pages.
+fn layout_pack_unpack_through_the_kernel(
+    case: &LayoutCase,
+    config: &crate::PairConfig,
+    request: &crate::Request<'_>,
+    src: &[Vec<u8>],
+    initial: &[Vec<u8>],
+) {
+    let staging_len = config.staging_len(request.num_tokens).unwrap() as usize;
+    let region_len = staging_len * src.len();
+    let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+    let src_slices: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
+    let src_capacity = src[0].len() as u64;
+    let options = kernel_options(true, without_provenance_mut(0x1a70_0000));
+    let launches = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter(|c| matches!(c, Call::Launch(_)))
+            .count()
+    };
+    let moves = usize::from(staging_len > 0);
+    for mode in [crate::Staging::Src, crate::Staging::Both] {
+        let plan = crate::PairPlan::pack(config, mode, request).unwrap();
+        let mut want = vec![0x5au8; region_len.max(1)];
+        let mut host = crate::HostEngine::default();
+        // SAFETY: live buffers of the stated capacities.
+        unsafe {
+            crate::pack_into(
+                &plan,
+                &src_ptrs,
+                src_capacity,
+                want.as_mut_ptr(),
+                region_len as u64,
+                &mut host,
+            )
+        }
+        .unwrap();
+        let mut got = vec![0x5au8; region_len.max(1)];
+        let got_ptr = got.as_mut_ptr();
+        let runtime = Recorder::new(&src_slices, &mut [got.as_mut_slice()]);
+        // SAFETY: as above; the recorder checks every row the kernel touches.
+        let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
+            crate::pack_into(
+                &plan,
+                &src_ptrs,
+                src_capacity,
+                got_ptr,
+                region_len as u64,
+                engine,
+            )
+        });
+        result.unwrap_or_else(|e| panic!("{}: kernel pack {mode:?}: {e}", case.name));
+        assert!(
+            got == want,
+            "{}: packed region ({mode:?}) differs from the host's",
+            case.name
+        );
+        assert_eq!(
+            launches(&calls),
+            moves,
+            "{}: pack {mode:?}: {calls:?}",
+            case.name
+        );
+    }
+    // A region as the transport would have left it, unpacked onto the decode pages.
+    let region = patterned(region_len.max(1), 7);
+    for mode in [crate::Staging::Dst, crate::Staging::Both] {
+        let plan = crate::PairPlan::unpack(config, mode, request).unwrap();
+        let mut want = initial.to_vec();
+        let want_ptrs: Vec<*mut u8> = want.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        let dst_capacity = initial[0].len() as u64;
+        let mut host = crate::HostEngine::default();
+        // SAFETY: live buffers of the stated capacities.
+        unsafe {
+            crate::unpack_from(
+                &plan,
+                region.as_ptr(),
+                region_len as u64,
+                &want_ptrs,
+                dst_capacity,
+                &mut host,
+            )
+        }
+        .unwrap();
+        let mut got = initial.to_vec();
+        let mut got_slices: Vec<&mut [u8]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+        let got_ptrs: Vec<*mut u8> = got_slices.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        let runtime = Recorder::new(&[region.as_slice()], &mut got_slices);
+        // SAFETY: as above.
+        let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
+            crate::unpack_from(
+                &plan,
+                region.as_ptr(),
+                region_len as u64,
+                &got_ptrs,
+                dst_capacity,
+                engine,
+            )
+        });
+        result.unwrap_or_else(|e| panic!("{}: kernel unpack {mode:?}: {e}", case.name));
+        assert!(
+            got == want,
+            "{}: unpacked pages ({mode:?}) differ from the host's",
+            case.name
+        );
+        assert_eq!(
+            want != initial,
+            config.sends(),
+            "{}: unpack {mode:?} moves bytes",
+            case.name
+        );
+        assert_eq!(
+            launches(&calls),
+            moves,
+            "{}: unpack {mode:?}: {calls:?}",
+            case.name
+        );
+    }
 }

@@ -347,6 +347,109 @@ void fragmented_shape_keeps_every_lane_busy() {
     }
 }
 
+// Any page layout (section 7): every pair of two layouts with the pair plan's rects, whose
+// pitches are the advances of head-major or padded pages rather than token slots, through every
+// launch shape, against mori_send_kvcache_pair on the host backend.
+struct LayoutPair {
+    const char *name;
+    char src_kind, dst_kind;  // 'n' NHD, 'h' HND, 'p' NHD padded with an offset
+    uint32_t heads, prefill_tp, decode_tp, src_page, dst_page;
+    uint64_t head_bytes, tokens;
+};
+
+const LayoutPair kLayoutPairs[] = {
+    {"HND P2->D8, pages 16, partial", 'h', 'h', 8, 2, 8, 16, 16, 32, 40},
+    {"NHD P2 -> HND D4, pages 16 -> 64, partial", 'n', 'h', 8, 2, 4, 16, 64, 32, 173},
+    {"HND P8 -> NHD D2, pages 64 -> 16, 24 B heads", 'h', 'n', 8, 8, 2, 64, 16, 24, 100},
+    {"padded NHD P4 -> HND D4, 3 B heads", 'p', 'h', 8, 4, 4, 3, 5, 3, 29},
+};
+
+MoriTpLayout make_layout(char kind, uint32_t heads, uint32_t tp, uint32_t rank, uint32_t page, uint64_t hb) {
+    MoriTpLayout l;
+    if (kind == 'h') {
+        CHECK_OK(mori_tp_layout_hnd(heads, tp, rank, page, hb, &l));
+    } else {
+        CHECK_OK(mori_tp_layout_nhd(heads, tp, rank, page, hb, &l));
+    }
+    if (kind == 'p') {
+        l.offset = 5;
+        l.page_stride += 5 + 11;
+    }
+    return l;
+}
+
+std::vector<int32_t> rotated(uint64_t count, int32_t capacity) {
+    std::vector<int32_t> pages;
+    for (int32_t i = 0; i < capacity; i++) pages.push_back((i + capacity / 3) % capacity);
+    pages.resize(count);
+    return pages;
+}
+
+void any_page_layout(int &cases) {
+    constexpr uint32_t kBuffers = 3;
+    uint64_t seed = 4242;
+    for (const LayoutPair &lp : kLayoutPairs) {
+        for (uint32_t p = 0; p < lp.prefill_tp; p++) {
+            for (uint32_t d = 0; d < lp.decode_tp; d++) {
+                const MoriTpLayout src_l = make_layout(lp.src_kind, lp.heads, lp.prefill_tp, p, lp.src_page, lp.head_bytes);
+                const MoriTpLayout dst_l = make_layout(lp.dst_kind, lp.heads, lp.decode_tp, d, lp.dst_page, lp.head_bytes);
+                MoriTpPairConfig config;
+                CHECK_OK(mori_tp_pair_config(&src_l, &dst_l, &config));
+                const uint64_t src_count = (lp.tokens + lp.src_page - 1) / lp.src_page;
+                const uint64_t dst_count = (lp.tokens + lp.dst_page - 1) / lp.dst_page;
+                const int32_t src_cap = static_cast<int32_t>(src_count + 3), dst_cap = static_cast<int32_t>(dst_count + 2);
+                const std::vector<int32_t> src_pages = rotated(src_count, src_cap), dst_pages = rotated(dst_count, dst_cap);
+                const MoriTpRequest request = {src_pages.data(), src_pages.size(), dst_pages.data(), dst_pages.size(),
+                                               lp.tokens};
+                size_t count = 0;
+                const MoriStatus query = mori_tp_pair_plan(&config, &request, nullptr, 0, &count);
+                if (query != MORI_OK && query != MORI_ERR_BUFFER_TOO_SMALL) CHECK_OK(query);
+                std::vector<MoriCopyRect> rects(count);
+                CHECK_OK(mori_tp_pair_plan(&config, &request, rects.data(), count, &count));
+
+                std::vector<Buffer> src, initial;
+                for (uint32_t b = 0; b < kBuffers; b++) {
+                    src.emplace_back(src_cap * src_l.page_stride, b % 2);
+                    for (uint64_t i = 0; i < src[b].capacity(); i++) src[b].base()[i] = static_cast<uint8_t>(next(seed));
+                    initial.emplace_back(dst_cap * dst_l.page_stride, 2 - b % 2);
+                    for (uint64_t i = 0; i < initial[b].capacity(); i++) {
+                        initial[b].base()[i] = static_cast<uint8_t>(0x5A ^ (b * 29) ^ (i * 13 % 241));
+                    }
+                }
+                std::vector<Buffer> host = initial;
+                std::vector<const void *> host_src;
+                std::vector<void *> host_dst;
+                for (uint32_t b = 0; b < kBuffers; b++) {
+                    host_src.push_back(src[b].base());
+                    host_dst.push_back(host[b].base());
+                }
+                const MoriKvBuffers buffers = {host_src.data(), host_dst.data(), kBuffers, src[0].capacity(),
+                                               host[0].capacity()};
+                const MoriSendOptions host_options = {MORI_BACKEND_HOST, 0, nullptr};
+                CHECK_OK(mori_send_kvcache_pair(&config, &buffers, &request, &host_options));
+                for (const Launch &how : kLaunches) {
+                    std::vector<Buffer> kernel = initial;
+                    std::vector<uint8_t *> srcs, dsts;
+                    for (uint32_t b = 0; b < kBuffers; b++) {
+                        srcs.push_back(src[b].base());
+                        dsts.push_back(kernel[b].base());
+                    }
+                    launch(make_table(rects, srcs, dsts), how, seed++);
+                    const std::string label = std::string(lp.name) + ", pair (" + std::to_string(p) + ", " +
+                                              std::to_string(d) + "), " + how.name;
+                    for (uint32_t b = 0; b < kBuffers; b++) {
+                        if (!kernel[b].guards_intact()) fail(label + ": the kernel wrote outside buffer " + std::to_string(b));
+                        if (std::memcmp(kernel[b].base(), host[b].base(), host[b].capacity()) != 0) {
+                            fail(label + ": buffer " + std::to_string(b) + " differs from the host backend's");
+                        }
+                    }
+                    cases++;
+                }
+            }
+        }
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -381,6 +484,7 @@ int main() {
             }
         }
     }
+    any_page_layout(cases);
     if (failures != 0) {
         std::fprintf(stderr, "kernel_test: %d failures\n", failures);
         return 1;
