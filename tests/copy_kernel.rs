@@ -4,8 +4,7 @@
 //! (heterogeneous-TP layouts, page sizes 1 and 16, fragmented and contiguous pages, unaligned
 //! widths and base pointers, many buffers, small grids, and the pair plans of any page layout:
 //! head-major and padded pages, page sizes that differ, partial last pages). It runs twice:
-//! optimised, and under
-//! AddressSanitizer and UndefinedBehaviorSanitizer.
+//! optimised, and under AddressSanitizer and UndefinedBehaviorSanitizer.
 //!
 //! Needs `c++` (g++ or clang++). Without it the tests say so and skip, unless
 //! MORI_TP_REQUIRE_TOOLS=1 (CI), which makes a missing compiler a failure.
