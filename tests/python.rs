@@ -4,7 +4,8 @@
 //! engines (`python/tests/engine_loopback.py` and, pipelined and streamed with staging pools,
 //! `python/tests/engine_streaming.py`; requests of several groups of a hybrid model with
 //! pipeline stages that differ, `python/tests/engine_groups.py`; Mooncake and NIXL over
-//! 127.0.0.1).
+//! 127.0.0.1), with faults (`python/tests/engine_faults.py`: a peer killed, a notification
+//! lost, a peer restarted, more segments than an engine call takes).
 
 mod common;
 
@@ -205,6 +206,73 @@ fn mooncake_moves_hybrid_requests_of_several_groups_between_two_processes() {
 #[test]
 fn nixl_moves_hybrid_requests_of_several_groups_between_two_processes() {
     engine_moves_hybrid_requests_between_two_processes("nixl");
+}
+
+/// `python/tests/engine_faults.py <engine> <case>`: one fault between two processes on
+/// 127.0.0.1 (the script bounds every wait itself, and this test kills it after 300 s).
+fn engine_survives_a_fault(engine: &str, case: &str) {
+    let test = format!("{engine}_fault_{}", case.replace('-', "_"));
+    let args = ["python/tests/engine_faults.py", engine, case];
+    let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(300)) else {
+        return;
+    };
+    assert!(
+        output.status.success(),
+        "{engine} fault case {case} failed ({}):\n{report}",
+        output.status
+    );
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn mooncake_decode_killed_mid_transfer_fails_the_request_in_bounded_time_and_frees_its_slot() {
+    engine_survives_a_fault("mooncake", "decode-killed");
+}
+
+#[test]
+fn nixl_decode_killed_mid_transfer_fails_the_request_in_bounded_time_and_frees_its_slot() {
+    engine_survives_a_fault("nixl", "decode-killed");
+}
+
+#[test]
+fn mooncake_prefill_killed_mid_chunk_times_out_on_decode_and_unpacks_nothing_partial() {
+    engine_survives_a_fault("mooncake", "prefill-killed");
+}
+
+#[test]
+fn nixl_prefill_killed_mid_chunk_times_out_on_decode_and_unpacks_nothing_partial() {
+    engine_survives_a_fault("nixl", "prefill-killed");
+}
+
+#[test]
+fn mooncake_lost_or_never_sent_notifications_end_in_bounded_errors() {
+    engine_survives_a_fault("mooncake", "lost-notification");
+}
+
+#[test]
+fn nixl_lost_or_never_sent_notifications_end_in_bounded_errors() {
+    engine_survives_a_fault("nixl", "lost-notification");
+}
+
+#[test]
+fn mooncake_plan_against_a_restarted_peers_old_memory_is_refused_and_writes_nothing() {
+    engine_survives_a_fault("mooncake", "restart");
+}
+
+#[test]
+fn nixl_plan_against_a_restarted_peers_old_memory_is_refused_and_writes_nothing() {
+    engine_survives_a_fault("nixl", "restart");
+}
+
+#[test]
+fn mooncake_requests_past_the_per_peer_queue_are_split_and_land_whole() {
+    engine_survives_a_fault("mooncake", "segments");
+}
+
+#[test]
+fn nixl_requests_of_many_segments_land_whole() {
+    engine_survives_a_fault("nixl", "segments");
+}
 }
 
 /// nixl-cu12 1.5.1's UCX loads the system libefa, libibverbs and libnl next to its own copies,
