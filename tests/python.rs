@@ -275,6 +275,33 @@ fn nixl_requests_of_many_segments_land_whole() {
 }
 }
 
+/// `python/tests/engine_load.py <engine>`: 16 requests in flight of mixed layouts and sizes,
+/// then a soak of `MORI_TP_SOAK_SECONDS` (default 30; at most 60 in CI) with every byte checked
+/// and the processes' RSS flat; the script bounds itself at the soak plus 240 s.
+fn engine_under_load(engine: &str) {
+    let test = format!("{engine}_sixteen_in_flight_and_a_soak_lose_nothing_and_keep_rss_flat");
+    let args = ["python/tests/engine_load.py", engine];
+    let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(900)) else {
+        return;
+    };
+    assert!(
+        output.status.success(),
+        "{engine} load failed ({}):\n{report}",
+        output.status
+    );
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn mooncake_sixteen_in_flight_and_a_soak_lose_nothing_and_keep_rss_flat() {
+    engine_under_load("mooncake");
+}
+
+#[test]
+fn nixl_sixteen_in_flight_and_a_soak_lose_nothing_and_keep_rss_flat() {
+    engine_under_load("nixl");
+}
+
 /// nixl-cu12 1.5.1's UCX loads the system libefa, libibverbs and libnl next to its own copies,
 /// and the system libnl's destructors then crash at exit (SIGSEGV) unless mori_tp loaded it
 /// first (python/mori_tp/engines/nixl.py). Whether NIXL and the system libefa.so.1 are here:

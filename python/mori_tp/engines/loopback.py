@@ -47,6 +47,14 @@ def digest(data: Any) -> str:
     return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
 
 
+def pages_of(buffers: Sequence["np.ndarray"], item_len: int, pages: Sequence[int]) -> "np.ndarray":
+    """Pages ``pages`` of ``item_len`` bytes of each buffer, buffer by buffer, as one array:
+    what a request wrote, for a digest."""
+    index = np.asarray(pages, dtype=np.intp)
+    return np.concatenate([b[:len(b) // item_len * item_len].reshape(-1, item_len)[index].ravel()
+                           for b in buffers])
+
+
 class Driver:
     """One engine as the harness uses it: start a transport, exchange addresses, write, send,
     and wait for completion on the receiving side.
@@ -627,6 +635,11 @@ class StreamPeer:
         self._process.kill()
         self._process.join(10)
 
+    def digest_pages(self, rank: int, item_len: int, pages: Sequence[int]) -> str:
+        """The digest of ``pages`` (of ``item_len`` bytes) of every buffer of ``rank``, as
+        :func:`pages_of` lays them out."""
+        return self.call("digest_pages", rank, item_len, tuple(int(p) for p in pages))
+
     def pool_info(self) -> Tuple[int, int]:
         """(live slots, live bytes) of the child's staging pool."""
         return self.call("pool")
@@ -725,6 +738,9 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
                 answer = [[digest(data) for data in rank_buffers] for rank_buffers in buffers]
             elif kind == "fetch":
                 answer = buffers[args[0]][args[1]].tobytes()
+            elif kind == "digest_pages":
+                rank, item_len, pages = args
+                answer = digest(pages_of(buffers[rank], item_len, pages))
             elif kind == "pool":
                 info = pool.info() if pool is not None else None
                 answer = (info.live_slots, info.live_bytes) if info else (0, 0)
