@@ -83,6 +83,7 @@ class Run:
     def __init__(self, engine: str, hostname: str = "127.0.0.1",
                  placement: Placement = Placement()) -> None:
         self.engine = engine
+        self.peer_placement = placement
         self.driver = driver(engine, hostname)
         self.transport = self.driver.start("prefill")
         self.prefill = Prefill(self.transport)
