@@ -384,6 +384,12 @@ class RequestStream:
             return f"{self._chunks} chunks submitted, {sealed}, seal sent: {self._seal_sent}"
 
     def _fail(self, error: BaseException) -> None:
+        if isinstance(error, TransferError):
+            # Name the request and the peer on errors that came without them.
+            if error.request_id is None:
+                error.request_id = self.request_id
+            if error.peer is None:
+                error.peer = self.peer
         with self._lock:
             if self._error is None and not self._done.is_set():
                 self._error = error
