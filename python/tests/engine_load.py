@@ -14,8 +14,8 @@ and ways of sending, every byte verified, and the processes' memory watched.
   (outside the requests' pages too) must equal the mirror.
 - Memory: the resident set size (VmRSS) of both processes is sampled every 0.5 s; after a
   warm-up (the bursts and the first quarter of the soak, at least 5 s), the median of the last
-  third of the samples may exceed that of the first third by ``--rss-tolerance-mib`` (default :data:`RSS_TOLERANCE_MIB`; why that
-  figure: the constant's comment). Both processes run with one malloc arena
+  third of the samples may exceed that of the first third by ``--rss-tolerance-mib`` (default
+  :data:`RSS_TOLERANCE_MIB`; why that figure: the constant's comment). Both processes run with one malloc arena
   (``MALLOC_ARENA_MAX=1``; the script starts itself again with it, before numpy's threads
   exist): glibc's per-thread arenas keep what 16 lane threads freed and grow the prefill
   process by 40-60 MiB over the first 30 s before they level off, which is the allocator's
@@ -194,9 +194,10 @@ class Lane:
         chosen = self.rng.choice(STAGINGS if shape.runs <= 16 else STAGINGS[::4])
         staging = mori_tp.staging_for(config) if chosen is None else chosen
         request = shape.request
+        check = self.sent % load.verify_every == 0
         # Fresh bytes on the request's source pages, and what they must become on decode.
         item = config.src_item_len
-        for buffer in self.src:
+        for buffer in self.src if check else ():
             for page in request.src_pages:
                 buffer[page * item:(page + 1) * item] = self.data.integers(0, 256, item,
                                                                            dtype=np.uint8)
@@ -242,6 +243,9 @@ class Lane:
         require(report.error is None,
                 f"{load.engine}: request {rid} ({shape.layout_name} {p}->{d}, {staging.name}, "
                 f"{mode}) failed on the decode side: {report.error}")
+        if not check:
+            stats.add(shape, mode.split("=")[0], plan.bytes, report.finished_at - start)
+            return
         got = load.peer.digest_pages(self.index, config.dst_item_len, request.dst_pages)
         want = digest(pages_of(self.mirror, config.dst_item_len, request.dst_pages))
         require(got == want, f"{load.engine}: request {rid} ({shape.layout_name} {p}->{d}, "
@@ -282,6 +286,10 @@ class Load:
         self.most_in_flight = 0
         #: KiB every request keeps alive (a leak, for --leak-kib).
         self.leak_kib = 0
+        #: Check the pages of every n-th request of each lane (1: every request; the
+        #: benchmark samples, so that checking does not take the cores from the transfers).
+        #: Every byte of every lane is checked by check_all either way.
+        self.verify_every = 1
 
     def in_flight(self, change: int) -> None:
         with self._lock:

@@ -191,9 +191,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             print(f"FAILED: the prefill end of the link sent {sent} bytes, fewer than the "
                   f"{moved['bytes']} the requests moved: they did not cross it")
             return 1
-        print(f"  the link carried {sent / 1e6:.1f} MB from prefill to decode "
-              f"({after['tx_packets'] - before['tx_packets']} packets) for {moved['bytes'] / 1e6:.1f}"
-              f" MB of requests; {link.drops()}")
+        packets = after["tx_packets"] - before["tx_packets"]
+        print(f"  the link carried {sent / 1e6:.1f} MB from prefill to decode ({packets} "
+              f"packets) for {moved['bytes'] / 1e6:.1f} MB of requests; {link.drops()}")
         print(f"{args.engine}: two hosts passed")
         return 0
     finally:

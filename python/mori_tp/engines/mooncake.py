@@ -229,10 +229,11 @@ class MooncakeTransport:
             args = (session_id, _ints(src[start:end]), _ints(dst[start:end]),
                     _ints(lengths[start:end]))
             if not self.budget.acquire(session_id, end - start, timeout):
+                held = self.budget.held(session_id)
                 raise TransferTimeoutError(
                     f"mooncake: no room for {end - start} segments in the queue "
-                    f"{about(session_id, request_id)} within {timeout} s ({self.budget.held(session_id)} "
-                    f"of {self.segment_budget} in flight from other calls); segments before "
+                    f"{about(session_id, request_id)} within {timeout} s ({held} of "
+                    f"{self.segment_budget} in flight from other calls); segments before "
                     f"{start} of {count} were written", peer=session_id, request_id=request_id,
                 )
             try:

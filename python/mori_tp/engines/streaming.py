@@ -764,9 +764,10 @@ class Receiver:
                 if now - since > self.early_timeout:
                     dropped = self._early.pop(rid, [])
                     del self._early_since[rid]
+                    kinds = ", ".join(m.kind for m in dropped)
                     self.violations.append(
-                        f"request {rid}: {len(dropped)} messages ({', '.join(m.kind for m in dropped)}) "
-                        f"for a request never expected, dropped after {self.early_timeout} s")
+                        f"request {rid}: {len(dropped)} messages ({kinds}) for a request never "
+                        f"expected, dropped after {self.early_timeout} s")
             finished, self._finished = self._finished, []
             return finished
 
