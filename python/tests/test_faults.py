@@ -36,7 +36,7 @@ if np is not None:
         TransferTimeoutError,
         new_epoch,
     )
-    from mori_tp.engines.faults import PeerEpochs, SegmentBudget
+    from mori_tp.engines.faults import PeerEpochs, SegmentBudget, planned_epoch
     from mori_tp.engines.mooncake import MooncakeTransport
     from mori_tp.engines.nixl import NixlTransport
     from mori_tp.engines.streaming import chunk_message
@@ -135,6 +135,20 @@ class EpochTest(unittest.TestCase):
                 # The peer's own epoch goes through.
                 sides.remote = replace(old, epoch=epoch ^ 0xF0)
                 sender.send(peer, sides.plan(Staging.SRC))
+
+    def test_a_request_of_groups_is_checked_by_its_remote_epoch(self):
+        for engine, make in PAIRS.items():
+            sides = src_sides()
+            sender, _, peer, epoch = make(sides)
+            sender.set_peer_epoch(peer, epoch)
+            plan = mock.Mock(spec=["pack", "addresses", "staging", "segments", "bytes",
+                                   "remote_epoch"], remote_epoch=epoch ^ 2)
+            with self.assertRaises(StaleRegistrationError):
+                sender.send(peer, plan, request_id="groups-1")
+            plan.pack.assert_not_called()
+            # A GroupsPlan made without an epoch is not checked (remote_epoch None).
+            self.assertIsNone(planned_epoch(mock.Mock(spec=["remote_epoch"],
+                                                      remote_epoch=None)))
 
     def test_no_recorded_epoch_means_no_check_and_epochs_must_be_nonzero(self):
         epochs = PeerEpochs()

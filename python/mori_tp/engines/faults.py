@@ -50,6 +50,7 @@ __all__ = [
     "TransferError",
     "TransferTimeoutError",
     "new_epoch",
+    "planned_epoch",
 ]
 
 
@@ -102,6 +103,15 @@ class StaleRegistrationError(TransferError):
 def new_epoch() -> int:
     """A fresh registration epoch: 63 random bits, never 0 (0 means "no epoch")."""
     return secrets.randbits(63) | 1
+
+
+def planned_epoch(plan: Any) -> Optional[int]:
+    """The registration epoch ``plan`` was made for: a RequestPlan's ``remote.epoch``, a
+    GroupsPlan's ``remote_epoch`` (None there unless given: not checked)."""
+    remote = getattr(plan, "remote", None)
+    if remote is not None:
+        return remote.epoch
+    return getattr(plan, "remote_epoch", None)
 
 
 def about(peer: Any, request_id: Optional[str]) -> str:

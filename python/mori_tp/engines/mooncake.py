@@ -61,6 +61,7 @@ from .faults import (
     about,
     env_int,
     new_epoch,
+    planned_epoch,
 )
 from .streaming import DEFAULT_TIMEOUT
 
@@ -318,12 +319,12 @@ class MooncakeTransport:
         A plan against another registration epoch than the peer's is refused
         (:class:`~mori_tp.engines.StaleRegistrationError`) before anything is packed; see
         :meth:`write` for ``timeout`` and the errors."""
-        self.peer_epochs.check("mooncake", session_id, plan.remote.epoch, request_id)
+        self.peer_epochs.check("mooncake", session_id, planned_epoch(plan), request_id)
         pack_seconds = plan.pack(backend=backend, stream=stream)
         src, dst, lengths = plan.addresses()
         start = time.perf_counter()
         calls = self.write(session_id, src, dst, lengths, timeout=timeout,
-                           epoch=plan.remote.epoch, request_id=request_id)
+                           epoch=planned_epoch(plan), request_id=request_id)
         return SendResult(plan.staging, plan.segments, plan.bytes, calls, pack_seconds,
                           time.perf_counter() - start)
 

@@ -46,7 +46,14 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 import numpy as np
 
 from . import KvMemory, RequestPlan, SendResult, TransferError
-from .faults import PeerEpochs, PeerLostError, TransferTimeoutError, about, new_epoch
+from .faults import (
+    PeerEpochs,
+    PeerLostError,
+    TransferTimeoutError,
+    about,
+    new_epoch,
+    planned_epoch,
+)
 from .streaming import DEFAULT_TIMEOUT
 
 __all__ = ["NixlTransport", "exit_process", "preload_system_libnl"]
@@ -325,12 +332,12 @@ class NixlTransport:
         registration epoch than the peer's is refused
         (:class:`~mori_tp.engines.StaleRegistrationError`) before anything is packed; see
         :meth:`write` for ``timeout`` and the errors."""
-        self.peer_epochs.check("nixl", peer, plan.remote.epoch, request_id)
+        self.peer_epochs.check("nixl", peer, planned_epoch(plan), request_id)
         pack_seconds = plan.pack(backend=backend, stream=stream)
         src, dst, lengths = plan.addresses()
         start = time.perf_counter()
         calls = self.write(peer, src, dst, lengths, notification=notification, timeout=timeout,
-                           epoch=plan.remote.epoch, request_id=request_id)
+                           epoch=planned_epoch(plan), request_id=request_id)
         return SendResult(plan.staging, plan.segments, plan.bytes, calls, pack_seconds,
                           time.perf_counter() - start)
 

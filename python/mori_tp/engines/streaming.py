@@ -70,7 +70,7 @@ from . import (
     buffer_indices,
     unpack_request,
 )
-from .faults import TransferTimeoutError, about
+from .faults import TransferTimeoutError, about, planned_epoch
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -469,7 +469,7 @@ class Streamer:
         when the plan's registration epoch is not the one the peer announced last."""
         epochs = getattr(self.transport, "peer_epochs", None)
         if epochs is not None:
-            epochs.check("streamer", peer, plan.remote.epoch, request_id)
+            epochs.check("streamer", peer, planned_epoch(plan), request_id)
         return RequestStream(self, peer, plan, request_id, layers, backend, stream,
                              self.timeout if timeout is None else timeout, release)
 
@@ -559,7 +559,7 @@ class Streamer:
         start = time.perf_counter()
         request.calls += self.transport.write(request.peer, src, dst, lengths,
                                               notification=message, timeout=request.timeout,
-                                              epoch=request.plan.remote.epoch,
+                                              epoch=planned_epoch(request.plan),
                                               request_id=request.request_id)
         request.write_seconds += time.perf_counter() - start
         request.segments += len(lengths)
@@ -576,7 +576,7 @@ class Streamer:
             self.transport.notify(request.peer, seal_message(request.request_id,
                                                              request._sealed or 0),
                                   carrier=request._carrier, timeout=request.timeout,
-                                  epoch=request.plan.remote.epoch,
+                                  epoch=planned_epoch(request.plan),
                                   request_id=request.request_id)
         request._finish()
 
@@ -591,7 +591,7 @@ class Streamer:
             try:
                 self.transport.notify(request.peer, abort_message(request.request_id, reason),
                                       carrier=request._carrier, timeout=request.timeout,
-                                      epoch=request.plan.remote.epoch,
+                                      epoch=planned_epoch(request.plan),
                                       request_id=request.request_id)
             except BaseException:  # noqa: B036 - best effort: the receiver's timeout ends it
                 pass
