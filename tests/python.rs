@@ -275,7 +275,6 @@ fn mooncake_requests_past_the_per_peer_queue_are_split_and_land_whole() {
 fn nixl_requests_of_many_segments_land_whole() {
     engine_survives_a_fault("nixl", "segments");
 }
-}
 
 /// `python/tests/engine_load.py <engine>`: 16 requests in flight of mixed layouts and sizes,
 /// then a soak of `MORI_TP_SOAK_SECONDS` (default 30; at most 60 in CI) with every byte checked
@@ -343,7 +342,12 @@ fn engine_moves_requests_between_two_namespaces(engine: &str) {
     // Unique per test process and engine, at most 12 characters.
     let prefix = format!("mtp{}{}", std::process::id() % 100_000, &engine[..1]);
     let namespaces = Namespaces(prefix.clone());
-    let args = ["python/tests/engine_two_hosts.py", engine, "--prefix", &prefix];
+    let args = [
+        "python/tests/engine_two_hosts.py",
+        engine,
+        "--prefix",
+        &prefix,
+    ];
     let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(300)) else {
         return;
     };
