@@ -47,7 +47,6 @@ from layouts import Layout, fragmented_request
 from mori_tp import Staging
 from mori_tp.engines import (
     KvMemory,
-    PeerLostError,
     StaleRegistrationError,
     Streamer,
     TransferError,
@@ -99,17 +98,12 @@ class Setup:
     def __init__(self, engine: str, layout: Layout, runs: int, seed: int = 1,
                  pool_requests: int = 4, transport: Any = None) -> None:
         self.engine, self.layout = engine, layout
-        self.request = fragmented_request(seed, runs)
+        source = Source(layout, runs, seed)
+        self.request, self.src, self.src_capacity = source.request, source.buffers, source.capacity
+        self.slot_bytes = source.slot_bytes
         self.driver = driver(engine, engine_timeout=ENGINE_TIMEOUT)
         self.transport = transport or self.driver.start("prefill")
-        self.src_capacity = self.request.src_capacity_pages * layout.src_item_len
         self.dst_capacity = self.request.dst_capacity_pages * layout.dst_item_len
-        rng = np.random.default_rng(seed)
-        self.src = [[rng.integers(0, 256, self.src_capacity, dtype=np.uint8)
-                     for _ in range(BUFFERS)] for _ in range(layout.p_tp)]
-        self.slot_bytes = _round_up(max(
-            BUFFERS * mori_tp.staging_len(layout.config(p, d), len(self.request.src_pages))
-            for p, d in layout.pairs()), 1 << 16)
         self.pool = mori_tp.StagingPool(pool_requests * self.slot_bytes)
         self.local = [self.transport.register(KvMemory(tuple(int(b.ctypes.data) for b in rank),
                                                        self.src_capacity))
@@ -343,7 +337,8 @@ def _prefill_child(conn: Any, placement: Placement, engine: str, runs: int, seed
 
 
 class Source:
-    """A prefill rank's buffers for SMALL, filled from ``seed`` (the same in every process)."""
+    """Every prefill rank's buffers for ``layout`` and a request of ``runs`` runs, filled from
+    ``seed`` (the same in every process), and the largest slot a pair's request needs."""
 
     def __init__(self, layout: Layout, runs: int, seed: int) -> None:
         self.layout = layout

@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 PREFILL_ADDRESS, DECODE_ADDRESS = "10.77.0.1", "10.77.0.2"
 #: Seconds the prefill process may take (its own cases bound every step).
