@@ -4,7 +4,10 @@
 //! engines (`python/tests/engine_loopback.py` and, pipelined and streamed with staging pools,
 //! `python/tests/engine_streaming.py`; requests of several groups of a hybrid model with
 //! pipeline stages that differ, `python/tests/engine_groups.py`; Mooncake and NIXL over
-//! 127.0.0.1).
+//! 127.0.0.1), with faults (`python/tests/engine_faults.py`: a peer killed, a notification
+//! lost, a peer restarted, more segments than an engine call takes), under load
+//! (`python/tests/engine_load.py`) and between two network namespaces
+//! (`python/tests/engine_two_hosts.py`).
 
 mod common;
 
@@ -205,6 +208,170 @@ fn mooncake_moves_hybrid_requests_of_several_groups_between_two_processes() {
 #[test]
 fn nixl_moves_hybrid_requests_of_several_groups_between_two_processes() {
     engine_moves_hybrid_requests_between_two_processes("nixl");
+}
+
+/// `python/tests/engine_faults.py <engine> <case>`: one fault between two processes on
+/// 127.0.0.1 (the script bounds every wait itself, and this test kills it after 300 s).
+fn engine_survives_a_fault(engine: &str, case: &str) {
+    let test = format!("{engine}_fault_{}", case.replace('-', "_"));
+    let args = ["python/tests/engine_faults.py", engine, case];
+    let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(300)) else {
+        return;
+    };
+    assert!(
+        output.status.success(),
+        "{engine} fault case {case} failed ({}):\n{report}",
+        output.status
+    );
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn mooncake_decode_killed_mid_transfer_fails_the_request_in_bounded_time_and_frees_its_slot() {
+    engine_survives_a_fault("mooncake", "decode-killed");
+}
+
+#[test]
+fn nixl_decode_killed_mid_transfer_fails_the_request_in_bounded_time_and_frees_its_slot() {
+    engine_survives_a_fault("nixl", "decode-killed");
+}
+
+#[test]
+fn mooncake_prefill_killed_mid_chunk_times_out_on_decode_and_unpacks_nothing_partial() {
+    engine_survives_a_fault("mooncake", "prefill-killed");
+}
+
+#[test]
+fn nixl_prefill_killed_mid_chunk_times_out_on_decode_and_unpacks_nothing_partial() {
+    engine_survives_a_fault("nixl", "prefill-killed");
+}
+
+#[test]
+fn mooncake_lost_or_never_sent_notifications_end_in_bounded_errors() {
+    engine_survives_a_fault("mooncake", "lost-notification");
+}
+
+#[test]
+fn nixl_lost_or_never_sent_notifications_end_in_bounded_errors() {
+    engine_survives_a_fault("nixl", "lost-notification");
+}
+
+#[test]
+fn mooncake_plan_against_a_restarted_peers_old_memory_is_refused_and_writes_nothing() {
+    engine_survives_a_fault("mooncake", "restart");
+}
+
+#[test]
+fn nixl_plan_against_a_restarted_peers_old_memory_is_refused_and_writes_nothing() {
+    engine_survives_a_fault("nixl", "restart");
+}
+
+#[test]
+fn mooncake_requests_past_the_per_peer_queue_are_split_and_land_whole() {
+    engine_survives_a_fault("mooncake", "segments");
+}
+
+#[test]
+fn nixl_requests_of_many_segments_land_whole() {
+    engine_survives_a_fault("nixl", "segments");
+}
+
+/// `python/tests/engine_load.py <engine>`: 16 requests in flight of mixed layouts and sizes,
+/// then a soak of `MORI_TP_SOAK_SECONDS` (default 30; at most 60 in CI) with every byte checked
+/// and the processes' RSS flat; the script bounds itself at the soak plus 240 s.
+fn engine_under_load(engine: &str) {
+    let test = format!("{engine}_sixteen_in_flight_and_a_soak_lose_nothing_and_keep_rss_flat");
+    let args = ["python/tests/engine_load.py", engine];
+    let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(900)) else {
+        return;
+    };
+    assert!(
+        output.status.success(),
+        "{engine} load failed ({}):\n{report}",
+        output.status
+    );
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn mooncake_sixteen_in_flight_and_a_soak_lose_nothing_and_keep_rss_flat() {
+    engine_under_load("mooncake");
+}
+
+#[test]
+fn nixl_sixteen_in_flight_and_a_soak_lose_nothing_and_keep_rss_flat() {
+    engine_under_load("nixl");
+}
+
+/// Removes, when dropped (also while a failed or timed-out test unwinds), every network
+/// namespace whose name starts with its prefix, after killing what still runs in it.
+struct Namespaces(String);
+
+impl Namespaces {
+    fn left(&self) -> Vec<String> {
+        let Ok(output) = Command::new("ip").args(["netns", "list"]).output() else {
+            return Vec::new();
+        };
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter_map(|line| line.split_whitespace().next())
+            .filter(|name| name.starts_with(&self.0))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for name in self.left() {
+            if let Ok(output) = Command::new("ip").args(["netns", "pids", &name]).output() {
+                for pid in String::from_utf8_lossy(&output.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-KILL", pid]).status();
+                }
+            }
+            let _ = Command::new("ip").args(["netns", "del", &name]).status();
+        }
+    }
+}
+
+/// `python/tests/engine_two_hosts.py <engine>`: a prefill and a decode process in two network
+/// namespaces joined by a veth pair (netem delay and loss where the kernel has it, else a
+/// token bucket that drops), every byte verified; the namespaces go whatever happens.
+fn engine_moves_requests_between_two_namespaces(engine: &str) {
+    let test = format!("{engine}_moves_requests_between_two_network_namespaces_byte_exact");
+    // Unique per test process and engine, at most 12 characters.
+    let prefix = format!("mtp{}{}", std::process::id() % 100_000, &engine[..1]);
+    let namespaces = Namespaces(prefix.clone());
+    let args = [
+        "python/tests/engine_two_hosts.py",
+        engine,
+        "--prefix",
+        &prefix,
+    ];
+    let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(300)) else {
+        return;
+    };
+    assert!(
+        output.status.success(),
+        "{engine} between two namespaces failed ({}):\n{report}",
+        output.status
+    );
+    assert!(
+        namespaces.left().is_empty(),
+        "the script left namespaces {:?} behind:\n{report}",
+        namespaces.left()
+    );
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn mooncake_moves_requests_between_two_network_namespaces_byte_exact() {
+    engine_moves_requests_between_two_namespaces("mooncake");
+}
+
+#[test]
+fn nixl_moves_requests_between_two_network_namespaces_byte_exact() {
+    engine_moves_requests_between_two_namespaces("nixl");
 }
 
 /// nixl-cu12 1.5.1's UCX loads the system libefa, libibverbs and libnl next to its own copies,

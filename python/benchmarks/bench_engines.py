@@ -20,13 +20,21 @@ tp2to8 with prefill pages of 16 tokens and decode pages of 64, 4096 tokens: per-
 one segment per token per buffer, as connectors build them), HND pages to pages without staging
 (``hnd-direct``), and NHD with pair_staging_for's staging (``nhd-staged``), interleaved in rounds
 the same way, each verified byte for byte against mori_send_kvcache_pair of its own layout.
+
+Then load (``--suites soak``): python/tests/engine_load.py's mix of requests (five layouts,
+four sizes, every staging mode, pipelined or layer by layer) sent back to back from 1, 4 and 16
+lanes (``--soak-lanes``) through one transport pair for ``--soak-seconds`` each, every byte
+verified: requests/s, GB/s, p50, p99 and p99.9 latency (plan done, from the first write until
+the decode process has the request), and both processes' RSS at the start and the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -499,7 +507,41 @@ def inflight_suite(args: argparse.Namespace, engine: str) -> List[str]:
     return lines
 
 
-SUITES = ("methods", "layouts", "staged", "streaming", "inflight")
+def soak_suite(args: argparse.Namespace, engine: str) -> List[str]:
+    """python/tests/engine_load.py's mixed requests (five layouts, four sizes, every staging,
+    pipelined or by layer) from 1, 4 and 16 lanes for ``--soak-seconds`` each, one transport
+    pair, every byte verified: throughput, latency percentiles and both processes' RSS."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import engine_load
+
+    lines = []
+    for lanes in args.soak_lanes:
+        load = engine_load.Load(engine, lanes=lanes)
+        load.verify_every = args.soak_verify_every
+        try:
+            load.soak(min(5.0, args.soak_seconds), engine_load.Stats())  # warm-up
+            watch = engine_load.Watch([os.getpid(), load.peer.pid])
+            stats = engine_load.Stats()
+            start = time.monotonic()
+            load.soak(args.soak_seconds, stats)
+            elapsed = time.monotonic() - start
+            load.check_all("soak")
+            watch.stop()
+        finally:
+            load.close()
+        rss = [(first, last) for first, last in zip(watch.samples[0][1], watch.samples[-1][1])]
+        line = (f"| {engine} | {lanes} | {args.soak_verify_every} | {elapsed:.0f} | "
+                f"{stats.requests} | {stats.bytes / max(stats.requests, 1) / 1e6:.2f} | "
+                f"{stats.requests / elapsed:.0f} | {stats.bytes / elapsed / 1e9:.3f} | "
+                f"{stats.percentile(0.5) * 1e3:.1f} | {stats.percentile(0.99) * 1e3:.1f} | "
+                f"{stats.percentile(0.999) * 1e3:.1f} | "
+                + " | ".join(f"{a / 1024:.0f} -> {b / 1024:.0f}" for a, b in rss) + " |")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+SUITES = ("methods", "layouts", "staged", "streaming", "inflight", "soak")
 
 
 def main() -> int:
@@ -524,6 +566,13 @@ def main() -> int:
                         default=list(LAYOUT_CASES), help="layouts suite: the cases")
     parser.add_argument("--layout-tokens", type=int, default=4096,
                         help="layouts suite: tokens per request")
+    parser.add_argument("--soak-seconds", type=float, default=60.0,
+                        help="soak suite: seconds per number of lanes")
+    parser.add_argument("--soak-lanes", nargs="+", type=int, default=[1, 4, 16],
+                        help="soak suite: requests in flight (one per lane)")
+    parser.add_argument("--soak-verify-every", type=int, default=1,
+                        help="soak suite: check each lane's n-th requests as they land (all "
+                             "bytes of every lane are checked at the end either way)")
     args = parser.parse_args()
     print(f"mori-tp {mori_tp.library_version()} ({mori_tp.library_path}), "
           f"Python {platform.python_version()}, {platform.machine()}", flush=True)
@@ -549,6 +598,13 @@ def main() -> int:
                      "| engine | layout | tokens | in flight | requests | requests/s | GB/s | "
                      "p50 (ms) | p99 (ms) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|",
                      inflight_suite),
+        "soak": ("Mixed requests back to back (engine_load.py's mix), one per lane, every byte "
+                 "verified",
+                 "| engine | lanes | checked 1 in | seconds | requests | MB/request | "
+                 "requests/s | GB/s | p50 (ms) | p99 (ms) | p99.9 (ms) | RSS prefill (MiB) | "
+                 "RSS decode (MiB) |\n"
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+                 soak_suite),
     }
     for suite in SUITES[2:]:
         if suite not in args.suites:

@@ -240,7 +240,9 @@ class Run:
         self.decode_capacity, self.decode_ranks = decode_shape()
         self.peer = DecodePeer(engine, [(BUFFERS, self.decode_capacity)] * self.decode_ranks,
                                self.prefill.slot * max_pairs(), STEP_TIMEOUT)
-        self.remote = self.driver.connect(self.transport, self.peer.address)
+        # With the child's registration epoch: every plan is checked against it.
+        self.remote = self.driver.connect(self.transport, self.peer.address,
+                                          self.peer.memories[0].epoch)
         self.peer.connect(self.driver.address(self.transport))
         self.tags = 0
 

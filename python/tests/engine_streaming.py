@@ -43,7 +43,7 @@ from engine_loopback import Prefill as PlainPrefill
 from layouts import Layout
 from mori_tp import Action, Staging
 from mori_tp.engines import KvMemory, Streamer, plan_request
-from mori_tp.engines.loopback import StreamPeer, driver, run_program
+from mori_tp.engines.loopback import Placement, StreamPeer, driver, run_program
 from mori_tp.engines.streaming import chunk_message
 
 LAYERS = BUFFERS // 2
@@ -77,16 +77,23 @@ class Prefill(PlainPrefill):
 
 
 class Run:
-    def __init__(self, engine: str) -> None:
+    """The cases, with this process's engine at ``hostname`` and the decode child's at
+    ``placement`` (default: both on 127.0.0.1)."""
+
+    def __init__(self, engine: str, hostname: str = "127.0.0.1",
+                 placement: Placement = Placement()) -> None:
         self.engine = engine
-        self.driver = driver(engine)
+        self.peer_placement = placement
+        self.driver = driver(engine, hostname)
         self.transport = self.driver.start("prefill")
         self.prefill = Prefill(self.transport)
         self.decode_capacity, self.decode_ranks = decode_shape()
         # Room for two requests: more in flight must wait for a slot.
         self.peer = StreamPeer(engine, [(BUFFERS, self.decode_capacity)] * self.decode_ranks,
-                               2 * -(-slot_len() // (1 << 16)) * (1 << 16), STEP_TIMEOUT)
-        self.remote = self.driver.connect(self.transport, self.peer.address)
+                               2 * -(-slot_len() // (1 << 16)) * (1 << 16), STEP_TIMEOUT,
+                               placement=placement)
+        # With the child's registration epoch: every plan is checked against it.
+        self.remote = self.driver.connect(self.transport, self.peer.address, self.peer.epoch)
         self.peer.connect(self.driver.address(self.transport))
         self.streamer = Streamer(self.transport, timeout=STEP_TIMEOUT)
         self.ids = 0

@@ -421,7 +421,8 @@ class MooncakeTransportTest(EveryPairStagingMixin, unittest.TestCase):
     def test_a_failing_call_names_the_segments_and_what_was_written(self):
         sides = Sides(LAYOUTS[Staging.SRC], 0, 1, LONG_REQUEST)
         sender, receiver = self.transports(sides)
-        sender.max_segments_per_call = 2100  # past the fake's queue of 2048
+        # An environment that raised the engine's queue, with calls past the fake's 2048.
+        sender.budget.capacity = sender.max_segments_per_call = 2100
         plan = sides.plan(Staging.NONE)
         with self.assertRaisesRegex(TransferError,
                                     f"returned -1 for segments 0..2099 of {plan.segments}"):

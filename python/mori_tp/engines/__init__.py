@@ -64,6 +64,15 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
         "mori_tp.engines needs numpy (pip install numpy); the core mori_tp package does not"
     ) from _error
 
+# The errors and registration epochs (faults.py needs nothing from this module).
+from .faults import (  # noqa: E402
+    PeerLostError,
+    StaleRegistrationError,
+    TransferError,
+    TransferTimeoutError,
+    new_epoch,
+)
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "BufferRanges",
@@ -77,17 +86,16 @@ __all__ = [
     "layer_buffers",
     "RequestPlan",
     "SendResult",
+    "PeerLostError",
+    "StaleRegistrationError",
     "TransferError",
+    "TransferTimeoutError",
+    "new_epoch",
     "plan_groups",
     "plan_request",
     "unpack_groups",
     "unpack_request",
 ]
-
-
-class TransferError(RuntimeError):
-    """A transfer engine refused or failed a call. The message names the engine call, its
-    return value or state and the segment counts; bytes may have landed partially."""
 
 
 #: Buffer ranges: a list of ``(first, end)`` pairs, each a half-open range of buffer indices
@@ -112,7 +120,8 @@ class KvMemory:
     each layer, then V of each layer; MLA: one latent buffer per layer), the bytes in each, and
     a staging region for staged requests (address 0 and capacity 0 when it has none).
 
-    Register it with the engine once (``transport.register(memory)``). For a staging pool,
+    Register it with the engine once (``memory = transport.register(memory)``, which returns
+    it stamped with the transport's registration ``epoch``). For a staging pool,
     register the whole pool and pass per request a copy whose staging field is the slot the
     request uses (``dataclasses.replace(memory, staging=slot, staging_capacity=slot_len)``).
     """
@@ -125,12 +134,16 @@ class KvMemory:
     staging: int = 0
     #: Bytes of the staging region.
     staging_capacity: int = 0
+    #: The registration this memory belongs to (0: none): the owning transport's epoch, which
+    #: ``register`` stamps; a plan against it is refused once the peer announces another
+    #: (:mod:`mori_tp.engines.faults`).
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         where = "KvMemory"
         buffers = tuple(_int(b, f"buffers[{i}]", where) for i, b in enumerate(self.buffers))
         object.__setattr__(self, "buffers", buffers)
-        for name in ("capacity", "staging", "staging_capacity"):
+        for name in ("capacity", "staging", "staging_capacity", "epoch"):
             object.__setattr__(self, name, _int(getattr(self, name), name, where))
         if self.staging_capacity and not self.staging:
             raise InvalidArgumentError(
@@ -156,12 +169,13 @@ class KvMemory:
             "capacity": self.capacity,
             "staging": self.staging,
             "staging_capacity": self.staging_capacity,
+            "epoch": self.epoch,
         }
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "KvMemory":
         return cls(tuple(data["buffers"]), data["capacity"], data.get("staging", 0),
-                   data.get("staging_capacity", 0))
+                   data.get("staging_capacity", 0), data.get("epoch", 0))
 
 
 @dataclass(frozen=True)

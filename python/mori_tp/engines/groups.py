@@ -56,6 +56,9 @@ class GroupsPlan:
     src_offsets: "np.ndarray"
     dst_offsets: "np.ndarray"
     lengths: "np.ndarray"
+    #: The decode rank's registration epoch the groups' ``dst_ptrs`` came with (its
+    #: KvMemory's ``epoch``), checked by the transports before they write; None: not checked.
+    remote_epoch: Optional[int] = None
 
     @property
     def staging(self) -> Tuple[Staging, ...]:
@@ -122,13 +125,16 @@ class GroupsPlan:
 
 def plan_groups(groups: Sequence[Group], *, local_staging: int = 0,
                 local_staging_capacity: int = 0, remote_staging: int = 0,
-                remote_staging_capacity: int = 0) -> GroupsPlan:
+                remote_staging_capacity: int = 0,
+                remote_epoch: Optional[int] = None) -> GroupsPlan:
     """Plans one request of several groups for a transfer engine, on the prefill rank.
 
     Checks, before anything moves (:func:`mori_tp.check_groups_transfer`): every group, every
     page of every group within its side's capacity, and each side's staging region holding the
     bytes of the groups that stage it. Every group needs ``src_ptrs`` (this rank's buffers) and
-    ``dst_ptrs`` (the decode rank's), whatever its staging.
+    ``dst_ptrs`` (the decode rank's), whatever its staging. ``remote_epoch``: the decode
+    rank's registration epoch those came with; the transports then refuse the plan once the
+    peer announces another (:mod:`mori_tp.engines.faults`).
 
     Raises:
         the errors of :func:`mori_tp.check_groups_transfer`, each naming its group;
@@ -148,7 +154,8 @@ def plan_groups(groups: Sequence[Group], *, local_staging: int = 0,
     columns = mori_tp.groups_segments(groups, as_arrays=True)
     return GroupsPlan(groups, tuple(infos), total, local_staging, local_staging_capacity,
                       remote_staging, remote_staging_capacity,
-                      *(np.ascontiguousarray(column) for column in columns))
+                      *(np.ascontiguousarray(column) for column in columns),
+                      remote_epoch=remote_epoch)
 
 
 def unpack_groups(groups: Sequence[Group], *, staging: int = 0, staging_capacity: int = 0,

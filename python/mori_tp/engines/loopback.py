@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -47,11 +47,30 @@ def digest(data: Any) -> str:
     return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
 
 
+def pages_of(buffers: Sequence["np.ndarray"], item_len: int, pages: Sequence[int]) -> "np.ndarray":
+    """Pages ``pages`` of ``item_len`` bytes of each buffer, buffer by buffer, as one array:
+    what a request wrote, for a digest."""
+    index = np.asarray(pages, dtype=np.intp)
+    return np.concatenate([b[:len(b) // item_len * item_len].reshape(-1, item_len)[index].ravel()
+                           for b in buffers])
+
+
 class Driver:
     """One engine as the harness uses it: start a transport, exchange addresses, write, send,
-    and wait for completion on the receiving side."""
+    and wait for completion on the receiving side.
+
+    Args:
+        hostname: the address this process's engine listens on (127.0.0.1, or an address in a
+            network namespace).
+        engine_timeout: seconds the engine itself gives a write (Mooncake's ``engine_timeout``;
+            NIXL has none, its writes are bounded by their ``timeout``).
+    """
 
     name = ""
+
+    def __init__(self, hostname: str = "127.0.0.1", engine_timeout: float = 30.0) -> None:
+        self.hostname = hostname
+        self.engine_timeout = engine_timeout
 
     def start(self, role: str, polled: bool = False) -> Any:
         """A transport for ``role``. ``polled``: this process polls its transport all the time
@@ -63,8 +82,15 @@ class Driver:
         """What the peer needs to reach this transport (after registration)."""
         raise NotImplementedError
 
-    def connect(self, transport: Any, address: Any) -> Any:
-        """The peer handle :meth:`send` takes, from the peer's :meth:`address`."""
+    def connect(self, transport: Any, address: Any, epoch: int = 0) -> Any:
+        """The peer handle :meth:`send` takes, from the peer's :meth:`address`; with the peer's
+        registration ``epoch`` (its memories' ``epoch``), plans against any other are refused."""
+        peer = self._connect(transport, address)
+        if epoch:
+            transport.set_peer_epoch(peer, epoch)
+        return peer
+
+    def _connect(self, transport: Any, address: Any) -> Any:
         raise NotImplementedError
 
     def write(self, transport: Any, peer: Any, src: Any, dst: Any, lengths: Any, tag: bytes,
@@ -85,12 +111,12 @@ class MooncakeDriver(Driver):
     def start(self, role: str, polled: bool = False) -> Any:
         from .mooncake import MooncakeTransport
 
-        return MooncakeTransport.start("127.0.0.1")
+        return MooncakeTransport.start(self.hostname, engine_timeout=self.engine_timeout)
 
     def address(self, transport: Any) -> Any:
         return transport.session_id
 
-    def connect(self, transport: Any, address: Any) -> Any:
+    def _connect(self, transport: Any, address: Any) -> Any:
         return address
 
     def write(self, transport, peer, src, dst, lengths, tag, timeout):
@@ -118,7 +144,7 @@ class NixlDriver(Driver):
     def address(self, transport: Any) -> Any:
         return transport.metadata()
 
-    def connect(self, transport: Any, address: Any) -> Any:
+    def _connect(self, transport: Any, address: Any) -> Any:
         return transport.add_peer(address)
 
     def write(self, transport, peer, src, dst, lengths, tag, timeout):
@@ -131,12 +157,12 @@ class NixlDriver(Driver):
         transport.wait_notification(peer, tag, timeout=timeout)
 
 
-def driver(engine: str) -> Driver:
+def driver(engine: str, hostname: str = "127.0.0.1", engine_timeout: float = 30.0) -> Driver:
     """The :class:`Driver` of ``engine`` (one of :data:`ENGINES`)."""
     drivers = {"mooncake": MooncakeDriver, "nixl": NixlDriver}
     if engine not in drivers:
         raise ValueError(f"unknown engine {engine!r}: one of {', '.join(drivers)}")
-    return drivers[engine]()
+    return drivers[engine](hostname, engine_timeout)
 
 
 def engine_available(engine: str) -> Optional[str]:
@@ -294,12 +320,59 @@ def _die_with_parent(parent: int) -> None:
         os._exit(3)
 
 
-def _child_main(serve: Callable[..., None], conn: Any, parent: int, *args: Any) -> None:
+def enter_netns(name: str) -> None:
+    """Moves this process into the network namespace that ``ip netns`` calls ``name``, as
+    ``ip netns exec`` does: ``setns`` into ``/run/netns/<name>``, then a mount namespace of its
+    own where ``/sys`` is mounted again so that it shows the namespace's devices (UCX reads
+    them). Call it first thing, before any thread or engine starts: threads made later inherit
+    it. Linux only; needs CAP_SYS_ADMIN (root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet, clone_newns = 0x40000000, 0x00020000
+    ms_rec, ms_slave, mnt_detach = 0x4000, 1 << 19, 2
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"{what} for network namespace {name!r}: {os.strerror(code)}")
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, clone_newnet), "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(clone_newns), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"none", b"/", None, ms_rec | ms_slave, None), "mount --make-rslave /")
+    libc.umount2(b"/sys", mnt_detach)  # nothing mounted there is fine
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs /sys")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a child's engine runs: its address, network namespace and environment."""
+
+    #: The address its engine listens on.
+    hostname: str = "127.0.0.1"
+    #: A network namespace (``ip netns`` name) to enter first, or None.
+    netns: Optional[str] = None
+    #: Environment variables set before the engine starts (e.g. ``UCX_TLS``).
+    env: Tuple[Tuple[str, str], ...] = ()
+    #: Seconds the engine itself gives a write (see :class:`Driver`).
+    engine_timeout: float = 30.0
+
+    def driver(self, engine: str) -> "Driver":
+        return driver(engine, self.hostname, self.engine_timeout)
+
+
+def _child_main(serve: Callable[..., None], conn: Any, parent: int, placement: Placement,
+                *args: Any) -> None:
     """A decode child's process: ``serve(conn, *args)``, any failure reported to the parent,
     then an exit that skips native destructors (NIXL's can crash, see engines.nixl)."""
     _die_with_parent(parent)
     try:
-        serve(conn, *args)
+        if placement.netns:
+            enter_netns(placement.netns)
+        os.environ.update(dict(placement.env))
+        serve(conn, placement, *args)
     except BaseException:  # noqa: B036 - report anything to the parent, then exit
         try:
             conn.send(("error", traceback.format_exc()))
@@ -309,12 +382,15 @@ def _child_main(serve: Callable[..., None], conn: Any, parent: int, *args: Any) 
     os._exit(0)
 
 
-def _start_child(serve: Callable[..., None], *args: Any) -> Tuple[Any, Any]:
-    """Starts a decode child running ``serve(conn, *args)``; returns (process, parent's end)."""
+def _start_child(serve: Callable[..., None], *args: Any,
+                 placement: Placement = Placement()) -> Tuple[Any, Any]:
+    """Starts a child running ``serve(conn, placement, *args)`` (in ``placement``'s network
+    namespace and environment); returns (process, parent's end)."""
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
     process = context.Process(target=_child_main,
-                              args=(serve, child_conn, os.getpid(), *args), daemon=True)
+                              args=(serve, child_conn, os.getpid(), placement, *args),
+                              daemon=True)
     process.start()
     child_conn.close()
     return process, conn
@@ -337,9 +413,9 @@ def _stop_child(process: Any, conn: Any, stop: Tuple[Any, ...]) -> None:
     conn.close()
 
 
-def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: int,
-           timeout: float) -> None:
-    drive = driver(engine)
+def _serve(conn: Any, placement: Placement, engine: str, ranks: List[Tuple[int, int]],
+           staging_pool: int, timeout: float) -> None:
+    drive = placement.driver(engine)
     transport = drive.start("decode")
     buffers = [[np.empty(capacity, dtype=np.uint8) for _ in range(count)]
                for count, capacity in ranks]
@@ -358,9 +434,13 @@ def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: i
                  pool_address if staging_pool else 0, staging_pool)
         for rank_buffers, (_, capacity) in zip(buffers, ranks)
     ]
-    # The pool is registered once, with the first rank's buffers.
-    for rank, memory in enumerate(memories):
-        transport.register(memory if rank == 0 else KvMemory(memory.buffers, memory.capacity))
+    # The pool is registered once, with the first rank's buffers; every memory the parent gets
+    # carries the registration epoch.
+    memories = [transport.register(memory if rank == 0 else
+                                   KvMemory(memory.buffers, memory.capacity))
+                for rank, memory in enumerate(memories)]
+    memories = [replace(m, staging=memories[0].staging,
+                        staging_capacity=memories[0].staging_capacity) for m in memories]
     conn.send(("ready", drive.address(transport), [m.to_dict() for m in memories],
                (pool_address, staging_pool)))
     peer = None
@@ -391,8 +471,8 @@ def _serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], staging_pool: i
                     seconds += time.perf_counter() - start
                     continue
                 memory = memories[item.rank]
-                slot = KvMemory(memory.buffers, memory.capacity, pool_address + item.slot,
-                                item.slot_len) if item.slot_len else memory
+                slot = replace(memory, staging=pool_address + item.slot,
+                               staging_capacity=item.slot_len) if item.slot_len else memory
                 start = time.perf_counter()
                 unpack_request(item.config, item.request, memory=slot, staging=item.staging,
                                backend="host")
@@ -431,16 +511,18 @@ class StreamPeer:
         ranks: for each decode rank the child holds, ``(num_buffers, capacity)``.
         pool_bytes: capacity of the child's staging pool (0: none); ``min_slot`` its unit.
         timeout: seconds any one step may take before the parent gives up on the child.
+        placement: where the child's engine runs (default 127.0.0.1 in this namespace).
     """
 
     def __init__(self, engine: str, ranks: Sequence[Tuple[int, int]], pool_bytes: int,
-                 timeout: float = 60.0, min_slot: int = 1 << 16) -> None:
+                 timeout: float = 60.0, min_slot: int = 1 << 16,
+                 placement: Placement = Placement()) -> None:
         import threading
 
         self.engine = engine
         self.timeout = timeout
         self._process, self._conn = _start_child(_stream_serve, engine, list(ranks), pool_bytes,
-                                                 min_slot, timeout)
+                                                 min_slot, timeout, placement=placement)
         try:
             if not self._conn.poll(max(timeout, 120.0)):
                 raise PeerError("the decode process sent nothing before it was ready")
@@ -454,7 +536,10 @@ class StreamPeer:
             self.close()
             raise PeerError(f"the decode process failed:\n{message[1]}")
         _, self.address, memories, pool = message
+        #: The child's buffers, one KvMemory per decode rank, stamped with its registration
+        #: epoch (``self.epoch``).
         self.memories = [KvMemory.from_dict(m) for m in memories]
+        self.epoch = self.memories[0].epoch if self.memories else 0
         #: (address, bytes) of the child's staging pool.
         self.pool = tuple(pool)
         self._lock = threading.Lock()
@@ -541,6 +626,24 @@ class StreamPeer:
     def fetch(self, rank: int, buffer: int) -> bytes:
         return self.call("fetch", rank, buffer)
 
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def kill(self) -> None:
+        """Kills the child at once (SIGKILL), as a crash would; calls then raise PeerError."""
+        self._process.kill()
+        self._process.join(10)
+
+    def digest_pages(self, rank: int, item_len: int, pages: Sequence[int]) -> str:
+        """The digest of ``pages`` (of ``item_len`` bytes) of every buffer of ``rank``, as
+        :func:`pages_of` lays them out."""
+        return self.call("digest_pages", rank, item_len, tuple(int(p) for p in pages))
+
+    def pool_info(self) -> Tuple[int, int]:
+        """(live slots, live bytes) of the child's staging pool."""
+        return self.call("pool")
+
     def close(self) -> None:
         """Stops the child: asks, then terminates, then kills."""
         _stop_child(self._process, self._conn, ("stop", 0))
@@ -552,13 +655,13 @@ class StreamPeer:
         self.close()
 
 
-def _stream_serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_bytes: int,
-                  min_slot: int, timeout: float) -> None:
+def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tuple[int, int]],
+                  pool_bytes: int, min_slot: int, timeout: float) -> None:
     import threading
 
     from .streaming import Receiver
 
-    drive = driver(engine)
+    drive = placement.driver(engine)
     # The Receiver's thread polls the transport from connect() on.
     transport = drive.start("decode", polled=True)
     buffers = [[np.empty(capacity, dtype=np.uint8) for _ in range(count)]
@@ -573,8 +676,7 @@ def _stream_serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_byt
     reset()
     memories = [KvMemory(tuple(int(data.ctypes.data) for data in rank_buffers), capacity)
                 for rank_buffers, (_, capacity) in zip(buffers, ranks)]
-    for memory in memories:
-        transport.register(memory)
+    memories = [transport.register(memory) for memory in memories]
     if pool is not None:
         transport.register(KvMemory((), 0, pool.address, pool.capacity))
     sending = threading.Lock()
@@ -619,15 +721,14 @@ def _stream_serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_byt
                 rid, rank, config, dst_pages, staging, slot_bytes, wait, chosen = args
                 memory = memories[rank]
                 if chosen is not None:
-                    memory = KvMemory(tuple(memory.buffers[b] for b in chosen), memory.capacity)
+                    memory = replace(memory, buffers=tuple(memory.buffers[b] for b in chosen))
                 answer = 0
                 if slot_bytes:
                     if pool is None:
                         raise ValueError("this decode process has no staging pool")
                     slot = pool.alloc(slot_bytes, timeout=wait)
                     chunks[("slot", rid)] = slot
-                    memory = KvMemory(memory.buffers, memory.capacity, slot.address,
-                                      slot.size)
+                    memory = replace(memory, staging=slot.address, staging_capacity=slot.size)
                     answer = slot.address
                 receiver.expect(rid, config, list(dst_pages), memory=memory, staging=staging,
                                 backend="host", timeout=wait, on_chunk=landed, on_done=ended)
@@ -637,6 +738,16 @@ def _stream_serve(conn: Any, engine: str, ranks: List[Tuple[int, int]], pool_byt
                 answer = [[digest(data) for data in rank_buffers] for rank_buffers in buffers]
             elif kind == "fetch":
                 answer = buffers[args[0]][args[1]].tobytes()
+            elif kind == "digest_pages":
+                rank, item_len, pages = args
+                answer = digest(pages_of(buffers[rank], item_len, pages))
+            elif kind == "pool":
+                info = pool.info() if pool is not None else None
+                answer = (info.live_slots, info.live_bytes) if info else (0, 0)
+            elif kind == "violations":
+                # And the messages for requests not expected (yet).
+                answer = list(receiver.violations) + [f"unexpected messages for request {rid}"
+                                                      for rid in receiver._early]
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except mori_tp.MoriError as error:

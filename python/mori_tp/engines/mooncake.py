@@ -21,29 +21,64 @@ Who calls what:
   :meth:`~MooncakeTransport.send` to the decode rank's session id; it returns once every
   segment is written.
 
-Segments per call: with default settings Mooncake's TCP transport queues at most 2048 transfers
-per peer, and one ``batch_transfer_sync_write`` of more fails (returns -1, and later calls to
-that peer may fail too). ``send`` therefore splits the list into calls of at most
-``max_segments_per_call`` (default 1024: half the queue, so two concurrent requests to one peer
-still fit). Raising ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` and
-``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` in the engine's environment allows larger calls. A
-staged request needs one segment per buffer (BOTH) or per run of pages, so it rarely needs
-more than one call.
+Segments per call: Mooncake's TCP transport queues at most 1024 transfers (one per segment) per
+peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``), lets 1024 more wait up to 1 s for room
+(``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``, ``MC_TCP_ADMISSION_TIMEOUT_MS``), and refuses the
+rest: ``tcp_transport.cpp`` in kvcache-ai/Mooncake (``kDefaultQueuedTransfersPerPeer``,
+``kDefaultPendingAdmissionsPerPeer``, ``kDefaultAdmissionTimeoutMs``). Measured here
+(mooncake-transfer-engine-non-cuda 0.3.13.post1, loopback): one ``batch_transfer_sync_write``
+of 2048 segments succeeds, one of 4096 returns -1, and so does the next call to that peer
+while the refused ones drain (about 0.5 s). Only the 1024 queued ones are safe on a slow link:
+the waiting ones are refused once they have waited 1 s. So the transport never holds more than
+the queue (``segment_budget``, read from the environment as the engine does) in flight per peer,
+from any number of threads: each call takes room for its segments first and waits for it up to
+the write's ``timeout``. It splits a list into calls of at most ``max_segments_per_call``
+(default: the whole queue, 1024), and refuses a larger setting with the numbers. A staged
+request needs one segment per buffer (BOTH) or per run of pages, so it rarely needs more than
+one call.
+
+Timeouts: Mooncake bounds each synchronous write itself, by ``MC_TRANSFER_TIMEOUT`` seconds (at
+least 5) plus one second per GiB, and drops a TCP connection that makes no progress for
+``MC_TCP_PROGRESS_TIMEOUT_SEC`` (both 30 by default); the engine reads them when it is created.
+:meth:`MooncakeTransport.start` sets both from its ``engine_timeout`` (default 30 s) unless the
+environment already does. Measured here: a peer killed mid-write fails the write within 0.1 s
+(connection reset); a peer that stops responding (SIGSTOP) fails it after ``engine_timeout``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import KvMemory, RequestPlan, SendResult, TransferError
+from .faults import (
+    PeerEpochs,
+    SegmentBudget,
+    TransferTimeoutError,
+    about,
+    env_int,
+    new_epoch,
+    planned_epoch,
+)
+from .streaming import DEFAULT_TIMEOUT
 
-__all__ = ["MooncakeTransport", "DEFAULT_MAX_SEGMENTS_PER_CALL"]
+__all__ = [
+    "DEFAULT_ENGINE_TIMEOUT",
+    "DEFAULT_MAX_SEGMENTS_PER_CALL",
+    "ENGINE_QUEUE_PER_PEER",
+    "MooncakeTransport",
+]
 
-#: Segments per batch_transfer_sync_write call: half of the TCP transport's default per-peer
-#: queue of 2048 (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
+#: Transfers the TCP transport queues per peer by default (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
+ENGINE_QUEUE_PER_PEER = 1024
+#: Segments per batch_transfer_sync_write call by default: the whole per-peer queue.
 DEFAULT_MAX_SEGMENTS_PER_CALL = 1024
+#: Seconds the engine gives a write (MC_TRANSFER_TIMEOUT) or a stalled connection
+#: (MC_TCP_PROGRESS_TIMEOUT_SEC) by default, as Mooncake does.
+DEFAULT_ENGINE_TIMEOUT = 30.0
 
 
 class MooncakeTransport:
@@ -55,29 +90,58 @@ class MooncakeTransport:
             ``batch_transfer_sync_write`` methods).
         hostname: the address this engine was initialized with; with the P2P handshake the
             session id peers use is ``"<hostname>:<rpc port>"``.
-        max_segments_per_call: the most segments handed to one engine call (see the module
-            docs for why the default is 1024).
+        max_segments_per_call: the most segments handed to one engine call (default: the
+            per-peer queue, 1024; see the module docs). More than ``segment_budget`` is refused.
+        segment_budget: segments in flight per peer, all threads together (default: the
+            engine's queue, ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` or 1024).
+
+    Raises:
+        ValueError: ``max_segments_per_call`` below 1 or above ``segment_budget``, with both.
     """
 
     def __init__(self, engine: Any, *, hostname: str = "127.0.0.1",
-                 max_segments_per_call: int = DEFAULT_MAX_SEGMENTS_PER_CALL) -> None:
-        if max_segments_per_call < 1:
+                 max_segments_per_call: Optional[int] = None,
+                 segment_budget: Optional[int] = None) -> None:
+        budget = (env_int("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", ENGINE_QUEUE_PER_PEER)
+                  if segment_budget is None else segment_budget)
+        if budget < 1:
+            raise ValueError(f"segment_budget must be at least 1, not {budget}")
+        if max_segments_per_call is None:
+            max_segments_per_call = min(DEFAULT_MAX_SEGMENTS_PER_CALL, budget)
+        if not 1 <= max_segments_per_call <= budget:
             raise ValueError(
-                f"max_segments_per_call must be at least 1, not {max_segments_per_call}"
+                f"max_segments_per_call must be 1 to {budget} (the transfers Mooncake's TCP "
+                f"transport queues per peer, MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER), not "
+                f"{max_segments_per_call}: a call of more is refused by the engine (-1)"
             )
         self.engine = engine
         self.hostname = hostname
         self.max_segments_per_call = max_segments_per_call
+        #: Room for segments in the engine's queue for each peer.
+        self.budget = SegmentBudget(budget)
+        #: This process's registration epoch: stamped on what register() returns, drawn anew
+        #: after unregister().
+        self.epoch = new_epoch()
+        #: The epoch each peer announced at its latest handshake (set_peer_epoch).
+        self.peer_epochs = PeerEpochs()
         #: Notifications received and not yet taken, per sender.
         self._notifications: Dict[str, List[bytes]] = {}
+
+    @property
+    def segment_budget(self) -> int:
+        return self.budget.capacity
 
     @classmethod
     def start(cls, hostname: str = "127.0.0.1", *, protocol: str = "tcp",
               metadata_server: str = "P2PHANDSHAKE", device_name: str = "",
-              max_segments_per_call: int = DEFAULT_MAX_SEGMENTS_PER_CALL) -> "MooncakeTransport":
+              max_segments_per_call: Optional[int] = None,
+              engine_timeout: float = DEFAULT_ENGINE_TIMEOUT) -> "MooncakeTransport":
         """Creates and initializes an engine: ``TransferEngine().initialize(hostname,
         metadata_server, protocol, device_name)``. ``protocol`` is ``"tcp"`` or ``"rdma"``
-        (then ``device_name`` names the NICs, e.g. ``"mlx5_0"``)."""
+        (then ``device_name`` names the NICs, e.g. ``"mlx5_0"``). ``engine_timeout``: seconds
+        (whole, at least 5) after which the engine fails a write or drops a stalled connection
+        (``MC_TRANSFER_TIMEOUT``, ``MC_TCP_PROGRESS_TIMEOUT_SEC``; an environment that sets
+        them wins)."""
         try:
             from mooncake.engine import TransferEngine
         except ImportError as error:
@@ -86,6 +150,9 @@ class MooncakeTransport:
                 "(pip install mooncake-transfer-engine-non-cuda for host memory) and "
                 f"libibverbs1: {error}"
             ) from error
+        seconds = str(max(5, int(-(-engine_timeout // 1))))
+        for name in ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC"):
+            os.environ.setdefault(name, seconds)
         engine = TransferEngine()
         status = engine.initialize(hostname, metadata_server, protocol, device_name)
         if status != 0:
@@ -100,55 +167,92 @@ class MooncakeTransport:
         """What a peer passes to :meth:`send` to reach this engine (P2P handshake)."""
         return f"{self.hostname}:{self.engine.get_rpc_port()}"
 
-    def register(self, memory: KvMemory) -> None:
-        """Registers every buffer and the staging region of ``memory`` with the engine."""
+    def register(self, memory: KvMemory) -> KvMemory:
+        """Registers every buffer and the staging region of ``memory`` with the engine; returns
+        ``memory`` stamped with this transport's registration epoch (send that one to peers)."""
         for address, length in memory.regions():
             status = self.engine.register_memory(address, length)
             if status != 0:
                 raise TransferError(
                     f"mooncake: register_memory(0x{address:x}, {length}) returned {status}"
                 )
+        return replace(memory, epoch=self.epoch)
 
     def unregister(self, memory: KvMemory) -> None:
-        """Undoes :meth:`register` (before the memory is freed)."""
+        """Undoes :meth:`register` (before the memory is freed). Draws a new epoch: plans made
+        against what this process registered before are refused once peers learn it."""
         for address, _ in memory.regions():
             self.engine.unregister_memory(address)
+        self.epoch = new_epoch()
+
+    def set_peer_epoch(self, session_id: str, epoch: int) -> None:
+        """Records the registration epoch ``session_id`` announced at its handshake (its
+        :class:`~mori_tp.engines.KvMemory`'s ``epoch``); from then on a plan for any other
+        epoch is refused before it reaches the engine."""
+        self.peer_epochs.set(session_id, epoch)
 
     def write(self, session_id: str, src: Sequence[int], dst: Sequence[int],
               lengths: Sequence[int], *, notification: bytes = b"",
-              timeout: Optional[float] = None) -> int:
+              timeout: float = DEFAULT_TIMEOUT, epoch: Optional[int] = None,
+              request_id: Optional[str] = None) -> int:
         """Writes ``lengths[i]`` bytes from local ``src[i]`` to remote ``dst[i]`` for every i,
         in calls of at most ``max_segments_per_call``; returns the number of calls. Blocks
         until every segment is written. A ``notification`` goes with the last call and reaches
         the peer after the data; Mooncake sends none without data, so an empty list with a
-        notification is refused (see :meth:`notify`). ``timeout`` is accepted for the
-        transports' common signature; Mooncake's synchronous write has no timeout of its own
-        (its TCP transport gives up on a dead peer by itself)."""
+        notification is refused (see :meth:`notify`).
+
+        ``epoch``: the registration epoch the addresses were planned against (a plan's
+        ``remote.epoch``), checked against the peer's (:meth:`set_peer_epoch`) before anything
+        moves. ``timeout``: seconds each call may wait for room in the peer's queue (the engine
+        bounds the write itself: ``engine_timeout`` at :meth:`start`). ``request_id`` names the
+        request in errors.
+
+        Raises:
+            StaleRegistrationError: ``epoch`` is not the peer's; nothing was written.
+            TransferTimeoutError: no room in the peer's queue within ``timeout``; the segments
+                before this call were written.
+            TransferError: the engine failed a call (-1: the peer is gone, refused the
+                addresses, or its queue overflowed); the segments before that call were written.
+        """
         count = len(lengths)
         if not len(src) == len(dst) == count:
             raise ValueError(f"{len(src)} sources, {len(dst)} destinations, {count} lengths")
         if notification and not count:
             raise TransferError(
-                f"mooncake: a notification to {session_id} needs at least one segment to carry "
-                "it (Mooncake sends notifications only with a transfer)"
+                f"mooncake: a notification {about(session_id, request_id)} needs at least one "
+                "segment to carry it (Mooncake sends notifications only with a transfer)",
+                peer=session_id, request_id=request_id,
             )
+        self.peer_epochs.check("mooncake", session_id, epoch, request_id)
         calls = 0
         for start in range(0, count, self.max_segments_per_call):
             end = min(start + self.max_segments_per_call, count)
             args = (session_id, _ints(src[start:end]), _ints(dst[start:end]),
                     _ints(lengths[start:end]))
-            if notification and end == count:
-                notify_type, opcode = self._notify_types()
-                notify = notify_type(self.session_id, notification.decode("latin-1"))
-                status = self.engine.batch_transfer_sync(*args, opcode.Write, notify)
-            else:
-                status = self.engine.batch_transfer_sync_write(*args)
+            if not self.budget.acquire(session_id, end - start, timeout):
+                held = self.budget.held(session_id)
+                raise TransferTimeoutError(
+                    f"mooncake: no room for {end - start} segments in the queue "
+                    f"{about(session_id, request_id)} within {timeout} s ({held} of "
+                    f"{self.segment_budget} in flight from other calls); segments before "
+                    f"{start} of {count} were written", peer=session_id, request_id=request_id,
+                )
+            try:
+                if notification and end == count:
+                    notify_type, opcode = self._notify_types()
+                    notify = notify_type(self.session_id, notification.decode("latin-1"))
+                    status = self.engine.batch_transfer_sync(*args, opcode.Write, notify)
+                else:
+                    status = self.engine.batch_transfer_sync_write(*args)
+            finally:
+                self.budget.release(session_id, end - start)
             calls += 1
             if status != 0:
                 raise TransferError(
-                    f"mooncake: batch_transfer_sync_write to {session_id} returned {status} for "
-                    f"segments {start}..{end - 1} of {count} (call {calls}); segments before "
-                    f"{start} were written"
+                    f"mooncake: batch_transfer_sync_write {about(session_id, request_id)} "
+                    f"returned {status} for segments {start}..{end - 1} of {count} (call "
+                    f"{calls}); segments before {start} were written",
+                    peer=session_id, request_id=request_id,
                 )
         return calls
 
@@ -160,17 +264,21 @@ class MooncakeTransport:
         return module.TransferNotify, module.TransferOpcode
 
     def notify(self, session_id: str, message: bytes, *,
-               carrier: Optional[Tuple[int, int]] = None) -> None:
+               carrier: Optional[Tuple[int, int]] = None, timeout: float = DEFAULT_TIMEOUT,
+               epoch: Optional[int] = None, request_id: Optional[str] = None) -> None:
         """Sends ``message`` to the peer without new data. Mooncake only sends a notification
         with a transfer, so ``carrier`` names one byte to write again, ``(local address,
         remote address)``: a byte an earlier write of the same request already copied, whose
-        source has not changed since, so the write changes nothing."""
+        source has not changed since, so the write changes nothing. ``timeout``, ``epoch``
+        and ``request_id`` as for :meth:`write`."""
         if carrier is None:
             raise TransferError(
-                f"mooncake: a notification to {session_id} needs a carrier byte (Mooncake sends "
-                "notifications only with a transfer)"
+                f"mooncake: a notification {about(session_id, request_id)} needs a carrier byte "
+                "(Mooncake sends notifications only with a transfer)",
+                peer=session_id, request_id=request_id,
             )
-        self.write(session_id, [carrier[0]], [carrier[1]], [1], notification=message)
+        self.write(session_id, [carrier[0]], [carrier[1]], [1], notification=message,
+                   timeout=timeout, epoch=epoch, request_id=request_id)
 
     def poll_notifications(self) -> List[Tuple[str, bytes]]:
         """Every notification received since the last call, as ``(sender session id,
@@ -183,10 +291,10 @@ class MooncakeTransport:
         return out
 
     def wait_notification(self, session_id: str, message: bytes, *,
-                          timeout: float = 60.0) -> None:
+                          timeout: float = DEFAULT_TIMEOUT) -> None:
         """Waits until the peer ``session_id`` has sent exactly ``message`` (a :meth:`write`
         notification) and consumes it; others stay for later calls. Raises
-        :class:`TransferError` after ``timeout`` seconds."""
+        :class:`~mori_tp.engines.TransferTimeoutError` after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             for peer, received in self.poll_notifications():
@@ -196,21 +304,27 @@ class MooncakeTransport:
                 waiting.remove(message)
                 return
             if time.monotonic() > deadline:
-                raise TransferError(
-                    f"mooncake: no notification {message!r} from {session_id} within {timeout} s"
+                raise TransferTimeoutError(
+                    f"mooncake: no notification {message!r} from {session_id} within {timeout} s",
+                    peer=session_id,
                 )
             time.sleep(0.0005)
 
     def send(self, session_id: str, plan: RequestPlan, *, backend: str = "auto",
-             stream: Optional[int] = None) -> SendResult:
+             stream: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT,
+             request_id: Optional[str] = None) -> SendResult:
         """Moves one request: packs the local staging region if the plan's staging is SRC or
         BOTH, then writes every segment of every buffer to ``session_id``. When it returns the
         bytes are in the decode rank's memory; the decode rank unpacks (DST or BOTH) once told.
-        """
+        A plan against another registration epoch than the peer's is refused
+        (:class:`~mori_tp.engines.StaleRegistrationError`) before anything is packed; see
+        :meth:`write` for ``timeout`` and the errors."""
+        self.peer_epochs.check("mooncake", session_id, planned_epoch(plan), request_id)
         pack_seconds = plan.pack(backend=backend, stream=stream)
         src, dst, lengths = plan.addresses()
         start = time.perf_counter()
-        calls = self.write(session_id, src, dst, lengths)
+        calls = self.write(session_id, src, dst, lengths, timeout=timeout,
+                           epoch=planned_epoch(plan), request_id=request_id)
         return SendResult(plan.staging, plan.segments, plan.bytes, calls, pack_seconds,
                           time.perf_counter() - start)
 

@@ -40,11 +40,21 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import KvMemory, RequestPlan, SendResult, TransferError
+from .faults import (
+    PeerEpochs,
+    PeerLostError,
+    TransferTimeoutError,
+    about,
+    new_epoch,
+    planned_epoch,
+)
+from .streaming import DEFAULT_TIMEOUT
 
 __all__ = ["NixlTransport", "exit_process", "preload_system_libnl"]
 
@@ -163,6 +173,11 @@ class NixlTransport:
         self.device_id = device_id
         self.poll_interval = poll_interval
         self._registered: List[Any] = []
+        #: This process's registration epoch: stamped on what register() returns, drawn anew
+        #: after unregister().
+        self.epoch = new_epoch()
+        #: The epoch each peer announced at its latest handshake (set_peer_epoch).
+        self.peer_epochs = PeerEpochs()
 
     @classmethod
     def start(cls, name: str, *, backends: Sequence[str] = ("UCX",), mem_type: str = "DRAM",
@@ -197,16 +212,26 @@ class NixlTransport:
         :meth:`wait_notification` take."""
         return _text(self.agent.add_remote_agent(metadata))
 
-    def register(self, memory: KvMemory) -> None:
-        """Registers every buffer and the staging region of ``memory`` with the agent."""
+    def register(self, memory: KvMemory) -> KvMemory:
+        """Registers every buffer and the staging region of ``memory`` with the agent; returns
+        ``memory`` stamped with this transport's registration epoch (send that one to peers)."""
         regions = [(address, length, self.device_id, "") for address, length in memory.regions()]
         if regions:
             self._registered.append(self.agent.register_memory(regions, self.mem_type))
+        return replace(memory, epoch=self.epoch)
 
     def unregister(self) -> None:
-        """Deregisters everything :meth:`register` registered (before the memory is freed)."""
+        """Deregisters everything :meth:`register` registered (before the memory is freed), and
+        draws a new epoch: plans against the old registration are refused once peers learn it."""
         while self._registered:
             self.agent.deregister_memory(self._registered.pop())
+        self.epoch = new_epoch()
+
+    def set_peer_epoch(self, peer: str, epoch: int) -> None:
+        """Records the registration epoch ``peer`` announced at its handshake (its
+        :class:`~mori_tp.engines.KvMemory`'s ``epoch``); from then on a plan for any other
+        epoch is refused before it reaches the agent."""
+        self.peer_epochs.set(peer, epoch)
 
     def _descs(self, addresses: "np.ndarray", lengths: "np.ndarray") -> Any:
         table = np.empty((len(lengths), 3), dtype=np.uint64)
@@ -216,59 +241,115 @@ class NixlTransport:
         return self.agent.get_xfer_descs(table, self.mem_type)
 
     def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
-              *, notification: bytes = b"", timeout: float = 60.0) -> int:
+              *, notification: bytes = b"", timeout: float = DEFAULT_TIMEOUT,
+              epoch: Optional[int] = None, request_id: Optional[str] = None) -> int:
         """Writes ``lengths[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]`` as one
         NIXL transfer, and waits until NIXL reports it done; ``notification`` reaches the peer
-        after the data. Returns the number of transfers posted (1, or 0 for an empty list)."""
+        after the data. Returns the number of transfers posted (1, or 0 for an empty list).
+
+        ``epoch``: the registration epoch the addresses were planned against (a plan's
+        ``remote.epoch``), checked against the peer's (:meth:`set_peer_epoch`) before anything
+        moves. ``timeout``: seconds until a transfer still in progress is cancelled.
+        ``request_id`` names the request in errors.
+
+        Raises:
+            StaleRegistrationError: ``epoch`` is not the peer's; nothing was written.
+            PeerLostError: NIXL reports the peer disconnected.
+            TransferTimeoutError: still in progress after ``timeout`` (then cancelled; when
+                NIXL cannot cancel it, ``engine_busy`` is set: the source may still be read).
+            TransferError: NIXL refused the transfer or ended it in another state than DONE.
+        """
         lengths = np.asarray(lengths, dtype=np.uint64)
         if not len(src) == len(dst) == len(lengths):
             raise ValueError(f"{len(src)} sources, {len(dst)} destinations, {len(lengths)} lengths")
+        self.peer_epochs.check("nixl", peer, epoch, request_id)
+        what = f"nixl: a write of {len(lengths)} segments {about(peer, request_id)}"
         if not len(lengths):
             # Nothing to move (a pair that is not SEND): the peer still gets its notification.
             if notification:
-                self.agent.send_notif(peer, notification)
+                self._call(what, self.agent.send_notif, peer, notification,
+                           peer=peer, request_id=request_id)
             return 0
         local = self._descs(np.asarray(src, dtype=np.uint64), lengths)
         remote = self._descs(np.asarray(dst, dtype=np.uint64), lengths)
-        handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notification)
+        handle = self._call(what, self.agent.initialize_xfer, "WRITE", local, remote, peer,
+                            notification, peer=peer, request_id=request_id)
+        failure: Optional[TransferError] = None
         try:
-            state = self.agent.transfer(handle)
+            state = self._call(what, self.agent.transfer, handle, peer=peer,
+                               request_id=request_id)
             deadline = time.monotonic() + timeout
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TransferError(
-                        f"nixl: a write of {len(lengths)} segments to {peer} was still in "
-                        f"progress after {timeout} s"
-                    )
+                    failure = TransferTimeoutError(
+                        f"{what} was still in progress after {timeout} s",
+                        peer=peer, request_id=request_id)
+                    raise failure
                 # sleep(0) still releases the GIL: a thread packing the next chunk, or any
                 # other Python thread, is not held up for the interpreter's switch interval.
                 time.sleep(self.poll_interval)
-                state = self.agent.check_xfer_state(handle)
+                state = self._call(what, self.agent.check_xfer_state, handle, peer=peer,
+                                   request_id=request_id)
             if state != "DONE":
-                raise TransferError(
-                    f"nixl: a write of {len(lengths)} segments to {peer} ended in state {state}"
-                )
+                failure = TransferError(f"{what} ended in state {state}", peer=peer,
+                                        request_id=request_id)
+                raise failure
+        except TransferError as error:
+            failure = error
+            raise
         finally:
-            self.agent.release_xfer_handle(handle)
+            try:
+                # Cancels a transfer still in progress (after a timeout or an error).
+                self.agent.release_xfer_handle(handle)
+            except Exception as error:  # noqa: BLE001 - NIXL's own exception types
+                if failure is None:
+                    raise _wrapped(what, error, peer, request_id) from error
+                # It could not be cancelled: the engine may still read the source.
+                failure.engine_busy = True
+                failure.args = (f"{failure.args[0]}; and it could not be cancelled "
+                                f"({type(error).__name__}: {error}): the source may still be "
+                                "read",)
         return 1
 
+    def _call(self, what: str, function: Any, *args: Any, peer: Any,
+              request_id: Optional[str]) -> Any:
+        """``function(*args)``, with NIXL's exceptions as TransferError (PeerLostError for a
+        disconnected peer)."""
+        try:
+            return function(*args)
+        except Exception as error:  # noqa: BLE001 - NIXL's own exception types
+            if type(error).__module__.split(".")[0] not in ("nixl", "nixl_cu12", "nixl_cu13") \
+                    and not type(error).__name__.startswith("nixl"):
+                raise
+            raise _wrapped(what, error, peer, request_id) from error
+
     def send(self, peer: str, plan: RequestPlan, *, notification: bytes = b"",
-             timeout: float = 60.0, backend: str = "auto",
-             stream: Optional[int] = None) -> SendResult:
+             timeout: float = DEFAULT_TIMEOUT, backend: str = "auto",
+             stream: Optional[int] = None, request_id: Optional[str] = None) -> SendResult:
         """Moves one request: packs the local staging region if the plan's staging is SRC or
         BOTH, then writes every segment of every buffer to ``peer`` as one NIXL transfer, with
-        ``notification`` delivered to the peer after the data."""
+        ``notification`` delivered to the peer after the data. A plan against another
+        registration epoch than the peer's is refused
+        (:class:`~mori_tp.engines.StaleRegistrationError`) before anything is packed; see
+        :meth:`write` for ``timeout`` and the errors."""
+        self.peer_epochs.check("nixl", peer, planned_epoch(plan), request_id)
         pack_seconds = plan.pack(backend=backend, stream=stream)
         src, dst, lengths = plan.addresses()
         start = time.perf_counter()
-        calls = self.write(peer, src, dst, lengths, notification=notification, timeout=timeout)
+        calls = self.write(peer, src, dst, lengths, notification=notification, timeout=timeout,
+                           epoch=planned_epoch(plan), request_id=request_id)
         return SendResult(plan.staging, plan.segments, plan.bytes, calls, pack_seconds,
                           time.perf_counter() - start)
 
-    def notify(self, peer: str, message: bytes, *, carrier: Any = None) -> None:
-        """Sends ``message`` to ``peer`` without data (``send_notif``); ``carrier`` is for
-        engines that need one (Mooncake) and is ignored here."""
-        self.agent.send_notif(peer, message)
+    def notify(self, peer: str, message: bytes, *, carrier: Any = None,
+               timeout: float = DEFAULT_TIMEOUT, epoch: Optional[int] = None,
+               request_id: Optional[str] = None) -> None:
+        """Sends ``message`` to ``peer`` without data (``send_notif``, which does not wait);
+        ``carrier`` and ``timeout`` are for engines that write to notify (Mooncake) and are
+        ignored here; ``epoch`` is checked as by :meth:`write`."""
+        self.peer_epochs.check("nixl", peer, epoch, request_id)
+        self._call(f"nixl: a notification {about(peer, request_id)}", self.agent.send_notif,
+                   peer, message, peer=peer, request_id=request_id)
 
     def poll_notifications(self) -> List[Tuple[str, bytes]]:
         """Every notification received and not yet taken, as ``(peer name, message)``, oldest
@@ -282,14 +363,17 @@ class NixlTransport:
             out.extend((_text(peer), bytes(m)) for m in taken)
         return out
 
-    def wait_notification(self, peer: str, message: bytes, *, timeout: float = 60.0) -> None:
+    def wait_notification(self, peer: str, message: bytes, *,
+                          timeout: float = DEFAULT_TIMEOUT) -> None:
         """Waits until ``peer`` has sent exactly ``message`` (a :meth:`send` notification) and
-        consumes it. Raises :class:`TransferError` after ``timeout`` seconds."""
+        consumes it. Raises :class:`~mori_tp.engines.TransferTimeoutError` after ``timeout``
+        seconds."""
         deadline = time.monotonic() + timeout
         while not self._take_notification(peer, message):
             if time.monotonic() > deadline:
-                raise TransferError(
-                    f"nixl: no notification {message!r} from {peer} within {timeout} s"
+                raise TransferTimeoutError(
+                    f"nixl: no notification {message!r} from {peer} within {timeout} s",
+                    peer=peer,
                 )
             time.sleep(self.poll_interval or 0.0005)
 
@@ -302,6 +386,14 @@ class NixlTransport:
                 messages.remove(message)
                 return True
         return False
+
+
+def _wrapped(what: str, error: BaseException, peer: Any,
+             request_id: Optional[str]) -> TransferError:
+    """A NIXL exception as a TransferError naming the write."""
+    kind = PeerLostError if "Disconnect" in type(error).__name__ else TransferError
+    return kind(f"{what} failed: {type(error).__name__}: {error}", peer=peer,
+                request_id=request_id)
 
 
 def _text(name: Any) -> str:

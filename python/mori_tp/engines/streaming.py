@@ -70,6 +70,7 @@ from . import (
     buffer_indices,
     unpack_request,
 )
+from .faults import TransferTimeoutError, about, planned_epoch
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -232,7 +233,7 @@ class RequestStream:
 
     def __init__(self, streamer: "Streamer", peer: Any, plan: RequestPlan, request_id: str,
                  layers: Optional[int], backend: str, stream: Optional[int],
-                 timeout: float) -> None:
+                 timeout: float, release: Optional[Callable[[], None]] = None) -> None:
         self._streamer = streamer
         self.peer = peer
         self.plan = plan
@@ -252,6 +253,14 @@ class RequestStream:
         self._carrier: Optional[Tuple[int, int]] = None
         #: Chunks queued for the packing thread and not yet handed to the writing thread.
         self._in_packing = 0
+        #: Chunks and seals submitted whose writing thread has not finished with them: while
+        #: any is, the streamer may still read the local memory (the staging slot).
+        self._busy = 0
+        self._release = release
+        #: Set once ``release`` has run (or would have: a stream without one), see released.
+        self._released = threading.Event()
+        #: Why the slot was kept instead of released (an engine that may still read it).
+        self.kept: Optional[str] = None
         self.pack_seconds = 0.0
         self.write_seconds = 0.0
         self.segments = 0
@@ -302,6 +311,7 @@ class RequestStream:
                 self._submitted[b] = True
             index = self._chunks
             self._chunks += 1
+            self._busy += 1
             if not pack_here:
                 self._in_packing += 1
         item = (self, index, _merged(indices), ready)
@@ -327,6 +337,7 @@ class RequestStream:
                     f"seal: request {self.request_id}: {self._describe(missing)} never "
                     "submitted (seal after the last layer)")
             self._sealed = self._chunks
+            self._busy += 1
             # Straight to the writing thread when no chunk of this stream waits to be packed.
             direct = self._in_packing == 0
         (self._streamer._writing if direct else self._streamer._packing).put(
@@ -339,8 +350,9 @@ class RequestStream:
         after the timeout (the stream then fails: later chunks are not written)."""
         limit = self.timeout if timeout is None else timeout
         if not self._done.wait(limit):
-            self._fail(TransferError(
-                f"request {self.request_id}: {self._progress()} after {limit} s"))
+            self._fail(TransferTimeoutError(
+                f"request {self.request_id} {about(self.peer, None)}: not written after "
+                f"{limit} s: {self._progress()}", peer=self.peer, request_id=self.request_id))
         if self._error is not None:
             raise self._error
         return SendResult(self.plan.staging, self.segments, self.bytes, self.calls,
@@ -349,6 +361,14 @@ class RequestStream:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def released(self, timeout: Optional[float] = None) -> bool:
+        """Waits until the stream no longer uses its local memory (every chunk it took is
+        written or dropped) and its ``release`` has run; whether it has, after at most
+        ``timeout`` seconds. A failed stream gets there once the engine call in progress, if
+        any, has returned (the engine bounds it); one whose engine may still read the memory
+        (``engine_busy``) never does, and says why in :attr:`kept`."""
+        return self._released.wait(timeout)
 
     # -- helpers --
 
@@ -364,6 +384,12 @@ class RequestStream:
             return f"{self._chunks} chunks submitted, {sealed}, seal sent: {self._seal_sent}"
 
     def _fail(self, error: BaseException) -> None:
+        if isinstance(error, TransferError):
+            # Name the request and the peer on errors that came without them.
+            if error.request_id is None:
+                error.request_id = self.request_id
+            if error.peer is None:
+                error.peer = self.peer
         with self._lock:
             if self._error is None and not self._done.is_set():
                 self._error = error
@@ -371,9 +397,34 @@ class RequestStream:
                 return
         self._done.set()
         self._streamer._abort(self, str(error))
+        self._maybe_release()
 
     def _finish(self) -> None:
         self._done.set()
+        self._maybe_release()
+
+    def _put_down(self) -> None:
+        """The writing thread is done with one chunk or seal of this stream."""
+        with self._lock:
+            self._busy -= 1
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        """Runs ``release`` once the stream has ended and nothing of it is in use."""
+        with self._lock:
+            if self._released.is_set() or self.kept or not self._done.is_set() or self._busy:
+                return
+            if isinstance(self._error, TransferError) and self._error.engine_busy:
+                self.kept = (f"request {self.request_id}: the engine may still read its "
+                             f"memory ({self._error}); its staging slot is not released")
+                return
+            self._released.set()
+            release, self._release = self._release, None
+        if release is not None:
+            try:
+                release()
+            except Exception as error:  # noqa: BLE001 - reported; the threads must go on
+                self.kept = f"request {self.request_id}: release raised {error!r}"
 
 
 class Streamer:
@@ -401,20 +452,36 @@ class Streamer:
 
     def open(self, peer: Any, plan: RequestPlan, request_id: str, *,
              layers: Optional[int] = None, backend: str = "auto",
-             stream: Optional[int] = None, timeout: Optional[float] = None) -> RequestStream:
+             stream: Optional[int] = None, timeout: Optional[float] = None,
+             release: Optional[Callable[[], None]] = None) -> RequestStream:
         """A stream for one request to ``peer``; submit its chunks, then seal. ``layers``: the
         model's layers, when the plan's buffers are one or two per layer (see
-        :func:`layer_buffers`), to submit by layer."""
+        :func:`layer_buffers`), to submit by layer. ``timeout``: the stream's (default the
+        streamer's), for its wait and each engine write.
+
+        ``release``: called once, on a streamer thread, when the stream has ended (written,
+        or failed) and none of its chunks is being packed or written any more: return the
+        request's staging slot there (``lambda: pool.free(slot)``). Not called while the
+        engine may still read the memory (an error with ``engine_busy``; :attr:`RequestStream.kept`
+        says so).
+
+        Raises :class:`~mori_tp.engines.StaleRegistrationError` at once, with nothing queued,
+        when the plan's registration epoch is not the one the peer announced last."""
+        epochs = getattr(self.transport, "peer_epochs", None)
+        if epochs is not None:
+            epochs.check("streamer", peer, planned_epoch(plan), request_id)
         return RequestStream(self, peer, plan, request_id, layers, backend, stream,
-                             self.timeout if timeout is None else timeout)
+                             self.timeout if timeout is None else timeout, release)
 
     def send(self, peer: Any, plan: RequestPlan, request_id: str, *,
              chunks: Optional[int] = None, backend: str = "auto",
-             stream: Optional[int] = None, timeout: Optional[float] = None) -> SendResult:
+             stream: Optional[int] = None, timeout: Optional[float] = None,
+             release: Optional[Callable[[], None]] = None) -> SendResult:
         """One whole request, pipelined: its buffers in :func:`chunk_ranges` chunks, submitted
-        at once and sealed; returns when every chunk is written."""
+        at once and sealed; returns when every chunk is written (``release`` as for
+        :meth:`open`)."""
         request = self.open(peer, plan, request_id, backend=backend, stream=stream,
-                            timeout=timeout)
+                            timeout=timeout, release=release)
         # The caller packs chunk i+1 while the writing thread writes chunk i.
         for ranges in chunk_ranges(plan.num_buffers, plan.bytes_per_buffer, chunks):
             request.submit(buffers=[ranges], pack_here=True)
@@ -468,15 +535,17 @@ class Streamer:
             if item is None:
                 return
             request, index, ranges, _ = item
-            if request._error is not None:
-                continue
             try:
+                if request._error is not None:
+                    continue
                 if index is None:
                     self._write_seal(request)
                 else:
                     self._write_chunk(request, index, ranges)
             except BaseException as error:  # noqa: B036 - reported to the caller's wait
                 request._fail(error)
+            finally:
+                request._put_down()
 
     def _write_chunk(self, request: RequestStream, index: int,
                      ranges: List[Tuple[int, int]]) -> None:
@@ -489,7 +558,9 @@ class Streamer:
         src, dst, lengths = request.plan.addresses(ranges)
         start = time.perf_counter()
         request.calls += self.transport.write(request.peer, src, dst, lengths,
-                                              notification=message, timeout=request.timeout)
+                                              notification=message, timeout=request.timeout,
+                                              epoch=planned_epoch(request.plan),
+                                              request_id=request.request_id)
         request.write_seconds += time.perf_counter() - start
         request.segments += len(lengths)
         request.bytes += int(lengths.sum())
@@ -504,16 +575,30 @@ class Streamer:
             request._seal_sent = True
             self.transport.notify(request.peer, seal_message(request.request_id,
                                                              request._sealed or 0),
-                                  carrier=request._carrier)
+                                  carrier=request._carrier, timeout=request.timeout,
+                                  epoch=planned_epoch(request.plan),
+                                  request_id=request.request_id)
         request._finish()
 
     def _abort(self, request: RequestStream, reason: str) -> None:
-        """Tells the decode rank that the request failed, where the engine can carry it."""
-        try:
-            self.transport.notify(request.peer, abort_message(request.request_id, reason),
-                                  carrier=request._carrier)
-        except BaseException:  # noqa: B036 - best effort: the receiver's timeout still ends it
-            pass
+        """Tells the decode rank that the request failed, where the engine can carry it: on a
+        thread of its own, so that a failing caller is not held up by a peer that does not
+        answer; the stream counts as busy (its carrier byte is read) until it is done."""
+        with request._lock:
+            request._busy += 1
+
+        def abort() -> None:
+            try:
+                self.transport.notify(request.peer, abort_message(request.request_id, reason),
+                                      carrier=request._carrier, timeout=request.timeout,
+                                      epoch=planned_epoch(request.plan),
+                                      request_id=request.request_id)
+            except BaseException:  # noqa: B036 - best effort: the receiver's timeout ends it
+                pass
+            finally:
+                request._put_down()
+
+        threading.Thread(target=abort, name="mori-tp-abort", daemon=True).start()
 
 
 # --- the decode side -----------------------------------------------------------------------
@@ -546,6 +631,8 @@ class Incoming:
     unpack_seconds: float = 0.0
     last_progress: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
+    #: The sender, once a message of the request has arrived.
+    peer: Any = None
 
     @property
     def complete(self) -> bool:
@@ -558,6 +645,17 @@ class Incoming:
             return f"not sealed; {len(self.chunks)} chunks arrived; buffers {gone} missing"
         chunks = sorted(set(range(self.sealed)) - self.chunks)
         return f"sealed with {self.sealed} chunks; chunks {chunks} and buffers {gone} missing"
+
+    def unpacked(self) -> str:
+        """What of the request reached its buffers, in words: the chunks whose notification
+        arrived (unpacked, when staged); nothing else was unpacked."""
+        landed = sorted(self.buffers_ready)
+        where = ("unpacked into the page buffers" if self.staging.unpacks
+                 else "written in place")
+        if not landed:
+            return "no chunk arrived, nothing was unpacked"
+        return (f"buffers {landed} ({len(self.chunks)} chunks) arrived and were {where}; no "
+                "other data was unpacked")
 
     def layers_ready(self, num_layers: int) -> List[int]:
         """The layers all of whose buffers have landed."""
@@ -581,13 +679,18 @@ class Receiver:
     """
 
     def __init__(self, transport: Any, *, poll_interval: float = 0.0001,
-                 max_poll_interval: float = 0.001) -> None:
+                 max_poll_interval: float = 0.001,
+                 early_timeout: float = DEFAULT_TIMEOUT) -> None:
         self.transport = transport
         self.poll_interval = poll_interval
         self.max_poll_interval = max(max_poll_interval, poll_interval)
+        #: Seconds a message for a request nobody expects is kept (then dropped, and recorded in
+        #: violations): a request that is never expected, or an abort for one that never began.
+        self.early_timeout = early_timeout
         self._lock = threading.RLock()
         self._incoming: Dict[str, Incoming] = {}
         self._early: Dict[str, List[Message]] = {}
+        self._early_since: Dict[str, float] = {}
         self._finished: List[Incoming] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -619,6 +722,7 @@ class Receiver:
                 raise InvalidArgumentError(f"Receiver.expect: request {request_id} is already "
                                            "expected")
             self._incoming[request_id] = incoming
+            self._early_since.pop(request_id, None)
             for message in self._early.pop(request_id, []):
                 self._apply(incoming, message)
         return incoming
@@ -642,14 +746,28 @@ class Receiver:
                 incoming = self._incoming.get(message.request_id)
                 if incoming is None:
                     self._early.setdefault(message.request_id, []).append(message)
+                    self._early_since.setdefault(message.request_id, time.monotonic())
                     continue
+                if incoming.peer is None:
+                    incoming.peer = peer
                 self._apply(incoming, message)
             now = time.monotonic()
             for incoming in list(self._incoming.values()):
                 if not incoming.done.is_set() and now - incoming.last_progress > incoming.timeout:
-                    self._fail(incoming, TransferError(
-                        f"request {incoming.request_id}: no progress for {incoming.timeout} s: "
-                        f"{incoming.missing()}"))
+                    self._fail(incoming, TransferTimeoutError(
+                        f"request {incoming.request_id}"
+                        + (f" from {incoming.peer}" if incoming.peer is not None else "")
+                        + f": no progress for {incoming.timeout} s: {incoming.missing()}; "
+                        f"{incoming.unpacked()}", peer=incoming.peer,
+                        request_id=incoming.request_id))
+            for rid, since in list(self._early_since.items()):
+                if now - since > self.early_timeout:
+                    dropped = self._early.pop(rid, [])
+                    del self._early_since[rid]
+                    kinds = ", ".join(m.kind for m in dropped)
+                    self.violations.append(
+                        f"request {rid}: {len(dropped)} messages ({kinds}) for a request never "
+                        f"expected, dropped after {self.early_timeout} s")
             finished, self._finished = self._finished, []
             return finished
 
@@ -660,8 +778,10 @@ class Receiver:
         deadline = time.monotonic() + limit
         while not incoming.done.is_set():
             if time.monotonic() > deadline:
-                raise TransferError(f"request {incoming.request_id}: not complete after "
-                                    f"{limit} s: {incoming.missing()}")
+                raise TransferTimeoutError(
+                    f"request {incoming.request_id}: not complete after {limit} s: "
+                    f"{incoming.missing()}", peer=incoming.peer,
+                    request_id=incoming.request_id)
             if self._thread is not None:
                 incoming.done.wait(min(0.05, max(deadline - time.monotonic(), 0)))
             else:
@@ -680,10 +800,11 @@ class Receiver:
             self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the polling thread, waiting for it at most ``timeout`` seconds."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         interval = self.poll_interval
