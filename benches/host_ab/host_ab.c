@@ -2,7 +2,7 @@
  * A/B benchmark of the host copy engine: several builds of libmori_tp, loaded side by side, and a
  * plain C loop with one memcpy per row, on the same requests, interleaved.
  *
- *   host_ab [--rounds N] [--reps N] [--cold | --warm] [--case NAME]... LABEL=PATH.so...
+ *   host_ab [--rounds N] [--reps N] [--cold | --warm] [--offset B] [--case NAME]... LABEL=PATH.so...
  *
  * Every library is opened by path with RTLD_LOCAL, so two builds of the same C API live in one
  * process. A case is one request (4096 tokens, pages of 16, fragmented page lists, 16 buffers,
@@ -51,7 +51,7 @@ struct lib {
 
 enum kind { SEND, PACK, UNPACK };
 
-/* One request shape: the first sending pair of prefill TP -> decode TP over 8 KV heads. */
+/* One request shape: prefill rank 1 (0 at TP 1) and its first decode partner, 8 KV heads. */
 struct shape {
   const char *name;
   enum kind kind;
@@ -63,6 +63,8 @@ static const struct shape SHAPES[] = {
     {"strided_src_512", SEND, 2, 4}, /* 512 B out of 1 KiB */
     {"strided_dst_512", SEND, 4, 2}, /* 512 B rows into 1 KiB destination tokens */
     {"strided_dst_256", SEND, 8, 4}, /* 256 B into 512 B */
+    {"strided_src_1k", SEND, 1, 2},  /* 1 KiB out of 2 KiB */
+    {"strided_dst_1k", SEND, 2, 1},  /* 1 KiB into 2 KiB */
     {"whole_token_512", SEND, 4, 4}, /* whole 512 B tokens: one block per run of pages */
     {"pack_256", PACK, 4, 8},        /* the strided source side into a staging region */
     {"unpack_256", UNPACK, 8, 4},    /* a staging region into the strided destination side */
@@ -79,6 +81,21 @@ static void *checked_malloc(size_t n) {
   if (!p) die("out of memory");
   return p;
 }
+
+/*
+ * Bytes past a page boundary at which every buffer starts (--offset). 0 by default: serving
+ * engines allocate KV caches and staging regions page-aligned, or at least 256-byte aligned.
+ */
+static size_t base_offset;
+
+/* `n` bytes at `base_offset` past a page boundary; free with free_region. */
+static uint8_t *region(size_t n) {
+  uint8_t *p = aligned_alloc(4096, (n + base_offset + 4095) / 4096 * 4096);
+  if (!p) die("out of memory");
+  return p + base_offset;
+}
+
+static void free_region(uint8_t *p) { free(p - base_offset); }
 
 static uint64_t splitmix(uint64_t *state) {
   uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
@@ -130,12 +147,13 @@ struct request {
 
 static MoriTpSliceConfig config_for(const struct lib *lib, const struct shape *s) {
   uint32_t heads_p = HEADS / s->prefill_tp, heads_d = HEADS / s->decode_tp;
+  uint32_t rank = s->prefill_tp > 1 ? 1 : 0;
   MoriTpSliceParams params = {
       .prefill_tp_size = s->prefill_tp,
-      .prefill_tp_rank = 1,
+      .prefill_tp_rank = rank,
       .decode_tp_size = s->decode_tp,
-      /* the decode rank that holds prefill rank 1's first head, global head heads_p */
-      .decode_tp_rank = heads_p / heads_d,
+      /* the decode rank that holds the prefill rank's first head */
+      .decode_tp_rank = rank * heads_p / heads_d,
       .total_kv_heads = HEADS,
       .page_size = PAGE,
       .src_item_len = (uint64_t)PAGE * heads_p * HEAD_BYTES,
@@ -221,8 +239,8 @@ static void build(struct request *q, const struct shape *shape, const struct lib
   q->moved = BUFFERS * q->staging_len;
   uint64_t src_len = shape->kind == UNPACK ? q->staging_len : q->src_capacity;
   uint64_t dst_len = shape->kind == PACK ? q->staging_len : q->dst_capacity;
-  uint8_t *src_region = checked_malloc(BUFFERS * src_len);
-  uint8_t *dst_region = checked_malloc(BUFFERS * dst_len);
+  uint8_t *src_region = region(BUFFERS * src_len);
+  uint8_t *dst_region = region(BUFFERS * dst_len);
   fill(src_region, BUFFERS * src_len, 1);
   for (int b = 0; b < BUFFERS; b++) {
     q->src[b] = src_region + b * src_len;
@@ -240,8 +258,8 @@ static size_t dst_bytes(const struct request *q) {
 }
 
 static void release(struct request *q) {
-  free(q->src[0]);
-  free(q->dst[0]);
+  free_region(q->src[0]);
+  free_region(q->dst[0]);
   free(q->want);
 }
 
@@ -347,6 +365,8 @@ int main(int argc, char **argv) {
       rounds = atoi(argv[++a]);
     } else if (!strcmp(argv[a], "--reps") && a + 1 < argc) {
       reps = atoi(argv[++a]);
+    } else if (!strcmp(argv[a], "--offset") && a + 1 < argc) {
+      base_offset = (size_t)atoi(argv[++a]) % 4096;
     } else if (!strcmp(argv[a], "--cold")) {
       cache = COLD;
     } else if (!strcmp(argv[a], "--warm")) {
@@ -360,13 +380,13 @@ int main(int argc, char **argv) {
     }
   }
   if (num_libs == 0 || rounds < 1 || reps < 1 || reps > MAX_REPS)
-    die("usage: host_ab [--rounds N] [--reps 1-99] [--cold | --warm] [--case NAME]... "
+    die("usage: host_ab [--rounds N] [--reps 1-99] [--cold | --warm] [--offset B] [--case NAME]... "
         "LABEL=PATH.so...");
   evict_buffer = checked_malloc(EVICT_BYTES);
   fill(evict_buffer, EVICT_BYTES, 3);
-  printf("%d tokens, pages of %d (fragmented), %d buffers, %d KV heads of %d B; median of %d "
-         "calls per round; Nx loop > 1: faster than the per-row memcpy loop\n",
-         TOKENS, PAGE, BUFFERS, HEADS, HEAD_BYTES, reps);
+  printf("%d tokens, pages of %d (fragmented), %d buffers at %zu B past a page, %d KV heads of "
+         "%d B; median of %d calls per round; Nx loop > 1: faster than the per-row memcpy loop\n",
+         TOKENS, PAGE, BUFFERS, base_offset, HEADS, HEAD_BYTES, reps);
   struct request *q = checked_malloc(sizeof *q);
   for (int round = 1; round <= rounds; round++) {
     for (size_t s = 0; s < NUM_SHAPES; s++) {
