@@ -2,12 +2,13 @@
  * A/B benchmark of the host copy engine: several builds of libmori_tp, loaded side by side, and a
  * plain C loop with one memcpy per row, on the same requests, interleaved.
  *
- *   host_ab [--rounds N] [--reps N] [--cold | --warm] [--offset B] [--case NAME]... LABEL=PATH.so...
+ *   host_ab [--rounds N] [--reps N] [--cold | --warm] [--head B] [--offset B] [--case NAME]...
+ *           LABEL=PATH.so...
  *
  * Every library is opened by path with RTLD_LOCAL, so two builds of the same C API live in one
  * process. A case is one request (4096 tokens, pages of 16, fragmented page lists, 16 buffers,
- * 8 KV heads of 256 bytes) on one rank pair; each is checked byte for byte against the loop before
- * it is timed. A round times every implementation `reps` times, rotating which goes first, and
+ * 8 KV heads of 256 bytes unless --head says otherwise) on one rank pair; each library's result is
+ * checked byte for byte against the loop's before it is timed. A round times every implementation `reps` times, rotating which goes first, and
  * prints medians and ratios within that round only: the machine is shared, so only ratios
  * measured side by side mean anything. benches/host_ab/run.sh builds the libraries and runs this.
  */
@@ -25,7 +26,6 @@
 #define PAGE 16
 #define BUFFERS 16
 #define HEADS 8
-#define HEAD_BYTES 256
 #define MAX_IMPLS 8
 #define MAX_REPS 99
 /* Read before every cold call, so that it finds none of its data in the caches (L3: 32 MiB). */
@@ -58,16 +58,17 @@ struct shape {
   uint32_t prefill_tp, decode_tp;
 };
 
+/* Rows of one head (256 B with --head 256) out of two, two heads out of four, four of eight. */
 static const struct shape SHAPES[] = {
-    {"strided_src_256", SEND, 4, 8}, /* rows of 256 B out of 512 B source tokens */
-    {"strided_src_512", SEND, 2, 4}, /* 512 B out of 1 KiB */
-    {"strided_dst_512", SEND, 4, 2}, /* 512 B rows into 1 KiB destination tokens */
-    {"strided_dst_256", SEND, 8, 4}, /* 256 B into 512 B */
-    {"strided_src_1k", SEND, 1, 2},  /* 1 KiB out of 2 KiB */
-    {"strided_dst_1k", SEND, 2, 1},  /* 1 KiB into 2 KiB */
-    {"whole_token_512", SEND, 4, 4}, /* whole 512 B tokens: one block per run of pages */
-    {"pack_256", PACK, 4, 8},        /* the strided source side into a staging region */
-    {"unpack_256", UNPACK, 8, 4},    /* a staging region into the strided destination side */
+    {"strided_src_4to8", SEND, 4, 8}, /* rows out of source tokens twice as wide */
+    {"strided_src_2to4", SEND, 2, 4},
+    {"strided_src_1to2", SEND, 1, 2},
+    {"strided_dst_8to4", SEND, 8, 4}, /* rows into destination tokens twice as wide */
+    {"strided_dst_4to2", SEND, 4, 2},
+    {"strided_dst_2to1", SEND, 2, 1},
+    {"whole_token_4to4", SEND, 4, 4}, /* whole tokens: one block per run of pages */
+    {"pack_4to8", PACK, 4, 8},        /* the strided source side into a staging region */
+    {"unpack_8to4", UNPACK, 8, 4},    /* a staging region into the strided destination side */
 };
 #define NUM_SHAPES (sizeof SHAPES / sizeof SHAPES[0])
 
@@ -87,6 +88,9 @@ static void *checked_malloc(size_t n) {
  * engines allocate KV caches and staging regions page-aligned, or at least 256-byte aligned.
  */
 static size_t base_offset;
+
+/* Bytes of one KV head (--head): 256 for 128 bf16 elements, as Llama's and Qwen's. */
+static uint64_t head_bytes = 256;
 
 /* `n` bytes at `base_offset` past a page boundary; free with free_region. */
 static uint8_t *region(size_t n) {
@@ -156,8 +160,8 @@ static MoriTpSliceConfig config_for(const struct lib *lib, const struct shape *s
       .decode_tp_rank = rank * heads_p / heads_d,
       .total_kv_heads = HEADS,
       .page_size = PAGE,
-      .src_item_len = (uint64_t)PAGE * heads_p * HEAD_BYTES,
-      .dst_item_len = (uint64_t)PAGE * heads_d * HEAD_BYTES,
+      .src_item_len = (uint64_t)PAGE * heads_p * head_bytes,
+      .dst_item_len = (uint64_t)PAGE * heads_d * head_bytes,
   };
   MoriTpSliceConfig config;
   if (lib->slice_config(&params, &config) != MORI_OK || config.action != MORI_TP_ACTION_SEND)
@@ -326,7 +330,8 @@ static void round_of(struct request *q, const struct lib *libs, int num_libs, in
     }
   }
   for (int i = 0; i < n; i++) med[i] = median(times[i], reps);
-  printf("%-16s %s %d  loop %6.2f ms %5.1f GB/s", q->shape->name, warm ? "warm" : "cold", round,
+  printf("%-16s %4u B %s %d  loop %6.2f ms %5.1f GB/s", q->shape->name,
+         (unsigned)q->config.heads_bytes_per_token_to_send, warm ? "warm" : "cold", round,
          med[0] * 1e3,
          (double)q->moved / med[0] * 1e-9);
   for (int i = 1; i < n; i++) {
@@ -365,6 +370,8 @@ int main(int argc, char **argv) {
       rounds = atoi(argv[++a]);
     } else if (!strcmp(argv[a], "--reps") && a + 1 < argc) {
       reps = atoi(argv[++a]);
+    } else if (!strcmp(argv[a], "--head") && a + 1 < argc) {
+      head_bytes = (uint64_t)atoi(argv[++a]);
     } else if (!strcmp(argv[a], "--offset") && a + 1 < argc) {
       base_offset = (size_t)atoi(argv[++a]) % 4096;
     } else if (!strcmp(argv[a], "--cold")) {
@@ -379,14 +386,14 @@ int main(int argc, char **argv) {
       die("too many libraries");
     }
   }
-  if (num_libs == 0 || rounds < 1 || reps < 1 || reps > MAX_REPS)
-    die("usage: host_ab [--rounds N] [--reps 1-99] [--cold | --warm] [--offset B] [--case NAME]... "
-        "LABEL=PATH.so...");
+  if (num_libs == 0 || rounds < 1 || reps < 1 || reps > MAX_REPS || head_bytes == 0)
+    die("usage: host_ab [--rounds N] [--reps 1-99] [--cold | --warm] [--head B] [--offset B] "
+        "[--case NAME]... LABEL=PATH.so...");
   evict_buffer = checked_malloc(EVICT_BYTES);
   fill(evict_buffer, EVICT_BYTES, 3);
   printf("%d tokens, pages of %d (fragmented), %d buffers at %zu B past a page, %d KV heads of "
-         "%d B; median of %d calls per round; Nx loop > 1: faster than the per-row memcpy loop\n",
-         TOKENS, PAGE, BUFFERS, base_offset, HEADS, HEAD_BYTES, reps);
+         "%u B; median of %d calls per round; Nx loop > 1: faster than the per-row memcpy loop\n",
+         TOKENS, PAGE, BUFFERS, base_offset, HEADS, (unsigned)head_bytes, reps);
   struct request *q = checked_malloc(sizeof *q);
   for (int round = 1; round <= rounds; round++) {
     for (size_t s = 0; s < NUM_SHAPES; s++) {
