@@ -16,13 +16,22 @@ use super::{CopyEngine, CopyJob};
 /// would not stay in a last-level cache slice anyway.
 pub(crate) const STREAMING_THRESHOLD: u64 = 4 << 20;
 
-/// Whether a rect's rows are written with streaming stores in a streaming call: a contiguous
-/// rect (one long block), or rows of any width that leave gaps in the destination (an unpack, a
-/// strided destination). Measured side by side (BENCHMARKS.md, "Host copy A/B"), streaming beat
-/// a per-row `memcpy` loop 1.3-2.3x there from 256 B rows up; into rows back to back in the
-/// destination (a pack, a strided source) it ran at 0.8-1.2x and plain copies at 1.0-1.15x.
-fn streams_rect(rect: &CopyRect) -> bool {
-    rect.is_contiguous() || rect.dst_pitch > rect.width
+/// Rows with gaps that do not start and end on cache lines stream from this width on.
+const STREAMING_MIN_UNALIGNED_ROW: u64 = 512;
+
+/// Whether a rect whose destination starts at `dst` (its buffer's base plus its offset) is
+/// written with streaming stores in a streaming call: a contiguous rect (one long block), or rows
+/// that leave gaps in the destination and either lie on whole 64-byte lines or are at least
+/// [`STREAMING_MIN_UNALIGNED_ROW`] wide. Rows back to back in the destination (a pack, a strided
+/// source) are written plainly. Measured side by side (BENCHMARKS.md, "Host copy A/B"): streaming
+/// ran 1.3-2.1x a per-row `memcpy` loop into rows with gaps on whole lines from 64 B up, and into
+/// other rows with gaps from 512 B up; at 0.25-0.85x into narrower rows that split lines (their
+/// partial lines are flushed half-written); and at 0.7-1.0x into rows back to back, where plain
+/// copies ran at 1.0-1.2x.
+fn streams_rect(rect: &CopyRect, dst: *const u8) -> bool {
+    let on_lines = (dst as usize | rect.dst_pitch as usize | rect.width as usize) % 64 == 0;
+    rect.is_contiguous()
+        || (rect.dst_pitch > rect.width && (on_lines || rect.width >= STREAMING_MIN_UNALIGNED_ROW))
 }
 
 /// CPU copies, synchronous. A contiguous rect is one copy, any other rect one per row.
@@ -84,7 +93,7 @@ unsafe fn copy_rect(
     } else {
         (rect.height, rect.width as usize)
     };
-    let stream = streaming.filter(|_| streams_rect(rect));
+    let stream = streaming.filter(|_| streams_rect(rect, dst_base.wrapping_add(dst)));
     for _ in 0..rows {
         // SAFETY: the caller guarantees each row is in bounds.
         unsafe { copy_row(src_base.add(src), dst_base.add(dst), len, stream) };
@@ -113,14 +122,14 @@ unsafe fn copy_row(src: *const u8, dst: *mut u8, len: usize, stream: Option<stre
 mod streaming {
     use std::arch::x86_64::{
         __m128i, __m256i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128, _mm256_loadu_si256,
-        _mm256_stream_si256,
+        _mm256_stream_si256, _mm256_zeroupper,
     };
 
     /// A streaming copy of `len` bytes from `src` to `dst`, two disjoint ranges.
     pub(super) type Copy = unsafe fn(src: *const u8, dst: *mut u8, len: usize);
 
-    /// The widest streaming copy this CPU has: 32-byte stores with AVX (10-15% faster on whole
-    /// blocks than 16-byte ones, BENCHMARKS.md), else SSE2's 16-byte stores.
+    /// The widest streaming copy this CPU has: 32-byte stores with AVX (10-15% faster than
+    /// 16-byte ones on whole blocks, BENCHMARKS.md), else SSE2's 16-byte stores.
     pub(super) fn best() -> Copy {
         if std::is_x86_feature_detected!("avx") {
             copy_avx
@@ -129,72 +138,89 @@ mod streaming {
         }
     }
 
-    /// Copies `len` bytes, the whole 64-byte lines of `dst` through `lines` (which gets the
-    /// number of lines) and the partial lines at either end with plain stores. A line never takes
-    /// both kinds: a plain store to a line whose non-temporal write is still being combined
-    /// flushes it half-written (10x slower, measured on rows back to back that began mid-line).
+    /// Copies `len` bytes: plainly up to the first 16-byte boundary of `dst` and after the last
+    /// one, through `body` (which gets that many 16-byte pieces, 16-byte aligned in `dst`) in
+    /// between.
     ///
     /// # Safety
-    /// `src` readable and `dst` writable for `len` bytes, the two ranges disjoint; `lines` copies
-    /// `n * 64` bytes to a 64-byte-aligned destination.
+    /// `src` readable and `dst` writable for `len` bytes, the two ranges disjoint; `body` copies
+    /// `n * 16` bytes.
     #[inline(always)]
     unsafe fn split(
         src: *const u8,
         dst: *mut u8,
         len: usize,
-        lines: impl FnOnce(*const u8, *mut u8, usize),
+        body: impl FnOnce(*const u8, *mut u8, usize),
     ) {
-        let head = dst.align_offset(64).min(len);
-        let body = (len - head) & !63;
-        let tail = head + body;
+        let head = dst.align_offset(16).min(len);
+        let pieces = (len - head) / 16;
+        let tail = head + 16 * pieces;
         // SAFETY: head, body and tail partition the caller's ranges. (Aligned rows have neither
         // head nor tail; the checks spare them two empty `memcpy` calls.)
         unsafe {
             if head > 0 {
                 std::ptr::copy_nonoverlapping(src, dst, head);
             }
-            lines(src.add(head), dst.add(head), body / 64);
+            body(src.add(head), dst.add(head), pieces);
             if tail < len {
                 std::ptr::copy_nonoverlapping(src.add(tail), dst.add(tail), len - tail);
             }
         }
     }
 
-    /// [`split`] with AVX's 32-byte streaming stores, two per line.
+    /// [`split`] with AVX's 32-byte streaming stores, and a 16-byte one at either end where the
+    /// pieces do not start or end on 32 bytes.
     ///
     /// # Safety
     /// As [`split`]; the CPU has AVX.
     #[target_feature(enable = "avx")]
     unsafe fn copy_avx(src: *const u8, dst: *mut u8, len: usize) {
-        // SAFETY (whole function): `split` hands over whole lines, 64-byte aligned in `dst`;
-        // loads are unaligned loads.
+        // SAFETY (whole function): `split` hands over whole pieces, 16-byte aligned in `dst`,
+        // and one piece first moves the rest onto 32 bytes; loads are unaligned loads.
         unsafe {
-            split(src, dst, len, |s, d, n| {
-                for i in 0..n {
+            let piece = |s: *const u8, d: *mut u8| {
+                _mm_stream_si128(d.cast::<__m128i>(), _mm_loadu_si128(s.cast::<__m128i>()))
+            };
+            split(src, dst, len, |mut s, mut d, mut n| {
+                if n > 0 && d.align_offset(32) != 0 {
+                    piece(s, d);
+                    (s, d, n) = (s.add(16), d.add(16), n - 1);
+                }
+                // Two 32-byte stores per line (one store per iteration ran 5-8% slower).
+                let (lines, rest) = (n / 4, n % 4);
+                for i in 0..lines {
                     let (s, d) = (s.add(64 * i), d.add(64 * i));
                     let a = _mm256_loadu_si256(s.cast::<__m256i>());
                     let b = _mm256_loadu_si256(s.add(32).cast::<__m256i>());
                     _mm256_stream_si256(d.cast::<__m256i>(), a);
                     _mm256_stream_si256(d.add(32).cast::<__m256i>(), b);
                 }
+                let (s, d) = (s.add(64 * lines), d.add(64 * lines));
+                if rest >= 2 {
+                    let v = _mm256_loadu_si256(s.cast::<__m256i>());
+                    _mm256_stream_si256(d.cast::<__m256i>(), v);
+                }
+                if rest % 2 == 1 {
+                    // std encodes the 16-byte store without VEX: clear the upper halves first,
+                    // as older Intel cores stall on legacy SSE after 256-bit code.
+                    _mm256_zeroupper();
+                    piece(s.add(32 * (rest / 2)), d.add(32 * (rest / 2)));
+                }
             })
         }
     }
 
-    /// [`split`] with SSE2's 16-byte streaming stores (the x86_64 baseline), four per line.
+    /// [`split`] with SSE2's 16-byte streaming stores (the x86_64 baseline).
     ///
     /// # Safety
     /// As [`split`].
     pub(super) unsafe fn copy_sse2(src: *const u8, dst: *mut u8, len: usize) {
-        // SAFETY (whole function): as in `copy_avx`.
+        // SAFETY (whole function): `split` hands over whole pieces, 16-byte aligned in `dst`.
         unsafe {
             split(src, dst, len, |s, d, n| {
                 for i in 0..n {
-                    let (s, d) = (s.add(64 * i), d.add(64 * i));
-                    for k in 0..4 {
-                        let v = _mm_loadu_si128(s.add(16 * k).cast::<__m128i>());
-                        _mm_stream_si128(d.add(16 * k).cast::<__m128i>(), v);
-                    }
+                    let v = _mm_loadu_si128(s.add(16 * i).cast::<__m128i>());
+                    _mm_stream_si128(d.add(16 * i).cast::<__m128i>(), v);
                 }
             })
         }
@@ -231,19 +257,39 @@ mod streaming {
 mod tests {
     use super::*;
 
-    /// Copies `rect` between two fresh buffers, with `streaming` or plainly, and returns the
-    /// destination.
+    /// A zeroed-to-0xEE buffer of `len` bytes starting `offset` bytes past a cache line.
+    struct Lined {
+        bytes: Vec<u8>,
+        start: usize,
+        len: usize,
+    }
+
+    impl Lined {
+        fn new(len: usize, offset: usize) -> Self {
+            let bytes = vec![0xEEu8; len + 128];
+            let start = bytes.as_ptr().align_offset(64) + offset;
+            Lined { bytes, start, len }
+        }
+
+        fn slice(&mut self) -> &mut [u8] {
+            &mut self.bytes[self.start..self.start + self.len]
+        }
+    }
+
+    /// Copies `rect` into a fresh buffer starting `line_offset` bytes past a cache line, with
+    /// `streaming` or plainly, and returns the destination.
     fn run(
         streaming: Option<streaming::Copy>,
         rect: &CopyRect,
         src: &[u8],
         dst_len: usize,
+        line_offset: usize,
     ) -> Vec<u8> {
-        let mut dst = vec![0xEEu8; dst_len];
+        let mut dst = Lined::new(dst_len, line_offset);
         // SAFETY: the tests size the buffers to hold every row.
-        unsafe { copy_rect(dst.as_mut_ptr(), src.as_ptr(), rect, streaming) };
+        unsafe { copy_rect(dst.slice().as_mut_ptr(), src.as_ptr(), rect, streaming) };
         streaming::fence();
-        dst
+        dst.slice().to_vec()
     }
 
     /// Every streaming copy this CPU can run: SSE2 always, AVX where present.
@@ -261,7 +307,7 @@ mod tests {
         for len in lengths {
             // Destination offsets from a line boundary: aligned, inside the first 16 bytes, at
             // 16, 32 and 48 (SSE2 and AVX store boundaries), one short of the next line.
-            for (s, d) in [
+            let offsets = [
                 (0, 0),
                 (1, 0),
                 (0, 1),
@@ -271,18 +317,17 @@ mod tests {
                 (0, 32),
                 (7, 48),
                 (0, 63),
-            ] {
+            ];
+            for (s, d) in offsets {
                 for (name, copy) in streaming_copies() {
-                    let mut dst = vec![0xEEu8; 2048 + 64];
-                    let line = dst.as_ptr().align_offset(64);
-                    let at = line + d;
+                    let mut dst = Lined::new(2048, d);
                     // SAFETY: both ranges lie inside their buffers and do not overlap.
-                    unsafe { copy(src.as_ptr().add(s), dst.as_mut_ptr().add(at), len) };
+                    unsafe { copy(src.as_ptr().add(s), dst.slice().as_mut_ptr(), len) };
                     streaming::fence();
-                    let mut want = vec![0xEEu8; 2048 + 64];
-                    want[at..at + len].copy_from_slice(&src[s..s + len]);
+                    let mut want = vec![0xEEu8; 2048];
+                    want[..len].copy_from_slice(&src[s..s + len]);
                     assert!(
-                        dst == want,
+                        dst.slice() == want,
                         "{name}: len {len}, src +{s}, dst {d} past a line"
                     );
                 }
@@ -291,7 +336,7 @@ mod tests {
     }
 
     #[test]
-    fn streaming_covers_whole_blocks_and_rows_with_gaps_only() {
+    fn streaming_covers_blocks_rows_with_gaps_on_lines_and_wide_rows_with_gaps() {
         let rect = |width, src_pitch, dst_pitch| CopyRect {
             src_offset: 0,
             dst_offset: 0,
@@ -300,19 +345,49 @@ mod tests {
             width,
             height: 4,
         };
-        assert!(streams_rect(&rect(128, 128, 128)), "a contiguous block");
-        for width in [1, 63, 64, 65, 256, 511, 512, 4096] {
+        let mut buffer = Lined::new(64, 0);
+        let line = buffer.slice().as_ptr();
+        let off = line.wrapping_add(16);
+        assert!(
+            streams_rect(&rect(100, 100, 100), off),
+            "a contiguous block, anywhere"
+        );
+        for width in [64, 128, 256, 448, 512, 4096] {
             assert!(
-                streams_rect(&rect(width, width, width + 1)),
-                "{width} B rows, 1 B gaps"
+                streams_rect(&rect(width, width, 2 * width), line),
+                "{width} B on lines"
             );
             assert!(
-                streams_rect(&rect(width, width, 2 * width)),
-                "{width} B rows (an unpack)"
+                !streams_rect(&rect(width, 2 * width, width), line),
+                "{width} B back to back"
+            );
+        }
+        // Off lines: from its start, its pitch or its width, rows with gaps stream from 512 B.
+        for width in [64, 128, 256, 448] {
+            assert!(
+                !streams_rect(&rect(width, width, 2 * width), off),
+                "{width} B at +16"
             );
             assert!(
-                !streams_rect(&rect(width, 2 * width, width)),
-                "{width} B rows back to back (a pack)"
+                !streams_rect(&rect(width, width, width + 16), line),
+                "pitch {}",
+                width + 16
+            );
+            assert!(
+                !streams_rect(&rect(width + 16, 0, 2 * width), line),
+                "width {}",
+                width + 16
+            );
+        }
+        assert!(!streams_rect(&rect(511, 511, 1024), line), "511 B rows");
+        for width in [512, 513, 1000, 4099] {
+            assert!(
+                streams_rect(&rect(width, width, 2 * width + 16), off),
+                "{width} B at +16"
+            );
+            assert!(
+                !streams_rect(&rect(width, 2 * width, width), off),
+                "{width} B back to back"
             );
         }
     }
@@ -337,19 +412,30 @@ mod tests {
 
     #[test]
     fn streaming_and_plain_copies_agree_for_every_alignment_width_and_pitch() {
-        let src: Vec<u8> = (0..128 * 1024).map(|i| (i * 7 + i / 251) as u8).collect();
+        let src: Vec<u8> = (0..160 * 1024).map(|i| (i * 7 + i / 251) as u8).collect();
         let widths = [
-            1u64, 15, 16, 63, 64, 65, 127, 128, 129, 200, 256, 511, 512, 513, 1000, 4099,
+            1u64, 15, 16, 63, 64, 65, 127, 128, 129, 200, 256, 511, 512, 513, 1000, 4096, 4099,
         ];
         for width in widths {
-            // Destination rows with gaps (streamed), back to back (plain) and one block.
+            // Destination rows with gaps (on lines where the width allows), back to back, and
+            // one block.
             let shapes = [
                 (2 * width + 3, width + 5),
+                (2 * width + 3, 2 * width),
                 (2 * width + 3, width),
                 (width, width),
             ];
             for (src_pitch, dst_pitch) in shapes {
-                for (src_offset, dst_offset) in [(0u64, 0u64), (1, 3), (17, 8), (5, 0), (0, 9)] {
+                let offsets = [
+                    (0u64, 0u64),
+                    (1, 3),
+                    (17, 8),
+                    (5, 0),
+                    (0, 64),
+                    (0, 9),
+                    (0, 32),
+                ];
+                for (src_offset, dst_offset) in offsets {
                     let rect = CopyRect {
                         src_offset,
                         dst_offset,
@@ -360,12 +446,12 @@ mod tests {
                     };
                     let len = (dst_offset + 11 * dst_pitch) as usize;
                     let want = reference(&rect, &src, len);
-                    assert_eq!(run(None, &rect, &src, len), want, "{rect:?}");
-                    for (name, copy) in streaming_copies() {
-                        assert!(
-                            run(Some(copy), &rect, &src, len) == want,
-                            "{name}: {rect:?}"
-                        );
+                    for line_offset in [0, 16] {
+                        assert_eq!(run(None, &rect, &src, len, line_offset), want, "{rect:?}");
+                        for (name, copy) in streaming_copies() {
+                            let got = run(Some(copy), &rect, &src, len, line_offset);
+                            assert!(got == want, "{name}, +{line_offset}: {rect:?}");
+                        }
                     }
                 }
             }
@@ -374,7 +460,8 @@ mod tests {
 
     /// Sends through the public API, just under and at the streaming threshold, into rows with
     /// gaps (TP 8 -> 4), rows back to back (4 -> 8) and whole tokens (4 -> 4), with rows of
-    /// whole lines and rows that end mid-line, byte for byte against a per-row reference.
+    /// whole lines and rows that end mid-line, into buffers on a line and 16 bytes past one,
+    /// byte for byte against a per-row reference.
     #[test]
     fn sends_just_under_and_at_the_streaming_threshold_land_byte_exact() {
         use crate::{Plan, SliceParams, send_host, slice_config};
@@ -396,7 +483,7 @@ mod tests {
                 let width = config.heads_bytes_per_token_to_send as usize;
                 let per_page = (page * width * buffers) as u64;
                 let at = STREAMING_THRESHOLD.div_ceil(per_page) as usize;
-                for pages in [at - 1, at] {
+                for (pages, line_offset) in [(at - 1, 0), (at, 0), (at, 16)] {
                     assert_eq!(
                         (pages as u64 * per_page) >= STREAMING_THRESHOLD,
                         pages == at,
@@ -405,10 +492,8 @@ mod tests {
                     // Runs of 7 source pages and of 5 destination pages, a free page after each.
                     let src_pages: Vec<i32> = (0..pages as i32).map(|i| i + i / 7).collect();
                     let dst_pages: Vec<i32> = (0..pages as i32).map(|i| i + i / 5).collect();
-                    let (src_len, dst_len) = (
-                        item(p_tp) * (pages + pages / 7 + 1),
-                        item(d_tp) * (pages + pages / 5 + 1),
-                    );
+                    let src_len = item(p_tp) * (pages + pages / 7 + 1);
+                    let dst_len = item(d_tp) * (pages + pages / 5 + 1);
                     let src: Vec<Vec<u8>> = (0..buffers)
                         .map(|b| {
                             (0..src_len)
@@ -430,15 +515,18 @@ mod tests {
                             }
                         }
                     }
-                    let mut dst = vec![vec![0xEEu8; dst_len]; buffers];
+                    let mut dst: Vec<Lined> = (0..buffers)
+                        .map(|_| Lined::new(dst_len, line_offset))
+                        .collect();
                     let plan = Plan::new(&config, &src_pages, &dst_pages).unwrap();
                     let src_refs: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
-                    let mut dst_refs: Vec<&mut [u8]> =
-                        dst.iter_mut().map(Vec::as_mut_slice).collect();
+                    let mut dst_refs: Vec<&mut [u8]> = dst.iter_mut().map(Lined::slice).collect();
                     send_host(&plan, &src_refs, &mut dst_refs).unwrap();
                     assert!(
-                        dst == want,
-                        "TP {p_tp} -> {d_tp}, {head} B heads, {pages} pages"
+                        dst.iter_mut()
+                            .zip(&want)
+                            .all(|(d, w)| d.slice() == w.as_slice()),
+                        "TP {p_tp} -> {d_tp}, {head} B heads, {pages} pages, +{line_offset}"
                     );
                 }
             }
