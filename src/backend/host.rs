@@ -17,16 +17,16 @@ use super::{CopyEngine, CopyJob};
 pub(crate) const STREAMING_THRESHOLD: u64 = 4 << 20;
 
 /// Rows with gaps that do not start and end on cache lines stream from this width on.
-const STREAMING_MIN_UNALIGNED_ROW: u64 = 512;
+const STREAMING_MIN_UNALIGNED_ROW: u64 = 256;
 
 /// Whether a rect whose destination starts at `dst` (its buffer's base plus its offset) is
 /// written with streaming stores in a streaming call: a contiguous rect (one long block), or rows
 /// that leave gaps in the destination and either lie on whole 64-byte lines or are at least
 /// [`STREAMING_MIN_UNALIGNED_ROW`] wide. Rows back to back in the destination (a pack, a strided
-/// source) are written plainly. Measured side by side (BENCHMARKS.md, "Host copy A/B"): streaming
-/// ran 1.3-2.1x a per-row `memcpy` loop into rows with gaps on whole lines from 64 B up, and into
-/// other rows with gaps from 512 B up; at 0.25-0.85x into narrower rows that split lines (their
-/// partial lines are flushed half-written); and at 0.7-1.0x into rows back to back, where plain
+/// source) are written plainly. Measured side by side (BENCHMARKS.md, "Host copy A/B"), against a
+/// per-row `memcpy` loop: streaming ran 1.3-2.1x into rows with gaps on whole lines from 64 B up;
+/// into other rows with gaps 1.1-1.25x at 256 B, 1.4-2.1x from 512 B, but 0.25-0.85x below 256 B
+/// (their partial lines are flushed half-written); into rows back to back 0.7-1.0x, where plain
 /// copies ran at 1.0-1.2x.
 fn streams_rect(rect: &CopyRect, dst: *const u8) -> bool {
     let on_lines = (dst as usize | rect.dst_pitch as usize | rect.width as usize) % 64 == 0;
@@ -362,8 +362,8 @@ mod tests {
                 "{width} B back to back"
             );
         }
-        // Off lines: from its start, its pitch or its width, rows with gaps stream from 512 B.
-        for width in [64, 128, 256, 448] {
+        // Off lines: from its start, its pitch or its width, rows with gaps stream from 256 B.
+        for width in [64, 128, 192, 240] {
             assert!(
                 !streams_rect(&rect(width, width, 2 * width), off),
                 "{width} B at +16"
@@ -374,13 +374,13 @@ mod tests {
                 width + 16
             );
             assert!(
-                !streams_rect(&rect(width + 16, 0, 2 * width), line),
+                !streams_rect(&rect(width + 8, 0, 2 * width), line),
                 "width {}",
-                width + 16
+                width + 8
             );
         }
-        assert!(!streams_rect(&rect(511, 511, 1024), line), "511 B rows");
-        for width in [512, 513, 1000, 4099] {
+        assert!(!streams_rect(&rect(255, 255, 512), line), "255 B rows");
+        for width in [256, 257, 448, 512, 1000, 4099] {
             assert!(
                 streams_rect(&rect(width, width, 2 * width + 16), off),
                 "{width} B at +16"
