@@ -24,10 +24,10 @@ const STREAMING_MIN_UNALIGNED_ROW: u64 = 256;
 /// that leave gaps in the destination and either lie on whole 64-byte lines or are at least
 /// [`STREAMING_MIN_UNALIGNED_ROW`] wide. Rows back to back in the destination (a pack, a strided
 /// source) are written plainly. Measured side by side (BENCHMARKS.md, "Host copy A/B"), against a
-/// per-row `memcpy` loop: streaming ran 1.3-2.1x into rows with gaps on whole lines from 64 B up;
-/// into other rows with gaps 1.1-1.25x at 256 B, 1.4-2.1x from 512 B, but 0.25-0.85x below 256 B
-/// (their partial lines are flushed half-written); into rows back to back 0.7-1.0x, where plain
-/// copies ran at 1.0-1.2x.
+/// per-row `memcpy` loop: streaming ran 1.3-2.5x into rows with gaps on whole lines from 64 B up;
+/// into other rows with gaps level with plain copies at 256 B (0.9-1.25x), 1.4-2.1x from 512 B,
+/// but 0.24-0.84x below 256 B (their partial lines are flushed half-written); into rows back to
+/// back 0.7-1.0x, where plain copies ran at 1.0-1.2x.
 fn streams_rect(rect: &CopyRect, dst: *const u8) -> bool {
     let on_lines = (dst as usize | rect.dst_pitch as usize | rect.width as usize) % 64 == 0;
     rect.is_contiguous()
