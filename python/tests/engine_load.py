@@ -15,11 +15,21 @@ and ways of sending, every byte verified, and the processes' memory watched.
 - Memory: the resident set size (VmRSS) of both processes is sampled every 0.5 s; after a
   warm-up (the bursts and the first quarter of the soak, at least 5 s), the median of the last
   third of the samples may exceed that of the first third by ``--rss-tolerance-mib`` (default
-  :data:`RSS_TOLERANCE_MIB`; why that figure: the constant's comment). Both processes run with one malloc arena
-  (``MALLOC_ARENA_MAX=1``; the script starts itself again with it, before numpy's threads
-  exist): glibc's per-thread arenas keep what 16 lane threads freed and grow the prefill
-  process by 40-60 MiB over the first 30 s before they level off, which is the allocator's
-  caching, not a leak, and would hide one. ``--leak-kib N`` makes every request of the soak
+  :data:`RSS_TOLERANCE_MIB`; why that figure: the constant's comment). Both processes run with
+  glibc's allocator set so that RSS follows live memory (:data:`MALLOC_ENV`; the script starts
+  itself again with it, before numpy's threads exist):
+
+  - one malloc arena (``MALLOC_ARENA_MAX=1``): per-thread arenas keep what 16 lane threads
+    freed and grow the prefill process by 40-60 MiB over the first 30 s before they level off;
+  - fixed mmap and trim thresholds of 128 KiB (``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_``): by default glibc raises its mmap threshold to the largest
+    block freed (up to 32 MiB), after which the multi-MiB temporaries of large requests stay
+    in the heap, and RSS becomes a high-water mark that steps up whenever a new largest set of
+    them is live at once. In 30 s soaks through NIXL this moved the prefill's median by up to
+    6 MiB with no leak (a 120 s soak stayed flat); with fixed thresholds those blocks are
+    mapped and returned, and the medians stayed within 1.1 MiB.
+
+  Both are the allocator's caching, not a leak, and would hide one. ``--leak-kib N`` makes every request of the soak
   keep N KiB alive, a leak for the check to catch (the script prints the smallest leak per
   request its tolerance catches in that run).
 
@@ -36,10 +46,14 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__" and os.environ.get("MALLOC_ARENA_MAX") != "1":
-    # One malloc arena for this process and the decode child (see the module docs): glibc reads
-    # it when a process starts, so start again with it.
-    os.environ["MALLOC_ARENA_MAX"] = "1"
+#: glibc's allocator settings under which RSS follows live memory (see the module docs), for
+#: this process and the decode child it starts.
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
+              "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+    # glibc reads them when a process starts, so start again with them.
+    os.environ.update(MALLOC_ENV)
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import argparse
@@ -85,14 +99,16 @@ RUNS = (1, 4, 16, 48)
 SEEDS_PER_SIZE = 4
 STAGINGS = (None, Staging.NONE, Staging.SRC, Staging.DST, Staging.BOTH)
 #: Allowed growth of the median RSS from the first third of the soak after the warm-up to the
-#: last third, per process, MiB. Measured here (30-140 s soaks of 16 lanes, one malloc arena,
-#: debug library, both engines): the samples move within a band of about 7 MiB (prefill
-#: 262-276 MiB: numpy temporaries, and Mooncake's Python lists of addresses, 1-2 MB for a
-#: large request, several at once) but the medians of the thirds within 1 MiB of each other.
-#: 4 MiB is more than twice the largest drift seen (+1.6 MiB, decode). In a 30 s soak it catches
-#: a leak of more than 5 KiB per request through NIXL (about 70 requests/s here) and 17 KiB
-#: through Mooncake (about 20/s): with --leak-kib 32 the prefill's median grew by 37 and 7 MiB,
-#: and the check failed. The script prints the figure of its run; longer soaks catch less.
+#: last third, per process, MiB. Measured here (30 s soaks of 16 lanes, MALLOC_ENV, debug
+#: library, both engines, a fresh machine): the samples sit on a floor (prefill about 266 MiB
+#: through NIXL, 261 through Mooncake) with spikes of up to 7 MiB above it (a few large
+#: requests' numpy temporaries, and Mooncake's Python lists of addresses, live at once), and the
+#: medians of the thirds moved by -0.4 to +1.1 MiB in six runs (a 120 s NIXL soak: -0.1 MiB).
+#: 4 MiB is more than three times the largest drift seen. In a 30 s soak it catches a leak of
+#: more than about 5.5 KiB per request through NIXL (about 50 requests/s here) and 12-14 KiB
+#: through Mooncake (about 20/s): with --leak-kib 8 (NIXL) and 16 (Mooncake) the prefill's
+#: median grew by 7.6 and 6.8 MiB, and the check failed. The script prints the figure of its
+#: run; longer soaks catch smaller leaks.
 RSS_TOLERANCE_MIB = 4.0
 #: At least this much of the soak is warm-up (and a quarter of it).
 WARM_UP = 5.0
