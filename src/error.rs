@@ -883,6 +883,16 @@ pub(crate) fn checked_product(quantity: &'static str, a: u64, b: u64) -> Result<
     })
 }
 
+/// `value` as a `usize`, or an [`Error::SizeOverflow`] naming `quantity` (on targets whose
+/// `usize` is narrower than 64 bits).
+pub(crate) fn checked_usize(quantity: &'static str, value: u64) -> Result<usize> {
+    usize::try_from(value).map_err(|_| Error::SizeOverflow {
+        quantity,
+        lhs: value,
+        rhs: 1,
+    })
+}
+
 /// The end of [`Error::IndivisibleTp`]'s message: the valid sizes around the one refused.
 fn nearest(below: &u32, above: &Option<u32>) -> String {
     match above {

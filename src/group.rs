@@ -24,7 +24,7 @@
 use std::borrow::Cow;
 
 use crate::backend::{CopyEngine, CopyJob, KvBuffers, SendReport, check_capacity_fits};
-use crate::error::{Error, Result, checked_product};
+use crate::error::{Error, Result, checked_product, checked_usize};
 use crate::layout::{PairConfig, Request};
 use crate::plan::{OutputSlot, PairPlan, Segment};
 use crate::send::check_no_overlap;
@@ -270,11 +270,7 @@ impl<'a> GroupsPlan<'a> {
 
     /// Entries of the request's segment list.
     pub fn num_segments(&self) -> Result<usize> {
-        usize::try_from(self.total.num_segments).map_err(|_| Error::SizeOverflow {
-            quantity: "segments as usize",
-            lhs: self.total.num_segments,
-            rhs: 1,
-        })
+        checked_usize("segments as usize", self.total.num_segments)
     }
 
     /// Writes every group's segments, group after group, into the front of `out`; returns how

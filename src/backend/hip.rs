@@ -298,7 +298,7 @@ pub(crate) fn describe<R: HipRuntime + ?Sized>(runtime: &R, status: HipStatus) -
 /// The words of a failed call's message around its status, `{call}{args} returned
 /// {status}{note}`, and the buffer and rect of the job it belongs to.
 #[derive(Debug, Default)]
-struct Context {
+pub(crate) struct Context {
     args: String,
     note: String,
     buffer: Option<usize>,
@@ -307,7 +307,7 @@ struct Context {
 
 impl Context {
     /// The call's arguments as the message shows them, e.g. "(stream 0x0)".
-    fn args(args: impl Into<String>) -> Self {
+    pub(crate) fn args(args: impl Into<String>) -> Self {
         Context {
             args: args.into(),
             ..Context::default()
@@ -315,7 +315,7 @@ impl Context {
     }
 
     /// What follows the status, e.g. " (the copy kernel is loaded per device)".
-    fn note(mut self, note: impl Into<String>) -> Self {
+    pub(crate) fn note(mut self, note: impl Into<String>) -> Self {
         self.note = note.into();
         self
     }
@@ -341,7 +341,7 @@ impl Context {
 }
 
 /// A runtime call's result as the crate's: [`Error::Gpu`] when the call failed.
-trait HipResult<T> {
+pub(crate) trait HipResult<T> {
     /// The value, or the error naming `call`, its status and what `context` (built only on
     /// failure) says.
     fn or_gpu<R: HipRuntime + ?Sized>(

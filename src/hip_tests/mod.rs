@@ -1647,7 +1647,9 @@ fn a_failing_hipmalloc_is_a_gpu_error_naming_the_size_and_status() {
     };
     assert_eq!((*call, *status), ("hipMalloc", 2));
     assert!(
-        message.contains("hipMalloc(1073741824 bytes) for a staging pool returned"),
+        message.contains(
+            "hipMalloc(1073741824 bytes) returned hipErrorOutOfMemory (2) for a staging pool"
+        ),
         "{message}"
     );
 }

@@ -27,7 +27,7 @@ use std::cell::OnceCell;
 use std::mem::MaybeUninit;
 use std::ops::Deref;
 
-use crate::error::{Error, Result, checked_product};
+use crate::error::{Error, Result, checked_product, checked_usize};
 use crate::layout::{PairConfig, Request, ValidLayout};
 use crate::slice::{IntoValid, SliceConfig, ValidConfig};
 use crate::types::{Action, Side, Staging};
@@ -245,11 +245,7 @@ impl<'a> Walk<'a> {
                 0
             }
         });
-        usize::try_from(count).map_err(|_| Error::SizeOverflow {
-            quantity: "segments as usize",
-            lhs: count,
-            rhs: 1,
-        })
+        checked_usize("segments as usize", count)
     }
 
     /// Writes every segment into the front of `out` and returns how many it wrote. `out` may

@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 
 use super::{MemoryReport, PoolMemory, PoolMemoryKind};
-use crate::backend::hip::{HipRuntime, describe, require_device};
+use crate::backend::hip::{Context, HipResult, HipRuntime, describe, require_device};
 use crate::error::{Error, Result};
 
 /// `len` bytes of device memory on the current device of the thread that made it.
@@ -24,15 +24,8 @@ impl<R: HipRuntime> DeviceMemory<R> {
             bytes: len,
             errno: libc::EINVAL,
         })?;
-        let base = runtime.malloc(bytes).map_err(|status| Error::Gpu {
-            call: "hipMalloc",
-            status: status.0,
-            message: format!(
-                "hipMalloc({len} bytes) for a staging pool returned {}",
-                describe(&runtime, status)
-            ),
-            buffer: None,
-            rect: None,
+        let base = runtime.malloc(bytes).or_gpu(&runtime, "hipMalloc", || {
+            Context::args(format!("({len} bytes)")).note(" for a staging pool")
         })?;
         Ok(DeviceMemory {
             runtime,
