@@ -8,16 +8,18 @@ use crate::backend::hip::{Context, HipResult, HipRuntime, describe, require_devi
 use crate::error::{Error, Result};
 
 /// `len` bytes of device memory on the current device of the thread that made it.
+// Without the `hip` feature only the tests (on a recording runtime) make one.
 #[derive(Debug)]
-pub struct DeviceMemory<R: HipRuntime> {
+pub(crate) struct DeviceMemory<R: HipRuntime> {
     runtime: R,
     base: usize,
     len: u64,
 }
 
+#[cfg_attr(not(any(feature = "hip", test)), expect(dead_code))]
 impl<R: HipRuntime> DeviceMemory<R> {
     /// `hipMalloc(len)` on `runtime`, after checking that it has a device.
-    pub fn new(runtime: R, len: u64) -> Result<Self> {
+    pub(crate) fn new(runtime: R, len: u64) -> Result<Self> {
         require_device(&runtime)?;
         let bytes = usize::try_from(len).map_err(|_| Error::PoolMemory {
             call: "hipMalloc",
@@ -32,11 +34,6 @@ impl<R: HipRuntime> DeviceMemory<R> {
             base: base as usize,
             len,
         })
-    }
-
-    /// The runtime the memory came from (a test reads its record here).
-    pub fn runtime(&self) -> &R {
-        &self.runtime
     }
 }
 

@@ -2,7 +2,7 @@
 //! slots are handed out per request and returned afterwards.
 //!
 //! Host memory comes from the operating system ([`HostMemory`](crate::pool::HostMemory): mmap,
-//! huge pages, mlock); device memory from HIP ([`DeviceMemory`](crate::pool::DeviceMemory):
+//! huge pages, mlock); device memory from HIP (`device::DeviceMemory`:
 //! `hipMalloc`). Slots come from an address-ordered best-fit allocator over `min_slot` units
 //! that coalesces free blocks; by design a slot wastes less than one unit, and a slot of `n`
 //! units is granted whenever the free units are at least `(live_slots + 1) * n` (the free space
@@ -21,7 +21,8 @@ mod device;
 mod fit;
 mod host;
 
-pub use device::DeviceMemory;
+#[cfg(test)]
+pub(crate) use device::DeviceMemory;
 use fit::{Fit, Refusal};
 pub use host::HostMemory;
 
