@@ -1322,7 +1322,9 @@ MoriStatus mori_tp_pool_alloc(MoriTpPool pool,
  *   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool, if offset was a slot that is already
  *   free (a double free), or if no slot starts at offset (the message says whether it lies
  *   inside a live slot, in free space or past the capacity); nothing changes then;
- *   MORI_ERR_PANIC on an internal error.
+ *   MORI_ERR_PANIC on an internal error. A double free is caught only while the space is still
+ *   free: once it has been granted again, the offset names the new slot, which a stale second
+ *   free would return (as with free(3)).
  */
 MoriStatus mori_tp_pool_free(MoriTpPool pool,
                              uint64_t offset);

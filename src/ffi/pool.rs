@@ -179,7 +179,9 @@ pub unsafe extern "C" fn mori_tp_pool_alloc(
 ///   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool, if offset was a slot that is already
 ///   free (a double free), or if no slot starts at offset (the message says whether it lies
 ///   inside a live slot, in free space or past the capacity); nothing changes then;
-///   MORI_ERR_PANIC on an internal error.
+///   MORI_ERR_PANIC on an internal error. A double free is caught only while the space is still
+///   free: once it has been granted again, the offset names the new slot, which a stale second
+///   free would return (as with free(3)).
 #[unsafe(no_mangle)]
 pub extern "C" fn mori_tp_pool_free(pool: MoriTpPool, offset: u64) -> MoriStatus {
     ffi_boundary! {
