@@ -344,7 +344,8 @@ struct PlanArgs {
     /// "prefill_layout", "decode_layout", "prefill_page_size", "decode_page_size", ..., "pairs":
     /// [one per pair that shares a head; sending pairs carry "staging": "none", "src", "dst" or
     /// "both", "staging_bytes_per_request", "segments_per_buffer",
-    /// "direct_segments_per_buffer", and both ranks' layouts], "decode_ranks": [one per decode
+    /// "direct_segments_per_buffer", "segments_per_request", "direct_segments_per_request" (per
+    /// buffer times the request's buffers), and both ranks' layouts], "decode_ranks": [one per decode
     /// rank]}; with --config also "groups": [every group of layers, its parts, and what each
     /// pair and decode rank moves of it]. Head ranges are half-open [first, end):
     /// "shared_heads": [2, 4] means heads 2 and 3. On a layout that cannot work, prints

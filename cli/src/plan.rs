@@ -51,6 +51,9 @@ pub struct Sending {
     /// Segments per buffer for the request on back-to-back pages (None past
     /// [`MAX_COUNTED_PAGES`]).
     pub segments: Option<SegmentCounts>,
+    /// Buffers of the request (K and V, or one latent, per layer): a request's segment list
+    /// is `segments` for each of them.
+    pub buffers: u64,
 }
 
 /// The segments an RDMA engine gets per buffer for one request.
@@ -180,7 +183,11 @@ fn decode_rank(
             let per_buffer = pair.staging_len(u64::from(tokens)).map_err(fail)?;
             staging_bytes = per_buffer.saturating_mul(buffers);
             let segments = counter.count(&pair).map_err(fail)?;
-            send = Some(Sending { pair, segments });
+            send = Some(Sending {
+                pair,
+                segments,
+                buffers,
+            });
         }
         pairs.push(Pair {
             prefill_rank: p,
@@ -262,18 +269,26 @@ fn staging_text(layout: &Layout, pair: &Pair) -> String {
 
 /// A sending pair's segment counts in words.
 fn segments_text(pair: &Pair) -> Option<String> {
-    let counts = pair.send.as_ref()?.segments?;
+    let send = pair.send.as_ref()?;
+    let counts = send.segments?;
     let plural = |n: u64| format!("{} segment{}", grouped(n), if n == 1 { "" } else { "s" });
+    let per_request = |n: u64| grouped(n.saturating_mul(send.buffers));
     Some(match pair.staging {
         Staging::None => format!(
-            "segments per buffer: {} (pages to pages)",
-            plural(counts.direct)
+            "segments per buffer: {} (pages to pages); per request ({} buffers): {}",
+            plural(counts.direct),
+            send.buffers,
+            per_request(counts.direct)
         ),
         staging => format!(
-            "segments per buffer: {} with staging {}, {} unstaged",
+            "segments per buffer: {} with staging {}, {} unstaged; per request ({} buffers): \
+             {} and {}",
             plural(counts.staged),
             staging.as_str(),
-            grouped(counts.direct)
+            grouped(counts.direct),
+            send.buffers,
+            per_request(counts.staged),
+            per_request(counts.direct)
         ),
     })
 }
@@ -318,11 +333,14 @@ fn write_pair_json(out: &mut dyn Write, pair: &Pair) -> io::Result<()> {
         write!(
             out,
             ",\"src_first_local\":{},\"dst_first_local\":{},\"segments_per_buffer\":{},\
-             \"direct_segments_per_buffer\":{},\"src_layout\":{},\"dst_layout\":{}",
+             \"direct_segments_per_buffer\":{},\"segments_per_request\":{},\
+             \"direct_segments_per_request\":{},\"src_layout\":{},\"dst_layout\":{}",
             send.pair.src_first_local(),
             send.pair.dst_first_local(),
             count(counts.map(|c| c.staged)),
             count(counts.map(|c| c.direct)),
+            count(counts.map(|c| c.staged.saturating_mul(send.buffers))),
+            count(counts.map(|c| c.direct.saturating_mul(send.buffers))),
             layout_json(send.pair.src().layout()),
             layout_json(send.pair.dst().layout()),
         )?;

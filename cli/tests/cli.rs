@@ -1431,6 +1431,16 @@ fn check_pairs_against_the_library(plan: &Value, layouts: [&str; 2]) {
             count(Staging::None),
             "{at}"
         );
+        assert_eq!(
+            pair["segments_per_request"],
+            count(staging) as u64 * buffers,
+            "{at}"
+        );
+        assert_eq!(
+            pair["direct_segments_per_request"],
+            count(Staging::None) as u64 * buffers,
+            "{at}"
+        );
     }
 }
 
@@ -1480,13 +1490,16 @@ fn head_major_pages_of_an_8_kv_head_model_from_tp_8_to_tp_2_as_vllm_on_rocm_keep
         assert_eq!(pair["staging"], "dst");
         assert_eq!(pair["segments_per_buffer"], 1);
         assert_eq!(pair["direct_segments_per_buffer"], 3);
+        // 32 layers of K and V: 64 buffers.
+        assert_eq!(pair["segments_per_request"], 64);
+        assert_eq!(pair["direct_segments_per_request"], 3 * 64);
         assert_eq!(pair["staging_bytes_per_request"], 40 * 256 * 64);
     }
     let text = stdout(&mori_tp(&[&["plan"][..], &deployment].concat()));
     for line in [
         "cache:    bf16, 256 B per head; prefill HND pages of 16 tokens, decode HND pages of 16 tokens",
         "  prefill rank 5 sends head 5: bytes [0, 4096) of each 4096 B head-major page -> [4096, 8192) of each 16384 B head-major page",
-        "    segments per buffer: 1 segment with staging dst, 3 unstaged",
+        "    segments per buffer: 1 segment with staging dst, 3 unstaged; per request (64 buffers): 64 and 192",
     ] {
         assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
     }
