@@ -15,7 +15,9 @@
 // - pinned host memory (hipHostMalloc) for every buffer and staging region;
 // - with two or more devices: prefill buffers on device 0, decode buffers, staging and the stream
 //   on device 1, while device 0 stays current (so the kernel must load on the stream's device),
-//   with peer access enabled both ways where the devices allow it;
+//   with peer access enabled both ways where the devices allow it; on a runtime without
+//   hipStreamGetDevice (HIP 5.x), where the library needs the stream's device current for
+//   copy-kernel calls, with device 1 current instead (it prints which rule it followed);
 // and host memory registered with hipHostRegister: the copy kernel takes it at the address
 // hipHostGetDevicePointer returns, and refuses its host address when that differs.
 //
@@ -506,10 +508,23 @@ int main() {
     registered_host_memory();
     if (devices >= 2 && device == 0) {
         if (enable_peer_access()) {
-            std::printf("two devices, device 0 current, stream and decode side on device 1, peer access on:\n");
-            Test(kLayouts[0], fragmented_request(), kTwoDevices).run();
-            Test(kLayouts[1], fragmented_request(), kTwoDevices).run();
-            Test(kOneTokenPages, one_page_runs(), kTwoDevices).run();
+            const auto two_devices = [] {
+                Test(kLayouts[0], fragmented_request(), kTwoDevices).run();
+                Test(kLayouts[1], fragmented_request(), kTwoDevices).run();
+                Test(kOneTokenPages, one_page_runs(), kTwoDevices).run();
+            };
+            if (runtime_has_stream_get_device()) {
+                std::printf("two devices, device 0 current, stream and decode side on device 1, peer access on:\n"
+                            "  rule: this HIP runtime has hipStreamGetDevice, so the copy kernel loads on the "
+                            "stream's device while device 0 stays current\n");
+                two_devices();
+            } else {
+                std::printf("two devices, device 1 made current, stream and decode side on device 1, peer access "
+                            "on:\n"
+                            "  rule: this HIP runtime has no hipStreamGetDevice, so copy-kernel calls need the "
+                            "stream's device current: device_test makes device 1 current for them\n");
+                on_device(1, two_devices);
+            }
         } else {
             std::printf("two devices, but devices 0 and 1 cannot access each other: not checked\n");
         }
