@@ -110,6 +110,10 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
                 "page size 1, prefill TP 2 -> decode TP 8, device memory, 48 pages",
                 "pinned host memory, 48 pages",
                 "registered host memory (hipHostRegister): the copy kernel takes the device address",
+                "pair NHD (pages of 16) -> HND (pages of 64), 173 tokens, hipMemcpy2DAsync per rect: send, \
+                 pack, unpack checked",
+                "pair NHD (pages of 16) -> HND (pages of 64), 173 tokens, one copy-kernel launch: send, \
+                 pack, unpack checked",
                 "one device: the two-device checks need two",
                 "device_test: all checks passed",
             ][..],
