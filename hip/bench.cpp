@@ -14,7 +14,9 @@
 // staging region in pinned host memory (hipHostMalloc; pack and unpack, against a hipMemcpyAsync
 // from device to pinned memory), and with two or more devices with peer access, prefill buffers
 // on device 0 and decode buffers, staging and the stream on device 1 while device 0 is current
-// (against a hipMemcpyAsync from device 0 to device 1).
+// (against a hipMemcpyAsync from device 0 to device 1); on a runtime without hipStreamGetDevice
+// (HIP 5.x), where the library needs a copy-kernel call's stream on the current device, with
+// device 1 current instead (it prints which).
 //
 // Columns: calls = runtime calls per mori call (memcpy2d: rects x buffers; kernel: 1 launch);
 // ms = time per call from hipEvents around `iterations` calls on one stream without
@@ -279,7 +281,15 @@ int main(int argc, char **argv) {
                 if (status != hipSuccess && status != hipErrorPeerAccessAlreadyEnabled) HIP_OK(status);
             });
         }
-        placed(kPeer);
+        if (runtime_has_stream_get_device()) {
+            std::printf("bench: two devices: this HIP runtime has hipStreamGetDevice, so device 0 stays current\n");
+            placed(kPeer);
+        } else {
+            // The library needs a copy-kernel call's stream on the current device here.
+            std::printf("bench: two devices: this HIP runtime has no hipStreamGetDevice, so device 1 (the "
+                        "stream's) is made current for the two-device rows\n");
+            on_device(1, [&] { placed(kPeer); });
+        }
     } else {
         std::printf("bench: %s: skipped (needs devices 0 and 1 with peer access, device 0 current)\n", kPeer.name);
     }

@@ -3,6 +3,7 @@
 // independently of the library.
 #pragma once
 
+#include <dlfcn.h>
 #include <hip/hip_runtime.h>
 
 #include <cstdint>
@@ -46,6 +47,23 @@ void on_device(int device, const F &f) {
     if (device >= 0) HIP_OK(hipSetDevice(device));
     f();
     HIP_OK(hipSetDevice(current));
+}
+
+// Whether the HIP runtime this program runs on has hipStreamGetDevice (HIP 6 and later; HIP 5.2
+// lacks it), looked up as libmori_tp looks it up: in the library that hipGetDevice comes from
+// (libamdhip64, or a stand-in preloaded in its place). Without it, the library takes a copy-kernel
+// call's stream to be the current device's and refuses a stream of another device (README, "The
+// HIP backend"), so the programs make the stream's device current for such calls.
+inline bool runtime_has_stream_get_device() {
+    Dl_info info;
+    if (dladdr(reinterpret_cast<void *>(&hipGetDevice), &info) != 0 && info.dli_fname != nullptr) {
+        if (void *handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD); handle != nullptr) {
+            const bool found = dlsym(handle, "hipStreamGetDevice") != nullptr;
+            dlclose(handle);
+            return found;
+        }
+    }
+    return dlsym(RTLD_DEFAULT, "hipStreamGetDevice") != nullptr;
 }
 
 // The heads rank `rank` of a side with TP size `tp` owns (REFERENCE.md section 3).

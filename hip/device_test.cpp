@@ -15,7 +15,9 @@
 // - pinned host memory (hipHostMalloc) for every buffer and staging region;
 // - with two or more devices: prefill buffers on device 0, decode buffers, staging and the stream
 //   on device 1, while device 0 stays current (so the kernel must load on the stream's device),
-//   with peer access enabled both ways where the devices allow it;
+//   with peer access enabled both ways where the devices allow it; on a runtime without
+//   hipStreamGetDevice (HIP 5.x), where the library needs the stream's device current for
+//   copy-kernel calls, with device 1 current instead (it prints which rule it followed);
 // and host memory registered with hipHostRegister: the copy kernel takes it at the address
 // hipHostGetDevicePointer returns, and refuses its host address when that differs.
 //
@@ -464,6 +466,95 @@ void registered_host_memory() {
     HIP_OK(hipHostUnregister(dst.data()));
 }
 
+// Issue 19: a pair of layouts (prefill NHD, pages of 16, TP 2 -> decode HND, pages of 64, TP 4;
+// 173 tokens, so both last pages are partial) through mori_send/pack/unpack_kvcache_pair in device
+// memory, per rect and with the copy kernel, checked byte for byte (untouched bytes included)
+// against MORI_BACKEND_HOST on host copies of the same buffers.
+void pair_layouts() {
+    MoriTpLayout prefill, decode;
+    MORI_OK_OR_DIE(mori_tp_layout_nhd(8, 2, 1, 16, 32, &prefill));
+    MORI_OK_OR_DIE(mori_tp_layout_hnd(8, 4, 2, 64, 32, &decode));
+    MoriTpPairConfig config;
+    MORI_OK_OR_DIE(mori_tp_pair_config(&prefill, &decode, &config));
+    const uint64_t tokens = 173;
+    const std::vector<int32_t> src_pages = {4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 0};  // ceil(173 / 16)
+    const std::vector<int32_t> dst_pages = {3, 1, 0};                                // ceil(173 / 64)
+    const MoriTpRequest request = {src_pages.data(), src_pages.size(), dst_pages.data(), dst_pages.size(), tokens};
+    const uint64_t src_len = 14 * prefill.page_stride, dst_len = 4 * decode.page_stride;
+    uint64_t staging_len = 0;
+    MORI_OK_OR_DIE(mori_tp_pair_staging_len(&config, tokens, &staging_len));
+    const uint64_t region_len = 2 * staging_len;
+    std::vector<std::vector<uint8_t>> src(2, std::vector<uint8_t>(src_len)), dst(2, std::vector<uint8_t>(dst_len));
+    for (size_t b = 0; b < 2; b++) {
+        for (uint64_t i = 0; i < src_len; i++) src[b][i] = static_cast<uint8_t>(i * 131 + b * 7 + 1);
+        for (uint64_t i = 0; i < dst_len; i++) dst[b][i] = static_cast<uint8_t>(i * 29 + b * 3 + 0x80);
+    }
+    std::vector<uint8_t> region_in(region_len);
+    for (uint64_t i = 0; i < region_len; i++) region_in[i] = static_cast<uint8_t>(i * 53 + 5);
+    const MoriSendOptions host = {MORI_BACKEND_HOST, 0, nullptr};
+    const auto device_copy = [](const std::vector<uint8_t> &bytes) {
+        void *p = nullptr;
+        HIP_OK(hipMalloc(&p, bytes.size()));
+        HIP_OK(hipMemcpy(p, bytes.data(), bytes.size(), hipMemcpyHostToDevice));
+        return p;
+    };
+    const auto read_back = [](void *p, size_t len) {
+        std::vector<uint8_t> out(len);
+        HIP_OK(hipMemcpy(out.data(), p, len, hipMemcpyDeviceToHost));
+        return out;
+    };
+    for (const uint32_t path : {0u, static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
+        const char *name = path == 0 ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
+        const MoriSendOptions hip = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path, nullptr};
+        std::vector<const void *> host_src = {src[0].data(), src[1].data()};
+        std::vector<const void *> dev_src = {device_copy(src[0]), device_copy(src[1])};
+        // Send.
+        std::vector<std::vector<uint8_t>> want = dst;
+        std::vector<void *> host_dst = {want[0].data(), want[1].data()};
+        std::vector<void *> dev_dst = {device_copy(dst[0]), device_copy(dst[1])};
+        const MoriKvBuffers host_kv = {host_src.data(), host_dst.data(), 2, src_len, dst_len};
+        const MoriKvBuffers dev_kv = {dev_src.data(), dev_dst.data(), 2, src_len, dst_len};
+        MORI_OK_OR_DIE(mori_send_kvcache_pair(&config, &host_kv, &request, &host));
+        MORI_OK_OR_DIE(mori_send_kvcache_pair(&config, &dev_kv, &request, &hip));
+        for (size_t b = 0; b < 2; b++) {
+            if (read_back(dev_dst[b], dst_len) != want[b]) fail(std::string("pair send, ") + name + ": bytes differ");
+        }
+        // Pack (SRC, BOTH) and unpack (DST, BOTH).
+        for (const uint32_t mode : {MORI_TP_STAGING_SRC, MORI_TP_STAGING_BOTH}) {
+            std::vector<uint8_t> want_region(region_len, 0x5a);
+            void *region = device_copy(want_region);
+            MORI_OK_OR_DIE(mori_pack_kvcache_pair(&config, mode, host_src.data(), 2, src_len, &request,
+                                                  want_region.data(), region_len, &host));
+            MORI_OK_OR_DIE(
+                mori_pack_kvcache_pair(&config, mode, dev_src.data(), 2, src_len, &request, region, region_len, &hip));
+            if (read_back(region, region_len) != want_region) fail(std::string("pair pack, ") + name + ": bytes differ");
+            HIP_OK(hipFree(region));
+        }
+        void *region = device_copy(region_in);
+        for (const uint32_t mode : {MORI_TP_STAGING_DST, MORI_TP_STAGING_BOTH}) {
+            want = dst;
+            host_dst = {want[0].data(), want[1].data()};
+            for (size_t b = 0; b < 2; b++) HIP_OK(hipMemcpy(dev_dst[b], dst[b].data(), dst_len, hipMemcpyHostToDevice));
+            MORI_OK_OR_DIE(mori_unpack_kvcache_pair(&config, mode, region_in.data(), region_len, host_dst.data(), 2,
+                                                    dst_len, &request, &host));
+            MORI_OK_OR_DIE(mori_unpack_kvcache_pair(&config, mode, region, region_len, dev_dst.data(), 2, dst_len,
+                                                    &request, &hip));
+            for (size_t b = 0; b < 2; b++) {
+                if (read_back(dev_dst[b], dst_len) != want[b]) {
+                    fail(std::string("pair unpack, ") + name + ": bytes differ");
+                }
+            }
+        }
+        HIP_OK(hipFree(region));
+        for (size_t b = 0; b < 2; b++) {
+            HIP_OK(hipFree(const_cast<void *>(dev_src[b])));
+            HIP_OK(hipFree(dev_dst[b]));
+        }
+        std::printf("pair NHD (pages of 16) -> HND (pages of 64), 173 tokens, %s: send, pack, unpack checked\n",
+                    name);
+    }
+}
+
 // Enables peer access between devices 0 and 1 where the hardware allows it; false otherwise.
 bool enable_peer_access() {
     int forward = 0, backward = 0;
@@ -504,12 +595,26 @@ int main() {
     Test(kLayouts[0], fragmented_request(), kPinned).run();
     Test(kOneTokenPages, one_page_runs(), kPinned).run();
     registered_host_memory();
+    pair_layouts();
     if (devices >= 2 && device == 0) {
         if (enable_peer_access()) {
-            std::printf("two devices, device 0 current, stream and decode side on device 1, peer access on:\n");
-            Test(kLayouts[0], fragmented_request(), kTwoDevices).run();
-            Test(kLayouts[1], fragmented_request(), kTwoDevices).run();
-            Test(kOneTokenPages, one_page_runs(), kTwoDevices).run();
+            const auto two_devices = [] {
+                Test(kLayouts[0], fragmented_request(), kTwoDevices).run();
+                Test(kLayouts[1], fragmented_request(), kTwoDevices).run();
+                Test(kOneTokenPages, one_page_runs(), kTwoDevices).run();
+            };
+            if (runtime_has_stream_get_device()) {
+                std::printf("two devices, device 0 current, stream and decode side on device 1, peer access on:\n"
+                            "  rule: this HIP runtime has hipStreamGetDevice, so the copy kernel loads on the "
+                            "stream's device while device 0 stays current\n");
+                two_devices();
+            } else {
+                std::printf("two devices, device 1 made current, stream and decode side on device 1, peer access "
+                            "on:\n"
+                            "  rule: this HIP runtime has no hipStreamGetDevice, so copy-kernel calls need the "
+                            "stream's device current: device_test makes device 1 current for them\n");
+                on_device(1, two_devices);
+            }
         } else {
             std::printf("two devices, but devices 0 and 1 cannot access each other: not checked\n");
         }

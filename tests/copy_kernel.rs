@@ -97,21 +97,32 @@ fn the_copy_kernel_source_is_clean_under_address_and_undefined_behaviour_sanitiz
     );
 }
 
-/// The copy kernel's bundle as libmori_tp.a embeds it: the first bundle header in the archive
-/// that names an AMD GPU target, and those targets.
-#[cfg(feature = "hip")]
-fn embedded_bundle(archive: &[u8]) -> Option<(usize, Vec<String>)> {
-    let magic = bundle::PLAIN_MAGIC;
-    (0..archive.len().saturating_sub(magic.len()))
-        .filter(|&at| archive[at..].starts_with(magic))
-        .find_map(|at| match bundle::read(&archive[at..]) {
+/// The copy kernel's bundle as libmori_tp.a embeds it, and where: the first uncompressed bundle
+/// header in the archive that names an AMD GPU target, or the first compressed one (`hipcc
+/// --offload-compress`: `CCOB`, a known format version and compression method), whose targets
+/// are inside its compressed payload.
+fn embedded_bundle(archive: &[u8]) -> Option<(usize, bundle::Bundle)> {
+    (0..archive.len()).find_map(|at| {
+        let rest = &archive[at..];
+        if !rest.starts_with(bundle::PLAIN_MAGIC) && !rest.starts_with(bundle::COMPRESSED_MAGIC) {
+            return None;
+        }
+        match bundle::read(rest) {
             Ok(bundle::Bundle::Plain(ids))
                 if ids.iter().any(|id| bundle::gpu_target(id).is_some()) =>
             {
-                Some((at, ids))
+                Some((at, bundle::Bundle::Plain(ids)))
+            }
+            // Format versions 1 to 3 exist; methods are zlib and zstd. Anything else is four
+            // bytes that happen to spell CCOB.
+            Ok(found @ bundle::Bundle::Compressed { version, method })
+                if (1..=3).contains(&version) && method <= 2 =>
+            {
+                Some((at, found))
             }
             _ => None,
-        })
+        }
+    })
 }
 
 /// The targets of gfx90a, gfx942 and gfx950 that `hipcc` compiles a kernel for.
@@ -164,31 +175,17 @@ fn the_library_built_with_hip_embeds_the_kernel_for_every_target_its_hipcc_suppo
     {
         // libmori_tp.a holds the bundle verbatim (the library's own copy is not public API).
         let archive = std::fs::read(static_library()).expect("read libmori_tp.a");
-        let (at, targets) =
+        let (at, found) =
             embedded_bundle(&archive).expect("libmori_tp.a does not embed the kernel bundle");
-        let built: Vec<&str> = targets
-            .iter()
-            .filter_map(|id| bundle::gpu_target(id))
-            .collect();
-        assert!(
-            !built.is_empty(),
-            "the embedded bundle holds no GPU target: {targets:?}"
-        );
-        if let Ok(archs) = std::env::var("MORI_TP_HIP_ARCHS") {
-            for arch in archs.split([' ', ',']).filter(|a| !a.is_empty()) {
-                assert!(
-                    built.contains(&arch),
-                    "the embedded bundle lacks {arch}: {targets:?}"
-                );
-            }
-        } else {
-            assert_eq!(
-                built,
-                targets_hipcc_supports(),
-                "the library embeds code objects for {built:?}, but hipcc supports a different set"
-            );
+        match found {
+            bundle::Bundle::Plain(targets) => check_targets(at, &targets),
+            // Its targets are inside the compressed payload, which build.rs listed with
+            // clang-offload-bundler (or warned that it could not).
+            bundle::Bundle::Compressed { version, method } => eprintln!(
+                "the embedded copy kernel (at byte {at} of libmori_tp.a) is a compressed bundle \
+                 (format {version}, method {method}); build.rs checked its targets"
+            ),
         }
-        eprintln!("the embedded copy kernel (at byte {at} of libmori_tp.a) holds {targets:?}");
         let symbols = Command::new("nm")
             .arg("--undefined-only")
             .arg(static_library())
@@ -203,6 +200,35 @@ fn the_library_built_with_hip_embeds_the_kernel_for_every_target_its_hipcc_suppo
             assert!(symbols.contains(call), "libmori_tp.a does not call {call}");
         }
     }
+}
+
+/// The embedded bundle at byte `at` holds a code object for every target asked for
+/// (`MORI_TP_HIP_ARCHS`), or else for exactly those the installed hipcc supports.
+#[cfg(feature = "hip")]
+fn check_targets(at: usize, targets: &[String]) {
+    let built: Vec<&str> = targets
+        .iter()
+        .filter_map(|id| bundle::gpu_target(id))
+        .collect();
+    assert!(
+        !built.is_empty(),
+        "the embedded bundle holds no GPU target: {targets:?}"
+    );
+    if let Ok(archs) = std::env::var("MORI_TP_HIP_ARCHS") {
+        for arch in archs.split([' ', ',']).filter(|a| !a.is_empty()) {
+            assert!(
+                built.contains(&arch),
+                "the embedded bundle lacks {arch}: {targets:?}"
+            );
+        }
+    } else {
+        assert_eq!(
+            built,
+            targets_hipcc_supports(),
+            "the library embeds code objects for {built:?}, but hipcc supports a different set"
+        );
+    }
+    eprintln!("the embedded copy kernel (at byte {at} of libmori_tp.a) holds {targets:?}");
 }
 
 /// A header of an uncompressed bundle with entries of these ids.
@@ -254,4 +280,43 @@ fn the_bundle_reader_recognises_a_compressed_bundle_instead_of_refusing_it() {
         })
     );
     assert!(bundle::read(b"CCOB\x01").is_err(), "truncated header");
+}
+
+/// A compressed bundle (`hipcc --offload-compress`) in the archive is the embedded kernel, as an
+/// uncompressed one is; four bytes that spell CCOB without a known header are not.
+#[test]
+fn the_embedded_bundle_is_found_whether_compressed_or_not() {
+    let mut compressed = bundle::COMPRESSED_MAGIC.to_vec();
+    compressed.extend(2u16.to_le_bytes()); // format version
+    compressed.extend(1u16.to_le_bytes()); // method
+    compressed.extend(40u32.to_le_bytes()); // total size
+    compressed.extend([0xa5u8; 28]);
+    let mut archive = b"!<arch>\nlibmori_tp CCOB\xff\xff\x07\x00 not a bundle ".to_vec();
+    let at = archive.len();
+    archive.extend(&compressed);
+    archive.extend(b" trailing object code");
+    assert_eq!(
+        embedded_bundle(&archive),
+        Some((
+            at,
+            bundle::Bundle::Compressed {
+                version: 2,
+                method: 1
+            }
+        ))
+    );
+
+    let ids = [
+        "host-x86_64-unknown-linux-gnu-",
+        "hipv4-amdgcn-amd-amdhsa--gfx942",
+    ];
+    let mut archive = b"!<arch>\n".to_vec();
+    archive.extend(plain_header(&ids[..1])); // a host-only bundle is not the kernel's
+    let at = archive.len();
+    archive.extend(plain_header(&ids));
+    assert_eq!(
+        embedded_bundle(&archive),
+        Some((at, bundle::Bundle::Plain(ids.map(String::from).to_vec())))
+    );
+    assert_eq!(embedded_bundle(b"!<arch>\nCCOB"), None);
 }

@@ -4,7 +4,8 @@
 //! refuses MORI_BACKEND_HIP cleanly) on one without.
 //!
 //! Then it runs them again over tests/fake_hip (LD_PRELOAD: host memory behind the HIP calls), with
-//! one and with two devices, where they must pass: that checks the programs' own logic (layouts,
+//! one and with two devices, and with two devices over its HIP 5.2 flavour (no hipStreamGetDevice:
+//! the programs must make the stream's device current), where they must pass: that checks the programs' own logic (layouts,
 //! expected bytes, staging configs, pinned and registered host memory, the two-device placement,
 //! timing, the lane count) on machines without a GPU. It says nothing about a GPU.
 //!
@@ -96,8 +97,10 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
     }
 
     let fake = common::build_fake_hip().unwrap_or_else(|why| panic!("{why}"));
-    for (program, args, devices, passed) in [
+    let fake_5_2 = common::build_fake_hip_5_2().unwrap_or_else(|why| panic!("{why}"));
+    for (runtime, program, args, devices, passed) in [
         (
+            &fake,
             "device_test",
             &[][..],
             "1",
@@ -107,27 +110,60 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
                 "page size 1, prefill TP 2 -> decode TP 8, device memory, 48 pages",
                 "pinned host memory, 48 pages",
                 "registered host memory (hipHostRegister): the copy kernel takes the device address",
+                "pair NHD (pages of 16) -> HND (pages of 64), 173 tokens, hipMemcpy2DAsync per rect: send, \
+                 pack, unpack checked",
+                "pair NHD (pages of 16) -> HND (pages of 64), 173 tokens, one copy-kernel launch: send, \
+                 pack, unpack checked",
                 "one device: the two-device checks need two",
                 "device_test: all checks passed",
             ][..],
         ),
         (
+            &fake,
             "device_test",
             &[][..],
             "2",
             &[
                 "two devices, device 0 current, stream and decode side on device 1, peer access on:",
+                "rule: this HIP runtime has hipStreamGetDevice",
                 "prefill on device 0, decode on device 1, 48 pages",
                 "device_test: all checks passed",
+            ][..],
+        ),
+        // HIP 5.x has no hipStreamGetDevice: the library refuses a copy-kernel call whose stream
+        // is not the current device's, so the programs make the stream's device current.
+        (
+            &fake_5_2,
+            "device_test",
+            &[][..],
+            "2",
+            &[
+                "two devices, device 1 made current, stream and decode side on device 1",
+                "rule: this HIP runtime has no hipStreamGetDevice",
+                "prefill on device 0, decode on device 1, 48 pages",
+                "device_test: all checks passed",
+            ][..],
+        ),
+        (
+            &fake_5_2,
+            "bench",
+            &["--quick"][..],
+            "2",
+            &[
+                "bench: two devices: this HIP runtime has no hipStreamGetDevice, so device 1",
+                "bench: prefill on device 0, decode on device 1",
+                "bench: done",
             ][..],
         ),
         // Rows of both paths; the last local row is the kernel path of the last case. The
         // fragmented shape keeps every lane of the kernel busy.
         (
+            &fake,
             "bench",
             &["--quick"][..],
             "2",
             &[
+                "bench: two devices: this HIP runtime has hipStreamGetDevice",
                 "tp2to8     1 runs of 1   send   memcpy2d      1024",
                 "tp2to8     1 runs of 1   send   kernel           1",
                 "tp4to8    16 contiguous  unpack kernel           1",
@@ -139,7 +175,7 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
     ] {
         let output = Command::new(build.join(program))
             .args(args)
-            .env("LD_PRELOAD", &fake)
+            .env("LD_PRELOAD", runtime)
             .env("FAKE_HIP_DEVICES", devices)
             .env_remove("FAKE_HIP_COPY_STATUS")
             .env_remove("FAKE_HIP_LAUNCH_STATUS")
@@ -150,11 +186,12 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
             output.status.code() == Some(0)
                 && out.contains("fake_hip")
                 && passed.iter().all(|p| out.contains(p)),
-            "{program} over the stand-in runtime with {devices} devices ({:?}) lacks one of \
+            "{program} over the stand-in runtime {} with {devices} devices ({:?}) lacks one of \
              {passed:?}:\n{out}",
+            runtime.display(),
             output.status
         );
-        if program == "bench" {
+        if program == "bench" && runtime == &fake {
             let fragmented = out
                 .lines()
                 .find(|l| l.starts_with("tp2to8     1 runs of 1   send   kernel"))

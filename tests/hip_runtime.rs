@@ -354,6 +354,7 @@ fn the_kernel_path_handles_other_devices_capture_refusing_allocators_resets_and_
         ),
         ("reset", &fake, &[][..]),
         ("host_memory", &fake, &[][..]),
+        ("pair", &fake, &[][..]),
     ] {
         let mut env = env.to_vec();
         env.push((SCENARIO, scenario));
@@ -777,7 +778,304 @@ mod device {
             "allocator" => allocator(),
             "reset" => reset(),
             "host_memory" => host_memory(),
+            "pair" => pair(),
             other => panic!("unknown scenario {other}"),
+        }
+    }
+
+    /// A layout made by `mori_tp_layout_hnd` (`hnd`) or `mori_tp_layout_nhd`.
+    fn layout(
+        hnd: bool,
+        heads: u32,
+        tp: u32,
+        rank: u32,
+        page_size: u32,
+        bytes: u64,
+    ) -> MoriTpLayout {
+        // SAFETY: an all-zero MoriTpLayout is valid (integers only); the call fills it.
+        let mut out: MoriTpLayout = unsafe { std::mem::zeroed() };
+        let make = if hnd {
+            mori_tp_layout_hnd
+        } else {
+            mori_tp_layout_nhd
+        };
+        // SAFETY: a valid out-pointer.
+        let status = unsafe { make(heads, tp, rank, page_size, bytes, &mut out) };
+        assert_eq!(status, MORI_OK, "{}", last_error());
+        out
+    }
+
+    /// Bytes `i` of a buffer with `salt`.
+    fn patterned(len: usize, salt: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1] ^ salt)
+            .collect()
+    }
+
+    /// Issue 19: pair send, pack (SRC, BOTH) and unpack (DST, BOTH) through the C ABI with
+    /// MORI_BACKEND_HIP in device memory, per rect and with the copy kernel, leave every byte
+    /// (untouched ones included) as MORI_BACKEND_HOST leaves it in host memory: a mixed NHD ->
+    /// HND pair and the reverse, page sizes that differ, partial last pages on both sides.
+    fn pair() {
+        let host = MoriSendOptions {
+            backend: MORI_BACKEND_HOST,
+            flags: 0,
+            stream: null_mut(),
+        };
+        let hip_paths = [
+            ("per rect", MORI_SEND_SYNCHRONIZE),
+            ("copy kernel", MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL),
+        ];
+        const BUFFERS: usize = 2;
+        for (name, prefill, decode, tokens, capacity_pages) in [
+            (
+                "NHD TP 2 pages of 16 -> HND TP 4 pages of 64, 173 tokens",
+                layout(false, 8, 2, 1, 16, 32),
+                layout(true, 8, 4, 2, 64, 32),
+                173u64,
+                [14usize, 5usize],
+            ),
+            (
+                "HND TP 8 pages of 64 -> NHD TP 2 pages of 16, 100 tokens of 24-byte heads",
+                layout(true, 8, 8, 3, 64, 24),
+                layout(false, 8, 2, 0, 16, 24),
+                100,
+                [4, 9],
+            ),
+        ] {
+            assert!(tokens % u64::from(prefill.page_size) != 0);
+            assert!(
+                tokens % u64::from(decode.page_size) != 0,
+                "partial last pages"
+            );
+            // SAFETY: an all-zero config is valid (integers and layouts); the call fills it.
+            let mut config: MoriTpPairConfig = unsafe { std::mem::zeroed() };
+            // SAFETY: valid pointers.
+            let status = unsafe { mori_tp_pair_config(&prefill, &decode, &mut config) };
+            assert_eq!(status, MORI_OK, "{name}: {}", last_error());
+            // Pages in a rotated order with a break, so runs of pages and jumps both occur.
+            let pages = |page_size: u32, capacity: usize| -> Vec<i32> {
+                let mut all: Vec<i32> = (0..capacity as i32).collect();
+                all.rotate_left(capacity / 3);
+                all.truncate(tokens.div_ceil(u64::from(page_size)) as usize);
+                all
+            };
+            let (src_pages, dst_pages) = (
+                pages(prefill.page_size, capacity_pages[0]),
+                pages(decode.page_size, capacity_pages[1]),
+            );
+            let request = MoriTpRequest {
+                src_pages: src_pages.as_ptr(),
+                num_src_pages: src_pages.len(),
+                dst_pages: dst_pages.as_ptr(),
+                num_dst_pages: dst_pages.len(),
+                num_tokens: tokens,
+            };
+            let src_len = capacity_pages[0] * prefill.page_stride as usize;
+            let dst_len = capacity_pages[1] * decode.page_stride as usize;
+            let src: Vec<Vec<u8>> = (0..BUFFERS).map(|b| patterned(src_len, b as u8)).collect();
+            let initial: Vec<Vec<u8>> = (0..BUFFERS)
+                .map(|b| patterned(dst_len, 0x80 | b as u8))
+                .collect();
+            let mut staging_len = 0u64;
+            // SAFETY: valid pointers.
+            let status = unsafe { mori_tp_pair_staging_len(&config, tokens, &mut staging_len) };
+            assert_eq!(status, MORI_OK, "{}", last_error());
+            let region_len = staging_len as usize * BUFFERS;
+            assert!(region_len > 0);
+
+            // The host backend's bytes, in host memory: the reference.
+            let mut want_sent = initial.clone();
+            let src_ptrs: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
+            let sent_ptrs: Vec<*mut c_void> = want_sent
+                .iter_mut()
+                .map(|b| b.as_mut_ptr().cast())
+                .collect();
+            let buffers = MoriKvBuffers {
+                src: src_ptrs.as_ptr(),
+                dst: sent_ptrs.as_ptr(),
+                num_buffers: BUFFERS,
+                src_capacity: src_len as u64,
+                dst_capacity: dst_len as u64,
+            };
+            // SAFETY: live buffers of the stated capacities; the host backend is synchronous.
+            let status = unsafe { mori_send_kvcache_pair(&config, &buffers, &request, &host) };
+            assert_eq!(status, MORI_OK, "{name}: host send: {}", last_error());
+            assert_ne!(want_sent, initial, "{name}: the pair moves bytes");
+            let region_in = patterned(region_len, 0x33);
+            let mut want_packed = Vec::new();
+            for mode in [MORI_TP_STAGING_SRC, MORI_TP_STAGING_BOTH] {
+                let mut region = vec![0x5au8; region_len];
+                // SAFETY: as above.
+                let status = unsafe {
+                    mori_pack_kvcache_pair(
+                        &config,
+                        mode,
+                        src_ptrs.as_ptr(),
+                        BUFFERS,
+                        src_len as u64,
+                        &request,
+                        region.as_mut_ptr().cast(),
+                        region_len as u64,
+                        &host,
+                    )
+                };
+                assert_eq!(
+                    status,
+                    MORI_OK,
+                    "{name}: host pack {mode}: {}",
+                    last_error()
+                );
+                want_packed.push((mode, region));
+            }
+            let mut want_unpacked = Vec::new();
+            for mode in [MORI_TP_STAGING_DST, MORI_TP_STAGING_BOTH] {
+                let mut out = initial.clone();
+                let out_ptrs: Vec<*mut c_void> =
+                    out.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+                // SAFETY: as above.
+                let status = unsafe {
+                    mori_unpack_kvcache_pair(
+                        &config,
+                        mode,
+                        region_in.as_ptr().cast(),
+                        region_len as u64,
+                        out_ptrs.as_ptr(),
+                        BUFFERS,
+                        dst_len as u64,
+                        &request,
+                        &host,
+                    )
+                };
+                assert_eq!(
+                    status,
+                    MORI_OK,
+                    "{name}: host unpack {mode}: {}",
+                    last_error()
+                );
+                want_unpacked.push((mode, out));
+            }
+
+            for (path, flags) in hip_paths {
+                let hip = MoriSendOptions {
+                    backend: MORI_BACKEND_HIP,
+                    flags,
+                    stream: stream_on(0),
+                };
+                let launches = stat("kernel_launches");
+                let copies = stat("memcpy2d_calls");
+                let src_dev: Vec<Mirror> = src
+                    .iter()
+                    .map(|b| Mirror::new(Memory::Device(0), b))
+                    .collect();
+                let src_dev_ptrs: Vec<*const c_void> =
+                    src_dev.iter().map(|b| b.pointer.cast_const()).collect();
+                // Send.
+                let dst_dev: Vec<Mirror> = initial
+                    .iter()
+                    .map(|b| Mirror::new(Memory::Device(0), b))
+                    .collect();
+                let dst_dev_ptrs: Vec<*mut c_void> = dst_dev.iter().map(|b| b.pointer).collect();
+                let buffers = MoriKvBuffers {
+                    src: src_dev_ptrs.as_ptr(),
+                    dst: dst_dev_ptrs.as_ptr(),
+                    num_buffers: BUFFERS,
+                    src_capacity: src_len as u64,
+                    dst_capacity: dst_len as u64,
+                };
+                // SAFETY: device buffers of the stated capacities; the options synchronize.
+                let status = unsafe { mori_send_kvcache_pair(&config, &buffers, &request, &hip) };
+                assert_eq!(status, MORI_OK, "{name}: {path} send: {}", last_error());
+                let mut got = initial.clone();
+                for (copy, out) in dst_dev.iter().zip(&mut got) {
+                    copy.read(out);
+                }
+                assert!(
+                    got == want_sent,
+                    "{name}: {path} send differs from the host's"
+                );
+                // Pack.
+                for (mode, want) in &want_packed {
+                    let region = Mirror::new(Memory::Device(0), &vec![0x5au8; region_len]);
+                    // SAFETY: as above.
+                    let status = unsafe {
+                        mori_pack_kvcache_pair(
+                            &config,
+                            *mode,
+                            src_dev_ptrs.as_ptr(),
+                            BUFFERS,
+                            src_len as u64,
+                            &request,
+                            region.pointer,
+                            region_len as u64,
+                            &hip,
+                        )
+                    };
+                    assert_eq!(
+                        status,
+                        MORI_OK,
+                        "{name}: {path} pack {mode}: {}",
+                        last_error()
+                    );
+                    let mut got = vec![0u8; region_len];
+                    region.read(&mut got);
+                    assert!(
+                        &got == want,
+                        "{name}: {path} pack {mode} differs from the host's"
+                    );
+                }
+                // Unpack.
+                let region = Mirror::new(Memory::Device(0), &region_in);
+                for (mode, want) in &want_unpacked {
+                    let dst_dev: Vec<Mirror> = initial
+                        .iter()
+                        .map(|b| Mirror::new(Memory::Device(0), b))
+                        .collect();
+                    let dst_dev_ptrs: Vec<*mut c_void> =
+                        dst_dev.iter().map(|b| b.pointer).collect();
+                    // SAFETY: as above.
+                    let status = unsafe {
+                        mori_unpack_kvcache_pair(
+                            &config,
+                            *mode,
+                            region.pointer.cast_const(),
+                            region_len as u64,
+                            dst_dev_ptrs.as_ptr(),
+                            BUFFERS,
+                            dst_len as u64,
+                            &request,
+                            &hip,
+                        )
+                    };
+                    assert_eq!(
+                        status,
+                        MORI_OK,
+                        "{name}: {path} unpack {mode}: {}",
+                        last_error()
+                    );
+                    let mut got = initial.clone();
+                    for (copy, out) in dst_dev.iter().zip(&mut got) {
+                        copy.read(out);
+                    }
+                    assert!(
+                        &got == want,
+                        "{name}: {path} unpack {mode} differs from the host's"
+                    );
+                }
+                // Five calls: per rect only hipMemcpy2DAsync, with the kernel one launch each.
+                let (launched, copied) = (
+                    stat("kernel_launches") - launches,
+                    stat("memcpy2d_calls") - copies,
+                );
+                if flags & MORI_SEND_COPY_KERNEL != 0 {
+                    assert_eq!((launched, copied), (5, 0), "{name}: {path}");
+                } else {
+                    assert!(
+                        launched == 0 && copied >= 5 * BUFFERS as i64,
+                        "{name}: {path}: {copied}"
+                    );
+                }
+            }
         }
     }
 

@@ -27,6 +27,10 @@
 //! `hipEventRecord` of the buffer pair's event, so that the next call that takes the pair waits
 //! for this one. There are [`TABLE_SLOTS`] such pairs per device, grown when a table outgrows
 //! them.
+//!
+//! With `synchronize`, either path first asks whether the stream is capturing a graph and
+//! refuses a capturing one before anything is enqueued: the call would end with
+//! `hipStreamSynchronize`, which is not allowed during capture.
 
 use std::collections::HashSet;
 use std::ffi::{CStr, c_void};
@@ -54,6 +58,10 @@ impl HipStatus {
     pub const SUCCESS: HipStatus = HipStatus(0);
     /// `hipErrorInvalidValue`: an argument is out of range.
     pub const ERROR_INVALID_VALUE: HipStatus = HipStatus(1);
+    /// `hipErrorStreamCaptureUnsupported`: the operation is not allowed while the stream is
+    /// capturing a graph (as `hipStreamSynchronize` is not); what a synchronizing call on a
+    /// capturing stream is refused as.
+    pub const ERROR_STREAM_CAPTURE_UNSUPPORTED: HipStatus = HipStatus(900);
     /// `hipErrorNoDevice`: `hipGetDeviceCount` found no device.
     #[cfg(test)]
     pub const ERROR_NO_DEVICE: HipStatus = HipStatus(100);
@@ -450,8 +458,22 @@ impl KernelCache {
         }
     }
 
+    /// What is cached for `device`, if anything: its state, or the failure of its load.
+    fn cached(&self, device: i32) -> Option<Result<Arc<Mutex<DeviceKernel>>>> {
+        lock(&self.devices)
+            .iter()
+            .find(|(d, _)| *d == device)
+            .map(|(_, entry)| match entry {
+                Entry::Ready(kernel) => Ok(kernel.clone()),
+                Entry::Failed(error) => Err(error.clone()),
+            })
+    }
+
     /// The state cached for `device`, or the one `load` returns, which is cached; so is a
-    /// failure, which later calls get again. Loads are serialised: they are rare.
+    /// failure, which later calls get again. `load` is the load itself (`hipModuleLoadData`,
+    /// `hipModuleGetFunction`), whose failure does not change while the process runs; what
+    /// surrounds it (making the device current) stays outside, so that a failure there is not
+    /// cached. Loads are serialised: they are rare.
     fn get_or_load(
         &self,
         device: i32,
@@ -625,6 +647,34 @@ impl<R: HipRuntime> HipEngine<R> {
         )
     }
 
+    /// With `synchronize`: whether the stream is capturing, refusing a capturing one before
+    /// anything is enqueued, since the wait at the end (`hipStreamSynchronize`) is not allowed
+    /// during capture (the runtime fails it and the capture with it). `None` without
+    /// `synchronize` (nothing asked).
+    fn refuse_synchronize_while_capturing(&self) -> Result<Option<bool>> {
+        if !self.synchronize {
+            return Ok(None);
+        }
+        if !self.stream_is_capturing()? {
+            return Ok(Some(false));
+        }
+        let refused = HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED;
+        Err(Context::args(format!("(stream {:p})", self.stream))
+            .note(format!(
+                ": the stream is capturing a graph, and MORI_SEND_SYNCHRONIZE would end the call \
+                 with hipStreamSynchronize, which a capturing stream does not allow (it fails, \
+                 and the capture with it); refused as {} before anything was enqueued: send \
+                 without MORI_SEND_SYNCHRONIZE while capturing, and wait for the graph's launch \
+                 instead",
+                describe(&self.runtime, refused)
+            ))
+            .error(
+                "hipStreamIsCapturing",
+                refused,
+                "hipStreamCaptureStatusActive",
+            ))
+    }
+
     /// The device the kernel runs on: the stream's.
     fn launch_device(&self) -> Result<LaunchDevice> {
         let current =
@@ -728,8 +778,16 @@ impl<R: HipRuntime> HipEngine<R> {
     /// reset since (`hipDeviceReset` frees the table buffers and invalidates the module).
     fn device_kernel(&self, at: LaunchDevice) -> Result<Arc<Mutex<DeviceKernel>>> {
         let cache = self.runtime.kernel_cache();
-        let load = || self.on_device(at, || self.load_here(at.device));
-        let kernel = cache.get_or_load(at.device, load)?;
+        // Only the load's own failure is cached: a failed hipSetDevice around it (to the
+        // stream's device, or back) is returned, and the next call tries again. A failed switch
+        // back after a good load returns its error with the kernel cached.
+        let load = || match cache.cached(at.device) {
+            Some(cached) => cached,
+            None => self.on_device(at, || {
+                cache.get_or_load(at.device, || self.load_here(at.device))
+            }),
+        };
+        let kernel = load()?;
         let first = lock(&kernel).slots[0];
         let Some(first) = first else {
             return Ok(kernel);
@@ -749,7 +807,7 @@ impl<R: HipRuntime> HipEngine<R> {
             at.device
         );
         cache.forget(at.device, &kernel);
-        cache.get_or_load(at.device, load)
+        load()
     }
 
     /// Where the runtime has no `hipStreamGetDevice`: records the device's probe event on the
@@ -976,13 +1034,18 @@ impl<R: HipRuntime> HipEngine<R> {
     /// # Safety
     /// As for [`CopyEngine::run`]; every buffer must also be memory the kernel can address
     /// (device memory, a peer's with access enabled, or host memory mapped into the device).
-    unsafe fn run_kernel(&self, job: &CopyJob<'_>) -> Result<()> {
+    /// `capturing` is whether the stream is capturing, when already asked.
+    unsafe fn run_kernel(&self, job: &CopyJob<'_>, capturing: Option<bool>) -> Result<()> {
         let table = KernelTable::new(job)?;
         let (grid_x, grid_y) = table.grid();
         if grid_x == 0 {
             return self.finish();
         }
-        if self.stream_is_capturing()? {
+        let capturing = match capturing {
+            Some(capturing) => capturing,
+            None => self.stream_is_capturing()?,
+        };
+        if capturing {
             // A captured upload would keep reading the table buffer at every replay, long after
             // this call reused it; copy nodes keep nothing of the call.
             log::debug!(
@@ -1073,9 +1136,10 @@ impl<R: HipRuntime> CopyEngine for HipEngine<R> {
     }
 
     unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()> {
+        let capturing = self.refuse_synchronize_while_capturing()?;
         if self.copy_kernel {
             // SAFETY: as the caller guarantees for the whole job.
-            unsafe { self.run_kernel(job) }
+            unsafe { self.run_kernel(job, capturing) }
         } else {
             // SAFETY: as the caller guarantees for the whole job.
             unsafe { self.run_rects(job) }

@@ -82,24 +82,40 @@ fn hip_send(
     (result, calls)
 }
 
-/// The calls the header documents: the device check, one hipMemcpy2DAsync per (buffer,
-/// rect) in that order with the rect's own numbers, then hipStreamSynchronize only if asked.
+/// The calls the header documents: the device check, with synchronize on a caller's stream the
+/// capture check, one hipMemcpy2DAsync per (buffer, rect) in that order with the rect's own
+/// numbers, then hipStreamSynchronize only if asked.
 fn expected_calls(
     plan: &Walk<'_>,
     src: &[&[u8]],
     dst: &mut [&mut [u8]],
     options: &SendOptions,
 ) -> Vec<Call> {
+    let src: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+    let dst: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
+    expected_rect_calls(plan, &src, &dst, options)
+}
+
+/// [`expected_calls`] for buffers at these bases (a staging region's are inside one slice).
+fn expected_rect_calls(
+    plan: &Walk<'_>,
+    src: &[*const u8],
+    dst: &[*mut u8],
+    options: &SendOptions,
+) -> Vec<Call> {
     let mut calls = vec![Call::DeviceCount];
     if !plan.sends() {
         return calls;
     }
-    for (s, d) in src.iter().zip(dst.iter_mut()) {
+    if options.synchronize && !options.stream.is_null() {
+        calls.push(Call::IsCapturing(options.stream));
+    }
+    for (&s, &d) in src.iter().zip(dst) {
         for rect in plan.rects() {
             calls.push(Call::Memcpy2d(Memcpy2dAsync {
-                dst: d.as_mut_ptr().wrapping_add(rect.dst_offset as usize).cast(),
+                dst: d.wrapping_add(rect.dst_offset as usize).cast(),
                 dpitch: rect.dst_pitch as usize,
-                src: s.as_ptr().wrapping_add(rect.src_offset as usize).cast(),
+                src: s.wrapping_add(rect.src_offset as usize).cast(),
                 spitch: rect.src_pitch as usize,
                 width: rect.width as usize,
                 height: rect.height as usize,
@@ -301,7 +317,9 @@ fn a_failing_copy_with_synchronize_still_waits_for_the_copies_already_issued() {
         message.contains("hipErrorUnknown (709)") && message.contains("buffer 0 of 4, rect 1 of 3"),
         "{message:?}"
     );
-    assert_eq!(calls.len(), 1 + 2 + 1);
+    // The device check, the capture check, two copies, the wait.
+    assert_eq!(calls.len(), 1 + 1 + 2 + 1);
+    assert_eq!(calls[1], Call::IsCapturing(stream));
     assert_eq!(calls.last(), Some(&Call::Synchronize(stream)));
 }
 
@@ -1236,6 +1254,124 @@ fn a_capturing_stream_gets_per_rect_copies_whose_graph_nodes_keep_nothing_of_the
     assert_eq!(f.dst.ranks[3], want);
 }
 
+/// `hipStreamSynchronize` is not allowed on a capturing stream, so MORI_SEND_SYNCHRONIZE there
+/// is refused on both paths, after the capture check and before anything is enqueued, with
+/// what to do instead; without it the same capturing send goes through.
+#[test]
+fn synchronize_on_a_capturing_stream_is_refused_before_anything_is_enqueued() {
+    let want = fixture_sent_by_host();
+    let stream = without_provenance_mut(0xca97_1000);
+    for kernel in [false, true] {
+        let mut f = Fixture::new();
+        let initial = f.dst.ranks[3].clone();
+        let options = SendOptions {
+            copy_kernel: kernel,
+            ..options(true, stream)
+        };
+        let (result, calls) = kernel_fixture_run(&mut f, &options, |r| {
+            r.capturing.set(true);
+            r
+        });
+        let (call, status, message, buffer) = gpu_error(result);
+        assert_eq!(
+            (call, status, buffer),
+            ("hipStreamIsCapturing", 900, None),
+            "kernel {kernel}: {message}"
+        );
+        for part in [
+            "hipStreamIsCapturing(stream 0xca971000)",
+            "the stream is capturing a graph",
+            "hipStreamSynchronize",
+            "hipErrorStreamCaptureUnsupported (900)",
+            "before anything was enqueued",
+            "without MORI_SEND_SYNCHRONIZE",
+        ] {
+            assert!(message.contains(part), "{message:?} lacks {part:?}");
+        }
+        assert_eq!(
+            names(&calls),
+            ["hipGetDeviceCount", "hipStreamIsCapturing"],
+            "kernel {kernel}: nothing enqueued, no wait"
+        );
+        assert_eq!(f.dst.ranks[3], initial, "kernel {kernel}: nothing written");
+
+        // Without MORI_SEND_SYNCHRONIZE the capturing stream gets its (per-rect) copies.
+        let (result, calls) = kernel_fixture_run(
+            &mut f,
+            &SendOptions {
+                synchronize: false,
+                ..options
+            },
+            |r| {
+                r.capturing.set(true);
+                r
+            },
+        );
+        assert_eq!(result.unwrap().copies, 12, "kernel {kernel}");
+        assert!(!names(&calls).contains(&"hipStreamSynchronize"));
+        assert_eq!(f.dst.ranks[3], want, "kernel {kernel}");
+    }
+}
+
+/// Making the stream's device current is not part of the load: when that hipSetDevice fails
+/// (a transient failure), the next call switches and loads, where a failed load itself is
+/// cached (a_failed_load_is_cached_and_reported_again_without_a_retry).
+#[test]
+fn a_failed_switch_to_the_streams_device_is_not_cached_as_a_failed_load() {
+    if cpu_kernel_or_skip("a_failed_switch_to_the_streams_device_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let initial = f.dst.ranks[3].clone();
+    let stream = without_provenance_mut(0xde72_0000);
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(true, stream),
+        |r| {
+            r.stream_home.set(1);
+            Recorder {
+                devices: Ok(2),
+                ..r
+            }
+        },
+        2,
+        |i, r| {
+            if i == 0 {
+                r.fail_call.set(Some(("hipSetDevice", HipStatus(2))));
+            } else {
+                r.fail_call.set(None);
+                assert_eq!(
+                    *r.current.borrow(),
+                    0,
+                    "the current device is left as it was"
+                );
+            }
+        },
+    );
+    let (call, status, message, _) = gpu_error(runs[0].0.clone());
+    assert_eq!((call, status), ("hipSetDevice", 2), "{message}");
+    assert!(
+        message.contains("hipSetDevice(1) returned hipErrorOutOfMemory (2)")
+            && !message.contains("does not retry"),
+        "{message}"
+    );
+    assert!(
+        !names(&runs[0].1).contains(&"hipModuleLoadData"),
+        "{:?}",
+        runs[0].1
+    );
+    let (result, calls) = &runs[1];
+    assert!(result.is_ok(), "the next call loads the kernel: {result:?}");
+    let n = names(calls);
+    assert!(
+        n.contains(&"hipModuleLoadData") && n.contains(&"hipModuleLaunchKernel"),
+        "{n:?}"
+    );
+    assert_ne!(initial, want);
+    assert_eq!(f.dst.ranks[3], want);
+}
+
 #[test]
 fn the_table_buffers_are_reused_fenced_by_their_events_and_grown_when_outgrown() {
     if cpu_kernel_or_skip("the_table_buffers_are_reused_...").is_none() {
@@ -1991,34 +2127,74 @@ fn any_page_layout_lands_byte_exact_through_both_hip_paths_with_the_planned_call
                 case.name
             );
         }
+        layout_pack_unpack_through_hip(&case, &config, &request, &src, &initial, false);
         if kernel {
-            layout_pack_unpack_through_the_kernel(&case, &config, &request, &src, &initial);
+            layout_pack_unpack_through_hip(&case, &config, &request, &src, &initial, true);
         }
     }
 }
 
-/// Pack (SRC, BOTH) and unpack (DST, BOTH) of one layout case through the kernel, against the
-/// host engine's region and pages.
-fn layout_pack_unpack_through_the_kernel(
+/// Pack (SRC, BOTH) and unpack (DST, BOTH) of one layout case through the HIP engine, per rect
+/// (`kernel` false: one hipMemcpy2DAsync per (buffer, rect), every call checked) or through the
+/// kernel (one launch), against the host engine's region and pages.
+fn layout_pack_unpack_through_hip(
     case: &LayoutCase,
     config: &crate::PairConfig,
     request: &crate::Request<'_>,
     src: &[Vec<u8>],
     initial: &[Vec<u8>],
+    kernel: bool,
 ) {
+    let path = if kernel { "kernel" } else { "per-rect" };
     let staging_len = config.staging_len(request.num_tokens).unwrap() as usize;
     let region_len = staging_len * src.len();
     let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
     let src_slices: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
     let src_capacity = src[0].len() as u64;
-    let options = kernel_options(true, without_provenance_mut(0x1a70_0000));
+    let stream = without_provenance_mut(0x1a70_0000);
+    let options = if kernel {
+        kernel_options(true, stream)
+    } else {
+        options(true, stream)
+    };
     let launches = |calls: &[Call]| {
         calls
             .iter()
             .filter(|c| matches!(c, Call::Launch(_)))
             .count()
     };
-    let moves = usize::from(staging_len > 0);
+    // The region's buffer bases, as the pack writes and the unpack reads them.
+    let bases = |region: *mut u8| -> Vec<*mut u8> {
+        (0..src.len())
+            .map(|b| region.wrapping_add(b * staging_len))
+            .collect()
+    };
+    // Per rect: exactly the plan's copies; through the kernel: one launch when bytes move.
+    let check_calls =
+        |what: &str, plan: &Walk<'_>, from: &[*const u8], to: &[*mut u8], calls: &[Call]| {
+            if kernel {
+                assert_eq!(
+                    launches(calls),
+                    usize::from(staging_len > 0),
+                    "{}: {what}: {calls:?}",
+                    case.name
+                );
+            } else {
+                let expected = expected_rect_calls(plan, from, to, &options);
+                assert_eq!(
+                    calls,
+                    &expected[..],
+                    "{}: {what}: per-rect calls",
+                    case.name
+                );
+                assert_eq!(
+                    expected.len() > 3,
+                    staging_len > 0,
+                    "{}: {what}: copies exactly when bytes move",
+                    case.name
+                );
+            }
+        };
     for mode in [crate::Staging::Src, crate::Staging::Both] {
         let plan = crate::PairPlan::pack(config, mode, request).unwrap();
         let mut want = vec![0x5au8; region_len.max(1)];
@@ -2038,7 +2214,7 @@ fn layout_pack_unpack_through_the_kernel(
         let mut got = vec![0x5au8; region_len.max(1)];
         let got_ptr = got.as_mut_ptr();
         let runtime = Recorder::new(&src_slices, &mut [got.as_mut_slice()]);
-        // SAFETY: as above; the recorder checks every row the kernel touches.
+        // SAFETY: as above; the recorder checks every row the copies or the kernel touch.
         let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
             crate::pack_into(
                 &plan,
@@ -2049,21 +2225,26 @@ fn layout_pack_unpack_through_the_kernel(
                 engine,
             )
         });
-        result.unwrap_or_else(|e| panic!("{}: kernel pack {mode:?}: {e}", case.name));
+        result.unwrap_or_else(|e| panic!("{}: {path} pack {mode:?}: {e}", case.name));
         assert!(
             got == want,
-            "{}: packed region ({mode:?}) differs from the host's",
+            "{}: packed region ({path}, {mode:?}) differs from the host's",
             case.name
         );
-        assert_eq!(
-            launches(&calls),
-            moves,
-            "{}: pack {mode:?}: {calls:?}",
-            case.name
+        check_calls(
+            &format!("pack {mode:?}"),
+            &plan,
+            &src_ptrs,
+            &bases(got_ptr),
+            &calls,
         );
     }
     // A region as the transport would have left it, unpacked onto the decode pages.
-    let region = patterned(region_len.max(1), 7);
+    let mut region = patterned(region_len.max(1), 7);
+    let region_bases: Vec<*const u8> = bases(region.as_mut_ptr())
+        .into_iter()
+        .map(|b| b.cast_const())
+        .collect();
     for mode in [crate::Staging::Dst, crate::Staging::Both] {
         let plan = crate::PairPlan::unpack(config, mode, request).unwrap();
         let mut want = initial.to_vec();
@@ -2097,10 +2278,10 @@ fn layout_pack_unpack_through_the_kernel(
                 engine,
             )
         });
-        result.unwrap_or_else(|e| panic!("{}: kernel unpack {mode:?}: {e}", case.name));
+        result.unwrap_or_else(|e| panic!("{}: {path} unpack {mode:?}: {e}", case.name));
         assert!(
             got == want,
-            "{}: unpacked pages ({mode:?}) differ from the host's",
+            "{}: unpacked pages ({path}, {mode:?}) differ from the host's",
             case.name
         );
         assert_eq!(
@@ -2109,11 +2290,12 @@ fn layout_pack_unpack_through_the_kernel(
             "{}: unpack {mode:?} moves bytes",
             case.name
         );
-        assert_eq!(
-            launches(&calls),
-            moves,
-            "{}: unpack {mode:?}: {calls:?}",
-            case.name
+        check_calls(
+            &format!("unpack {mode:?}"),
+            &plan,
+            &region_bases,
+            &got_ptrs,
+            &calls,
         );
     }
 }

@@ -570,6 +570,7 @@ impl HipRuntime for Recorder {
             400 => "hipErrorInvalidHandle",
             500 => "hipErrorNotFound",
             700 => "hipErrorIllegalAddress",
+            900 => "hipErrorStreamCaptureUnsupported",
             _ => "hipErrorUnknown",
         }
         .into()

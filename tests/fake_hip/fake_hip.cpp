@@ -384,14 +384,16 @@ extern "C" {
 
 // How often something happened in this process: "pageable_async_copies" (hipMemcpyAsync from
 // pageable host memory, which HIP performs synchronously), "module_loads", "graph_launches";
-// -1 for an unknown name.
+// "kernel_launches" (kernels run), "memcpy2d_calls" (hipMemcpy2DAsync calls accepted); -1 for an
+// unknown name.
 long fake_hip_stat(const char *name) {
     Guard guard(lock);
     auto it = stats.find(name);
     if (it != stats.end()) {
         return it->second;
     }
-    const std::string known[] = {"pageable_async_copies", "module_loads", "graph_launches"};
+    const std::string known[] = {"pageable_async_copies", "module_loads", "graph_launches", "kernel_launches",
+                                 "memcpy2d_calls"};
     for (const std::string &k : known) {
         if (k == name) {
             return 0;
@@ -754,6 +756,7 @@ hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int grid_x, unsigned 
             seed = ++launches;
         }
         mori_cpu_launch(kernel, grid, block, args, seed);
+        count("kernel_launches");
         return hipSuccess;
     });
 }
@@ -791,6 +794,7 @@ hipError_t hipMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t sp
     if (const hipError_t status = status_from_env("FAKE_HIP_COPY_STATUS"); status != hipSuccess) {
         return status;
     }
+    count("memcpy2d_calls");
     return run_or_capture(stream, [=] { return copy_2d(dst, dpitch, src, spitch, width, height, kind); });
 }
 
