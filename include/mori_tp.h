@@ -32,7 +32,9 @@
 
 /**
  * MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
- * Host copies are always complete on return.
+ * Host copies are always complete on return. On a stream that is capturing a graph the wait is
+ * not allowed, so such a call is refused with MORI_ERR_GPU before anything is enqueued: capture
+ * without this flag, and synchronize after launching the graph.
  */
 #define MORI_SEND_SYNCHRONIZE 1
 

@@ -62,7 +62,9 @@ pub const MORI_BACKEND_HOST: MoriBackend = 1;
 pub const MORI_BACKEND_HIP: MoriBackend = 2;
 
 /// MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
-/// Host copies are always complete on return.
+/// Host copies are always complete on return. On a stream that is capturing a graph the wait is
+/// not allowed, so such a call is refused with MORI_ERR_GPU before anything is enqueued: capture
+/// without this flag, and synchronize after launching the graph.
 pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
 /// MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
 /// one copy-kernel launch, plus at most one upload of the rect table, instead of one
