@@ -660,17 +660,18 @@ fn check_pair(case: &Case, what: &str) -> usize {
     segments.len()
 }
 
-/// A random case for one pair: a layout kind and page size per side, and a request.
-fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> Case {
-    let kinds = [
-        KINDS[rng.range(0, 4) as usize],
-        KINDS[rng.range(0, 4) as usize],
-    ];
+/// A random case for one pair: a layout kind and page size per side, and a request; with the
+/// two kinds drawn.
+fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> (Case, [Kind; 2]) {
+    // `Rng::range` is inclusive at both ends: every kind, page size and head size can be drawn.
+    let mut pick = |len: usize| rng.range(0, len as u64 - 1) as usize;
+    let kinds = [KINDS[pick(KINDS.len())], KINDS[pick(KINDS.len())]];
     let page_sizes = [
-        PAGE_SIZES[rng.range(0, 3) as usize],
-        PAGE_SIZES[rng.range(0, 3) as usize],
+        PAGE_SIZES[pick(PAGE_SIZES.len())],
+        PAGE_SIZES[pick(PAGE_SIZES.len())],
     ];
-    let hb = [1u64, 2, 4, 6, 8][rng.range(0, 4) as usize];
+    const HEAD_BYTES: [u64; 5] = [1, 2, 4, 6, 8];
+    let hb = HEAD_BYTES[pick(HEAD_BYTES.len())];
     let max_ps = u64::from(page_sizes[0].max(page_sizes[1]));
     // Empty, whole pages of the larger size, or anything up to two of them.
     let tokens = match rng.range(0, 5) {
@@ -678,7 +679,7 @@ fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> C
         1 => max_ps * rng.range(1, 2),
         _ => rng.range(1, 2 * max_ps + 3),
     };
-    build_case(
+    let case = build_case(
         rng,
         h,
         [(p_tp, p), (d_tp, d)],
@@ -686,7 +687,8 @@ fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> C
         page_sizes,
         hb,
         tokens,
-    )
+    );
+    (case, kinds)
 }
 
 fn build_case(
@@ -726,6 +728,8 @@ fn build_case(
 #[test]
 fn every_valid_tp_pairing_up_to_16_moves_the_oracles_bytes_in_any_layout() {
     let mut checked = 0;
+    // How often each kind was drawn, per side: the sweep must cover every one on both.
+    let mut drawn = [[0usize; KINDS.len()]; 2];
     for h in 1..=16u32 {
         for p_tp in (1..=16u32).filter(|&t| valid_tp(h, t)) {
             for d_tp in (1..=16u32).filter(|&t| valid_tp(h, t)) {
@@ -739,7 +743,10 @@ fn every_valid_tp_pairing_up_to_16_moves_the_oracles_bytes_in_any_layout() {
                         if !sends && rng.range(0, 7) != 0 {
                             continue;
                         }
-                        let case = random_case(&mut rng, h, p_tp, p, d_tp, d);
+                        let (case, kinds) = random_case(&mut rng, h, p_tp, p, d_tp, d);
+                        for (side, kind) in kinds.into_iter().enumerate() {
+                            drawn[side][kind as usize] += 1;
+                        }
                         let what = format!(
                             "H {h} P {p_tp} D {d_tp} pair ({p}, {d}): {:?} -> {:?}, {} tokens",
                             case.src_layout, case.dst_layout, case.tokens
@@ -752,6 +759,14 @@ fn every_valid_tp_pairing_up_to_16_moves_the_oracles_bytes_in_any_layout() {
         }
     }
     assert!(checked > 1000, "only {checked} pairs checked");
+    for (side, counts) in ["prefill", "decode"].iter().zip(drawn) {
+        for (kind, count) in KINDS.iter().zip(counts) {
+            assert!(
+                count > 0,
+                "the sweep never drew {kind:?} on the {side} side"
+            );
+        }
+    }
 }
 
 #[test]
