@@ -1028,8 +1028,120 @@ fn on_section_4_layouts_the_pair_functions_agree_with_sections_4_and_5() {
                         pair_dst == dst4,
                         "{what}: the pair send differs from section 4's"
                     );
+                    check_region_agreement(&config, &c4, &case, &src, &initial, &what);
                 }
             }
+        }
+    }
+}
+
+/// On a section-4 layout, the pair pack writes the region `mori_pack_kvcache` writes (SRC and
+/// BOTH), and the pair unpack of one region leaves the destination as `mori_unpack_kvcache`
+/// leaves it (DST and BOTH): the region contents agree, bytes past the region included.
+fn check_region_agreement(
+    config: &MoriTpPairConfig,
+    c4: &MoriTpSliceConfig,
+    case: &Case,
+    src: &[Vec<u8>],
+    initial: &[Vec<u8>],
+    what: &str,
+) {
+    let buffers = src.len();
+    let r = request(case);
+    let region_len = buffers * staging_len(config, case.tokens);
+    // A tail past the region, which neither call may touch.
+    let fill = vec![0x5Eu8; region_len + 64];
+    let src_ptrs: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
+    for mode in [MORI_TP_STAGING_SRC, MORI_TP_STAGING_BOTH] {
+        let (mut region7, mut region4) = (fill.clone(), fill.clone());
+        // SAFETY: buffers and regions of the stated sizes.
+        let status = unsafe {
+            mori_pack_kvcache_pair(
+                config,
+                mode,
+                src_ptrs.as_ptr(),
+                buffers,
+                case.src_len as u64,
+                &r,
+                region7.as_mut_ptr().cast(),
+                region_len as u64,
+                &HOST,
+            )
+        };
+        assert_eq!(status, MORI_OK, "{what} pair pack {mode}: {}", last_error());
+        // SAFETY: as above.
+        let status = unsafe {
+            mori_pack_kvcache(
+                c4,
+                src_ptrs.as_ptr(),
+                buffers,
+                case.src_len as u64,
+                case.src_pages.as_ptr(),
+                case.src_pages.len(),
+                region4.as_mut_ptr().cast(),
+                region_len as u64,
+                &HOST,
+            )
+        };
+        assert_eq!(status, MORI_OK, "{what} pack: {}", last_error());
+        assert!(
+            region7 == region4,
+            "{what} mode {mode}: the pair pack's region differs from mori_pack_kvcache's"
+        );
+        if config.action == MORI_TP_ACTION_SEND && region_len > 0 {
+            assert_ne!(
+                region7[..region_len],
+                fill[..region_len],
+                "{what}: packed nothing"
+            );
+        }
+    }
+    let region = pattern(0x3D, region_len);
+    for mode in [MORI_TP_STAGING_DST, MORI_TP_STAGING_BOTH] {
+        let (mut dst7, mut dst4) = (initial.to_vec(), initial.to_vec());
+        let ptrs7: Vec<*mut c_void> = dst7.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+        let ptrs4: Vec<*mut c_void> = dst4.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+        // SAFETY: buffers and a region of the stated sizes.
+        let status = unsafe {
+            mori_unpack_kvcache_pair(
+                config,
+                mode,
+                region.as_ptr().cast(),
+                region_len as u64,
+                ptrs7.as_ptr(),
+                buffers,
+                case.dst_len as u64,
+                &r,
+                &HOST,
+            )
+        };
+        assert_eq!(
+            status,
+            MORI_OK,
+            "{what} pair unpack {mode}: {}",
+            last_error()
+        );
+        // SAFETY: as above.
+        let status = unsafe {
+            mori_unpack_kvcache(
+                c4,
+                region.as_ptr().cast(),
+                region_len as u64,
+                ptrs4.as_ptr(),
+                buffers,
+                case.dst_len as u64,
+                case.dst_pages.as_ptr(),
+                case.dst_pages.len(),
+                &HOST,
+            )
+        };
+        assert_eq!(status, MORI_OK, "{what} unpack: {}", last_error());
+        assert!(
+            dst7 == dst4,
+            "{what} mode {mode}: the pair unpack differs from mori_unpack_kvcache"
+        );
+        if config.action == MORI_TP_ACTION_SEND && region_len > 0 {
+            assert!(dst7 != initial, "{what}: unpacked nothing");
         }
     }
 }
