@@ -14,6 +14,7 @@ use std::ptr::null_mut;
 
 use common::{local_heads, moved_heads, owned_heads, valid_tp};
 use mori_tp::ffi::*;
+use mori_tp::{PairPlan, Staging};
 use mori_tp_testkit::{Rng, mix};
 
 const HOST: MoriSendOptions = MoriSendOptions {
@@ -205,6 +206,62 @@ fn greedy_rects(segments: &[MoriSegment]) -> Vec<MoriCopyRect> {
         last = Some((s.src_offset, s.dst_offset));
     }
     rects
+}
+
+/// True when a side's pages hold the `n` moved heads and nothing else, back to back in an
+/// order (`head_major`: head-major in chunks of the page size; else token-major), found from
+/// the oracle's own segment count: three consecutive whole pages, walked in that order against
+/// a dense region of the same order, are one segment exactly when the slice's elements follow
+/// each other page after page.
+fn full(l: &MoriTpLayout, first_local: u64, n: u64, head_major: bool) -> bool {
+    let ps = u64::from(l.page_size);
+    let pages = [0, 1, 2];
+    let order = head_major.then_some(ps);
+    let pair = Pair {
+        src: Place::Pages {
+            layout: l,
+            pages: &pages,
+            first_local,
+        },
+        dst: Place::Region { chunk: order },
+        tokens: 3 * ps,
+        heads: n,
+        hb: l.head_bytes,
+    };
+    pair.segments(order).len() == 1
+}
+
+/// The staging `mori_tp_pair_staging_for` must choose (CONTRACT section 7), with "full" from
+/// the oracle's segment counts: not SEND, or both sides full token-major, or both full
+/// head-major with one page size: NONE; else the prefill side full in some order: DST; else
+/// the decode side full in some order: SRC; else BOTH.
+fn oracle_staging_for(
+    src: &MoriTpLayout,
+    dst: &MoriTpLayout,
+    firsts: Option<(u64, u64, u64)>,
+) -> MoriTpStaging {
+    let Some((src_first, dst_first, n)) = firsts else {
+        return MORI_TP_STAGING_NONE;
+    };
+    let [src_token, src_head] = [false, true].map(|hm| full(src, src_first, n, hm));
+    let [dst_token, dst_head] = [false, true].map(|hm| full(dst, dst_first, n, hm));
+    if (src_token && dst_token) || (src_head && dst_head && src.page_size == dst.page_size) {
+        MORI_TP_STAGING_NONE
+    } else if src_token || src_head {
+        MORI_TP_STAGING_DST
+    } else if dst_token || dst_head {
+        MORI_TP_STAGING_SRC
+    } else {
+        MORI_TP_STAGING_BOTH
+    }
+}
+
+fn library_staging_for(config: &MoriTpPairConfig) -> MoriTpStaging {
+    let mut out = 99;
+    // SAFETY: valid pointers.
+    let status = unsafe { mori_tp_pair_staging_for(config, &mut out) };
+    assert_eq!(status, MORI_OK, "{}", last_error());
+    out
 }
 
 // ---- layouts and requests ------------------------------------------------------------------
@@ -473,6 +530,11 @@ fn check_pair(case: &Case, what: &str) -> usize {
         .collect();
     let Some(moved) = moved else {
         assert_ne!(config.action, MORI_TP_ACTION_SEND, "{what}");
+        assert_eq!(
+            library_staging_for(&config),
+            MORI_TP_STAGING_NONE,
+            "{what}: staging_for of a pair that does not send"
+        );
         assert!(library_segments(&config, &r, MORI_TP_STAGING_NONE).is_empty());
         let mut dst = initial.clone();
         send(&config, case, &src, &mut dst);
@@ -494,6 +556,11 @@ fn check_pair(case: &Case, what: &str) -> usize {
         (src_first, dst_first)
     );
     let (n, hb, tokens) = (moved.len() as u64, src_l.head_bytes, case.tokens);
+    assert_eq!(
+        library_staging_for(&config),
+        oracle_staging_for(src_l, dst_l, Some((src_first, dst_first, n))),
+        "{what}: staging_for"
+    );
     let src_place = Place::Pages {
         layout: src_l,
         pages: &case.src_pages,
@@ -587,6 +654,7 @@ fn check_pair(case: &Case, what: &str) -> usize {
             staged.best_segments(page_sizes),
             "{what} mode {mode}: segments"
         );
+        check_walked_segments(case, mode, transport.len(), what);
         let region_len = buffers * len;
         let mut src_region = vec![0x11u8; region_len];
         if stages_src {
@@ -658,6 +726,39 @@ fn check_pair(case: &Case, what: &str) -> usize {
         assert!(dst == want, "{what} mode {mode}: the composition law fails");
     }
     segments.len()
+}
+
+/// The plans' fast segment count (what `mori_tp_pair_segments` sizes its answer by, which
+/// skips work where rows cannot touch) equals the count from walking every element, for the
+/// transport plan of `mode` and for the pack and unpack plans it implies; the transport's is
+/// `transport` (the list the C ABI returned).
+fn check_walked_segments(case: &Case, mode: MoriTpStaging, transport: usize, what: &str) {
+    let config = mori_tp::pair_config(&case.src_layout, &case.dst_layout).unwrap();
+    let request = mori_tp::Request {
+        src_pages: &case.src_pages,
+        dst_pages: &case.dst_pages,
+        num_tokens: case.tokens,
+    };
+    let staging = [Staging::None, Staging::Src, Staging::Dst, Staging::Both][mode as usize];
+    let mut plans = vec![("transfer", PairPlan::transfer(&config, &request, staging))];
+    if staging.stages_src() {
+        plans.push(("pack", PairPlan::pack(&config, staging, &request)));
+    }
+    if staging.stages_dst() {
+        plans.push(("unpack", PairPlan::unpack(&config, staging, &request)));
+    }
+    for (name, plan) in plans {
+        let plan = plan.unwrap_or_else(|e| panic!("{what} {name} {mode}: {e}"));
+        let counted = plan.num_segments().unwrap();
+        assert_eq!(
+            plan.walked_segments(),
+            counted as u64,
+            "{what} {name} mode {mode}: counted and walked segments differ"
+        );
+        if name == "transfer" {
+            assert_eq!(counted, transport, "{what} mode {mode}: count");
+        }
+    }
 }
 
 /// A random case for one pair: a layout kind and page size per side, and a request; with the
