@@ -14,6 +14,7 @@ use std::ptr::null_mut;
 
 use common::{local_heads, moved_heads, owned_heads, valid_tp};
 use mori_tp::ffi::*;
+use mori_tp::{PairPlan, Staging};
 use mori_tp_testkit::{Rng, mix};
 
 const HOST: MoriSendOptions = MoriSendOptions {
@@ -205,6 +206,62 @@ fn greedy_rects(segments: &[MoriSegment]) -> Vec<MoriCopyRect> {
         last = Some((s.src_offset, s.dst_offset));
     }
     rects
+}
+
+/// True when a side's pages hold the `n` moved heads and nothing else, back to back in an
+/// order (`head_major`: head-major in chunks of the page size; else token-major), found from
+/// the oracle's own segment count: three consecutive whole pages, walked in that order against
+/// a dense region of the same order, are one segment exactly when the slice's elements follow
+/// each other page after page.
+fn full(l: &MoriTpLayout, first_local: u64, n: u64, head_major: bool) -> bool {
+    let ps = u64::from(l.page_size);
+    let pages = [0, 1, 2];
+    let order = head_major.then_some(ps);
+    let pair = Pair {
+        src: Place::Pages {
+            layout: l,
+            pages: &pages,
+            first_local,
+        },
+        dst: Place::Region { chunk: order },
+        tokens: 3 * ps,
+        heads: n,
+        hb: l.head_bytes,
+    };
+    pair.segments(order).len() == 1
+}
+
+/// The staging `mori_tp_pair_staging_for` must choose (CONTRACT section 7), with "full" from
+/// the oracle's segment counts: not SEND, or both sides full token-major, or both full
+/// head-major with one page size: NONE; else the prefill side full in some order: DST; else
+/// the decode side full in some order: SRC; else BOTH.
+fn oracle_staging_for(
+    src: &MoriTpLayout,
+    dst: &MoriTpLayout,
+    firsts: Option<(u64, u64, u64)>,
+) -> MoriTpStaging {
+    let Some((src_first, dst_first, n)) = firsts else {
+        return MORI_TP_STAGING_NONE;
+    };
+    let [src_token, src_head] = [false, true].map(|hm| full(src, src_first, n, hm));
+    let [dst_token, dst_head] = [false, true].map(|hm| full(dst, dst_first, n, hm));
+    if (src_token && dst_token) || (src_head && dst_head && src.page_size == dst.page_size) {
+        MORI_TP_STAGING_NONE
+    } else if src_token || src_head {
+        MORI_TP_STAGING_DST
+    } else if dst_token || dst_head {
+        MORI_TP_STAGING_SRC
+    } else {
+        MORI_TP_STAGING_BOTH
+    }
+}
+
+fn library_staging_for(config: &MoriTpPairConfig) -> MoriTpStaging {
+    let mut out = 99;
+    // SAFETY: valid pointers.
+    let status = unsafe { mori_tp_pair_staging_for(config, &mut out) };
+    assert_eq!(status, MORI_OK, "{}", last_error());
+    out
 }
 
 // ---- layouts and requests ------------------------------------------------------------------
@@ -473,6 +530,11 @@ fn check_pair(case: &Case, what: &str) -> usize {
         .collect();
     let Some(moved) = moved else {
         assert_ne!(config.action, MORI_TP_ACTION_SEND, "{what}");
+        assert_eq!(
+            library_staging_for(&config),
+            MORI_TP_STAGING_NONE,
+            "{what}: staging_for of a pair that does not send"
+        );
         assert!(library_segments(&config, &r, MORI_TP_STAGING_NONE).is_empty());
         let mut dst = initial.clone();
         send(&config, case, &src, &mut dst);
@@ -494,6 +556,11 @@ fn check_pair(case: &Case, what: &str) -> usize {
         (src_first, dst_first)
     );
     let (n, hb, tokens) = (moved.len() as u64, src_l.head_bytes, case.tokens);
+    assert_eq!(
+        library_staging_for(&config),
+        oracle_staging_for(src_l, dst_l, Some((src_first, dst_first, n))),
+        "{what}: staging_for"
+    );
     let src_place = Place::Pages {
         layout: src_l,
         pages: &case.src_pages,
@@ -587,6 +654,7 @@ fn check_pair(case: &Case, what: &str) -> usize {
             staged.best_segments(page_sizes),
             "{what} mode {mode}: segments"
         );
+        check_walked_segments(case, mode, transport.len(), what);
         let region_len = buffers * len;
         let mut src_region = vec![0x11u8; region_len];
         if stages_src {
@@ -660,17 +728,51 @@ fn check_pair(case: &Case, what: &str) -> usize {
     segments.len()
 }
 
-/// A random case for one pair: a layout kind and page size per side, and a request.
-fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> Case {
-    let kinds = [
-        KINDS[rng.range(0, 4) as usize],
-        KINDS[rng.range(0, 4) as usize],
-    ];
+/// The plans' fast segment count (what `mori_tp_pair_segments` sizes its answer by, which
+/// skips work where rows cannot touch) equals the count from walking every element, for the
+/// transport plan of `mode` and for the pack and unpack plans it implies; the transport's is
+/// `transport` (the list the C ABI returned).
+fn check_walked_segments(case: &Case, mode: MoriTpStaging, transport: usize, what: &str) {
+    let config = mori_tp::pair_config(&case.src_layout, &case.dst_layout).unwrap();
+    let request = mori_tp::Request {
+        src_pages: &case.src_pages,
+        dst_pages: &case.dst_pages,
+        num_tokens: case.tokens,
+    };
+    let staging = [Staging::None, Staging::Src, Staging::Dst, Staging::Both][mode as usize];
+    let mut plans = vec![("transfer", PairPlan::transfer(&config, &request, staging))];
+    if staging.stages_src() {
+        plans.push(("pack", PairPlan::pack(&config, staging, &request)));
+    }
+    if staging.stages_dst() {
+        plans.push(("unpack", PairPlan::unpack(&config, staging, &request)));
+    }
+    for (name, plan) in plans {
+        let plan = plan.unwrap_or_else(|e| panic!("{what} {name} {mode}: {e}"));
+        let counted = plan.num_segments().unwrap();
+        assert_eq!(
+            plan.walked_segments(),
+            counted as u64,
+            "{what} {name} mode {mode}: counted and walked segments differ"
+        );
+        if name == "transfer" {
+            assert_eq!(counted, transport, "{what} mode {mode}: count");
+        }
+    }
+}
+
+/// A random case for one pair: a layout kind and page size per side, and a request; with the
+/// two kinds drawn.
+fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> (Case, [Kind; 2]) {
+    // `Rng::range` is inclusive at both ends: every kind, page size and head size can be drawn.
+    let mut pick = |len: usize| rng.range(0, len as u64 - 1) as usize;
+    let kinds = [KINDS[pick(KINDS.len())], KINDS[pick(KINDS.len())]];
     let page_sizes = [
-        PAGE_SIZES[rng.range(0, 3) as usize],
-        PAGE_SIZES[rng.range(0, 3) as usize],
+        PAGE_SIZES[pick(PAGE_SIZES.len())],
+        PAGE_SIZES[pick(PAGE_SIZES.len())],
     ];
-    let hb = [1u64, 2, 4, 6, 8][rng.range(0, 4) as usize];
+    const HEAD_BYTES: [u64; 5] = [1, 2, 4, 6, 8];
+    let hb = HEAD_BYTES[pick(HEAD_BYTES.len())];
     let max_ps = u64::from(page_sizes[0].max(page_sizes[1]));
     // Empty, whole pages of the larger size, or anything up to two of them.
     let tokens = match rng.range(0, 5) {
@@ -678,7 +780,7 @@ fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> C
         1 => max_ps * rng.range(1, 2),
         _ => rng.range(1, 2 * max_ps + 3),
     };
-    build_case(
+    let case = build_case(
         rng,
         h,
         [(p_tp, p), (d_tp, d)],
@@ -686,7 +788,8 @@ fn random_case(rng: &mut Rng, h: u32, p_tp: u32, p: u32, d_tp: u32, d: u32) -> C
         page_sizes,
         hb,
         tokens,
-    )
+    );
+    (case, kinds)
 }
 
 fn build_case(
@@ -726,6 +829,8 @@ fn build_case(
 #[test]
 fn every_valid_tp_pairing_up_to_16_moves_the_oracles_bytes_in_any_layout() {
     let mut checked = 0;
+    // How often each kind was drawn, per side: the sweep must cover every one on both.
+    let mut drawn = [[0usize; KINDS.len()]; 2];
     for h in 1..=16u32 {
         for p_tp in (1..=16u32).filter(|&t| valid_tp(h, t)) {
             for d_tp in (1..=16u32).filter(|&t| valid_tp(h, t)) {
@@ -739,7 +844,10 @@ fn every_valid_tp_pairing_up_to_16_moves_the_oracles_bytes_in_any_layout() {
                         if !sends && rng.range(0, 7) != 0 {
                             continue;
                         }
-                        let case = random_case(&mut rng, h, p_tp, p, d_tp, d);
+                        let (case, kinds) = random_case(&mut rng, h, p_tp, p, d_tp, d);
+                        for (side, kind) in kinds.into_iter().enumerate() {
+                            drawn[side][kind as usize] += 1;
+                        }
                         let what = format!(
                             "H {h} P {p_tp} D {d_tp} pair ({p}, {d}): {:?} -> {:?}, {} tokens",
                             case.src_layout, case.dst_layout, case.tokens
@@ -752,6 +860,14 @@ fn every_valid_tp_pairing_up_to_16_moves_the_oracles_bytes_in_any_layout() {
         }
     }
     assert!(checked > 1000, "only {checked} pairs checked");
+    for (side, counts) in ["prefill", "decode"].iter().zip(drawn) {
+        for (kind, count) in KINDS.iter().zip(counts) {
+            assert!(
+                count > 0,
+                "the sweep never drew {kind:?} on the {side} side"
+            );
+        }
+    }
 }
 
 #[test]
@@ -1013,8 +1129,120 @@ fn on_section_4_layouts_the_pair_functions_agree_with_sections_4_and_5() {
                         pair_dst == dst4,
                         "{what}: the pair send differs from section 4's"
                     );
+                    check_region_agreement(&config, &c4, &case, &src, &initial, &what);
                 }
             }
+        }
+    }
+}
+
+/// On a section-4 layout, the pair pack writes the region `mori_pack_kvcache` writes (SRC and
+/// BOTH), and the pair unpack of one region leaves the destination as `mori_unpack_kvcache`
+/// leaves it (DST and BOTH): the region contents agree, bytes past the region included.
+fn check_region_agreement(
+    config: &MoriTpPairConfig,
+    c4: &MoriTpSliceConfig,
+    case: &Case,
+    src: &[Vec<u8>],
+    initial: &[Vec<u8>],
+    what: &str,
+) {
+    let buffers = src.len();
+    let r = request(case);
+    let region_len = buffers * staging_len(config, case.tokens);
+    // A tail past the region, which neither call may touch.
+    let fill = vec![0x5Eu8; region_len + 64];
+    let src_ptrs: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
+    for mode in [MORI_TP_STAGING_SRC, MORI_TP_STAGING_BOTH] {
+        let (mut region7, mut region4) = (fill.clone(), fill.clone());
+        // SAFETY: buffers and regions of the stated sizes.
+        let status = unsafe {
+            mori_pack_kvcache_pair(
+                config,
+                mode,
+                src_ptrs.as_ptr(),
+                buffers,
+                case.src_len as u64,
+                &r,
+                region7.as_mut_ptr().cast(),
+                region_len as u64,
+                &HOST,
+            )
+        };
+        assert_eq!(status, MORI_OK, "{what} pair pack {mode}: {}", last_error());
+        // SAFETY: as above.
+        let status = unsafe {
+            mori_pack_kvcache(
+                c4,
+                src_ptrs.as_ptr(),
+                buffers,
+                case.src_len as u64,
+                case.src_pages.as_ptr(),
+                case.src_pages.len(),
+                region4.as_mut_ptr().cast(),
+                region_len as u64,
+                &HOST,
+            )
+        };
+        assert_eq!(status, MORI_OK, "{what} pack: {}", last_error());
+        assert!(
+            region7 == region4,
+            "{what} mode {mode}: the pair pack's region differs from mori_pack_kvcache's"
+        );
+        if config.action == MORI_TP_ACTION_SEND && region_len > 0 {
+            assert_ne!(
+                region7[..region_len],
+                fill[..region_len],
+                "{what}: packed nothing"
+            );
+        }
+    }
+    let region = pattern(0x3D, region_len);
+    for mode in [MORI_TP_STAGING_DST, MORI_TP_STAGING_BOTH] {
+        let (mut dst7, mut dst4) = (initial.to_vec(), initial.to_vec());
+        let ptrs7: Vec<*mut c_void> = dst7.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+        let ptrs4: Vec<*mut c_void> = dst4.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+        // SAFETY: buffers and a region of the stated sizes.
+        let status = unsafe {
+            mori_unpack_kvcache_pair(
+                config,
+                mode,
+                region.as_ptr().cast(),
+                region_len as u64,
+                ptrs7.as_ptr(),
+                buffers,
+                case.dst_len as u64,
+                &r,
+                &HOST,
+            )
+        };
+        assert_eq!(
+            status,
+            MORI_OK,
+            "{what} pair unpack {mode}: {}",
+            last_error()
+        );
+        // SAFETY: as above.
+        let status = unsafe {
+            mori_unpack_kvcache(
+                c4,
+                region.as_ptr().cast(),
+                region_len as u64,
+                ptrs4.as_ptr(),
+                buffers,
+                case.dst_len as u64,
+                case.dst_pages.as_ptr(),
+                case.dst_pages.len(),
+                &HOST,
+            )
+        };
+        assert_eq!(status, MORI_OK, "{what} unpack: {}", last_error());
+        assert!(
+            dst7 == dst4,
+            "{what} mode {mode}: the pair unpack differs from mori_unpack_kvcache"
+        );
+        if config.action == MORI_TP_ACTION_SEND && region_len > 0 {
+            assert!(dst7 != initial, "{what}: unpacked nothing");
         }
     }
 }

@@ -282,7 +282,8 @@ impl<'a> Walk<'a> {
         Ok(segments)
     }
 
-    /// The segments counted by walking every element (tests compare it with the count).
+    /// The segments counted by walking every element, without the shortcuts of
+    /// [`Walk::num_segments`]; `tests/layouts.rs` checks the two agree on every pair plan.
     #[doc(hidden)]
     pub fn walked_segments(&self) -> u64 {
         let mut merger = Merger::new(Counter::default());
