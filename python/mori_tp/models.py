@@ -36,6 +36,7 @@ many bytes do not depend on them); :func:`conv_state_layouts`, :func:`state_layo
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -53,6 +54,7 @@ __all__ = [
     "plan",
     "read_config",
     "state_layout",
+    "window_tokens",
 ]
 
 #: Elements that share one fp32 scale in the fp8 indexer and latent (SGLang's
@@ -592,6 +594,17 @@ def state_layout(group: Group, tp_size: int, tp_rank: int, ssm_dtype: str,
 # --- the plan -------------------------------------------------------------------------------
 
 
+def window_tokens(tokens: int, window: int, prefill_page_size: int,
+                  decode_page_size: int) -> int:
+    """The tokens a sliding window of ``window`` moves out of a ``tokens``-token sequence. The
+    library takes a window's ``first_token`` only on a page of both sides (REFERENCE.md section
+    15), so the window starts at ``tokens - window`` rounded down to a multiple of both page
+    sizes and moves up to ``lcm - 1`` tokens more than ``window``: 1000 tokens, a window of 128,
+    pages of 16 and 64 start at token 832 and move 168 tokens."""
+    lcm = math.lcm(max(prefill_page_size, 1), max(decode_page_size, 1))
+    return tokens - max(tokens - window, 0) // lcm * lcm
+
+
 def plan(facts: ModelFacts, prefill_tp: int, decode_tp: int, tokens: int,
          dtype: Optional[str] = None, ssm_dtype: Optional[str] = None,
          prefill_layout: str = "nhd", decode_layout: str = "nhd", prefill_page_size: int = 1,
@@ -626,7 +639,8 @@ def plan(facts: ModelFacts, prefill_tp: int, decode_tp: int, tokens: int,
     for g in facts.groups:
         moved = None
         if g.storage == "paged":
-            moved = tokens if g.window is None else min(tokens, g.window)
+            moved = tokens if g.window is None else window_tokens(
+                tokens, g.window, prefill_page_size, decode_page_size)
         unit_bytes = [p.unit_bytes(dtype, ssm_dtype) for p in g.parts]
         per_unit = [b * g.buffers_per_layer * len(g.layers) for b in unit_bytes]
 

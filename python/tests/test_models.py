@@ -206,6 +206,43 @@ class PlanTest(unittest.TestCase):
             models.plan(models.from_config(gpt_oss()), 3, 1, 10)
 
 
+    def test_a_window_moves_from_a_page_of_both_sides_as_the_library_requires(self):
+        """tokens_moved is what the library moves: the window's start rounded down to a page of
+        both sides. Each count is checked against the library itself: it refuses the unrounded
+        start and names the rounded one, and takes a request of that many tokens from it."""
+        facts = models.from_config(gpt_oss())
+        group = next(g for g in facts.groups if g.name == "sliding_attention")
+        cases = [  # (prefill page size, decode page size, tokens, tokens the library moves)
+            (16, 64, 1000, 168), (64, 16, 1000, 168), (48, 32, 1000, 136), (16, 16, 1000, 136),
+            (1, 1, 1000, 128), (16, 64, 100, 100), (16, 64, 192, 128), (16, 64, 150, 150), (64, 64, 1024, 128),
+        ]
+        for p_page, d_page, tokens, want in cases:
+            label = f"pages {p_page}/{d_page}, {tokens} tokens"
+            plan = models.plan(facts, 1, 4, tokens, prefill_page_size=p_page,
+                               decode_page_size=d_page)
+            sliding = next(g for g in plan if g["name"] == "sliding_attention")
+            self.assertEqual(sliding["tokens_moved"], want, label)
+            self.assertEqual(models.window_tokens(tokens, 128, p_page, d_page), want, label)
+            for rank in sliding["decode_ranks"]:
+                self.assertEqual(rank["bytes_per_request"], rank["bytes_per_token"] * want)
+            part = group.parts[0]
+            config = mori_tp.pair_config(
+                models.paged_layout(group, part, 1, 0, p_page, "nhd", "bf16", "bf16"),
+                models.paged_layout(group, part, 4, 0, d_page, "nhd", "bf16", "bf16"))
+
+            def window(first: int, count: int) -> mori_tp.Group:
+                return mori_tp.Group(config, Request(list(range(-(-count // p_page))),
+                                                     list(range(-(-count // d_page))), count),
+                                     first_token=first, num_buffers=1)
+
+            start = tokens - want
+            mori_tp.groups_info([window(start, want)])  # the library takes it
+            if tokens > 128 and (tokens - 128) != start:
+                with self.assertRaises(mori_tp.InvalidArgumentError) as caught:
+                    mori_tp.groups_info([window(tokens - 128, 128)])
+                self.assertIn(f"round it down to {start},", str(caught.exception), label)
+
+
 # --- state slots through the library, byte for byte ----------------------------------------
 
 #: A small Mamba2 layer: 8 heads of 2 channels (x), 4 groups of 3 channels (B, C), kernel 4.
