@@ -91,7 +91,8 @@ DEFAULT_TIMEOUT = 60.0
 #: a notification, two thread wake-ups), which smaller chunks do not win back (BENCHMARKS.md).
 MIN_CHUNK_BYTES = 4 << 20
 #: At most this many automatic chunks, and at most half the host's cores: overlapped stages need
-#: cores of their own (on two cores 2 chunks matched or beat 1, 4, 8 and 16; BENCHMARKS.md).
+#: cores of their own (on two cores 2 chunks were best in half the measured cases, 4 and 16 in
+#: none; BENCHMARKS.md).
 MAX_AUTO_CHUNKS = 8
 
 PROTOCOL = "mori-tp/1"
