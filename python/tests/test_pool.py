@@ -54,6 +54,53 @@ class StagingPoolTest(unittest.TestCase):
             pool.free(a)
             pool.free(b)
 
+    @unittest.skipIf(np is None, "numpy is not installed")
+    def test_a_view_keeps_the_region_mapped_after_close_until_it_is_dropped(self) -> None:
+        def mapped(address: int) -> bool:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                    if lo <= address < hi:
+                        return True
+            return False
+
+        pool = StagingPool(MIB, min_slot=4 * KIB)
+        address = pool.address
+        slot = pool.alloc(5000)
+        view = pool.view(slot)
+        view[:] = 7
+        part = pool.view()[slot.offset + 10:slot.offset + 20]  # a slice keeps its base
+        self.assertEqual(pool.live_views, 2)
+        # Live slots still refuse closing, views or not; the pool stays open.
+        with self.assertRaisesRegex(InvalidArgumentError, "1 slots .* are still allocated"):
+            pool.close()
+        self.assertFalse(pool.closed)
+        pool.free(slot)
+        pool.close()
+        self.assertTrue(pool.closed)
+        self.assertTrue(mapped(address))
+        self.assertTrue((view == 7).all())  # reads the region: still mapped
+        self.assertEqual(part.tolist(), [7] * 10)
+        dead = f"pool {pool.handle} is not a live staging pool"
+        for call in (lambda: pool.alloc(1), lambda: pool.try_alloc(1), lambda: pool.free(0),
+                     pool.info, pool.view):
+            with self.assertRaisesRegex(InvalidArgumentError, dead):
+                call()
+        pool.close()  # closing twice does nothing
+        del view
+        self.assertEqual(pool.live_views, 1)
+        self.assertTrue(mapped(address))
+        del part
+        self.assertEqual(pool.live_views, 0)
+        self.assertFalse(mapped(address), "the last view dropped: the region is unmapped")
+        # With no view alive, close unmaps at once.
+        pool = StagingPool(MIB, min_slot=4 * KIB)
+        address = pool.address
+        pool.view()[0] = 1  # a view dropped at once
+        self.assertEqual(pool.live_views, 0)
+        pool.close()
+        self.assertFalse(mapped(address))
+
     def test_a_full_pool_answers_none_or_waits_then_raises(self) -> None:
         with StagingPool(MIB, min_slot=64 * KIB) as pool:
             whole = pool.alloc(MIB)
