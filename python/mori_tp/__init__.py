@@ -1081,6 +1081,9 @@ class PoolInfo:
     huge_pages: bool
     #: The errno mlock failed with (EPERM, ENOMEM past RLIMIT_MEMLOCK), or 0.
     lock_errno: int
+    #: Calls of :meth:`StagingPool.alloc` waiting now for a slot to be freed (the pool was
+    #: full for them).
+    waiters: int = 0
 
 
 _POOL_MEMORY = {"host": _ffi.MORI_TP_POOL_HOST, "device": _ffi.MORI_TP_POOL_DEVICE}
@@ -1225,7 +1228,7 @@ class StagingPool:
             out.free_bytes, out.largest_free, out.free_blocks,
             "device" if out.memory == _ffi.MORI_TP_POOL_DEVICE else "host",
             bool(out.flags & _ffi.MORI_TP_POOL_LOCKED),
-            bool(out.flags & _ffi.MORI_TP_POOL_HUGE_PAGES), out.lock_errno,
+            bool(out.flags & _ffi.MORI_TP_POOL_HUGE_PAGES), out.lock_errno, out.waiters,
         )
 
     def view(self, slot: Optional[PoolSlot] = None) -> "numpy.ndarray":

@@ -5,6 +5,7 @@ for space instead of failing."""
 from __future__ import annotations
 
 import threading
+import time
 import unittest
 
 import mori_tp
@@ -147,15 +148,22 @@ class StagingPoolTest(unittest.TestCase):
                 StagingPool(**kwargs)
 
     def test_threads_queue_for_space_instead_of_failing(self) -> None:
-        # Six threads each take 3/8 of the pool at a time: at most two fit at once.
+        # Six threads each take 3/8 of the pool at a time: at most two fit at once. The test
+        # holds the pool full first, so every thread's first alloc must wait for its frees.
         with StagingPool(8 * MIB, min_slot=64 * KIB) as pool:
             failures = []
             peak = []
+            freeing = threading.Event()
+            first_grants_before_free = []
+            held = [pool.alloc(3 * MIB), pool.alloc(3 * MIB)]
+            self.assertIsNone(pool.try_alloc(3 * MIB))
 
             def work() -> None:
                 try:
-                    for _ in range(10):
+                    for i in range(10):
                         slot = pool.alloc(3 * MIB, timeout=60)
+                        if i == 0 and not freeing.is_set():
+                            first_grants_before_free.append(slot)  # granted while full
                         peak.append(pool.info().live_slots)
                         pool.free(slot)
                 except mori_tp.MoriError as error:  # pragma: no cover - reported below
@@ -164,12 +172,24 @@ class StagingPoolTest(unittest.TestCase):
             threads = [threading.Thread(target=work) for _ in range(6)]
             for thread in threads:
                 thread.start()
+            # The pool reports all six waiting on the full pool: they blocked, in whatever
+            # order they ran (bounded, so that a bug cannot hang the test).
+            deadline = time.monotonic() + 60
+            while pool.info().waiters < 6:
+                self.assertLess(time.monotonic(), deadline, f"waiting: {pool.info()}")
+                time.sleep(0.001)
+            self.assertEqual(peak, [], "no thread got a slot while the pool was full")
+            freeing.set()
+            for slot in held:
+                pool.free(slot)
             for thread in threads:
                 thread.join(120)
             self.assertEqual(failures, [])
+            self.assertEqual(first_grants_before_free, [])
             self.assertEqual(len(peak), 60)
             self.assertLessEqual(max(peak), 2)
             self.assertEqual(pool.info().live_slots, 0)
+            self.assertEqual(pool.info().waiters, 0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import unittest
 from typing import Any, List, Tuple
 from unittest import mock
@@ -315,12 +316,20 @@ class PoolBackpressureTest(unittest.TestCase):
         receiver = Receiver(receiver_transport).start()
         peak = []
         failures = []
+        # The test holds the pool full first: every thread's first request must wait for the
+        # test's frees before it gets a slot.
+        held = [pool.alloc(need), pool.alloc(need)]
+        self.assertIsNone(pool.try_alloc(need))
+        freeing = threading.Event()
+        granted_while_full = []
         with Streamer(sender, timeout=LONG) as streamer:
 
             def one(index: int) -> None:
                 sides = requests[index]
                 try:
                     slot = pool.alloc(need, timeout=LONG)
+                    if not freeing.is_set():
+                        granted_while_full.append(index)
                     peak.append(pool.info().live_slots)
                     # The decode rank tells the prefill rank its slot; both use it.
                     sides.remote = KvMemory(sides.remote.buffers, sides.remote.capacity,
@@ -336,11 +345,23 @@ class PoolBackpressureTest(unittest.TestCase):
                        for i in range(3)]
             for thread in threads:
                 thread.start()
+            # All three report waiting on the full pool (bounded: a bug cannot hang the test).
+            deadline = time.monotonic() + LONG
+            while pool.info().waiters < 3:
+                self.assertLess(time.monotonic(), deadline, f"waiting: {pool.info()}")
+                time.sleep(0.001)
+            self.assertEqual(peak, [], "no request got a slot while the pool was full")
+            freeing.set()
+            for slot in held:
+                pool.free(slot)
             for thread in threads:
                 thread.join(LONG * 4)
         receiver.close()
         self.assertEqual(failures, [])
+        self.assertEqual(granted_while_full, [])
+        self.assertEqual(len(peak), 6)
         self.assertLessEqual(max(peak), 2)
+        self.assertEqual(pool.info().waiters, 0)
         for index, sides in enumerate(requests):
             sides.assert_delivered(self, f"request {index}")
         pool.close()
