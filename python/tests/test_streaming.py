@@ -6,6 +6,7 @@ reported. The real engines run the same between two processes in engine_streamin
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 import time
@@ -184,6 +185,90 @@ class StreamingTest(unittest.TestCase):
                     else ((first[0], first[0] + 2), (LAYERS + first[0], LAYERS + first[0] + 2)))
                 self.assertEqual(len(seen), LAYERS - 1)
                 self.assertEqual(incoming.layers_ready(LAYERS), list(range(LAYERS)))
+
+    def test_ready_takes_an_object_with_synchronize_and_a_raw_hip_event_handle(self):
+        """An object's synchronize() and an int hipEvent_t both hold the layer back until they
+        return; the int goes to hipEventSynchronize of the HIP runtime loaded with ctypes (here
+        a C-callable stand-in injected as the runtime: this machine has no HIP)."""
+        from mori_tp.engines import streaming
+
+        class TorchLikeEvent:
+            def __init__(self) -> None:
+                self.calls = 0
+
+            def synchronize(self) -> None:
+                self.calls += 1
+
+        entered, release = threading.Event(), threading.Event()
+        handles: List[int] = []
+        status = [0]
+
+        @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+        def hip_event_synchronize(event: int) -> int:
+            handles.append(event)
+            entered.set()
+            release.wait(LONG)
+            return status[0]
+
+        class Runtime:  # what ctypes.CDLL("libamdhip64.so") offers: the function by name
+            hipEventSynchronize = hip_event_synchronize
+
+        def run(handle: int, rid: str):
+            sides = sides_for(Staging.SRC)
+            sender, receiver_transport, peer = mooncake_pair(sides)
+            receiver = Receiver(receiver_transport).start()
+            incoming = expect(receiver, sides, rid, Staging.SRC)
+            torch_like = TorchLikeEvent()
+            with Streamer(sender, timeout=LONG) as streamer:
+                stream = streamer.open(peer, sides.plan(Staging.SRC), rid, layers=LAYERS)
+                stream.submit(0, ready=torch_like)
+                stream.submit(1, ready=handle)
+                self.assertTrue(entered.wait(LONG), "hipEventSynchronize never called")
+                # Layer 1 is held in hipEventSynchronize: it has not been written.
+                self.assertNotIn(1, incoming.buffers_ready)
+                release.set()
+                for layer in range(2, LAYERS):
+                    stream.submit(layer)
+                stream.seal()
+                try:
+                    stream.wait(LONG)
+                finally:
+                    entered.clear()
+                    release.clear()
+            self.assertEqual(torch_like.calls, 1)
+            return sides, receiver, incoming
+
+        saved = streaming._hip_sync
+        streaming._hip_sync = None
+        try:
+            with mock.patch.object(streaming, "_load_hip_runtime", return_value=Runtime()):
+                sides, receiver, incoming = run(0x7F00DEAD0, "hip-event")
+                receiver.wait(incoming, LONG)
+                receiver.close()
+                sides.assert_delivered(self, "a layer behind a hipEvent_t")
+                self.assertEqual(handles, [0x7F00DEAD0])
+                status[0] = 400  # hipErrorInvalidHandle: the stream fails and says so
+                with self.assertRaisesRegex(mori_tp.GpuError,
+                                            "hipEventSynchronize\\(0x7f00beef\\) failed: "
+                                            "hipError_t 400"):
+                    run(0x7F00BEEF, "hip-event-fails")
+                self.assertEqual(handles[-1], 0x7F00BEEF)
+            # No HIP runtime: a clear error naming what was tried, raised by the stream.
+            streaming._hip_sync = None
+            with mock.patch.object(streaming, "HIP_RUNTIME_NAMES", ("libno-such-hip.so",)), \
+                    mock.patch.dict("os.environ", {"ROCM_PATH": "/nonexistent-rocm"}), \
+                    mock.patch.object(streaming.os.path, "join",
+                                      lambda *parts: "/nonexistent/" + parts[-1]):
+                with self.assertRaises(mori_tp.BackendUnavailableError) as caught:
+                    streaming.hip_event_synchronize(0x10)
+            self.assertIn("needs HIP's runtime (libamdhip64)", str(caught.exception))
+            self.assertIn("libno-such-hip.so", str(caught.exception))
+            with self.assertRaisesRegex(InvalidArgumentError, "null event"):
+                streaming.hip_event_synchronize(0)
+            with self.assertRaisesRegex(TypeError, "hipEvent_t \\(int\\)"):
+                streaming._wait_ready(1.5)
+        finally:
+            streaming._hip_sync = saved
 
     def test_a_layer_submitted_twice_or_never_is_refused_and_changes_nothing(self):
         sides = sides_for(Staging.SRC)

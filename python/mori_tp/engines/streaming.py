@@ -17,7 +17,8 @@ Prefill rank (:class:`Streamer`, one per transport)::
     stream = streamer.open(peer, plan, "req-18", layers=num_layers)
     for layer in range(num_layers):
         run_layer(layer)
-        stream.submit(layer, ready=layer_event)   # a torch.cuda.Event, a callable, or None
+        stream.submit(layer, ready=layer_event)   # a torch.cuda.Event, a hipEvent_t (int),
+                                                  # a callable, or None
     stream.seal()                                 # after the last layer: the count is final
     result = stream.wait()
 
@@ -49,6 +50,7 @@ measurement behind the constants.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
@@ -57,7 +59,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import mori_tp
-from mori_tp import InvalidArgumentError, PageIndices, SliceConfig, Staging
+from mori_tp import (
+    BackendUnavailableError,
+    GpuError,
+    InvalidArgumentError,
+    PageIndices,
+    SliceConfig,
+    Staging,
+)
 
 from . import (
     BufferRanges,
@@ -81,6 +90,7 @@ __all__ = [
     "RequestStream",
     "Streamer",
     "chunk_ranges",
+    "hip_event_synchronize",
     "layer_buffers",
 ]
 
@@ -215,17 +225,77 @@ def parse_message(message: bytes) -> Optional[Message]:
 # --- the prefill side ----------------------------------------------------------------------
 
 
+#: Where :func:`hip_event_synchronize` looks for HIP's runtime, in order: the loader's search
+#: path, then ``$ROCM_PATH/lib`` and ``/opt/rocm/lib``.
+HIP_RUNTIME_NAMES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
+
+_hip_sync_lock = threading.Lock()
+_hip_sync: Optional[Callable[[int], int]] = None
+
+
+def _load_hip_runtime() -> Any:
+    """HIP's runtime (libamdhip64) through ctypes, or BackendUnavailableError naming where it
+    looked."""
+    tried = []
+    roots = [os.environ.get("ROCM_PATH", ""), "/opt/rocm"]
+    candidates = list(HIP_RUNTIME_NAMES) + [os.path.join(root, "lib", "libamdhip64.so")
+                                            for root in roots if root]
+    for name in candidates:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as error:
+            tried.append(f"{name} ({error})")
+    raise BackendUnavailableError(
+        "a hipEvent_t as ready= needs HIP's runtime (libamdhip64), which could not be loaded: "
+        "tried " + "; ".join(tried) + ". Install ROCm or set ROCM_PATH, or pass an object "
+        "with synchronize() (a torch.cuda.Event) or a callable instead")
+
+
+def hip_event_synchronize(event: int) -> None:
+    """Blocks until a ``hipEvent_t`` (its handle as an int) has completed:
+    ``hipEventSynchronize`` from libamdhip64, loaded once with ctypes (:data:`HIP_RUNTIME_NAMES`).
+
+    Raises:
+        BackendUnavailableError: libamdhip64 cannot be loaded, or has no hipEventSynchronize.
+        GpuError: hipEventSynchronize failed (its hipError_t in the message).
+        InvalidArgumentError: a null handle.
+    """
+    global _hip_sync
+    if not event:
+        raise InvalidArgumentError("ready: a hipEvent_t of 0 is a null event")
+    with _hip_sync_lock:
+        if _hip_sync is None:
+            runtime = _load_hip_runtime()
+            try:
+                function = runtime.hipEventSynchronize
+            except AttributeError:
+                raise BackendUnavailableError(
+                    f"the HIP runtime {getattr(runtime, '_name', runtime)!r} has no "
+                    "hipEventSynchronize") from None
+            function.argtypes = [ctypes.c_void_p]
+            function.restype = ctypes.c_int
+            _hip_sync = function
+        sync = _hip_sync
+    status = sync(event)
+    if status != 0:
+        raise GpuError(f"hipEventSynchronize(0x{event:x}) failed: hipError_t {status}")
+
+
 def _wait_ready(ready: Any) -> None:
-    """Blocks until a layer's data is ready: None (now), a callable, or an object with a
-    ``synchronize()`` method (a torch.cuda.Event on ROCm wraps a hipEvent)."""
+    """Blocks until a layer's data is ready: None (now), an object with a ``synchronize()``
+    method (a torch.cuda.Event; on ROCm it wraps a hipEvent), a ``hipEvent_t`` handle as an int
+    (:func:`hip_event_synchronize`), or a callable."""
     if ready is None:
         return
     if hasattr(ready, "synchronize"):
         ready.synchronize()
+    elif isinstance(ready, int) and not isinstance(ready, bool):
+        hip_event_synchronize(ready)
     elif callable(ready):
         ready()
     else:
-        raise TypeError(f"ready must be None, a callable or have synchronize(), not {ready!r}")
+        raise TypeError(f"ready must be None, a callable, a hipEvent_t (int) or have "
+                        f"synchronize(), not {ready!r}")
 
 
 class RequestStream:
@@ -275,8 +345,10 @@ class RequestStream:
                buffers: Optional[BufferRanges] = None, ready: Any = None,
                pack_here: bool = False) -> int:
         """Queues one chunk: ``layers`` (a layer or several; needs ``layers=`` at open) or
-        ``buffers`` (ranges). Packing waits for ``ready`` (None: ready now; a callable; or an
-        object with ``synchronize()``, such as the layer's torch.cuda.Event) on the streamer's
+        ``buffers`` (ranges). Packing waits for ``ready`` (None: ready now; a callable; an
+        object with ``synchronize()``, such as the layer's torch.cuda.Event; or a raw
+        ``hipEvent_t`` handle as an int, synchronized with ``hipEventSynchronize`` from
+        libamdhip64, loaded with ctypes: :func:`hip_event_synchronize`) on the streamer's
         thread, so this returns at once; with ``pack_here`` it waits and packs on the calling
         thread instead (one thread handoff fewer per chunk, for a caller that has nothing else
         to do, as :meth:`Streamer.send`). Returns the chunk's index.
