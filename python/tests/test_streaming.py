@@ -7,6 +7,7 @@ reported. The real engines run the same between two processes in engine_streamin
 from __future__ import annotations
 
 import ctypes
+import inspect
 import random
 import threading
 import time
@@ -269,6 +270,54 @@ class StreamingTest(unittest.TestCase):
                 streaming._wait_ready(1.5)
         finally:
             streaming._hip_sync = saved
+
+    def test_released_and_close_are_bounded_by_default_and_raise_on_timeout(self):
+        """A layer whose ready never returns holds the stream's memory and the streamer's
+        packing thread: released() and close() end after their timeouts (default the
+        streamer's) with a TransferTimeoutError naming what is held, and succeed once it
+        returns."""
+        from mori_tp.engines import TransferTimeoutError
+        from mori_tp.engines.streaming import RequestStream
+
+        # None means the stream's or the streamer's own timeout, never unbounded.
+        for name in ("released", "close"):
+            default = getattr(RequestStream if name == "released" else Streamer, name)
+            self.assertIsNone(inspect.signature(default).parameters["timeout"].default, name)
+        gate = threading.Event()
+        sides = sides_for(Staging.SRC)
+        sender, receiver_transport, peer = mooncake_pair(sides)
+        receiver = Receiver(receiver_transport).start()
+        incoming = expect(receiver, sides, "held", Staging.SRC)
+        released: List[int] = []
+        streamer = Streamer(sender, timeout=0.2)  # the default of both waits below
+        stream = streamer.open(peer, sides.plan(Staging.SRC), "held", layers=LAYERS,
+                               release=lambda: released.append(1), timeout=0.2)
+        stream.submit(0, ready=lambda: gate.wait(LONG))
+        for layer in range(1, LAYERS):
+            stream.submit(layer)
+        stream.seal()
+        started = time.monotonic()
+        with self.assertRaisesRegex(TransferTimeoutError,
+                                    "request held .*: local memory not released after 0.2 s: "
+                                    "still in use: 6 chunks submitted, sealed with 6"):
+            stream.released()
+        with self.assertRaisesRegex(TransferTimeoutError,
+                                    "Streamer.close: mori-tp-pack, mori-tp-write still running "
+                                    "after 0.05 s"):
+            streamer.close(timeout=0.05)
+        with self.assertRaisesRegex(TransferTimeoutError, "still running after 0.2 s"):
+            streamer.close()
+        self.assertLess(time.monotonic() - started, LONG, "the waits were bounded")
+        self.assertEqual(released, [])
+        gate.set()  # the layer is ready: the stream (which those waits did not fail) ends ...
+        self.assertEqual(stream.wait(LONG).chunks, LAYERS)
+        self.assertTrue(stream.released(LONG))  # ... and lets its memory go
+        self.assertEqual(released, [1])
+        streamer.close(timeout=LONG)  # and the threads end
+        self.assertFalse(any(t.is_alive() for t in streamer._threads))
+        receiver.wait(incoming, LONG)  # the request landed whole
+        receiver.close()
+        sides.assert_delivered(self, "a layer released late")
 
     def test_a_layer_submitted_twice_or_never_is_refused_and_changes_nothing(self):
         sides = sides_for(Staging.SRC)

@@ -437,11 +437,25 @@ class RequestStream:
 
     def released(self, timeout: Optional[float] = None) -> bool:
         """Waits until the stream no longer uses its local memory (every chunk it took is
-        written or dropped) and its ``release`` has run; whether it has, after at most
-        ``timeout`` seconds. A failed stream gets there once the engine call in progress, if
-        any, has returned (the engine bounds it); one whose engine may still read the memory
-        (``engine_busy``) never does, and says why in :attr:`kept`."""
-        return self._released.wait(timeout)
+        written or dropped) and its ``release`` has run; returns True. ``timeout``: seconds,
+        default the stream's (:meth:`Streamer.open`'s ``timeout``, else the streamer's,
+        :data:`DEFAULT_TIMEOUT` = 60 s unless told otherwise); never unbounded. A failed
+        stream gets there once the engine call in progress, if any, has returned (the engine
+        bounds it); one whose engine may still read the memory (``engine_busy``) never does,
+        and says why in :attr:`kept`.
+
+        Raises:
+            TransferTimeoutError: not released after ``timeout`` seconds; the message says
+                why the memory is kept (:attr:`kept`) or what is still in progress.
+        """
+        limit = self.timeout if timeout is None else timeout
+        if not self._released.wait(limit):
+            why = self.kept or f"still in use: {self._progress()}"
+            raise TransferTimeoutError(
+                f"request {self.request_id} {about(self.peer, None)}: local memory not "
+                f"released after {limit} s: {why}", peer=self.peer,
+                request_id=self.request_id)
+        return True
 
     # -- helpers --
 
@@ -514,6 +528,7 @@ class Streamer:
     def __init__(self, transport: Any, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.transport = transport
         self.timeout = timeout
+        self._closing = False
         self._packing: "queue.Queue[Any]" = queue.Queue()
         self._writing: "queue.Queue[Any]" = queue.Queue()
         self._threads = [
@@ -561,11 +576,28 @@ class Streamer:
         request.seal()
         return request.wait()
 
-    def close(self) -> None:
-        """Stops the threads once the queued work is done."""
-        self._packing.put(None)
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stops the threads once the queued work is done, waiting at most ``timeout`` seconds
+        for both (default the streamer's ``timeout``, :data:`DEFAULT_TIMEOUT` = 60 s unless
+        told otherwise). Closing again waits again for threads still running.
+
+        Raises:
+            TransferTimeoutError: a thread still running after ``timeout`` (a ``ready`` that
+                never returns, an engine call that does not end); the message names it.
+        """
+        limit = self.timeout if timeout is None else timeout
+        if not self._closing:
+            self._closing = True
+            self._packing.put(None)
+        deadline = time.monotonic() + limit
         for thread in self._threads:
-            thread.join(self.timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        running = [thread.name for thread in self._threads if thread.is_alive()]
+        if running:
+            raise TransferTimeoutError(
+                f"Streamer.close: {', '.join(running)} still running after {limit} s "
+                f"({self._packing.qsize()} items waiting to pack, {self._writing.qsize()} to "
+                f"write): a ready= that has not returned, or an engine call in progress")
 
     def __enter__(self) -> "Streamer":
         return self
