@@ -4,8 +4,8 @@
 
 use std::ffi::CStr;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -112,7 +112,12 @@ fn a_host_pool_hands_out_disjoint_writable_slots_inside_its_region() {
         0
     );
     let absent = resident.iter().filter(|&&r| r & 1 == 0).count();
-    assert_eq!(absent, 0, "{absent} of {} pages not resident", resident.len());
+    assert_eq!(
+        absent,
+        0,
+        "{absent} of {} pages not resident",
+        resident.len()
+    );
     // Locked as reported: the kernel counts the region in VmLck; else the errno says why not.
     if region.flags & MORI_TP_POOL_LOCKED != 0 {
         assert_eq!(region.lock_errno, 0);
@@ -209,7 +214,10 @@ fn a_waiting_alloc_is_served_when_another_thread_frees() {
     }
     assert_eq!(info(pool).waiters, 1);
     assert_eq!(info(pool).live_slots, 1, "the pool is still full");
-    assert!(!returned.load(Ordering::SeqCst), "alloc returned while the pool was full");
+    assert!(
+        !returned.load(Ordering::SeqCst),
+        "alloc returned while the pool was full"
+    );
     assert_eq!(mori_tp_pool_free(pool, whole.offset), MORI_OK);
     let (offset, size) = waiter.join().unwrap().expect("served by the free");
     assert_eq!((offset, size), (0, 512 << 10), "the freed space");

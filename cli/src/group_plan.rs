@@ -104,7 +104,10 @@ fn dtype_name(bytes: UnitBytes, cache: Dtype, state: Dtype) -> String {
 /// up to `lcm - 1` tokens more than `window`. Pages of 16 and 64, 1000 tokens, a window of 128:
 /// from token 832, 168 tokens.
 pub fn window_tokens(tokens: u32, window: u32, prefill_page: u32, decode_page: u32) -> u64 {
-    let (a, b) = (u64::from(prefill_page.max(1)), u64::from(decode_page.max(1)));
+    let (a, b) = (
+        u64::from(prefill_page.max(1)),
+        u64::from(decode_page.max(1)),
+    );
     let (mut x, mut y) = (a, b);
     while y != 0 {
         (x, y) = (y, x % y);
