@@ -300,9 +300,10 @@ typedef struct MoriTpPoolInfo {
    */
   int32_t lock_errno;
   /**
-   * 0.
+   * Calls of mori_tp_pool_alloc waiting now for a slot to be freed (the pool was full for
+   * them). Formerly a reserved field that read 0; the layout is unchanged.
    */
-  uint32_t reserved;
+  uint32_t waiters;
 } MoriTpPoolInfo;
 
 /**

@@ -4,9 +4,10 @@
 
 use std::ffi::CStr;
 use std::ptr::null_mut;
-use std::sync::mpsc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mori_tp::ffi::*;
 
@@ -54,6 +55,21 @@ fn info(pool: MoriTpPool) -> MoriTpPoolInfo {
     unsafe { out.assume_init() }
 }
 
+/// The process's locked memory (`VmLck` of /proc/self/status), in bytes.
+fn locked_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmLck:"))
+        .expect("a VmLck line");
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .expect("VmLck: <n> kB");
+    kib * 1024
+}
+
 fn try_alloc(pool: MoriTpPool, size: u64) -> Result<MoriTpSlot, MoriStatus> {
     let mut slot = std::mem::MaybeUninit::uninit();
     // SAFETY: valid pointers.
@@ -85,12 +101,38 @@ fn a_host_pool_hands_out_disjoint_writable_slots_inside_its_region() {
         0,
         "aligned for huge pages"
     );
-    // Either locked, or the errno says why not.
+    // Every page is resident once create returns (mlock, or the populate that replaces it).
+    let (base, len) = (region.base, region.capacity as usize);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    let mut resident = vec![0u8; len.div_ceil(page)];
+    // SAFETY: [base, base + len) is the pool's live mapping; the vector has a byte per page.
     assert_eq!(
-        region.flags & MORI_TP_POOL_LOCKED != 0,
-        region.lock_errno == 0,
-        "{region:?}"
+        unsafe { libc::mincore(base, len, resident.as_mut_ptr()) },
+        0
     );
+    let absent = resident.iter().filter(|&&r| r & 1 == 0).count();
+    assert_eq!(
+        absent,
+        0,
+        "{absent} of {} pages not resident",
+        resident.len()
+    );
+    // Locked as reported: the kernel counts the region in VmLck; else the errno says why not.
+    if region.flags & MORI_TP_POOL_LOCKED != 0 {
+        assert_eq!(region.lock_errno, 0);
+        assert!(
+            locked_bytes() >= region.capacity,
+            "reported locked, but VmLck is {} bytes",
+            locked_bytes()
+        );
+    } else {
+        assert!(
+            [libc::EPERM, libc::ENOMEM, libc::EAGAIN].contains(&region.lock_errno),
+            "not locked, errno {}",
+            region.lock_errno
+        );
+    }
     let slots: Vec<MoriTpSlot> = [100_000, 1 << 20, 1, 700_000]
         .iter()
         .map(|&size| try_alloc(pool, size).unwrap())
@@ -154,15 +196,32 @@ fn a_full_pool_answers_buffer_too_small_at_once_or_after_the_timeout() {
 fn a_waiting_alloc_is_served_when_another_thread_frees() {
     let pool = create(1 << 20, 64 << 10);
     let whole = try_alloc(pool, 1 << 20).unwrap();
-    let (asked, waiting) = mpsc::channel();
-    let waiter = thread::spawn(move || {
-        asked.send(()).unwrap();
-        alloc(pool, 512 << 10, 120_000).map(|slot| (slot.offset, slot.size))
+    let returned = Arc::new(AtomicBool::new(false));
+    let waiter = thread::spawn({
+        let returned = Arc::clone(&returned);
+        move || {
+            let slot = alloc(pool, 512 << 10, 120_000).map(|slot| (slot.offset, slot.size));
+            returned.store(true, Ordering::SeqCst);
+            slot
+        }
     });
-    waiting.recv().unwrap();
+    // The pool reports the call waiting (it found the pool full and sleeps until a free):
+    // proof that it blocked, whatever the scheduling. Bounded so that a bug cannot hang.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while info(pool).waiters == 0 {
+        assert!(Instant::now() < deadline, "alloc never waited");
+        thread::yield_now();
+    }
+    assert_eq!(info(pool).waiters, 1);
+    assert_eq!(info(pool).live_slots, 1, "the pool is still full");
+    assert!(
+        !returned.load(Ordering::SeqCst),
+        "alloc returned while the pool was full"
+    );
     assert_eq!(mori_tp_pool_free(pool, whole.offset), MORI_OK);
     let (offset, size) = waiter.join().unwrap().expect("served by the free");
-    assert_eq!(size, 512 << 10);
+    assert_eq!((offset, size), (0, 512 << 10), "the freed space");
+    assert_eq!(info(pool).waiters, 0);
     assert_eq!(mori_tp_pool_free(pool, offset), MORI_OK);
     assert_eq!(mori_tp_pool_destroy(pool), MORI_OK);
 }

@@ -98,6 +98,25 @@ fn dtype_name(bytes: UnitBytes, cache: Dtype, state: Dtype) -> String {
     }
 }
 
+/// The tokens a sliding window of `window` moves out of a `tokens`-token sequence: the library
+/// takes a window's first token only on a page of both sides (REFERENCE.md section 15), so the
+/// window starts at `tokens - window` rounded down to a multiple of both page sizes, and moves
+/// up to `lcm - 1` tokens more than `window`. Pages of 16 and 64, 1000 tokens, a window of 128:
+/// from token 832, 168 tokens.
+pub fn window_tokens(tokens: u32, window: u32, prefill_page: u32, decode_page: u32) -> u64 {
+    let (a, b) = (
+        u64::from(prefill_page.max(1)),
+        u64::from(decode_page.max(1)),
+    );
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    let lcm = a / x * b;
+    let start = u64::from(tokens.saturating_sub(window));
+    u64::from(tokens) - start / lcm * lcm
+}
+
 impl GroupsPlan {
     /// Checks every part's units against both TP sizes: by section 3 (the library), and for the
     /// parts engines split only evenly, `units % tp == 0`. Every problem is reported.
@@ -146,7 +165,12 @@ impl GroupsPlan {
             }
             let tokens_moved = match group.storage {
                 Storage::Paged { window: None } => Some(u64::from(tokens)),
-                Storage::Paged { window: Some(w) } => Some(u64::from(tokens.min(w))),
+                Storage::Paged { window: Some(w) } => Some(window_tokens(
+                    tokens,
+                    w,
+                    layout.prefill_paging.page_size,
+                    layout.decode_paging.page_size,
+                )),
                 Storage::Slot { .. } => None,
             };
             let dtype_names = group

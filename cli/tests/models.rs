@@ -432,8 +432,27 @@ fn ssm_dtype_and_the_fp8_latent_change_only_the_bytes_they_name() {
 fn a_sliding_window_group_moves_only_its_window() {
     let cfg = config("gpt-oss-20b");
     let window = u(&cfg["sliding_window"]);
-    for tokens in [1000u64, 100] {
-        let n = tokens.to_string();
+    assert_eq!(window, 128);
+    // (prefill page size, decode page size, tokens, tokens the library moves): the window
+    // starts at tokens - window rounded down to a multiple of both page sizes, the only start
+    // the library takes (REFERENCE.md section 15: pages 16 and 64, 1000 tokens, 168 tokens).
+    let cases = [
+        (1u64, 1u64, 1000u64, 128u64),
+        (1, 1, 100, 100),
+        (16, 64, 1000, 168),
+        (64, 16, 1000, 168),
+        (16, 16, 1000, 136),
+        (48, 32, 1000, 136),
+        (16, 64, 192, 128),
+        (16, 64, 150, 150),
+    ];
+    for (prefill_page, decode_page, tokens, moved) in cases {
+        let label = format!("pages {prefill_page}/{decode_page}, {tokens} tokens");
+        let (n, pp, dp) = (
+            tokens.to_string(),
+            prefill_page.to_string(),
+            decode_page.to_string(),
+        );
         let plan = json_of(&[
             "plan",
             "--config",
@@ -442,21 +461,31 @@ fn a_sliding_window_group_moves_only_its_window() {
             "1",
             "--decode-tp",
             "4",
+            "--prefill-page-size",
+            &pp,
+            "--decode-page-size",
+            &dp,
             "--tokens",
             &n,
             "--json",
         ]);
         let sliding = group(&plan, "sliding_attention");
-        assert_eq!(u(&sliding["window"]), window);
-        assert_eq!(u(&sliding["tokens_moved"]), tokens.min(window));
+        assert_eq!(u(&sliding["window"]), window, "{label}");
+        assert_eq!(u(&sliding["tokens_moved"]), moved, "{label}");
+        // The start is on a page of both sides, and no later start on one covers the window.
+        let start = tokens - moved;
+        assert_eq!(start % prefill_page, 0, "{label}");
+        assert_eq!(start % decode_page, 0, "{label}");
+        assert!(moved >= tokens.min(window), "{label}");
         for rank in sliding["decode_ranks"].as_array().unwrap() {
             assert_eq!(
                 u(&rank["bytes_per_request"]),
-                u(&rank["bytes_per_token"]) * tokens.min(window)
+                u(&rank["bytes_per_token"]) * moved,
+                "{label}"
             );
         }
         let full = group(&plan, "full_attention");
-        assert_eq!(u(&full["tokens_moved"]), tokens);
+        assert_eq!(u(&full["tokens_moved"]), tokens, "{label}");
     }
 }
 

@@ -62,6 +62,8 @@ import array
 import ctypes
 import enum
 import operator
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
@@ -1079,6 +1081,9 @@ class PoolInfo:
     huge_pages: bool
     #: The errno mlock failed with (EPERM, ENOMEM past RLIMIT_MEMLOCK), or 0.
     lock_errno: int
+    #: Calls of :meth:`StagingPool.alloc` waiting now for a slot to be freed (the pool was
+    #: full for them).
+    waiters: int = 0
 
 
 _POOL_MEMORY = {"host": _ffi.MORI_TP_POOL_HOST, "device": _ffi.MORI_TP_POOL_DEVICE}
@@ -1097,6 +1102,11 @@ class StagingPool:
     allocator that coalesces free space and wastes less than ``min_slot`` per slot.
     Thread-safe: :meth:`alloc` waits (with the GIL released) while the pool is full, so
     concurrent requests queue for space instead of failing.
+
+    A :meth:`view` keeps the region mapped, as a numpy array keeps its base alive: :meth:`close`
+    while views (or arrays sliced from them) are alive closes the pool at once (every call but
+    ``close`` then raises) and unmaps the region when the last of them is dropped; with no view
+    alive it unmaps at once.
 
     Args:
         capacity: bytes of the region, a multiple of ``min_slot``.
@@ -1123,13 +1133,18 @@ class StagingPool:
             _POOL_MEMORY[memory],
             0,
         )
+        self._lock = threading.Lock()
+        #: Views alive (their ctypes buffers not yet collected), and whether close() left the
+        #: destroy to the last of them.
+        self._views = 0
+        self._destroy_pending = False
         handle = ctypes.c_uint64()
         status = _lib.mori_tp_pool_create(ctypes.byref(options), ctypes.byref(handle))
         if status != _ffi.MORI_OK:
             _raise_last(status)
         self._handle = handle.value
         self._closed = False
-        first = self.info()
+        first = self._info()
         #: The region's first byte (register ``(address, capacity)`` with the engine).
         self.address: int = first.base
         self.capacity: int = first.capacity
@@ -1145,7 +1160,17 @@ class StagingPool:
     def closed(self) -> bool:
         return self._closed
 
+    def _check_open(self, where: str) -> None:
+        """Refuses a call on a pool closed while views kept its region (the library still
+        knows the handle until the last view goes, but the pool is closed)."""
+        if self._closed:
+            raise InvalidArgumentError(
+                f"{where}: invalid argument: pool {self._handle} is not a live staging pool "
+                f"(closed; its region stays mapped until its last view is dropped)"
+            )
+
     def _slot(self, function: Any, *args: Any) -> Tuple[int, PoolSlot]:
+        self._check_open("StagingPool")
         out = _ffi.MoriTpSlot()
         status = function(self._handle, *args, ctypes.byref(out))
         if status != _ffi.MORI_OK:
@@ -1181,6 +1206,7 @@ class StagingPool:
         """Returns a slot (or the slot at an offset). A double free, or an offset where no slot
         starts, raises :class:`InvalidArgumentError` and changes nothing."""
         offset = slot.offset if isinstance(slot, PoolSlot) else slot
+        self._check_open("StagingPool.free")
         status = _lib.mori_tp_pool_free(
             self._handle, _unsigned(offset, "offset", 64, "StagingPool.free")
         )
@@ -1189,6 +1215,10 @@ class StagingPool:
 
     def info(self) -> PoolInfo:
         """The region and its counters now."""
+        self._check_open("StagingPool.info")
+        return self._info()
+
+    def _info(self) -> PoolInfo:
         out = _ffi.MoriTpPoolInfo()
         status = _lib.mori_tp_pool_info(self._handle, ctypes.byref(out))
         if status != _ffi.MORI_OK:
@@ -1198,25 +1228,63 @@ class StagingPool:
             out.free_bytes, out.largest_free, out.free_blocks,
             "device" if out.memory == _ffi.MORI_TP_POOL_DEVICE else "host",
             bool(out.flags & _ffi.MORI_TP_POOL_LOCKED),
-            bool(out.flags & _ffi.MORI_TP_POOL_HUGE_PAGES), out.lock_errno,
+            bool(out.flags & _ffi.MORI_TP_POOL_HUGE_PAGES), out.lock_errno, out.waiters,
         )
 
     def view(self, slot: Optional[PoolSlot] = None) -> "numpy.ndarray":
-        """A numpy uint8 array over a slot (or the whole region) of a host pool."""
+        """A numpy uint8 array over a slot (or the whole region) of a host pool. The array (and
+        any array sliced from it) keeps the region mapped: :meth:`close` defers unmapping until
+        the last one is dropped. It does not keep the slot: a freed slot may be handed out
+        again."""
         _require_numpy("StagingPool.view")
+        self._check_open("StagingPool.view")
         if self.memory != "host":
             raise InvalidArgumentError("StagingPool.view: a device pool is not host memory")
         address, size = (self.address, self.capacity) if slot is None else (slot.address,
                                                                              slot.size)
         buffer = (ctypes.c_uint8 * size).from_address(address)
+        with self._lock:
+            self._views += 1
+        # Every array over the region roots at this buffer; when it is collected the view is
+        # gone (the callback holds the pool, so the pool outlives its views).
+        weakref.finalize(buffer, self._view_dropped)
         return _np.frombuffer(buffer, dtype=_np.uint8)
 
+    def _view_dropped(self) -> None:
+        with self._lock:
+            self._views -= 1
+            destroy = self._destroy_pending and self._views == 0
+            if destroy:
+                self._destroy_pending = False
+        if destroy and _lib is not None:
+            _lib.mori_tp_pool_destroy(self._handle)
+
+    @property
+    def live_views(self) -> int:
+        """Views (:meth:`view`) not yet collected: while any is, the region stays mapped."""
+        return self._views
+
     def close(self) -> None:
-        """Destroys the pool and frees its region. Refused (:class:`InvalidArgumentError`)
+        """Closes the pool and frees its region. Refused (:class:`InvalidArgumentError`)
         while slots are live: free them first, and deregister the region from the engine.
+        With views alive (:attr:`live_views`), the pool closes at once but its region stays
+        mapped until the last view is dropped, so no view ever reads unmapped memory.
         Closing twice does nothing; any other call on a closed pool raises
-        :class:`InvalidArgumentError` (the library no longer knows the handle)."""
-        if not self._closed:
+        :class:`InvalidArgumentError`."""
+        if self._closed:
+            return
+        with self._lock:
+            if self._views:
+                info = self._info()
+                if info.live_slots:
+                    raise InvalidArgumentError(
+                        f"StagingPool.close: invalid argument: staging pool: {info.live_slots} "
+                        f"slots ({info.live_bytes} bytes) are still allocated; free them "
+                        f"before destroying the pool (an engine may still be writing into them)"
+                    )
+                self._destroy_pending = True
+                self._closed = True
+                return
             status = _lib.mori_tp_pool_destroy(self._handle)
             if status != _ffi.MORI_OK:
                 _raise_last(status)

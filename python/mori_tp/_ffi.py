@@ -216,7 +216,7 @@ class MoriTpPoolInfo(ctypes.Structure):
         ("memory", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("lock_errno", ctypes.c_int32),
-        ("reserved", ctypes.c_uint32),
+        ("waiters", ctypes.c_uint32),
     ]
 
 

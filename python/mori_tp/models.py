@@ -28,7 +28,8 @@ each source):
 
 Where a serving engine's tensor shape matters, it is an input, never a guess: a conv state's
 orientation (vLLM keeps ``(state_len, dim)`` or ``(dim, state_len)``), a slot's stride (engines
-pad slots), the page layout and page size. :func:`plan` needs none of them (what moves and how
+pad slots; a required argument) and where each state starts in it, the page layout and page
+size. :func:`plan` needs none of them (what moves and how
 many bytes do not depend on them); :func:`conv_state_layouts`, :func:`state_layout` and
 :func:`paged_layout` take them to build each rank's :class:`mori_tp.Layout`.
 """
@@ -36,6 +37,7 @@ many bytes do not depend on them); :func:`conv_state_layouts`, :func:`state_layo
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -53,6 +55,7 @@ __all__ = [
     "plan",
     "read_config",
     "state_layout",
+    "window_tokens",
 ]
 
 #: Elements that share one fp32 scale in the fp8 indexer and latent (SGLang's
@@ -515,7 +518,7 @@ def _local_units(part: Part, tp_size: int) -> int:
 
 
 def conv_state_layouts(group: Group, tp_size: int, tp_rank: int, orientation: str, dtype: str,
-                       slot_stride: Optional[int] = None,
+                       *, slot_stride: int, offset: int = 0,
                        per_channel: bool = False) -> Dict[str, Layout]:
     """One rank's layout of each part of a conv state slot, by part name.
 
@@ -523,8 +526,10 @@ def conv_state_layouts(group: Group, tp_size: int, tp_rank: int, orientation: st
     Gated DeltaNet: q, k, v), each part's local units back to back, as vLLM's sharded weight
     loader places them. ``orientation`` is the engine's and has no default: ``"sd"``
     (``(state_len, dim)``, vLLM's default) or ``"ds"`` (``(dim, state_len)``,
-    ``VLLM_SSM_CONV_STATE_LAYOUT=DS``). ``slot_stride`` is the bytes from one request's slot to
-    the next (default: the slot's own bytes; engines that pad slots give theirs).
+    ``VLLM_SSM_CONV_STATE_LAYOUT=DS``). ``slot_stride`` (required) is the bytes from one
+    request's slot to the next, as the caller's engine allocated them: mori-tp does not guess an
+    engine's allocation (engines pad slots, or keep other state in them). ``offset`` is where the
+    conv state starts in the slot (default 0: first).
 
     A unit of an ``"sd"`` slot is one time step of its channels (page size = the time steps); of
     a ``"ds"`` slot, all of its channels' time steps (page size 1). Both sides of a pair must
@@ -533,8 +538,8 @@ def conv_state_layouts(group: Group, tp_size: int, tp_rank: int, orientation: st
     own unit (``units * elements`` of them, one element each).
 
     Raises:
-        ValueError: not a conv state group, an unknown orientation, or a slot stride smaller
-            than the slot.
+        ValueError: not a conv state group, an unknown orientation, or a conv state that does
+            not fit its slot (``offset`` + its bytes over ``slot_stride``).
     """
     if group.name != "conv_state" or group.slot_steps is None:
         raise ValueError(f"{group.name} is not a conv state")
@@ -544,52 +549,82 @@ def conv_state_layouts(group: Group, tp_size: int, tp_rank: int, orientation: st
     steps, elem = group.slot_steps, dtype_bytes(dtype)
     widths = [_local_units(p, tp_size) * p.elements for p in group.parts]
     dim = sum(widths)
-    stride = dim * steps * elem if slot_stride is None else slot_stride
-    if stride < dim * steps * elem:
-        raise ValueError(f"slot_stride {stride} is smaller than the slot's {dim * steps * elem} "
-                         f"bytes ({dim} channels x {steps} time steps x {elem} B)")
+    own = dim * steps * elem
+    stride = _slot_stride(slot_stride, offset, own,
+                          f"{dim} channels x {steps} time steps x {elem} B")
     layouts, channel = {}, 0
     for part, width in zip(group.parts, widths):
         local = _local_units(part, tp_size)
         if per_channel:
             units, head = part.units * part.elements, elem
             if orientation == "sd":
-                token, head_stride, offset = dim * elem, elem, channel * elem
+                token, head_stride, at = dim * elem, elem, channel * elem
             else:
-                token, head_stride, offset = elem, steps * elem, channel * steps * elem
-            layout = Layout(units, tp_size, tp_rank, steps, head, stride, offset, token,
+                token, head_stride, at = elem, steps * elem, channel * steps * elem
+            layout = Layout(units, tp_size, tp_rank, steps, head, stride, offset + at, token,
                             head_stride)
         elif orientation == "sd":
             head = part.elements * elem
-            layout = Layout(part.units, tp_size, tp_rank, steps, head, stride, channel * elem,
-                            dim * elem, head)
+            layout = Layout(part.units, tp_size, tp_rank, steps, head, stride,
+                            offset + channel * elem, dim * elem, head)
         else:
             head = part.elements * steps * elem
             layout = Layout(part.units, tp_size, tp_rank, 1, head, stride,
-                            channel * steps * elem, local * head, head)
+                            offset + channel * steps * elem, local * head, head)
         layouts[part.name] = layout
         channel += width
     return layouts
 
 
-def state_layout(group: Group, tp_size: int, tp_rank: int, ssm_dtype: str,
-                 slot_stride: Optional[int] = None) -> Layout:
+def state_layout(group: Group, tp_size: int, tp_rank: int, ssm_dtype: str, *,
+                 slot_stride: int, offset: int = 0) -> Layout:
     """One rank's layout of an SSM or recurrent state slot: its local heads back to back, each
     ``elements`` contiguous (vLLM's ``(heads / tp, head_dim, state_size)`` and ``(v_heads / tp,
-    v_dim, k_dim)``), one slot per request ``slot_stride`` bytes apart (default: the slot's own
-    bytes)."""
+    v_dim, k_dim)``), one slot per request ``slot_stride`` bytes apart, starting ``offset``
+    bytes into the slot.
+
+    ``slot_stride`` is required: it is how the caller's engine allocated its slots, which
+    mori-tp does not guess. ``offset`` describes a slot that keeps other state first, such as
+    the SSM state after the conv state (REFERENCE.md section 15): pass the conv state's bytes
+    (and the same ``slot_stride`` to :func:`conv_state_layouts`).
+
+    Raises:
+        ValueError: not an SSM or recurrent state group, or a state that does not fit its slot
+            (``offset`` + its bytes over ``slot_stride``).
+    """
     if group.name not in ("ssm_state", "recurrent_state"):
         raise ValueError(f"{group.name} is not an SSM or recurrent state")
     (part,) = group.parts
     head = part.unit_bytes(ssm_dtype, ssm_dtype)
-    own = _local_units(part, tp_size) * head
-    stride = own if slot_stride is None else slot_stride
-    if stride < own:
-        raise ValueError(f"slot_stride {stride} is smaller than the slot's {own} bytes")
-    return Layout(part.units, tp_size, tp_rank, 1, head, stride, 0, own, head)
+    local = _local_units(part, tp_size)
+    own = local * head
+    stride = _slot_stride(slot_stride, offset, own, f"{local} heads x {head} B")
+    return Layout(part.units, tp_size, tp_rank, 1, head, stride, offset, own, head)
+
+
+def _slot_stride(slot_stride: Any, offset: Any, own: int, what: str) -> int:
+    """Checks the caller's slot stride and offset against the bytes of the state they place."""
+    for name, value in (("slot_stride", slot_stride), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int (bytes), not {value!r}")
+    if offset + own > slot_stride:
+        raise ValueError(f"slot_stride {slot_stride} is smaller than offset {offset} + the "
+                         f"state's {own} bytes ({what})")
+    return slot_stride
 
 
 # --- the plan -------------------------------------------------------------------------------
+
+
+def window_tokens(tokens: int, window: int, prefill_page_size: int,
+                  decode_page_size: int) -> int:
+    """The tokens a sliding window of ``window`` moves out of a ``tokens``-token sequence. The
+    library takes a window's ``first_token`` only on a page of both sides (REFERENCE.md section
+    15), so the window starts at ``tokens - window`` rounded down to a multiple of both page
+    sizes and moves up to ``lcm - 1`` tokens more than ``window``: 1000 tokens, a window of 128,
+    pages of 16 and 64 start at token 832 and move 168 tokens."""
+    lcm = math.lcm(max(prefill_page_size, 1), max(decode_page_size, 1))
+    return tokens - max(tokens - window, 0) // lcm * lcm
 
 
 def plan(facts: ModelFacts, prefill_tp: int, decode_tp: int, tokens: int,
@@ -626,7 +661,8 @@ def plan(facts: ModelFacts, prefill_tp: int, decode_tp: int, tokens: int,
     for g in facts.groups:
         moved = None
         if g.storage == "paged":
-            moved = tokens if g.window is None else min(tokens, g.window)
+            moved = tokens if g.window is None else window_tokens(
+                tokens, g.window, prefill_page_size, decode_page_size)
         unit_bytes = [p.unit_bytes(dtype, ssm_dtype) for p in g.parts]
         per_unit = [b * g.buffers_per_layer * len(g.layers) for b in unit_bytes]
 

@@ -411,7 +411,10 @@ class ReleaseTest(unittest.TestCase):
             stream.seal()
             with self.assertRaises(TransferTimeoutError):
                 stream.wait()
-            self.assertFalse(stream.released(SHORT))
+            with self.assertRaisesRegex(TransferTimeoutError,
+                                        f"request busy-1 .*: local memory not released after "
+                                        f"{SHORT} s: .*its staging slot is not released"):
+                stream.released(SHORT)
         self.assertEqual(calls, [])
         self.assertIn("its staging slot is not released", stream.kept)
 

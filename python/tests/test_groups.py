@@ -263,6 +263,63 @@ class GroupsTest(unittest.TestCase):
             self.assertEqual(array.dtype, np.uint64)
             self.assertEqual(array.tolist(), column)
 
+    @unittest.skipIf(np is None, "numpy is not installed")
+    def test_mori_io_writes_a_request_of_groups_one_entry_per_group_buffer(self):
+        """MORI-IO (a recording stand-in that copies) takes a GroupsPlan: one batch entry per
+        buffer of each group that moves, each in the registered region holding it, and the
+        request lands byte for byte after unpack, for every staging mode."""
+        from engine_fakes import FakeMoriIo
+        from engine_fakes import FakeMemoryDesc
+        from mori_tp.engines import KvMemory, TransferError, plan_groups, unpack_groups
+        from mori_tp.engines.mori_io import MoriIoTransport
+
+        model = MODELS[1]
+        layers = range(len(model.kinds))
+        parts, src, dst = request_of(model, 4, 2, layers, 2, 1, layers, 11)
+        for label, staging in (("the library's modes", None),
+                               ("BOTH", lambda i, c: Staging.BOTH)):
+            want = expected(parts, src, dst)
+            dst.reset()
+            groups = hybrid.groups(parts, src.ptrs(), dst.ptrs(), src.capacity, dst.capacity,
+                                   staging)
+            _, total = mori_tp.groups_info(groups)
+            src_region = (ctypes.c_ubyte * max(total.src_staging_bytes, 1))()
+            dst_region = (ctypes.c_ubyte * max(total.dst_staging_bytes, 1))()
+            sender = MoriIoTransport(FakeMoriIo("prefill-engine"), location="CPU")
+            receiver = MoriIoTransport(FakeMoriIo("decode-engine"), location="CPU")
+            remote_descs = []
+            for memory, region, transport in ((src, src_region, sender),
+                                              (dst, dst_region, receiver)):
+                descs = transport.register(KvMemory((), 0, ctypes.addressof(region),
+                                                    len(region)))
+                for name, buffers in memory.sets.items():
+                    descs += transport.register(KvMemory(
+                        tuple(ctypes.addressof(x) for x in buffers), memory.capacity[name]))
+                remote_descs = descs
+            sender.add_remote_memory("decode-engine", remote_descs)
+            plan = plan_groups(groups, local_staging=ctypes.addressof(src_region),
+                               local_staging_capacity=total.src_staging_bytes,
+                               remote_staging=ctypes.addressof(dst_region),
+                               remote_staging_capacity=total.dst_staging_bytes)
+            result = sender.send("decode-engine", plan, backend="host")
+            unpack_groups(groups, staging=ctypes.addressof(dst_region),
+                          staging_capacity=total.dst_staging_bytes, backend="host")
+            self.assertEqual(dst.snapshot(), want, label)
+            batch = [args for name, args in sender.engine.calls if name == "batch_write"]
+            self.assertEqual(len(batch), 1, label)
+            spans = plan.buffer_spans()
+            entries = batch[0][4]
+            self.assertEqual(len(entries), len(spans), label)
+            self.assertEqual(len(result.transfer_ids), len(spans), label)
+            self.assertEqual(sum(len(sizes) for sizes in entries), plan.segments, label)
+            self.assertEqual(sum(sum(sizes) for sizes in entries), plan.bytes, label)
+            # Groups without their own buffers in the stand-in's regions are refused, typed.
+            lonely = MoriIoTransport(FakeMoriIo("lonely"), location="CPU")
+            lonely.add_remote_memory("decode-engine", [FakeMemoryDesc("d", 1, 1, -1, "CPU")])
+            with self.assertRaisesRegex(TransferError,
+                                        "local group \\d+ buffer 0 \\[0x"):
+                lonely.send("decode-engine", plan, backend="host")
+
     def test_an_empty_request_plans_nothing(self):
         self.assertEqual(mori_tp.groups_info([]), ([], mori_tp.GroupsTotal(0, 0, 0, 0, 0)))
         self.assertEqual(mori_tp.groups_segments([]), ([], [], []))

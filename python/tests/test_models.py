@@ -206,6 +206,43 @@ class PlanTest(unittest.TestCase):
             models.plan(models.from_config(gpt_oss()), 3, 1, 10)
 
 
+    def test_a_window_moves_from_a_page_of_both_sides_as_the_library_requires(self):
+        """tokens_moved is what the library moves: the window's start rounded down to a page of
+        both sides. Each count is checked against the library itself: it refuses the unrounded
+        start and names the rounded one, and takes a request of that many tokens from it."""
+        facts = models.from_config(gpt_oss())
+        group = next(g for g in facts.groups if g.name == "sliding_attention")
+        cases = [  # (prefill page size, decode page size, tokens, tokens the library moves)
+            (16, 64, 1000, 168), (64, 16, 1000, 168), (48, 32, 1000, 136), (16, 16, 1000, 136),
+            (1, 1, 1000, 128), (16, 64, 100, 100), (16, 64, 192, 128), (16, 64, 150, 150), (64, 64, 1024, 128),
+        ]
+        for p_page, d_page, tokens, want in cases:
+            label = f"pages {p_page}/{d_page}, {tokens} tokens"
+            plan = models.plan(facts, 1, 4, tokens, prefill_page_size=p_page,
+                               decode_page_size=d_page)
+            sliding = next(g for g in plan if g["name"] == "sliding_attention")
+            self.assertEqual(sliding["tokens_moved"], want, label)
+            self.assertEqual(models.window_tokens(tokens, 128, p_page, d_page), want, label)
+            for rank in sliding["decode_ranks"]:
+                self.assertEqual(rank["bytes_per_request"], rank["bytes_per_token"] * want)
+            part = group.parts[0]
+            config = mori_tp.pair_config(
+                models.paged_layout(group, part, 1, 0, p_page, "nhd", "bf16", "bf16"),
+                models.paged_layout(group, part, 4, 0, d_page, "nhd", "bf16", "bf16"))
+
+            def window(first: int, count: int) -> mori_tp.Group:
+                return mori_tp.Group(config, Request(list(range(-(-count // p_page))),
+                                                     list(range(-(-count // d_page))), count),
+                                     first_token=first, num_buffers=1)
+
+            start = tokens - want
+            mori_tp.groups_info([window(start, want)])  # the library takes it
+            if tokens > 128 and (tokens - 128) != start:
+                with self.assertRaises(mori_tp.InvalidArgumentError) as caught:
+                    mori_tp.groups_info([window(tokens - 128, 128)])
+                self.assertIn(f"round it down to {start},", str(caught.exception), label)
+
+
 # --- state slots through the library, byte for byte ----------------------------------------
 
 #: A small Mamba2 layer: 8 heads of 2 channels (x), 4 groups of 3 channels (B, C), kernel 4.
@@ -266,6 +303,7 @@ class StateSlotTransferTest(unittest.TestCase):
             moved = 0
             for p in range(p_size):
                 src_layouts = models.conv_state_layouts(group, p_size, p, p_orient, "bf16",
+                                                        slot_stride=src_stride,
                                                         per_channel=per_channel)
                 for name in ("x", "B", "C"):
                     config = mori_tp.pair_config(src_layouts[name], dst_layouts[name])
@@ -318,7 +356,8 @@ class StateSlotTransferTest(unittest.TestCase):
             dst = filled(SLOTS * stride, {}, 0, 0x11)
             layout = models.state_layout(ssm, 4, d, "fp32", slot_stride=stride)
             for p in range(2):
-                config = mori_tp.pair_config(models.state_layout(ssm, 2, p, "fp32"), layout)
+                config = mori_tp.pair_config(
+                    models.state_layout(ssm, 2, p, "fp32", slot_stride=8 // 2 * head), layout)
                 if config.action is Action.SEND:
                     src = state(2, p, 8 // 2 * head)
                     mori_tp.send_kvcache_pair(
@@ -327,15 +366,96 @@ class StateSlotTransferTest(unittest.TestCase):
                         request=Request([1], [1], 1), backend="host")
             self.assertEqual(bytes(dst), bytes(state(4, d, stride)))
 
+    def test_reference_section_15_slot_conv_state_then_ssm_state_offsets(self):
+        """REFERENCE.md section 15's example (Nemotron-H: 128 heads of 64, 8 groups, d_state
+        128, conv kernel 4): a bf16 DS conv state followed in the slot by an fp32 SSM state."""
+        facts = models.from_config(NEMOTRON)
+        conv, ssm = facts.group("conv_state"), facts.group("ssm_state")
+        for tp, conv_bytes, b, c in ((2, 30720, 24576, 27648), (4, 15360, 12288, 13824)):
+            stride = conv_bytes + 128 // tp * 32768 + 4096  # an engine's padding
+            layouts = models.conv_state_layouts(conv, tp, 0, "ds", "bf16", slot_stride=stride)
+            self.assertEqual([layouts[n].offset for n in ("x", "B", "C")], [0, b, c])
+            self.assertEqual([layouts[n].head_bytes for n in ("x", "B", "C")], [384, 768, 768])
+            state = models.state_layout(ssm, tp, 0, "fp32", slot_stride=stride,
+                                        offset=conv_bytes)
+            self.assertEqual((state.offset, state.head_bytes, state.page_stride),
+                             (conv_bytes, 32768, stride))
+
+    def test_a_slot_of_conv_then_ssm_state_moves_both_byte_for_byte(self):
+        """One slot per request holding the conv state (SD) and, after it, the SSM state, with
+        each side's own padding: both move into place, the padding and other slots kept."""
+        facts = models.from_config(SMALL)
+        conv, ssm = facts.group("conv_state"), facts.group("ssm_state")
+        (part,) = ssm.parts
+        head = part.unit_bytes("fp32", "fp32")
+
+        def conv_len(tp: int) -> int:
+            return sum(len(owned_channels(p, tp, 0)) for p in conv.parts) * conv.slot_steps * 2
+
+        def slot(tp: int, rank: int, stride: int) -> Dict[int, bytes]:
+            at = dict(slot_bytes(conv, tp, rank, "sd"))
+            per = 8 // tp
+            for h in range(rank * per, (rank + 1) * per):
+                for i in range(0, head, 2):
+                    at[conv_len(tp) + (h - rank * per) * head + i] = bytes([h * 16 + i % 16,
+                                                                            0x80 | i // 16])
+            return at
+
+        p_size, d_size = 2, 4
+        src_stride = conv_len(p_size) + 8 // p_size * head + 8
+        dst_stride = conv_len(d_size) + 8 // d_size * head + 40
+        srcs = [filled(SLOTS * src_stride, slot(p_size, p, src_stride), src_stride, 0xAA)
+                for p in range(p_size)]
+        for d in range(d_size):
+            dst = filled(SLOTS * dst_stride, {}, 0, 0x55)
+            dst_layouts = dict(models.conv_state_layouts(conv, d_size, d, "sd", "bf16",
+                                                         slot_stride=dst_stride))
+            dst_layouts["ssm"] = models.state_layout(ssm, d_size, d, "fp32",
+                                                     slot_stride=dst_stride,
+                                                     offset=conv_len(d_size))
+            for p in range(p_size):
+                src_layouts = dict(models.conv_state_layouts(conv, p_size, p, "sd", "bf16",
+                                                             slot_stride=src_stride))
+                src_layouts["ssm"] = models.state_layout(ssm, p_size, p, "fp32",
+                                                         slot_stride=src_stride,
+                                                         offset=conv_len(p_size))
+                for name in ("x", "B", "C", "ssm"):
+                    config = mori_tp.pair_config(src_layouts[name], dst_layouts[name])
+                    if config.action is not Action.SEND:
+                        continue
+                    mori_tp.send_kvcache_pair(
+                        config, [ctypes.addressof(srcs[p])], [ctypes.addressof(dst)],
+                        src_capacity=len(srcs[p]), dst_capacity=len(dst),
+                        request=Request([1], [1], config.src.page_size), backend="host")
+            want = filled(SLOTS * dst_stride, slot(d_size, d, dst_stride), dst_stride, 0x55)
+            self.assertEqual(bytes(dst), bytes(want), f"decode rank {d}")
+
     def test_layouts_refuse_what_they_cannot_describe(self):
         facts = models.from_config(SMALL)
         conv, full = facts.group("conv_state"), facts.group("full_attention")
+        ssm = facts.group("ssm_state")
         with self.assertRaisesRegex(ValueError, "orientation 'nhd'"):
-            models.conv_state_layouts(conv, 2, 0, "nhd", "bf16")
-        with self.assertRaisesRegex(ValueError, "slot_stride 8 is smaller"):
+            models.conv_state_layouts(conv, 2, 0, "nhd", "bf16", slot_stride=1 << 16)
+        with self.assertRaisesRegex(ValueError, "slot_stride 8 is smaller than offset 0 \\+ "
+                                    "the state's 120 bytes \\(20 channels x 3 time steps"):
             models.conv_state_layouts(conv, 2, 0, "sd", "bf16", slot_stride=8)
+        with self.assertRaisesRegex(ValueError, "slot_stride 128 is smaller than offset 16 "):
+            models.conv_state_layouts(conv, 2, 0, "sd", "bf16", slot_stride=128, offset=16)
         with self.assertRaisesRegex(ValueError, "not a conv state"):
-            models.conv_state_layouts(full, 2, 0, "sd", "bf16")
+            models.conv_state_layouts(full, 2, 0, "sd", "bf16", slot_stride=1 << 16)
+        # The slot stride is the engine's: there is no default to guess it.
+        with self.assertRaisesRegex(TypeError, "slot_stride"):
+            models.conv_state_layouts(conv, 2, 0, "sd", "bf16")  # type: ignore[call-arg]
+        with self.assertRaisesRegex(TypeError, "slot_stride"):
+            models.state_layout(ssm, 2, 0, "fp32")  # type: ignore[call-arg]
+        with self.assertRaisesRegex(ValueError, "slot_stride 100 is smaller than offset 8 \\+ "
+                                    "the state's 96 bytes \\(4 heads x 24 B\\)"):
+            models.state_layout(ssm, 2, 0, "fp32", slot_stride=100, offset=8)
+        for bad in (-1, 1.5, None, True):
+            with self.assertRaisesRegex(ValueError, "offset must be a non-negative int"):
+                models.state_layout(ssm, 2, 0, "fp32", slot_stride=1 << 16, offset=bad)
+            with self.assertRaisesRegex(ValueError, "slot_stride must be a non-negative int"):
+                models.state_layout(ssm, 2, 0, "fp32", slot_stride=bad)
         with self.assertRaisesRegex(ValueError, "one slot per request"):
             models.paged_layout(conv, conv.parts[0], 2, 0, 16, "nhd", "bf16")
         layout = models.paged_layout(full, full.parts[0], 2, 0, 16, "hnd", "bf16")

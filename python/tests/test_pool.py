@@ -5,6 +5,7 @@ for space instead of failing."""
 from __future__ import annotations
 
 import threading
+import time
 import unittest
 
 import mori_tp
@@ -54,6 +55,53 @@ class StagingPoolTest(unittest.TestCase):
             pool.free(a)
             pool.free(b)
 
+    @unittest.skipIf(np is None, "numpy is not installed")
+    def test_a_view_keeps_the_region_mapped_after_close_until_it_is_dropped(self) -> None:
+        def mapped(address: int) -> bool:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                    if lo <= address < hi:
+                        return True
+            return False
+
+        pool = StagingPool(MIB, min_slot=4 * KIB)
+        address = pool.address
+        slot = pool.alloc(5000)
+        view = pool.view(slot)
+        view[:] = 7
+        part = pool.view()[slot.offset + 10:slot.offset + 20]  # a slice keeps its base
+        self.assertEqual(pool.live_views, 2)
+        # Live slots still refuse closing, views or not; the pool stays open.
+        with self.assertRaisesRegex(InvalidArgumentError, "1 slots .* are still allocated"):
+            pool.close()
+        self.assertFalse(pool.closed)
+        pool.free(slot)
+        pool.close()
+        self.assertTrue(pool.closed)
+        self.assertTrue(mapped(address))
+        self.assertTrue((view == 7).all())  # reads the region: still mapped
+        self.assertEqual(part.tolist(), [7] * 10)
+        dead = f"pool {pool.handle} is not a live staging pool"
+        for call in (lambda: pool.alloc(1), lambda: pool.try_alloc(1), lambda: pool.free(0),
+                     pool.info, pool.view):
+            with self.assertRaisesRegex(InvalidArgumentError, dead):
+                call()
+        pool.close()  # closing twice does nothing
+        del view
+        self.assertEqual(pool.live_views, 1)
+        self.assertTrue(mapped(address))
+        del part
+        self.assertEqual(pool.live_views, 0)
+        self.assertFalse(mapped(address), "the last view dropped: the region is unmapped")
+        # With no view alive, close unmaps at once.
+        pool = StagingPool(MIB, min_slot=4 * KIB)
+        address = pool.address
+        pool.view()[0] = 1  # a view dropped at once
+        self.assertEqual(pool.live_views, 0)
+        pool.close()
+        self.assertFalse(mapped(address))
+
     def test_a_full_pool_answers_none_or_waits_then_raises(self) -> None:
         with StagingPool(MIB, min_slot=64 * KIB) as pool:
             whole = pool.alloc(MIB)
@@ -100,15 +148,22 @@ class StagingPoolTest(unittest.TestCase):
                 StagingPool(**kwargs)
 
     def test_threads_queue_for_space_instead_of_failing(self) -> None:
-        # Six threads each take 3/8 of the pool at a time: at most two fit at once.
+        # Six threads each take 3/8 of the pool at a time: at most two fit at once. The test
+        # holds the pool full first, so every thread's first alloc must wait for its frees.
         with StagingPool(8 * MIB, min_slot=64 * KIB) as pool:
             failures = []
             peak = []
+            freeing = threading.Event()
+            first_grants_before_free = []
+            held = [pool.alloc(3 * MIB), pool.alloc(3 * MIB)]
+            self.assertIsNone(pool.try_alloc(3 * MIB))
 
             def work() -> None:
                 try:
-                    for _ in range(10):
+                    for i in range(10):
                         slot = pool.alloc(3 * MIB, timeout=60)
+                        if i == 0 and not freeing.is_set():
+                            first_grants_before_free.append(slot)  # granted while full
                         peak.append(pool.info().live_slots)
                         pool.free(slot)
                 except mori_tp.MoriError as error:  # pragma: no cover - reported below
@@ -117,12 +172,24 @@ class StagingPoolTest(unittest.TestCase):
             threads = [threading.Thread(target=work) for _ in range(6)]
             for thread in threads:
                 thread.start()
+            # The pool reports all six waiting on the full pool: they blocked, in whatever
+            # order they ran (bounded, so that a bug cannot hang the test).
+            deadline = time.monotonic() + 60
+            while pool.info().waiters < 6:
+                self.assertLess(time.monotonic(), deadline, f"waiting: {pool.info()}")
+                time.sleep(0.001)
+            self.assertEqual(peak, [], "no thread got a slot while the pool was full")
+            freeing.set()
+            for slot in held:
+                pool.free(slot)
             for thread in threads:
                 thread.join(120)
             self.assertEqual(failures, [])
+            self.assertEqual(first_grants_before_free, [])
             self.assertEqual(len(peak), 60)
             self.assertLessEqual(max(peak), 2)
             self.assertEqual(pool.info().live_slots, 0)
+            self.assertEqual(pool.info().waiters, 0)
 
 
 if __name__ == "__main__":

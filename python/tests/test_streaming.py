@@ -6,8 +6,11 @@ reported. The real engines run the same between two processes in engine_streamin
 
 from __future__ import annotations
 
+import ctypes
+import inspect
 import random
 import threading
+import time
 import unittest
 from typing import Any, List, Tuple
 from unittest import mock
@@ -184,6 +187,138 @@ class StreamingTest(unittest.TestCase):
                 self.assertEqual(len(seen), LAYERS - 1)
                 self.assertEqual(incoming.layers_ready(LAYERS), list(range(LAYERS)))
 
+    def test_ready_takes_an_object_with_synchronize_and_a_raw_hip_event_handle(self):
+        """An object's synchronize() and an int hipEvent_t both hold the layer back until they
+        return; the int goes to hipEventSynchronize of the HIP runtime loaded with ctypes (here
+        a C-callable stand-in injected as the runtime: this machine has no HIP)."""
+        from mori_tp.engines import streaming
+
+        class TorchLikeEvent:
+            def __init__(self) -> None:
+                self.calls = 0
+
+            def synchronize(self) -> None:
+                self.calls += 1
+
+        entered, release = threading.Event(), threading.Event()
+        handles: List[int] = []
+        status = [0]
+
+        @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+        def hip_event_synchronize(event: int) -> int:
+            handles.append(event)
+            entered.set()
+            release.wait(LONG)
+            return status[0]
+
+        class Runtime:  # what ctypes.CDLL("libamdhip64.so") offers: the function by name
+            hipEventSynchronize = hip_event_synchronize
+
+        def run(handle: int, rid: str):
+            sides = sides_for(Staging.SRC)
+            sender, receiver_transport, peer = mooncake_pair(sides)
+            receiver = Receiver(receiver_transport).start()
+            incoming = expect(receiver, sides, rid, Staging.SRC)
+            torch_like = TorchLikeEvent()
+            with Streamer(sender, timeout=LONG) as streamer:
+                stream = streamer.open(peer, sides.plan(Staging.SRC), rid, layers=LAYERS)
+                stream.submit(0, ready=torch_like)
+                stream.submit(1, ready=handle)
+                self.assertTrue(entered.wait(LONG), "hipEventSynchronize never called")
+                # Layer 1 is held in hipEventSynchronize: it has not been written.
+                self.assertNotIn(1, incoming.buffers_ready)
+                release.set()
+                for layer in range(2, LAYERS):
+                    stream.submit(layer)
+                stream.seal()
+                try:
+                    stream.wait(LONG)
+                finally:
+                    entered.clear()
+                    release.clear()
+            self.assertEqual(torch_like.calls, 1)
+            return sides, receiver, incoming
+
+        saved = streaming._hip_sync
+        streaming._hip_sync = None
+        try:
+            with mock.patch.object(streaming, "_load_hip_runtime", return_value=Runtime()):
+                sides, receiver, incoming = run(0x7F00DEAD0, "hip-event")
+                receiver.wait(incoming, LONG)
+                receiver.close()
+                sides.assert_delivered(self, "a layer behind a hipEvent_t")
+                self.assertEqual(handles, [0x7F00DEAD0])
+                status[0] = 400  # hipErrorInvalidHandle: the stream fails and says so
+                with self.assertRaisesRegex(mori_tp.GpuError,
+                                            "hipEventSynchronize\\(0x7f00beef\\) failed: "
+                                            "hipError_t 400"):
+                    run(0x7F00BEEF, "hip-event-fails")
+                self.assertEqual(handles[-1], 0x7F00BEEF)
+            # No HIP runtime: a clear error naming what was tried, raised by the stream.
+            streaming._hip_sync = None
+            with mock.patch.object(streaming, "HIP_RUNTIME_NAMES", ("libno-such-hip.so",)), \
+                    mock.patch.dict("os.environ", {"ROCM_PATH": "/nonexistent-rocm"}), \
+                    mock.patch.object(streaming.os.path, "join",
+                                      lambda *parts: "/nonexistent/" + parts[-1]):
+                with self.assertRaises(mori_tp.BackendUnavailableError) as caught:
+                    streaming.hip_event_synchronize(0x10)
+            self.assertIn("needs HIP's runtime (libamdhip64)", str(caught.exception))
+            self.assertIn("libno-such-hip.so", str(caught.exception))
+            with self.assertRaisesRegex(InvalidArgumentError, "null event"):
+                streaming.hip_event_synchronize(0)
+            with self.assertRaisesRegex(TypeError, "hipEvent_t \\(int\\)"):
+                streaming._wait_ready(1.5)
+        finally:
+            streaming._hip_sync = saved
+
+    def test_released_and_close_are_bounded_by_default_and_raise_on_timeout(self):
+        """A layer whose ready never returns holds the stream's memory and the streamer's
+        packing thread: released() and close() end after their timeouts (default the
+        streamer's) with a TransferTimeoutError naming what is held, and succeed once it
+        returns."""
+        from mori_tp.engines import TransferTimeoutError
+        from mori_tp.engines.streaming import RequestStream
+
+        # None means the stream's or the streamer's own timeout, never unbounded.
+        for name in ("released", "close"):
+            default = getattr(RequestStream if name == "released" else Streamer, name)
+            self.assertIsNone(inspect.signature(default).parameters["timeout"].default, name)
+        gate = threading.Event()
+        sides = sides_for(Staging.SRC)
+        sender, receiver_transport, peer = mooncake_pair(sides)
+        receiver = Receiver(receiver_transport).start()
+        incoming = expect(receiver, sides, "held", Staging.SRC)
+        released: List[int] = []
+        streamer = Streamer(sender, timeout=0.2)  # the default of both waits below
+        stream = streamer.open(peer, sides.plan(Staging.SRC), "held", layers=LAYERS,
+                               release=lambda: released.append(1), timeout=0.2)
+        stream.submit(0, ready=lambda: gate.wait(LONG))
+        for layer in range(1, LAYERS):
+            stream.submit(layer)
+        stream.seal()
+        started = time.monotonic()
+        with self.assertRaisesRegex(TransferTimeoutError,
+                                    "request held .*: local memory not released after 0.2 s: "
+                                    "still in use: 6 chunks submitted, sealed with 6"):
+            stream.released()
+        with self.assertRaisesRegex(TransferTimeoutError,
+                                    "Streamer.close: mori-tp-pack, mori-tp-write still running "
+                                    "after 0.05 s"):
+            streamer.close(timeout=0.05)
+        with self.assertRaisesRegex(TransferTimeoutError, "still running after 0.2 s"):
+            streamer.close()
+        self.assertLess(time.monotonic() - started, LONG, "the waits were bounded")
+        self.assertEqual(released, [])
+        gate.set()  # the layer is ready: the stream (which those waits did not fail) ends ...
+        self.assertEqual(stream.wait(LONG).chunks, LAYERS)
+        self.assertTrue(stream.released(LONG))  # ... and lets its memory go
+        self.assertEqual(released, [1])
+        streamer.close(timeout=LONG)  # and the threads end
+        self.assertFalse(any(t.is_alive() for t in streamer._threads))
+        receiver.wait(incoming, LONG)  # the request landed whole
+        receiver.close()
+        sides.assert_delivered(self, "a layer released late")
+
     def test_a_layer_submitted_twice_or_never_is_refused_and_changes_nothing(self):
         sides = sides_for(Staging.SRC)
         sender, receiver_transport, peer = mooncake_pair(sides)
@@ -315,12 +450,20 @@ class PoolBackpressureTest(unittest.TestCase):
         receiver = Receiver(receiver_transport).start()
         peak = []
         failures = []
+        # The test holds the pool full first: every thread's first request must wait for the
+        # test's frees before it gets a slot.
+        held = [pool.alloc(need), pool.alloc(need)]
+        self.assertIsNone(pool.try_alloc(need))
+        freeing = threading.Event()
+        granted_while_full = []
         with Streamer(sender, timeout=LONG) as streamer:
 
             def one(index: int) -> None:
                 sides = requests[index]
                 try:
                     slot = pool.alloc(need, timeout=LONG)
+                    if not freeing.is_set():
+                        granted_while_full.append(index)
                     peak.append(pool.info().live_slots)
                     # The decode rank tells the prefill rank its slot; both use it.
                     sides.remote = KvMemory(sides.remote.buffers, sides.remote.capacity,
@@ -336,11 +479,23 @@ class PoolBackpressureTest(unittest.TestCase):
                        for i in range(3)]
             for thread in threads:
                 thread.start()
+            # All three report waiting on the full pool (bounded: a bug cannot hang the test).
+            deadline = time.monotonic() + LONG
+            while pool.info().waiters < 3:
+                self.assertLess(time.monotonic(), deadline, f"waiting: {pool.info()}")
+                time.sleep(0.001)
+            self.assertEqual(peak, [], "no request got a slot while the pool was full")
+            freeing.set()
+            for slot in held:
+                pool.free(slot)
             for thread in threads:
                 thread.join(LONG * 4)
         receiver.close()
         self.assertEqual(failures, [])
+        self.assertEqual(granted_while_full, [])
+        self.assertEqual(len(peak), 6)
         self.assertLessEqual(max(peak), 2)
+        self.assertEqual(pool.info().waiters, 0)
         for index, sides in enumerate(requests):
             sides.assert_delivered(self, f"request {index}")
         pool.close()

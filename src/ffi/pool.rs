@@ -224,7 +224,7 @@ pub unsafe extern "C" fn mori_tp_pool_info(
             memory: memory.kind.to_c(),
             flags,
             lock_errno: memory.lock_errno,
-            reserved: 0,
+            waiters: u32::try_from(info.waiters).unwrap_or(u32::MAX),
         };
         // SAFETY: checked non-NULL and aligned; valid per the caller.
         unsafe { out_info.write(out) };

@@ -317,8 +317,9 @@ pub struct MoriTpPoolInfo {
     /// The errno mlock failed with (EPERM: not permitted; ENOMEM or EAGAIN: past
     /// RLIMIT_MEMLOCK), or 0 when the region is locked (always 0 for device memory).
     pub lock_errno: i32,
-    /// 0.
-    pub reserved: u32,
+    /// Calls of mori_tp_pool_alloc waiting now for a slot to be freed (the pool was full for
+    /// them). Formerly a reserved field that read 0; the layout is unchanged.
+    pub waiters: u32,
 }
 
 /// Where one group sits in its request (the Rust type is [`GroupInfo`]).

@@ -107,6 +107,9 @@ pub struct PoolInfo {
     pub largest_free: u64,
     /// Free blocks the free bytes are split into (at most `live_slots + 1`).
     pub free_blocks: usize,
+    /// Calls of [`StagingPool::alloc`] waiting for a slot to be freed now (the pool was full
+    /// for them).
+    pub waiters: usize,
 }
 
 /// Checks a pool's shape before any memory is asked for.
@@ -134,6 +137,8 @@ pub fn check_shape(capacity: u64, min_slot: u64) -> Result<()> {
 struct State {
     fit: Fit,
     closed: bool,
+    /// Calls of [`StagingPool::alloc`] waiting for a free now.
+    waiters: usize,
 }
 
 /// A region and the slots handed out from it. Thread-safe when its memory is.
@@ -170,6 +175,7 @@ impl<M: PoolMemory> StagingPool<M> {
             state: Mutex::new(State {
                 fit: Fit::new(memory.size() >> min_slot.trailing_zeros()),
                 closed: false,
+                waiters: 0,
             }),
             freed: Condvar::new(),
             memory,
@@ -217,11 +223,13 @@ impl<M: PoolMemory> StagingPool<M> {
             if left.is_zero() {
                 return self.alloc_locked(&mut state, size, Some(waited));
             }
+            state.waiters += 1;
             state = self
                 .freed
                 .wait_timeout(state, left)
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .0;
+            state.waiters -= 1;
         }
     }
 
@@ -303,6 +311,7 @@ impl<M: PoolMemory> StagingPool<M> {
             free_bytes: self.memory.size() - live_bytes,
             largest_free: self.bytes(state.fit.largest_free()),
             free_blocks: state.fit.free_blocks(),
+            waiters: state.waiters,
         }
     }
 

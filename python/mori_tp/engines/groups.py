@@ -14,18 +14,17 @@ capacities; the staging regions are one slot per side for the whole request::
 
 Both ranks size their slots with :func:`mori_tp.groups_info` (``src_staging_bytes``,
 ``dst_staging_bytes``), which they compute alike from the same groups. A :class:`GroupsPlan`
-works with the Mooncake and NIXL transports' ``send`` (it has the methods a
-:class:`~mori_tp.engines.RequestPlan` offers them); it moves whole, so the chunked
-:class:`~mori_tp.engines.Streamer` does not take it. Not done yet: MORI-IO's ``send`` addresses
-each buffer through its registered memory descriptor (``src_bases``, ``num_buffers``), which a
-request of groups, whose groups have buffers of their own, does not offer.
+works with the Mooncake, NIXL and MORI-IO transports' ``send`` (Mooncake and NIXL take its
+:meth:`~GroupsPlan.addresses`; MORI-IO writes one batch entry per buffer of each group, from
+:meth:`~GroupsPlan.buffer_spans`); it moves whole, so the chunked
+:class:`~mori_tp.engines.Streamer` does not take it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -92,31 +91,43 @@ class GroupsPlan:
                                     backend=backend, stream=stream, synchronize=synchronize)
         return time.perf_counter() - start
 
-    def addresses(self, buffers: Any = None) -> Tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
-        """``(src, dst, lengths)``: absolute addresses of every segment of every buffer of every
-        group, as numpy uint64 arrays (what batch-write APIs take). A staged side's base of
-        group ``g``'s buffer ``b`` is that side's region + the group's staging offset + ``b *
-        staging_len``; an unstaged side's is the buffer."""
-        if buffers is not None:
-            raise InvalidArgumentError("GroupsPlan.addresses: a request of groups moves whole")
-        src, dst, lengths = [], [], []
-        for group, info in zip(self.groups, self.infos):
+    def buffer_spans(self) -> List[Tuple[int, int, int, int, slice]]:
+        """``(group, buffer, src_base, dst_base, span)`` for every buffer of every group with
+        segments, group after group: the buffer's base on each side (a staged side's: that
+        side's region + the group's staging offset + ``buffer * staging_len``; an unstaged
+        side's: the buffer) and the group's slice of :attr:`src_offsets`, :attr:`dst_offsets`
+        and :attr:`lengths`. Engines that address each buffer through its own registered
+        region (MORI-IO) write one entry per span."""
+        spans = []
+        for g, (group, info) in enumerate(zip(self.groups, self.infos)):
             if not info.num_segments or not group.num_buffers:
                 continue
             span = slice(info.first_segment, info.first_segment + info.num_segments)
             mode = Staging(group.staging)
-            parts = np.arange(group.num_buffers, dtype=np.uint64) * np.uint64(info.staging_len)
-            if mode.packs:
-                src_bases = np.uint64(self.local_staging + info.src_staging_offset) + parts
-            else:
-                src_bases = np.asarray(group.src_ptrs, dtype=np.uint64)
-            if mode.unpacks:
-                dst_bases = np.uint64(self.remote_staging + info.dst_staging_offset) + parts
-            else:
-                dst_bases = np.asarray(group.dst_ptrs, dtype=np.uint64)
-            src.append((src_bases[:, None] + self.src_offsets[None, span]).ravel())
-            dst.append((dst_bases[:, None] + self.dst_offsets[None, span]).ravel())
-            lengths.append(np.tile(self.lengths[span], group.num_buffers))
+            for b in range(group.num_buffers):
+                part = b * info.staging_len
+                if mode.packs:
+                    src_base = self.local_staging + info.src_staging_offset + part
+                else:
+                    src_base = int(group.src_ptrs[b])
+                if mode.unpacks:
+                    dst_base = self.remote_staging + info.dst_staging_offset + part
+                else:
+                    dst_base = int(group.dst_ptrs[b])
+                spans.append((g, b, src_base, dst_base, span))
+        return spans
+
+    def addresses(self, buffers: Any = None) -> Tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
+        """``(src, dst, lengths)``: absolute addresses of every segment of every buffer of every
+        group, as numpy uint64 arrays (what batch-write APIs take), in :meth:`buffer_spans`
+        order."""
+        if buffers is not None:
+            raise InvalidArgumentError("GroupsPlan.addresses: a request of groups moves whole")
+        src, dst, lengths = [], [], []
+        for _, _, src_base, dst_base, span in self.buffer_spans():
+            src.append(np.uint64(src_base) + self.src_offsets[span])
+            dst.append(np.uint64(dst_base) + self.dst_offsets[span])
+            lengths.append(self.lengths[span])
         if not lengths:
             empty = np.zeros(0, dtype=np.uint64)
             return empty, empty.copy(), empty.copy()

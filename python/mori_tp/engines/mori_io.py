@@ -14,7 +14,9 @@ MORI-IO addresses memory by registered region and offset, which is exactly what
 ``staging + b * staging_len`` on a staged side. :meth:`MoriIoTransport.send` issues one
 multi-session ``batch_write(local_descs, local_offsets, remote_descs, remote_offsets, sizes,
 uids)`` whose entry ``b`` is buffer ``b``: the region holding its source (a page buffer or the
-staging region), the offsets within that region, and likewise on the remote side.
+staging region), the offsets within that region, and likewise on the remote side. A request of
+several groups (:class:`~mori_tp.engines.GroupsPlan`) is one ``batch_write`` too, with one
+entry per buffer of each group (:meth:`~mori_tp.engines.GroupsPlan.buffer_spans`).
 
 Who calls what:
 
@@ -34,11 +36,27 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from . import KvMemory, RequestPlan, SendResult, TransferError
+from .groups import GroupsPlan
 
 __all__ = ["MoriIoTransport"]
+
+
+def _entries(plan: Union[RequestPlan, GroupsPlan]) -> Iterator[Tuple[str, int, int, Any, Any,
+                                                                       Any]]:
+    """``(label, src_base, dst_base, src_offsets, dst_offsets, lengths)`` of each batch entry:
+    one per buffer of a RequestPlan, one per buffer of each group of a GroupsPlan."""
+    if isinstance(plan, GroupsPlan):
+        for g, b, src_base, dst_base, span in plan.buffer_spans():
+            yield (f"group {g} buffer {b}", src_base, dst_base, plan.src_offsets[span],
+                   plan.dst_offsets[span], plan.lengths[span])
+        return
+    src_bases, dst_bases = plan.src_bases(), plan.dst_bases()
+    for b in range(plan.num_buffers):
+        yield (f"buffer {b}", int(src_bases[b]), int(dst_bases[b]), plan.src_offsets,
+               plan.dst_offsets, plan.lengths)
 
 
 class _Regions:
@@ -112,41 +130,42 @@ class MoriIoTransport:
         for desc in descs:
             regions.add(int(desc.data), int(desc.size), desc)
 
-    def send(self, peer: str, plan: RequestPlan, *, timeout: float = 60.0,
+    def send(self, peer: str, plan: Union[RequestPlan, GroupsPlan], *, timeout: float = 60.0,
              backend: str = "auto", stream: Optional[int] = None) -> SendResult:
         """Moves one request: packs the local staging region if the plan's staging is SRC or
         BOTH, then one ``batch_write`` with one entry per buffer, and waits for every entry's
-        status. The result's ``transfer_ids`` are what the decode rank polls with
-        ``pop_inbound_transfer_status``."""
+        status. A :class:`~mori_tp.engines.GroupsPlan` (a request of several groups) packs its
+        staged groups and writes one entry per buffer of each group that has segments, group
+        after group. The result's ``transfer_ids`` (one per entry) are what the decode rank
+        polls with ``pop_inbound_transfer_status``."""
         if peer not in self._remote:
             raise TransferError(f"mori-io: no remote memory recorded for peer {peer!r}")
         pack_seconds = plan.pack(backend=backend, stream=stream)
         remote = self._remote[peer]
-        src_bases, dst_bases = plan.src_bases(), plan.dst_bases()
-        # The largest offset + length of one buffer's segments: each entry's region must hold it.
-        src_extent = int((plan.src_offsets + plan.lengths).max()) if plan.segments else 0
-        dst_extent = int((plan.dst_offsets + plan.lengths).max()) if plan.segments else 0
         local_descs, local_offsets, remote_descs, remote_offsets, sizes = [], [], [], [], []
-        sizes_of_buffer = plan.lengths.tolist()
-        for b in range(plan.num_buffers):
-            src_desc, src_at = self._local.find(int(src_bases[b]), src_extent,
-                                                f"local buffer {b}")
-            dst_desc, dst_at = remote.find(int(dst_bases[b]), dst_extent, f"remote buffer {b}")
+        labels = []
+        for label, src_base, dst_base, src_offsets, dst_offsets, lengths in _entries(plan):
+            # The largest offset + length of the entry's segments: its region must hold it.
+            src_extent = int((src_offsets + lengths).max()) if len(lengths) else 0
+            dst_extent = int((dst_offsets + lengths).max()) if len(lengths) else 0
+            src_desc, src_at = self._local.find(src_base, src_extent, f"local {label}")
+            dst_desc, dst_at = remote.find(dst_base, dst_extent, f"remote {label}")
             local_descs.append(src_desc)
-            local_offsets.append((plan.src_offsets + src_at).tolist())
+            local_offsets.append((src_offsets + src_at).tolist())
             remote_descs.append(dst_desc)
-            remote_offsets.append((plan.dst_offsets + dst_at).tolist())
-            sizes.append(sizes_of_buffer)
-        uids = [self.engine.allocate_transfer_uid() for _ in range(plan.num_buffers)]
+            remote_offsets.append((dst_offsets + dst_at).tolist())
+            sizes.append(lengths.tolist())
+            labels.append(label)
+        uids = [self.engine.allocate_transfer_uid() for _ in labels]
         start = time.perf_counter()
         if plan.segments:
             statuses = self.engine.batch_write(local_descs, local_offsets, remote_descs,
                                                remote_offsets, sizes, uids)
-            self._wait(statuses, peer, timeout)
+            self._wait(statuses, labels, peer, timeout)
         return SendResult(plan.staging, plan.segments, plan.bytes, 1 if plan.segments else 0,
                           pack_seconds, time.perf_counter() - start, tuple(uids))
 
-    def _wait(self, statuses: List[Any], peer: str, timeout: float) -> None:
+    def _wait(self, statuses: List[Any], labels: List[str], peer: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for entry, status in enumerate(statuses):
             # Neither yet covers INIT (not started) as well as IN_PROGRESS.
@@ -160,6 +179,6 @@ class MoriIoTransport:
                     time.sleep(self.poll_interval)
             if not status.Succeeded():
                 raise TransferError(
-                    f"mori-io: batch_write entry {entry} (buffer {entry}) to {peer} failed: "
+                    f"mori-io: batch_write entry {entry} ({labels[entry]}) to {peer} failed: "
                     f"code {status.Code()}, {status.Message()}"
                 )

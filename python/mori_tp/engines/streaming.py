@@ -17,7 +17,8 @@ Prefill rank (:class:`Streamer`, one per transport)::
     stream = streamer.open(peer, plan, "req-18", layers=num_layers)
     for layer in range(num_layers):
         run_layer(layer)
-        stream.submit(layer, ready=layer_event)   # a torch.cuda.Event, a callable, or None
+        stream.submit(layer, ready=layer_event)   # a torch.cuda.Event, a hipEvent_t (int),
+                                                  # a callable, or None
     stream.seal()                                 # after the last layer: the count is final
     result = stream.wait()
 
@@ -49,6 +50,7 @@ measurement behind the constants.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
@@ -57,7 +59,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import mori_tp
-from mori_tp import InvalidArgumentError, PageIndices, SliceConfig, Staging
+from mori_tp import (
+    BackendUnavailableError,
+    GpuError,
+    InvalidArgumentError,
+    PageIndices,
+    SliceConfig,
+    Staging,
+)
 
 from . import (
     BufferRanges,
@@ -81,6 +90,7 @@ __all__ = [
     "RequestStream",
     "Streamer",
     "chunk_ranges",
+    "hip_event_synchronize",
     "layer_buffers",
 ]
 
@@ -91,7 +101,8 @@ DEFAULT_TIMEOUT = 60.0
 #: a notification, two thread wake-ups), which smaller chunks do not win back (BENCHMARKS.md).
 MIN_CHUNK_BYTES = 4 << 20
 #: At most this many automatic chunks, and at most half the host's cores: overlapped stages need
-#: cores of their own (on two cores 2 chunks matched or beat 1, 4, 8 and 16; BENCHMARKS.md).
+#: cores of their own (on two cores 2 chunks were best in half the measured cases, 4 and 16 in
+#: none; BENCHMARKS.md).
 MAX_AUTO_CHUNKS = 8
 
 PROTOCOL = "mori-tp/1"
@@ -214,17 +225,77 @@ def parse_message(message: bytes) -> Optional[Message]:
 # --- the prefill side ----------------------------------------------------------------------
 
 
+#: Where :func:`hip_event_synchronize` looks for HIP's runtime, in order: the loader's search
+#: path, then ``$ROCM_PATH/lib`` and ``/opt/rocm/lib``.
+HIP_RUNTIME_NAMES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
+
+_hip_sync_lock = threading.Lock()
+_hip_sync: Optional[Callable[[int], int]] = None
+
+
+def _load_hip_runtime() -> Any:
+    """HIP's runtime (libamdhip64) through ctypes, or BackendUnavailableError naming where it
+    looked."""
+    tried = []
+    roots = [os.environ.get("ROCM_PATH", ""), "/opt/rocm"]
+    candidates = list(HIP_RUNTIME_NAMES) + [os.path.join(root, "lib", "libamdhip64.so")
+                                            for root in roots if root]
+    for name in candidates:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as error:
+            tried.append(f"{name} ({error})")
+    raise BackendUnavailableError(
+        "a hipEvent_t as ready= needs HIP's runtime (libamdhip64), which could not be loaded: "
+        "tried " + "; ".join(tried) + ". Install ROCm or set ROCM_PATH, or pass an object "
+        "with synchronize() (a torch.cuda.Event) or a callable instead")
+
+
+def hip_event_synchronize(event: int) -> None:
+    """Blocks until a ``hipEvent_t`` (its handle as an int) has completed:
+    ``hipEventSynchronize`` from libamdhip64, loaded once with ctypes (:data:`HIP_RUNTIME_NAMES`).
+
+    Raises:
+        BackendUnavailableError: libamdhip64 cannot be loaded, or has no hipEventSynchronize.
+        GpuError: hipEventSynchronize failed (its hipError_t in the message).
+        InvalidArgumentError: a null handle.
+    """
+    global _hip_sync
+    if not event:
+        raise InvalidArgumentError("ready: a hipEvent_t of 0 is a null event")
+    with _hip_sync_lock:
+        if _hip_sync is None:
+            runtime = _load_hip_runtime()
+            try:
+                function = runtime.hipEventSynchronize
+            except AttributeError:
+                raise BackendUnavailableError(
+                    f"the HIP runtime {getattr(runtime, '_name', runtime)!r} has no "
+                    "hipEventSynchronize") from None
+            function.argtypes = [ctypes.c_void_p]
+            function.restype = ctypes.c_int
+            _hip_sync = function
+        sync = _hip_sync
+    status = sync(event)
+    if status != 0:
+        raise GpuError(f"hipEventSynchronize(0x{event:x}) failed: hipError_t {status}")
+
+
 def _wait_ready(ready: Any) -> None:
-    """Blocks until a layer's data is ready: None (now), a callable, or an object with a
-    ``synchronize()`` method (a torch.cuda.Event on ROCm wraps a hipEvent)."""
+    """Blocks until a layer's data is ready: None (now), an object with a ``synchronize()``
+    method (a torch.cuda.Event; on ROCm it wraps a hipEvent), a ``hipEvent_t`` handle as an int
+    (:func:`hip_event_synchronize`), or a callable."""
     if ready is None:
         return
     if hasattr(ready, "synchronize"):
         ready.synchronize()
+    elif isinstance(ready, int) and not isinstance(ready, bool):
+        hip_event_synchronize(ready)
     elif callable(ready):
         ready()
     else:
-        raise TypeError(f"ready must be None, a callable or have synchronize(), not {ready!r}")
+        raise TypeError(f"ready must be None, a callable, a hipEvent_t (int) or have "
+                        f"synchronize(), not {ready!r}")
 
 
 class RequestStream:
@@ -274,8 +345,10 @@ class RequestStream:
                buffers: Optional[BufferRanges] = None, ready: Any = None,
                pack_here: bool = False) -> int:
         """Queues one chunk: ``layers`` (a layer or several; needs ``layers=`` at open) or
-        ``buffers`` (ranges). Packing waits for ``ready`` (None: ready now; a callable; or an
-        object with ``synchronize()``, such as the layer's torch.cuda.Event) on the streamer's
+        ``buffers`` (ranges). Packing waits for ``ready`` (None: ready now; a callable; an
+        object with ``synchronize()``, such as the layer's torch.cuda.Event; or a raw
+        ``hipEvent_t`` handle as an int, synchronized with ``hipEventSynchronize`` from
+        libamdhip64, loaded with ctypes: :func:`hip_event_synchronize`) on the streamer's
         thread, so this returns at once; with ``pack_here`` it waits and packs on the calling
         thread instead (one thread handoff fewer per chunk, for a caller that has nothing else
         to do, as :meth:`Streamer.send`). Returns the chunk's index.
@@ -364,11 +437,25 @@ class RequestStream:
 
     def released(self, timeout: Optional[float] = None) -> bool:
         """Waits until the stream no longer uses its local memory (every chunk it took is
-        written or dropped) and its ``release`` has run; whether it has, after at most
-        ``timeout`` seconds. A failed stream gets there once the engine call in progress, if
-        any, has returned (the engine bounds it); one whose engine may still read the memory
-        (``engine_busy``) never does, and says why in :attr:`kept`."""
-        return self._released.wait(timeout)
+        written or dropped) and its ``release`` has run; returns True. ``timeout``: seconds,
+        default the stream's (:meth:`Streamer.open`'s ``timeout``, else the streamer's,
+        :data:`DEFAULT_TIMEOUT` = 60 s unless told otherwise); never unbounded. A failed
+        stream gets there once the engine call in progress, if any, has returned (the engine
+        bounds it); one whose engine may still read the memory (``engine_busy``) never does,
+        and says why in :attr:`kept`.
+
+        Raises:
+            TransferTimeoutError: not released after ``timeout`` seconds; the message says
+                why the memory is kept (:attr:`kept`) or what is still in progress.
+        """
+        limit = self.timeout if timeout is None else timeout
+        if not self._released.wait(limit):
+            why = self.kept or f"still in use: {self._progress()}"
+            raise TransferTimeoutError(
+                f"request {self.request_id} {about(self.peer, None)}: local memory not "
+                f"released after {limit} s: {why}", peer=self.peer,
+                request_id=self.request_id)
+        return True
 
     # -- helpers --
 
@@ -441,6 +528,7 @@ class Streamer:
     def __init__(self, transport: Any, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.transport = transport
         self.timeout = timeout
+        self._closing = False
         self._packing: "queue.Queue[Any]" = queue.Queue()
         self._writing: "queue.Queue[Any]" = queue.Queue()
         self._threads = [
@@ -488,11 +576,28 @@ class Streamer:
         request.seal()
         return request.wait()
 
-    def close(self) -> None:
-        """Stops the threads once the queued work is done."""
-        self._packing.put(None)
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stops the threads once the queued work is done, waiting at most ``timeout`` seconds
+        for both (default the streamer's ``timeout``, :data:`DEFAULT_TIMEOUT` = 60 s unless
+        told otherwise). Closing again waits again for threads still running.
+
+        Raises:
+            TransferTimeoutError: a thread still running after ``timeout`` (a ``ready`` that
+                never returns, an engine call that does not end); the message names it.
+        """
+        limit = self.timeout if timeout is None else timeout
+        if not self._closing:
+            self._closing = True
+            self._packing.put(None)
+        deadline = time.monotonic() + limit
         for thread in self._threads:
-            thread.join(self.timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        running = [thread.name for thread in self._threads if thread.is_alive()]
+        if running:
+            raise TransferTimeoutError(
+                f"Streamer.close: {', '.join(running)} still running after {limit} s "
+                f"({self._packing.qsize()} items waiting to pack, {self._writing.qsize()} to "
+                f"write): a ready= that has not returned, or an engine call in progress")
 
     def __enter__(self) -> "Streamer":
         return self
