@@ -249,6 +249,10 @@ class PlanTest(unittest.TestCase):
 SMALL = dict(NEMOTRON, mamba_num_heads=8, mamba_head_dim=2, n_groups=4, ssm_state_size=3,
              hybrid_override_pattern="M*", num_hidden_layers=2)
 SLOTS = 3  # slots per buffer; the request's slot is 1
+#: A small Gated DeltaNet (Qwen3-Next) layer: 4 key heads of 2 channels (q, k), 8 value heads
+#: of 3 channels (v), kernel 3; q and k split by key heads, v by value heads.
+SMALL_GDN = dict(QWEN3_NEXT, num_hidden_layers=4, linear_num_key_heads=4, linear_key_head_dim=2,
+                 linear_num_value_heads=8, linear_value_head_dim=3, linear_conv_kernel_dim=3)
 
 
 def value(part: int, channel: int, step: int) -> bytes:
@@ -284,8 +288,8 @@ def filled(size: int, at: Dict[int, bytes], base: int, fill: int) -> ctypes.Arra
 
 class StateSlotTransferTest(unittest.TestCase):
     def move(self, prefill: Tuple[int, str], decode: Tuple[int, str], per_channel: bool,
-             pad: int) -> None:
-        group = models.from_config(SMALL).group("conv_state")
+             pad: int, config: dict = SMALL) -> None:
+        group = models.from_config(config).group("conv_state")
         (p_size, p_orient), (d_size, d_orient) = prefill, decode
         steps = group.slot_steps
 
@@ -305,7 +309,7 @@ class StateSlotTransferTest(unittest.TestCase):
                 src_layouts = models.conv_state_layouts(group, p_size, p, p_orient, "bf16",
                                                         slot_stride=src_stride,
                                                         per_channel=per_channel)
-                for name in ("x", "B", "C"):
+                for name in (part.name for part in group.parts):
                     config = mori_tp.pair_config(src_layouts[name], dst_layouts[name])
                     if config.action is not Action.SEND:
                         continue
@@ -330,6 +334,51 @@ class StateSlotTransferTest(unittest.TestCase):
     def test_across_orientations_per_channel_units_move_it(self):
         self.move((2, "sd"), (4, "ds"), True, 8)
         self.move((4, "ds"), (1, "sd"), True, 0)
+
+    def test_a_gated_deltanet_conv_state_moves_q_and_k_by_key_heads_and_v_by_value_heads(self):
+        # Channels q, k, v in that order; q and k in key heads, v in value heads (the facts the
+        # byte check below builds on, pinned here against SMALL_GDN's numbers).
+        self.assertEqual([(p.name, p.units, p.elements)
+                          for p in models.from_config(SMALL_GDN).group("conv_state").parts],
+                         [("q", 4, 2), ("k", 4, 2), ("v", 8, 3)])
+        for orientation in ("sd", "ds"):
+            self.move((2, orientation), (4, orientation), False, 0, SMALL_GDN)
+            self.move((4, orientation), (1, orientation), False, 8, SMALL_GDN)
+        self.move((1, "sd"), (2, "ds"), True, 0, SMALL_GDN)
+
+    def test_a_gated_deltanet_recurrent_state_moves_by_value_heads(self):
+        recurrent = models.from_config(SMALL_GDN).group("recurrent_state")
+        (part,) = recurrent.parts
+        head = part.unit_bytes("bf16", "fp32")
+        self.assertEqual(head, 3 * 2 * 4)  # v_dim x k_dim fp32 values per value head
+
+        def state(tp: int, rank: int, stride: int) -> ctypes.Array:
+            per = 8 // tp
+            data = {(h - rank * per) * head + i: bytes([0x80 | h, i])
+                    for h in range(rank * per, (rank + 1) * per) for i in range(0, head, 2)}
+            return filled(SLOTS * stride, data, stride, 0x33)
+
+        for p_size, d_size in ((2, 4), (4, 2), (1, 8)):
+            for d in range(d_size):
+                stride = 8 // d_size * head + 16
+                dst = filled(SLOTS * stride, {}, 0, 0x33)
+                layout = models.state_layout(recurrent, d_size, d, "fp32", slot_stride=stride)
+                senders = 0
+                for p in range(p_size):
+                    src_stride = 8 // p_size * head
+                    config = mori_tp.pair_config(
+                        models.state_layout(recurrent, p_size, p, "fp32",
+                                            slot_stride=src_stride), layout)
+                    if config.action is Action.SEND:
+                        senders += 1
+                        src = state(p_size, p, src_stride)
+                        mori_tp.send_kvcache_pair(
+                            config, [ctypes.addressof(src)], [ctypes.addressof(dst)],
+                            src_capacity=len(src), dst_capacity=len(dst),
+                            request=Request([1], [1], 1), backend="host")
+                self.assertGreater(senders, 0)
+                self.assertEqual(bytes(dst), bytes(state(d_size, d, stride)),
+                                 f"TP {p_size} -> {d_size}, decode rank {d}")
 
     def test_one_group_is_held_whole_and_every_decode_rank_gets_it(self):
         group = models.from_config(dict(SMALL, n_groups=1)).group("conv_state")
