@@ -938,8 +938,11 @@ fn without_side(error: &Error) -> String {
 /// An error's message with `group {group}: ` after its class label: the refusal of one group
 /// of a request of several groups.
 fn in_group(group: usize, error: &Error) -> String {
-    let message = error.to_string();
-    let label = error.class().label();
+    with_group(group, error.class().label(), &error.to_string())
+}
+
+/// `message` (which starts with `label: `) with `group {group}: ` after the label.
+pub(crate) fn with_group(group: usize, label: &str, message: &str) -> String {
     match message
         .strip_prefix(label)
         .and_then(|rest| rest.strip_prefix(": "))

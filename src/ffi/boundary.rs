@@ -3,38 +3,51 @@
 
 use std::cell::RefCell;
 use std::ffi::CString;
-use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use super::types::*;
 use crate::error::{Error, ErrorClass};
 
 /// Why an exported function failed: a core [`Error`], or a condition only a C caller can create.
-#[derive(Debug)]
+/// Each message starts with its class's label, as the core's do.
+#[derive(Debug, thiserror::Error)]
 pub(crate) enum Failure {
     /// The safe core refused the request.
+    #[error(transparent)]
     Core(Error),
     /// A required pointer argument is NULL.
+    #[error("null pointer: {0} is NULL")]
     NullArgument(&'static str),
     /// An array pointer is NULL but its length is not 0.
+    #[error("null pointer: {name} is NULL but its length is {len}")]
     NullArray { name: &'static str, len: usize },
     /// A pointer is not aligned for its type.
+    #[error("invalid argument: {name} ({address:#x}) is not aligned to {align} bytes")]
     Misaligned {
         name: &'static str,
         address: usize,
         align: usize,
     },
     /// An array's byte size exceeds the address space.
+    #[error("invalid argument: {name} length {len} is too large")]
     ArrayTooLong { name: &'static str, len: usize },
     /// An enum field holds a value the ABI does not define; `allowed` lists the values.
+    #[error("invalid argument: {field} {value} is not a {allowed}")]
     UnknownValue {
         field: &'static str,
         value: u32,
         allowed: String,
     },
     /// A flags field has bits the ABI does not define.
+    #[error(
+        "invalid argument: options.flags {flags:#x} has unknown bits {unknown:#x} (only \
+         MORI_SEND_SYNCHRONIZE = 0x1 and MORI_SEND_COPY_KERNEL = 0x2 are defined)"
+    )]
     UnknownFlags { flags: u32, unknown: u32 },
     /// The caller's output array holds fewer entries than the result needs.
+    #[error(
+        "buffer too small: the result needs {needed} entries, the output array holds {capacity}"
+    )]
     BufferTooSmall {
         needed: usize,
         capacity: usize,
@@ -42,12 +55,24 @@ pub(crate) enum Failure {
         size_query: bool,
     },
     /// A pool handle that is not a live pool.
+    #[error(
+        "invalid argument: pool {0} is not a live staging pool (destroyed, or never returned by \
+         mori_tp_pool_create)"
+    )]
     UnknownPool(u64),
     /// A failure of one group of a request of several groups (a core error carries its group
     /// in [`Error::InGroup`] instead).
+    #[error("{}", in_group(*.group, .failure))]
     InGroup { group: usize, failure: Box<Failure> },
     /// A panic (a bug) was caught at the boundary.
+    #[error("internal error: {0}")]
     Panic(String),
+}
+
+/// A group's failure: `group {group}: ` after the failure's class label.
+fn in_group(group: usize, failure: &Failure) -> String {
+    let label = failure.class().map_or("internal error", ErrorClass::label);
+    crate::error::with_group(group, label, &failure.to_string())
 }
 
 impl From<Error> for Failure {
@@ -104,60 +129,6 @@ impl Failure {
 
     pub(crate) fn status(&self) -> MoriStatus {
         self.class().map_or(MORI_ERR_PANIC, status_of)
-    }
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // A core error's message carries its class already; the rest get the same prefix here.
-        let label = match (self, self.class()) {
-            (Failure::Core(error), _) => return error.fmt(f),
-            (Failure::InGroup { group, failure }, _) => {
-                let message = failure.to_string();
-                let label = failure.class().map_or("internal error", ErrorClass::label);
-                let rest = message
-                    .strip_prefix(label)
-                    .and_then(|rest| rest.strip_prefix(": "))
-                    .unwrap_or(&message);
-                return write!(f, "{label}: group {group}: {rest}");
-            }
-            (_, Some(class)) => class.label(),
-            (_, None) => "internal error",
-        };
-        write!(f, "{label}: ")?;
-        match self {
-            Failure::NullArgument(name) => write!(f, "{name} is NULL"),
-            Failure::NullArray { name, len } => write!(f, "{name} is NULL but its length is {len}"),
-            Failure::Misaligned {
-                name,
-                address,
-                align,
-            } => write!(f, "{name} ({address:#x}) is not aligned to {align} bytes"),
-            Failure::ArrayTooLong { name, len } => write!(f, "{name} length {len} is too large"),
-            Failure::UnknownValue {
-                field,
-                value,
-                allowed,
-            } => write!(f, "{field} {value} is not a {allowed}"),
-            Failure::UnknownFlags { flags, unknown } => write!(
-                f,
-                "options.flags {flags:#x} has unknown bits {unknown:#x} (only \
-                 MORI_SEND_SYNCHRONIZE = 0x1 and MORI_SEND_COPY_KERNEL = 0x2 are defined)"
-            ),
-            Failure::BufferTooSmall {
-                needed, capacity, ..
-            } => write!(
-                f,
-                "the result needs {needed} entries, the output array holds {capacity}"
-            ),
-            Failure::UnknownPool(handle) => write!(
-                f,
-                "pool {handle} is not a live staging pool (destroyed, or never returned by \
-                 mori_tp_pool_create)"
-            ),
-            Failure::Panic(message) => f.write_str(message),
-            Failure::Core(_) | Failure::InGroup { .. } => unreachable!("returned above"),
-        }
     }
 }
 
