@@ -670,85 +670,48 @@ fn pack_and_unpack_take_only_their_staging_modes_and_check_the_region() {
     let f = Fixture::new();
     let r = f.request();
     let src = vec![1u8; 8 * 16 * 4 * 32];
+    let src_len = src.len() as u64;
     let src_ptrs = [src.as_ptr().cast::<c_void>()];
     let mut region = vec![0x77u8; 40 * 32];
-    for (mode, code) in [
-        (MORI_TP_STAGING_NONE, MORI_ERR_INVALID_ARGUMENT),
-        (MORI_TP_STAGING_DST, MORI_ERR_INVALID_ARGUMENT),
-        (9, MORI_ERR_INVALID_ARGUMENT),
-    ] {
-        // SAFETY: buffers of the stated sizes.
-        let status = unsafe {
+    let region_ptr = region.as_mut_ptr().cast::<c_void>();
+    // One pack of this fixture's request; what varies is what each refusal is about.
+    let pack = |mode: u32, srcs: &[*const c_void], staging: *mut c_void, capacity: u64| {
+        // SAFETY: every pointer is NULL or spans the stated bytes: src_len per source buffer,
+        // `capacity` for the staging region (or less, to be refused).
+        unsafe {
             mori_pack_kvcache_pair(
                 &f.config,
                 mode,
-                src_ptrs.as_ptr(),
-                1,
-                src.len() as u64,
+                srcs.as_ptr(),
+                srcs.len(),
+                src_len,
                 &r,
-                region.as_mut_ptr().cast(),
-                region.len() as u64,
+                staging,
+                capacity,
                 &HOST,
             )
-        };
-        refused(status, code, &["staging"]);
+        }
+    };
+    for mode in [MORI_TP_STAGING_NONE, MORI_TP_STAGING_DST, 9] {
+        let status = pack(mode, &src_ptrs, region_ptr, 1280);
+        refused(status, MORI_ERR_INVALID_ARGUMENT, &["staging"]);
     }
     assert!(last_error().contains("staging_mode 9 is not a MoriTpStaging"));
-    // SAFETY: as above.
-    let status = unsafe {
-        mori_pack_kvcache_pair(
-            &f.config,
-            MORI_TP_STAGING_DST,
-            src_ptrs.as_ptr(),
-            1,
-            src.len() as u64,
-            &r,
-            region.as_mut_ptr().cast(),
-            region.len() as u64,
-            &HOST,
-        )
-    };
+    let status = pack(MORI_TP_STAGING_DST, &src_ptrs, region_ptr, 1280);
     refused(
         status,
         MORI_ERR_INVALID_ARGUMENT,
         &["pack takes staging mode SRC or BOTH, not Dst"],
     );
     // One byte short: both numbers named, nothing written.
-    // SAFETY: as above; the capacity is one byte below the region's.
-    let status = unsafe {
-        mori_pack_kvcache_pair(
-            &f.config,
-            MORI_TP_STAGING_SRC,
-            src_ptrs.as_ptr(),
-            1,
-            src.len() as u64,
-            &r,
-            region.as_mut_ptr().cast(),
-            region.len() as u64 - 1,
-            &HOST,
-        )
-    };
+    let status = pack(MORI_TP_STAGING_SRC, &src_ptrs, region_ptr, 1279);
     refused(
         status,
         MORI_ERR_BUFFER_TOO_SMALL,
         &["staging_capacity 1279 is below the 1280 bytes"],
     );
-    assert!(region.iter().all(|&b| b == 0x77));
     // A NULL region said to hold bytes.
-    // SAFETY: as above, with a NULL region.
-    let status = unsafe {
-        mori_pack_kvcache_pair(
-            &f.config,
-            MORI_TP_STAGING_BOTH,
-            src_ptrs.as_ptr(),
-            1,
-            src.len() as u64,
-            &r,
-            null_mut(),
-            1280,
-            &HOST,
-        )
-    };
+    let status = pack(MORI_TP_STAGING_BOTH, &src_ptrs, null_mut(), 1280);
     refused(
         status,
         MORI_ERR_NULL_POINTER,
@@ -758,53 +721,32 @@ fn pack_and_unpack_take_only_their_staging_modes_and_check_the_region() {
         ],
     );
     // A NULL source buffer among the buffers.
-    let null_src = [std::ptr::null::<c_void>()];
-    // SAFETY: as above, with a NULL buffer entry.
-    let status = unsafe {
-        mori_pack_kvcache_pair(
-            &f.config,
-            MORI_TP_STAGING_SRC,
-            null_src.as_ptr(),
-            1,
-            src.len() as u64,
-            &r,
-            region.as_mut_ptr().cast(),
-            region.len() as u64,
-            &HOST,
-        )
-    };
+    let status = pack(MORI_TP_STAGING_SRC, &[null()], region_ptr, 1280);
     refused(
         status,
         MORI_ERR_NULL_POINTER,
         &["mori_pack_kvcache_pair: ", "src[0] is NULL"],
     );
     assert!(region.iter().all(|&b| b == 0x77), "a refused pack wrote");
-    // A region that overlaps the source buffer.
+    // A region that overlaps the source buffer: 1000 bytes into the same allocation.
     let mut shared = vec![0u8; src.len() + 1280];
     let base = shared.as_mut_ptr();
-    let ptrs = [base.cast_const().cast::<c_void>()];
-    // SAFETY: the region lies inside the same allocation, 1000 bytes in.
-    let status = unsafe {
-        mori_pack_kvcache_pair(
-            &f.config,
-            MORI_TP_STAGING_SRC,
-            ptrs.as_ptr(),
-            1,
-            src.len() as u64,
-            &r,
-            base.add(1000).cast(),
-            1280,
-            &HOST,
-        )
-    };
+    // SAFETY: 1000 + 1280 bytes lie inside `shared`.
+    let inside = unsafe { base.add(1000) }.cast::<c_void>();
+    let status = pack(
+        MORI_TP_STAGING_SRC,
+        &[base.cast_const().cast()],
+        inside,
+        1280,
+    );
     refused(
         status,
         MORI_ERR_INVALID_ARGUMENT,
         &["overlaps source buffer 0"],
     );
     // Unpack refuses SRC.
-    let dst_ptrs = [shared.as_mut_ptr().cast::<c_void>()];
-    // SAFETY: as above.
+    let dst_ptrs = [base.cast::<c_void>()];
+    // SAFETY: the region and a destination buffer of at least the stated sizes.
     let status = unsafe {
         mori_unpack_kvcache_pair(
             &f.config,
