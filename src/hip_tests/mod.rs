@@ -1100,6 +1100,15 @@ fn the_recording_runtime_refuses_a_launch_that_would_touch_unregistered_memory()
 
 // ---- Issue 24: what the first GPU deployments would hit ----
 
+/// A recorder with two devices whose streams belong to device 1 (device 0 is current).
+fn stream_on_device_1(r: Recorder) -> Recorder {
+    r.stream_home.set(1);
+    Recorder {
+        devices: Ok(2),
+        ..r
+    }
+}
+
 #[test]
 fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there() {
     if cpu_kernel_or_skip("a_stream_on_another_device_...").is_none() {
@@ -1111,13 +1120,7 @@ fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there(
     let runs = kernel_fixture_sends(
         &mut f,
         &kernel_options(true, stream),
-        |r| {
-            r.stream_home.set(1);
-            Recorder {
-                devices: Ok(2),
-                ..r
-            }
-        },
+        stream_on_device_1,
         TABLE_SLOTS + 1,
         |_, _| {},
     );
@@ -1169,13 +1172,9 @@ fn without_hip_stream_get_device_a_stream_on_another_device_is_refused_before_an
     let runs = kernel_fixture_sends(
         &mut f,
         &kernel_options(false, stream),
-        |r| {
-            r.stream_home.set(1);
-            Recorder {
-                devices: Ok(2),
-                has_stream_get_device: false,
-                ..r
-            }
+        |r| Recorder {
+            has_stream_get_device: false,
+            ..stream_on_device_1(r)
         },
         4,
         |i, r| {
@@ -1328,13 +1327,7 @@ fn a_failed_switch_to_the_streams_device_is_not_cached_as_a_failed_load() {
     let runs = kernel_fixture_sends(
         &mut f,
         &kernel_options(true, stream),
-        |r| {
-            r.stream_home.set(1);
-            Recorder {
-                devices: Ok(2),
-                ..r
-            }
-        },
+        stream_on_device_1,
         2,
         |i, r| {
             if i == 0 {
