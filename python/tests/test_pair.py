@@ -282,6 +282,26 @@ class TransferTest(unittest.TestCase):
         self.assertEqual(sum(sizes), 6 * 16 * 8)
         self.assertIs(mori_tp.pair_staging_for(pair.config), Staging.NONE)
 
+    def test_pair_staging_for_follows_the_documented_rule_for_full_sides_in_two_orders(self):
+        # python/README.md and REFERENCE.md section 11: both sides hold exactly the moved heads
+        # (8 heads, TP 4 -> 4: two per rank), but in different orders or with different page
+        # sizes head-major: the prefill side is full, so DST; in one order and page size: NONE.
+        nhd, hnd = mori_tp.Layout.nhd, mori_tp.Layout.hnd
+        cases = [
+            ("NHD into HND", nhd(8, 4, 1, 16, 256), hnd(8, 4, 1, 16, 256), Staging.DST),
+            ("HND 16 into HND 64", hnd(8, 4, 1, 16, 256), hnd(8, 4, 1, 64, 256), Staging.DST),
+            ("HND into NHD", hnd(8, 4, 1, 16, 256), nhd(8, 4, 1, 16, 256), Staging.DST),
+            ("NHD into NHD", nhd(8, 4, 1, 16, 256), nhd(8, 4, 1, 64, 256), Staging.NONE),
+            ("HND into HND", hnd(8, 4, 1, 16, 256), hnd(8, 4, 1, 16, 256), Staging.NONE),
+            # Prefill TP 2 holds four heads, two of them moved: only the decode side is full.
+            ("NHD TP 2 into HND TP 4", nhd(8, 2, 0, 16, 256), hnd(8, 4, 1, 16, 256), Staging.SRC),
+        ]
+        for what, prefill, decode, want in cases:
+            config = mori_tp.pair_config(prefill, decode)
+            self.assertIs(config.action, Action.SEND, what)
+            self.assertEqual(config.num_heads, 2, what)
+            self.assertIs(mori_tp.pair_staging_for(config), want, what)
+
     def test_only_the_requested_tokens_of_a_partial_last_page_are_written(self):
         deployment = Deployment("hnd 16 to 64", 4, 2, 2, "hnd", 16, "hnd", 64)
         pair = Pair(deployment, 0, 0, 20, seed=6)
