@@ -386,11 +386,11 @@ static void print_summary(const struct lib *libs, int num_libs, int rounds, int 
   printf("\n== results ==\n\n");
   printf("%d tokens in runs of 1-%d pages of %d, %d buffers starting %zu B past a page, %d KV heads "
          "of %u B; each round times every implementation %d times (the first of each repetition "
-         "rotating, thread CPU time) and takes the medians; %d rounds x %s. A cell is the median "
+         "rotating, thread CPU time) and takes the medians; %d rounds, each %s. A cell is the median "
          "over the rounds of the ratio within each round, then the lowest and highest round; "
          "\"A / B\" is B's time over A's (above 1: A is faster).\n\n",
          TOKENS, 16, PAGE, BUFFERS, base_offset, HEADS, (unsigned)head_bytes, reps, rounds,
-         cache_modes == 2 ? "(cold, warm)" : cache_modes == 0 ? "cold" : "warm");
+         cache_modes == 2 ? "cold and warm" : cache_modes == 0 ? "cold" : "warm");
   printf("| case | rows |");
   for (int i = 0; i < num_libs; i++) printf(" %s / loop |", libs[i].label);
   for (int i = 0; i + 1 < num_libs; i++)
