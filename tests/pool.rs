@@ -482,5 +482,8 @@ fn try_alloc_takes_the_smallest_free_block_that_fits_not_the_lowest() {
     assert_eq!(slot.offset, 9 * unit, "the 2-unit hole is the best fit");
     let e = try_alloc(pool, 6 * unit).unwrap();
     assert_eq!(e.offset, 0, "the one free block left that holds 6 units");
+    for live in [b, d, slot, e] {
+        assert_eq!(mori_tp_pool_free(pool, live.offset), MORI_OK);
+    }
     assert_eq!(mori_tp_pool_destroy(pool), MORI_OK);
 }
