@@ -7,9 +7,70 @@
 //! token ranges in which neither side changes page, so that inside a piece each side's
 //! address is affine in `(k, j)`. A request has at most one piece per page of either side,
 //! which is what bounds the cost of a plan by its pages and its entries, never by tokens
-//! times heads.
+//! times heads. Inside a piece, the rows of a stretch that repeats at a constant step (a
+//! token's heads when they have gaps, token after token; a chunk's run of head 0, head after
+//! head) are handed on once with their count ([`RowSink::repeat`]), so that the sinks of
+//! `stream` can pass on or extend whole repetitions at once.
+//!
+//! Arithmetic: every address of an element of a request was checked to fit in `u64` when the
+//! plan was built, so sums that land on an element, or just past one, cannot wrap and are
+//! written plainly. Where a sum may not be such an address (whether the next row continues a
+//! run of rows, with a pitch that a side ignores, such as the token stride of a page of one
+//! slot), it is computed with checked arithmetic and an overflow means "does not continue".
+
+use std::cell::Cell;
 
 use crate::plan::CopyRect;
+
+thread_local! {
+    /// Steps of work done by the plans of this thread (see [`work`]).
+    static WORK: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts `steps` units of work: a piece walked, a row handed to a sink of rows or a run to a
+/// sink of segment runs, a repeated period followed, a segment written. Everything whose number
+/// could grow with the tokens of a request counts here, so that a test can check that a plan's
+/// work is bounded by its pages and its entries.
+#[inline]
+pub(crate) fn work(steps: u64) {
+    WORK.with(|w| w.set(w.get().wrapping_add(steps)));
+}
+
+/// The steps [`work`] counted on this thread so far.
+pub(crate) fn work_done() -> u64 {
+    WORK.with(Cell::get)
+}
+
+/// `row` moved `i` steps of `step` on both sides: a row of a period that the walk repeats,
+/// whose every repetition lies on elements of the request (so the sums cannot wrap).
+#[inline]
+pub(crate) fn shifted_row(row: &CopyRect, i: u64, step: (u64, u64)) -> CopyRect {
+    CopyRect {
+        src_offset: row.src_offset + i * step.0,
+        dst_offset: row.dst_offset + i * step.1,
+        ..*row
+    }
+}
+
+/// Where a run of `rows` rows starting at `offset` with `pitch` would put its next row, or
+/// `None` when that is not a `u64` address (then no row of a request continues the run: a
+/// wrapped sum must never look like a continuation).
+#[inline]
+fn next_row(offset: u64, rows: u64, pitch: u64) -> Option<u64> {
+    offset.checked_add(rows.checked_mul(pitch)?)
+}
+
+/// True when `row` continues `run`: the same width and pitches, and its first row where the
+/// pitches put the run's next one on both sides, so that the joined rows advance by the true
+/// pitches.
+#[inline]
+fn continues(run: &CopyRect, row: &CopyRect) -> bool {
+    run.width == row.width
+        && run.src_pitch == row.src_pitch
+        && run.dst_pitch == row.dst_pitch
+        && next_row(run.src_offset, run.height, run.src_pitch) == Some(row.src_offset)
+        && next_row(run.dst_offset, run.height, run.dst_pitch) == Some(row.dst_offset)
+}
 
 /// The page each position of a request visits on one side.
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +144,26 @@ pub(crate) enum Order {
 pub(crate) trait RowSink {
     /// `row.height` rows of `row.width` bytes at the row's pitches.
     fn rows(&mut self, row: CopyRect);
+
+    /// The rows of `period`, then `times - 1` more copies of them, copy `i` shifted by
+    /// `i * step` on both sides. Every row of every copy lies on elements of the request.
+    fn repeat(&mut self, period: &[CopyRect], times: u64, step: (u64, u64)) {
+        for i in 0..times {
+            if self.full() {
+                return;
+            }
+            work(period.len() as u64);
+            for row in period {
+                self.rows(shifted_row(row, i, step));
+            }
+        }
+    }
+
+    /// True when the sink needs nothing more (a capped count that reached its cap): the walk
+    /// may stop early.
+    fn full(&self) -> bool {
+        false
+    }
 }
 
 /// Joins consecutive rows that continue one another (same width and pitches, the next row
@@ -111,19 +192,19 @@ impl<S: RowSink> Joiner<S> {
 
 impl<S: RowSink> RowSink for Joiner<S> {
     fn rows(&mut self, row: CopyRect) {
+        work(1);
         if let Some(pending) = &mut self.pending {
-            if pending.width == row.width
-                && pending.src_pitch == row.src_pitch
-                && pending.dst_pitch == row.dst_pitch
-                && pending.src_offset + pending.height * pending.src_pitch == row.src_offset
-                && pending.dst_offset + pending.height * pending.dst_pitch == row.dst_offset
-            {
+            if continues(pending, &row) {
                 pending.height += row.height;
                 return;
             }
             self.sink.rows(*pending);
         }
         self.pending = Some(row);
+    }
+
+    fn full(&self) -> bool {
+        self.sink.full()
     }
 }
 
@@ -198,6 +279,7 @@ impl Iterator for Pieces<'_, '_> {
             return None;
         }
         let g = self.geometry;
+        work(1);
         let len = (g.src.page_size - self.src.slot)
             .min(g.dst.page_size - self.dst.slot)
             .min(self.to - self.k);
@@ -300,18 +382,21 @@ impl<'a> Geometry<'a> {
             sink.rows(self.token_rows(p));
             return;
         }
-        // Each token's heads are a run of rows one head stride apart.
-        for k in p.a..p.b {
-            let (src, dst) = p.at(self, k, 0);
-            sink.rows(CopyRect {
-                src_offset: src,
-                dst_offset: dst,
-                src_pitch: p.hs_src,
-                dst_pitch: p.hs_dst,
-                width: self.head_bytes,
-                height: self.heads,
-            });
-        }
+        // Each token's heads are a run of rows one head stride apart, and token after token
+        // that run repeats one token stride on.
+        let first = CopyRect {
+            src_offset: p.src,
+            dst_offset: p.dst,
+            src_pitch: p.hs_src,
+            dst_pitch: p.hs_dst,
+            width: self.head_bytes,
+            height: self.heads,
+        };
+        sink.repeat(
+            &[first],
+            p.b - p.a,
+            (self.src.token_stride, self.dst.token_stride),
+        );
     }
 
     /// The rows of head `j` over a piece.
@@ -361,6 +446,9 @@ impl<'a> Geometry<'a> {
                 return;
             }
             for p in self.pieces(0, self.tokens) {
+                if sink.full() {
+                    return;
+                }
                 self.token_major_piece(&p, sink);
             }
             return;
@@ -369,6 +457,9 @@ impl<'a> Geometry<'a> {
         let mut template = Vec::new();
         let mut c0 = 0;
         while c0 < self.tokens {
+            if sink.full() {
+                return;
+            }
             let c1 = (c0 + g).min(self.tokens);
             self.head_major_chunk(c0, c1, &mut template, sink);
             c0 = c1;
@@ -404,15 +495,8 @@ impl<'a> Geometry<'a> {
             });
             return;
         }
-        for j in 0..self.heads {
-            for row in template.iter() {
-                sink.rows(CopyRect {
-                    src_offset: row.src_offset + j * hs_src,
-                    dst_offset: row.dst_offset + j * hs_dst,
-                    ..*row
-                });
-            }
-        }
+        // Head j's rows are head 0's, j head strides on.
+        sink.repeat(template, self.heads, (hs_src, hs_dst));
     }
 
     /// The segments of head 0's run over the chunk `[c0, c1)` with both head strides; or that
@@ -652,9 +736,10 @@ impl<S: RowSink> PageLoop<()> for WalkPages<'_, '_, S> {
         let mut pending: Option<CopyRect> = None;
         for (src, dst, height) in page_starts(self.geometry, src, dst) {
             if let Some(p) = &mut pending {
-                // Every row has the same width and pitches: it continues where they put it.
-                if p.src_offset + p.height * p.src_pitch == src
-                    && p.dst_offset + p.height * p.dst_pitch == dst
+                // Every row has the same width and pitches: it continues where they put it
+                // (checked: a page of one slot may carry any token stride).
+                if next_row(p.src_offset, p.height, p.src_pitch) == Some(src)
+                    && next_row(p.dst_offset, p.height, p.dst_pitch) == Some(dst)
                 {
                     p.height += height;
                     continue;
@@ -677,6 +762,14 @@ impl<S: RowSink> PageLoop<()> for WalkPages<'_, '_, S> {
 impl<S: RowSink> RowSink for &mut S {
     fn rows(&mut self, row: CopyRect) {
         (**self).rows(row);
+    }
+
+    fn repeat(&mut self, period: &[CopyRect], times: u64, step: (u64, u64)) {
+        (**self).repeat(period, times, step);
+    }
+
+    fn full(&self) -> bool {
+        (**self).full()
     }
 }
 
