@@ -1,4 +1,4 @@
-//! Any page layout (CONTRACT section 7) through the C ABI, against an independent oracle that
+//! Any page layout (REFERENCE.md section 11) through the C ABI, against an independent oracle that
 //! copies element by element and finds the segments of every order itself: every valid
 //! (H, P, D) with H, P, D <= 16; NHD, HND, padded strides, offsets and heads outside pages, mixed
 //! between the sides; page sizes 1, 3, 16 and 64 on each side; empty requests, whole pages and
@@ -43,14 +43,14 @@ fn last_error() -> String {
         .into_owned()
 }
 
-// ---- the oracle: the contract's formulas, written again here (ownership: tests/common) ---
+// ---- the oracle: the documented formulas, written again here (ownership: tests/common) ---
 
 /// Where element (slot, local head) of page `page` lies in a layout.
 fn element(l: &MoriTpLayout, page: u64, slot: u64, local: u64) -> u64 {
     page * l.page_stride + l.offset + slot * l.token_stride + local * l.head_stride
 }
 
-/// True when the layout holds heads head-major within a page (the contract's test).
+/// True when the layout holds heads head-major within a page (the documented test).
 fn head_major(l: &MoriTpLayout) -> bool {
     l.page_size > 1 && l.head_stride > l.token_stride
 }
@@ -155,7 +155,7 @@ impl Pair<'_> {
         out
     }
 
-    /// The segments of every order of the contract (token-major, then head-major in chunks of
+    /// The segments of every documented order (token-major, then head-major in chunks of
     /// the prefill page size, the decode page size and all tokens) whose segments are fewest,
     /// in that order.
     fn tied_segments(&self, page_sizes: [u32; 2]) -> Vec<Vec<MoriSegment>> {
@@ -170,7 +170,7 @@ impl Pair<'_> {
         all.into_iter().filter(|s| s.len() == fewest).collect()
     }
 
-    /// The fewest segments among the contract's orders, ties to the first listed.
+    /// The fewest segments among the documented orders, ties to the first listed.
     fn best_segments(&self, page_sizes: [u32; 2]) -> Vec<MoriSegment> {
         self.tied_segments(page_sizes).swap_remove(0)
     }
@@ -211,7 +211,7 @@ fn check_rect_rows(rects: &[MoriCopyRect], src_len: u128, dst_len: u128, what: &
     }
 }
 
-/// The contract's greedy rects over a segment list.
+/// The documented greedy rects over a segment list.
 fn greedy_rects(segments: &[MoriSegment]) -> Vec<MoriCopyRect> {
     let mut rects: Vec<MoriCopyRect> = Vec::new();
     let mut last: Option<(u64, u64)> = None;
@@ -272,7 +272,7 @@ fn full(l: &MoriTpLayout, first_local: u64, n: u64, head_major: bool) -> bool {
     pair.segments(order).len() == 1
 }
 
-/// The staging `mori_tp_pair_staging_for` must choose (CONTRACT section 7), with "full" from
+/// The staging `mori_tp_pair_staging_for` must choose (REFERENCE.md section 11), with "full" from
 /// the oracle's segment counts: not SEND, or both sides full token-major, or both full
 /// head-major with one page size: NONE; else the prefill side full in some order: DST; else
 /// the decode side full in some order: SRC; else BOTH.
@@ -717,7 +717,7 @@ fn check_pair(case: &Case, what: &str) -> usize {
                 )
             };
             assert_eq!(status, MORI_OK, "{what} pack {mode}: {}", last_error());
-            // The region holds the slice in the contract's order.
+            // The region holds the slice in the documented order.
             for (b, s) in src.iter().enumerate() {
                 for k in 0..tokens {
                     for j in 0..n {

@@ -1,4 +1,4 @@
-//! The C ABI of any page layout (CONTRACT section 7): layouts, pair configs, requests of
+//! The C ABI of any page layout (REFERENCE.md section 11): layouts, pair configs, requests of
 //! tokens, and their segments, plans, staging, send, pack and unpack.
 
 use std::ffi::c_void;

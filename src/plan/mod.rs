@@ -6,8 +6,8 @@
 //! staging region; see [`walk`](self) for how the walk stays proportional to pages. The
 //! section-4 functions (one page size, token-major pages, whole pages) are the case where both
 //! sides are token-major and share a page size, and keep their results exactly: their rects
-//! are the walk's own rows, one per maximal run of pages. Pair plans (any layout, CONTRACT
-//! section 7) take their segments in the order, among those the contract lists, with the fewest
+//! are the walk's own rows, one per maximal run of pages. Pair plans (any layout, REFERENCE.md
+//! section 11) take their segments in the order, among those the reference lists, with the fewest
 //! transport segments (the first on a tie), and grow rects greedily from the segments of the
 //! order that, among those with the fewest segments, gives the fewest rects.
 //!
@@ -171,7 +171,7 @@ enum RectShape {
     Greedy,
 }
 
-/// The orders whose segments are fewest, in the contract's list order (token-major, then
+/// The orders whose segments are fewest, in the reference's list order (token-major, then
 /// head-major in chunks of the prefill page size, the decode page size, all tokens): the first
 /// is the order of a plan's segments; its rects come from the one of them with the fewest.
 #[derive(Clone, Copy, Debug)]
@@ -378,7 +378,7 @@ fn slice_side(
 }
 
 /// A staging region of `tokens` tokens of `heads` heads, token-major or head-major in chunks of
-/// `G` tokens (CONTRACT sections 5 and 7). A token-major region is cut into pages of `page_size`
+/// `G` tokens (REFERENCE.md sections 6 and 11). A token-major region is cut into pages of `page_size`
 /// tokens (the unstaged side's, so that both sides change page together); its addresses do not
 /// depend on it.
 fn region(
@@ -566,8 +566,8 @@ impl<'a> Plan<'a> {
                 heads,
                 head_bytes: hb,
             },
-            // Token-major is the order with the fewest segments for section-4 sides (CONTRACT
-            // section 7's agreement), so no other is counted.
+            // Token-major is the order with the fewest segments for section-4 sides (REFERENCE.md
+            // section 11's agreement), so no other is counted.
             order: Order::TokenMajor,
             ties: Ties::one(Order::TokenMajor),
             shape: RectShape::Rows,
@@ -671,7 +671,7 @@ pub fn plan_transfer(
 
 // ---- section 7: any layout, page sizes that differ, partial pages --------------------------
 
-/// A pair plan (CONTRACT section 7): a pair config and a request, between page buffers, or
+/// A pair plan (REFERENCE.md section 11): a pair config and a request, between page buffers, or
 /// with staged sides read or written as their staging regions.
 #[derive(Clone, Debug)]
 pub struct PairPlan<'a> {
@@ -693,7 +693,7 @@ fn head_major(layout: &ValidLayout) -> bool {
     layout.layout().page_size > 1 && layout.layout().head_stride > layout.layout().token_stride
 }
 
-/// The order of the staging region that replaces `staged` under `staging` (CONTRACT section 7):
+/// The order of the staging region that replaces `staged` under `staging` (REFERENCE.md section 11):
 /// head-major in chunks of the unstaged side's page size (or of all `tokens` when that side's
 /// heads hold their own pages) exactly when one side is staged and the other is head-major;
 /// token-major otherwise. `None` is token-major.
@@ -923,8 +923,8 @@ fn count_rects(geometry: &Geometry<'_>, order: Order, cap: u64) -> Option<u64> {
     (count < cap).then_some(count)
 }
 
-/// The order, among `ties` (the orders with the fewest segments, in the contract's list
-/// order), whose greedy rects are fewest; the first of them on a tie (CONTRACT section 7).
+/// The order, among `ties` (the orders with the fewest segments, in the reference's list
+/// order), whose greedy rects are fewest; the first of them on a tie (REFERENCE.md section 11).
 ///
 /// Each order is counted up to a cap that starts small and grows fourfold until some order
 /// comes in under it, and a later order of a round only up to the best count so far. So
@@ -950,7 +950,7 @@ fn fewest_rects(geometry: &Geometry<'_>, ties: &[Order]) -> Order {
     }
 }
 
-/// The staging that gives the transport the fewest segments for a pair (CONTRACT section 7):
+/// The staging that gives the transport the fewest segments for a pair (REFERENCE.md section 11):
 /// a side is *full* in an order when its pages hold the slice and nothing else, back to back in
 /// that order. Not SEND: NONE. Both sides full token-major, or both full head-major with one
 /// page size: NONE. Else the prefill side full in some order: DST; else the decode side: SRC;

@@ -384,7 +384,7 @@ fn advance(from: (u64, u64), to: (u64, u64)) -> Option<(u64, u64)> {
     Some((to.0.checked_sub(from.0)?, to.1.checked_sub(from.1)?))
 }
 
-/// Grows rects greedily from the front (CONTRACT section 7): a rect takes the next segment
+/// Grows rects greedily from the front (REFERENCE.md section 11): a rect takes the next segment
 /// while it keeps the rect's width and, after the second, both pitches; the second segment
 /// fixes the pitches when they are at least the width. Every pitch is the true advance from
 /// one row to the next on its side, never negative.

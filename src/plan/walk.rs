@@ -1,5 +1,5 @@
-//! The one generator: the elements of a request, walked in one of the orders of CONTRACT
-//! section 7, as rows of strided copies; and how many transport segments each order gives,
+//! The one generator: the elements of a request, walked in one of the orders of REFERENCE.md
+//! section 11, as rows of strided copies; and how many transport segments each order gives,
 //! counted without walking every element.
 //!
 //! An element is one head of one token: `head_bytes` bytes at a side's address
@@ -130,7 +130,7 @@ pub(crate) struct Geometry<'a> {
     pub head_bytes: u64,
 }
 
-/// An order of a request's elements (CONTRACT section 7): token-major (token outer, head
+/// An order of a request's elements (REFERENCE.md section 11): token-major (token outer, head
 /// inner), or head-major in chunks of `G` tokens (chunk outer, then head, then token).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Order {
