@@ -357,9 +357,16 @@ impl<'a> Deref for Plan<'a> {
     }
 }
 
-/// A section-4 side: token-major pages of `item_len` bytes, the slice at `slice_offset`.
+/// Where the highest page's slice starts on a side (see [`SideGeom::reach`]), saturating.
+fn reach(highest: u64, page_stride: u64, base: u64) -> u64 {
+    highest.saturating_mul(page_stride).saturating_add(base)
+}
+
+/// A section-4 side: token-major pages of `item_len` bytes, the slice at `slice_offset`;
+/// `highest` is the highest page index.
 fn slice_side(
     pages: &[i32],
+    highest: u64,
     page_size: u32,
     item_len: u64,
     bpt: u64,
@@ -374,6 +381,7 @@ fn slice_side(
         token_stride: bpt,
         head_stride: hb,
         last_head_stride: None,
+        reach: reach(highest, item_len, offset),
     }
 }
 
@@ -389,6 +397,8 @@ fn region(
     page_size: u64,
 ) -> SideGeom<'static> {
     let slice = heads * hb;
+    // The highest position of a region cut into pages of `page_size` tokens.
+    let highest = |page_size: u64| tokens.div_ceil(page_size).saturating_sub(1);
     match head_major {
         None => {
             let page_size = page_size.max(1);
@@ -400,6 +410,7 @@ fn region(
                 token_stride: slice,
                 head_stride: hb,
                 last_head_stride: None,
+                reach: reach(highest(page_size), page_size * slice, 0),
             }
         }
         Some(g) => {
@@ -413,6 +424,7 @@ fn region(
                 token_stride: hb,
                 head_stride: g * hb,
                 last_head_stride: (partial != 0).then_some((tokens / g, partial * hb)),
+                reach: reach(highest(g), g * slice, 0),
             }
         }
     }
@@ -537,6 +549,7 @@ impl<'a> Plan<'a> {
             });
             geoms.push(Some(slice_side(
                 pages,
+                max.map_or(0, |page| page as u64),
                 c.page_size,
                 item_len,
                 bpt,
@@ -736,6 +749,11 @@ fn layout_side<'a>(
         token_stride: layout.token_stride,
         head_stride: layout.head_stride,
         last_head_stride: None,
+        reach: reach(
+            highest.map_or(0, |(page, _)| page),
+            layout.page_stride,
+            base,
+        ),
     };
     Ok((
         geometry,

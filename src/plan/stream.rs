@@ -125,15 +125,14 @@ pub(crate) trait SegSink {
     /// `period`, then `times - 1` more copies of it, copy `i` shifted by `i * step` on both
     /// sides; every address of every copy is real.
     fn repeat(&mut self, period: &[SegRun], times: u64, step: (u64, u64)) {
-        for i in 0..times {
-            if self.full() {
-                return;
-            }
-            work(period.len() as u64);
+        let mut i = 0;
+        while i < times && !self.full() {
             for run in period {
                 self.run(run.shifted(i, step));
             }
+            i += 1;
         }
+        work(i * period.len() as u64);
     }
 
     /// True when the sink needs nothing more: a capped count that reached its cap.
@@ -145,6 +144,8 @@ pub(crate) trait SegSink {
 /// Turns rows into segment runs and merges segments that touch across rows.
 pub(crate) struct Merger<S: SegSink> {
     pending: Option<SegRun>,
+    /// Rows taken and periods followed, for [`work`].
+    steps: u64,
     pub sink: S,
 }
 
@@ -152,11 +153,13 @@ impl<S: SegSink> Merger<S> {
     pub fn new(sink: S) -> Self {
         Merger {
             pending: None,
+            steps: 0,
             sink,
         }
     }
 
     pub fn finish(mut self) -> S {
+        work(self.steps);
         if let Some(pending) = self.pending.take() {
             self.sink.run(pending);
         }
@@ -198,7 +201,7 @@ impl<S: SegSink> Merger<S> {
 
 impl<S: SegSink> RowSink for Merger<S> {
     fn rows(&mut self, row: CopyRect) {
-        work(1);
+        self.steps += 1;
         let sink = &mut self.sink;
         Self::merge(&mut self.pending, &row, &mut |run| sink.run(run));
     }
@@ -217,7 +220,7 @@ impl<S: SegSink> RowSink for Merger<S> {
             if self.sink.full() {
                 return;
             }
-            work(period.len() as u64);
+            self.steps += period.len() as u64;
             out.clear();
             for row in period {
                 Self::merge(&mut self.pending, &shifted_row(row, i, step), &mut |run| {
@@ -297,10 +300,8 @@ pub(crate) struct Writer<F: FnMut(usize, Segment)> {
 
 impl<F: FnMut(usize, Segment)> SegSink for Writer<F> {
     fn run(&mut self, run: SegRun) {
-        work(run.count);
-        for i in 0..run.count {
-            // Segment i of the run, never a step past its last.
-            let (src, dst) = run.segment(i);
+        let (mut src, mut dst) = (run.src, run.dst);
+        for _ in 0..run.count {
             (self.put)(
                 self.written,
                 Segment {
@@ -310,6 +311,10 @@ impl<F: FnMut(usize, Segment)> SegSink for Writer<F> {
                 },
             );
             self.written += 1;
+            // Wrapping on purpose: the step after the last segment may pass 2^64 (a head at
+            // 2^63), and that value is never used.
+            src = src.wrapping_add(run.src_step);
+            dst = dst.wrapping_add(run.dst_step);
         }
     }
 }
@@ -390,6 +395,8 @@ fn advance(from: (u64, u64), to: (u64, u64)) -> Option<(u64, u64)> {
 /// one row to the next on its side, never negative.
 pub(crate) struct Rects<S: RowSink> {
     growing: Option<Growing>,
+    /// Runs taken, segments taken one by one and periods followed, for [`work`].
+    steps: u64,
     pub sink: S,
 }
 
@@ -397,11 +404,13 @@ impl<S: RowSink> Rects<S> {
     pub fn new(sink: S) -> Self {
         Rects {
             growing: None,
+            steps: 0,
             sink,
         }
     }
 
     pub fn finish(mut self) -> S {
+        work(self.steps);
         if let Some(growing) = self.growing.take() {
             self.sink.rows(growing.rect());
         }
@@ -440,8 +449,13 @@ impl<S: RowSink> Rects<S> {
         *growing = Some(Growing::new(at.0, at.1, len));
     }
 
-    /// Takes one run of segments.
-    fn take(growing: &mut Option<Growing>, run: SegRun, emit: &mut impl FnMut(CopyRect)) {
+    /// Takes one run of segments; `steps` counts the segments it takes one by one.
+    fn take(
+        growing: &mut Option<Growing>,
+        run: SegRun,
+        steps: &mut u64,
+        emit: &mut impl FnMut(CopyRect),
+    ) {
         Self::segment(growing, (run.src, run.dst), run.len, emit);
         if run.count == 1 {
             return;
@@ -466,7 +480,7 @@ impl<S: RowSink> Rects<S> {
                     g.height = rest.count;
                     g.last = rest.last();
                 } else {
-                    work(rest.count);
+                    *steps += rest.count;
                     for i in 0..rest.count {
                         Self::segment(growing, rest.segment(i), rest.len, emit);
                     }
@@ -482,9 +496,11 @@ impl<S: RowSink> Rects<S> {
 
 impl<S: RowSink> SegSink for Rects<S> {
     fn run(&mut self, run: SegRun) {
-        work(1);
+        self.steps += 1;
         let sink = &mut self.sink;
-        Self::take(&mut self.growing, run, &mut |rect| sink.rows(rect));
+        Self::take(&mut self.growing, run, &mut self.steps, &mut |rect| {
+            sink.rows(rect)
+        });
     }
 
     /// Grows rects period after period until one emits the rects of the one before, one step
@@ -501,13 +517,16 @@ impl<S: RowSink> SegSink for Rects<S> {
             if self.sink.full() {
                 return;
             }
-            work(period.len() as u64);
+            self.steps += period.len() as u64;
             out.clear();
             let start = self.growing;
             for run in period {
-                Self::take(&mut self.growing, run.shifted(i, step), &mut |rect| {
-                    out.push(rect)
-                });
+                Self::take(
+                    &mut self.growing,
+                    run.shifted(i, step),
+                    &mut self.steps,
+                    &mut |rect| out.push(rect),
+                );
             }
             for &rect in &out {
                 self.sink.rows(rect);

@@ -16,7 +16,7 @@
 //! plan was built, so sums that land on an element, or just past one, cannot wrap and are
 //! written plainly. Where a sum may not be such an address (whether the next row continues a
 //! run of rows, with a pitch that a side ignores, such as the token stride of a page of one
-//! slot), it is computed with checked arithmetic and an overflow means "does not continue".
+//! slot), it is computed in `u128`, where a sum past 2^64 never equals an address.
 
 use std::cell::Cell;
 
@@ -27,10 +27,11 @@ thread_local! {
     static WORK: Cell<u64> = const { Cell::new(0) };
 }
 
-/// Counts `steps` units of work: a piece walked, a row handed to a sink of rows or a run to a
-/// sink of segment runs, a repeated period followed, a segment written. Everything whose number
-/// could grow with the tokens of a request counts here, so that a test can check that a plan's
-/// work is bounded by its pages and its entries.
+/// Counts `steps` units of work: pieces walked, rows handed to a sink of rows or runs to a sink
+/// of segment runs, periods of a repetition followed one by one. Everything whose number could
+/// grow with the tokens of a request counts here, so that a test can check that a plan's work
+/// is bounded by its pages and its entries. The hot paths count in a field of their own and
+/// add it here once (a thread-local costs a call in a shared library).
 #[inline]
 pub(crate) fn work(steps: u64) {
     WORK.with(|w| w.set(w.get().wrapping_add(steps)));
@@ -52,12 +53,12 @@ pub(crate) fn shifted_row(row: &CopyRect, i: u64, step: (u64, u64)) -> CopyRect 
     }
 }
 
-/// Where a run of `rows` rows starting at `offset` with `pitch` would put its next row, or
-/// `None` when that is not a `u64` address (then no row of a request continues the run: a
-/// wrapped sum must never look like a continuation).
+/// True when a run of `rows` rows starting at `offset` with `pitch` puts its next row at `at`,
+/// in true integers (`u128`, which these sums cannot overflow): a sum past 2^64 is no address
+/// of a request, and a wrapped one must never look like a continuation.
 #[inline]
-fn next_row(offset: u64, rows: u64, pitch: u64) -> Option<u64> {
-    offset.checked_add(rows.checked_mul(pitch)?)
+fn lands_on(offset: u64, rows: u64, pitch: u64, at: u64) -> bool {
+    u128::from(offset) + u128::from(rows) * u128::from(pitch) == u128::from(at)
 }
 
 /// True when `row` continues `run`: the same width and pitches, and its first row where the
@@ -68,8 +69,8 @@ fn continues(run: &CopyRect, row: &CopyRect) -> bool {
     run.width == row.width
         && run.src_pitch == row.src_pitch
         && run.dst_pitch == row.dst_pitch
-        && next_row(run.src_offset, run.height, run.src_pitch) == Some(row.src_offset)
-        && next_row(run.dst_offset, run.height, run.dst_pitch) == Some(row.dst_offset)
+        && lands_on(run.src_offset, run.height, run.src_pitch, row.src_offset)
+        && lands_on(run.dst_offset, run.height, run.dst_pitch, row.dst_offset)
 }
 
 /// The page each position of a request visits on one side.
@@ -107,6 +108,9 @@ pub(crate) struct SideGeom<'a> {
     /// A head-major staging region's last chunk, when partial: (its position, its head
     /// stride). Every other page has `head_stride`.
     pub last_head_stride: Option<(u64, u64)>,
+    /// At least the start of the highest page's slice (`highest * page_stride + base`; 0 for
+    /// a request without pages): no row of the side starts past it plus a page's rows.
+    pub reach: u64,
 }
 
 impl SideGeom<'_> {
@@ -148,15 +152,14 @@ pub(crate) trait RowSink {
     /// The rows of `period`, then `times - 1` more copies of them, copy `i` shifted by
     /// `i * step` on both sides. Every row of every copy lies on elements of the request.
     fn repeat(&mut self, period: &[CopyRect], times: u64, step: (u64, u64)) {
-        for i in 0..times {
-            if self.full() {
-                return;
-            }
-            work(period.len() as u64);
+        let mut i = 0;
+        while i < times && !self.full() {
             for row in period {
                 self.rows(shifted_row(row, i, step));
             }
+            i += 1;
         }
+        work(i * period.len() as u64);
     }
 
     /// True when the sink needs nothing more (a capped count that reached its cap): the walk
@@ -171,6 +174,8 @@ pub(crate) trait RowSink {
 /// stride is one rect.
 pub(crate) struct Joiner<S: RowSink> {
     pending: Option<CopyRect>,
+    /// Rows taken, for [`work`].
+    steps: u64,
     pub sink: S,
 }
 
@@ -178,11 +183,13 @@ impl<S: RowSink> Joiner<S> {
     pub fn new(sink: S) -> Self {
         Joiner {
             pending: None,
+            steps: 0,
             sink,
         }
     }
 
     pub fn finish(mut self) -> S {
+        work(self.steps);
         if let Some(pending) = self.pending.take() {
             self.sink.rows(pending);
         }
@@ -192,7 +199,7 @@ impl<S: RowSink> Joiner<S> {
 
 impl<S: RowSink> RowSink for Joiner<S> {
     fn rows(&mut self, row: CopyRect) {
-        work(1);
+        self.steps += 1;
         if let Some(pending) = &mut self.pending {
             if continues(pending, &row) {
                 pending.height += row.height;
@@ -268,6 +275,14 @@ struct Pieces<'g, 'a> {
     to: u64,
     src: Cursor,
     dst: Cursor,
+    /// Pieces yielded, for [`work`].
+    steps: u64,
+}
+
+impl Drop for Pieces<'_, '_> {
+    fn drop(&mut self) {
+        work(self.steps);
+    }
 }
 
 impl Iterator for Pieces<'_, '_> {
@@ -279,7 +294,7 @@ impl Iterator for Pieces<'_, '_> {
             return None;
         }
         let g = self.geometry;
-        work(1);
+        self.steps += 1;
         let len = (g.src.page_size - self.src.slot)
             .min(g.dst.page_size - self.dst.slot)
             .min(self.to - self.k);
@@ -344,6 +359,7 @@ impl<'a> Geometry<'a> {
             to,
             src: self.src.cursor(from),
             dst: self.dst.cursor(from),
+            steps: 0,
         }
     }
 
@@ -731,15 +747,46 @@ struct WalkPages<'g, 'a, S> {
 
 impl<S: RowSink> PageLoop<()> for WalkPages<'_, '_, S> {
     #[inline]
-    fn run(mut self, src: impl Iterator<Item = u64>, dst: impl Iterator<Item = u64>) {
+    fn run(self, src: impl Iterator<Item = u64>, dst: impl Iterator<Item = u64>) {
+        // Every row has the same width and pitches: a page continues the pending run where its
+        // pitches put the next row. A page of one slot may carry any token stride, so that
+        // place may lie past 2^64, where a wrapped sum must never match a page: it is compared
+        // in u128, unless no run can reach past 2^64 on either side (its next row is at most
+        // a whole page's rows after the highest page's start), as in every usual layout.
+        let g = self.geometry;
+        let (row, _) = page_shape(g);
+        let within = |side: &SideGeom<'_>, pitch: u64| -> bool {
+            pitch
+                .checked_mul(row.height)
+                .and_then(|rows| side.reach.checked_add(rows))
+                .is_some()
+        };
+        if within(&g.src, row.src_pitch) && within(&g.dst, row.dst_pitch) {
+            self.join_pages(src, dst, |offset, rows, pitch, at| {
+                offset + rows * pitch == at
+            });
+        } else {
+            self.join_pages(src, dst, lands_on);
+        }
+    }
+}
+
+impl<S: RowSink> WalkPages<'_, '_, S> {
+    /// Passes on each run of pages that continue one another as one row; `lands_on` says
+    /// whether a run of rows puts its next row at a page's start.
+    #[inline]
+    fn join_pages(
+        mut self,
+        src: impl Iterator<Item = u64>,
+        dst: impl Iterator<Item = u64>,
+        lands_on: impl Fn(u64, u64, u64, u64) -> bool,
+    ) {
         let (row, _) = page_shape(self.geometry);
         let mut pending: Option<CopyRect> = None;
         for (src, dst, height) in page_starts(self.geometry, src, dst) {
             if let Some(p) = &mut pending {
-                // Every row has the same width and pitches: it continues where they put it
-                // (checked: a page of one slot may carry any token stride).
-                if next_row(p.src_offset, p.height, p.src_pitch) == Some(src)
-                    && next_row(p.dst_offset, p.height, p.dst_pitch) == Some(dst)
+                if lands_on(p.src_offset, p.height, p.src_pitch, src)
+                    && lands_on(p.dst_offset, p.height, p.dst_pitch, dst)
                 {
                     p.height += height;
                     continue;
