@@ -270,10 +270,12 @@ impl<'a> Walk<'a> {
                     rows.finish()
                 }
                 RectShape::Greedy => {
+                    // Greedy rects never continue one another (a rect that could take the
+                    // next segment did), so nothing joins them after.
                     let order = fewest_rects(&self.geometry, self.ties.as_slice());
-                    let mut merger = Merger::new(Rects::new(Joiner::new(Vec::new())));
+                    let mut merger = Merger::new(Rects::new(Vec::new()));
                     self.geometry.walk(order, &mut merger);
-                    merger.finish().finish().finish()
+                    merger.finish().finish()
                 }
             }
         })
@@ -935,9 +937,9 @@ fn fewest_segments(geometry: &Geometry<'_>, page_sizes: [u64; 2]) -> (Ties, u64)
 
 /// The greedy rects of `order`, counted up to `cap`: `None` once they reach it.
 fn count_rects(geometry: &Geometry<'_>, order: Order, cap: u64) -> Option<u64> {
-    let mut merger = Merger::new(Rects::new(Joiner::new(RectCount { count: 0, cap })));
+    let mut merger = Merger::new(Rects::new(RectCount { count: 0, cap }));
     geometry.walk(order, &mut merger);
-    let count = merger.finish().finish().finish().count;
+    let count = merger.finish().finish().count;
     (count < cap).then_some(count)
 }
 

@@ -395,7 +395,7 @@ fn advance(from: (u64, u64), to: (u64, u64)) -> Option<(u64, u64)> {
 /// one row to the next on its side, never negative.
 pub(crate) struct Rects<S: RowSink> {
     growing: Option<Growing>,
-    /// Runs taken, segments taken one by one and periods followed, for [`work`].
+    /// Segments taken one by one and periods followed, for [`work`].
     steps: u64,
     pub sink: S,
 }
@@ -496,7 +496,7 @@ impl<S: RowSink> Rects<S> {
 
 impl<S: RowSink> SegSink for Rects<S> {
     fn run(&mut self, run: SegRun) {
-        self.steps += 1;
+        // (Each run comes from a row the Merger counted, or from a period counted below.)
         let sink = &mut self.sink;
         Self::take(&mut self.growing, run, &mut self.steps, &mut |rect| {
             sink.rows(rect)
