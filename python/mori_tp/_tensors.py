@@ -221,10 +221,8 @@ def _read_only(where: str, name: str, what: str, how: str) -> InvalidArgumentErr
 def _from_numpy(array: Any, name: str, writable: bool, where: str) -> Buffer:
     what = f"a numpy array of shape {tuple(array.shape)} and dtype {array.dtype}"
     if not array.flags.c_contiguous:
-        raise InvalidArgumentError(
-            f"{where}: {name}: the numpy array must be C-contiguous ({what}, strides "
-            f"{tuple(array.strides)} bytes)"
-        )
+        expected = _contiguous_strides(array.shape, array.strides, array.itemsize)
+        raise _not_contiguous(where, name, what, array.strides, expected or (), "bytes")
     if writable and not array.flags.writeable:
         raise _read_only(where, name, what, "flags.writeable is False")
     return Buffer(array.__array_interface__["data"][0], array.nbytes, what, None, None, array)

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
+import os
+import subprocess
+import sys
 import unittest
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 from unittest import mock
 
@@ -467,8 +472,9 @@ class RefusalsTest(unittest.TestCase):
             lambda: self.send(src=[DLPackOnly(transposed)] + self.srcs[1:]))
         self.assertRefused(
             mori_tp.InvalidArgumentError,
-            rf"^send_kvcache: src_ptrs\[2\]: the numpy array must be C-contiguous \(.*strides "
-            r"\(2,\) bytes\)",
+            rf"^send_kvcache: src_ptrs\[2\] is not C-contiguous: a numpy array of shape "
+            rf"\({SRC_LEN},\) and dtype uint8 has strides \(2,\) \(bytes\) where a C-contiguous "
+            r"one has \(1,\)",
             lambda: self.send(src=self.srcs[:2] + [np.zeros(2 * SRC_LEN, np.uint8)[::2]]))
         self.assertRefused(
             mori_tp.InvalidArgumentError, r"^pack_kvcache: staging is not C-contiguous",
@@ -754,6 +760,39 @@ class WhatReachesTheCallTest(unittest.TestCase):
                 mori_tp.InvalidArgumentError,
                 r"group 0 src_ptrs\[0\] stream 0x6000, group 1 src_ptrs\[0\] stream 0x7000"):
             mori_tp.send_kvcache_groups([group, other], backend="auto")
+
+
+@needs_numpy
+class DeviceScriptOnTheHostTest(unittest.TestCase):
+    """python/tests/device_tensors.py, the GPU check, run with numpy arrays and the host
+    backend: its cases, its oracle and its command line work where no GPU is."""
+
+    SCRIPT = Path(__file__).resolve().parent / "device_tensors.py"
+
+    def run_script(self, *args: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, MORI_TP_LIBRARY=mori_tp.library_path,
+                   PYTHONPATH=str(Path(mori_tp.__file__).resolve().parents[1]))
+        env.pop("MORI_TP_REQUIRE_TOOLS", None)
+        return subprocess.run([sys.executable, str(self.SCRIPT), *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    def test_every_case_passes_on_host_memory(self):
+        result = self.run_script("--frameworks", "numpy", "--backend", "host", "--timeout",
+                                 "240")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        lines = result.stdout.splitlines()
+        self.assertEqual(sum(line.startswith("PASS numpy: ") for line in lines), 8, lines)
+        self.assertEqual(sum(line.startswith("SKIP numpy: ") for line in lines), 3, lines)
+        self.assertIn("device_tensors: 8 passed, 0 failed, 0 frameworks skipped", lines)
+
+    def test_a_missing_framework_skips_or_fails_when_required(self):
+        if importlib.util.find_spec("torch") is not None:
+            self.skipTest("torch is installed here")
+        result = self.run_script("--frameworks", "torch", "--backend", "auto")
+        self.assertEqual(result.returncode, 77, result.stdout + result.stderr)
+        self.assertIn("SKIP torch: torch is not installed", result.stdout)
+        result = self.run_script("--frameworks", "torch", "--backend", "auto", "--require")
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
 
 
 if __name__ == "__main__":
