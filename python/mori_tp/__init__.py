@@ -50,6 +50,13 @@ arrays; ``array.array('i')`` and C-contiguous numpy int32 arrays are passed to t
 address, without a copy. numpy is optional: only ``as_arrays=True`` output, numpy staging
 regions and :mod:`mori_tp.engines` need it.
 
+The copying functions take their buffers as addresses, numpy arrays or C-contiguous device
+tensors (:data:`BufferLike`: DLPack producers such as torch and CuPy tensors, and objects with
+``__cuda_array_interface__``), whose byte length caps the capacity; and a stream as an int or
+an object carrying one (:data:`StreamLike`). Device memory needs a GPU backend (``"cuda"``,
+``"hip"``) or ``"auto"``: the host backend cannot tell a device address from a host one.
+python/README.md ("Device tensors") gives the rules and the stream's precedence.
+
 Every failure raises a :class:`MoriError` subclass whose message names the offending values.
 A refused call has changed nothing: every input is validated before the first byte moves. The
 one exception is :class:`GpuError`, a HIP runtime failure in the middle of a copy, after which
