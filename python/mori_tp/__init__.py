@@ -688,8 +688,8 @@ def _copy_call(
 
 def _capacity(operand: "_tensors.Operand", given: Optional[int], name: str,
               where: str) -> int:
-    """Each buffer's capacity: ``given``, which must fit uint64 and no tensor's bytes less;
-    by default the smallest tensor's (refused when a buffer is a bare address)."""
+    """Each buffer's capacity: ``given``, which must fit uint64 and exceed no tensor's bytes;
+    by default the smallest tensor's bytes (refused when a buffer is a bare address)."""
     if given is not None:
         given = _unsigned(given, name, 64, where)
     capacity = operand.capacity(given, name, where)
