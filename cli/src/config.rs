@@ -569,6 +569,115 @@ mod family_tests {
         assert!(err.contains("hybrid_override_pattern"), "{err}");
     }
 
+    /// transformers' `FalconH1Config` fields with the Falcon-H1 0.5B figures (attention and
+    /// Mamba2 on every layer, one group), as `python/tests/test_models.py` has them.
+    const FALCON_H1: &str = r#"{"model_type": "falcon_h1", "num_hidden_layers": 36,
+        "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_d_ssm": 1536, "mamba_n_groups": 1,
+        "mamba_d_state": 128, "mamba_d_conv": 4}"#;
+
+    #[test]
+    fn falcon_h1_keeps_attention_and_mamba2_on_every_layer_with_one_group() {
+        let f = facts(FALCON_H1);
+        assert_eq!(f.family, "mamba2");
+        let every: Vec<u32> = (0..36).collect();
+        for g in &f.groups {
+            assert_eq!(g.layers, every, "{}", g.name);
+        }
+        let conv: Vec<(&str, u32, u64, bool)> = f.groups[1]
+            .parts
+            .iter()
+            .map(|p| (p.name, p.units, p.bytes.bytes(BF16), p.must_divide))
+            .collect();
+        assert_eq!(
+            conv,
+            [
+                ("x", 24, 64 * 2, true),
+                ("B", 1, 128 * 2, false),
+                ("C", 1, 128 * 2, false)
+            ]
+        );
+        assert_eq!(f.groups[1].steps(0), Some(3));
+        assert_eq!(f.groups[1].steps(2), Some(5));
+        assert_eq!(f.groups[2].steps(2), Some(1));
+        // mamba_d_head "auto" is mamba_d_ssm / mamba_n_heads; a d_ssm the heads do not make is
+        // refused with the numbers.
+        let auto = facts(&FALCON_H1.replace("\"mamba_d_head\": 64", "\"mamba_d_head\": \"auto\""));
+        assert_eq!(unit_bytes(&auto, "conv_state", "x", BF16), 1536 / 24 * 2);
+        let err = from_config_json(
+            &FALCON_H1.replace("\"mamba_d_ssm\": 1536", "\"mamba_d_ssm\": 1000"),
+            "config.json",
+        )
+        .unwrap_err();
+        assert!(err.contains("`mamba_d_ssm` 1000 is not"), "{err}");
+    }
+
+    #[test]
+    fn granite_4_h_reads_its_layer_types_and_an_auto_head_dim() {
+        let types: Vec<&str> = (0..40)
+            .map(|i| {
+                if [5, 15, 25, 35].contains(&i) {
+                    "attention"
+                } else {
+                    "mamba"
+                }
+            })
+            .collect();
+        let text = format!(
+            r#"{{"model_type": "granitemoehybrid", "num_hidden_layers": 40, "hidden_size": 1536,
+                 "num_attention_heads": 12, "num_key_value_heads": 4, "mamba_n_heads": 48,
+                 "mamba_d_head": "auto", "mamba_expand": 2, "mamba_n_groups": 1,
+                 "mamba_d_state": 128, "mamba_d_conv": 4, "layer_types": {}}}"#,
+            serde_json::to_string(&types).unwrap()
+        );
+        let f = facts(&text);
+        assert_eq!(f.groups[0].layers, [5, 15, 25, 35]);
+        assert_eq!(f.groups[1].layers.len(), 36);
+        // mamba_expand 2 x hidden 1536 over 48 heads: 64 channels a head.
+        assert_eq!(unit_bytes(&f, "conv_state", "x", BF16), 64 * 2);
+        assert_eq!(unit_bytes(&f, "full_attention", "kv", BF16), 1536 / 12 * 2);
+        let err = from_config_json(
+            &text.replace("\"mamba\"", "\"linear_attention\""),
+            "config.json",
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("layer_types") && err.contains("linear_attention"),
+            "{err}"
+        );
+        // A mamba_n_heads config whose layers cannot be told is refused, not read as dense.
+        let unknown = text
+            .replace("\"model_type\": \"granitemoehybrid\",", "")
+            .replace(
+                &format!(
+                    ", \"layer_types\": {}",
+                    serde_json::to_string(&types).unwrap()
+                ),
+                "",
+            );
+        let err = from_config_json(&unknown, "config.json").unwrap_err();
+        assert!(err.contains("which layers keep which state"), "{err}");
+    }
+
+    #[test]
+    fn the_ssm_dtype_default_follows_the_config_then_nemotron_h_then_the_conv_state() {
+        let nemotron = r#"{"num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "conv_kernel": 4, "mamba_num_heads": 4,
+            "mamba_head_dim": 2, "n_groups": 1, "ssm_state_size": 4,
+            "hybrid_override_pattern": "M*""#;
+        let with = |extra: &str| facts(&format!("{nemotron}{extra}}}"));
+        assert_eq!(with("").ssm_default(), SsmDefault::Conv);
+        assert_eq!(
+            with(r#", "architectures": ["NemotronHForCausalLM"]"#).ssm_default(),
+            SsmDefault::NemotronH
+        );
+        assert_eq!(
+            with(r#", "architectures": ["NemotronHForCausalLM"], "mamba_ssm_cache_dtype": "bfloat16""#)
+                .ssm_default(),
+            SsmDefault::Config("mamba_ssm_cache_dtype", "bfloat16".into())
+        );
+    }
+
     #[test]
     fn layer_types_of_the_wrong_length_or_kind_are_named() {
         let err = from_config_json(
