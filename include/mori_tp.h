@@ -31,12 +31,6 @@
 
 
 /**
- * The fewest (buffer, rect) copies for which [`CopyPath::Auto`] launches the kernel: a single
- * copy is one `hipMemcpy2DAsync`, cheaper than a table upload and a launch.
- */
-#define AUTO_KERNEL_MIN_COPIES 2
-
-/**
  * MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
  * Host copies are always complete on return. On a stream that is capturing a graph the wait is
  * not allowed, so such a call is refused with MORI_ERR_GPU before anything is enqueued: capture
@@ -54,7 +48,8 @@
  * buffer is memory a kernel there surely reaches (that device's memory, hipHostMalloc'd memory,
  * hipHostRegister'd memory at the address hipHostGetDevicePointer returns); otherwise it
  * issues the per-rect copies (MORI_SEND_MEMCPY2D). A stream that is capturing a graph gets the
- * per-rect copies with either flag.
+ * per-rect copies with either flag, as does a call that finds every table buffer (32) or lane
+ * (16 streams) of the device busy with other streams' copies.
  *
  * On the stream, in order: hipMemcpyAsync of the table from pinned host memory into a device
  * buffer the library keeps per device, hipModuleLaunchKernel, then the buffer's fence:

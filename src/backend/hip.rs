@@ -771,6 +771,7 @@ impl<R: HipRuntime> HipEngine<R> {
     fn kernel_required(&self) -> bool {
         self.path == CopyPath::Kernel
     }
+
     /// One `hipMemcpy2DAsync` per (buffer, rect), then the wait when asked.
     ///
     /// # Safety
