@@ -26,7 +26,7 @@ except ImportError as error:
     np = None
 
 if np is not None:
-    from mori_tp.engines import Receiver, Streamer, TransferTimeoutError, new_token
+    from mori_tp.engines import Receiver, Streamer, TransferTimeoutError, new_token, plan_request
     from mori_tp.engines.protocol import (
         MAX_MESSAGE_BYTES,
         abort_message,
@@ -87,7 +87,7 @@ class FormatTest(unittest.TestCase):
             with self.assertRaisesRegex(InvalidArgumentError, "a request token must be"):
                 expect(receiver, sides, "r", Staging.SRC, token=bad)
         with self.assertRaisesRegex(InvalidArgumentError, "needs its token"):
-            streamer.open(peer, mori_tp.engines.plan_request(
+            streamer.open(peer, plan_request(
                 sides.config, sides.request.src_pages, sides.request.dst_pages,
                 local=sides.local, remote=sides.remote), "r")
         with self.assertRaisesRegex(InvalidArgumentError, "differs from the one the plan"):
@@ -138,7 +138,7 @@ class BindingTest(unittest.TestCase):
             mallory.setdefault("mallory", []).extend(messages)
 
         a = expect(receiver, sides, "req-A", Staging.DST, token=new_token())
-        plan_a = mori_tp.engines.plan_request(
+        plan_a = plan_request(
             sides.config, sides.request.src_pages, sides.request.dst_pages, local=sides.local,
             remote=sides.remote, staging=Staging.DST, token=a.token)
         with Streamer(sender, timeout=LONG) as streamer:
@@ -172,7 +172,7 @@ class BindingTest(unittest.TestCase):
         self.assertTrue(any("another protocol version" in v for v in seen))
         self.assertEqual(b.peer, None)
         # B's real sender, with B's token, still completes it byte for byte.
-        plan_b = mori_tp.engines.plan_request(
+        plan_b = plan_request(
             sides.config, sides.request.src_pages, sides.request.dst_pages, local=sides.local,
             remote=sides.remote, staging=Staging.DST, token=b.token)
         with Streamer(sender, timeout=LONG) as streamer:

@@ -55,18 +55,18 @@ the constants.
 from __future__ import annotations
 
 import ctypes
+import heapq
 import hmac
 import math
 import os
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import (
     Any,
     Callable,
-    Deque,
     Dict,
     List,
     Optional,
@@ -201,6 +201,11 @@ def _listed(items: Sequence[Any], most: int = 32) -> str:
     if len(items) <= most:
         return str(items)
     return str(items[:most])[:-1] + f", ... ({len(items)} in all)]"
+
+
+def _a(word: str) -> str:
+    """``word`` with its indefinite article."""
+    return ("an " if word[:1] in "aeiou" else "a ") + word
 
 
 def _check_timeout(value: Any, name: str, where: str) -> float:
@@ -1049,7 +1054,8 @@ class Incoming:
     late: List[str] = field(default_factory=list)
     #: Set once no write of the request can land in its memory any more (then ``on_done``
     #: runs): at once when it completes or its sender aborts after every write returned,
-    #: ``linger`` seconds after another failure, never while the sender's engine may write.
+    #: ``linger`` seconds (default its ``timeout``) after another failure, never while the
+    #: sender's engine may write.
     settled: threading.Event = field(default_factory=threading.Event)
     #: Why the request never settles: the sender's engine may still write into its memory.
     kept: Optional[str] = None
@@ -1086,6 +1092,20 @@ class Incoming:
                 if all(b in self.buffers_ready for a, e in of(layer) for b in range(a, e))]
 
 
+class _Finished:
+    """What a Receiver remembers of a finished request, to recognise a late message of its
+    sender: its id, token, bound sender and the request's list of late messages."""
+
+    __slots__ = ("request_id", "token", "sender", "late", "finished_at")
+
+    def __init__(self, incoming: Incoming) -> None:
+        self.request_id = incoming.request_id
+        self.token = incoming.token
+        self.sender = incoming.sender
+        self.late = incoming.late
+        self.finished_at = incoming.finished_at
+
+
 class Receiver:
     """The decode rank's side of pipelined and streamed requests, over one transport: takes the
     transport's notifications, unpacks each chunk as it lands (DST or BOTH staging), completes
@@ -1104,15 +1124,18 @@ class Receiver:
 
     ``linger``: seconds a failed request waits before ``on_done`` (which frees its memory) when
     a write of its sender may still be in flight (a request that timed out, or whose sender
-    broke the protocol): the sender's write timeout (default :data:`DEFAULT_TIMEOUT`, as the
-    Streamer's). Its ``done`` is set, and :meth:`wait` raises, at once. A request that
-    completes, or whose sender aborted after every write of it returned, settles at once.
+    broke the protocol): at least the longest a sender's write may take. Default (None): each
+    request's own ``timeout``, the time its sender may go without progress (60 s, as a
+    Streamer's write timeout, unless told otherwise); a deployment whose senders' writes may
+    take longer than that gives a longer linger. The request's ``done`` is set, and
+    :meth:`wait` raises, at once. A request that completes, or whose sender aborted after
+    every write of it returned, settles at once.
     """
 
     def __init__(self, transport: Any, *, poll_interval: float = 0.0001,
                  max_poll_interval: float = 0.001,
                  early_timeout: float = DEFAULT_TIMEOUT,
-                 linger: float = DEFAULT_TIMEOUT) -> None:
+                 linger: Optional[float] = None) -> None:
         self.transport = transport
         self.poll_interval = poll_interval
         self.max_poll_interval = max(max_poll_interval, poll_interval)
@@ -1120,14 +1143,14 @@ class Receiver:
         #: violations): a request that is never expected, or an abort for one that never began.
         #: Also how long a finished request is remembered, to recognise a late message.
         self.early_timeout = early_timeout
-        if not 0 <= linger < math.inf:
+        if linger is not None and not 0 <= linger < math.inf:
             raise InvalidArgumentError(f"Receiver: linger {linger!r} must be a finite number of "
-                                       "seconds, at least 0")
+                                       "seconds, at least 0, or None (each request's timeout)")
         self.linger = linger
         self._lock = threading.RLock()
         self._incoming: Dict[str, Incoming] = {}
         #: Finished requests, oldest first, kept early_timeout seconds (at most MAX_RECENT).
-        self._recent: "OrderedDict[str, Incoming]" = OrderedDict()
+        self._recent: "OrderedDict[str, _Finished]" = OrderedDict()
         #: Raw messages for requests not expected yet, per request id, and since when.
         self._early: Dict[str, List[Tuple[Any, bytes]]] = {}
         self._early_since: Dict[str, float] = {}
@@ -1135,14 +1158,15 @@ class Receiver:
         self._early_bytes = 0
         #: Early messages of requests expected since, for the next poll to take.
         self._queued: List[Tuple[Incoming, Any, bytes]] = []
-        #: Releases due later: (when, request), in order.
-        self._lingering: Deque[Tuple[float, Incoming]] = deque()
+        #: Requests that settle later: a heap of (when, order, request).
+        self._lingering: List[Tuple[float, int, Incoming]] = []
+        self._lingered = 0
         self._finished: List[Incoming] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         #: Notifications that are not this protocol's, as (peer, message), for other users: the
         #: newest MAX_OTHERS, at most MAX_OTHERS_BYTES together (others_dropped counts the rest).
-        self.others: Deque[Tuple[Any, bytes]] = deque()
+        self.others: List[Tuple[Any, bytes]] = []
         self._others_bytes = 0
         self.others_dropped = 0
         self._received = 0
@@ -1150,7 +1174,7 @@ class Receiver:
         #: MAX_VIOLATIONS: messages without the request's token or from another sender,
         #: messages after a request finished, malformed or foreign-version messages, early
         #: messages dropped, a transport that failed to poll. violation_count counts them all.
-        self.violations: Deque[str] = deque(maxlen=MAX_VIOLATIONS)
+        self.violations: List[str] = []
         self.violation_count = 0
         #: Polls whose transport call raised (the thread records each new error once).
         self.poll_errors = 0
@@ -1222,7 +1246,8 @@ class Receiver:
         """Forgets a finished request at once (finished requests are forgotten by themselves
         after ``early_timeout``; a finished request's id may be expected again at any time)."""
         with self._lock:
-            if self._recent.get(incoming.request_id) is incoming:
+            record = self._recent.get(incoming.request_id)
+            if record is not None and record.late is incoming.late:
                 del self._recent[incoming.request_id]
 
     def poll(self) -> List[Incoming]:
@@ -1334,6 +1359,8 @@ class Receiver:
     def _violation(self, text: str) -> None:
         self.violation_count += 1
         self.violations.append(text)
+        if len(self.violations) > MAX_VIOLATIONS:
+            del self.violations[:len(self.violations) - MAX_VIOLATIONS]
 
     def _guarded(self, sender: Any, raw: bytes, queued: Optional[Incoming]) -> None:
         """Takes one message; whatever it raises is recorded, and the batch goes on."""
@@ -1354,10 +1381,13 @@ class Receiver:
             return
         self.others.append((sender, raw))
         self._others_bytes += len(raw)
-        while len(self.others) > MAX_OTHERS or self._others_bytes > MAX_OTHERS_BYTES:
-            _, old = self.others.popleft()
-            self._others_bytes -= len(old)
-            self.others_dropped += 1
+        drop = 0
+        while len(self.others) - drop > MAX_OTHERS or self._others_bytes > MAX_OTHERS_BYTES:
+            self._others_bytes -= len(self.others[drop][1])
+            drop += 1
+        if drop:
+            del self.others[:drop]
+            self.others_dropped += drop
 
     def _take(self, sender: Any, raw: bytes) -> None:
         if not raw.startswith(b"mori-tp/"):
@@ -1377,7 +1407,7 @@ class Receiver:
         finished = self._recent.get(rid)
         if finished is not None:
             if self._authentic(finished, sender, message):
-                late = (f"request {rid}: a {message.kind} message (chunk {message.index}) "
+                late = (f"request {rid}: {_a(message.kind)} message (chunk {message.index}) "
                         f"from {sender!r} arrived after the request had finished")
                 finished.late.append(late)
                 del finished.late[:-16]
@@ -1417,11 +1447,11 @@ class Receiver:
         when = " (kept from before the request was expected)" if early else ""
         if not hmac.compare_digest(message.token.encode("ascii", "replace"),
                                    incoming.token.encode("ascii")):
-            self._violation(f"request {rid}: a {message.kind} message from {sender!r}{when} "
+            self._violation(f"request {rid}: {_a(message.kind)} message from {sender!r}{when} "
                             "without the request's token, ignored")
             return False
         if incoming.sender is not None and sender != incoming.sender:
-            self._violation(f"request {rid}: a {message.kind} message from {sender!r}{when}, "
+            self._violation(f"request {rid}: {_a(message.kind)} message from {sender!r}{when}, "
                             f"but the request is bound to {incoming.sender!r}, ignored")
             return False
         return True
@@ -1443,7 +1473,7 @@ class Receiver:
         incoming.finished_at = now
         if self._incoming.get(incoming.request_id) is incoming:
             del self._incoming[incoming.request_id]
-        self._recent[incoming.request_id] = incoming
+        self._recent[incoming.request_id] = _Finished(incoming)
         while len(self._recent) > MAX_RECENT:
             self._recent.popitem(last=False)
         incoming.done.set()
@@ -1456,7 +1486,9 @@ class Receiver:
                              "keep its slot")
             self._violation(incoming.kept)
         else:
-            self._lingering.append((now + self.linger, incoming))
+            delay = incoming.timeout if self.linger is None else self.linger
+            self._lingered += 1
+            heapq.heappush(self._lingering, (now + delay, self._lingered, incoming))
 
     def _settle(self, incoming: Incoming) -> None:
         """No write of the request can land any more: ``on_done`` (which frees its slot)."""
@@ -1478,7 +1510,7 @@ class Receiver:
                     f"{incoming.unpacked()}", peer=incoming.peer,
                     request_id=incoming.request_id))
         while self._lingering and self._lingering[0][0] <= now:
-            self._settle(self._lingering.popleft()[1])
+            self._settle(heapq.heappop(self._lingering)[2])
         for rid, since in list(self._early_since.items()):
             if now - since > self.early_timeout:
                 dropped = self._early.pop(rid, [])
