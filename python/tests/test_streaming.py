@@ -770,6 +770,30 @@ class StreamEndTest(unittest.TestCase):
         self.assertEqual(calls, ["chunks=0", f"chunks={BUFFERS + 1}", "aborted", "abandoned",
                                  "late open", "late send"])
 
+    def test_close_waits_for_an_abort_still_being_sent(self):
+        """No streamer thread is inside the engine once close() returns: an abort to a peer
+        that does not answer holds close, which names it after its timeout."""
+        sides = sides_for(Staging.SRC)
+        sender, _, peer = mooncake_pair(sides)
+        gate = threading.Event()
+
+        class SlowAbort(Held):
+            def notify(self, peer_, message, **kwargs):
+                if parse_message(message).kind == "abort":
+                    gate.wait(LONG)
+                return super().notify(peer_, message, **kwargs)
+
+        streamer = Streamer(SlowAbort(sender, index=-5), timeout=LONG)
+        stream = streamer.open(peer, sides.plan(Staging.SRC), "slow-abort", layers=LAYERS)
+        stream.submit(0)
+        stream.abort("given up")
+        with self.assertRaisesRegex(TransferTimeoutError,
+                                    r"mori-tp-abort \(slow-abort\) still running"):
+            streamer.close(timeout=SHORT)
+        gate.set()
+        streamer.close(timeout=LONG)
+        self.assertTrue(stream.released(LONG))
+
     def test_an_interrupt_in_a_pack_here_is_raised_and_other_errors_keep_their_type(self):
         """p11: a KeyboardInterrupt raised while packing on the caller's thread reaches the
         caller (the stream fails and releases); a pack error in send() is raised as itself,

@@ -657,8 +657,10 @@ class RequestStream:
                 self._releasing = True
                 release, self._release = self._release, None
         if abort:
-            threading.Thread(target=self._send_abort, args=(busy,), daemon=True,
-                             name=f"mori-tp-abort ({self.request_id})").start()
+            thread = threading.Thread(target=self._send_abort, args=(busy,), daemon=True,
+                                      name=f"mori-tp-abort ({self.request_id})")
+            self._streamer._track(thread, self._streamer._aborts)
+            thread.start()
             return
         try:
             if release is not None:
@@ -685,6 +687,7 @@ class RequestStream:
                 self._abort = "sent"
                 self._busy -= 1
             self._settle()
+            self._streamer._untrack(threading.current_thread(), self._streamer._aborts)
 
 
 class Streamer:
@@ -710,6 +713,9 @@ class Streamer:
         self._gone: Set[int] = set()
         self._streams: Set[RequestStream] = set()
         self._waiters: Set[threading.Thread] = set()
+        #: Threads sending a failed stream's abort: close() waits for them too, so that no
+        #: streamer thread is inside the engine once it returns.
+        self._aborts: Set[threading.Thread] = set()
         self._packing: "queue.Queue[Any]" = queue.Queue()
         self._writing: "queue.Queue[Any]" = queue.Queue()
         self._threads = [
@@ -816,8 +822,8 @@ class Streamer:
 
         Raises:
             TransferTimeoutError: a thread still running after ``timeout`` (a stream's
-                ``ready`` that has not returned, an engine call that does not end); the
-                message names it.
+                ``ready`` that has not returned, an engine call that does not end, an abort
+                to a peer that does not answer); the message names it.
         """
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
@@ -842,7 +848,14 @@ class Streamer:
                 self._packing.put(None)
             for thread in self._threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
-        running = held + [t.name for t in self._threads if t.is_alive() and not held]
+            # The writing thread has ended: no abort starts after this.
+            with self._lock:
+                aborts = list(self._aborts)
+            for thread in aborts:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            held = ([t.name for t in self._threads if t.is_alive()]
+                    + [t.name for t in aborts if t.is_alive()])
+        running = held
         if running:
             raise TransferTimeoutError(
                 f"Streamer.close: {', '.join(running)} still running after {limit} s "
@@ -866,13 +879,16 @@ class Streamer:
         with self._lock:
             self._streams.discard(request)
 
-    def _track(self, thread: threading.Thread) -> None:
+    def _track(self, thread: threading.Thread,
+               into: Optional[Set[threading.Thread]] = None) -> None:
+        """Records a ready thread (default) or an abort thread, which close() waits for."""
         with self._lock:
-            self._waiters.add(thread)
+            (self._waiters if into is None else into).add(thread)
 
-    def _untrack(self, thread: threading.Thread) -> None:
+    def _untrack(self, thread: threading.Thread,
+                 into: Optional[Set[threading.Thread]] = None) -> None:
         with self._lock:
-            self._waiters.discard(thread)
+            (self._waiters if into is None else into).discard(thread)
 
     def _hand(self, target: "queue.Queue[Any]", item: Any) -> None:
         """Queues ``item`` for the packing or the writing thread; once that thread has stopped
