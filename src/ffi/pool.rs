@@ -108,8 +108,8 @@ pub unsafe extern "C" fn mori_tp_pool_create(
     }
 }
 
-/// Takes a slot of at least size bytes without waiting: MORI_ERR_BUFFER_TOO_SMALL at once when
-/// no free block can hold it now (the pool is full for this size; retry after a free, or use
+/// Takes a slot of at least size bytes without waiting: MORI_ERR_POOL_FULL at once when no
+/// free block can hold it now (the pool is full for this size; retry after a free, or use
 /// mori_tp_pool_alloc to wait). The lowest free block that fits is used.
 ///
 /// @param[in]  pool      A live pool.
@@ -120,9 +120,10 @@ pub unsafe extern "C" fn mori_tp_pool_create(
 ///   MORI_ERR_NULL_POINTER if out_slot is NULL;
 ///   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool (destroyed or never created), size is
 ///   0, or out_slot is misaligned;
-///   MORI_ERR_BUFFER_TOO_SMALL if the pool is full for this size (the message names the block
-///   needed, the largest free block, the live slots and their bytes), or if size exceeds the
-///   pool's capacity, which no wait can fix (the message says so);
+///   MORI_ERR_POOL_FULL if the pool is full for this size now (the message names the block
+///   needed, the largest free block, the live slots and their bytes): retry after a free;
+///   MORI_ERR_BUFFER_TOO_SMALL if size exceeds the pool's capacity, which no wait or retry can
+///   fix (the message says so);
 ///   MORI_ERR_PANIC on an internal error.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_pool_try_alloc(
@@ -150,9 +151,10 @@ pub unsafe extern "C" fn mori_tp_pool_try_alloc(
 /// @param[in]  timeout_ms  The longest wait, in milliseconds (0: like mori_tp_pool_try_alloc).
 /// @param[out] out_slot    Receives the slot; written only on MORI_OK. Must not be NULL.
 ///
-/// @return the codes of mori_tp_pool_try_alloc; MORI_ERR_BUFFER_TOO_SMALL once the pool stayed
-///   full for timeout_ms (the message says how long it waited); MORI_ERR_INVALID_ARGUMENT also
-///   when the pool was destroyed during the wait.
+/// @return the codes of mori_tp_pool_try_alloc; MORI_ERR_POOL_FULL once the pool stayed full
+///   for timeout_ms (the message says how long it waited; worth retrying, unlike
+///   MORI_ERR_BUFFER_TOO_SMALL for a size above the capacity, which is refused at once);
+///   MORI_ERR_INVALID_ARGUMENT also when the pool was destroyed during the wait.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_pool_alloc(
     pool: MoriTpPool,

@@ -394,7 +394,7 @@ mod tests {
         let full = pool.try_alloc(1).unwrap_err();
         assert_eq!(
             full.to_string(),
-            "buffer too small: staging pool full: a slot of 1 bytes needs a free block of 4096 \
+            "staging pool full: a slot of 1 bytes needs a free block of 4096 \
              bytes, the largest free block is 0 bytes (1 live slots hold 65536 of 65536 bytes)"
         );
         let start = Instant::now();
