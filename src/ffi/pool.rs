@@ -9,12 +9,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::boundary::{Failure, Result, ffi_boundary};
 use super::convert::{CEnum, check_out, try_ref};
 use super::types::*;
+use crate::pool::sanitizer::Locked;
 use crate::pool::{DEFAULT_MIN_SLOT, PoolMemoryKind, Slot, StagingPool};
 
 /// The live pools by handle.
@@ -22,11 +23,11 @@ static POOLS: Mutex<BTreeMap<u64, Arc<StagingPool>>> = Mutex::new(BTreeMap::new(
 /// The next handle; 0 is never one.
 static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
 
-fn pools() -> MutexGuard<'static, BTreeMap<u64, Arc<StagingPool>>> {
-    // The table is consistent between statements: a panic elsewhere cannot corrupt it.
-    POOLS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+/// The table, locked (told to ThreadSanitizer: the pools are made, shared and dropped by
+/// different threads under this lock). It is consistent between statements: a panic elsewhere
+/// cannot corrupt it.
+fn pools() -> Locked<'static, BTreeMap<u64, Arc<StagingPool>>> {
+    Locked::new(&POOLS)
 }
 
 /// The live pool behind `handle`.
