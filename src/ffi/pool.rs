@@ -65,6 +65,13 @@ impl From<Slot> for MoriTpSlot {
 /// most live_slots + 1 blocks, and a slot of S bytes is granted whenever free_bytes >=
 /// (live_slots + 1) * S (rounded to min_slot).
 ///
+/// In a program built with AddressSanitizer, a host pool's free space is poisoned: a write past
+/// a slot into free space, or into a slot after mori_tp_pool_free, is reported where it
+/// happens (a slot's granted bytes are all addressable; slots are adjacent, so a write into the
+/// next live slot is not caught). In one built with ThreadSanitizer, the pool's locks are made
+/// visible to it (__tsan_acquire, __tsan_release), so slots reused or handed between threads
+/// report no race. Both runtimes are found at run time; without them nothing changes.
+///
 /// @param[in]  options   Capacity, slot unit, memory kind. Must not be NULL.
 /// @param[out] out_pool  Receives the pool's handle; written only on MORI_OK. Must not be NULL.
 ///
