@@ -53,6 +53,7 @@ static_assert(std::is_same_v<decltype(MORI_BACKEND_HOST), std::uint32_t>, "backe
 static_assert(std::is_same_v<decltype(MORI_BACKEND_HIP), std::uint32_t>, "backend");
 static_assert(std::is_same_v<decltype(MORI_SEND_SYNCHRONIZE), std::uint32_t>, "flag");
 static_assert(std::is_same_v<decltype(MORI_SEND_COPY_KERNEL), std::uint32_t>, "flag");
+static_assert(std::is_same_v<decltype(MORI_SEND_MEMCPY2D), std::uint32_t>, "flag");
 static_assert(std::is_same_v<decltype(MORI_TP_POOL_HOST), std::uint32_t>, "memory");
 static_assert(std::is_same_v<decltype(MORI_TP_POOL_LOCKED), std::uint32_t>, "pool flag");
 static_assert(std::is_same_v<decltype(MORI_OK), MoriStatus>, "status");
