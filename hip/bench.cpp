@@ -1,7 +1,8 @@
 // Benchmark of the HIP backend's two ways to run a call, against one hipMemcpyAsync of the same
 // bytes on the same device:
-//   memcpy2d  one hipMemcpy2DAsync per (buffer, rect) (the default);
-//   kernel    one copy-kernel launch per call (MORI_SEND_COPY_KERNEL), plus one table upload;
+//   memcpy2d  one hipMemcpy2DAsync per (buffer, rect) (MORI_SEND_MEMCPY2D);
+//   kernel    one copy-kernel launch per call (MORI_SEND_COPY_KERNEL, and what flags 0 choose for
+//             two copies or more), plus one table upload;
 //   memcpy    one hipMemcpyAsync of the call's bytes, contiguous (the bandwidth ceiling).
 // for direct sends (mori_send_kvcache) and for the two halves of a staged transfer
 // (mori_pack_kvcache, mori_unpack_kvcache), on three layouts of 8 KV heads of 256 bytes
@@ -186,17 +187,17 @@ void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings 
     const std::string shape = run == 0 ? "contiguous" : "runs of " + std::to_string(run);
     print_row(l.name, page_size, shape, "-", "memcpy", 1, flat_ms, bytes, ceiling, 0, -1);
 
-    // Each op with flags 0 (memcpy2d) and MORI_SEND_COPY_KERNEL (kernel).
+    // Each op with MORI_SEND_MEMCPY2D (memcpy2d) and MORI_SEND_COPY_KERNEL (kernel).
     const char *ops[] = {"send", "pack", "unpack"};
     for (const char *op : ops) {
         if (!where.send && std::strcmp(op, "send") == 0) {
             continue;
         }
         double memcpy2d_gbs = 0;
-        for (const uint32_t flags : {0u, static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
+        for (const uint32_t flags : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
             const MoriSendOptions options = {MORI_BACKEND_HIP, flags, stream};
             // A send of half a million hipMemcpy2DAsync calls takes seconds: fewer iterations.
-            const uint64_t calls = flags == 0 ? rects * s.buffers : 1;
+            const uint64_t calls = flags == MORI_SEND_MEMCPY2D ? rects * s.buffers : 1;
             const int iterations = static_cast<int>(
                 std::max<uint64_t>(1, std::min<uint64_t>(s.iterations, kCallBudget / calls)));
             const float ms = time_ms(where.dst_device, stream, iterations < s.iterations ? 1 : s.warmup, iterations, [&] {
@@ -212,7 +213,7 @@ void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings 
             });
             // Every run breaks on both sides (gaps), so pack and unpack have as many rects per
             // buffer as the send: one per run.
-            const bool kernel = flags != 0;
+            const bool kernel = flags == MORI_SEND_COPY_KERNEL;
             print_row(l.name, page_size, shape, op, kernel ? "kernel" : "memcpy2d", calls, ms, bytes, ceiling,
                       kernel ? memcpy2d_gbs : 0, kernel ? lanes : -1);
             if (!kernel) {

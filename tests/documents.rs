@@ -195,6 +195,28 @@ fn document_figures(text: &str) -> Vec<Figure> {
     out
 }
 
+/// Whether `around` occurs in `block` (whitespace runs counting as one space, so that a line
+/// break anywhere in it does not matter) over the byte range `at`.
+fn covers(block: &str, around: &str, at: (usize, usize)) -> bool {
+    // The block with each run of whitespace as one space, and where each byte came from.
+    let (mut flat, mut from) = (String::new(), Vec::new());
+    for (k, c) in block.char_indices() {
+        if c.is_whitespace() {
+            if !flat.ends_with(' ') {
+                flat.push(' ');
+                from.push(k);
+            }
+        } else {
+            flat.push(c);
+            from.extend(std::iter::repeat_n(k, c.len_utf8()));
+        }
+    }
+    flat.match_indices(around).any(|(k, _)| {
+        let last = from[k + around.len() - 1];
+        from[k] <= at.0 && at.1 <= last + 1
+    })
+}
+
 /// Whether a text holds a date (YYYY-MM-DD).
 fn has_date(text: &str) -> bool {
     let b = text.as_bytes();
@@ -230,11 +252,7 @@ fn measured_figures_in_the_documents_sit_next_to_a_benchmarks_md_reference() {
                 continue;
             }
             let exempt = NOT_MEASURED.iter().position(|&(doc, around, _)| {
-                doc == document
-                    && figure
-                        .block
-                        .match_indices(around)
-                        .any(|(k, _)| k <= figure.at.0 && figure.at.1 <= k + around.len())
+                doc == document && covers(&figure.block, around, figure.at)
             });
             match exempt {
                 Some(k) => used[k] = true,
@@ -302,6 +320,9 @@ fn the_figure_rule_finds_measurements_and_leaves_sizes_versions_and_products_alo
     );
     assert_eq!(b[1].1, "- an item 4x\n  continued");
     assert!(has_date("measured 2026-12-01.") && !has_date("version 2026-12"));
+    let block = "backs off to\n  1 ms while idle";
+    assert!(covers(block, "to 1 ms while", (15, 16)));
+    assert!(!covers(block, "to 1 ms while", (0, 5)));
     let f = document_figures(doc);
     assert_eq!(
         f.iter()

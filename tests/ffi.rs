@@ -419,14 +419,31 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
     assert_message(&["options.backend 7 is not a MoriBackend"]);
     let flags = MoriSendOptions {
         backend: MORI_BACKEND_HOST,
-        flags: 0xD,
+        flags: 0x19,
         stream: null_mut(),
     };
     assert_eq!(
         f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&flags)),
         MORI_ERR_INVALID_ARGUMENT
     );
-    assert_message(&["options.flags 0xd has unknown bits 0xc"]);
+    assert_message(&[
+        "options.flags 0x19 has unknown bits 0x18",
+        "MORI_SEND_MEMCPY2D = 0x4",
+    ]);
+    // The two path flags ask for different paths: refused, on every backend.
+    let both = MoriSendOptions {
+        backend: MORI_BACKEND_HOST,
+        flags: MORI_SEND_COPY_KERNEL | MORI_SEND_MEMCPY2D,
+        stream: null_mut(),
+    };
+    assert_eq!(
+        f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&both)),
+        MORI_ERR_INVALID_ARGUMENT
+    );
+    assert_message(&[
+        "options.flags 0x6 sets both MORI_SEND_COPY_KERNEL (0x2) and MORI_SEND_MEMCPY2D",
+    ]);
+    assert_eq!(MORI_SEND_MEMCPY2D, 4);
     let mut fake_stream = 0u8;
     let stream = MoriSendOptions {
         backend: MORI_BACKEND_HOST,
@@ -744,7 +761,6 @@ fn a_too_small_plan_output_reports_the_size_needed_and_writes_nothing() {
             MORI_ERR_BUFFER_TOO_SMALL
         );
         assert_eq!(len, 3, "the size query reports the rects needed");
-        assert_message(&["needs 3 entries", "holds 0"]);
         let mut rects = [MoriCopyRect::default(); 2];
         assert_eq!(
             mori_tp_plan(
@@ -794,6 +810,40 @@ fn a_too_small_plan_output_reports_the_size_needed_and_writes_nothing() {
 }
 
 #[test]
+fn a_size_query_leaves_the_last_message_and_a_pointer_to_it_alone() {
+    let c = config();
+    let (src, dst) = ([0i32, 1], [3i32, 4]);
+    let mut refused = MoriTpSliceConfig::default();
+    let mut len = 0usize;
+    // SAFETY (whole test): valid pointers with the stated lengths; `kept` is read only while
+    // the library promises it is valid (no failing call in between).
+    unsafe {
+        let bad = MoriTpSliceParams {
+            prefill_tp_size: 3,
+            ..params()
+        };
+        assert_eq!(mori_tp_slice_config(&bad, &mut refused), MORI_ERR_TOPOLOGY);
+        let kept = mori_last_error_message();
+        let before = CStr::from_ptr(kept).to_owned();
+        assert_eq!(
+            mori_tp_plan(&c, src.as_ptr(), dst.as_ptr(), 2, null_mut(), 0, &mut len),
+            MORI_ERR_BUFFER_TOO_SMALL
+        );
+        assert_eq!(len, 1);
+        assert_eq!(mori_last_error_message(), kept, "the message was replaced");
+        assert_eq!(CStr::from_ptr(kept), before.as_c_str());
+        assert_message(&["mori_tp_slice_config: invalid topology"]);
+        // An array of capacity 0 that is not NULL is a failure, not a size query.
+        let mut rect = MoriCopyRect::default();
+        assert_eq!(
+            mori_tp_plan(&c, src.as_ptr(), dst.as_ptr(), 2, &mut rect, 0, &mut len),
+            MORI_ERR_BUFFER_TOO_SMALL
+        );
+        assert_message(&["needs 1 entries", "holds 0"]);
+    }
+}
+
+#[test]
 fn misaligned_page_arrays_are_refused() {
     let c = config();
     let storage = [0u32; 4];
@@ -817,13 +867,56 @@ fn status_names_versions_and_abi() {
     assert_eq!(name(MORI_OK), "MORI_OK");
     assert_eq!(name(MORI_ERR_SLICE_OVERFLOW), "MORI_ERR_SLICE_OVERFLOW");
     assert_eq!(name(MORI_ERR_PANIC), "MORI_ERR_PANIC");
-    assert_eq!(name(11), "MORI_ERR_UNKNOWN");
+    assert_eq!(name(11), "MORI_ERR_POOL_FULL");
+    assert_eq!(name(12), "MORI_ERR_UNKNOWN");
     assert_eq!(name(-1), "MORI_ERR_UNKNOWN");
     // SAFETY: a static NUL-terminated string.
     let version = unsafe { CStr::from_ptr(mori_version()) }.to_str().unwrap();
     assert_eq!(version, env!("CARGO_PKG_VERSION"));
     assert_eq!(mori_abi_version(), MORI_TP_ABI_VERSION);
     assert_eq!(MORI_TP_ABI_VERSION, 1);
+    let [major, minor, patch] =
+        [0, 1, 2].map(|i| version.split('.').nth(i).unwrap().parse::<u32>().unwrap());
+    assert_eq!(MORI_TP_VERSION, major * 1_000_000 + minor * 1_000 + patch);
+}
+
+/// The name of every action, staging and backend value: its macro's name; any other value gets
+/// the family's UNKNOWN name, never NULL.
+#[test]
+fn action_staging_and_backend_values_have_static_names() {
+    let text = |p: *const std::ffi::c_char| {
+        assert!(!p.is_null());
+        // SAFETY: a static NUL-terminated string.
+        unsafe { CStr::from_ptr(p) }.to_str().unwrap().to_owned()
+    };
+    for (value, expected) in [
+        (MORI_TP_ACTION_NOT_PAIRED, "MORI_TP_ACTION_NOT_PAIRED"),
+        (MORI_TP_ACTION_SEND, "MORI_TP_ACTION_SEND"),
+        (MORI_TP_ACTION_SKIP_REPLICA, "MORI_TP_ACTION_SKIP_REPLICA"),
+        (3, "MORI_TP_ACTION_UNKNOWN"),
+        (u32::MAX, "MORI_TP_ACTION_UNKNOWN"),
+    ] {
+        assert_eq!(text(mori_tp_action_name(value)), expected);
+    }
+    for (value, expected) in [
+        (MORI_TP_STAGING_NONE, "MORI_TP_STAGING_NONE"),
+        (MORI_TP_STAGING_SRC, "MORI_TP_STAGING_SRC"),
+        (MORI_TP_STAGING_DST, "MORI_TP_STAGING_DST"),
+        (MORI_TP_STAGING_BOTH, "MORI_TP_STAGING_BOTH"),
+        (4, "MORI_TP_STAGING_UNKNOWN"),
+    ] {
+        assert_eq!(text(mori_tp_staging_name(value)), expected);
+    }
+    for (value, expected) in [
+        (MORI_BACKEND_AUTO, "MORI_BACKEND_AUTO"),
+        (MORI_BACKEND_HOST, "MORI_BACKEND_HOST"),
+        (MORI_BACKEND_HIP, "MORI_BACKEND_HIP"),
+        (3, "MORI_BACKEND_UNKNOWN"),
+    ] {
+        assert_eq!(text(mori_backend_name(value)), expected);
+    }
+    // The same pointer each time: static strings, nothing to free.
+    assert_eq!(mori_tp_action_name(1), mori_tp_action_name(1));
 }
 
 #[test]
@@ -887,5 +980,31 @@ fn threads_calling_at_once_each_keep_their_own_last_error() {
         .collect();
     for t in threads {
         t.join().expect("a thread failed");
+    }
+}
+
+#[test]
+fn each_path_flag_alone_is_accepted_and_the_host_backend_ignores_it() {
+    let c = config();
+    for flags in [MORI_SEND_COPY_KERNEL, MORI_SEND_MEMCPY2D] {
+        let mut f = Fixture::new();
+        let (src_cap, dst_cap) = f.capacities();
+        let one = MoriSendOptions {
+            backend: MORI_BACKEND_HOST,
+            flags,
+            stream: null_mut(),
+        };
+        assert_eq!(
+            f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&one)),
+            MORI_OK,
+            "flags {flags:#x}: {}",
+            last_error()
+        );
+        let mut plain = Fixture::new();
+        assert_eq!(plain.send(&c, &[0], &[0]), MORI_OK);
+        assert!(
+            f.dst == plain.dst,
+            "flags {flags:#x}: the bytes of a plain host send"
+        );
     }
 }

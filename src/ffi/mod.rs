@@ -146,7 +146,8 @@ pub unsafe extern "C" fn mori_tp_slice_config(
 ///   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
 ///   MORI_ERR_OUT_OF_BOUNDS for a negative page index, or one whose byte offset overflows 64 bits;
 ///   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out; with out = NULL
-///   and capacity = 0 this is the answer to a size query);
+///   and capacity = 0 this is the answer to a size query, which is not a failure: it leaves
+///   mori_last_error_message() as it was);
 ///   MORI_ERR_PANIC on an internal error.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_plan(
@@ -205,20 +206,26 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
 /// MORI_OK.
 ///
 /// Backends: HOST copies on the CPU and returns when done (both sides must be host memory).
-/// HIP issues one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src + src_offset, src_pitch,
-/// width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, or with
-/// MORI_SEND_COPY_KERNEL one copy-kernel launch for the whole call, then hipStreamSynchronize if
+/// HIP runs on options->stream either one copy-kernel launch for the whole call (plus one
+/// upload of its rect table) or one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src +
+/// src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer, rect):
+/// MORI_SEND_COPY_KERNEL asks for the kernel, MORI_SEND_MEMCPY2D for the per-rect copies, and
+/// with neither the library launches the kernel when the call has at least 2 (buffer, rect)
+/// copies, the kernel loads on the stream's device and every buffer is memory it surely reaches,
+/// else issues the per-rect copies (MORI_SEND_COPY_KERNEL says which memory that is). A stream
+/// that is capturing a graph always gets the per-rect copies. Then hipStreamSynchronize if
 /// MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still be running on return,
-/// and the buffers must stay valid until the stream reaches them. hipMemcpyDefault lets either
-/// side be device memory, a peer device's memory (enable peer access first) or host memory.
-/// Pageable host memory is legal but makes each copy synchronous and slow; pin it
+/// and the buffers must stay valid until the stream reaches them. The per-rect copies take
+/// device memory, a peer device's memory (enable peer access first) or host memory on either
+/// side; pageable host memory is legal but makes each copy synchronous and slow; pin it
 /// (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on the stream's
 /// device (the NULL stream: the calling thread's current device); the calling thread's current
-/// device is left as it was (with MORI_SEND_COPY_KERNEL the library makes the stream's device
-/// current only while it loads the kernel there). D2D copies are fastest when width,
-/// pitches and offsets are multiples of 16 bytes (see the README for real models). AUTO is HIP
-/// when the library is built with it and a device is present (the device count is read once per
-/// process), else HOST.
+/// device and graph-capture mode are left as they were (the library makes the stream's device
+/// current only while it loads the kernel or allocates for it there, and runs its own runtime
+/// calls in the relaxed capture mode). D2D copies are fastest when width, pitches and offsets
+/// are multiples of 16 bytes (see the README for real models). AUTO is HIP when the library is
+/// built with it and a device is present (the device count is read once per process), else
+/// HOST.
 ///
 /// @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
 /// @param[in] buffers    Source and destination buffers and their capacities. Must not be NULL.
@@ -456,8 +463,8 @@ pub unsafe extern "C" fn mori_tp_check_transfer(
 /// overflow, NULL pointers, overlap of the staging region with a source buffer) is validated
 /// before a backend is opened and before the first byte moves: a refused call writes nothing.
 /// A config that is not SEND passes the same checks, then moves nothing and returns MORI_OK.
-/// Backends, stream and flags as for mori_send_kvcache (the HIP backend: one hipMemcpy2DAsync
-/// per (buffer, rect), or one copy-kernel launch with MORI_SEND_COPY_KERNEL).
+/// Backends, stream and flags as for mori_send_kvcache (the HIP backend: one copy-kernel launch,
+/// or one hipMemcpy2DAsync per (buffer, rect), as the flags and the call choose).
 ///
 /// @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
 ///                               NULL.
@@ -590,17 +597,63 @@ pub extern "C" fn mori_status_str(status: MoriStatus) -> *const c_char {
         MORI_ERR_BACKEND_UNAVAILABLE => c"MORI_ERR_BACKEND_UNAVAILABLE",
         MORI_ERR_GPU => c"MORI_ERR_GPU",
         MORI_ERR_PANIC => c"MORI_ERR_PANIC",
+        MORI_ERR_POOL_FULL => c"MORI_ERR_POOL_FULL",
         _ => c"MORI_ERR_UNKNOWN",
+    };
+    name.as_ptr()
+}
+
+/// A static, NUL-terminated name for a MoriTpAction value, the name of its macro
+/// ("MORI_TP_ACTION_SEND", ...): for logs and messages. Values the ABI does not define get
+/// "MORI_TP_ACTION_UNKNOWN" (no macro has that name). Never NULL; do not free.
+#[unsafe(no_mangle)]
+pub extern "C" fn mori_tp_action_name(action: u32) -> *const c_char {
+    let name = match action {
+        MORI_TP_ACTION_NOT_PAIRED => c"MORI_TP_ACTION_NOT_PAIRED",
+        MORI_TP_ACTION_SEND => c"MORI_TP_ACTION_SEND",
+        MORI_TP_ACTION_SKIP_REPLICA => c"MORI_TP_ACTION_SKIP_REPLICA",
+        _ => c"MORI_TP_ACTION_UNKNOWN",
+    };
+    name.as_ptr()
+}
+
+/// A static, NUL-terminated name for a MoriTpStaging value ("MORI_TP_STAGING_NONE",
+/// "MORI_TP_STAGING_SRC", "MORI_TP_STAGING_DST", "MORI_TP_STAGING_BOTH"); other values get
+/// "MORI_TP_STAGING_UNKNOWN". Never NULL; do not free.
+#[unsafe(no_mangle)]
+pub extern "C" fn mori_tp_staging_name(staging: u32) -> *const c_char {
+    let name = match staging {
+        MORI_TP_STAGING_NONE => c"MORI_TP_STAGING_NONE",
+        MORI_TP_STAGING_SRC => c"MORI_TP_STAGING_SRC",
+        MORI_TP_STAGING_DST => c"MORI_TP_STAGING_DST",
+        MORI_TP_STAGING_BOTH => c"MORI_TP_STAGING_BOTH",
+        _ => c"MORI_TP_STAGING_UNKNOWN",
+    };
+    name.as_ptr()
+}
+
+/// A static, NUL-terminated name for a MoriBackend value ("MORI_BACKEND_AUTO",
+/// "MORI_BACKEND_HOST", "MORI_BACKEND_HIP"); other values get "MORI_BACKEND_UNKNOWN". The name
+/// says nothing of whether the backend is built in or has a device. Never NULL; do not free.
+#[unsafe(no_mangle)]
+pub extern "C" fn mori_backend_name(backend: u32) -> *const c_char {
+    let name = match backend {
+        MORI_BACKEND_AUTO => c"MORI_BACKEND_AUTO",
+        MORI_BACKEND_HOST => c"MORI_BACKEND_HOST",
+        MORI_BACKEND_HIP => c"MORI_BACKEND_HIP",
+        _ => c"MORI_BACKEND_UNKNOWN",
     };
     name.as_ptr()
 }
 
 /// The message of the last failing mori-tp call on this thread ("" if none has failed), for
 /// example "mori_tp_slice_config: layout mismatch: decode side: bytes_per_head 128 != prefill
-/// side bytes_per_head 256 (dtype or head_dim differ; ...)". Successful calls leave it alone.
-/// Never NULL; owned by the library and valid until the next failing call on this thread; copy
-/// it to keep it. While the thread is exiting (from a thread_local destructor that runs after
-/// mori-tp's own) the message may be lost, and this returns "".
+/// side bytes_per_head 256 (dtype or head_dim differ; ...)". Successful calls leave it alone,
+/// and so do size queries (out = NULL, capacity = 0 answered with MORI_ERR_BUFFER_TOO_SMALL),
+/// which are not failures. Never NULL; owned by the library and valid until the next failing
+/// call on this thread (a size query does not end it); copy it to keep it. While the thread is
+/// exiting (from a thread_local destructor that runs after mori-tp's own) the message may be
+/// lost, and this returns "".
 #[unsafe(no_mangle)]
 pub extern "C" fn mori_last_error_message() -> *const c_char {
     catch_unwind(last_error_ptr)
