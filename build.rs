@@ -15,6 +15,10 @@ fn main() {
     if env::var_os("CARGO_FEATURE_HIP").is_some() {
         build_copy_kernel();
     }
+    // With the `cuda` feature only: the same kernel as PTX, built without a CUDA toolkit.
+    if env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        build_copy_kernel_ptx();
+    }
 }
 
 /// Gives libmori_tp.so the SONAME `libmori_tp.so.<ABI version>`, so that a program linked
@@ -246,4 +250,92 @@ fn list_compressed(path: &Path) -> Result<Vec<String>, String> {
         .filter(|l| !l.is_empty())
         .map(String::from)
         .collect())
+}
+
+/// The virtual GPU architecture of the PTX by default: Volta (sm_70), the oldest that CUDA 12
+/// and 13 drivers JIT-compile for; the driver compiles it for any newer GPU.
+const PTX_ARCH: &str = "sm_70";
+
+/// The CUDA names hip/copy_kernel.hip's device build uses, for clang compiling it as CUDA device
+/// code without a CUDA toolkit (`-nocudainc`): the kernel includes `<hip/hip_runtime.h>`, and
+/// this file stands in for it. Each line is the attribute or NVVM builtin clang documents.
+const PTX_RUNTIME_H: &str = r#"#pragma once
+#include <stdint.h>
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __forceinline__ __inline__ __attribute__((always_inline))
+#define __launch_bounds__(...) __attribute__((launch_bounds(__VA_ARGS__)))
+struct MoriCudaIndex { unsigned x, y, z; };
+#define threadIdx (MoriCudaIndex{(unsigned)__nvvm_read_ptx_sreg_tid_x(), (unsigned)__nvvm_read_ptx_sreg_tid_y(), (unsigned)__nvvm_read_ptx_sreg_tid_z()})
+#define blockIdx (MoriCudaIndex{(unsigned)__nvvm_read_ptx_sreg_ctaid_x(), (unsigned)__nvvm_read_ptx_sreg_ctaid_y(), (unsigned)__nvvm_read_ptx_sreg_ctaid_z()})
+#define blockDim (MoriCudaIndex{(unsigned)__nvvm_read_ptx_sreg_ntid_x(), (unsigned)__nvvm_read_ptx_sreg_ntid_y(), (unsigned)__nvvm_read_ptx_sreg_ntid_z()})
+#define gridDim (MoriCudaIndex{(unsigned)__nvvm_read_ptx_sreg_nctaid_x(), (unsigned)__nvvm_read_ptx_sreg_nctaid_y(), (unsigned)__nvvm_read_ptx_sreg_nctaid_z()})
+"#;
+
+/// Compiles hip/copy_kernel.hip as CUDA device code for NVPTX with clang, without a CUDA
+/// toolkit, into `$OUT_DIR/copy_kernel.ptx`, NUL-terminated as `cuModuleLoadData` takes PTX
+/// text, and checks that it declares the kernel's entry. `MORI_TP_CLANG` names the compiler
+/// (default: the first of `clang`, `clang-21` .. `clang-14` that runs; Debian's hipcc package
+/// installs clang-15), `MORI_TP_PTX_ARCH` the architecture (default sm_70).
+fn build_copy_kernel_ptx() {
+    for file in ["hip/copy_kernel.hip", "hip/copy_kernel.h"] {
+        println!("cargo:rerun-if-changed={file}");
+    }
+    for var in ["MORI_TP_CLANG", "MORI_TP_PTX_ARCH"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let include = out.join("ptx-include");
+    fs::create_dir_all(include.join("hip")).expect("create the PTX include directory");
+    fs::write(include.join("hip/hip_runtime.h"), PTX_RUNTIME_H).expect("write hip_runtime.h");
+    let runs = |clang: &PathBuf| {
+        Command::new(clang)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let clang = match env::var_os("MORI_TP_CLANG") {
+        Some(clang) => PathBuf::from(clang),
+        None => std::iter::once("clang".to_string())
+            .chain((14..=21).rev().map(|v| format!("clang-{v}")))
+            .map(PathBuf::from)
+            .find(runs)
+            .unwrap_or_else(|| {
+                panic!(
+                    "the `cuda` feature builds the copy kernel as PTX with clang, and none was \
+                     found (install clang, e.g. Debian: apt install clang-15 (hipcc brings it), or \
+                     set MORI_TP_CLANG)"
+                )
+            }),
+    };
+    let arch = env::var("MORI_TP_PTX_ARCH").unwrap_or_else(|_| PTX_ARCH.into());
+    let text = out.join("copy_kernel.ptx.text");
+    let output = Command::new(&clang)
+        .args(["-x", "cuda", "--cuda-device-only"])
+        .arg(format!("--cuda-gpu-arch={arch}"))
+        .args(["-nocudainc", "-nocudalib", "-O3", "-std=c++17", "-Wall", "-Werror", "-S"])
+        .arg("-I")
+        .arg(&include)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.hip"))
+        .arg("-o")
+        .arg(&text)
+        .output()
+        .unwrap_or_else(|e| panic!("{} did not run: {e}", clang.display()));
+    if !output.status.success() {
+        panic!(
+            "{} -x cuda --cuda-device-only --cuda-gpu-arch={arch} hip/copy_kernel.hip failed:\n{}",
+            clang.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let mut ptx = fs::read(&text).expect("read the PTX");
+    assert!(
+        String::from_utf8_lossy(&ptx).contains(".entry mori_copy_kernel("),
+        "{} lacks the entry mori_copy_kernel",
+        text.display()
+    );
+    assert!(!ptx.contains(&0), "PTX text holds a NUL byte");
+    ptx.push(0);
+    fs::write(out.join("copy_kernel.ptx"), &ptx).expect("write the PTX");
+    println!("cargo:rustc-env=MORI_TP_PTX_ARCH={arch}");
 }

@@ -774,11 +774,11 @@ pub enum Error {
 
     // ---- backends ----
     /// A stream was passed to the host backend, which takes none.
-    #[error("invalid argument: options.stream is {stream:#x} but {} (pass NULL, or request MORI_BACKEND_HIP)", host_stream_reason(.auto_fallback))]
+    #[error("invalid argument: options.stream is {stream:#x} but {} (pass NULL, or request MORI_BACKEND_HIP or MORI_BACKEND_CUDA)", host_stream_reason(.auto_fallback))]
     StreamWithHostBackend {
         /// The stream given.
         stream: usize,
-        /// True when AUTO fell back to the host backend for want of a HIP device.
+        /// True when AUTO fell back to the host backend for want of a GPU.
         auto_fallback: bool,
     },
     /// The requested copy backend is not compiled in, or it has no device.
@@ -923,8 +923,8 @@ fn not_a_slot(offset: u64, inside: &Option<(u64, u64)>, capacity: u64) -> String
 /// Why [`Error::StreamWithHostBackend`] refused a stream.
 fn host_stream_reason(auto_fallback: &bool) -> &'static str {
     if *auto_fallback {
-        "AUTO chose the host backend because no HIP device is available, and host copies take \
-         no stream"
+        "AUTO chose the host backend because no GPU is available (no HIP device, no CUDA device), \
+         and host copies take no stream"
     } else {
         "the host backend runs on the CPU and takes no stream"
     }

@@ -208,6 +208,15 @@ pub static IMAGE: &[u8] = {
 #[cfg(feature = "hip")]
 pub const ARCHS: &str = env!("MORI_TP_HIP_KERNEL_ARCHS");
 
+/// The kernel as PTX text for `cuModuleLoadData`, NUL-terminated (build.rs compiles
+/// hip/copy_kernel.hip with clang for NVPTX and checks the entry).
+#[cfg(feature = "cuda")]
+pub static PTX: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.ptx"));
+
+/// The virtual architecture [`PTX`] is written for (e.g. "sm_70").
+#[cfg(feature = "cuda")]
+pub const PTX_ARCH: &str = env!("MORI_TP_PTX_ARCH");
+
 #[cfg(test)]
 mod tests {
     use super::*;

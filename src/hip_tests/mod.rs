@@ -31,8 +31,8 @@ use recorder::{
 };
 
 use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
-use crate::backend::hip::{
-    CaptureMode, HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelLaunch, MAX_LANES,
+use crate::backend::gpu::{
+    CaptureMode, HIP_MEMCPY_DEFAULT, GpuEngine, GpuRuntime, GpuStatus, KernelLaunch, MAX_LANES,
     MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, RESET_SENTINEL_BYTES,
 };
 use crate::pool::{DeviceMemory, POOL_TAIL_BYTES, PoolMemory, PoolMemoryKind, StagingPool};
@@ -71,7 +71,7 @@ fn auto_options(synchronize: bool, stream: *mut c_void) -> SendOptions {
 const RELAXED: Call = Call::ExchangeCaptureMode(CaptureMode::RELAXED);
 const RESTORED: Call = Call::ExchangeCaptureMode(CaptureMode::GLOBAL);
 
-/// Sends `plan` through a HipEngine on `runtime`; returns the result and the recorded calls.
+/// Sends `plan` through a GpuEngine on `runtime`; returns the result and the recorded calls.
 fn hip_send(
     plan: &Walk<'_>,
     src: &[&[u8]],
@@ -87,7 +87,7 @@ fn hip_send(
         src_capacity: src.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
         dst_capacity: dst.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
     };
-    let mut engine = HipEngine::new(runtime, options).expect("the recorder has a device");
+    let mut engine = GpuEngine::new(runtime, options).expect("the recorder has a device");
     assert_eq!(engine.name(), "hip");
     // SAFETY: the pointers come from live slices at least as long as the capacities, and the
     // recorder refuses any row outside them.
@@ -269,7 +269,7 @@ fn a_failing_copy_is_a_gpu_error_naming_the_hip_error_the_buffer_and_the_rect() 
     let stream = without_provenance_mut(0xabc000);
     // Three rects per buffer: the sixth copy is buffer 1, rect 2.
     let (result, calls) = f.run(1, &options(false, stream), |mut r| {
-        r.fail_copy = Some((5, HipStatus::ERROR_INVALID_VALUE));
+        r.fail_copy = Some((5, GpuStatus::ERROR_INVALID_VALUE));
         r
     });
     assert!(
@@ -315,7 +315,7 @@ fn a_failing_copy_with_synchronize_still_waits_for_the_copies_already_issued() {
     let mut f = Fixture::new();
     let stream = without_provenance_mut(0xabc000);
     let (result, calls) = f.run(1, &options(true, stream), |mut r| {
-        r.fail_copy = Some((1, HipStatus(709)));
+        r.fail_copy = Some((1, GpuStatus(709)));
         r
     });
     assert!(
@@ -344,7 +344,7 @@ fn a_failing_copy_with_synchronize_still_waits_for_the_copies_already_issued() {
 fn an_unknown_status_from_a_newer_runtime_keeps_its_number() {
     let mut f = Fixture::new();
     let (result, _) = f.run(1, &options(false, null_mut()), |mut r| {
-        r.fail_copy = Some((0, HipStatus(123_456)));
+        r.fail_copy = Some((0, GpuStatus(123_456)));
         r
     });
     let message = gpu_message(result);
@@ -358,7 +358,7 @@ fn an_unknown_status_from_a_newer_runtime_keeps_its_number() {
 fn a_failing_synchronize_is_a_gpu_error_after_every_copy_was_issued() {
     let mut f = Fixture::new();
     let (result, calls) = f.run(1, &options(true, null_mut()), |mut r| {
-        r.sync_status = HipStatus(719); // hipErrorLaunchFailure
+        r.sync_status = GpuStatus(719); // hipErrorLaunchFailure
         r
     });
     let message = gpu_message(result);
@@ -412,12 +412,12 @@ fn no_device_is_backend_unavailable_naming_what_the_runtime_said() {
     let opts = options(false, null_mut());
     for (devices, says) in [
         (
-            Err(HipStatus::ERROR_NO_DEVICE),
+            Err(GpuStatus::ERROR_NO_DEVICE),
             "hipGetDeviceCount returned hipErrorNoDevice (100)",
         ),
         (Ok(0), "hipGetDeviceCount reports 0"),
     ] {
-        match HipEngine::new(runtime(devices), &opts) {
+        match GpuEngine::new(runtime(devices), &opts) {
             Err(Error::BackendUnavailable { reason: message }) => {
                 assert!(message.contains(says), "{message:?} lacks {says:?}");
                 assert!(message.contains("needs a HIP device"), "{message:?}");
@@ -453,7 +453,7 @@ fn the_recording_runtime_refuses_what_hipmemcpy2d_refuses() {
     for args in refused {
         // SAFETY: the recorder checks every row against the registered buffers.
         let status = unsafe { recorder.memcpy_2d_async(args) };
-        assert_eq!(status, Err(HipStatus::ERROR_INVALID_VALUE), "{args:?}");
+        assert_eq!(status, Err(GpuStatus::ERROR_INVALID_VALUE), "{args:?}");
     }
     // SAFETY: as above.
     let status = unsafe { recorder.memcpy_2d_async(Memcpy2dAsync { kind: 9, ..good }) };
@@ -639,9 +639,9 @@ fn expected_kernel_calls(
 fn kernel_run(
     runtime: Recorder,
     options: &SendOptions,
-    job: impl FnOnce(&mut HipEngine<Recorder>) -> crate::Result<SendReport>,
+    job: impl FnOnce(&mut GpuEngine<Recorder>) -> crate::Result<SendReport>,
 ) -> (crate::Result<SendReport>, Vec<Call>) {
-    let mut engine = HipEngine::new(runtime, options).expect("the recorder has a device");
+    let mut engine = GpuEngine::new(runtime, options).expect("the recorder has a device");
     let result = job(&mut engine);
     let runtime = engine.runtime();
     let (device, host) = runtime.live_allocations();
@@ -820,7 +820,7 @@ fn flags_0_take_the_per_rect_copies_where_the_kernel_cannot_surely_run() {
         (
             "no code object",
             |r| {
-                r.fail_call.set(Some(("hipModuleLoadData", HipStatus(209))));
+                r.fail_call.set(Some(("hipModuleLoadData", GpuStatus(209))));
                 r
             },
             false,
@@ -1104,7 +1104,7 @@ fn fixture_sends_with(
         src_capacity: src[0].len() as u64,
         dst_capacity: dst[0].len() as u64,
     };
-    let mut engine = HipEngine::new(runtime, &options[0]).expect("the recorder has a device");
+    let mut engine = GpuEngine::new(runtime, &options[0]).expect("the recorder has a device");
     let mut results = Vec::new();
     for (i, options) in options.iter().enumerate() {
         engine.set_options(options);
@@ -1202,7 +1202,7 @@ fn a_failing_launch_is_a_gpu_error_that_still_fences_the_table_and_waits_when_as
     let stream = without_provenance_mut(0xabc000);
     let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, stream), |r| {
         r.fail_call
-            .set(Some(("hipModuleLaunchKernel", HipStatus(98))));
+            .set(Some(("hipModuleLaunchKernel", GpuStatus(98))));
         r
     });
     let message = gpu_message(result);
@@ -1272,7 +1272,7 @@ fn each_failing_kernel_path_call_is_named_and_issues_nothing_after_it_but_its_cl
         let initial = f.dst.ranks[3].clone();
         let stream = without_provenance_mut(0x5700_0000);
         let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
-            r.fail_call.set(Some((call, HipStatus(123_456))));
+            r.fail_call.set(Some((call, GpuStatus(123_456))));
             r
         });
         match result {
@@ -1323,7 +1323,7 @@ fn a_failed_load_is_cached_and_reported_again_without_a_retry() {
         2,
         |i, r| {
             r.fail_call
-                .set((i == 0).then_some(("hipModuleLoadData", HipStatus(209))))
+                .set((i == 0).then_some(("hipModuleLoadData", GpuStatus(209))))
         },
     );
     let mut messages = Vec::new();
@@ -1352,7 +1352,7 @@ fn a_module_without_the_kernel_is_unloaded_again() {
     let mut f = Fixture::new();
     let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, null_mut()), |r| {
         r.fail_call
-            .set(Some(("hipModuleGetFunction", HipStatus(500))));
+            .set(Some(("hipModuleGetFunction", GpuStatus(500))));
         r
     });
     assert!(gpu_message(result).contains("hipErrorNotFound (500)"));
@@ -1382,7 +1382,7 @@ fn the_recording_runtime_refuses_a_launch_that_would_touch_unregistered_memory()
         gpu_message(result).contains("hipErrorIllegalAddress (700)"),
         "a launch outside the buffers is refused"
     );
-    assert_eq!(ILLEGAL_ADDRESS, HipStatus(700));
+    assert_eq!(ILLEGAL_ADDRESS, GpuStatus(700));
     assert_eq!(f.dst.ranks[3], initial);
 }
 
@@ -1577,7 +1577,7 @@ fn the_recording_runtime_refuses_unsafe_calls_during_another_threads_global_capt
     let recorder = pool_recorder();
     recorder.global_capture_elsewhere.set(true);
     let event = recorder.event_create().unwrap();
-    let refused = HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    let refused = GpuStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED;
     assert_eq!(recorder.malloc(64), Err(refused));
     assert_eq!(recorder.host_malloc(64), Err(refused));
     // SAFETY: the recorder's own event; the NULL stream.
@@ -1796,7 +1796,7 @@ fn a_failed_switch_to_the_streams_device_is_not_cached_as_a_failed_load() {
         2,
         |i, r| {
             if i == 0 {
-                r.fail_call.set(Some(("hipSetDevice", HipStatus(2))));
+                r.fail_call.set(Some(("hipSetDevice", GpuStatus(2))));
             } else {
                 r.fail_call.set(None);
                 assert_eq!(
@@ -2080,8 +2080,8 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     let runtime = Recorder::new(&[&src], &mut [&mut dst]);
     // Someone else's stream, blocked for the whole test.
     runtime.block_stream(0x0b10_c000);
-    let mut engine = HipEngine::new(runtime, &kernel_options(false, null_mut())).expect("a device");
-    let send_pages = |engine: &mut HipEngine<Recorder>, pages: &[i32]| {
+    let mut engine = GpuEngine::new(runtime, &kernel_options(false, null_mut())).expect("a device");
+    let send_pages = |engine: &mut GpuEngine<Recorder>, pages: &[i32]| {
         let plan = Plan::new(&config, pages, pages).unwrap();
         let buffers = KvBuffers {
             src: &[src_ptr],
@@ -2169,7 +2169,7 @@ fn a_refusing_allocator_is_a_gpu_error_naming_hip_malloc_that_writes_nothing() {
     let mut f = Fixture::new();
     let initial = f.dst.ranks[3].clone();
     let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, null_mut()), |r| {
-        r.fail_call.set(Some(("hipMalloc", HipStatus(2))));
+        r.fail_call.set(Some(("hipMalloc", GpuStatus(2))));
         r
     });
     let (call, status, message, _) = gpu_error(result);
@@ -2292,7 +2292,7 @@ fn after_a_device_reset_the_kernel_is_loaded_again() {
         "the new module's function"
     );
     assert_eq!(f.dst.ranks[3], want);
-    assert_eq!(INVALID_RESOURCE_HANDLE, HipStatus(400));
+    assert_eq!(INVALID_RESOURCE_HANDLE, GpuStatus(400));
 }
 
 #[test]
@@ -2359,7 +2359,7 @@ fn a_reset_after_a_call_that_made_no_table_buffer_is_noticed() {
             if i == 0 {
                 // The runtime does not know the first buffer: refused before any table buffer.
                 r.fail_call
-                    .set(Some(("hipPointerGetAttributes", HipStatus(1))));
+                    .set(Some(("hipPointerGetAttributes", GpuStatus(1))));
             } else {
                 r.fail_call.set(None);
                 assert_eq!(r.live_allocations(), (1, 0), "only the sentinel");
@@ -2491,7 +2491,7 @@ fn a_device_pool_dropped_after_a_reset_frees_nothing() {
 #[test]
 fn a_failing_hipmalloc_is_a_gpu_error_naming_the_size_and_status() {
     let recorder = pool_recorder();
-    recorder.fail_call.set(Some(("hipMalloc", HipStatus(2))));
+    recorder.fail_call.set(Some(("hipMalloc", GpuStatus(2))));
     let error = DeviceMemory::new(recorder, 1 << 30).unwrap_err();
     let Error::Gpu {
         call,
