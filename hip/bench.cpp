@@ -1,6 +1,6 @@
-// Benchmark of the HIP backend's two ways to run a call, against one hipMemcpyAsync of the same
-// bytes on the same device:
-//   memcpy2d  one hipMemcpy2DAsync per (buffer, rect) (the default);
+// Benchmark of the GPU backend's two ways to run a call (the HIP backend; built with nvcc and
+// hip/cuda/, the CUDA backend), against one hipMemcpyAsync of the same bytes on the same device:
+//   memcpy2d  one hipMemcpy2DAsync (CUDA: cuMemcpy2DAsync) per (buffer, rect) (MORI_SEND_MEMCPY2D);
 //   kernel    one copy-kernel launch per call (MORI_SEND_COPY_KERNEL), plus one table upload;
 //   memcpy    one hipMemcpyAsync of the call's bytes, contiguous (the bandwidth ceiling).
 // for direct sends (mori_send_kvcache) and for the two halves of a staged transfer
@@ -186,17 +186,17 @@ void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings 
     const std::string shape = run == 0 ? "contiguous" : "runs of " + std::to_string(run);
     print_row(l.name, page_size, shape, "-", "memcpy", 1, flat_ms, bytes, ceiling, 0, -1);
 
-    // Each op with flags 0 (memcpy2d) and MORI_SEND_COPY_KERNEL (kernel).
+    // Each op with MORI_SEND_MEMCPY2D (memcpy2d) and MORI_SEND_COPY_KERNEL (kernel).
     const char *ops[] = {"send", "pack", "unpack"};
     for (const char *op : ops) {
         if (!where.send && std::strcmp(op, "send") == 0) {
             continue;
         }
         double memcpy2d_gbs = 0;
-        for (const uint32_t flags : {0u, static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
-            const MoriSendOptions options = {MORI_BACKEND_HIP, flags, stream};
+        for (const uint32_t flags : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
+            const MoriSendOptions options = {kBackend, flags, stream};
             // A send of half a million hipMemcpy2DAsync calls takes seconds: fewer iterations.
-            const uint64_t calls = flags == 0 ? rects * s.buffers : 1;
+            const uint64_t calls = flags == MORI_SEND_MEMCPY2D ? rects * s.buffers : 1;
             const int iterations = static_cast<int>(
                 std::max<uint64_t>(1, std::min<uint64_t>(s.iterations, kCallBudget / calls)));
             const float ms = time_ms(where.dst_device, stream, iterations < s.iterations ? 1 : s.warmup, iterations, [&] {
@@ -212,7 +212,7 @@ void run_case(const Layout &l, uint32_t page_size, uint64_t run, const Settings 
             });
             // Every run breaks on both sides (gaps), so pack and unpack have as many rects per
             // buffer as the send: one per run.
-            const bool kernel = flags != 0;
+            const bool kernel = flags == MORI_SEND_COPY_KERNEL;
             print_row(l.name, page_size, shape, op, kernel ? "kernel" : "memcpy2d", calls, ms, bytes, ceiling,
                       kernel ? memcpy2d_gbs : 0, kernel ? lanes : -1);
             if (!kernel) {
@@ -239,7 +239,7 @@ int main(int argc, char **argv) {
     HIP_OK(hipGetDeviceProperties(&props, device));
     std::printf("bench: device %d of %d, %s (%s); %" PRIu64 " tokens x %u buffers per call, 8 heads of 256 B, "
                 "%d iterations%s\n",
-                device, devices, props.name, props.gcnArchName, settings.tokens, settings.buffers,
+                device, devices, props.name, device_arch(props).c_str(), settings.tokens, settings.buffers,
                 settings.iterations, quick ? " (--quick)" : "");
     const auto header = [] {
         std::printf("%-7s %4s %-11s %-6s %-8s %9s %9s %9s %6s %9s %7s\n", "layout", "page", "pages", "op", "path",

@@ -126,6 +126,15 @@ impl<R: GpuRuntime> PoolMemory for DeviceMemory<R> {
     }
 }
 
+/// What a backend's refusal says, without the "backend unavailable: " its display adds.
+#[cfg(any(feature = "hip", feature = "cuda"))]
+fn reason(error: Error) -> String {
+    match error {
+        Error::BackendUnavailable { reason } => reason,
+        other => other.to_string(),
+    }
+}
+
 /// Device memory of the calling thread's current device: from `libamdhip64` when the HIP
 /// backend is built in and has a device, else from the CUDA driver when the CUDA backend is built
 /// in and has one. Without either a device pool is a clear refusal, never host memory in
@@ -142,15 +151,15 @@ pub(super) fn open(len: u64) -> Result<Box<dyn PoolMemory + Send + Sync>> {
                 len,
             )?));
         }
-        Err(error) => why.push(error.to_string()),
+        Err(error) => why.push(reason(error)),
     }
     #[cfg(feature = "cuda")]
     match crate::backend::gpu::LibCuda::load() {
         Ok(cuda) => match require_device(&cuda) {
             Ok(_) => return Ok(Box::new(DeviceMemory::new(cuda, len)?)),
-            Err(error) => why.push(error.to_string()),
+            Err(error) => why.push(reason(error)),
         },
-        Err(error) => why.push(error.to_string()),
+        Err(error) => why.push(reason(error)),
     }
     if why.is_empty() {
         why.push(
