@@ -1,7 +1,8 @@
 // Benchmark of the GPU backend's two ways to run a call (the HIP backend; built with nvcc and
 // hip/cuda/, the CUDA backend), against one hipMemcpyAsync of the same bytes on the same device:
 //   memcpy2d  one hipMemcpy2DAsync (CUDA: cuMemcpy2DAsync) per (buffer, rect) (MORI_SEND_MEMCPY2D);
-//   kernel    one copy-kernel launch per call (MORI_SEND_COPY_KERNEL), plus one table upload;
+//   kernel    one copy-kernel launch per call (MORI_SEND_COPY_KERNEL, and what flags 0 choose for
+//             two copies or more), plus one table upload;
 //   memcpy    one hipMemcpyAsync of the call's bytes, contiguous (the bandwidth ceiling).
 // for direct sends (mori_send_kvcache) and for the two halves of a staged transfer
 // (mori_pack_kvcache, mori_unpack_kvcache), on three layouts of 8 KV heads of 256 bytes

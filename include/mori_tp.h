@@ -31,12 +31,6 @@
 
 
 /**
- * The fewest (buffer, rect) copies for which [`CopyPath::Auto`] launches the kernel: a single
- * copy is one `hipMemcpy2DAsync`, cheaper than a table upload and a launch.
- */
-#define AUTO_KERNEL_MIN_COPIES 2
-
-/**
  * MoriSendOptions.flags bit: wait (hipStreamSynchronize, cuStreamSynchronize) for the copies before returning.
  * Host copies are always complete on return. On a stream that is capturing a graph the wait is
  * not allowed, so such a call is refused with MORI_ERR_GPU before anything is enqueued: capture
@@ -54,7 +48,8 @@
  * buffer is memory a kernel there surely reaches (that device's memory, hipHostMalloc'd memory,
  * hipHostRegister'd memory at the address hipHostGetDevicePointer returns); otherwise it
  * issues the per-rect copies (MORI_SEND_MEMCPY2D). A stream that is capturing a graph gets the
- * per-rect copies with either flag.
+ * per-rect copies with either flag, as does a call that finds every table buffer (32) or lane
+ * (16 streams) of the device busy with other streams' copies.
  *
  * On the stream, in order: hipMemcpyAsync of the table from pinned host memory into a device
  * buffer the library keeps per device, hipModuleLaunchKernel, then the buffer's fence:
@@ -985,20 +980,26 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  * MORI_OK.
  *
  * Backends: HOST copies on the CPU and returns when done (both sides must be host memory).
- * HIP issues one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src + src_offset, src_pitch,
- * width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, or with
- * MORI_SEND_COPY_KERNEL one copy-kernel launch for the whole call, then hipStreamSynchronize if
+ * HIP runs on options->stream either one copy-kernel launch for the whole call (plus one
+ * upload of its rect table) or one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src +
+ * src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer, rect):
+ * MORI_SEND_COPY_KERNEL asks for the kernel, MORI_SEND_MEMCPY2D for the per-rect copies, and
+ * with neither the library launches the kernel when the call has at least 2 (buffer, rect)
+ * copies, the kernel loads on the stream's device and every buffer is memory it surely reaches,
+ * else issues the per-rect copies (MORI_SEND_COPY_KERNEL says which memory that is). A stream
+ * that is capturing a graph always gets the per-rect copies. Then hipStreamSynchronize if
  * MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still be running on return,
- * and the buffers must stay valid until the stream reaches them. hipMemcpyDefault lets either
- * side be device memory, a peer device's memory (enable peer access first) or host memory.
- * Pageable host memory is legal but makes each copy synchronous and slow; pin it
+ * and the buffers must stay valid until the stream reaches them. The per-rect copies take
+ * device memory, a peer device's memory (enable peer access first) or host memory on either
+ * side; pageable host memory is legal but makes each copy synchronous and slow; pin it
  * (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on the stream's
  * device (the NULL stream: the calling thread's current device); the calling thread's current
- * device is left as it was (with MORI_SEND_COPY_KERNEL the library makes the stream's device
- * current only while it loads the kernel there). D2D copies are fastest when width,
- * pitches and offsets are multiples of 16 bytes (see the README for real models). AUTO is HIP
- * when the library is built with it and a device is present (the device count is read once per
- * process), else HOST.
+ * device and graph-capture mode are left as they were (the library makes the stream's device
+ * current only while it loads the kernel or allocates for it there, and runs its own runtime
+ * calls in the relaxed capture mode). D2D copies are fastest when width, pitches and offsets
+ * are multiples of 16 bytes (see the README for real models). AUTO is HIP when the library is
+ * built with it and a device is present (the device count is read once per process), else
+ * HOST.
  *
  * @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
  * @param[in] buffers    Source and destination buffers and their capacities. Must not be NULL.
@@ -1177,8 +1178,8 @@ MoriStatus mori_tp_check_transfer(const struct MoriTpSliceConfig *config,
  * overflow, NULL pointers, overlap of the staging region with a source buffer) is validated
  * before a backend is opened and before the first byte moves: a refused call writes nothing.
  * A config that is not SEND passes the same checks, then moves nothing and returns MORI_OK.
- * Backends, stream and flags as for mori_send_kvcache (the HIP backend: one hipMemcpy2DAsync
- * per (buffer, rect), or one copy-kernel launch with MORI_SEND_COPY_KERNEL).
+ * Backends, stream and flags as for mori_send_kvcache (the HIP backend: one copy-kernel launch,
+ * or one hipMemcpy2DAsync per (buffer, rect), as the flags and the call choose).
  *
  * @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
  *                               NULL.
@@ -1624,8 +1625,9 @@ MoriStatus mori_tp_check_pair_transfer(const struct MoriTpPairConfig *config,
  * Validation, backends, stream and flags are those of mori_send_kvcache: everything (config,
  * request, every page against its capacity, overflow, NULLs, options) is checked before a
  * backend is opened and before the first byte moves, so a refused call writes nothing; the
- * HIP backend issues one hipMemcpy2DAsync per (buffer, rect), or with MORI_SEND_COPY_KERNEL one
- * kernel launch for the whole call. A config that is not SEND validates and moves nothing.
+ * HIP backend launches the copy kernel once for the whole call, or issues one hipMemcpy2DAsync
+ * per (buffer, rect), as the flags and the call choose (see MORI_SEND_COPY_KERNEL). A config
+ * that is not SEND validates and moves nothing.
  *
  * @param[in] config    A pair config (derived again from its layouts). Must not be NULL.
  * @param[in] buffers   Source and destination buffers and their capacities: every page must
@@ -1827,8 +1829,8 @@ MoriStatus mori_tp_check_groups_transfer(const struct MoriTpGroup *groups,
  * what mori_send_kvcache_pair moves for its config, buffers and request. Every group (config,
  * request, first_token, buffers against pages, NULLs, options) is checked before the first
  * byte moves, so a refused call writes nothing; then the groups are copied in order, each as
- * mori_send_kvcache_pair copies a pair (per (buffer, rect) hipMemcpy2DAsync, or with
- * MORI_SEND_COPY_KERNEL one kernel launch per group that moves bytes; MORI_SEND_SYNCHRONIZE
+ * mori_send_kvcache_pair copies a pair (one kernel launch per group that moves bytes, or per
+ * (buffer, rect) hipMemcpy2DAsync, as the flags and each group choose; MORI_SEND_SYNCHRONIZE
  * waits before the call returns).
  *
  * @param[in] groups      num_groups groups; buffers.src and buffers.dst of each must hold
@@ -1857,7 +1859,7 @@ MoriStatus mori_send_kvcache_groups(const struct MoriTpGroup *groups,
  * Everything is checked before the first byte moves: every group; staging_capacity >=
  * total->src_staging_bytes (MORI_ERR_BUFFER_TOO_SMALL naming both); the region's used bytes
  * overlap no packed group's source buffer; backends, stream and flags as for
- * mori_pack_kvcache_pair (with MORI_SEND_COPY_KERNEL, one launch per packed group).
+ * mori_pack_kvcache_pair (with the kernel, one launch per packed group).
  *
  * @param[in]  groups            num_groups groups; buffers.src of each packed group holds
  *                               buffers.num_buffers non-NULL pointers. NULL only if

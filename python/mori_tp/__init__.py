@@ -672,7 +672,7 @@ def _copy_call(
     backend: str,
     stream: Any,
     synchronize: bool,
-    copy_kernel: bool,
+    copy_kernel: Optional[bool],
     operands: Sequence[Tuple[str, Any, bool, bool]],
     extra: Sequence[Tuple[str, "_tensors.Buffer"]] = (),
 ) -> Tuple[List["_tensors.Operand"], _ffi.MoriSendOptions]:
@@ -682,8 +682,10 @@ def _copy_call(
     memory alive: keep them until the C call returns."""
     name = _backend_name(backend, where)
     resolved, chosen = _tensors.resolve(where, name, stream, operands, extra)
-    flags = (_ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0) | (
-        _ffi.MORI_SEND_COPY_KERNEL if copy_kernel else 0)
+    if copy_kernel is not None and not isinstance(copy_kernel, bool):
+        raise TypeError(f"{where}: copy_kernel must be None, True or False, not {copy_kernel!r}")
+    path = {None: 0, True: _ffi.MORI_SEND_COPY_KERNEL, False: _ffi.MORI_SEND_MEMCPY2D}
+    flags = (_ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0) | path[copy_kernel]
     return resolved, _ffi.MoriSendOptions(_BACKENDS[name], flags, chosen)
 
 
@@ -741,7 +743,7 @@ def send_kvcache(
     backend: str = "auto",
     stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Copies one request's slice: every rect of the plan, from each ``src_ptrs[i]`` to
     ``dst_ptrs[i]``.
@@ -776,9 +778,12 @@ def send_kvcache(
             host backend takes no stream.
         synchronize: wait for the copies before returning (GPU backends; host copies always
             have). Without it, keep the buffers alive until the stream has run the copies.
-        copy_kernel: a GPU backend runs the whole call as one copy-kernel launch
-            (MORI_SEND_COPY_KERNEL) instead of one 2D memcpy per (buffer, rect); every buffer
-            must then be memory the GPU can address. Host copies ignore it.
+        copy_kernel: which copy path a GPU backend takes. None (the default, flags 0): one
+            copy-kernel launch for the whole call where the kernel can surely run and the call
+            has at least 2 (buffer, rect) copies, else one 2D memcpy per (buffer, rect)
+            (REFERENCE.md section 7 says when). True (MORI_SEND_COPY_KERNEL): the kernel, and
+            every buffer must then be memory the GPU can address. False (MORI_SEND_MEMCPY2D):
+            one 2D memcpy per (buffer, rect). Host copies ignore it.
 
     Raises:
         NullPointerError: a buffer address is 0.
@@ -994,7 +999,7 @@ def pack_kvcache(
     backend: str = "auto",
     stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Prefill side of a staged transfer (SRC or BOTH): copies the slice of every token of
     every buffer into the staging region, buffer ``b`` at ``b * staging_len(config,
@@ -1057,7 +1062,7 @@ def unpack_kvcache(
     backend: str = "auto",
     stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Decode side of a staged transfer (DST or BOTH): copies the staging region into the
     slice of every token of every buffer, once the transport has filled the region.

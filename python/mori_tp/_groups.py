@@ -298,7 +298,7 @@ def _tensors_of(groups: Sequence[Group]) -> List[Tuple[str, Any]]:
 
 def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
                         stream: StreamLike = None, synchronize: bool = False,
-                        copy_kernel: bool = False) -> None:
+                        copy_kernel: Optional[bool] = None) -> None:
     """Copies every group of a request page to page (whatever its staging mode), as
     :func:`send_kvcache_pair` copies a pair: every group needs ``src_ptrs`` and ``dst_ptrs``.
     Everything is checked before the first byte moves: a call that raises wrote nothing.
@@ -319,7 +319,7 @@ def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
 def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                         staging_capacity: Optional[int] = None, backend: str = "auto",
                         stream: StreamLike = None, synchronize: bool = False,
-                        copy_kernel: bool = False) -> None:
+                        copy_kernel: Optional[bool] = None) -> None:
     """Prefill side of a staged request of groups: packs every group whose staging is SRC or
     BOTH into its part of ``staging`` (the request's region: an address, or a writable
     C-contiguous numpy array or device tensor), as :func:`pack_kvcache_pair` packs a pair.
@@ -344,7 +344,7 @@ def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
 def unpack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                           staging_capacity: Optional[int] = None, backend: str = "auto",
                           stream: StreamLike = None, synchronize: bool = False,
-                          copy_kernel: bool = False) -> None:
+                          copy_kernel: Optional[bool] = None) -> None:
     """Decode side of a staged request of groups: once every segment has landed, unpacks every
     group whose staging is DST or BOTH from its part of ``staging`` onto its pages, as
     :func:`unpack_kvcache_pair` unpacks a pair. Groups that stage nothing here are checked and

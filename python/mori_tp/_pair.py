@@ -428,7 +428,7 @@ def send_kvcache_pair(
     backend: str = "auto",
     stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Copies one request between any two layouts: for every buffer, every token below
     ``request.num_tokens`` and every moved head, the prefill rank's bytes of that head land on
@@ -473,7 +473,7 @@ def pack_kvcache_pair(
     backend: str = "auto",
     stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Prefill side of a staged pair transfer (SRC or BOTH): copies the moved heads of every
     token of every buffer into the staging region, buffer ``b`` at ``b *
@@ -531,7 +531,7 @@ def unpack_kvcache_pair(
     backend: str = "auto",
     stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Decode side of a staged pair transfer (DST or BOTH): copies the staging region onto the
     moved heads of every token of every buffer, once the transport has written every segment

@@ -690,6 +690,19 @@ class WhatReachesTheCallTest(unittest.TestCase):
         # No stream anywhere: the null stream, which CUDA's DLPack spells 1 (legacy default).
         self.assertEqual(src[0].streams + dst[0].streams + dst[1].streams, [1, 1, 1])
 
+    def test_copy_kernel_picks_the_copy_path_flag(self):
+        a, b = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+        src, dst = [FakeDLPack(a, device=(CUDA, 0))], [FakeDLPack(b, device=(CUDA, 0))]
+        ffi = mori_tp._ffi
+        for choice, flags in [(None, 0), (True, ffi.MORI_SEND_COPY_KERNEL),
+                              (False, ffi.MORI_SEND_MEMCPY2D)]:
+            with self.subTest(copy_kernel=choice):
+                _, options = self.send(src, dst, backend="cuda", copy_kernel=choice,
+                                       synchronize=True)
+                self.assertEqual(options[1], ffi.MORI_SEND_SYNCHRONIZE | flags)
+        with self.assertRaisesRegex(TypeError, "copy_kernel must be None, True or False"):
+            self.send(src, dst, backend="cuda", copy_kernel=1)
+
     def test_stream_wins_over_the_interfaces_and_is_told_to_every_producer(self):
         a = np.zeros(4096, np.uint8)
         for stream, handle in [(0xABC0, 0xABC0), (TorchStream(0xABC8), 0xABC8),

@@ -981,6 +981,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
     fn kernel_required(&self) -> bool {
         self.path == CopyPath::Kernel
     }
+
     /// One `hipMemcpy2DAsync` per (buffer, rect), then the wait when asked.
     ///
     /// # Safety

@@ -128,6 +128,7 @@ pub enum CopyPath {
 
 /// The fewest (buffer, rect) copies for which [`CopyPath::Auto`] launches the kernel: a single
 /// copy is one `hipMemcpy2DAsync`, cheaper than a table upload and a launch.
+/// cbindgen:ignore
 pub const AUTO_KERNEL_MIN_COPIES: usize = 2;
 
 /// Options of one send, pack or unpack, as the C ABI's `MoriSendOptions` carries them.

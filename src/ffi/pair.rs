@@ -310,8 +310,9 @@ pub unsafe extern "C" fn mori_tp_check_pair_transfer(
 /// Validation, backends, stream and flags are those of mori_send_kvcache: everything (config,
 /// request, every page against its capacity, overflow, NULLs, options) is checked before a
 /// backend is opened and before the first byte moves, so a refused call writes nothing; the
-/// HIP backend issues one hipMemcpy2DAsync per (buffer, rect), or with MORI_SEND_COPY_KERNEL one
-/// kernel launch for the whole call. A config that is not SEND validates and moves nothing.
+/// HIP backend launches the copy kernel once for the whole call, or issues one hipMemcpy2DAsync
+/// per (buffer, rect), as the flags and the call choose (see MORI_SEND_COPY_KERNEL). A config
+/// that is not SEND validates and moves nothing.
 ///
 /// @param[in] config    A pair config (derived again from its layouts). Must not be NULL.
 /// @param[in] buffers   Source and destination buffers and their capacities: every page must

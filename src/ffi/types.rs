@@ -82,7 +82,8 @@ pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
 /// buffer is memory a kernel there surely reaches (that device's memory, hipHostMalloc'd memory,
 /// hipHostRegister'd memory at the address hipHostGetDevicePointer returns); otherwise it
 /// issues the per-rect copies (MORI_SEND_MEMCPY2D). A stream that is capturing a graph gets the
-/// per-rect copies with either flag.
+/// per-rect copies with either flag, as does a call that finds every table buffer (32) or lane
+/// (16 streams) of the device busy with other streams' copies.
 ///
 /// On the stream, in order: hipMemcpyAsync of the table from pinned host memory into a device
 /// buffer the library keeps per device, hipModuleLaunchKernel, then the buffer's fence:

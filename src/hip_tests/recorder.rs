@@ -552,7 +552,7 @@ impl Recorder {
         match stream {
             Some(stream) if self.stream_captures(stream) => {
                 self.invalidated.borrow_mut().push(stream);
-                Err(GpuStatus(907))
+                Err(GpuStatus::ERROR_CAPTURED_EVENT)
             }
             _ => Ok(()),
         }
