@@ -313,7 +313,15 @@ fn build_copy_kernel_ptx() {
     let output = Command::new(&clang)
         .args(["-x", "cuda", "--cuda-device-only"])
         .arg(format!("--cuda-gpu-arch={arch}"))
-        .args(["-nocudainc", "-nocudalib", "-O3", "-std=c++17", "-Wall", "-Werror", "-S"])
+        .args([
+            "-nocudainc",
+            "-nocudalib",
+            "-O3",
+            "-std=c++17",
+            "-Wall",
+            "-Werror",
+            "-S",
+        ])
         .arg("-I")
         .arg(&include)
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.hip"))

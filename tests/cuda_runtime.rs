@@ -271,7 +271,11 @@ fn the_cuda_backend_runs_over_a_stand_in_driver() {
         ("two_devices", &driver, &[("FAKE_CUDA_DEVICES", "2")][..]),
         ("contexts", &driver, &[][..]),
         ("host_memory", &driver, &[][..]),
-        ("failing_copy", &driver, &[("FAKE_CUDA_COPY_STATUS", "999")][..]),
+        (
+            "failing_copy",
+            &driver,
+            &[("FAKE_CUDA_COPY_STATUS", "999")][..],
+        ),
         (
             "failing_launch",
             &driver,
@@ -330,6 +334,16 @@ mod driver {
         stat: unsafe extern "C" fn(*const c_char) -> i64,
     }
 
+    /// A function pointer of type `F` at `address`.
+    ///
+    /// # Safety
+    /// `address` must be a function whose C signature `F` is.
+    unsafe fn function<F: Copy>(address: *mut c_void) -> F {
+        assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+        // SAFETY: a function pointer of the same size, as the caller guarantees.
+        unsafe { std::mem::transmute_copy::<*mut c_void, F>(&address) }
+    }
+
     fn cu() -> &'static Cu {
         static CU: std::sync::OnceLock<Cu> = std::sync::OnceLock::new();
         CU.get_or_init(|| {
@@ -337,7 +351,10 @@ mod driver {
             // function of that name, whose signature (cuda.h's) is the field's.
             unsafe {
                 let handle = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
-                assert!(!handle.is_null(), "the child finds the stand-in libcuda.so.1");
+                assert!(
+                    !handle.is_null(),
+                    "the child finds the stand-in libcuda.so.1"
+                );
                 let get = |name: &CStr| {
                     let symbol = libc::dlsym(handle, name.as_ptr());
                     assert!(!symbol.is_null(), "the stand-in exports {name:?}");
@@ -345,7 +362,7 @@ mod driver {
                 };
                 macro_rules! f {
                     ($name:literal) => {
-                        std::mem::transmute(get($name))
+                        function(get($name))
                     };
                 }
                 let init: unsafe extern "C" fn(c_uint) -> c_int = f!(c"cuInit");
@@ -464,10 +481,12 @@ mod driver {
     fn device_sender(options: MoriSendOptions) -> Box<Sender<'static>> {
         Box::new(move |plan, request, src, dst| {
             let config = MoriTpSliceConfig::from(plan.config());
-            let src_dev: Vec<DeviceBuffer> = src.iter().map(|b| DeviceBuffer::from_host(b)).collect();
+            let src_dev: Vec<DeviceBuffer> =
+                src.iter().map(|b| DeviceBuffer::from_host(b)).collect();
             let dst_dev: Vec<DeviceBuffer> =
                 dst.iter().map(|b| DeviceBuffer::from_host(b)).collect();
-            let src_ptrs: Vec<*const c_void> = src_dev.iter().map(|b| b.ptr().cast_const()).collect();
+            let src_ptrs: Vec<*const c_void> =
+                src_dev.iter().map(|b| b.ptr().cast_const()).collect();
             let dst_ptrs: Vec<*mut c_void> = dst_dev.iter().map(|b| b.ptr()).collect();
             let buffers = MoriKvBuffers {
                 src: src_ptrs.as_ptr(),
@@ -561,8 +580,15 @@ mod driver {
         // its state back.
         assert!(current_context().is_null());
         let (status, message, after) = small_device_send_without_context();
-        assert_eq!((status, after), (MORI_OK, small_send_result(7)), "{message}");
-        assert!(current_context().is_null(), "the thread has no context again");
+        assert_eq!(
+            (status, after),
+            (MORI_OK, small_send_result(7)),
+            "{message}"
+        );
+        assert!(
+            current_context().is_null(),
+            "the thread has no context again"
+        );
         use_device(0);
         for flags in [MORI_SEND_MEMCPY2D, MORI_SEND_COPY_KERNEL, 0] {
             let sync = options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE | flags, null_mut());
@@ -577,21 +603,32 @@ mod driver {
             match flags {
                 MORI_SEND_MEMCPY2D => assert_eq!((launched, copied), (false, true)),
                 MORI_SEND_COPY_KERNEL => assert_eq!((launched, copied), (true, false)),
-                _ => assert!(launched, "flags 0 launch the kernel for calls of many copies"),
+                _ => assert!(
+                    launched,
+                    "flags 0 launch the kernel for calls of many copies"
+                ),
             }
         }
         // AUTO is CUDA here: it takes a stream, which the host backend would refuse.
         let stream = new_stream();
         let (status, message, after) =
             small_device_send(&options(MORI_BACKEND_AUTO, MORI_SEND_COPY_KERNEL, stream));
-        assert_eq!((status, after), (MORI_OK, small_send_result(7)), "{message}");
+        assert_eq!(
+            (status, after),
+            (MORI_OK, small_send_result(7)),
+            "{message}"
+        );
         // Two streams, the kernel on both, interleaved, without waiting in between.
         let other = new_stream();
         for round in 0..6u8 {
             let on = if round % 2 == 0 { stream } else { other };
             let (status, message, after) =
                 small_device_send(&options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, on));
-            assert_eq!((status, after), (MORI_OK, small_send_result(7)), "{message}");
+            assert_eq!(
+                (status, after),
+                (MORI_OK, small_send_result(7)),
+                "{message}"
+            );
         }
         pack_unpack_and_pool();
         pair_layouts();
@@ -656,11 +693,17 @@ mod driver {
         );
         let mut info = std::mem::MaybeUninit::<MoriTpPoolInfo>::uninit();
         // SAFETY: valid pointers; the info is written on success.
-        assert_eq!(unsafe { mori_tp_pool_info(pool, info.as_mut_ptr()) }, MORI_OK);
+        assert_eq!(
+            unsafe { mori_tp_pool_info(pool, info.as_mut_ptr()) },
+            MORI_OK
+        );
         // SAFETY: written above.
         let info = unsafe { info.assume_init() };
         let separate = DeviceBuffer::from_host(&vec![0u8; staging_len as usize]);
-        for (staging, what) in [(separate.ptr(), "device staging"), (info.base, "a device pool")] {
+        for (staging, what) in [
+            (separate.ptr(), "device staging"),
+            (info.base, "a device pool"),
+        ] {
             let kernel = options(
                 MORI_BACKEND_CUDA,
                 MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
@@ -749,14 +792,21 @@ mod driver {
             .map(|b| (0..src_len).map(|i| (i * 131 + b * 7 + 1) as u8).collect())
             .collect();
         let dst: Vec<Vec<u8>> = (0..2u64)
-            .map(|b| (0..dst_len).map(|i| (i * 29 + b * 3 + 0x80) as u8).collect())
+            .map(|b| {
+                (0..dst_len)
+                    .map(|i| (i * 29 + b * 3 + 0x80) as u8)
+                    .collect()
+            })
             .collect();
         for flags in [MORI_SEND_MEMCPY2D, MORI_SEND_COPY_KERNEL] {
             let mut want = dst.clone();
             let host_src: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
-            let host_dst: Vec<*mut c_void> = want.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
-            let dev_src: Vec<DeviceBuffer> = src.iter().map(|b| DeviceBuffer::from_host(b)).collect();
-            let dev_dst: Vec<DeviceBuffer> = dst.iter().map(|b| DeviceBuffer::from_host(b)).collect();
+            let host_dst: Vec<*mut c_void> =
+                want.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+            let dev_src: Vec<DeviceBuffer> =
+                src.iter().map(|b| DeviceBuffer::from_host(b)).collect();
+            let dev_dst: Vec<DeviceBuffer> =
+                dst.iter().map(|b| DeviceBuffer::from_host(b)).collect();
             let dev_src_ptrs: Vec<*const c_void> =
                 dev_src.iter().map(|b| b.ptr().cast_const()).collect();
             let dev_dst_ptrs: Vec<*mut c_void> = dev_dst.iter().map(|b| b.ptr()).collect();
@@ -778,7 +828,10 @@ mod driver {
             let cuda = options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE | flags, null_mut());
             // SAFETY: buffers of the stated capacities; the options synchronize.
             unsafe {
-                assert_eq!(mori_send_kvcache_pair(&config, &host_kv, &request, &host), MORI_OK);
+                assert_eq!(
+                    mori_send_kvcache_pair(&config, &host_kv, &request, &host),
+                    MORI_OK
+                );
                 assert_eq!(
                     mori_send_kvcache_pair(&config, &dev_kv, &request, &cuda),
                     MORI_OK,
@@ -787,7 +840,11 @@ mod driver {
                 );
             }
             for (b, device) in dev_dst.iter().enumerate() {
-                assert_eq!(device.read(), want[b], "pair send, flags {flags:#x}, buffer {b}");
+                assert_eq!(
+                    device.read(),
+                    want[b],
+                    "pair send, flags {flags:#x}, buffer {b}"
+                );
             }
         }
     }
@@ -796,8 +853,11 @@ mod driver {
     /// device pool refused.
     fn no_device() {
         assert!(!mori_tp::backend::cuda_device_present());
-        let (status, message, unchanged) =
-            small_host_send(&options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE, null_mut()));
+        let (status, message, unchanged) = small_host_send(&options(
+            MORI_BACKEND_CUDA,
+            MORI_SEND_SYNCHRONIZE,
+            null_mut(),
+        ));
         assert_eq!(status, MORI_ERR_BACKEND_UNAVAILABLE, "{message}");
         assert!(
             message.contains(
@@ -822,7 +882,11 @@ mod driver {
         // SAFETY: valid pointers.
         let status = unsafe { mori_tp_pool_create(&device, &mut pool) };
         assert_eq!(status, MORI_ERR_BACKEND_UNAVAILABLE);
-        assert!(last_error().contains("CUDA_ERROR_NO_DEVICE"), "{}", last_error());
+        assert!(
+            last_error().contains("CUDA_ERROR_NO_DEVICE"),
+            "{}",
+            last_error()
+        );
     }
 
     /// A driver without a function the library uses is refused by name, not a panic.
@@ -870,12 +934,20 @@ mod driver {
             );
             // SAFETY: device buffers of the stated sizes; the options synchronize.
             unsafe {
-                send_pages_0_1_3(&[src_at as *const c_void], &[dst_at as *mut c_void], &kernel)
+                send_pages_0_1_3(
+                    &[src_at as *const c_void],
+                    &[dst_at as *mut c_void],
+                    &kernel,
+                )
             }
         });
         assert_eq!((sent.0, ended), (MORI_OK, 0), "{}", sent.1);
         assert_eq!(dst.read(), small_send_result(7));
-        assert_eq!(stat(c"module_loads"), 1, "the first kernel call ran during the capture");
+        assert_eq!(
+            stat(c"module_loads"),
+            1,
+            "the first kernel call ran during the capture"
+        );
         // Synchronize on a capturing stream: refused before anything is enqueued.
         let capturing = new_stream_with(1);
         let src = DeviceBuffer::from_host(&[5u8; 4 * 64]);
@@ -921,8 +993,16 @@ mod driver {
             assert_eq!((cu().graph_launch)(exec, stream), 0);
             assert_eq!((cu().stream_synchronize)(stream), 0);
         }
-        assert_eq!(dst.read(), small_send_result(5), "the graph replays the copies");
-        assert_eq!(stat(c"kernel_launches"), launches, "a capturing stream gets no kernel");
+        assert_eq!(
+            dst.read(),
+            small_send_result(5),
+            "the graph replays the copies"
+        );
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches,
+            "a capturing stream gets no kernel"
+        );
         // Issue 35, same thread: kernel sends on S, then S captures (relaxed), then a kernel
         // send on T.
         let s = new_stream_with(1);
@@ -936,11 +1016,19 @@ mod driver {
         assert_eq!(unsafe { (cu().begin_capture)(s, 2) }, 0);
         let (status, message, after) =
             small_device_send(&options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, t));
-        assert_eq!((status, after), (MORI_OK, small_send_result(7)), "{message}");
+        assert_eq!(
+            (status, after),
+            (MORI_OK, small_send_result(7)),
+            "{message}"
+        );
         let mut graph = null_mut();
         // SAFETY: the capture begun above.
         assert_eq!(unsafe { (cu().end_capture)(s, &mut graph) }, 0);
-        assert_eq!(stat(c"invalidated_captures"), 1, "only the stand-in's own check");
+        assert_eq!(
+            stat(c"invalidated_captures"),
+            1,
+            "only the stand-in's own check"
+        );
     }
 
     /// Runs `f` on this thread while another thread captures a stream in the global mode:
@@ -1032,7 +1120,11 @@ mod driver {
             assert_eq!(status, MORI_OK, "flags {flags:#x}: {message}");
             assert_eq!(dst.read(), small_send_result(6));
         }
-        assert_eq!(stat(c"kernel_launches"), launches + 1, "only the kernel flag launched");
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches + 1,
+            "only the kernel flag launched"
+        );
     }
 
     /// A stream of a context the caller made (cuCtxCreate): the kernel is refused with a message
@@ -1104,10 +1196,17 @@ mod driver {
         }
         assert!(unchanged);
         let launches = stat(c"kernel_launches");
-        let (status, message, unchanged) =
-            small_host_send(&options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE, null_mut()));
+        let (status, message, unchanged) = small_host_send(&options(
+            MORI_BACKEND_CUDA,
+            MORI_SEND_SYNCHRONIZE,
+            null_mut(),
+        ));
         assert_eq!((status, unchanged), (MORI_OK, false), "{message}");
-        assert_eq!(stat(c"kernel_launches"), launches, "flags 0: per-rect copies");
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches,
+            "flags 0: per-rect copies"
+        );
         // Pinned and registered host memory.
         let mut pinned_src = null_mut();
         let mut pinned_dst = null_mut();
@@ -1128,8 +1227,14 @@ mod driver {
         let mut dst = vec![9u8; 4 * 32];
         // SAFETY: live host bytes, registered for the rest of the process.
         unsafe {
-            assert_eq!((cu().mem_host_register)(src.as_ptr().cast_mut().cast(), src.len(), 0), 0);
-            assert_eq!((cu().mem_host_register)(dst.as_mut_ptr().cast(), dst.len(), 0), 0);
+            assert_eq!(
+                (cu().mem_host_register)(src.as_ptr().cast_mut().cast(), src.len(), 0),
+                0
+            );
+            assert_eq!(
+                (cu().mem_host_register)(dst.as_mut_ptr().cast(), dst.len(), 0),
+                0
+            );
         }
         let (status, message) = unsafe {
             send_pages_0_1_3(&[src.as_ptr().cast()], &[dst.as_mut_ptr().cast()], &kernel)

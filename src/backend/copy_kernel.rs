@@ -221,6 +221,34 @@ pub const PTX_ARCH: &str = env!("MORI_TP_PTX_ARCH");
 mod tests {
     use super::*;
 
+    /// The PTX build.rs embeds (feature `cuda`): NUL-terminated text with the kernel's entry, its
+    /// one argument as big as [`KernelArgs`], for the block size the engine launches, written for
+    /// [`PTX_ARCH`] (the driver JIT-compiles it for the GPU at hand).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_ptx_declares_the_kernel_with_its_argument_and_block_size() {
+        assert_eq!(
+            PTX.last(),
+            Some(&0),
+            "cuModuleLoadData takes NUL-terminated PTX"
+        );
+        let text = std::str::from_utf8(&PTX[..PTX.len() - 1]).expect("PTX is text");
+        assert!(!text.contains('\0'), "one NUL, at the end");
+        for part in [
+            format!(".target {PTX_ARCH}"),
+            ".address_size 64".to_string(),
+            format!(".visible .entry {}(", KERNEL_NAME.to_str().unwrap()),
+            format!(
+                ".param .align 8 .b8 {}_param_0[{}]",
+                KERNEL_NAME.to_str().unwrap(),
+                std::mem::size_of::<KernelArgs>()
+            ),
+            format!(".maxntid {BLOCK_THREADS}, 1, 1"),
+        ] {
+            assert!(text.contains(&part), "the PTX lacks {part:?}");
+        }
+    }
+
     #[test]
     fn the_structs_have_the_c_header_sizes() {
         assert_eq!(std::mem::size_of::<KernelRect>(), 64);

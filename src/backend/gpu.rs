@@ -1260,15 +1260,16 @@ impl<R: GpuRuntime> GpuEngine<R> {
     /// The reset sentinel of `device`, the current device: its address and the size the runtime
     /// reports for it. Kept (not freed) when the size cannot be read.
     fn allocate_sentinel(&self, device: i32) -> Result<(usize, usize)> {
-        let base =
-            self.runtime
-                .malloc(RESET_SENTINEL_BYTES)
-                .or_gpu(&self.runtime, self.api().malloc, || {
-                    Context::args(format!(
-                        "({RESET_SENTINEL_BYTES} bytes for the copy kernel's reset check on device \
+        let base = self.runtime.malloc(RESET_SENTINEL_BYTES).or_gpu(
+            &self.runtime,
+            self.api().malloc,
+            || {
+                Context::args(format!(
+                    "({RESET_SENTINEL_BYTES} bytes for the copy kernel's reset check on device \
                      {device})"
-                    ))
-                })?;
+                ))
+            },
+        )?;
         let (_, allocated) = self.runtime.address_range(base).or_gpu(
             &self.runtime,
             self.api().address_range,
@@ -1289,10 +1290,9 @@ impl<R: GpuRuntime> GpuEngine<R> {
                     &self.runtime,
                     self.api().event_create,
                     || {
-                        Context::args(format!("({})", self.api().event_disable_timing)).note(format!(
-                            " (the stream check's event on device {})",
-                            at.device
-                        ))
+                        Context::args(format!("({})", self.api().event_disable_timing)).note(
+                            format!(" (the stream check's event on device {})", at.device),
+                        )
                     },
                 )? as usize;
                 state.probe = Some(event);
@@ -1452,10 +1452,12 @@ impl<R: GpuRuntime> GpuEngine<R> {
                     &self.runtime,
                     self.api().stream_create,
                     || {
-                        Context::args(format!("({})", self.api().stream_non_blocking)).note(format!(
-                            " (the relay stream of stream {:p} on device {})",
-                            self.stream, at.device
-                        ))
+                        Context::args(format!("({})", self.api().stream_non_blocking)).note(
+                            format!(
+                                " (the relay stream of stream {:p} on device {})",
+                                self.stream, at.device
+                            ),
+                        )
                     },
                 );
                 match relay {
@@ -1663,9 +1665,11 @@ impl<R: GpuRuntime> GpuEngine<R> {
         let device = match Spares::take(&mut spares.device, capacity) {
             Some(spare) => spare,
             None => (
-                self.runtime
-                    .malloc(capacity)
-                    .or_gpu(&self.runtime, self.api().malloc, what(capacity))? as usize,
+                self.runtime.malloc(capacity).or_gpu(
+                    &self.runtime,
+                    self.api().malloc,
+                    what(capacity),
+                )? as usize,
                 capacity,
             ),
         };

@@ -32,7 +32,7 @@ use recorder::{
 
 use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
 use crate::backend::gpu::{
-    CaptureMode, HIP_MEMCPY_DEFAULT, GpuEngine, GpuRuntime, GpuStatus, KernelLaunch, MAX_LANES,
+    CaptureMode, GpuEngine, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch, MAX_LANES,
     MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, RESET_SENTINEL_BYTES,
 };
 use crate::pool::{DeviceMemory, POOL_TAIL_BYTES, PoolMemory, PoolMemoryKind, StagingPool};

@@ -32,8 +32,8 @@ use std::sync::{Arc, OnceLock};
 use super::common;
 use crate::backend::copy_kernel::{BLOCK_THREADS, KernelArgs, KernelRect};
 use crate::backend::gpu::{
-    Api, CaptureMode, HIP_API, HIP_MEMCPY_DEFAULT, GpuRuntime, GpuStatus, KernelCache, KernelImage, KernelLaunch,
-    Memcpy2dAsync, PointerInfo,
+    Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_DEFAULT, KernelCache, KernelImage,
+    KernelLaunch, Memcpy2dAsync, PointerInfo,
 };
 
 /// `hipErrorInvalidMemcpyDirection` (hip/hip_runtime_api.h).

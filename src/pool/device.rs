@@ -40,11 +40,13 @@ impl<R: GpuRuntime> DeviceMemory<R> {
             .and_then(|bytes| usize::try_from(bytes).ok())
             .ok_or_else(too_big)?;
         let relaxed = Relaxed::enter(&runtime)?;
-        let base = runtime.malloc(bytes).or_gpu(&runtime, runtime.api().malloc, || {
-            Context::args(format!("({len} bytes)")).note(format!(
-                " for a staging pool (and {POOL_TAIL_BYTES} bytes of the library's)"
-            ))
-        })?;
+        let base = runtime
+            .malloc(bytes)
+            .or_gpu(&runtime, runtime.api().malloc, || {
+                Context::args(format!("({len} bytes)")).note(format!(
+                    " for a staging pool (and {POOL_TAIL_BYTES} bytes of the library's)"
+                ))
+            })?;
         // Unreadable: the pool still works, and its drop leaves the memory to the process.
         let allocated =
             runtime.address_range(base).map_or(

@@ -74,7 +74,8 @@ const EVENT_DISABLE_TIMING: c_uint = cu::CUevent_flags_enum::CU_EVENT_DISABLE_TI
 /// `CU_MEMHOSTALLOC_PORTABLE`: the table buffers are pinned for every context.
 const MEMHOSTALLOC_PORTABLE: c_uint = cu::CU_MEMHOSTALLOC_PORTABLE;
 /// `CU_STREAM_CAPTURE_STATUS_NONE`.
-const CAPTURE_STATUS_NONE: c_int = cu::CUstreamCaptureStatus_enum::CU_STREAM_CAPTURE_STATUS_NONE as c_int;
+const CAPTURE_STATUS_NONE: c_int =
+    cu::CUstreamCaptureStatus_enum::CU_STREAM_CAPTURE_STATUS_NONE as c_int;
 /// The `CUpointer_attribute`s [`LibCuda::pointer_info`] asks for, in order.
 const POINTER_ATTRIBUTES: [c_int; 4] = [
     cu::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_MEMORY_TYPE as c_int,
@@ -270,7 +271,10 @@ impl LibCuda {
         }
         let mut handle: c_int = 0;
         // SAFETY: valid out-pointers; a bad ordinal is refused with a status.
-        out(unsafe { (self.driver().device_get)(&mut handle, device) }, ())?;
+        out(
+            unsafe { (self.driver().device_get)(&mut handle, device) },
+            (),
+        )?;
         let mut ctx = null_mut();
         // SAFETY: as above, for the device handle just returned.
         out(
@@ -295,10 +299,7 @@ impl LibCuda {
         let done = f();
         let mut popped = null_mut();
         // SAFETY: pops what was pushed above.
-        let restored = out(
-            unsafe { (self.driver().ctx_pop_current)(&mut popped) },
-            (),
-        );
+        let restored = out(unsafe { (self.driver().ctx_pop_current)(&mut popped) }, ());
         restored.and(done)
     }
 
@@ -329,7 +330,11 @@ impl LibCuda {
     fn stream_context(&self, stream: Stream) -> std::result::Result<Ctx, GpuStatus> {
         if Self::default_stream(stream) {
             let ctx = self.current_context()?;
-            return if ctx.is_null() { self.primary(0) } else { Ok(ctx) };
+            return if ctx.is_null() {
+                self.primary(0)
+            } else {
+                Ok(ctx)
+            };
         }
         let mut ctx = null_mut();
         // SAFETY: a valid out-pointer; the caller's live stream.
@@ -389,10 +394,7 @@ impl GpuRuntime for LibCuda {
             && from == device
         {
             // SAFETY: the context this thread had before the switch (NULL: none).
-            out(
-                unsafe { (self.driver().ctx_set_current)(ctx as Ctx) },
-                (),
-            )?;
+            out(unsafe { (self.driver().ctx_set_current)(ctx as Ctx) }, ())?;
             SWITCHED_FROM.set(None);
             return Ok(());
         }
@@ -410,7 +412,10 @@ impl GpuRuntime for LibCuda {
         Ok(())
     }
 
-    fn exchange_capture_mode(&self, mode: CaptureMode) -> std::result::Result<CaptureMode, GpuStatus> {
+    fn exchange_capture_mode(
+        &self,
+        mode: CaptureMode,
+    ) -> std::result::Result<CaptureMode, GpuStatus> {
         let mut mode: c_int = mode.0;
         // SAFETY: a valid in/out pointer (any value is checked by the driver).
         out(
@@ -547,7 +552,8 @@ impl GpuRuntime for LibCuda {
         self.in_context(self.here()?, || {
             let mut module = null_mut();
             // SAFETY: a valid out-pointer; NUL-terminated PTX.
-            let status = unsafe { (self.driver().module_load_data)(&mut module, image.as_ptr().cast()) };
+            let status =
+                unsafe { (self.driver().module_load_data)(&mut module, image.as_ptr().cast()) };
             out(status, module)
         })
     }
@@ -560,8 +566,9 @@ impl GpuRuntime for LibCuda {
         self.in_context(self.here()?, || {
             let mut function = null_mut();
             // SAFETY: a valid out-pointer and NUL-terminated name; the module as guaranteed.
-            let status =
-                unsafe { (self.driver().module_get_function)(&mut function, module, name.as_ptr()) };
+            let status = unsafe {
+                (self.driver().module_get_function)(&mut function, module, name.as_ptr())
+            };
             out(status, function)
         })
     }
@@ -596,7 +603,9 @@ impl GpuRuntime for LibCuda {
             let mut pointer = null_mut();
             // SAFETY: a valid out-pointer.
             out(
-                unsafe { (self.driver().mem_host_alloc)(&mut pointer, size, MEMHOSTALLOC_PORTABLE) },
+                unsafe {
+                    (self.driver().mem_host_alloc)(&mut pointer, size, MEMHOSTALLOC_PORTABLE)
+                },
                 pointer,
             )
         })
@@ -670,7 +679,10 @@ impl GpuRuntime for LibCuda {
         })
     }
 
-    fn address_range(&self, pointer: *mut c_void) -> std::result::Result<(usize, usize), GpuStatus> {
+    fn address_range(
+        &self,
+        pointer: *mut c_void,
+    ) -> std::result::Result<(usize, usize), GpuStatus> {
         self.in_context(self.here()?, || {
             let (mut base, mut size): (DevicePtr, usize) = (0, 0);
             // SAFETY: valid out-pointers; the driver only looks the address up.

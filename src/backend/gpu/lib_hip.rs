@@ -10,8 +10,8 @@ use hip_sys as _;
 
 use super::super::copy_kernel::{ARCHS, IMAGE, KernelArgs};
 use super::{
-    Api, CaptureMode, HIP_API, HIP_MEMCPY_HOST_TO_DEVICE, GpuRuntime, GpuStatus, KernelCache, KernelImage,
-    KernelLaunch, Memcpy2dAsync, PointerInfo,
+    Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_HOST_TO_DEVICE, KernelCache,
+    KernelImage, KernelLaunch, Memcpy2dAsync, PointerInfo,
 };
 
 /// `hipPointerAttribute_t` (hip/hip_runtime_api.h): the same layout in HIP 5 and 6, whose first
