@@ -1256,10 +1256,13 @@ class StagingPool:
     def alloc(self, size: int, timeout: float = DEFAULT_POOL_TIMEOUT) -> PoolSlot:
         """A slot of at least ``size`` bytes, waiting up to ``timeout`` seconds while the pool
         is full (other threads' frees end the wait). Raises :class:`BufferTooSmallError` after
-        the timeout, or at once for a size no block can ever hold."""
+        the timeout, or at once for a size no block can ever hold. ``timeout`` is a finite
+        number of seconds: no wait is unbounded (``math.inf`` is refused with
+        :class:`InvalidArgumentError`, as is one past ``uint64_t`` milliseconds)."""
         where = "StagingPool.alloc"
-        if not timeout >= 0:
-            raise InvalidArgumentError(f"{where}: timeout {timeout!r} must be >= 0 seconds")
+        if not timeout >= 0 or timeout == float("inf"):
+            raise InvalidArgumentError(f"{where}: timeout {timeout!r} must be a finite number "
+                                       ">= 0 seconds (no wait is unbounded)")
         milliseconds = _unsigned(int(timeout * 1000), "timeout", 64, where)
         status, slot = self._slot(_lib.mori_tp_pool_alloc,
                                   _unsigned(size, "size", 64, where), milliseconds)
