@@ -320,6 +320,28 @@ impl LibCuda {
         self.primary(self.current_device()?)
     }
 
+    /// The context that owns the allocation holding `pointer` (`CU_POINTER_ATTRIBUTE_CONTEXT`),
+    /// else the primary context of the current device: where a call about that allocation runs.
+    fn owner_context(&self, pointer: *const c_void) -> std::result::Result<Ctx, GpuStatus> {
+        let mut attribute = cu::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_CONTEXT as c_int;
+        let mut owner: Ctx = null_mut();
+        let mut data: *mut c_void = (&raw mut owner).cast();
+        // SAFETY: one attribute with an out-pointer of its type; the driver only looks the
+        // address up (and leaves NULL for memory it does not know).
+        let status = unsafe {
+            (self.driver().pointer_get_attributes)(
+                1,
+                &mut attribute,
+                &mut data,
+                pointer as DevicePtr,
+            )
+        };
+        match status.result() {
+            Ok(()) if !owner.is_null() => Ok(owner),
+            _ => self.here(),
+        }
+    }
+
     /// True for the NULL stream and the handles of the current context's default streams.
     fn default_stream(stream: Stream) -> bool {
         matches!(stream as usize, 0 | STREAM_LEGACY | STREAM_PER_THREAD)
@@ -592,7 +614,8 @@ impl GpuRuntime for LibCuda {
     }
 
     unsafe fn free(&self, pointer: *mut c_void) -> std::result::Result<(), GpuStatus> {
-        self.in_context(self.here()?, || {
+        // In the context the memory was allocated in (a pool may be dropped on any thread).
+        self.in_context(self.owner_context(pointer)?, || {
             // SAFETY: forwarded from the caller, as the trait documents.
             unsafe { (self.driver().mem_free)(pointer as DevicePtr) }.result()
         })
@@ -683,7 +706,9 @@ impl GpuRuntime for LibCuda {
         &self,
         pointer: *mut c_void,
     ) -> std::result::Result<(usize, usize), GpuStatus> {
-        self.in_context(self.here()?, || {
+        // In the context of the allocation (a device's reset sentinel is checked from whichever
+        // device is current).
+        self.in_context(self.owner_context(pointer)?, || {
             let (mut base, mut size): (DevicePtr, usize) = (0, 0);
             // SAFETY: valid out-pointers; the driver only looks the address up.
             let status = unsafe {
