@@ -14,13 +14,13 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/device-check.sh")
 }
 
-/// The libmori_tp.so this `cargo test` built, with this run's features.
+/// The libmori_tp.so this `cargo test` built, with this run's features, next to the test
+/// executables in target/<profile>/deps (target/<profile> keeps whichever build ran last).
 fn built_library() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     let lib = exe
         .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
+        .expect("target/<profile>/deps")
         .join("libmori_tp.so");
     assert!(lib.is_file(), "cargo did not build {}", lib.display());
     lib
