@@ -11,7 +11,7 @@
 extern "C" {
 #endif
 
-/* The share of the copy kernel's (thread, step) slots that move bytes when it copies `rects`
+/* The share of the copy kernel's (thread, slot) pairs that move bytes when it copies `rects`
  * (mori_tp_plan's) for one buffer pair at these base addresses (only their alignment matters):
  * 0 when there is nothing to copy. */
 double mori_copy_lane_utilisation(const MoriCopyRect *rects, size_t num_rects, uint64_t src_base, uint64_t dst_base);

@@ -16,6 +16,7 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 mod recorder;
+mod table;
 
 use std::collections::HashSet;
 use std::ffi::c_void;
@@ -30,7 +31,7 @@ use recorder::{
     cpu_kernel_or_skip, function_handle, module_handle, names,
 };
 
-use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
+use crate::backend::copy_kernel::KernelTable;
 use crate::backend::hip::{
     HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelLaunch, MIN_TABLE_BYTES,
     Memcpy2dAsync, TABLE_SLOTS, TABLE_TAIL_BYTES,
@@ -450,17 +451,6 @@ fn the_recording_runtime_refuses_what_hipmemcpy2d_refuses() {
 
 // ---- The copy-kernel path ----
 
-/// The rows-per-tile, lanes-per-row and grid rule of hip/copy_kernel.h, restated: tiles of
-/// clamp(16384 / width, 1, 1024) rows, one lane per 16 bytes of the widest row (at most a block),
-/// grid x over tiles and y over buffers, both capped.
-fn expected_geometry(rows: u64, width: u64, buffers: u64) -> (u64, u64, (u32, u32)) {
-    let rows_per_block = (16_384 / width.max(1)).clamp(1, 1024);
-    let lanes = width.div_ceil(16).clamp(1, 256);
-    let x = rows.div_ceil(rows_per_block).min(u64::from(MAX_GRID_X)) as u32;
-    let y = buffers.min(u64::from(MAX_GRID_Y)) as u32;
-    (rows_per_block, lanes, (x, y))
-}
-
 /// What the recorder handed out in `calls`: the first table buffer, its pinned twin and event.
 #[derive(Clone, Copy, Debug, Default)]
 struct Handed {
@@ -485,9 +475,9 @@ fn handed(calls: &[Call]) -> Handed {
 /// The calls a kernel send on a fresh runtime must make: the device check; for a caller's
 /// stream the capture check; hipGetDevice (and the stream's device); the load on that device;
 /// each buffer base checked once; the first table buffer pair (the device buffer's size read
-/// back) and its event; then on the stream
-/// one upload of the table (64 bytes per rect, 16 per buffer) from the pinned buffer, one launch,
-/// the event's record, and hipStreamSynchronize only if asked.
+/// back) and its event; then on the stream one upload of the table's `byte_len` bytes from the
+/// pinned buffer (0 when the table travels inside the kernel's argument), one launch, the
+/// event's record, and hipStreamSynchronize only if asked.
 fn expected_kernel_calls(
     plan: &Walk<'_>,
     src: &[*const u8],
@@ -524,8 +514,16 @@ fn expected_kernel_calls(
             }
         }
     }
-    let (num_rects, num_buffers) = (rects.len(), src.len());
-    let size = 64 * num_rects + 16 * num_buffers;
+    // The table the engine must launch with (src/backend/copy_kernel.rs checks its bytes
+    // against the C++ builder and the kernel): its upload is byte_len bytes, none when it
+    // travels inside the argument.
+    let bases: Vec<(u64, u64)> = src
+        .iter()
+        .zip(dst)
+        .map(|(&s, &d)| (s as u64, d as u64))
+        .collect();
+    let table = KernelTable::build(rects.iter().copied(), &bases).expect("a table");
+    let size = table.byte_len();
     let capacity = size.max(MIN_TABLE_BYTES).next_power_of_two();
     calls.push(Call::Malloc {
         size: capacity + TABLE_TAIL_BYTES,
@@ -547,26 +545,12 @@ fn expected_kernel_calls(
         size,
         stream,
     });
-    let rows: u64 = rects.iter().map(|r| r.height).sum();
-    let width = rects.iter().map(|r| r.width).max().unwrap_or(0);
-    let (rows_per_block, lanes_per_row, grid) = expected_geometry(rows, width, num_buffers as u64);
-    let rect_bytes = 64 * num_rects as u64;
-    let table = handed.table as u64;
     calls.push(Call::Launch(KernelLaunch {
         function: function_handle(0),
-        grid,
+        grid: table.grid(),
         block: 256,
         stream,
-        args: KernelArgs {
-            rects: table,
-            src_bases: table + rect_bytes,
-            dst_bases: table + rect_bytes + 8 * num_buffers as u64,
-            num_rects: num_rects as u64,
-            num_buffers: num_buffers as u64,
-            total_rows: rows,
-            rows_per_block,
-            lanes_per_row,
-        },
+        args: table.args(handed.table as u64),
     }));
     calls.push(Call::EventRecord {
         event: without_provenance_mut(handed.event),
@@ -1432,7 +1416,9 @@ fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle
         return;
     }
     // One 16-byte head, TP 1 -> 1, page size 1: a page of every other slot is one rect, so
-    // 1100 pages make a 70400-byte table, past the first pair's 65536 bytes.
+    // 9000 pages make a table of 16 bytes of bases, one 48-byte run and 9000 8-byte rect
+    // entries (72064 bytes), past the first pair's 65536 bytes. Four pages fit in the kernel's
+    // argument: nothing to upload.
     let config = slice_config(&SliceParams {
         prefill_tp_size: 1,
         prefill_tp_rank: 0,
@@ -1445,9 +1431,9 @@ fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle
     })
     .unwrap();
     let pages = |n: i32| -> Vec<i32> { (0..n).map(|i| 2 * i).collect() };
-    let (small, big) = (pages(4), pages(1100));
-    let src: Vec<u8> = (0..2200 * 16).map(|i| i as u8).collect();
-    let mut dst = vec![0u8; 2200 * 16];
+    let (small, big) = (pages(4), pages(9000));
+    let src: Vec<u8> = (0..18000 * 16).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; 18000 * 16];
     let (src_ptr, dst_ptr) = (src.as_ptr(), dst.as_mut_ptr());
     let runtime = Recorder::new(&[&src], &mut [&mut dst]);
     let mut engine = HipEngine::new(runtime, &kernel_options(false, null_mut())).expect("a device");
@@ -1457,8 +1443,8 @@ fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle
         let buffers = KvBuffers {
             src: &[src_ptr],
             dst: &[dst_ptr],
-            src_capacity: 2200 * 16,
-            dst_capacity: 2200 * 16,
+            src_capacity: 18000 * 16,
+            dst_capacity: 18000 * 16,
         };
         let from = engine.runtime().calls.borrow().len();
         // SAFETY: live buffers of the stated capacities; the recorder checks every row.
@@ -1481,7 +1467,7 @@ fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle
         })
         .take(5)
         .collect();
-    let bigger = (64 * 1100 + 16usize).next_power_of_two();
+    let bigger = (16 + 48 + 8 * 9000usize).next_power_of_two();
     assert_eq!(
         grow,
         [
@@ -1511,7 +1497,7 @@ fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle
     );
     for (i, byte) in dst.iter().enumerate() {
         let (page, at) = (i / 16, i % 16);
-        let want = if page % 2 == 0 && page < 2200 {
+        let want = if page % 2 == 0 && page < 18000 {
             src[i]
         } else {
             0
