@@ -9,10 +9,10 @@
  * THE WORK SPLIT. The host plans all of it, so that no thread searches:
  * - Rects become RUNS: consecutive rects with the same width, pitches, height and unit (the
  *   widest of 16, 8, 4, 2 or 1 bytes that every row start, the width and every buffer base
- *   allow). A rect whose height is a small multiple of its run's height joins the run as that
- *   many rects of the run's height, so that fragmented pages in runs of 1, 2, 3... pages form
- *   one run. A run's rows are numbered g = 0 .. rows - 1; row g is row g % height of rect
- *   first_rect + g / height.
+ *   allow). When a rect's height and its run's divide one another (at most
+ *   MORI_COPY_MAX_RUN_SPLIT times), the taller are cut into rects of the smaller height, so that
+ *   fragmented pages in runs of 1, 2, 3... pages form one run of one-page rects. A run's rows
+ *   are numbered g = 0 .. rows - 1; row g is row g % height of rect first_rect + g / height.
  * - Each run is cut into TILES of at most MORI_COPY_TILE_UNITS units of one buffer: whole rows
  *   (rows_per_tile = MORI_COPY_TILE_UNITS / units rows), or, for a row of more units than that,
  *   column chunks of one row (col_chunks per row). Tiles are numbered across runs.
@@ -82,7 +82,8 @@
  * [1, MORI_COPY_MAX_BUFFERS_PER_BLOCK] (mori_copy_buffers_per_block). */
 #define MORI_COPY_TARGET_BLOCKS 1024u
 #define MORI_COPY_MAX_BUFFERS_PER_BLOCK 16u
-/* A rect joins a run of a smaller height as at most this many rects of the run's height. */
+/* A rect and its run are cut to the smaller of their heights when that makes at most this many
+ * rects of each. */
 #define MORI_COPY_MAX_RUN_SPLIT 64u
 /* Limits the host keeps the entries within by cutting rects (never visible to a caller): row
  * width in bytes, rows of one run. */

@@ -49,7 +49,8 @@ struct Piece {
 
 struct Run {
     uint64_t src_pitch, dst_pitch, width, height, rows;
-    uint32_t unit_shift, first_rect;
+    uint32_t unit_shift;
+    uint64_t first_rect;
 };
 
 inline void put_u32(std::vector<uint8_t> &b, size_t at, uint32_t v) {
@@ -113,27 +114,59 @@ bool build(const R *rects, size_t num_rects, const uint64_t *src_bases, const ui
         }
     }
 
-    // 2. Runs: a piece joins the run before it when it has the run's width, unit and (for runs
-    //    of taller rects) pitches, and its height is the run's or a multiple of it up to
-    //    MORI_COPY_MAX_RUN_SPLIT times (then it joins as that many rects of the run's height).
+    // 2. Runs: a piece joins the run before it when it has the run's width and unit and one
+    //    height divides the other at most MORI_COPY_MAX_RUN_SPLIT times: the taller side is cut
+    //    into rects of the smaller height (the run's rects, retroactively, when the piece is the
+    //    shorter), and for a height above one row their pitches must agree.
     std::vector<Run> runs;
     std::vector<uint64_t> offsets;  // (src, dst) of every rect, in run order
     for (const Piece &p : pieces) {
-        Run *run = runs.empty() ? nullptr : &runs.back();
-        const bool joins = run != nullptr && p.width == run->width && p.unit_shift == run->unit_shift &&
-                           (run->height == 1 || (p.src_pitch == run->src_pitch && p.dst_pitch == run->dst_pitch)) &&
-                           p.height % run->height == 0 && p.height / run->height <= MORI_COPY_MAX_RUN_SPLIT &&
-                           run->rows + p.height <= MORI_COPY_MAX_RUN_ROWS;
-        if (!joins) {
-            runs.push_back(Run{p.src_pitch, p.dst_pitch, p.width, p.height, 0, p.unit_shift,
-                               static_cast<uint32_t>(offsets.size() / 2)});
-            run = &runs.back();
+        uint64_t height = 0;  // 0: a run of its own
+        if (!runs.empty()) {
+            const Run &run = runs.back();
+            const bool same =
+                p.width == run.width && p.unit_shift == run.unit_shift && run.rows + p.height <= MORI_COPY_MAX_RUN_ROWS;
+            const bool pitches = p.src_pitch == run.src_pitch && p.dst_pitch == run.dst_pitch;
+            if (!same) {
+                height = 0;
+            } else if (p.height % run.height == 0 && p.height / run.height <= MORI_COPY_MAX_RUN_SPLIT &&
+                       (run.height == 1 || pitches)) {
+                height = run.height;
+            } else if (run.height % p.height == 0 && run.height / p.height <= MORI_COPY_MAX_RUN_SPLIT &&
+                       (p.height == 1 || pitches)) {
+                height = p.height;
+            }
         }
-        for (uint64_t k = 0; k < p.height / run->height; k++) {
-            offsets.push_back(p.src + k * run->height * p.src_pitch);
-            offsets.push_back(p.dst + k * run->height * p.dst_pitch);
+        if (height == 0) {
+            runs.push_back(Run{p.src_pitch, p.dst_pitch, p.width, p.height, p.height, p.unit_shift,
+                               offsets.size() / 2});
+            offsets.push_back(p.src);
+            offsets.push_back(p.dst);
+            continue;
         }
-        run->rows += p.height;
+        Run &run = runs.back();
+        if (height < run.height) {
+            // Cut the run's rects into rects of the piece's height.
+            const uint64_t k = run.height / height;
+            std::vector<uint64_t> cut;
+            for (size_t i = 2 * size_t{run.first_rect}; i < offsets.size(); i += 2) {
+                for (uint64_t j = 0; j < k; j++) {
+                    cut.push_back(offsets[i] + j * height * run.src_pitch);
+                    cut.push_back(offsets[i + 1] + j * height * run.dst_pitch);
+                }
+            }
+            offsets.resize(2 * size_t{run.first_rect});
+            offsets.insert(offsets.end(), cut.begin(), cut.end());
+            run.height = height;
+            if (height == 1) {
+                run.src_pitch = run.dst_pitch = 0;
+            }
+        }
+        for (uint64_t j = 0; j < p.height / height; j++) {
+            offsets.push_back(p.src + j * height * p.src_pitch);
+            offsets.push_back(p.dst + j * height * p.dst_pitch);
+        }
+        run.rows += p.height;
     }
     const uint64_t num_table_rects = offsets.size() / 2;
     if (num_table_rects > UINT32_MAX) return fail("more than 2^32 - 1 rects");
@@ -176,7 +209,7 @@ bool build(const R *rects, size_t num_rects, const uint64_t *src_bases, const ui
         const size_t at = runs_at + MORI_COPY_RUN_BYTES * i;
         detail::put_u64(b, at, run.src_pitch);
         detail::put_u64(b, at + 8, run.dst_pitch);
-        detail::put_u32(b, at + 16, run.first_rect);
+        detail::put_u32(b, at + 16, static_cast<uint32_t>(run.first_rect));
         detail::put_u32(b, at + 20, static_cast<uint32_t>(run.rows));
         detail::put_u32(b, at + 24, static_cast<uint32_t>(run.height));
         detail::put_u32(b, at + 28, units);

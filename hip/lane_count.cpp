@@ -1,8 +1,9 @@
-// The copy kernel's active-lane utilisation for a plan, for hip/bench: the share of the
-// (thread, slot) pairs of the kernel's tiles that move bytes. It runs the kernel's own source
-// (hip/copy_kernel.hip) through the CPU shim as a dry run (lanes counted, no buffer touched) on
-// the table and grid hip/copy_table.hpp builds for one buffer pair, as the library does. The
-// count depends only on the kernel's work split, never on timing, so it is the GPU's too.
+// For hip/bench: the copy kernel's active-lane utilisation for a plan, the share of the
+// (thread, slot) pairs of the kernel's tiles that move bytes, and the bytes of its table a call
+// uploads. The first runs the kernel's own source (hip/copy_kernel.hip) through the CPU shim as a
+// dry run (lanes counted, no buffer touched) on the table and grid hip/copy_table.hpp builds for
+// one buffer pair, as the library does. The count depends only on the kernel's work split, never
+// on timing, so it is the GPU's too.
 //
 // Built with the host C++ compiler (the shim is not HIP): see hip/Makefile.
 
@@ -29,4 +30,13 @@ extern "C" double mori_copy_lane_utilisation(const MoriCopyRect *rects, size_t n
     const double utilisation = mori_cpu_lanes.utilisation();
     mori_cpu_lanes = MoriCpuLanes{};
     return utilisation;
+}
+
+extern "C" uint64_t mori_copy_table_upload_bytes(const MoriCopyRect *rects, size_t num_rects, const uint64_t *src_bases,
+                                                 const uint64_t *dst_bases, size_t num_buffers) {
+    mori_copy_table::Built built;
+    if (!mori_copy_table::build(rects, num_rects, src_bases, dst_bases, num_buffers, built) || built.inline_table) {
+        return 0;
+    }
+    return built.bytes.size();
 }

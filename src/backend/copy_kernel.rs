@@ -1,8 +1,8 @@
 //! The copy kernel's table and launch geometry: the Rust side of `hip/copy_kernel.h`.
 //!
 //! One launch of the kernel copies every (buffer, rect) of a [`CopyJob`]. The host plans the
-//! whole work split, so that no GPU thread searches: rects of equal shape form runs (a rect whose
-//! height is a small multiple of its run's joins it as that many rects), runs are cut into tiles
+//! whole work split, so that no GPU thread searches: rects of equal shape form runs (a rect and
+//! its run whose heights divide one another are cut to the smaller), runs are cut into tiles
 //! of at most [`TILE_UNITS`] units of one buffer, grid x walks tiles and grid y groups of buffers,
 //! and each thread works out the offsets of its [`SLOTS_PER_THREAD`] units of a tile once and
 //! copies them for every buffer of its group. The table (buffer bases, runs, the tiles' runs,
@@ -22,8 +22,8 @@ pub const KERNEL_NAME: &std::ffi::CStr = c"mori_copy_kernel";
 pub const BLOCK_THREADS: u32 = 256;
 /// Units of a tile each thread of a full block takes.
 pub const SLOTS_PER_THREAD: u32 = 4;
-/// Units of one buffer a tile holds (`BLOCK_THREADS * SLOTS_PER_THREAD`).
-pub const TILE_UNITS: u32 = 1024;
+/// Units of one buffer a tile holds (1024).
+pub const TILE_UNITS: u32 = BLOCK_THREADS * SLOTS_PER_THREAD;
 /// Grid x cap; the kernel strides over further tiles.
 pub const MAX_GRID_X: u32 = 1_048_576;
 /// Grid y cap (the hardware's); the kernel strides over further buffer groups.
@@ -32,7 +32,8 @@ pub const MAX_GRID_Y: u32 = 65_535;
 pub const TARGET_BLOCKS: u64 = 1024;
 /// Most buffers one block copies its tile for.
 pub const MAX_BUFFERS_PER_BLOCK: u64 = 16;
-/// A rect joins a run of a smaller height as at most this many rects.
+/// A rect and its run are cut to the smaller height when that makes at most this many rects of
+/// each.
 pub const MAX_RUN_SPLIT: u64 = 64;
 /// Widest row of a table entry; wider rects are cut into column strips.
 pub const MAX_WIDTH: u64 = 1 << 30;
@@ -81,6 +82,9 @@ pub struct KernelArgs {
     /// The table when `table` is 0.
     pub inline_table: [u64; INLINE_TABLE_BYTES / 8],
 }
+
+// The kernel is compiled for exactly this argument (hip/copy_kernel.h, MORI_COPY_ARGS_BYTES).
+const _: () = assert!(std::mem::size_of::<KernelArgs>() == ARGS_BYTES);
 
 impl Default for KernelArgs {
     fn default() -> Self {
@@ -261,39 +265,72 @@ impl KernelTable {
             }
         }
 
-        // 2. Runs: a piece joins the run before it when it has the run's width, unit and (for
-        //    runs of taller rects) pitches, and its height is the run's or a multiple of it up
-        //    to MAX_RUN_SPLIT times (then as that many rects of the run's height).
+        // 2. Runs: a piece joins the run before it when it has the run's width and unit and
+        //    one height divides the other at most MAX_RUN_SPLIT times: the taller side is cut
+        //    into rects of the smaller height (the run's rects, retroactively, when the piece is
+        //    the shorter), and for a height above one row their pitches must agree.
         let mut runs: Vec<Run> = Vec::new();
         let mut offsets: Vec<(u64, u64)> = Vec::new();
         for p in pieces {
-            let joins = runs.last().is_some_and(|run| {
-                p.width == run.width
+            let height = runs.last().and_then(|run| {
+                let same = p.width == run.width
                     && p.unit_shift == run.unit_shift
-                    && (run.height == 1
-                        || (p.src_pitch == run.src_pitch && p.dst_pitch == run.dst_pitch))
-                    && p.height % run.height == 0
+                    && run.rows + p.height <= MAX_RUN_ROWS;
+                let pitches = p.src_pitch == run.src_pitch && p.dst_pitch == run.dst_pitch;
+                if !same {
+                    None
+                } else if p.height % run.height == 0
                     && p.height / run.height <= MAX_RUN_SPLIT
-                    && run.rows + p.height <= MAX_RUN_ROWS
+                    && (run.height == 1 || pitches)
+                {
+                    Some(run.height)
+                } else if run.height % p.height == 0
+                    && run.height / p.height <= MAX_RUN_SPLIT
+                    && (p.height == 1 || pitches)
+                {
+                    Some(p.height)
+                } else {
+                    None
+                }
             });
-            if !joins {
+            let Some(height) = height else {
                 runs.push(Run {
                     src_pitch: p.src_pitch,
                     dst_pitch: p.dst_pitch,
                     width: p.width,
                     height: p.height,
-                    rows: 0,
+                    rows: p.height,
                     unit_shift: p.unit_shift,
                     first_rect: offsets.len() as u64,
                 });
+                offsets.push((p.src, p.dst));
+                continue;
+            };
+            let run = runs.last_mut().expect("a run to join");
+            if height < run.height {
+                // Cut the run's rects into rects of the piece's height.
+                let (k, src_pitch, dst_pitch) = (run.height / height, run.src_pitch, run.dst_pitch);
+                let cut: Vec<(u64, u64)> = offsets
+                    .drain(run.first_rect as usize..)
+                    .flat_map(|(src, dst)| {
+                        (0..k).map(move |j| {
+                            (
+                                src.wrapping_add((j * height).wrapping_mul(src_pitch)),
+                                dst.wrapping_add((j * height).wrapping_mul(dst_pitch)),
+                            )
+                        })
+                    })
+                    .collect();
+                offsets.extend(cut);
+                run.height = height;
+                if height == 1 {
+                    (run.src_pitch, run.dst_pitch) = (0, 0);
+                }
             }
-            let run = runs.last_mut().expect("a run was pushed");
-            for k in 0..p.height / run.height {
+            for j in 0..p.height / height {
                 offsets.push((
-                    p.src
-                        .wrapping_add((k * run.height).wrapping_mul(p.src_pitch)),
-                    p.dst
-                        .wrapping_add((k * run.height).wrapping_mul(p.dst_pitch)),
+                    p.src.wrapping_add((j * height).wrapping_mul(p.src_pitch)),
+                    p.dst.wrapping_add((j * height).wrapping_mul(p.dst_pitch)),
                 ));
             }
             run.rows += p.height;
@@ -419,11 +456,13 @@ impl KernelTable {
     }
 
     /// True when the table travels inside the kernel's argument: nothing to upload.
+    #[cfg(test)]
     pub fn is_inline(&self) -> bool {
         self.inline
     }
 
     /// The whole table as the kernel reads it (inside the argument or uploaded).
+    #[cfg(test)]
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
@@ -455,6 +494,7 @@ impl KernelTable {
 }
 
 /// One (buffer, rect) of a table as the kernel reads it.
+#[cfg(test)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TableRect {
     /// Buffer pair index.
@@ -469,7 +509,8 @@ pub struct TableRect {
 
 /// Every (buffer, rect) of the table `table` (`args.table_bytes` bytes: the uploaded copy, or
 /// the argument's `inline_table` as bytes) describes, run by run, as the kernel reads them; None
-/// when an entry lies outside `table`.
+/// when an entry lies outside `table`. (Tests check launches with it.)
+#[cfg(test)]
 pub fn decode(args: &KernelArgs, table: &[u8]) -> Option<Vec<TableRect>> {
     let u64_at = |at: u64| -> Option<u64> {
         let at = usize::try_from(at).ok()?;
@@ -516,6 +557,7 @@ pub fn decode(args: &KernelArgs, table: &[u8]) -> Option<Vec<TableRect>> {
 }
 
 /// The inline table of `args` as bytes (what [`decode`] reads when `args.table` is 0).
+#[cfg(test)]
 pub fn inline_bytes(args: &KernelArgs) -> Vec<u8> {
     args.inline_table
         .iter()
@@ -541,9 +583,57 @@ pub static IMAGE: &[u8] = {
 #[cfg(feature = "hip")]
 pub const ARCHS: &str = env!("MORI_TP_HIP_KERNEL_ARCHS");
 
+/// The kernel as PTX for NVIDIA GPUs (built by build.rs from hip/copy_kernel.hip with clang for
+/// NVPTX, feature `cuda`): NUL-terminated text for `cuModuleLoadData`, which JIT-compiles it for
+/// the GPU at hand; its entry is [`KERNEL_NAME`] with one [`ARGS_BYTES`]-byte parameter.
+// The CUDA runtime loads it; until that lands only the tests read it.
+#[cfg(feature = "cuda")]
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) static COPY_KERNEL_PTX: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.ptx"));
+
+/// The virtual architecture [`COPY_KERNEL_PTX`] targets (`sm_70` unless the build set
+/// `MORI_TP_PTX_ARCH`).
+#[cfg(feature = "cuda")]
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) const PTX_ARCH: &str = env!("MORI_TP_PTX_ARCH");
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The embedded PTX: NUL-terminated text (cuModuleLoadData reads a C string), for the
+    /// build's architecture, declaring the kernel's entry with its 4 KiB argument and the block
+    /// size it is built for, and reading that argument in place: no per-thread copy of it to
+    /// local memory (a `__local_depot`), which would cost 4 KiB of stores per thread.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_embedded_ptx_declares_the_kernel_entry_with_its_argument() {
+        let ptx = COPY_KERNEL_PTX;
+        assert!(ptx.len() > 1000, "{} bytes of PTX", ptx.len());
+        assert_eq!(ptx.last(), Some(&0), "NUL-terminated");
+        assert_eq!(
+            ptx.iter().filter(|&&b| b == 0).count(),
+            1,
+            "one NUL, at the end"
+        );
+        let text = std::str::from_utf8(&ptx[..ptx.len() - 1]).expect("PTX is text");
+        let name = KERNEL_NAME.to_str().unwrap();
+        assert!(text.contains(&format!(".visible .entry {name}(")), "{text}");
+        let param = format!(".b8 {name}_param_0[{}]", std::mem::size_of::<KernelArgs>());
+        assert!(text.contains(&param), "no {param:?} in the entry");
+        assert!(
+            !text.contains(&format!("{name}_param_1")),
+            "one parameter only"
+        );
+        assert!(text.contains(&format!(".target {PTX_ARCH}")), "{PTX_ARCH}");
+        assert!(text.contains(&format!(".maxntid {BLOCK_THREADS}, 1, 1")));
+        assert!(
+            !text.contains("__local_depot"),
+            "the argument is copied to local memory"
+        );
+        assert!(text.contains("ld.global.v4.u32") && text.contains("st.global.v4.u32"));
+    }
 
     fn rect(src: u64, dst: u64, sp: u64, dp: u64, width: u64, height: u64) -> CopyRect {
         CopyRect {
@@ -697,7 +787,7 @@ mod tests {
     }
 
     #[test]
-    fn heights_that_are_multiples_of_the_run_join_it_as_rects_of_its_height() {
+    fn heights_that_divide_each_other_join_one_run_as_rects_of_the_smaller_height() {
         let rects = [
             rect(0, 0, 64, 32, 32, 16),
             rect(4096, 8192, 64, 32, 32, 32),
@@ -718,6 +808,22 @@ mod tests {
         ];
         let table = round_trip(&rows, &[(1 << 24, 1 << 25)]);
         assert_eq!((table.args(0).num_runs, table.args(0).num_rects), (1, 5));
+        // A shorter rect after a taller one cuts the run's rects to its height: 48, 16, 32 and
+        // 16 rows (pages in runs of 3, 1, 2, 1) are one run of seven 16-row rects; then 5 rows
+        // (a partial page) start a run, 3 rows another, and a one-row rect after the 3-row one
+        // makes both one-row rects (four of them).
+        let shrinking = [
+            rect(0, 0, 64, 32, 32, 48),
+            rect(1 << 16, 1 << 16, 64, 32, 32, 16),
+            rect(1 << 17, 1 << 17, 64, 32, 32, 32),
+            rect(3 << 16, 3 << 16, 64, 32, 32, 16),
+            rect(1 << 18, 1 << 18, 64, 32, 32, 5),
+            rect(1 << 19, 1 << 19, 64, 32, 32, 3),
+            rect(1 << 20, 1 << 20, 0, 0, 32, 1),
+        ];
+        let table = round_trip(&shrinking, &[(1 << 24, 1 << 25)]);
+        let args = table.args(0);
+        assert_eq!((args.num_runs, args.num_rects), (3, 7 + 1 + 4));
     }
 
     #[test]

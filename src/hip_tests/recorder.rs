@@ -31,6 +31,9 @@ pub const INVALID_RESOURCE_HANDLE: HipStatus = HipStatus(400);
 pub const ILLEGAL_ADDRESS: HipStatus = HipStatus(700);
 
 /// One runtime call as the engine made it.
+// A launch carries the kernel's whole 4 KiB argument (its table may be inside); the log is a
+// test's, and comparing it by value keeps the expected calls plain.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Call {
     DeviceCount,

@@ -68,11 +68,7 @@ fn cpp_builder() -> Result<Build, String> {
 
 /// What the C++ builder makes of `rects` and `bases`: the argument, the table's bytes, the grid
 /// and whether it fits in the argument; None when it refuses.
-fn cpp_table(
-    build: Build,
-    rects: &[CopyRect],
-    bases: &[(u64, u64)],
-) -> Option<(KernelArgs, Vec<u8>, (u32, u32), bool)> {
+fn cpp_table(build: Build, rects: &[CopyRect], bases: &[(u64, u64)]) -> Option<Built> {
     let words: Vec<u64> = rects
         .iter()
         .flat_map(|r| {
@@ -120,6 +116,12 @@ fn cpp_table(
     }
 }
 
+/// A case: rects and (source, destination) buffer bases.
+type Case = (Vec<CopyRect>, Vec<(u64, u64)>);
+
+/// What a builder makes: the argument, the table's bytes, the grid, whether it fits inline.
+type Built = (KernelArgs, Vec<u8>, (u32, u32), bool);
+
 fn rect(src: u64, dst: u64, sp: u64, dp: u64, width: u64, height: u64) -> CopyRect {
     CopyRect {
         src_offset: src,
@@ -144,7 +146,7 @@ fn the_cpp_and_the_rust_builder_make_the_same_table() {
             return;
         }
     };
-    let mut cases: Vec<(Vec<CopyRect>, Vec<(u64, u64)>)> = vec![
+    let mut cases: Vec<Case> = vec![
         // The shapes, in small: contiguous, pages of 16, one-row rects.
         (
             vec![rect(0, 0, 1024, 256, 256, 4096)],
