@@ -155,10 +155,11 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
                 "bench: done",
             ][..],
         ),
-        // Rows of both paths for every shape: the one-row rects (256 rects x 4 buffers for the
-        // per-rect path; a table that fits in the kernel's argument), the last pair shape, the
-        // byte check of every shape, the other placements. The one-row shape keeps every lane
-        // of the kernel busy.
+        // Rows of both paths for every shape: the one-row rects (640 rects x 4 buffers for the
+        // per-rect path; a table of 64 + 48 + 8 * 640 bytes, too big for the kernel's argument,
+        // so uploaded), the contiguous shape (a table inside the argument), the last pair
+        // shape, the byte check of every shape, the other placements. The one-row shape keeps
+        // every lane of the kernel busy.
         (
             &fake,
             "bench",
@@ -166,9 +167,10 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
             "2",
             &[
                 "bench: two devices: this HIP runtime has hipStreamGetDevice",
-                "nhd-tp2to8-p1-runs1       256    256     0.2 send   memcpy2d     1024",
-                "nhd-tp2to8-p1-runs1       256    256     0.2 send   kernel          1        0",
-                "hnd16-nhd16-tp4to4        256    256     0.5 unpack kernel          1",
+                "nhd-tp2to8-p1-runs1       640    640     0.6 send   memcpy2d     2560",
+                "nhd-tp2to8-p1-runs1       640    640     0.6 send   kernel          1     5232",
+                "nhd-tp2to8-p16-contig     640      1     0.6 send   kernel          1        0",
+                "hnd16-nhd16-tp4to4        640    640     1.2 unpack kernel          1",
                 "bench: staging in pinned host memory",
                 "bench: prefill on device 0, decode on device 1",
                 "bench: byte checks: 9 cases, the kernel's send equal to the memcpy2D send",
@@ -198,7 +200,7 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
             let fragmented = out
                 .lines()
                 .find(|l| {
-                    l.starts_with("nhd-tp2to8-p1-runs1       256    256     0.2 send   kernel")
+                    l.starts_with("nhd-tp2to8-p1-runs1       640    640     0.6 send   kernel")
                 })
                 .expect("the one-row rects' kernel row");
             assert!(
