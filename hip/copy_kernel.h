@@ -79,8 +79,11 @@
 #define MORI_COPY_MAX_GRID_X 1048576u
 #define MORI_COPY_MAX_GRID_Y 65535u
 /* Buffers a block copies its tile for: about tiles * buffers / MORI_COPY_TARGET_BLOCKS, within
- * [1, MORI_COPY_MAX_BUFFERS_PER_BLOCK] (mori_copy_buffers_per_block). */
-#define MORI_COPY_TARGET_BLOCKS 1024u
+ * [1, MORI_COPY_MAX_BUFFERS_PER_BLOCK] (mori_copy_buffers_per_block). 2048 blocks are about
+ * one wave on a 304-CU MI300X and four or five on a 132-SM H200 (3-4 resident blocks of 256
+ * threads per SM), so a partial last wave costs little; more buffers per block share one
+ * block's reading of its run and rect entries. Host-side, so the same for every target. */
+#define MORI_COPY_TARGET_BLOCKS 2048u
 #define MORI_COPY_MAX_BUFFERS_PER_BLOCK 16u
 /* A rect and its run are cut to the smaller of their heights when that makes at most this many
  * rects of each. */

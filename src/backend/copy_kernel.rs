@@ -29,7 +29,7 @@ pub const MAX_GRID_X: u32 = 1_048_576;
 /// Grid y cap (the hardware's); the kernel strides over further buffer groups.
 pub const MAX_GRID_Y: u32 = 65_535;
 /// Blocks the buffer grouping aims at.
-pub const TARGET_BLOCKS: u64 = 1024;
+pub const TARGET_BLOCKS: u64 = 2048;
 /// Most buffers one block copies its tile for.
 pub const MAX_BUFFERS_PER_BLOCK: u64 = 16;
 /// A rect and its run are cut to the smaller height when that makes at most this many rects of
@@ -714,7 +714,7 @@ mod tests {
 
     #[test]
     fn blocks_take_several_buffers_when_tiles_times_buffers_exceed_the_target() {
-        assert_eq!(buffers_per_block(64, 64), 4);
+        assert_eq!(buffers_per_block(64, 64), 2);
         assert_eq!(buffers_per_block(512, 64), 16);
         assert_eq!(buffers_per_block(3, 5), 1);
         assert_eq!(buffers_per_block(100_000, 3), 3);
@@ -733,7 +733,7 @@ mod tests {
 
     /// The shapes at 4096 tokens and 64 buffers: the table fits in the argument for
     /// contiguous pages and for 256 rects of 16 rows (nothing to upload), one run each, 64 tiles
-    /// of 16 KiB, 4 buffers per block.
+    /// of 16 KiB, 2 buffers per block.
     #[test]
     fn the_common_shapes_are_one_run_and_fit_in_the_argument_when_small() {
         let bases: Vec<(u64, u64)> = (0..64u64)
@@ -776,10 +776,10 @@ mod tests {
             assert_eq!(table.byte_len(), if inline { 0 } else { bytes }, "{name}");
             assert_eq!(
                 (args.num_runs, args.num_tiles, args.buffers_per_block),
-                (1, 64, 4),
+                (1, 64, 2),
                 "{name}"
             );
-            assert_eq!(table.grid(), (64, 16), "{name}");
+            assert_eq!(table.grid(), (64, 32), "{name}");
             assert_eq!(table.num_rects(), rects.len(), "{name}");
             assert_eq!(table.rows_per_buffer(), 4096, "{name}");
             assert_eq!(args.flags, 0, "{name}: offsets fit in u32");

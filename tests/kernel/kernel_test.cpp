@@ -330,9 +330,9 @@ void table_rules() {
     for (uint64_t i = 0; i < 256; i++) pages.push_back({(i * 37 % 512) * 16384, (i * 91 % 512) * 4096, 1024, 256, 256, 16});
     for (uint64_t i = 0; i < 4096; i++) rows.push_back({(i * 37 % 8192) * 1024, (i * 91 % 8192) * 256, 1024, 256, 256, 1});
     const Want wants[] = {
-        {"contiguous", {{0, 0, 1024, 256, 256, 4096}}, true, 1, 64, 1024 + 48 + 8, 4, 64, 16},
-        {"pages of 16 in runs of 1", pages, true, 1, 64, 1024 + 48 + 256 * 8, 4, 64, 16},
-        {"page size 1", rows, false, 1, 64, 1024 + 48 + 4096 * 8, 4, 64, 16},
+        {"contiguous", {{0, 0, 1024, 256, 256, 4096}}, true, 1, 64, 1024 + 48 + 8, 2, 64, 32},
+        {"pages of 16 in runs of 1", pages, true, 1, 64, 1024 + 48 + 256 * 8, 2, 64, 32},
+        {"page size 1", rows, false, 1, 64, 1024 + 48 + 4096 * 8, 2, 64, 32},
     };
     for (const Want &w : wants) {
         const Table t = make_table(w.rects, src, dst);
@@ -346,7 +346,7 @@ void table_rules() {
                  " buffers per block, grid " + std::to_string(t.built.grid_x) + " x " + std::to_string(t.built.grid_y));
         }
     }
-    if (mori_copy_buffers_per_block(64, 64) != 4 || mori_copy_buffers_per_block(512, 64) != 16 ||
+    if (mori_copy_buffers_per_block(64, 64) != 2 || mori_copy_buffers_per_block(1024, 64) != 16 ||
         mori_copy_buffers_per_block(3, 5) != 1 || mori_copy_buffers_per_block(100000, 3) != 3) {
         fail("buffers per block formula");
     }
