@@ -1,5 +1,6 @@
 // Device test of the HIP backend on real GPU memory, for both ways it runs a call: one
-// hipMemcpy2DAsync per (buffer, rect), and one copy-kernel launch (MORI_SEND_COPY_KERNEL).
+// hipMemcpy2DAsync per (buffer, rect) (MORI_SEND_MEMCPY2D), and one copy-kernel launch
+// (MORI_SEND_COPY_KERNEL).
 //
 // For several heterogeneous-TP layouts it allocates per-layer K and V buffers for every prefill
 // and decode rank with hipMalloc, fills them, moves every (prefill rank, decode rank) pair's
@@ -149,8 +150,8 @@ class Test {
     void run() {
         std::printf("%s, %s, %zu pages: %u buffers, %" PRIu64 " bytes per head\n", l_.name, where_.name,
                     pages_.src.size(), buffers_, bph_);
-        for (const uint32_t path : {0u, static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
-            const std::string name = path == 0 ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
+        for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
+            const std::string name = path == MORI_SEND_MEMCPY2D ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
             fill();
             direct(path);
             verify(dst_, ("direct, " + name).c_str());
@@ -453,7 +454,7 @@ void registered_host_memory() {
             fail(std::string("the copy kernel given registered memory's host address returned ") +
                  mori_status_str(status) + ": " + mori_last_error_message());
         }
-        const MoriSendOptions per_rect = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, nullptr};
+        const MoriSendOptions per_rect = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | MORI_SEND_MEMCPY2D, nullptr};
         MORI_OK_OR_DIE(mori_send_kvcache(&config, &kv, pages, pages, 3, &per_rect));
         expect("hipMemcpy2DAsync at the host address");
         std::printf("registered host memory (hipHostRegister): the copy kernel takes the device address %p, "
@@ -503,8 +504,8 @@ void pair_layouts() {
         HIP_OK(hipMemcpy(out.data(), p, len, hipMemcpyDeviceToHost));
         return out;
     };
-    for (const uint32_t path : {0u, static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
-        const char *name = path == 0 ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
+    for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
+        const char *name = path == MORI_SEND_MEMCPY2D ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
         const MoriSendOptions hip = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path, nullptr};
         std::vector<const void *> host_src = {src[0].data(), src[1].data()};
         std::vector<const void *> dev_src = {device_copy(src[0]), device_copy(src[1])};

@@ -40,26 +40,51 @@
 
 /**
  * MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
- * one copy-kernel launch, plus at most one upload of the rect table, instead of one
- * hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMemcpyAsync of the table
- * from pinned host memory into a device buffer the library keeps per device,
- * hipModuleLaunchKernel, hipEventRecord (the buffer's fence). Every buffer (and a staging
- * region) must then be memory a kernel on the stream's device reaches: its device memory, a
- * peer device's memory with peer access enabled, hipHostMalloc'd memory, or hipHostRegister'd
- * memory at the address hipHostGetDevicePointer returns. A kernel that touches other memory
- * aborts the process (in the HSA runtime), so the library first asks hipPointerGetAttributes
- * about each buffer and refuses with MORI_ERR_GPU, writing nothing, what it can tell the kernel
- * cannot reach (pageable host memory; registered memory at its host address); peer access it
+ * one copy-kernel launch, plus one upload of the rect table, even where flags 0 would take the
+ * per-rect copies, and refuses (MORI_ERR_GPU, nothing written) what keeps the kernel from
+ * running: memory it cannot reach, a device without a code object. Without MORI_SEND_COPY_KERNEL
+ * and MORI_SEND_MEMCPY2D (flags 0) the HIP backend launches the kernel by itself when the call
+ * has at least 2 (buffer, rect) copies, the kernel loads on the stream's device, and every
+ * buffer is memory a kernel there surely reaches (that device's memory, hipHostMalloc'd memory,
+ * hipHostRegister'd memory at the address hipHostGetDevicePointer returns); otherwise it
+ * issues the per-rect copies (MORI_SEND_MEMCPY2D). A stream that is capturing a graph gets the
+ * per-rect copies with either flag, as does a call that finds every table buffer (32) or lane
+ * (16 streams) of the device busy with other streams' copies.
+ *
+ * On the stream, in order: hipMemcpyAsync of the table from pinned host memory into a device
+ * buffer the library keeps per device, hipModuleLaunchKernel, then the buffer's fence:
+ * hipEventRecord of an event of the library on the stream, which a stream of the library waits
+ * for (hipStreamWaitEvent) before recording the buffer's own event. The library never waits
+ * for another stream, never frees or synchronizes while sending, and makes its runtime calls in
+ * the relaxed capture mode (hipThreadExchangeStreamCaptureMode, restored before it returns), so
+ * that it never breaks another thread's graph capture. Every buffer (and a staging region) must
+ * be memory a kernel on the stream's device reaches: its device memory, a peer device's memory
+ * with peer access enabled, hipHostMalloc'd memory, or hipHostRegister'd memory at the address
+ * hipHostGetDevicePointer returns. A kernel that touches other memory aborts the process (in
+ * the HSA runtime), so the library first asks hipPointerGetAttributes about each buffer and
+ * refuses with MORI_ERR_GPU, writing nothing, what it can tell the kernel cannot reach
+ * (pageable host memory; registered memory at its host address; another device's memory that
+ * hipDeviceCanAccessPeer says this device cannot reach); whether peer access is enabled it
  * cannot see. The kernel is loaded for the stream's device, once per device (found with
  * hipStreamGetDevice; with HIP 5.2, which lacks it, the stream must belong to the calling
  * thread's current device, and a stream of another device is refused with MORI_ERR_GPU before
- * anything is issued). A stream that is capturing a graph gets the per-rect copies. The
- * kernel copies in no particular order: a destination byte written twice in one call (a
- * repeated destination page or buffer), or one that is also a source byte, may end as either
- * copy leaves it, where the per-rect path leaves the last copy's. The host backend ignores the
- * flag (its result is the same).
+ * anything is issued; flags 0 takes the per-rect copies there). The kernel copies in no
+ * particular order: a destination byte written twice in one call (a repeated destination page
+ * or buffer), or one that is also a source byte, may end as either copy leaves it, where the
+ * per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
+ * same).
  */
 #define MORI_SEND_COPY_KERNEL 2
+
+/**
+ * MoriSendOptions.flags bit: the HIP backend issues one hipMemcpy2DAsync(dst + dst_offset,
+ * dst_pitch, src + src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer,
+ * rect), in buffer-then-rect order, and nothing else on the stream. Every kind of memory works
+ * (pageable host memory makes each copy synchronous), but each copy costs a runtime call, so a
+ * fragmented request is far slower than one kernel launch (BENCHMARKS.md). Not together with
+ * MORI_SEND_COPY_KERNEL (MORI_ERR_INVALID_ARGUMENT). The host backend ignores the flag.
+ */
+#define MORI_SEND_MEMCPY2D 4
 
 /**
  * MoriTpPoolInfo.flags bit: the region is locked in RAM (host memory that mlock accepted, or
@@ -190,7 +215,9 @@ typedef struct MoriSendOptions {
    */
   uint32_t backend;
   /**
-   * Zero or more of MORI_SEND_SYNCHRONIZE and MORI_SEND_COPY_KERNEL; other bits are refused.
+   * Zero or more of MORI_SEND_SYNCHRONIZE, MORI_SEND_COPY_KERNEL and MORI_SEND_MEMCPY2D (not
+   * both of the last two); other bits are refused. 0 lets the HIP backend choose its copy path
+   * (see MORI_SEND_COPY_KERNEL).
    */
   uint32_t flags;
   /**
@@ -798,7 +825,8 @@ typedef struct MoriTpLayerRange {
 #define MORI_BACKEND_HOST 1
 
 /**
- * hipMemcpy2DAsync on the caller's stream (library built with the `hip` feature).
+ * The copy kernel or hipMemcpy2DAsync on the caller's stream (library built with the `hip`
+ * feature); see MORI_SEND_COPY_KERNEL for which runs when.
  */
 #define MORI_BACKEND_HIP 2
 
@@ -942,20 +970,26 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  * MORI_OK.
  *
  * Backends: HOST copies on the CPU and returns when done (both sides must be host memory).
- * HIP issues one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src + src_offset, src_pitch,
- * width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, or with
- * MORI_SEND_COPY_KERNEL one copy-kernel launch for the whole call, then hipStreamSynchronize if
+ * HIP runs on options->stream either one copy-kernel launch for the whole call (plus one
+ * upload of its rect table) or one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src +
+ * src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer, rect):
+ * MORI_SEND_COPY_KERNEL asks for the kernel, MORI_SEND_MEMCPY2D for the per-rect copies, and
+ * with neither the library launches the kernel when the call has at least 2 (buffer, rect)
+ * copies, the kernel loads on the stream's device and every buffer is memory it surely reaches,
+ * else issues the per-rect copies (MORI_SEND_COPY_KERNEL says which memory that is). A stream
+ * that is capturing a graph always gets the per-rect copies. Then hipStreamSynchronize if
  * MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still be running on return,
- * and the buffers must stay valid until the stream reaches them. hipMemcpyDefault lets either
- * side be device memory, a peer device's memory (enable peer access first) or host memory.
- * Pageable host memory is legal but makes each copy synchronous and slow; pin it
+ * and the buffers must stay valid until the stream reaches them. The per-rect copies take
+ * device memory, a peer device's memory (enable peer access first) or host memory on either
+ * side; pageable host memory is legal but makes each copy synchronous and slow; pin it
  * (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on the stream's
  * device (the NULL stream: the calling thread's current device); the calling thread's current
- * device is left as it was (with MORI_SEND_COPY_KERNEL the library makes the stream's device
- * current only while it loads the kernel there). D2D copies are fastest when width,
- * pitches and offsets are multiples of 16 bytes (see the README for real models). AUTO is HIP
- * when the library is built with it and a device is present (the device count is read once per
- * process), else HOST.
+ * device and graph-capture mode are left as they were (the library makes the stream's device
+ * current only while it loads the kernel or allocates for it there, and runs its own runtime
+ * calls in the relaxed capture mode). D2D copies are fastest when width, pitches and offsets
+ * are multiples of 16 bytes (see the README for real models). AUTO is HIP when the library is
+ * built with it and a device is present (the device count is read once per process), else
+ * HOST.
  *
  * @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
  * @param[in] buffers    Source and destination buffers and their capacities. Must not be NULL.
@@ -1134,8 +1168,8 @@ MoriStatus mori_tp_check_transfer(const struct MoriTpSliceConfig *config,
  * overflow, NULL pointers, overlap of the staging region with a source buffer) is validated
  * before a backend is opened and before the first byte moves: a refused call writes nothing.
  * A config that is not SEND passes the same checks, then moves nothing and returns MORI_OK.
- * Backends, stream and flags as for mori_send_kvcache (the HIP backend: one hipMemcpy2DAsync
- * per (buffer, rect), or one copy-kernel launch with MORI_SEND_COPY_KERNEL).
+ * Backends, stream and flags as for mori_send_kvcache (the HIP backend: one copy-kernel launch,
+ * or one hipMemcpy2DAsync per (buffer, rect), as the flags and the call choose).
  *
  * @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
  *                               NULL.
@@ -1486,13 +1520,24 @@ MoriStatus mori_tp_pair_segments(const struct MoriTpPairConfig *config,
                                  size_t *out_len);
 
 /**
- * The page-to-page 2D copies of one request (one hipMemcpy2DAsync each): the segments of
- * mori_tp_pair_segments with MORI_TP_STAGING_NONE, in order, grouped greedily from the front
- * into rects. A rect grows while the next segment has its width and the source and
- * destination offsets advance by the rect's two pitches; its second segment fixes the pitches
- * when both are at least the width. A rect of one segment has pitches equal to its width. So
- * a plan never has more rects than the request has segments, and on section-4 layouts never
- * more than mori_tp_plan (it may join runs of pages whose offsets advance evenly).
+ * The page-to-page 2D copies of one request (one hipMemcpy2DAsync each). The segments of an
+ * order (as mori_tp_pair_segments defines them, with MORI_TP_STAGING_NONE) are grouped
+ * greedily from the front into rects: a rect grows while the next segment has its width and
+ * the source and destination offsets advance by the rect's two pitches; its second segment
+ * fixes the pitches when both advances are at least the width. A rect of one segment has
+ * pitches equal to its width. Pitches are the true advances between rows, never negative and
+ * never taken modulo 2^64: a token stride that pages of one slot ignore is not a pitch unless
+ * rows really lie that far apart.
+ *
+ * The order used is, among the orders whose segments are fewest, the one whose rects are
+ * fewest; on a tie the first of token-major, then G = prefill page size, decode page size,
+ * num_tokens. (Every such order moves the same bytes as the same number of segments; fewer
+ * rects are fewer hipMemcpy2DAsync calls and a smaller copy-kernel table. HND pages of 16 into
+ * NHD pages of 16 at one TP size with 2 heads per rank: 512 rects for 4096 tokens, where
+ * token-major order would give 4096.) So a plan never has more rects than the request has
+ * segments, and on section-4 layouts never more than mori_tp_plan (it may join runs of pages
+ * whose offsets advance evenly). Building it costs time in the request's pages and the rects
+ * it returns, not in its tokens.
  *
  * Parameters, size query and return codes as for mori_tp_pair_segments, with MoriCopyRect
  * entries and no staging argument.
@@ -1581,8 +1626,9 @@ MoriStatus mori_tp_check_pair_transfer(const struct MoriTpPairConfig *config,
  * Validation, backends, stream and flags are those of mori_send_kvcache: everything (config,
  * request, every page against its capacity, overflow, NULLs, options) is checked before a
  * backend is opened and before the first byte moves, so a refused call writes nothing; the
- * HIP backend issues one hipMemcpy2DAsync per (buffer, rect), or with MORI_SEND_COPY_KERNEL one
- * kernel launch for the whole call. A config that is not SEND validates and moves nothing.
+ * HIP backend launches the copy kernel once for the whole call, or issues one hipMemcpy2DAsync
+ * per (buffer, rect), as the flags and the call choose (see MORI_SEND_COPY_KERNEL). A config
+ * that is not SEND validates and moves nothing.
  *
  * @param[in] config    A pair config (derived again from its layouts). Must not be NULL.
  * @param[in] buffers   Source and destination buffers and their capacities: every page must
@@ -1784,8 +1830,8 @@ MoriStatus mori_tp_check_groups_transfer(const struct MoriTpGroup *groups,
  * what mori_send_kvcache_pair moves for its config, buffers and request. Every group (config,
  * request, first_token, buffers against pages, NULLs, options) is checked before the first
  * byte moves, so a refused call writes nothing; then the groups are copied in order, each as
- * mori_send_kvcache_pair copies a pair (per (buffer, rect) hipMemcpy2DAsync, or with
- * MORI_SEND_COPY_KERNEL one kernel launch per group that moves bytes; MORI_SEND_SYNCHRONIZE
+ * mori_send_kvcache_pair copies a pair (one kernel launch per group that moves bytes, or per
+ * (buffer, rect) hipMemcpy2DAsync, as the flags and each group choose; MORI_SEND_SYNCHRONIZE
  * waits before the call returns).
  *
  * @param[in] groups      num_groups groups; buffers.src and buffers.dst of each must hold
@@ -1814,7 +1860,7 @@ MoriStatus mori_send_kvcache_groups(const struct MoriTpGroup *groups,
  * Everything is checked before the first byte moves: every group; staging_capacity >=
  * total->src_staging_bytes (MORI_ERR_BUFFER_TOO_SMALL naming both); the region's used bytes
  * overlap no packed group's source buffer; backends, stream and flags as for
- * mori_pack_kvcache_pair (with MORI_SEND_COPY_KERNEL, one launch per packed group).
+ * mori_pack_kvcache_pair (with the kernel, one launch per packed group).
  *
  * @param[in]  groups            num_groups groups; buffers.src of each packed group holds
  *                               buffers.num_buffers non-NULL pointers. NULL only if

@@ -57,7 +57,8 @@ pub mod types;
 mod hip_tests;
 
 pub use backend::{
-    Backend, CopyEngine, CopyJob, HostCopies, HostEngine, KvBuffers, SendOptions, SendReport,
+    AUTO_KERNEL_MIN_COPIES, Backend, CopyEngine, CopyJob, CopyPath, HostCopies, HostEngine,
+    KvBuffers, SendOptions, SendReport,
 };
 pub use error::{Error, ErrorClass, Result};
 pub use group::{

@@ -419,14 +419,31 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
     assert_message(&["options.backend 7 is not a MoriBackend"]);
     let flags = MoriSendOptions {
         backend: MORI_BACKEND_HOST,
-        flags: 0xD,
+        flags: 0x19,
         stream: null_mut(),
     };
     assert_eq!(
         f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&flags)),
         MORI_ERR_INVALID_ARGUMENT
     );
-    assert_message(&["options.flags 0xd has unknown bits 0xc"]);
+    assert_message(&[
+        "options.flags 0x19 has unknown bits 0x18",
+        "MORI_SEND_MEMCPY2D = 0x4",
+    ]);
+    // The two path flags ask for different paths: refused, on every backend.
+    let both = MoriSendOptions {
+        backend: MORI_BACKEND_HOST,
+        flags: MORI_SEND_COPY_KERNEL | MORI_SEND_MEMCPY2D,
+        stream: null_mut(),
+    };
+    assert_eq!(
+        f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&both)),
+        MORI_ERR_INVALID_ARGUMENT
+    );
+    assert_message(&[
+        "options.flags 0x6 sets both MORI_SEND_COPY_KERNEL (0x2) and MORI_SEND_MEMCPY2D",
+    ]);
+    assert_eq!(MORI_SEND_MEMCPY2D, 4);
     let mut fake_stream = 0u8;
     let stream = MoriSendOptions {
         backend: MORI_BACKEND_HOST,
@@ -887,5 +904,31 @@ fn threads_calling_at_once_each_keep_their_own_last_error() {
         .collect();
     for t in threads {
         t.join().expect("a thread failed");
+    }
+}
+
+#[test]
+fn each_path_flag_alone_is_accepted_and_the_host_backend_ignores_it() {
+    let c = config();
+    for flags in [MORI_SEND_COPY_KERNEL, MORI_SEND_MEMCPY2D] {
+        let mut f = Fixture::new();
+        let (src_cap, dst_cap) = f.capacities();
+        let one = MoriSendOptions {
+            backend: MORI_BACKEND_HOST,
+            flags,
+            stream: null_mut(),
+        };
+        assert_eq!(
+            f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&one)),
+            MORI_OK,
+            "flags {flags:#x}: {}",
+            last_error()
+        );
+        let mut plain = Fixture::new();
+        assert_eq!(plain.send(&c, &[0], &[0]), MORI_OK);
+        assert!(
+            f.dst == plain.dst,
+            "flags {flags:#x}: the bytes of a plain host send"
+        );
     }
 }

@@ -303,6 +303,8 @@ fn run_child(fake: &std::path::Path, test: &str, env: &[(&str, &str)]) -> (bool,
         "FAKE_HIP_LAUNCH_STATUS",
         "FAKE_HIP_MALLOC_STATUS",
         "FAKE_HIP_MALLOC_ASYNC_STATUS",
+        "FAKE_HIP_NO_PEER",
+        "FAKE_HIP_HANG_MS",
         SCENARIO,
     ] {
         child.env_remove(var);
@@ -355,6 +357,16 @@ fn the_kernel_path_handles_other_devices_capture_refusing_allocators_resets_and_
         ("reset", &fake, &[][..]),
         ("host_memory", &fake, &[][..]),
         ("pair", &fake, &[][..]),
+        ("capture_elsewhere", &fake, &[][..]),
+        ("capture_same_thread", &fake, &[][..]),
+        ("blocked_stream", &fake, &[("FAKE_HIP_HANG_MS", "500")][..]),
+        (
+            "no_peer",
+            &fake,
+            &[("FAKE_HIP_DEVICES", "2"), ("FAKE_HIP_NO_PEER", "1")][..],
+        ),
+        ("paths", &fake, &[][..]),
+        ("pool_reset", &fake, &[][..]),
     ] {
         let mut env = env.to_vec();
         env.push((SCENARIO, scenario));
@@ -477,7 +489,18 @@ mod device {
         fn hipHostRegister(pointer: *mut c_void, size: usize, flags: u32) -> i32;
         fn hipHostUnregister(pointer: *mut c_void) -> i32;
         fn hipHostGetDevicePointer(device: *mut *mut c_void, host: *mut c_void, flags: u32) -> i32;
+        fn hipStreamWaitValue32(
+            stream: *mut c_void,
+            pointer: *mut c_void,
+            value: u32,
+            flags: u32,
+            mask: u32,
+        ) -> i32;
     }
+    /// `hipStreamCaptureModeRelaxed`.
+    const CAPTURE_RELAXED: i32 = 2;
+    /// `hipErrorStreamCaptureInvalidated`.
+    const CAPTURE_INVALIDATED: i32 = 901;
     const HOST_TO_DEVICE: i32 = 1;
     const DEVICE_TO_HOST: i32 = 2;
     /// `hipStreamCaptureModeGlobal`.
@@ -779,6 +802,12 @@ mod device {
             "reset" => reset(),
             "host_memory" => host_memory(),
             "pair" => pair(),
+            "capture_elsewhere" => capture_elsewhere(),
+            "capture_same_thread" => capture_same_thread(),
+            "blocked_stream" => blocked_stream(),
+            "no_peer" => no_peer(),
+            "paths" => paths(),
+            "pool_reset" => pool_reset(),
             other => panic!("unknown scenario {other}"),
         }
     }
@@ -813,7 +842,7 @@ mod device {
     }
 
     /// Issue 19: pair send, pack (SRC, BOTH) and unpack (DST, BOTH) through the C ABI with
-    /// MORI_BACKEND_HIP in device memory, per rect and with the copy kernel, leave every byte
+    /// MORI_BACKEND_HIP in device memory, per rect, with the copy kernel and with flags 0, leave every byte
     /// (untouched ones included) as MORI_BACKEND_HOST leaves it in host memory: a mixed NHD ->
     /// HND pair and the reverse, page sizes that differ, partial last pages on both sides.
     fn pair() {
@@ -823,8 +852,9 @@ mod device {
             stream: null_mut(),
         };
         let hip_paths = [
-            ("per rect", MORI_SEND_SYNCHRONIZE),
+            ("per rect", MORI_SEND_SYNCHRONIZE | MORI_SEND_MEMCPY2D),
             ("copy kernel", MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL),
+            ("flags 0 (the kernel)", MORI_SEND_SYNCHRONIZE),
         ];
         const BUFFERS: usize = 2;
         for (name, prefill, decode, tokens, capacity_pages) in [
@@ -1062,12 +1092,13 @@ mod device {
                         "{name}: {path} unpack {mode} differs from the host's"
                     );
                 }
-                // Five calls: per rect only hipMemcpy2DAsync, with the kernel one launch each.
+                // Five calls: per rect only hipMemcpy2DAsync, with the kernel (asked for, or by
+                // flags 0) one launch each.
                 let (launched, copied) = (
                     stat("kernel_launches") - launches,
                     stat("memcpy2d_calls") - copies,
                 );
-                if flags & MORI_SEND_COPY_KERNEL != 0 {
+                if flags & MORI_SEND_MEMCPY2D == 0 {
                     assert_eq!((launched, copied), (5, 0), "{name}: {path}");
                 } else {
                     assert!(
@@ -1240,7 +1271,10 @@ mod device {
         let (status, message, after) = send();
         assert_eq!(status, MORI_ERR_GPU, "{message}");
         assert!(
-            message.contains("hipMalloc(65728 bytes for the copy kernel's table on device 0) returned hipErrorOutOfMemory (2)"),
+            message.contains(
+                "hipMalloc(4288 bytes for the copy kernel's reset check on device 0) returned \
+                 hipErrorOutOfMemory (2)"
+            ),
             "{message}"
         );
         assert_eq!(after, vec![9u8; 4 * 32]);
@@ -1337,18 +1371,443 @@ mod device {
             "{message}"
         );
         assert_eq!(after, vec![9u8; 4 * 32], "a refused call writes nothing");
-        // The per-rect path copies host memory at its host address.
-        let per_rect = MoriSendOptions {
-            flags: MORI_SEND_SYNCHRONIZE,
-            ..kernel_options()
+        // The per-rect path copies host memory at its host address, asked for or (flags 0) by
+        // the library's choice.
+        for flags in [MORI_SEND_MEMCPY2D, 0] {
+            let per_rect = MoriSendOptions {
+                flags: MORI_SEND_SYNCHRONIZE | flags,
+                ..kernel_options()
+            };
+            let (status, message, after) =
+                small_send_in(Memory::Registered { host_address: true }, per_rect);
+            assert_eq!(
+                (status, after),
+                (MORI_OK, small_send_result(7)),
+                "flags {flags}: {message}"
+            );
+        }
+    }
+
+    /// A stream of device 0 capturing a graph in `mode` on another thread while `f` runs on
+    /// this one; what hipStreamEndCapture returned.
+    fn while_another_thread_captures(mode: i32, f: impl FnOnce()) -> i32 {
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let other = std::sync::Arc::clone(&barrier);
+        let capturer = std::thread::spawn(move || {
+            let stream = stream_on(0);
+            let mut graph = null_mut();
+            // SAFETY: a live stream; the graph is destroyed below.
+            unsafe {
+                assert_eq!(hipStreamBeginCapture(stream, mode), 0);
+                other.wait(); // capturing
+                other.wait(); // the other thread is done
+                let status = hipStreamEndCapture(stream, &mut graph);
+                if !graph.is_null() {
+                    hipGraphDestroy(graph);
+                }
+                hipStreamDestroy(stream);
+                status
+            }
+        });
+        barrier.wait();
+        f();
+        barrier.wait();
+        capturer.join().expect("the capturing thread")
+    }
+
+    /// Issue 35.1: another thread captures a graph in the global mode (PyTorch's default) while
+    /// this thread sends on its own stream, which does not capture: the first kernel send (which
+    /// allocates), later ones, with and without MORI_SEND_SYNCHRONIZE (a hipStreamSynchronize),
+    /// flags 0 and MORI_SEND_MEMCPY2D, and a device pool made and destroyed (hipMalloc,
+    /// hipFree). Every call succeeds and no capture is invalidated (the runtime refuses those
+    /// calls from a thread in the global mode, and invalidates the capture, as clr does).
+    fn capture_elsewhere() {
+        let stream = stream_on(0);
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let send = |flags: u32| {
+            let options = MoriSendOptions {
+                backend: MORI_BACKEND_HIP,
+                flags,
+                stream,
+            };
+            // SAFETY: device buffers of the stated sizes, alive until the stream has run the
+            // copies (it is synchronized before they are dropped).
+            let (status, message) =
+                unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) };
+            assert_eq!(status, MORI_OK, "flags {flags:#x}: {message}");
         };
-        let (status, message, after) =
-            small_send_in(Memory::Registered { host_address: true }, per_rect);
+        let sync = MORI_SEND_SYNCHRONIZE;
+        for flags in [
+            MORI_SEND_COPY_KERNEL,
+            MORI_SEND_COPY_KERNEL,
+            MORI_SEND_COPY_KERNEL | sync,
+            0,
+            sync,
+            MORI_SEND_MEMCPY2D | sync,
+        ] {
+            let ended = while_another_thread_captures(CAPTURE_GLOBAL, || send(flags));
+            assert_eq!(
+                ended, 0,
+                "flags {flags:#x}: the other thread's capture survives"
+            );
+        }
+        let ended = while_another_thread_captures(CAPTURE_GLOBAL, || {
+            let options = MoriTpPoolOptions {
+                capacity: 1 << 20,
+                min_slot: 0,
+                memory: MORI_TP_POOL_DEVICE,
+                flags: 0,
+            };
+            let mut pool = 0;
+            // SAFETY: valid pointers.
+            assert_eq!(unsafe { mori_tp_pool_create(&options, &mut pool) }, MORI_OK);
+            assert_eq!(mori_tp_pool_destroy(pool), MORI_OK);
+        });
+        assert_eq!(ended, 0, "a device pool's life leaves the capture alone");
+        assert_eq!(stat("invalidated_captures"), 0);
+        // SAFETY: the stream made above.
+        assert_eq!(unsafe { hipStreamSynchronize(stream) }, 0);
+        let mut after = vec![0u8; 4 * 32];
+        dst.to_host(&mut after);
+        assert_eq!(after, small_send_result(7));
+        // The stand-in enforces the rule: this thread's own hipMalloc in the global mode is
+        // refused, and invalidates the capture.
+        let ended = while_another_thread_captures(CAPTURE_GLOBAL, || {
+            let mut p = null_mut();
+            // SAFETY: a valid out-pointer.
+            assert_eq!(unsafe { hipMalloc(&mut p, 64) }, 900);
+        });
+        assert_eq!(ended, CAPTURE_INVALIDATED);
+        assert_eq!(stat("invalidated_captures"), 1);
+        // SAFETY: created above.
+        unsafe { hipStreamDestroy(stream) };
+    }
+
+    /// Issue 35.1, one thread: kernel sends on S, then S captures a graph (relaxed mode), gets a
+    /// send (the per-rect copies), and a kernel send on T follows. Nothing the library does on T
+    /// touches an event last recorded on S (which would invalidate S's capture), and S's graph
+    /// replays the copies.
+    fn capture_same_thread() {
+        let (s, t) = (stream_on(0), stream_on(0));
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let send = |stream| {
+            let options = MoriSendOptions {
+                backend: MORI_BACKEND_HIP,
+                flags: MORI_SEND_COPY_KERNEL,
+                stream,
+            };
+            // SAFETY: device buffers alive until both streams are synchronized below.
+            let (status, message) =
+                unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) };
+            assert_eq!(status, MORI_OK, "{message}");
+        };
+        for _ in 0..4 {
+            send(s);
+        }
+        let launches = stat("kernel_launches");
+        let (mut graph, mut exec) = (null_mut(), null_mut());
+        // SAFETY: live streams and buffers; the graph and its instance are destroyed below.
+        unsafe {
+            assert_eq!(hipStreamBeginCapture(s, CAPTURE_RELAXED), 0);
+            send(s);
+            for _ in 0..6 {
+                send(t);
+            }
+            assert_eq!(
+                hipStreamEndCapture(s, &mut graph),
+                0,
+                "S's capture survives"
+            );
+            assert_eq!(
+                hipGraphInstantiate(&mut exec, graph, null_mut(), null_mut(), 0),
+                0
+            );
+            dst.write(&[9u8; 4 * 32]);
+            assert_eq!(hipGraphLaunch(exec, s), 0);
+            assert_eq!(hipStreamSynchronize(s), 0);
+            assert_eq!(hipStreamSynchronize(t), 0);
+        }
+        assert_eq!(
+            stat("kernel_launches"),
+            launches + 6,
+            "T's sends ran the kernel"
+        );
+        assert_eq!(stat("invalidated_captures"), 0);
+        let mut after = vec![0u8; 4 * 32];
+        dst.to_host(&mut after);
+        assert_eq!(after, small_send_result(7), "the replayed copies");
+        // SAFETY: made above, destroyed once.
+        unsafe {
+            hipGraphExecDestroy(exec);
+            hipGraphDestroy(graph);
+            hipStreamDestroy(s);
+            hipStreamDestroy(t);
+        }
+    }
+
+    /// Issue 35.2: stream S waits for a flag that this thread raises only at the end, with one
+    /// kernel send queued behind the wait. Sends on stream T (small, then one of 1500 rects that
+    /// outgrows the first table buffers, with flags 0 and with the kernel) never wait for S: no
+    /// wait of the stand-in runs past FAKE_HIP_HANG_MS.
+    fn blocked_stream() {
+        static FLAG: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let (s, t) = (stream_on(0), stream_on(0));
+        let small_src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let small_dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        const PAGES: usize = 1500;
+        let big_src = DeviceBuffer::from_host(&patterned(2 * PAGES * 16, 3));
+        let big_dst = DeviceBuffer::from_host(&vec![0u8; 2 * PAGES * 16]);
+        let small = |stream, flags| {
+            let options = MoriSendOptions {
+                backend: MORI_BACKEND_HIP,
+                flags,
+                stream,
+            };
+            // SAFETY: device buffers alive until the streams are synchronized below.
+            let (status, message) = unsafe {
+                send_pages_0_1_3(
+                    &[small_src.pointer.cast_const()],
+                    &[small_dst.pointer],
+                    &options,
+                )
+            };
+            assert_eq!(status, MORI_OK, "{message}");
+        };
+        // SAFETY: a live stream; the flag outlives it.
+        let waits = unsafe { hipStreamWaitValue32(s, FLAG.as_ptr().cast(), 1, 0, u32::MAX) };
+        assert_eq!(waits, 0);
+        small(s, MORI_SEND_COPY_KERNEL);
+        for flags in [MORI_SEND_COPY_KERNEL, 0, MORI_SEND_COPY_KERNEL, 0] {
+            small(t, flags);
+        }
+        let params = MoriTpSliceParams {
+            prefill_tp_size: 1,
+            prefill_tp_rank: 0,
+            decode_tp_size: 1,
+            decode_tp_rank: 0,
+            total_kv_heads: 1,
+            page_size: 1,
+            src_item_len: 16,
+            dst_item_len: 16,
+        };
+        let mut config = MoriTpSliceConfig::default();
+        // SAFETY: valid pointers.
+        assert_eq!(
+            unsafe { mori_tp_slice_config(&params, &mut config) },
+            MORI_OK
+        );
+        let pages: Vec<i32> = (0..PAGES as i32).map(|i| 2 * i).collect();
+        for flags in [0, MORI_SEND_COPY_KERNEL] {
+            let buffers = MoriKvBuffers {
+                src: &big_src.pointer.cast_const(),
+                dst: &big_dst.pointer,
+                num_buffers: 1,
+                src_capacity: (2 * PAGES * 16) as u64,
+                dst_capacity: (2 * PAGES * 16) as u64,
+            };
+            let options = MoriSendOptions {
+                backend: MORI_BACKEND_HIP,
+                flags,
+                stream: t,
+            };
+            // SAFETY: device buffers of the stated capacities, alive until T is synchronized.
+            let status = unsafe {
+                mori_send_kvcache(
+                    &config,
+                    &buffers,
+                    pages.as_ptr(),
+                    pages.as_ptr(),
+                    PAGES,
+                    &options,
+                )
+            };
+            assert_eq!(status, MORI_OK, "{}", last_error());
+        }
+        // SAFETY: T's own work does not wait for S.
+        assert_eq!(unsafe { hipStreamSynchronize(t) }, 0);
+        assert_eq!(stat("hangs"), 0, "nothing waited for S");
+        FLAG.store(1, std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: the flag is raised.
+        assert_eq!(unsafe { hipStreamSynchronize(s) }, 0);
+        let (mut got, want) = (vec![0u8; 2 * PAGES * 16], patterned(2 * PAGES * 16, 3));
+        big_dst.to_host(&mut got);
+        for page in 0..2 * PAGES {
+            let bytes = page * 16..page * 16 + 16;
+            let expected = if page % 2 == 0 {
+                &want[bytes.clone()]
+            } else {
+                &[0u8; 16][..]
+            };
+            assert_eq!(&got[bytes], expected, "page {page}");
+        }
+        // SAFETY: made above.
+        unsafe {
+            hipStreamDestroy(s);
+            hipStreamDestroy(t);
+        }
+    }
+
+    /// Issue 35.3: device 1's memory that device 0 can never reach (hipDeviceCanAccessPeer says
+    /// no) is refused for the kernel before anything is launched, naming both devices; flags 0
+    /// take the per-rect copies instead, which need no peer access.
+    fn no_peer() {
+        let kernel = kernel_options();
+        let (status, message, after) = small_send_in(Memory::Device(1), kernel);
+        assert_eq!(status, MORI_ERR_GPU, "{message}");
+        assert!(
+            message.contains("memory of device 1, which a kernel on device 0 cannot reach")
+                && message.contains("hipDeviceCanAccessPeer"),
+            "{message}"
+        );
+        assert_eq!(after, vec![9u8; 4 * 32], "a refused call writes nothing");
+        let (launches, copies) = (stat("kernel_launches"), stat("memcpy2d_calls"));
+        let auto = MoriSendOptions {
+            flags: MORI_SEND_SYNCHRONIZE,
+            ..kernel
+        };
+        let (status, message, after) = small_send_in(Memory::Device(1), auto);
         assert_eq!(
             (status, after),
             (MORI_OK, small_send_result(7)),
             "{message}"
         );
+        assert_eq!(stat("kernel_launches"), launches);
+        assert_eq!(stat("memcpy2d_calls"), copies + 2);
+    }
+
+    /// Issue 31.2 through the real bindings: flags 0 give one kernel launch for a call of two or
+    /// more (buffer, rect) copies (send, pack and unpack alike) and one hipMemcpy2DAsync for a
+    /// call of one; MORI_SEND_MEMCPY2D gives one hipMemcpy2DAsync per (buffer, rect); both
+    /// flags at once are refused.
+    fn paths() {
+        let count = || (stat("kernel_launches"), stat("memcpy2d_calls"));
+        let sync = |flags| MoriSendOptions {
+            backend: MORI_BACKEND_HIP,
+            flags: MORI_SEND_SYNCHRONIZE | flags,
+            stream: null_mut(),
+        };
+        for (flags, launches, copies) in [(0, 1, 0), (MORI_SEND_MEMCPY2D, 0, 2)] {
+            let before = count();
+            let (status, message, after) = small_send_in(Memory::Device(0), sync(flags));
+            assert_eq!(
+                (status, after),
+                (MORI_OK, small_send_result(7)),
+                "{message}"
+            );
+            assert_eq!(
+                count(),
+                (before.0 + launches, before.1 + copies),
+                "flags {flags:#x}: 1 buffer x 2 rects"
+            );
+        }
+        // One page: one rect of one buffer, one copy.
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let config = config_2_to_4();
+        let buffers = MoriKvBuffers {
+            src: &src.pointer.cast_const(),
+            dst: &dst.pointer,
+            num_buffers: 1,
+            src_capacity: 4 * 64,
+            dst_capacity: 4 * 32,
+        };
+        let before = count();
+        // SAFETY: device buffers of the stated capacities; the options synchronize.
+        let status = unsafe { mori_send_kvcache(&config, &buffers, &2, &1, 1, &sync(0)) };
+        assert_eq!(status, MORI_OK, "{}", last_error());
+        assert_eq!(
+            count(),
+            (before.0, before.1 + 1),
+            "one copy: hipMemcpy2DAsync"
+        );
+        // Pack and unpack: one launch each with flags 0.
+        let mut staging_len = 0u64;
+        // SAFETY: valid pointers.
+        assert_eq!(
+            unsafe { mori_tp_staging_len(&config, 3, &mut staging_len) },
+            MORI_OK
+        );
+        let region = DeviceBuffer::from_host(&vec![0u8; staging_len as usize]);
+        let pages = [0, 1, 3];
+        let before = count();
+        // SAFETY: device buffers and region of the stated sizes; the options synchronize.
+        unsafe {
+            let status = mori_pack_kvcache(
+                &config,
+                &src.pointer.cast_const(),
+                1,
+                4 * 64,
+                pages.as_ptr(),
+                3,
+                region.pointer,
+                staging_len,
+                &sync(0),
+            );
+            assert_eq!(status, MORI_OK, "{}", last_error());
+            let status = mori_unpack_kvcache(
+                &config,
+                region.pointer,
+                staging_len,
+                &dst.pointer,
+                1,
+                4 * 32,
+                pages.as_ptr(),
+                3,
+                &sync(0),
+            );
+            assert_eq!(status, MORI_OK, "{}", last_error());
+        }
+        assert_eq!(
+            count(),
+            (before.0 + 2, before.1),
+            "pack and unpack: one launch each"
+        );
+        let (status, message, _) = small_send_in(
+            Memory::Device(0),
+            sync(MORI_SEND_COPY_KERNEL | MORI_SEND_MEMCPY2D),
+        );
+        assert_eq!(status, MORI_ERR_INVALID_ARGUMENT, "{message}");
+        assert!(
+            message.contains("sets both MORI_SEND_COPY_KERNEL"),
+            "{message}"
+        );
+    }
+
+    /// Issue 35.3: a device pool destroyed after hipDeviceReset does not free its memory again
+    /// (the reset freed it; by now it may be a new allocation's: the unit tests check that case
+    /// on the recording runtime, whose allocator hands addresses out again). And a kernel send
+    /// after the reset loads the kernel again (the reset also destroyed the library's relay
+    /// streams, which it then no longer uses).
+    fn pool_reset() {
+        let options = MoriTpPoolOptions {
+            capacity: 1 << 16,
+            min_slot: 0,
+            memory: MORI_TP_POOL_DEVICE,
+            flags: 0,
+        };
+        let (status, message, _) = small_send_in(Memory::Device(0), kernel_options());
+        assert_eq!(status, MORI_OK, "{message}");
+        let mut pool = 0;
+        // SAFETY: valid pointers.
+        assert_eq!(unsafe { mori_tp_pool_create(&options, &mut pool) }, MORI_OK);
+        // SAFETY: no buffer of this test is alive across the reset.
+        assert_eq!(unsafe { hipDeviceReset() }, 0);
+        assert_eq!(mori_tp_pool_destroy(pool), MORI_OK);
+        assert_eq!(
+            stat("bad_frees"),
+            0,
+            "no hipFree of memory the reset freed (it may be a new allocation's by now)"
+        );
+        let loads = stat("module_loads");
+        let (status, message, after) = small_send_in(Memory::Device(0), kernel_options());
+        assert_eq!(
+            (status, after),
+            (MORI_OK, small_send_result(7)),
+            "{message}"
+        );
+        assert_eq!(stat("module_loads"), loads + 1);
     }
 
     pub(super) fn the_copy_kernel_moves_device_memory_byte_exact() {

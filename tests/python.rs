@@ -462,7 +462,9 @@ fn nixl_demo_exits_zero_after_success_and_one_after_a_failure() {
         3,
         "the demo's table lacks its three verified methods:\n{report}"
     );
-    // A zero timeout fails the first wait on the decode process, after both agents exist.
+    // A zero timeout fails the first wait, after both agents exist: the wait for the decode
+    // process's answer, or (when it answers at once: it only records the prefill's name) the
+    // warm-up write's.
     let (output, report) = demo(&["--timeout", "0"]);
     assert_eq!(
         output.status.code(),
@@ -471,7 +473,8 @@ fn nixl_demo_exits_zero_after_success_and_one_after_a_failure() {
         output.status
     );
     assert!(
-        report.contains("PeerError: the decode process sent nothing for 0.0 s"),
+        report.contains("PeerError: the decode process sent nothing for 0.0 s")
+            || report.contains("was still in progress after 0.0 s"),
         "the demo failed for another reason than the forced timeout:\n{report}"
     );
 }

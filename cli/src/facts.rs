@@ -24,13 +24,21 @@
 //!   linear_value_head_dim` channels (q, k, v; q and k split by key heads, v by value heads) and
 //!   a recurrent state of `linear_num_value_heads` heads of `linear_value_head_dim *
 //!   linear_key_head_dim` elements (vLLM `MambaStateShapeCalculator.gated_delta_net_state_shape`).
-//! - **Mamba2 hybrid (Nemotron-H)**: `hybrid_override_pattern` has one character per layer: `M`
-//!   Mamba2, `*` attention, `-` MLP, `E` MoE (no cache). A Mamba2 layer keeps a conv state of
-//!   `conv_kernel - 1` time steps over x (`mamba_num_heads * mamba_head_dim` channels, split by
-//!   heads), B and C (`n_groups * ssm_state_size` channels each, split by groups; one group is
-//!   held whole when `n_groups == 1`), and an SSM state of `mamba_num_heads` heads of
-//!   `mamba_head_dim * ssm_state_size` elements (vLLM `mamba2_state_shape` and
-//!   `extra_groups_for_head_shards`; SGLang's `Mamba2StateShape` is the same).
+//! - **Mamba2 hybrids**: Nemotron-H's `hybrid_override_pattern` has one character per layer: `M`
+//!   Mamba2, `*` attention, `-` MLP, `E` MoE (no cache); Granite-4.0-H's `layer_types` names
+//!   each layer `mamba` or `attention`; Falcon-H1 (`model_type` falcon_h1) keeps attention and
+//!   Mamba2 side by side on every layer. A Mamba2 layer keeps a conv state of
+//!   `conv_kernel - 1 + num_spec` time steps (`num_spec`: the engine's speculative tokens) over
+//!   x (`mamba_num_heads * mamba_head_dim` channels, split by heads), B and C
+//!   (`n_groups * ssm_state_size` channels each, split by groups; one group is held whole when
+//!   `n_groups == 1`), and an SSM state of `mamba_num_heads` heads of `mamba_head_dim * ssm_state_size`
+//!   elements (vLLM `mamba2_state_shape` and `extra_groups_for_head_shards`; SGLang's
+//!   `Mamba2StateShape` is the same without `num_spec`). Granite-4.0-H and Falcon-H1 spell the
+//!   fields `mamba_n_heads`, `mamba_d_head`, `mamba_n_groups`, `mamba_d_state`, `mamba_d_conv`.
+//!
+//! The dtypes, as vLLM names them: the conv state in `mamba_cache_dtype` (default: the model's
+//! dtype, not the KV cache's), the SSM state in `mamba_ssm_cache_dtype` (default: the config's,
+//! else fp32 for Nemotron-H, else the conv state's); see [`ModelFacts::ssm_default`].
 //!
 //! What is not here on purpose: where a state's parts lie inside its slot. vLLM keeps a conv
 //! state as `(state_len, dim)` or `(dim, state_len)` (`VLLM_SSM_CONV_STATE_LAYOUT`), SGLang as
@@ -40,7 +48,8 @@
 
 use serde_json::{Map, Value};
 
-use crate::model::{positive, required};
+use crate::dtype::Dtype;
+use crate::fields::{positive, required, string_list};
 
 /// Where a group's bytes of a request live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,17 +57,20 @@ pub enum Storage {
     /// Pages of token slots; every token of the request moves (or, with a window, the last
     /// `window` tokens).
     Paged { window: Option<u32> },
-    /// One slot per request holding `steps` time steps (a conv state's `kernel - 1`; 1 for an SSM
-    /// or recurrent state), whatever the request's length.
+    /// One slot per request holding `steps` time steps (a conv state's `kernel - 1`, to which
+    /// [`Group::steps`] adds the speculative tokens; 1 for an SSM or recurrent state), whatever
+    /// the request's length.
     Slot { steps: u32 },
 }
 
 /// How many bytes one unit of a part is, per token (paged) or per time step (slot).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UnitBytes {
-    /// `elements * the cache dtype` (`--dtype`).
+    /// `elements * the KV-cache dtype` (`--dtype`).
     Cache(u64),
-    /// `elements * the SSM state dtype` (`--ssm-dtype`).
+    /// `elements * the conv state dtype` (`--mamba-cache-dtype`).
+    Conv(u64),
+    /// `elements * the SSM state dtype` (`--mamba-ssm-cache-dtype`).
     State(u64),
     /// A fixed record whatever the dtype (the indexer's fp8 keys and fp32 scales).
     Fixed(u64),
@@ -71,13 +83,27 @@ pub enum UnitBytes {
 pub struct Dtypes {
     pub cache: u64,
     pub cache_is_fp8: bool,
+    pub conv: u64,
     pub state: u64,
+}
+
+impl Dtypes {
+    /// The bytes of a KV-cache dtype, a conv state dtype and an SSM state dtype.
+    pub fn of(cache: Dtype, conv: Dtype, state: Dtype) -> Dtypes {
+        Dtypes {
+            cache: u64::from(cache.bytes()),
+            cache_is_fp8: cache.bytes() == 1,
+            conv: u64::from(conv.bytes()),
+            state: u64::from(state.bytes()),
+        }
+    }
 }
 
 impl UnitBytes {
     pub fn bytes(self, dtypes: Dtypes) -> u64 {
         match self {
             UnitBytes::Cache(elements) => elements * dtypes.cache,
+            UnitBytes::Conv(elements) => elements * dtypes.conv,
             UnitBytes::State(elements) => elements * dtypes.state,
             UnitBytes::Fixed(bytes) => bytes,
             UnitBytes::MlaLatent { rank, rope } if dtypes.cache_is_fp8 => {
@@ -123,6 +149,38 @@ pub struct Group {
     pub parts: Vec<Part>,
 }
 
+impl Group {
+    /// A slot's time steps with `num_spec` speculative tokens: vLLM sizes a conv state
+    /// `conv_kernel - 1 + num_spec` rows (Mamba2 and Gated DeltaNet alike); an SSM or recurrent
+    /// state keeps one. None for a paged group.
+    pub fn steps(&self, num_spec: u32) -> Option<u32> {
+        match self.storage {
+            Storage::Slot { steps } if self.name == "conv_state" => Some(steps + num_spec),
+            Storage::Slot { steps } => Some(steps),
+            Storage::Paged { .. } => None,
+        }
+    }
+}
+
+/// Where the SSM state's dtype comes from when the engine is not told one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SsmDefault {
+    /// The config names it (`mamba_ssm_cache_dtype` or `mamba_ssm_dtype`: the field and its
+    /// text).
+    Config(&'static str, String),
+    /// vLLM's Nemotron-H default: fp32 (`NemotronHForCausalLMConfig`, vLLM PR #39032).
+    NemotronH,
+    /// The conv state's dtype (vLLM's `MambaStateDtypeCalculator` for `auto`).
+    Conv,
+}
+
+/// The architectures vLLM's Nemotron-H SSM dtype hook applies to.
+const NEMOTRON_H_ARCHITECTURES: &[&str] = &[
+    "NemotronHForCausalLM",
+    "NemotronHPuzzleForCausalLM",
+    "NemotronH_Nano_VL_V2",
+];
+
 /// Everything a transfer needs to know about a model's state, by group.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelFacts {
@@ -130,9 +188,11 @@ pub struct ModelFacts {
     pub family: &'static str,
     pub total_layers: u32,
     pub groups: Vec<Group>,
-    /// The config's SSM state dtype (`mamba_ssm_cache_dtype` or `mamba_ssm_dtype`), if it names
-    /// one.
-    pub ssm_dtype: Option<String>,
+    /// The config's SSM state dtype (`mamba_ssm_cache_dtype` or `mamba_ssm_dtype`: the field and
+    /// its text), if it names one.
+    pub ssm_dtype: Option<(&'static str, String)>,
+    /// The config's `architectures`.
+    pub architectures: Vec<String>,
 }
 
 impl ModelFacts {
@@ -150,12 +210,27 @@ impl ModelFacts {
             .unwrap_or(&self.groups[0])
     }
 
-    /// True when some group holds a state slot (its dtype comes from `--ssm-dtype`).
+    /// True when some group holds a state slot (Mamba2 or Gated DeltaNet).
     pub fn has_state(&self) -> bool {
         self.groups
             .iter()
             .flat_map(|g| &g.parts)
-            .any(|p| matches!(p.bytes, UnitBytes::State(_)))
+            .any(|p| matches!(p.bytes, UnitBytes::State(_) | UnitBytes::Conv(_)))
+    }
+
+    /// Where the SSM state's dtype comes from when the engine names none (vLLM's rule).
+    pub fn ssm_default(&self) -> SsmDefault {
+        if let Some((field, text)) = &self.ssm_dtype {
+            SsmDefault::Config(field, text.clone())
+        } else if self
+            .architectures
+            .iter()
+            .any(|a| NEMOTRON_H_ARCHITECTURES.contains(&a.as_str()))
+        {
+            SsmDefault::NemotronH
+        } else {
+            SsmDefault::Conv
+        }
     }
 }
 
@@ -182,21 +257,6 @@ fn kv_group(name: &'static str, what: &'static str, layers: Vec<u32>, kv: &KvSha
             bytes: UnitBytes::Cache(u64::from(kv.head_dim)),
             must_divide: false,
         }],
-    }
-}
-
-fn string_list<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<Vec<&'a str>>, String> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| {
-                v.as_str()
-                    .ok_or_else(|| format!("`{key}` holds {v}, expected strings"))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(Some),
-        Some(other) => Err(format!("`{key}` is {other}, expected a list of strings")),
     }
 }
 
@@ -233,12 +293,25 @@ fn indices(types: &[String], name: &str) -> Vec<u32> {
 }
 
 /// The model facts of a config whose KV shape `kv` was read already.
-pub fn derive(obj: &Map<String, Value>, kv: &KvShape) -> Result<ModelFacts, String> {
+pub fn derive(
+    obj: &Map<String, Value>,
+    root: &Map<String, Value>,
+    kv: &KvShape,
+) -> Result<ModelFacts, String> {
     let all: Vec<u32> = (0..kv.layers).collect();
     let ssm_dtype = ["mamba_ssm_cache_dtype", "mamba_ssm_dtype"]
+        .into_iter()
+        .find_map(|k| Some((k, obj.get(k)?.as_str()?.to_string())));
+    let architectures: Vec<String> = [root, obj]
         .iter()
-        .find_map(|k| obj.get(*k).and_then(Value::as_str))
-        .map(str::to_string);
+        .find_map(|o| o.get("architectures")?.as_array())
+        .map(|list| {
+            list.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default();
     // A group no layer has (a pattern without attention layers) is left out.
     let facts = |family, mut groups: Vec<Group>| {
         groups.retain(|g| !g.layers.is_empty());
@@ -247,6 +320,7 @@ pub fn derive(obj: &Map<String, Value>, kv: &KvShape) -> Result<ModelFacts, Stri
             total_layers: kv.layers,
             groups,
             ssm_dtype: ssm_dtype.clone(),
+            architectures: architectures.clone(),
         }
     };
 
@@ -304,8 +378,8 @@ pub fn derive(obj: &Map<String, Value>, kv: &KvShape) -> Result<ModelFacts, Stri
         ));
     }
 
-    if let Some(pattern) = obj.get("hybrid_override_pattern") {
-        return mamba2(obj, kv, pattern).map(|groups| facts("mamba2", groups));
+    if obj.contains_key("hybrid_override_pattern") || obj.contains_key("mamba_n_heads") {
+        return mamba2(obj, kv).map(|groups| facts("mamba2", groups));
     }
 
     let linear = obj.get("linear_conv_kernel_dim").is_some()
@@ -421,7 +495,7 @@ fn gated_deltanet(
         name,
         unit: "head",
         units,
-        bytes: UnitBytes::Cache(elements),
+        bytes: UnitBytes::Conv(elements),
         must_divide: true,
     };
     Ok(vec![
@@ -460,43 +534,151 @@ fn gated_deltanet(
     ])
 }
 
-fn mamba2(obj: &Map<String, Value>, kv: &KvShape, pattern: &Value) -> Result<Vec<Group>, String> {
-    let pattern = pattern
-        .as_str()
-        .ok_or_else(|| format!("`hybrid_override_pattern` is {pattern}, expected a string"))?;
-    if pattern.chars().count() != kv.layers as usize {
-        return Err(format!(
-            "`hybrid_override_pattern` has {} layers but `num_hidden_layers` is {}",
-            pattern.chars().count(),
-            kv.layers
-        ));
-    }
-    let mut attention = Vec::new();
-    let mut mamba = Vec::new();
-    for (i, c) in pattern.chars().enumerate() {
-        match c {
-            'M' => mamba.push(i as u32),
-            '*' => attention.push(i as u32),
-            '-' | 'E' => {}
-            other => {
-                return Err(format!(
-                    "`hybrid_override_pattern` has `{other}` at layer {i}; mori-tp knows M \
-                     (Mamba2), * (attention), - (MLP) and E (MoE)"
-                ));
+/// A Mamba2 hybrid's fields, as Nemotron-H names them and as Falcon-H1 and Granite-4.0-H do:
+/// heads, head dimension, groups, state size, conv kernel.
+const NEMOTRON_H_FIELDS: [&str; 5] = [
+    "mamba_num_heads",
+    "mamba_head_dim",
+    "n_groups",
+    "ssm_state_size",
+    "conv_kernel",
+];
+const MAMBA_N_FIELDS: [&str; 5] = [
+    "mamba_n_heads",
+    "mamba_d_head",
+    "mamba_n_groups",
+    "mamba_d_state",
+    "mamba_d_conv",
+];
+
+/// (attention layers, Mamba2 layers): Nemotron-H's `hybrid_override_pattern`; else
+/// `layer_types` (Granite-4.0-H: `mamba`, `attention`; `hybrid`: both, as Falcon-H1's
+/// `layers_block_type`); else Falcon-H1's parallel hybrid (attention and Mamba2 side by side on
+/// every layer) or Granite-4.0-H's default (every layer Mamba2), by `model_type`.
+fn mamba2_layers(obj: &Map<String, Value>, layers: u32) -> Result<(Vec<u32>, Vec<u32>), String> {
+    if let Some(pattern) = obj.get("hybrid_override_pattern") {
+        let pattern = pattern
+            .as_str()
+            .ok_or_else(|| format!("`hybrid_override_pattern` is {pattern}, expected a string"))?;
+        if pattern.chars().count() != layers as usize {
+            return Err(format!(
+                "`hybrid_override_pattern` has {} layers but `num_hidden_layers` is {layers}",
+                pattern.chars().count()
+            ));
+        }
+        let (mut attention, mut mamba) = (Vec::new(), Vec::new());
+        for (i, c) in pattern.chars().enumerate() {
+            match c {
+                'M' => mamba.push(i as u32),
+                '*' => attention.push(i as u32),
+                '-' | 'E' => {}
+                other => {
+                    return Err(format!(
+                        "`hybrid_override_pattern` has `{other}` at layer {i}; mori-tp knows M \
+                         (Mamba2), * (attention), - (MLP) and E (MoE)"
+                    ));
+                }
             }
         }
+        return Ok((attention, mamba));
     }
-    let why = "a Mamba2 layer's conv and SSM state";
-    let heads = required(obj, "mamba_num_heads", why)?;
-    let head_dim = u64::from(required(obj, "mamba_head_dim", why)?);
-    let groups = required(obj, "n_groups", why)?;
-    let state = u64::from(required(obj, "ssm_state_size", why)?);
-    let kernel = required(obj, "conv_kernel", why)?;
-    if kernel < 2 {
+    if let Some(types) = layer_types(obj, layers, None)? {
+        if let Some(t) = types
+            .iter()
+            .find(|t| !matches!(t.as_str(), "mamba" | "attention" | "hybrid"))
+        {
+            return Err(format!(
+                "`layer_types` names a layer `{t}`; a Mamba2 hybrid with `mamba_n_heads` has \
+                 mamba, attention and hybrid (both) layers"
+            ));
+        }
+        let of = |kinds: [&str; 2]| -> Vec<u32> {
+            (0..layers)
+                .filter(|&i| kinds.contains(&types[i as usize].as_str()))
+                .collect()
+        };
+        return Ok((of(["attention", "hybrid"]), of(["mamba", "hybrid"])));
+    }
+    let every: Vec<u32> = (0..layers).collect();
+    match obj.get("model_type").and_then(Value::as_str) {
+        // transformers' layers_block_type: every layer "hybrid".
+        Some("falcon_h1") => Ok((every.clone(), every)),
+        // No layer_types: every layer Mamba2.
+        Some("granitemoehybrid") => Ok((Vec::new(), every)),
+        _ => Err(
+            "a Mamba2 hybrid with `mamba_n_heads` needs `layer_types` or a `model_type` \
+                  mori-tp knows (falcon_h1, granitemoehybrid) to say which layers keep which \
+                  state"
+                .into(),
+        ),
+    }
+}
+
+/// `mamba_d_head`, or for `"auto"` (transformers' Falcon-H1 and Granite-4.0-H configs) the
+/// Mamba2 intermediate size (`mamba_d_ssm`, else `mamba_expand * hidden_size`) over the heads.
+fn mamba_head_dim(
+    obj: &Map<String, Value>,
+    key: &str,
+    heads: u32,
+    why: &str,
+) -> Result<u32, String> {
+    if obj.get(key).and_then(Value::as_str) != Some("auto") {
+        return required(obj, key, why);
+    }
+    let auto = format!("`{key}` is auto");
+    let intermediate = match positive(obj, "mamba_d_ssm")? {
+        Some(d) => u64::from(d),
+        None => {
+            u64::from(required(obj, "mamba_expand", &auto)?)
+                * u64::from(required(obj, "hidden_size", &auto)?)
+        }
+    };
+    if intermediate % u64::from(heads) != 0 {
         return Err(format!(
-            "`conv_kernel` is {kernel}: a conv state keeps kernel - 1 time steps"
+            "{auto}, and the Mamba2 intermediate size {intermediate} is not a multiple of the \
+             {heads} heads"
         ));
     }
+    u32::try_from(intermediate / u64::from(heads))
+        .map_err(|_| format!("{auto}, and its head dimension overflows 32 bits"))
+}
+
+fn mamba2(obj: &Map<String, Value>, kv: &KvShape) -> Result<Vec<Group>, String> {
+    let (attention, mamba) = mamba2_layers(obj, kv.layers)?;
+    let [heads_key, dim_key, groups_key, state_key, kernel_key] =
+        if obj.contains_key("hybrid_override_pattern") {
+            NEMOTRON_H_FIELDS
+        } else {
+            MAMBA_N_FIELDS
+        };
+    let why = "a Mamba2 layer's conv and SSM state";
+    let heads = required(obj, heads_key, why)?;
+    let head_dim = mamba_head_dim(obj, dim_key, heads, why)?;
+    let groups = required(obj, groups_key, why)?;
+    let state = u64::from(required(obj, state_key, why)?);
+    let kernel = required(obj, kernel_key, why)?;
+    if kernel < 2 {
+        return Err(format!(
+            "`{kernel_key}` is {kernel}: a conv state keeps kernel - 1 time steps"
+        ));
+    }
+    // Falcon-H1 names x's channels (the Mamba2 intermediate size) too: they are the heads'.
+    let x_channels = u64::from(heads) * u64::from(head_dim);
+    if let Some(d_ssm) = positive(obj, "mamba_d_ssm")? {
+        if u64::from(d_ssm) != x_channels {
+            return Err(format!(
+                "`mamba_d_ssm` {d_ssm} is not `{heads_key}` {heads} x `{dim_key}` {head_dim} = \
+                 {x_channels}: x's channels split by heads"
+            ));
+        }
+    }
+    if groups > 1 && heads % groups != 0 {
+        return Err(format!(
+            "`{heads_key}` {heads} is not a multiple of `{groups_key}` {groups}: each group \
+             serves whole heads"
+        ));
+    }
+    let head_dim = u64::from(head_dim);
     // Nemotron-H names the attention head size `attention_head_dim` (later releases: head_dim).
     let attention_dim = match positive(obj, "attention_head_dim")? {
         Some(d) => d,
@@ -512,7 +694,7 @@ fn mamba2(obj: &Map<String, Value>, kv: &KvShape, pattern: &Value) -> Result<Vec
         name,
         unit: "group",
         units: groups,
-        bytes: UnitBytes::Cache(state),
+        bytes: UnitBytes::Conv(state),
         must_divide: groups > 1,
     };
     Ok(vec![
@@ -533,7 +715,7 @@ fn mamba2(obj: &Map<String, Value>, kv: &KvShape, pattern: &Value) -> Result<Vec
                     name: "x",
                     unit: "head",
                     units: heads,
-                    bytes: UnitBytes::Cache(head_dim),
+                    bytes: UnitBytes::Conv(head_dim),
                     must_divide: true,
                 },
                 bc("B"),
@@ -555,262 +737,4 @@ fn mamba2(obj: &Map<String, Value>, kv: &KvShape, pattern: &Value) -> Result<Vec
             }],
         },
     ])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::{Attention, from_config_json};
-
-    fn facts(text: &str) -> ModelFacts {
-        from_config_json(text, "config.json")
-            .expect("a config mori-tp reads")
-            .facts
-            .expect("a config has facts")
-    }
-
-    const BF16: Dtypes = Dtypes {
-        cache: 2,
-        cache_is_fp8: false,
-        state: 2,
-    };
-
-    fn unit_bytes(f: &ModelFacts, group: &str, part: &str, dtypes: Dtypes) -> u64 {
-        let g = f.groups.iter().find(|g| g.name == group).expect(group);
-        g.parts
-            .iter()
-            .find(|p| p.name == part)
-            .expect(part)
-            .bytes
-            .bytes(dtypes)
-    }
-
-    #[test]
-    fn a_dense_gqa_model_is_one_full_attention_group_on_every_layer() {
-        // The fields mori-tp reads of Qwen2.5-7B: 4 KV heads of 3584 / 28 = 128 elements.
-        let f = facts(
-            r#"{"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
-                "num_hidden_layers": 28, "sliding_window": 131072, "use_sliding_window": false}"#,
-        );
-        assert_eq!((f.family, f.total_layers, f.groups.len()), ("dense", 28, 1));
-        let g = &f.groups[0];
-        assert_eq!(g.layers, (0..28).collect::<Vec<_>>());
-        assert_eq!(
-            (g.buffers_per_layer, g.storage, g.parts[0].units),
-            (2, Storage::Paged { window: None }, 4)
-        );
-        assert_eq!(unit_bytes(&f, "full_attention", "kv", BF16), 3584 / 28 * 2);
-        assert!(!f.is_hybrid());
-    }
-
-    #[test]
-    fn deepseek_v32_keeps_the_latent_and_a_132_byte_indexer_record_on_every_layer() {
-        let text = r#"{"num_hidden_layers": 61, "num_attention_heads": 128,
-                       "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-                       "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048}"#;
-        let f = facts(text);
-        assert_eq!(f.family, "mla_indexer");
-        let names: Vec<&str> = f.groups.iter().map(|g| g.name).collect();
-        assert_eq!(names, ["mla_latent", "indexer"]);
-        for g in &f.groups {
-            assert_eq!(g.layers.len(), 61);
-            assert_eq!((g.buffers_per_layer, g.parts[0].units), (1, 1));
-        }
-        // 128 fp8 bytes + 128 / 128 fp32 scales of 4 bytes, whatever the cache dtype.
-        let fp8 = Dtypes {
-            cache: 1,
-            cache_is_fp8: true,
-            state: 1,
-        };
-        for dtypes in [BF16, fp8] {
-            assert_eq!(unit_bytes(&f, "indexer", "index_k", dtypes), 128 + 4);
-        }
-        // The latent: (512 + 64) bf16 elements, or 512 fp8 + 512 / 128 * 4 scale bytes + 64 bf16.
-        assert_eq!(unit_bytes(&f, "mla_latent", "latent", BF16), 576 * 2);
-        assert_eq!(unit_bytes(&f, "mla_latent", "latent", fp8), 512 + 16 + 128);
-        let model = from_config_json(text, "config.json").unwrap();
-        assert_eq!(
-            (
-                model.kv_heads,
-                model.head_dim,
-                model.layers,
-                model.attention
-            ),
-            (1, 576, 61, Attention::Mla)
-        );
-        // DeepSeek V3 (no indexer) keeps its single latent group.
-        let v3 = facts(r#"{"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64}"#);
-        assert_eq!((v3.family, v3.groups.len()), ("mla", 1));
-        let odd = from_config_json(
-            r#"{"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-                "index_head_dim": 100}"#,
-            "config.json",
-        )
-        .unwrap_err();
-        assert!(
-            odd.contains("index_head_dim") && odd.contains("100"),
-            "{odd}"
-        );
-    }
-
-    #[test]
-    fn gpt_oss_layer_types_split_full_and_sliding_layers() {
-        let types: Vec<&str> = (0..24)
-            .map(|i| {
-                if i % 2 == 0 {
-                    "sliding_attention"
-                } else {
-                    "full_attention"
-                }
-            })
-            .collect();
-        let text = format!(
-            r#"{{"num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
-                 "head_dim": 64, "sliding_window": 128, "layer_types": {}}}"#,
-            serde_json::to_string(&types).unwrap()
-        );
-        let f = facts(&text);
-        assert_eq!(f.family, "sliding_window");
-        let full = &f.groups[0];
-        let sliding = &f.groups[1];
-        assert_eq!(full.name, "full_attention");
-        assert_eq!(full.layers, (1..24).step_by(2).collect::<Vec<_>>());
-        assert_eq!(sliding.layers, (0..24).step_by(2).collect::<Vec<_>>());
-        assert_eq!(sliding.storage, Storage::Paged { window: Some(128) });
-        assert_eq!(unit_bytes(&f, "sliding_attention", "kv", BF16), 64 * 2);
-        // The classic plan describes the full-attention layers.
-        let model = from_config_json(&text, "config.json").unwrap();
-        assert_eq!((model.kv_heads, model.head_dim, model.layers), (8, 64, 12));
-    }
-
-    #[test]
-    fn gemma3_without_layer_types_follows_its_sliding_window_pattern() {
-        // Gemma 3: every sixth layer is global ((i + 1) % 6 == 0), the rest slide over 1024.
-        let f = facts(
-            r#"{"model_type": "gemma3", "text_config": {"num_hidden_layers": 62,
-                "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
-                "sliding_window": 1024, "sliding_window_pattern": 6}}"#,
-        );
-        let full: Vec<u32> = (0..62).filter(|i| (i + 1) % 6 == 0).collect();
-        assert_eq!(f.groups[0].layers, full);
-        assert_eq!(f.groups[1].layers.len(), 62 - full.len());
-        assert_eq!(f.groups[1].storage, Storage::Paged { window: Some(1024) });
-        let no_window = from_config_json(
-            r#"{"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1,
-                "head_dim": 256, "sliding_window_pattern": 6}"#,
-            "config.json",
-        )
-        .unwrap_err();
-        assert!(no_window.contains("sliding_window"), "{no_window}");
-    }
-
-    #[test]
-    fn qwen3_next_keeps_a_three_part_conv_state_and_a_recurrent_state_on_linear_layers() {
-        // The fields of Qwen3-Next-80B-A3B's config.json.
-        let f = facts(
-            r#"{"num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
-                "head_dim": 256, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-                "linear_key_head_dim": 128, "linear_num_key_heads": 16,
-                "linear_num_value_heads": 32, "linear_value_head_dim": 128}"#,
-        );
-        assert_eq!(f.family, "gated_deltanet");
-        let full: Vec<u32> = (0..48).filter(|i| (i + 1) % 4 == 0).collect();
-        let linear: Vec<u32> = (0..48).filter(|i| (i + 1) % 4 != 0).collect();
-        let names: Vec<&str> = f.groups.iter().map(|g| g.name).collect();
-        assert_eq!(names, ["full_attention", "conv_state", "recurrent_state"]);
-        assert_eq!(f.groups[0].layers, full);
-        assert_eq!(f.groups[1].layers, linear);
-        assert_eq!(f.groups[2].layers, linear);
-        // kernel 4 keeps 3 time steps; q and k: 16 key heads of 128, v: 32 value heads of 128.
-        assert_eq!(f.groups[1].storage, Storage::Slot { steps: 3 });
-        let conv: Vec<(&str, u32)> = f.groups[1]
-            .parts
-            .iter()
-            .map(|p| (p.name, p.units))
-            .collect();
-        assert_eq!(conv, [("q", 16), ("k", 16), ("v", 32)]);
-        assert_eq!(unit_bytes(&f, "conv_state", "v", BF16), 128 * 2);
-        let fp32_state = Dtypes {
-            cache: 2,
-            cache_is_fp8: false,
-            state: 4,
-        };
-        assert_eq!(
-            unit_bytes(&f, "recurrent_state", "state", fp32_state),
-            128 * 128 * 4
-        );
-        assert!(f.groups[1].parts.iter().all(|p| p.must_divide));
-        assert!(f.has_state());
-    }
-
-    #[test]
-    fn nemotron_h_reads_its_pattern_x_b_c_and_the_ssm_state() {
-        // The fields of Nemotron-H-8B-Base-8K's config.json.
-        let pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
-        let text = format!(
-            r#"{{"num_hidden_layers": 52, "hidden_size": 4096, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "attention_head_dim": 128, "conv_kernel": 4,
-                 "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
-                 "ssm_state_size": 128, "hybrid_override_pattern": "{pattern}"}}"#
-        );
-        let f = facts(&text);
-        assert_eq!(f.family, "mamba2");
-        let at = |c: char| -> Vec<u32> {
-            pattern
-                .char_indices()
-                .filter(|&(_, x)| x == c)
-                .map(|(i, _)| i as u32)
-                .collect()
-        };
-        assert_eq!(f.groups[0].layers, at('*'));
-        assert_eq!(f.groups[1].layers, at('M'));
-        assert_eq!(f.groups[2].layers, at('M'));
-        assert_eq!((at('*').len(), at('M').len()), (4, 24));
-        assert_eq!(f.groups[1].storage, Storage::Slot { steps: 3 });
-        let conv: Vec<(&str, u32, u64)> = f.groups[1]
-            .parts
-            .iter()
-            .map(|p| (p.name, p.units, p.bytes.bytes(BF16)))
-            .collect();
-        // x: 128 heads of 64 channels; B and C: 8 groups of ssm_state_size 128 channels.
-        assert_eq!(
-            conv,
-            [("x", 128, 64 * 2), ("B", 8, 128 * 2), ("C", 8, 128 * 2)]
-        );
-        assert_eq!(unit_bytes(&f, "ssm_state", "state", BF16), 64 * 128 * 2);
-        assert_eq!(unit_bytes(&f, "full_attention", "kv", BF16), 128 * 2);
-        let model = from_config_json(&text, "config.json").unwrap();
-        assert_eq!((model.kv_heads, model.head_dim, model.layers), (8, 128, 4));
-        // One group is held whole: replicated on every rank, never refused for its TP size.
-        let single = text.replace("\"n_groups\": 8", "\"n_groups\": 1");
-        let f = facts(&single);
-        let b = &f.groups[1].parts[1];
-        assert_eq!((b.units, b.must_divide), (1, false));
-        let bad = text.replace(pattern, "M*Q");
-        let err = from_config_json(&bad, "config.json").unwrap_err();
-        assert!(err.contains("hybrid_override_pattern"), "{err}");
-    }
-
-    #[test]
-    fn layer_types_of_the_wrong_length_or_kind_are_named() {
-        let err = from_config_json(
-            r#"{"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
-                "head_dim": 8, "sliding_window": 16,
-                "layer_types": ["sliding_attention", "full_attention"]}"#,
-            "config.json",
-        )
-        .unwrap_err();
-        assert!(
-            err.contains("layer_types") && err.contains('2') && err.contains('3'),
-            "{err}"
-        );
-        let err = from_config_json(
-            r#"{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-                "head_dim": 8, "sliding_window": 16,
-                "layer_types": ["sliding_attention", "chunked_attention"]}"#,
-            "config.json",
-        )
-        .unwrap_err();
-        assert!(err.contains("chunked_attention"), "{err}");
-    }
 }

@@ -14,9 +14,9 @@ use std::ops::Range;
 
 use mori_tp::{Action, Side, Topology, TpSide, pair_config};
 
+use crate::dtype::Dtype;
 use crate::facts::{Dtypes, Group, ModelFacts, Part, Storage, UnitBytes};
-use crate::layout::{Layout, LayoutError, PageOrder, Paging, Problem};
-use crate::model::Dtype;
+use crate::layout::{Failure, Layout, LayoutError, PageOrder, Paging, Problem};
 
 /// One part of one pair.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,6 +73,8 @@ pub struct GroupSetup {
     pub parts: Vec<PartSetup>,
     /// The tokens of a request that move (paged: N, or the window's last tokens).
     pub tokens_moved: Option<u64>,
+    /// A slot's time steps, speculative tokens included (None for a paged group).
+    pub steps: Option<u32>,
     /// `bf16`, `fp32`, `fp8 + fp32 scales`, per part.
     pub dtype_names: Vec<String>,
 }
@@ -87,11 +89,20 @@ pub struct GroupsPlan {
     pub tokens: u32,
 }
 
+/// The dtypes of a deployment: the KV cache's (`--dtype`), the conv state's
+/// (`--mamba-cache-dtype`) and the SSM state's (`--mamba-ssm-cache-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateDtypes {
+    pub conv: Dtype,
+    pub ssm: Dtype,
+}
+
 /// The name a part's dtype goes by.
-fn dtype_name(bytes: UnitBytes, cache: Dtype, state: Dtype) -> String {
+fn dtype_name(bytes: UnitBytes, cache: Dtype, states: StateDtypes) -> String {
     match bytes {
         UnitBytes::Cache(_) => cache.to_string(),
-        UnitBytes::State(_) => state.to_string(),
+        UnitBytes::Conv(_) => states.conv.to_string(),
+        UnitBytes::State(_) => states.ssm.to_string(),
         UnitBytes::Fixed(_) => "fp8+fp32_scales".into(),
         UnitBytes::MlaLatent { .. } if cache.bytes() == 1 => "fp8_ds_mla".into(),
         UnitBytes::MlaLatent { .. } => cache.to_string(),
@@ -119,19 +130,17 @@ pub fn window_tokens(tokens: u32, window: u32, prefill_page: u32, decode_page: u
 
 impl GroupsPlan {
     /// Checks every part's units against both TP sizes: by section 3 (the library), and for the
-    /// parts engines split only evenly, `units % tp == 0`. Every problem is reported.
+    /// parts engines split only evenly, `units % tp == 0`. Every problem is reported. A conv
+    /// state keeps `kernel - 1 + num_spec` time steps.
     pub fn new(
         facts: &ModelFacts,
         layout: &Layout,
-        ssm_dtype: Dtype,
+        states: StateDtypes,
         tokens: u32,
+        num_spec: u32,
     ) -> Result<GroupsPlan, LayoutError> {
         let (p_size, d_size) = (layout.prefill_tp(), layout.decode_tp());
-        let dtypes = Dtypes {
-            cache: u64::from(layout.dtype.bytes()),
-            cache_is_fp8: layout.dtype.bytes() == 1,
-            state: u64::from(ssm_dtype.bytes()),
-        };
+        let dtypes = Dtypes::of(layout.dtype, states.conv, states.ssm);
         let mut problems = Vec::new();
         let mut groups = Vec::new();
         for group in &facts.groups {
@@ -176,12 +185,13 @@ impl GroupsPlan {
             let dtype_names = group
                 .parts
                 .iter()
-                .map(|p| dtype_name(p.bytes, layout.dtype, ssm_dtype))
+                .map(|p| dtype_name(p.bytes, layout.dtype, states))
                 .collect();
             groups.push(GroupSetup {
                 group: group.clone(),
                 parts,
                 tokens_moved,
+                steps: group.steps(num_spec),
                 dtype_names,
             });
         }
@@ -226,7 +236,8 @@ impl GroupsPlan {
         let mut counts: Vec<(u32, Vec<String>)> = Vec::new();
         for setup in &self.groups {
             for p in &setup.parts {
-                let name = format!("{} {}", setup.group.name, p.part.name);
+                // `full_attention kv heads`, `conv_state B groups`: what the units are.
+                let name = format!("{} {} {}s", setup.group.name, p.part.name, p.part.unit);
                 match counts.iter_mut().find(|(units, _)| *units == p.part.units) {
                     Some((_, names)) => names.push(name),
                     None => counts.push((p.part.units, vec![name])),
@@ -296,7 +307,8 @@ impl GroupsPlan {
                 };
                 make(units, tp, rank, paging.page_size, setup.unit_bytes)
             }
-            Storage::Slot { steps } => {
+            Storage::Slot { .. } => {
+                let steps = g.steps.expect("a slot has time steps");
                 mori_tp::Layout::nhd(units, tp, rank, 1, setup.unit_bytes * u64::from(steps))
             }
         }
@@ -325,7 +337,10 @@ impl GroupsPlan {
                 Some(moved),
                 moved * g.tokens_moved.expect("paged groups move tokens"),
             ),
-            Storage::Slot { steps } => (None, moved * u64::from(steps)),
+            Storage::Slot { .. } => (
+                None,
+                moved * u64::from(g.steps.expect("a slot has time steps")),
+            ),
         };
         let sent_by = if pairing.action == Action::NotPaired {
             0
@@ -483,10 +498,93 @@ fn bytes_text(per_token: Option<u64>, per_request: u64, tokens: u32, moved: Opti
     }
 }
 
+/// A run of consecutive prefill ranks whose pairs with one decode rank only skip, each the same
+/// units of the same parts for the same senders: what the text prints on one line and the JSON
+/// writes as one `replicas` entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaRun {
+    pub decode_rank: u32,
+    pub prefill_ranks: Range<u32>,
+    /// Each skipped part: its index, the units, the prefill rank that sends them.
+    pub parts: Vec<(usize, Range<u32>, u32)>,
+}
+
+/// The runs of skipping pairs among a decode rank's pairs (in prefill rank order). Pairs that
+/// send some part are not in a run; their skipped parts go with them.
+pub fn replica_runs(rank: &GroupRank) -> Vec<ReplicaRun> {
+    let mut runs: Vec<ReplicaRun> = Vec::new();
+    for pair in &rank.pairs {
+        if pair.parts.iter().any(|p| p.action == Action::Send) {
+            continue;
+        }
+        let parts: Vec<(usize, Range<u32>, u32)> = pair
+            .parts
+            .iter()
+            .map(|p| (p.part, p.shared.clone(), p.sent_by))
+            .collect();
+        match runs.last_mut() {
+            Some(run) if run.prefill_ranks.end == pair.prefill_rank && run.parts == parts => {
+                run.prefill_ranks.end += 1;
+            }
+            _ => runs.push(ReplicaRun {
+                decode_rank: rank.decode_rank,
+                prefill_ranks: pair.prefill_rank..pair.prefill_rank + 1,
+                parts,
+            }),
+        }
+    }
+    runs
+}
+
+/// `prefill rank 3 skips B group 0 (replica: prefill rank 0 sends it)`, `prefill ranks 1-7 skip
+/// B group 0, C group 0 (replicas: prefill rank 0 sends them)`.
+fn skips_text(
+    setup: &GroupSetup,
+    ranks: &Range<u32>,
+    parts: &[(usize, Range<u32>, u32)],
+) -> String {
+    let who = if ranks.len() == 1 {
+        format!("prefill rank {} skips", ranks.start)
+    } else {
+        format!("prefill ranks {}-{} skip", ranks.start, ranks.end - 1)
+    };
+    let replicas = if ranks.len() == 1 {
+        "replica"
+    } else {
+        "replicas"
+    };
+    let units: Vec<String> = parts
+        .iter()
+        .map(|(i, units, _)| units_text(&setup.parts[*i].part, units))
+        .collect();
+    let senders: Vec<u32> = parts.iter().map(|&(_, _, s)| s).collect();
+    if senders.iter().all(|&s| s == senders[0]) {
+        format!(
+            "{who} {} ({replicas}: prefill rank {} sends {})",
+            units.join(", "),
+            senders[0],
+            if units.len() == 1 { "it" } else { "them" }
+        )
+    } else {
+        let each: Vec<String> = units
+            .iter()
+            .zip(&senders)
+            .map(|(u, s)| format!("prefill rank {s} sends {u}"))
+            .collect();
+        format!(
+            "{who} {} ({replicas}: {})",
+            units.join(", "),
+            each.join(", ")
+        )
+    }
+}
+
 impl GroupsPlan {
     /// The groups for people: each group's layers, storage and parts, then every decode rank's
-    /// senders (replicas that skip included) and the bytes of each pair and of the rank.
-    pub fn write_text(&self, out: &mut dyn std::io::Write) -> Result<(), crate::plan::Failure> {
+    /// senders and the bytes of each pair and of the rank; the replicas that skip are condensed
+    /// as the main plan condenses them (consecutive prefill ranks that skip the same units for
+    /// the same senders on one line).
+    pub fn write_text(&self, out: &mut dyn std::io::Write) -> Result<(), Failure> {
         use std::fmt::Write as _;
         let fail = |e: mori_tp::Error| LayoutError {
             summary: "a group's pair:".into(),
@@ -510,12 +608,18 @@ impl GroupsPlan {
         for (g, setup) in self.groups.iter().enumerate() {
             let group = &setup.group;
             let mut text = String::new();
-            let storage = match group.storage {
-                Storage::Paged { window: None } => "paged".to_string(),
-                Storage::Paged { window: Some(w) } => {
+            let storage = match (group.storage, setup.steps) {
+                (Storage::Paged { window: None }, _) => "paged".to_string(),
+                (Storage::Paged { window: Some(w) }, _) => {
                     format!("paged, the last {w} tokens (sliding_window)")
                 }
-                Storage::Slot { steps } => format!(
+                (Storage::Slot { steps: base }, Some(steps)) if steps != base => format!(
+                    "one slot per request of {steps} time steps ({base} + {} speculative \
+                     token{})",
+                    steps - base,
+                    if steps - base == 1 { "" } else { "s" }
+                ),
+                (Storage::Slot { steps }, _) => format!(
                     "one slot per request of {steps} time step{}",
                     if steps == 1 { "" } else { "s" }
                 ),
@@ -595,6 +699,9 @@ impl GroupsPlan {
                     rank.decode_rank,
                     owned.join(", ")
                 );
+                // Sending pairs one by one, each with the parts it skips; then the runs of pairs
+                // that only skip.
+                let mut mixed: Vec<ReplicaRun> = Vec::new();
                 for pair in &rank.pairs {
                     let sends: Vec<String> = pair
                         .parts
@@ -605,30 +712,46 @@ impl GroupsPlan {
                             units_text(part, &(p.first_unit..p.first_unit + p.num_units))
                         })
                         .collect();
-                    if !sends.is_empty() {
-                        let (t, r) = pair_bytes(pair);
-                        let _ = writeln!(
-                            text,
-                            "    prefill rank {} sends {}: {}",
-                            pair.prefill_rank,
-                            sends.join(", "),
-                            bytes_text(t, r, self.tokens, setup.tokens_moved)
-                        );
+                    if sends.is_empty() {
+                        continue;
                     }
-                    for p in pair
+                    let (t, r) = pair_bytes(pair);
+                    let _ = writeln!(
+                        text,
+                        "    prefill rank {} sends {}: {}",
+                        pair.prefill_rank,
+                        sends.join(", "),
+                        bytes_text(t, r, self.tokens, setup.tokens_moved)
+                    );
+                    let skipped: Vec<(usize, Range<u32>, u32)> = pair
                         .parts
                         .iter()
                         .filter(|p| p.action == Action::SkipReplica)
-                    {
-                        let part = &setup.parts[p.part].part;
-                        let _ = writeln!(
-                            text,
-                            "    prefill rank {} skips {} (replica: prefill rank {} sends it)",
-                            pair.prefill_rank,
-                            units_text(part, &p.shared),
-                            p.sent_by
-                        );
+                        .map(|p| (p.part, p.shared.clone(), p.sent_by))
+                        .collect();
+                    if skipped.is_empty() {
+                        continue;
                     }
+                    match mixed.last_mut() {
+                        Some(run)
+                            if run.prefill_ranks.end == pair.prefill_rank
+                                && run.parts == skipped =>
+                        {
+                            run.prefill_ranks.end += 1;
+                        }
+                        _ => mixed.push(ReplicaRun {
+                            decode_rank: rank.decode_rank,
+                            prefill_ranks: pair.prefill_rank..pair.prefill_rank + 1,
+                            parts: skipped,
+                        }),
+                    }
+                }
+                for run in mixed.iter().chain(&replica_runs(&rank)) {
+                    let _ = writeln!(
+                        text,
+                        "    {}",
+                        skips_text(setup, &run.prefill_ranks, &run.parts)
+                    );
                 }
                 let _ = writeln!(
                     text,
@@ -647,8 +770,10 @@ impl GroupsPlan {
     }
 
     /// The groups as the value of the plan's `"groups"` field: one object per group, its pairs
-    /// one per line, streamed as they are computed.
-    pub fn write_json(&self, out: &mut dyn std::io::Write) -> Result<(), crate::plan::Failure> {
+    /// that send one per line (each with every part it shares, those it skips included), then
+    /// its `replicas`: the runs of pairs that only skip, condensed as [`replica_runs`] makes
+    /// them; streamed as they are computed.
+    pub fn write_json(&self, out: &mut dyn std::io::Write) -> Result<(), Failure> {
         use serde_json::{Value, json};
         let fail = |e: mori_tp::Error| LayoutError {
             summary: "a group's pair:".into(),
@@ -658,9 +783,9 @@ impl GroupsPlan {
         out.write_all(b"[")?;
         for (g, setup) in self.groups.iter().enumerate() {
             let group = &setup.group;
-            let (storage, window, steps) = match group.storage {
-                Storage::Paged { window } => ("paged", window, None),
-                Storage::Slot { steps } => ("slot", None, Some(steps)),
+            let (storage, window) = match group.storage {
+                Storage::Paged { window } => ("paged", window),
+                Storage::Slot { .. } => ("slot", None),
             };
             let parts: Vec<Value> = setup
                 .parts
@@ -684,7 +809,7 @@ impl GroupsPlan {
                 "buffers_per_layer": group.buffers_per_layer,
                 "storage": storage,
                 "window": window,
-                "slot_steps": steps,
+                "slot_steps": setup.steps,
                 "tokens_moved": setup.tokens_moved,
                 "parts": parts,
             });
@@ -697,10 +822,14 @@ impl GroupsPlan {
                 &head[..head.len() - 1]
             )?;
             let mut ranks = Vec::new();
+            let mut runs = Vec::new();
             let mut first = true;
             for rank in self.ranks(g) {
                 let rank = rank.map_err(fail)?;
                 for pair in &rank.pairs {
+                    if !pair.parts.iter().any(|p| p.action == Action::Send) {
+                        continue;
+                    }
                     let (t, r) = pair_bytes(pair);
                     let parts: Vec<Value> = pair
                         .parts
@@ -730,6 +859,24 @@ impl GroupsPlan {
                     write!(out, "{}      {value}", if first { "\n" } else { ",\n" })?;
                     first = false;
                 }
+                for run in replica_runs(&rank) {
+                    let parts: Vec<Value> = run
+                        .parts
+                        .iter()
+                        .map(|(i, shared, sent_by)| {
+                            json!({
+                                "part": setup.parts[*i].part.name,
+                                "shared_units": range(shared),
+                                "sent_by": sent_by,
+                            })
+                        })
+                        .collect();
+                    runs.push(json!({
+                        "decode_rank": run.decode_rank,
+                        "prefill_ranks": range(&run.prefill_ranks),
+                        "parts": parts,
+                    }));
+                }
                 let owned: serde_json::Map<String, Value> = setup
                     .parts
                     .iter()
@@ -742,6 +889,10 @@ impl GroupsPlan {
                     "bytes_per_token": rank.bytes_per_token,
                     "bytes_per_request": rank.bytes_per_request,
                 }));
+            }
+            out.write_all(b"\n    ],\n    \"replicas\": [")?;
+            for (i, run) in runs.iter().enumerate() {
+                write!(out, "{}      {run}", if i == 0 { "\n" } else { ",\n" })?;
             }
             out.write_all(b"\n    ],\n    \"decode_ranks\": [")?;
             for (i, rank) in ranks.iter().enumerate() {

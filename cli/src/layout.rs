@@ -7,7 +7,10 @@ use mori_tp::{
     Error, PairConfig, Side, SliceConfig, SliceParams, Topology, TpSide, pair_config, slice_config,
 };
 
-use crate::model::{Dtype, Model};
+use std::io;
+
+use crate::dtype::Dtype;
+use crate::model::Model;
 
 /// The largest TP size `mori-tp` accepts on either side. Output grows with the pairs that share
 /// heads (up to P x D for MLA), so a bound keeps every command's time and memory bounded: at
@@ -134,6 +137,25 @@ impl std::fmt::Display for LayoutError {
             write!(f, "\n  {}", problem.message)?;
         }
         Ok(())
+    }
+}
+
+/// Why writing a plan (or its groups) stopped.
+#[derive(Debug)]
+pub enum Failure {
+    Layout(LayoutError),
+    Io(io::Error),
+}
+
+impl From<LayoutError> for Failure {
+    fn from(e: LayoutError) -> Self {
+        Failure::Layout(e)
+    }
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        Failure::Io(e)
     }
 }
 

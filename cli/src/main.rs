@@ -4,7 +4,10 @@
 //! Every slice, plan and copy comes from the library's Rust API; this binary only chooses the
 //! model, formats and verifies.
 
+mod config;
+mod dtype;
 mod facts;
+mod fields;
 mod group_plan;
 mod layout;
 mod model;
@@ -20,11 +23,12 @@ use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
 
+use crate::config::read_config;
+use crate::dtype::{DTYPE_SPELLINGS, Dtype, DtypeArg, parse_dtype};
+use crate::facts::SsmDefault;
+use crate::group_plan::StateDtypes;
 use crate::layout::{Layout, LayoutError, MAX_TP_SIZE, PageOrder, Paging};
-use crate::model::{
-    Attention, Dtype, DtypeArg, Model, ModelChoice, PRESETS, parse_dtype, parse_model,
-    preset_by_name, read_config,
-};
+use crate::model::{Attention, Model, ModelChoice, PRESETS, parse_model, preset_by_name};
 use crate::simulate::BackendArg;
 
 /// The deployment `mori-tp` (and every command) uses when told nothing else.
@@ -55,13 +59,16 @@ Examples:
   mori-tp plan --model meta-llama/Llama-3.1-8B-Instruct --prefill-tp 2 --decode-tp 8 --svg l.svg
   mori-tp plan --config path/to/model-dir --prefill-tp 8 --decode-tp 2 --json
   mori-tp plan --config cli/configs/nemotron-h-8b-base-8k --prefill-tp 2 --decode-tp 4
+  mori-tp plan --config cli/configs/qwen3-next-80b-a3b --prefill-tp 2 --decode-tp 4 \
+      --dtype fp8 --num-speculative-tokens 2
   mori-tp simulate --model deepseek-v3 --prefill-tp 8 --decode-tp 4 --page-size 64
   mori-tp simulate --model llama-3.1-8b --prefill-tp 8 --decode-tp 2 --prefill-layout hnd \
       --decode-layout nhd --prefill-page-size 16 --decode-page-size 64 --tokens 1000
 
 Exit status: 0 success; 1 simulate found a wrong byte (or a copy failed); 2 bad usage or an
 unreadable config.json; 3 the layout cannot work (the message names the values and the nearest
-valid TP sizes); 4 the requested copy backend cannot run on this machine.";
+valid TP sizes); 4 the requested copy backend cannot run on this machine. A closed stdout or
+stderr (`mori-tp plan | head`) changes none of these: what cannot be written is dropped.";
 
 #[derive(Parser, Debug)]
 #[command(name = "mori-tp", version, about = ABOUT, long_about = LONG_ABOUT, after_help = AFTER_HELP)]
@@ -151,6 +158,16 @@ fn whole_number(
     }
 }
 
+/// [`whole_number`] for `u32` arguments from `min` to `max`.
+fn whole_number_u32(
+    what: &'static str,
+    min: u32,
+    max: u32,
+) -> impl Fn(&str) -> Result<u32, String> + Clone + Send + Sync + 'static {
+    let parse = whole_number(what, u64::from(min), u64::from(max));
+    move |text: &str| parse(text).map(|n| n as u32)
+}
+
 /// [`whole_number`] for `u32` arguments.
 fn count(
     what: &'static str,
@@ -210,8 +227,9 @@ struct DeploymentArgs {
     )]
     head_dim: Option<u32>,
 
-    /// With --kv-heads 1: the model caches one MLA latent per layer instead of K and V
-    #[arg(long, requires = "kv_heads", help_heading = "Model")]
+    /// With --kv-heads 1 --head-dim N (a model described by hand): the model caches one MLA
+    /// latent per layer instead of K and V (presets and configs know their attention already)
+    #[arg(long, help_heading = "Model")]
     mla: bool,
 
     /// Number of layers; overrides the preset's or config's [default with --kv-heads: 1, with a
@@ -225,10 +243,11 @@ struct DeploymentArgs {
     )]
     layers: Option<u32>,
 
-    /// Element type of the KV cache (both engines), as mori-tp, PyTorch, vLLM or SGLang spell
-    /// it: bf16 (bfloat16), fp16 (float16, half), fp8, fp8_e4m3 (float8_e4m3fn, ..fnuz),
-    /// fp8_e5m2 (float8_e5m2), fp32 (float32, float), or auto: the config.json's torch_dtype
-    /// [default: auto with --config, else bf16]
+    /// Element type of the KV cache (both engines; vLLM's --kv-cache-dtype), as mori-tp,
+    /// PyTorch, vLLM or SGLang spell it: bf16 (bfloat16), fp16 (float16, half), fp8, fp8_e4m3
+    /// (float8_e4m3fn, ..fnuz), fp8_e5m2 (float8_e5m2), fp32 (float32, float), or auto: the
+    /// config.json's torch_dtype. Mamba2 and Gated DeltaNet states keep their own dtypes
+    /// (--mamba-cache-dtype, --mamba-ssm-cache-dtype) [default: auto with --config, else bf16]
     #[arg(
         long,
         value_name = "DTYPE",
@@ -237,17 +256,44 @@ struct DeploymentArgs {
     )]
     dtype: Option<DtypeArg>,
 
-    /// Element type of Mamba2 SSM and Gated DeltaNet recurrent states (models read with
-    /// --config that keep them) [default: the config's mamba_ssm_cache_dtype or mamba_ssm_dtype,
-    /// else --dtype, with a note: vLLM keeps them in the model's dtype unless
-    /// --mamba-ssm-cache-dtype says otherwise, SGLang in fp32 unless SGLANG_MAMBA_SSM_DTYPE does]
+    /// Element type of Mamba2 and Gated DeltaNet conv states, as vLLM's --mamba-cache-dtype
+    /// (models read with --config that keep them) [default: auto, the model's dtype (the
+    /// config's torch_dtype, else bf16), never the KV cache's; SGLang keeps them in bf16 unless
+    /// SGLANG_MAMBA_CONV_DTYPE says otherwise]
     #[arg(
         long,
         value_name = "DTYPE",
         value_parser = parse_dtype,
         help_heading = "Layout"
     )]
-    ssm_dtype: Option<DtypeArg>,
+    mamba_cache_dtype: Option<DtypeArg>,
+
+    /// Element type of Mamba2 SSM and Gated DeltaNet recurrent states, as vLLM's
+    /// --mamba-ssm-cache-dtype (also spelled --ssm-dtype) [default: auto, as vLLM chooses: the
+    /// config's mamba_ssm_cache_dtype or mamba_ssm_dtype, else fp32 for Nemotron-H, else the conv
+    /// state's dtype; SGLang keeps them in fp32 unless SGLANG_MAMBA_SSM_DTYPE or the config's
+    /// mamba_ssm_dtype says otherwise]
+    #[arg(
+        long,
+        visible_alias = "ssm-dtype",
+        value_name = "DTYPE",
+        value_parser = parse_dtype,
+        help_heading = "Layout"
+    )]
+    mamba_ssm_cache_dtype: Option<DtypeArg>,
+
+    /// Speculative tokens the engines run with (vLLM's --speculative-config
+    /// num_speculative_tokens, such as Qwen3-Next's MTP): vLLM keeps a Mamba2 or Gated DeltaNet
+    /// conv state of conv_kernel - 1 + N time steps (SGLang keeps them apart: give 0 for SGLang)
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        allow_negative_numbers = true,
+        value_parser = whole_number_u32("a speculative token count", 0, 1 << 16),
+        help_heading = "Layout"
+    )]
+    num_speculative_tokens: u32,
 
     /// Tokens per KV-cache page, both engines [default: 1]
     #[arg(
@@ -280,21 +326,23 @@ struct DeploymentArgs {
     )]
     decode_page_size: Option<u32>,
 
-    /// Page layout of the prefill engine
+    /// Page layout of the prefill engine, in any case (vLLM writes HND)
     #[arg(
         long,
         value_name = "LAYOUT",
         value_enum,
+        ignore_case = true,
         default_value_t = PageOrder::Nhd,
         help_heading = "Layout"
     )]
     prefill_layout: PageOrder,
 
-    /// Page layout of the decode engine
+    /// Page layout of the decode engine, in any case
     #[arg(
         long,
         value_name = "LAYOUT",
         value_enum,
+        ignore_case = true,
         default_value_t = PageOrder::Nhd,
         help_heading = "Layout"
     )]
@@ -346,16 +394,18 @@ struct PlanArgs {
     /// "both", "staging_bytes_per_request", "segments_per_buffer",
     /// "direct_segments_per_buffer", "segments_per_request", "direct_segments_per_request" (per
     /// buffer times the request's buffers), and both ranks' layouts], "decode_ranks": [one per decode
-    /// rank]}; with --config also "groups": [every group of layers, its parts, and what each
-    /// pair and decode rank moves of it]. Head ranges are half-open [first, end):
+    /// rank]}; with --config (or a preset of several groups) also "groups": [every group of
+    /// layers, its parts, its pairs that send, its "replicas" (runs of prefill ranks that only
+    /// skip) and what each decode rank receives of it]. Head ranges are half-open [first, end):
     /// "shared_heads": [2, 4] means heads 2 and 3. On a layout that cannot work, prints
     /// {"error": {...}} instead, with the same exit status.
     #[arg(long)]
     json: bool,
 
-    /// Also draw the layout as an SVG picture into FILE: prefill ranks p0.. and decode ranks
-    /// d0.. with their heads, an arrow per sending pair labelled with its heads, replicas that
-    /// skip as dashed lines (readable up to TP 32 a side; drawn up to 128)
+    /// Also draw the layout as an SVG picture into FILE (`-`: to stdout, instead of the plan):
+    /// prefill ranks p0.. and decode ranks d0.. with their heads, an arrow per sending pair
+    /// labelled with its heads, replicas that skip as dashed lines (readable up to TP 32 a side;
+    /// drawn up to 128)
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
 }
@@ -494,11 +544,11 @@ impl From<LayoutError> for Failure {
     }
 }
 
-impl From<plan::Failure> for Failure {
-    fn from(e: plan::Failure) -> Self {
+impl From<layout::Failure> for Failure {
+    fn from(e: layout::Failure) -> Self {
         match e {
-            plan::Failure::Layout(e) => Failure::Layout(e),
-            plan::Failure::Io(e) => Failure::Output(e),
+            layout::Failure::Layout(e) => Failure::Layout(e),
+            layout::Failure::Io(e) => Failure::Output(e),
         }
     }
 }
@@ -506,6 +556,29 @@ impl From<plan::Failure> for Failure {
 impl DeploymentArgs {
     /// The model, and notes about assumptions made for it.
     fn model(&self, notes: &mut Vec<String>) -> Result<Model, Failure> {
+        if self.mla && self.kv_heads.is_none() {
+            let given = match (&self.model, &self.config) {
+                (Some(choice), _) => Some(format!(
+                    "--model {} already says its attention ({})",
+                    choice.typed,
+                    choice.preset.attention.label()
+                )),
+                (None, Some(path)) => Some(format!(
+                    "--config {} says its attention from its config.json (kv_lora_rank for MLA)",
+                    path.display()
+                )),
+                (None, None) => None,
+            };
+            return Err(Failure::Usage(match given {
+                Some(given) => format!(
+                    "--mla describes a model given by hand (--kv-heads 1 --head-dim N --mla); \
+                     {given}: leave out --mla"
+                ),
+                None => "--mla describes a model given by hand: add --kv-heads 1 and --head-dim \
+                         N (kv_lora_rank + qk_rope_head_dim, 576 for DeepSeek-V3)"
+                    .into(),
+            }));
+        }
         let mut model = if let Some(path) = &self.config {
             read_config(path).map_err(Failure::Usage)?
         } else if let (Some(kv_heads), Some(head_dim)) = (self.kv_heads, self.head_dim) {
@@ -583,41 +656,66 @@ impl DeploymentArgs {
         Ok(model)
     }
 
-    /// The dtype of SSM and recurrent states: --ssm-dtype, else the config's, else the cache's
-    /// (with a note saying so).
-    fn ssm_dtype(
-        &self,
-        model: &Model,
-        cache: Dtype,
-        notes: &mut Vec<String>,
-    ) -> Result<Dtype, Failure> {
-        let Some(facts) = model.facts.as_ref().filter(|f| f.has_state()) else {
-            return Ok(cache);
+    /// The conv state's and the SSM state's dtypes, as vLLM chooses them: the conv state in
+    /// --mamba-cache-dtype, else the model's dtype (never the KV cache's); the SSM state in
+    /// --mamba-ssm-cache-dtype, else the config's, else fp32 for Nemotron-H, else the conv
+    /// state's. A default that differs from what SGLang would choose gets a note.
+    fn state_dtypes(&self, model: &Model, notes: &mut Vec<String>) -> Result<StateDtypes, Failure> {
+        let model_dtype = match model.torch_dtype.as_deref().map(Dtype::parse) {
+            Some(Some(dtype)) => dtype,
+            _ => Dtype::Bf16,
         };
-        let from_config = facts.ssm_dtype.as_deref();
-        match (self.ssm_dtype, from_config) {
-            (Some(DtypeArg::Is(dtype)), _) => Ok(dtype),
-            (_, Some(text)) => Dtype::parse(text).ok_or_else(|| {
+        let Some(facts) = model.facts.as_ref().filter(|f| f.has_state()) else {
+            return Ok(StateDtypes {
+                conv: model_dtype,
+                ssm: model_dtype,
+            });
+        };
+        let conv = match self.mamba_cache_dtype {
+            Some(DtypeArg::Is(dtype)) => dtype,
+            Some(DtypeArg::Auto) | None => model_dtype,
+        };
+        let ssm = match (self.mamba_ssm_cache_dtype, facts.ssm_default()) {
+            (Some(DtypeArg::Is(dtype)), _) => dtype,
+            (_, SsmDefault::Config(field, text)) => Dtype::parse(&text).ok_or_else(|| {
                 Failure::Usage(format!(
-                    "{}'s SSM state dtype \"{text}\" is not one mori-tp knows; give --ssm-dtype \
-                     ({})",
+                    "{}'s {field} \"{text}\" is not a dtype mori-tp knows; give \
+                     --mamba-ssm-cache-dtype ({DTYPE_SPELLINGS})",
                     model.name,
-                    model::DTYPE_SPELLINGS
                 ))
-            }),
-            (Some(DtypeArg::Auto), None) | (None, None) => {
-                notes.push(format!(
-                    "{}'s config names no SSM state dtype: its states are taken as {cache}, the \
-                     cache's (vLLM's default; SGLang keeps them in fp32): give --ssm-dtype to \
-                     say which",
-                    model.name
-                ));
-                Ok(cache)
-            }
+            })?,
+            (_, SsmDefault::NemotronH) => Dtype::Fp32,
+            (_, SsmDefault::Conv) => conv,
+        };
+        if self.mamba_cache_dtype.is_none() || self.mamba_ssm_cache_dtype.is_none() {
+            let ssm_from = match facts.ssm_default() {
+                SsmDefault::Config(field, _) => format!("the config's {field}"),
+                SsmDefault::NemotronH => "vLLM's Nemotron-H default".into(),
+                SsmDefault::Conv => "the conv state's".into(),
+            };
+            notes.push(format!(
+                "{}'s states are taken as vLLM keeps them: conv state {conv}{}, SSM state \
+                 {ssm}{}; SGLang keeps the conv state in bf16 and the SSM state in fp32 (or the \
+                 config's mamba_ssm_dtype): give --mamba-cache-dtype and \
+                 --mamba-ssm-cache-dtype to say which",
+                model.name,
+                if self.mamba_cache_dtype.is_none() {
+                    " (the model's dtype)".to_string()
+                } else {
+                    String::new()
+                },
+                if self.mamba_ssm_cache_dtype.is_none() {
+                    format!(" ({ssm_from})")
+                } else {
+                    String::new()
+                },
+            ));
         }
+        Ok(StateDtypes { conv, ssm })
     }
 
-    /// The plan of every group, for a model read from a config.json.
+    /// The plan of every group, for a model read from a config.json or a preset of several
+    /// groups: the checks `plan` and `simulate` share.
     fn groups(
         &self,
         layout: &Layout,
@@ -626,12 +724,20 @@ impl DeploymentArgs {
         let Some(facts) = &layout.model.facts else {
             return Ok(None);
         };
-        let ssm = self.ssm_dtype(&layout.model, layout.dtype, notes)?;
+        let states = self.state_dtypes(&layout.model, notes)?;
+        if self.num_speculative_tokens > 0 && !facts.groups.iter().any(|g| g.name == "conv_state") {
+            notes.push(format!(
+                "--num-speculative-tokens {} changes only a conv state's time steps, and {} has \
+                 none",
+                self.num_speculative_tokens, layout.model.name
+            ));
+        }
         Ok(Some(group_plan::GroupsPlan::new(
             facts,
             layout,
-            ssm,
+            states,
             self.tokens,
+            self.num_speculative_tokens,
         )?))
     }
 
@@ -653,8 +759,7 @@ impl DeploymentArgs {
                 None => Err(Failure::Usage(format!(
                     "--dtype auto: {}'s torch_dtype \"{text}\" is not a KV-cache dtype; name one: \
                      {}",
-                    model.name,
-                    model::DTYPE_SPELLINGS
+                    model.name, DTYPE_SPELLINGS
                 ))),
             },
             (None, None) => Ok(Dtype::Bf16),
@@ -719,6 +824,8 @@ fn presets(json: bool) -> String {
                     "layers": p.layers,
                     "attention": p.attention.label(),
                     "buffers_per_layer": p.attention.buffers_per_layer(),
+                    "sliding_window": p.sliding_window,
+                    "layer_kinds": p.layers_text(),
                 })
             })
             .collect();
@@ -735,20 +842,35 @@ fn presets(json: bool) -> String {
             " (K and V)"
         };
         out += &format!(
-            "{:<16} {:>8} {:>8} {:>6}  {}{note}\n",
+            "{:<16} {:>8} {:>8} {:>6}  {}{note}; {}\n",
             p.name,
             p.kv_heads,
             p.head_dim,
             p.layers,
-            p.attention.label()
+            p.attention.label(),
+            p.layers_text()
         );
     }
     out += "\nA TP size works for a model if it divides the KV heads or is a multiple of them.\n\
-            --model also takes these models' Hugging Face ids (meta-llama/Llama-3.1-8B-Instruct).\n";
+            --model also takes these models' Hugging Face ids (meta-llama/Llama-3.1-8B-Instruct).\n\
+            Models with state slots (Mamba2, Gated DeltaNet) or an indexer are read from their\n\
+            config.json with --config; cli/configs in mori-tp's source tree ships:\n";
+    for (dir, what) in model::SHIPPED_CONFIGS {
+        out += &format!("  cli/configs/{dir:<24} {what}\n");
+    }
     out
 }
 
 fn plan(args: &PlanArgs, out: &mut dyn Write, notes: &mut Vec<String>) -> Result<(), Failure> {
+    // `--svg -` writes the picture to stdout instead of the plan.
+    let svg_to_stdout = args.svg.as_deref() == Some(std::path::Path::new("-"));
+    if svg_to_stdout && args.json {
+        return Err(Failure::Usage(
+            "--svg - writes the picture to stdout, where --json writes the plan: give --svg a \
+             file, or leave out --json"
+                .into(),
+        ));
+    }
     let layout = args.deployment.layout(notes)?;
     let tokens = args.deployment.tokens;
     let groups = args.deployment.groups(&layout, notes)?;
@@ -766,6 +888,9 @@ fn plan(args: &PlanArgs, out: &mut dyn Write, notes: &mut Vec<String>) -> Result
             svg::Refusal::Layout(e) => Failure::Layout(e),
             svg::Refusal::TooLarge(message) => Failure::Usage(message),
         })?;
+        if svg_to_stdout {
+            return out.write_all(picture.as_bytes()).map_err(Failure::Output);
+        }
         std::fs::write(path, picture)
             .map_err(|e| Failure::Usage(format!("cannot write {}: {e}", path.display())))?;
         notes.push(format!("drew the layout into {}", path.display()));
@@ -787,9 +912,12 @@ fn simulate(
     notes: &mut Vec<String>,
 ) -> Result<(), Failure> {
     let layout = args.deployment.layout(notes)?;
+    // The checks `plan` applies to every group (TP sizes the engines cannot split a part by),
+    // so that `simulate` never says OK for a deployment `plan` refuses.
+    args.deployment.groups(&layout, &mut Vec::new())?;
     if let Some(facts) = layout.model.facts.as_ref().filter(|f| f.is_hybrid()) {
         notes.push(format!(
-            "simulate moves {}'s {} group ({} of its {} layers); `plan --config` lists every group",
+            "simulate moves {}'s {} group ({} of its {} layers); `plan` lists every group",
             layout.model.name,
             facts.main_group().name,
             layout.model.layers,
@@ -836,6 +964,12 @@ fn broken_pipe(failure: &Failure) -> bool {
     matches!(failure, Failure::Output(e) if e.kind() == io::ErrorKind::BrokenPipe)
 }
 
+/// Writes a line to stderr, dropping it when stderr is closed: a note or an error message that
+/// cannot be read must not turn the documented exit status into a panic.
+fn to_stderr(line: &str) {
+    let _ = writeln!(io::stderr().lock(), "{line}");
+}
+
 fn main() -> ExitCode {
     let command = match Cli::try_parse() {
         Ok(cli) => cli.command.unwrap_or_else(|| {
@@ -859,9 +993,11 @@ fn main() -> ExitCode {
                     "kind": "usage",
                     "message": message.trim_end(),
                 }});
-                println!("{value:#}");
+                let _ = writeln!(io::stdout().lock(), "{value:#}");
             }
-            error.exit();
+            // clap's own printing ignores a closed stream; its exit status is 2 for usage.
+            let _ = error.print();
+            return ExitCode::from(u8::try_from(error.exit_code()).unwrap_or(2));
         }
     };
     let stdout = io::stdout();
@@ -870,7 +1006,7 @@ fn main() -> ExitCode {
     let result =
         run(&command, &mut out, &mut notes).and_then(|()| out.flush().map_err(Failure::Output));
     for note in &notes {
-        eprintln!("note: {note}");
+        to_stderr(&format!("note: {note}"));
     }
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -882,7 +1018,7 @@ fn main() -> ExitCode {
                 let _ = writeln!(out, "{:#}", failure.json());
             }
             let _ = out.flush();
-            eprintln!("error: {}", failure.message());
+            to_stderr(&format!("error: {}", failure.message()));
             ExitCode::from(failure.exit_status())
         }
     }

@@ -2,12 +2,8 @@
 //! given on the command line. Only the figures that shape the KV cache matter here: KV heads,
 //! head dimension, layers, and whether attention keeps K and V or one MLA latent per layer.
 
-use std::fmt;
-use std::path::Path;
-
-use serde_json::{Map, Value};
-
-use crate::facts::{Dtypes, KvShape, ModelFacts, UnitBytes};
+use crate::dtype::Dtype;
+use crate::facts::{Dtypes, Group, ModelFacts, Part, Storage, UnitBytes};
 
 /// How a model stores its KV cache, as far as the transfer is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,7 +38,7 @@ impl Attention {
     }
 
     /// The label for a model with separate K and V, from its query and KV head counts.
-    fn of_heads(query_heads: Option<u32>, kv_heads: u32) -> Attention {
+    pub fn of_heads(query_heads: Option<u32>, kv_heads: u32) -> Attention {
         match query_heads {
             None => Attention::KeyValue,
             Some(_) if kv_heads == 1 => Attention::Mqa,
@@ -79,11 +75,9 @@ impl Model {
     /// facts say (DeepSeek V3.2's fp8 latent is 656 B, not 576).
     pub fn bytes_per_head(&self, dtype: Dtype) -> u64 {
         match &self.facts {
-            Some(facts) => facts.main_group().parts[0].bytes.bytes(Dtypes {
-                cache: u64::from(dtype.bytes()),
-                cache_is_fp8: dtype.bytes() == 1,
-                state: u64::from(dtype.bytes()),
-            }),
+            Some(facts) => facts.main_group().parts[0]
+                .bytes
+                .bytes(Dtypes::of(dtype, dtype, dtype)),
             None => u64::from(self.head_dim) * u64::from(dtype.bytes()),
         }
     }
@@ -95,14 +89,78 @@ pub struct Preset {
     pub name: &'static str,
     pub kv_heads: u32,
     pub head_dim: u32,
+    /// Every layer of the model.
     pub layers: u32,
     pub attention: Attention,
+    /// For a model whose layers alternate sliding-window and full attention (layer `i` slides
+    /// when `i` is even, transformers' `GptOssConfig`): the window in tokens. None: full
+    /// attention on every layer.
+    pub sliding_window: Option<u32>,
+}
+
+impl Preset {
+    /// Its layers' kinds in words: `every layer full attention`, or the split of a
+    /// sliding-window model.
+    pub fn layers_text(&self) -> String {
+        match self.sliding_window {
+            None => "full attention on every layer".into(),
+            Some(window) => format!(
+                "{} full-attention layers and {} sliding-window layers of {window} tokens",
+                self.layers / 2,
+                self.layers - self.layers / 2
+            ),
+        }
+    }
+
+    /// Its groups of layers, for a preset that is not full attention on every layer: what
+    /// `plan --config` would derive from the model's config.json.
+    fn facts(&self) -> Option<ModelFacts> {
+        let window = self.sliding_window?;
+        let group = |name, what, layers: Vec<u32>, window| Group {
+            name,
+            what,
+            layers,
+            buffers_per_layer: 2,
+            storage: Storage::Paged { window },
+            parts: vec![Part {
+                name: "kv",
+                unit: "head",
+                units: self.kv_heads,
+                bytes: UnitBytes::Cache(u64::from(self.head_dim)),
+                must_divide: false,
+            }],
+        };
+        Some(ModelFacts {
+            family: "sliding_window",
+            total_layers: self.layers,
+            groups: vec![
+                group(
+                    "full_attention",
+                    "K and V of every token",
+                    (1..self.layers).step_by(2).collect(),
+                    None,
+                ),
+                group(
+                    "sliding_attention",
+                    "K and V of the last sliding_window tokens",
+                    (0..self.layers).step_by(2).collect(),
+                    Some(window),
+                ),
+            ],
+            ssm_dtype: None,
+            architectures: Vec::new(),
+        })
+    }
 }
 
 /// The built-in models. Every figure comes from the model's public Hugging Face `config.json`:
 /// `num_key_value_heads`, `head_dim` (or `hidden_size / num_attention_heads` where the config
 /// has no `head_dim`), `num_hidden_layers`; GLM-4 from `multi_query_group_num`, `kv_channels`,
 /// `num_layers`; DeepSeek-V3 from `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (one latent head).
+/// Every preset is full attention on every layer but gpt-oss-120b, which carries its
+/// sliding-window layers (`sliding_window`); the hybrid models with state slots (Qwen3-Next,
+/// Nemotron-H, DeepSeek V3.2's indexer) are read from their config.json (`--config`;
+/// `cli/configs` ships some, and `--model` names them in its tips).
 pub const PRESETS: &[Preset] = &[
     // meta-llama/Llama-3.1-8B: hidden 4096 / 32 heads, 8 KV heads, 32 layers.
     preset("llama-3.1-8b", 8, 128, 32, Attention::Gqa),
@@ -122,8 +180,15 @@ pub const PRESETS: &[Preset] = &[
     preset("mixtral-8x7b", 8, 128, 32, Attention::Gqa),
     // THUDM/glm-4-9b: multi_query_group_num 2, kv_channels 128, num_layers 40.
     preset("glm-4-9b", 2, 128, 40, Attention::Gqa),
-    // openai/gpt-oss-120b: head_dim 64, 8 KV heads, 36 layers.
-    preset("gpt-oss-120b", 8, 64, 36, Attention::Gqa),
+    // openai/gpt-oss-120b: head_dim 64, 8 KV heads, 36 layers alternating sliding-window (even
+    // layers) and full attention, sliding_window 128: huggingface/transformers'
+    // `GptOssConfig` (src/transformers/models/gpt_oss/configuration_gpt_oss.py, commit
+    // 02b8f42b), whose defaults are gpt-oss-120b's (36 layers, 128 experts) and whose
+    // `layer_types` default slides on layer `i` when `(i + 1) % 2` is 1.
+    Preset {
+        sliding_window: Some(128),
+        ..preset("gpt-oss-120b", 8, 64, 36, Attention::Gqa)
+    },
     // deepseek-ai/DeepSeek-V3: kv_lora_rank 512 + qk_rope_head_dim 64, 61 layers.
     preset("deepseek-v3", 1, 576, 61, Attention::Mla),
 ];
@@ -141,6 +206,7 @@ const fn preset(
         head_dim,
         layers,
         attention,
+        sliding_window: None,
     }
 }
 
@@ -217,8 +283,29 @@ pub struct ModelChoice {
     pub typed: String,
 }
 
+/// The configs that ship with mori-tp (`cli/configs/NAME/config.json` in its source tree), by
+/// directory name, with what they hold: `--model` points to them rather than to a preset of
+/// another shape. `cli/tests/cli.rs` checks this list against the directory.
+pub const SHIPPED_CONFIGS: &[(&str, &str)] = &[
+    ("deepseek-v3.2", "MLA and the sparse-attention indexer"),
+    ("gemma-3-270m", "full and sliding-window attention"),
+    ("gpt-oss-20b", "full and sliding-window attention"),
+    ("llama-3.1-8b", "dense attention"),
+    ("nemotron-h-8b-base-8k", "Mamba2 and attention"),
+    ("qwen3-next-80b-a3b", "full attention and Gated DeltaNet"),
+];
+
+/// The shipped config a model name stands for, with the typed name's candidates.
+pub fn shipped_config(text: &str) -> Option<&'static (&'static str, &'static str)> {
+    let names = candidates(text);
+    SHIPPED_CONFIGS
+        .iter()
+        .find(|(dir, _)| names.iter().any(|n| n == dir))
+}
+
 /// Parses `--model`: a preset name in any case, a Hugging Face id of a preset's model or of one
-/// of its fine-tunes, or an alias. Unknown names get the closest preset as a tip.
+/// of its fine-tunes, or an alias. Unknown names get a tip: the config mori-tp ships for the
+/// model, else the closest preset.
 pub fn parse_model(text: &str) -> Result<ModelChoice, String> {
     let names = candidates(text);
     for name in &names {
@@ -232,6 +319,13 @@ pub fn parse_model(text: &str) -> Result<ModelChoice, String> {
                 typed: text.trim().to_string(),
             });
         }
+    }
+    if let Some((dir, what)) = shipped_config(text) {
+        return Err(format!(
+            "no built-in model is called that, but mori-tp ships its config.json ({what}): pass \
+             --config cli/configs/{dir} (in mori-tp's source tree), which plans every group of \
+             its state"
+        ));
     }
     let name = names.last().expect("at least the name itself");
     let elsewhere = "describe it with --config (its config.json or its directory) or with \
@@ -275,418 +369,27 @@ pub fn parse_model(text: &str) -> Result<ModelChoice, String> {
 }
 
 impl From<&Preset> for Model {
+    /// The preset's model; one with groups describes its main group (full attention): `layers`
+    /// counts that group's layers, as a model read from a config.json does.
     fn from(p: &Preset) -> Self {
+        let facts = p.facts();
         Model {
             name: p.name.to_string(),
             kv_heads: p.kv_heads,
             head_dim: p.head_dim,
-            layers: p.layers,
+            layers: facts
+                .as_ref()
+                .map_or(p.layers, |f| f.main_group().layers.len() as u32),
             attention: p.attention,
             torch_dtype: None,
-            facts: None,
+            facts,
         }
     }
-}
-
-/// Element type of the KV cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dtype {
-    Bf16,
-    Fp16,
-    /// An 8-bit float whose format was not named.
-    Fp8,
-    Fp8E4m3,
-    Fp8E5m2,
-    Fp32,
-}
-
-/// What `--dtype` says: a type, or `auto` (the model's own, from its config.json).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DtypeArg {
-    Auto,
-    Is(Dtype),
-}
-
-/// The spellings `--dtype` accepts, for messages and help.
-pub const DTYPE_SPELLINGS: &str = "bf16 (bfloat16), fp16 (float16, half), fp8, fp8_e4m3 \
-                                   (float8_e4m3fn, fp8_e4m3fnuz), fp8_e5m2 (float8_e5m2), fp32 \
-                                   (float32, float) or auto";
-
-impl Dtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> u32 {
-        match self {
-            Dtype::Bf16 | Dtype::Fp16 => 2,
-            Dtype::Fp8 | Dtype::Fp8E4m3 | Dtype::Fp8E5m2 => 1,
-            Dtype::Fp32 => 4,
-        }
-    }
-
-    /// A dtype as mori-tp, PyTorch (`torch.bfloat16`, `float8_e4m3fn`), vLLM and SGLang
-    /// (`--dtype half`, `--kv-cache-dtype fp8_e5m2`) spell it, in any case.
-    pub fn parse(text: &str) -> Option<Dtype> {
-        let lower = text.trim().to_ascii_lowercase();
-        let name = lower.strip_prefix("torch.").unwrap_or(&lower);
-        Some(match name {
-            "bf16" | "bfloat16" => Dtype::Bf16,
-            "fp16" | "float16" | "half" | "f16" => Dtype::Fp16,
-            "fp8" | "float8" => Dtype::Fp8,
-            // The "fn" and "fnuz" (AMD) variants differ in NaN and zero encodings, not in size.
-            "fp8_e4m3" | "fp8e4m3" | "e4m3" | "float8_e4m3fn" | "fp8_e4m3fn"
-            | "float8_e4m3fnuz" | "fp8_e4m3fnuz" => Dtype::Fp8E4m3,
-            "fp8_e5m2" | "fp8e5m2" | "e5m2" | "float8_e5m2" | "float8_e5m2fnuz"
-            | "fp8_e5m2fnuz" => Dtype::Fp8E5m2,
-            "fp32" | "float32" | "float" | "f32" => Dtype::Fp32,
-            _ => return None,
-        })
-    }
-}
-
-/// Parses `--dtype`.
-pub fn parse_dtype(text: &str) -> Result<DtypeArg, String> {
-    if text.trim().eq_ignore_ascii_case("auto") {
-        return Ok(DtypeArg::Auto);
-    }
-    Dtype::parse(text)
-        .map(DtypeArg::Is)
-        .ok_or_else(|| format!("not a KV-cache dtype mori-tp knows; use one of {DTYPE_SPELLINGS}"))
-}
-
-impl fmt::Display for Dtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::Fp16 => "fp16",
-            Dtype::Fp8 => "fp8",
-            Dtype::Fp8E4m3 => "fp8_e4m3",
-            Dtype::Fp8E5m2 => "fp8_e5m2",
-            Dtype::Fp32 => "fp32",
-        })
-    }
-}
-
-/// Reads a positive integer field; a missing or `null` field is `None`.
-pub(crate) fn positive(obj: &Map<String, Value>, key: &str) -> Result<Option<u32>, String> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(value) => match value.as_u64().and_then(|n| u32::try_from(n).ok()) {
-            Some(n) if n > 0 => Ok(Some(n)),
-            _ => Err(format!(
-                "`{key}` is {value}, expected a positive integer below 2^32"
-            )),
-        },
-    }
-}
-
-pub(crate) fn required(obj: &Map<String, Value>, key: &str, why: &str) -> Result<u32, String> {
-    positive(obj, key)?.ok_or_else(|| format!("`{key}` is missing ({why})"))
-}
-
-/// `hidden_size / num_attention_heads`, the head dimension of configs without `head_dim`.
-pub(crate) fn head_dim_from_hidden(
-    obj: &Map<String, Value>,
-    fallback_for: &str,
-) -> Result<u32, String> {
-    let why = format!("needed to derive the head dimension without `{fallback_for}`");
-    let hidden = required(obj, "hidden_size", &why)?;
-    let heads = required(obj, "num_attention_heads", &why)?;
-    if hidden % heads != 0 {
-        return Err(format!(
-            "`hidden_size` {hidden} is not a multiple of `num_attention_heads` {heads}, so the \
-             head dimension is unclear; add `{fallback_for}` to the config"
-        ));
-    }
-    Ok(hidden / heads)
-}
-
-/// Reads a model's `config.json`, or the one inside a model directory (a Hugging Face snapshot or
-/// checkout); the model is named by the path as given.
-pub fn read_config(path: &Path) -> Result<Model, String> {
-    let name = path.display().to_string();
-    let file = if path.is_dir() {
-        let file = path.join("config.json");
-        if !file.is_file() {
-            return Err(format!(
-                "{name} is a directory without a config.json (give the model's directory or its \
-                 config.json)"
-            ));
-        }
-        file
-    } else {
-        path.to_path_buf()
-    };
-    let text = std::fs::read_to_string(&file)
-        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
-    from_config_json(&text, &name)
-}
-
-/// Reads the KV-cache shape from the text of a Hugging Face `config.json`.
-///
-/// - MLA (DeepSeek) when `kv_lora_rank` is present: one latent head of
-///   `kv_lora_rank + qk_rope_head_dim` elements per layer, no separate V (its
-///   `num_key_value_heads` describes the attention computation, not the cache, and is ignored).
-/// - GLM (ChatGLM, GLM-4): `multi_query_group_num` KV heads (when `multi_query_attention` is not
-///   false) of `kv_channels` elements.
-/// - Otherwise `num_key_value_heads`, else `num_attention_heads`; `head_dim`, else
-///   `kv_channels`, else `hidden_size / num_attention_heads`.
-///
-/// Layers are `num_hidden_layers` (GLM: `num_layers`). Multimodal configs that keep the language
-/// model under `text_config` are read from there.
-pub fn from_config_json(text: &str, name: &str) -> Result<Model, String> {
-    let root: Value =
-        serde_json::from_str(text).map_err(|e| format!("{name} is not valid JSON: {e}"))?;
-    let parse = || -> Result<Model, String> {
-        let mut obj = root
-            .as_object()
-            .ok_or("the top level is not a JSON object")?;
-        let has_layers = |o: &Map<String, Value>| {
-            o.get("num_hidden_layers").is_some() || o.get("num_layers").is_some()
-        };
-        if !has_layers(obj) {
-            if let Some(text_config) = obj.get("text_config").and_then(Value::as_object) {
-                obj = text_config;
-            }
-        }
-        // transformers 4.56 renamed torch_dtype to dtype; multimodal configs may keep it at the top.
-        let torch_dtype = [obj, root.as_object().expect("checked above")]
-            .iter()
-            .flat_map(|o| [o.get("torch_dtype"), o.get("dtype")])
-            .flatten()
-            .find_map(Value::as_str)
-            .map(str::to_string);
-        let layers = match positive(obj, "num_hidden_layers")? {
-            Some(n) => n,
-            None => required(obj, "num_layers", "and so is `num_hidden_layers`")?,
-        };
-        let query_heads = positive(obj, "num_attention_heads")?;
-
-        if let Some(rank) = positive(obj, "kv_lora_rank")? {
-            let rope = required(
-                obj,
-                "qk_rope_head_dim",
-                "an MLA model (it has `kv_lora_rank`) caches kv_lora_rank + qk_rope_head_dim",
-            )?;
-            let head_dim = rank
-                .checked_add(rope)
-                .ok_or("kv_lora_rank + qk_rope_head_dim overflows 32 bits")?;
-            let model = Model {
-                name: name.to_string(),
-                kv_heads: 1,
-                head_dim,
-                layers,
-                attention: Attention::Mla,
-                torch_dtype,
-                facts: None,
-            };
-            return with_facts(obj, model, Some((rank, rope)));
-        }
-
-        let glm_groups = positive(obj, "multi_query_group_num")?;
-        let multi_query = obj.get("multi_query_attention").and_then(Value::as_bool);
-        if let (Some(groups), true) = (glm_groups, multi_query != Some(false)) {
-            let head_dim = match positive(obj, "kv_channels")? {
-                Some(d) => d,
-                None => head_dim_from_hidden(obj, "kv_channels")?,
-            };
-            let model = Model {
-                name: name.to_string(),
-                kv_heads: groups,
-                head_dim,
-                layers,
-                attention: Attention::of_heads(query_heads, groups),
-                torch_dtype,
-                facts: None,
-            };
-            return with_facts(obj, model, None);
-        }
-
-        let kv_heads = match positive(obj, "num_key_value_heads")? {
-            Some(h) => h,
-            None => required(
-                obj,
-                "num_attention_heads",
-                "and so is `num_key_value_heads`: the KV head count is unknown",
-            )?,
-        };
-        let head_dim = match positive(obj, "head_dim")? {
-            Some(d) => d,
-            // GLM names it kv_channels.
-            None => match positive(obj, "kv_channels")? {
-                Some(d) => d,
-                // Nemotron-H names it attention_head_dim.
-                None => match positive(obj, "attention_head_dim")? {
-                    Some(d) => d,
-                    None => head_dim_from_hidden(obj, "head_dim")?,
-                },
-            },
-        };
-        let model = Model {
-            name: name.to_string(),
-            kv_heads,
-            head_dim,
-            layers,
-            attention: Attention::of_heads(query_heads, kv_heads),
-            torch_dtype,
-            facts: None,
-        };
-        with_facts(obj, model, None)
-    };
-    parse().map_err(|e| format!("{name}: {e}"))
-}
-
-/// `model` with its facts (`crate::facts::derive`); a model of several groups describes its main
-/// group: that group's KV heads, head dimension and layer count.
-fn with_facts(
-    obj: &Map<String, Value>,
-    mut model: Model,
-    mla: Option<(u32, u32)>,
-) -> Result<Model, String> {
-    let kv = KvShape {
-        kv_heads: model.kv_heads,
-        head_dim: model.head_dim,
-        layers: model.layers,
-        mla,
-    };
-    let facts = crate::facts::derive(obj, &kv)?;
-    if facts.is_hybrid() {
-        let main = facts.main_group();
-        let part = &main.parts[0];
-        model.kv_heads = part.units;
-        model.head_dim = match part.bytes {
-            UnitBytes::Cache(elements) | UnitBytes::State(elements) => elements as u32,
-            UnitBytes::MlaLatent { rank, rope } => (rank + rope) as u32,
-            UnitBytes::Fixed(bytes) => bytes as u32,
-        };
-        model.layers = main.layers.len() as u32;
-    }
-    model.facts = Some(facts);
-    Ok(model)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn parse(text: &str) -> Result<Model, String> {
-        from_config_json(text, "config.json")
-    }
-
-    #[test]
-    fn gqa_config_without_head_dim_derives_it_from_hidden_size() {
-        // The shape of Llama-3.1-8B's config.
-        let m = parse(
-            r#"{"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
-                "num_key_value_heads": 8, "num_hidden_layers": 32, "head_dim": null}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            (m.kv_heads, m.head_dim, m.layers, m.attention),
-            (8, 128, 32, Attention::Gqa)
-        );
-    }
-
-    #[test]
-    fn an_explicit_head_dim_wins_over_hidden_size() {
-        // Qwen3 and gpt-oss state head_dim, which differs from hidden_size / heads.
-        let m = parse(
-            r#"{"hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
-                "head_dim": 64, "num_hidden_layers": 36}"#,
-        )
-        .unwrap();
-        assert_eq!((m.kv_heads, m.head_dim, m.layers), (8, 64, 36));
-    }
-
-    #[test]
-    fn a_config_without_kv_heads_is_multi_head_attention() {
-        let m =
-            parse(r#"{"hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12}"#)
-                .unwrap();
-        assert_eq!(
-            (m.kv_heads, m.head_dim, m.attention),
-            (12, 64, Attention::Mha)
-        );
-    }
-
-    #[test]
-    fn mla_caches_one_latent_head_and_ignores_num_key_value_heads() {
-        // The shape of DeepSeek-V3's config: 128 KV heads in attention, one latent in the cache.
-        let m = parse(
-            r#"{"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128,
-                "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-                "v_head_dim": 128, "num_hidden_layers": 61}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            (m.kv_heads, m.head_dim, m.layers, m.attention),
-            (1, 576, 61, Attention::Mla)
-        );
-        assert_eq!(m.attention.buffers_per_layer(), 1);
-    }
-
-    #[test]
-    fn mla_without_rope_dim_is_refused_by_name() {
-        let err = parse(r#"{"kv_lora_rank": 512, "num_hidden_layers": 61}"#).unwrap_err();
-        assert!(err.contains("qk_rope_head_dim"), "{err}");
-    }
-
-    #[test]
-    fn glm_reads_query_groups_kv_channels_and_num_layers() {
-        // The shape of GLM-4-9B's config.
-        let m = parse(
-            r#"{"hidden_size": 4096, "num_attention_heads": 32, "multi_query_attention": true,
-                "multi_query_group_num": 2, "kv_channels": 128, "num_layers": 40}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            (m.kv_heads, m.head_dim, m.layers, m.attention),
-            (2, 128, 40, Attention::Gqa)
-        );
-    }
-
-    #[test]
-    fn glm_with_multi_query_off_has_one_kv_head_per_query_head() {
-        let m = parse(
-            r#"{"hidden_size": 4096, "num_attention_heads": 32, "multi_query_attention": false,
-                "multi_query_group_num": 2, "kv_channels": 128, "num_layers": 28}"#,
-        )
-        .unwrap();
-        assert_eq!((m.kv_heads, m.head_dim), (32, 128));
-    }
-
-    #[test]
-    fn a_multimodal_config_is_read_from_its_text_config() {
-        let m = parse(
-            r#"{"model_type": "llava", "vision_config": {"hidden_size": 1024},
-                "text_config": {"hidden_size": 4096, "num_attention_heads": 32,
-                                "num_key_value_heads": 8, "num_hidden_layers": 32}}"#,
-        )
-        .unwrap();
-        assert_eq!((m.kv_heads, m.head_dim, m.layers), (8, 128, 32));
-    }
-
-    #[test]
-    fn missing_or_malformed_fields_are_named() {
-        let err = parse(r#"{"num_attention_heads": 32, "hidden_size": 4096}"#).unwrap_err();
-        assert!(
-            err.contains("num_layers") && err.contains("missing"),
-            "{err}"
-        );
-        let err = parse(
-            r#"{"num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": -8,
-                "head_dim": 64}"#,
-        )
-        .unwrap_err();
-        assert!(
-            err.contains("num_key_value_heads") && err.contains("-8"),
-            "{err}"
-        );
-        let err =
-            parse(r#"{"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 100}"#)
-                .unwrap_err();
-        assert!(err.contains("100") && err.contains('3'), "{err}");
-        assert!(parse("{not json").unwrap_err().contains("not valid JSON"));
-        assert!(parse("[1, 2]").unwrap_err().contains("not a JSON object"));
-    }
 
     #[test]
     fn preset_names_are_unique() {

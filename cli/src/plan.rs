@@ -15,7 +15,7 @@ use mori_tp::{
 };
 use serde_json::{Value, json};
 
-use crate::layout::{Layout, LayoutError, grouped, heads_text, human_bytes};
+use crate::layout::{Failure, Layout, LayoutError, grouped, heads_text, human_bytes};
 use crate::model::Attention;
 
 /// The most pages a side may have for `plan` to count segments: each side's page list is held
@@ -457,27 +457,16 @@ pub fn write_json(
     Ok(())
 }
 
-/// Why writing a plan stopped.
-#[derive(Debug)]
-pub enum Failure {
-    Layout(LayoutError),
-    Io(io::Error),
-}
-
-impl From<LayoutError> for Failure {
-    fn from(e: LayoutError) -> Self {
-        Failure::Layout(e)
-    }
-}
-
-impl From<io::Error> for Failure {
-    fn from(e: io::Error) -> Self {
-        Failure::Io(e)
-    }
+/// What follows the header about a model of several groups: `plan` prints every group below
+/// it, `simulate` moves the main group only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OtherGroups {
+    Below,
+    NotSimulated,
 }
 
 /// The model and both sides, in a few lines (shared with `simulate`).
-pub fn header(layout: &Layout) -> String {
+pub fn header(layout: &Layout, others: OtherGroups) -> String {
     let m = &layout.model;
     let storage = if m.attention.buffers_per_layer() == 1 {
         "one latent buffer per layer"
@@ -491,10 +480,16 @@ pub fn header(layout: &Layout) -> String {
     };
     let layers = match &m.facts {
         Some(facts) if facts.is_hybrid() => format!(
-            "{} of {} layers (the {} group; all groups below)",
+            "{} of {} layers (the {} group; {})",
             m.layers,
             facts.total_layers,
-            facts.main_group().name
+            facts.main_group().name,
+            match others {
+                OtherGroups::Below => "all groups below",
+                OtherGroups::NotSimulated =>
+                    "`plan` lists every group, this simulation moves \
+                                            this one",
+            }
         ),
         _ => format!("{} layer{}", m.layers, if m.layers == 1 { "" } else { "s" }),
     };
@@ -678,7 +673,7 @@ pub fn write_text(layout: &Layout, tokens: u32, out: &mut dyn Write) -> Result<(
         }
     }
     let total = u64::from(layout.prefill_tp()) * u64::from(layout.decode_tp());
-    out.write_all(header(layout).as_bytes())?;
+    out.write_all(header(layout, OtherGroups::Below).as_bytes())?;
     out.write_all(request_text(layout, tokens).as_bytes())?;
     writeln!(
         out,

@@ -195,10 +195,30 @@ impl<'a> Simulation<'a> {
                 + 2 * src_bytes.max(dst_bytes));
         let most_pages = worst(src_pages.max(dst_pages));
         if memory > u128::from(MEMORY_LIMIT) || most_pages > i32::MAX as u128 {
+            // Pages are allocated whole: a page larger than the request is the cause, whatever
+            // the token count.
+            let page = |paging: &crate::layout::Paging| u64::from(paging.page_size);
+            let oversized: Vec<String> = [
+                ("prefill", &layout.prefill_paging),
+                ("decode", &layout.decode_paging),
+            ]
+            .iter()
+            .filter(|(_, paging)| page(paging) > tokens)
+            .map(|(side, paging)| format!("{side} pages of {} tokens", grouped(page(paging))))
+            .collect();
+            let lower = if oversized.is_empty() {
+                "lower --tokens, --layers-limit or the TP sizes".to_string()
+            } else {
+                format!(
+                    "the page size is the cause: every buffer holds whole pages, and the \
+                     {} are larger than the request; lower --page-size (or \
+                     --prefill-page-size, --decode-page-size)",
+                    oversized.join(" and ")
+                )
+            };
             return Err(SimError::TooLarge(format!(
                 "simulating {} tokens over {layers} layers of {} prefill and {} decode ranks could \
-                 need up to {} of host memory (limit {}); lower --tokens, --layers-limit or the \
-                 TP sizes",
+                 need up to {} of host memory (limit {}); {lower}",
                 options.tokens,
                 layout.prefill_tp(),
                 layout.decode_tp(),
@@ -625,7 +645,7 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
         layout.prefill_tp(),
         layout.decode_tp()
     );
-    out += &crate::plan::header(layout);
+    out += &crate::plan::header(layout, crate::plan::OtherGroups::NotSimulated);
     if let Some(note) = layout_note(layout) {
         out += &labelled("note:", &note);
     }
@@ -795,8 +815,9 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::Dtype;
     use crate::layout::{PageOrder, Paging};
-    use crate::model::{Dtype, preset_by_name};
+    use crate::model::preset_by_name;
 
     fn deployment(model: &str, prefill: Paging, decode: Paging, p: u32, d: u32) -> Layout {
         let model = preset_by_name(model).expect("a preset").into();

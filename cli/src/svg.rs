@@ -116,7 +116,7 @@ pub fn render(layout: &Layout, tokens: u32) -> Result<String, Refusal> {
         layout.prefill_tp(),
         layout.decode_tp()
     );
-    let (body, total_height) = panel(layout, tokens, "", &title, None)?;
+    let (body, total_height) = panel(layout, tokens, "", &title, None, "KV head")?;
     let mut svg = String::new();
     open_svg(&mut svg, total_height);
     svg += &body;
@@ -145,14 +145,16 @@ fn open_svg(svg: &mut String, total_height: f64) {
 }
 
 /// One panel per kind of sharding of a model of several groups: the parts whose unit counts are
-/// equal move alike, so each count gets one panel, captioned with the groups and parts it stands
-/// for, stacked from the top. Ids inside panel `i` start with `g{i}-`.
+/// equal move alike, so each count gets one panel, titled with the model's name and captioned
+/// with the groups and parts it stands for (their units: KV heads, Mamba or DeltaNet heads,
+/// groups, records), stacked from the top. Ids inside panel `i` start with `g{i}-`.
 pub fn render_groups(panels: &[(String, Layout)], tokens: u32) -> Result<String, Refusal> {
     let mut bodies = Vec::new();
     let mut y = 0.0;
     for (i, (caption, layout)) in panels.iter().enumerate() {
         let title = format!(
-            "{caption}: prefill TP {} \u{2192} decode TP {}",
+            "{}: {caption}: prefill TP {} \u{2192} decode TP {}",
+            layout.model.name,
             layout.prefill_tp(),
             layout.decode_tp()
         );
@@ -161,7 +163,14 @@ pub fn render_groups(panels: &[(String, Layout)], tokens: u32) -> Result<String,
             "Units are the parts' global indices ({units} of them): h2\u{2013}3 means units 2 and \
              3 (the JSON plan writes [2, 4])."
         );
-        let (body, height) = panel(layout, tokens, &format!("g{i}-"), &title, Some(&footer))?;
+        let (body, height) = panel(
+            layout,
+            tokens,
+            &format!("g{i}-"),
+            &title,
+            Some(&footer),
+            "unit",
+        )?;
         bodies.push((y, height, body));
         y += height;
     }
@@ -183,13 +192,15 @@ pub fn render_groups(panels: &[(String, Layout)], tokens: u32) -> Result<String,
 
 /// The picture of one layout without the document around it: its background, title, ranks and
 /// arrows, and its height. Element ids start with `prefix`; `footer` replaces the first line
-/// under the ranks.
+/// under the ranks; `unit` is what the layout's "heads" are (`KV head`, or `unit` for a panel
+/// of a model's parts).
 fn panel(
     layout: &Layout,
     tokens: u32,
     prefix: &str,
     title: &str,
     footer: Option<&str>,
+    unit: &str,
 ) -> Result<(String, f64), Refusal> {
     let (p_size, d_size) = (layout.prefill_tp(), layout.decode_tp());
     if p_size.max(d_size) > MAX_SVG_TP {
@@ -251,8 +262,8 @@ fn panel(
         escape(title)
     );
     let subtitle = format!(
-        "{} KV head{} \u{00b7} {sends} sending pair{} (arrows, labelled with the heads they move) \
-         \u{00b7} {skips} replica pair{} skip (dashed)",
+        "{} {unit}{} \u{00b7} {sends} sending pair{} (arrows, labelled with the {unit}s they \
+         move) \u{00b7} {skips} replica pair{} skip (dashed)",
         model.kv_heads,
         if model.kv_heads == 1 { "" } else { "s" },
         if sends == 1 { "" } else { "s" },
@@ -404,7 +415,7 @@ fn panel(
     let _ = writeln!(
         svg,
         "<text x=\"{MARGIN}\" y=\"{:.1}\" font-size=\"11\" fill=\"#666\">Dashed: a replica \
-         that holds the heads but skips them, because another prefill rank sends them.</text>",
+         that holds the {unit}s but skips them, because another prefill rank sends them.</text>",
         TOP + height + 44.0
     );
     if let Some(caption) = layouts {

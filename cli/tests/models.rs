@@ -111,6 +111,26 @@ const DEPLOYMENTS: &[(u32, u32, u32, &[&str])] = &[
         ],
     ),
     (8, 1, 130, &["--dtype", "fp8", "--ssm-dtype", "fp32"]),
+    // An fp8 KV cache with the states in their defaults (the model's dtype for the conv state).
+    (
+        2,
+        4,
+        500,
+        &["--dtype", "fp8", "--num-speculative-tokens", "2"],
+    ),
+    (
+        4,
+        8,
+        33,
+        &[
+            "--mamba-cache-dtype",
+            "fp32",
+            "--mamba-ssm-cache-dtype",
+            "bf16",
+            "--num-speculative-tokens",
+            "1",
+        ],
+    ),
     (
         2,
         2,
@@ -139,7 +159,10 @@ for d in json.loads(sys.argv[2]):
                                ssm_dtype=d.get("ssm_dtype"), prefill_layout=d["prefill_layout"],
                                decode_layout=d["decode_layout"],
                                prefill_page_size=d["prefill_page_size"],
-                               decode_page_size=d["decode_page_size"]))
+                               decode_page_size=d["decode_page_size"],
+                               mamba_cache_dtype=d.get("mamba_cache_dtype"),
+                               mamba_ssm_cache_dtype=d.get("mamba_ssm_cache_dtype"),
+                               num_spec=d["num_spec"]))
     except Exception as error:  # the refusal, whichever class: compared with the exit status
         out.append({"refused": str(error)})
 print(json.dumps(out))
@@ -162,11 +185,85 @@ fn python_args(p: u32, d: u32, tokens: u32, flags: &[&str]) -> Value {
         "p": p, "d": d, "tokens": tokens,
         "dtype": flag("--dtype"),
         "ssm_dtype": flag("--ssm-dtype"),
+        "mamba_cache_dtype": flag("--mamba-cache-dtype"),
+        "mamba_ssm_cache_dtype": flag("--mamba-ssm-cache-dtype"),
+        "num_spec": flag("--num-speculative-tokens").map_or(0, |n| n.parse::<u64>().unwrap()),
         "prefill_layout": flag("--prefill-layout").unwrap_or("nhd".into()),
         "decode_layout": flag("--decode-layout").unwrap_or("nhd".into()),
         "prefill_page_size": page("prefill"),
         "decode_page_size": page("decode"),
     })
+}
+
+/// Python's plan of each deployment of `config` (a path from the repository root).
+fn python_plans(config: &str, deployments: &[(u32, u32, u32, &[&str])]) -> Vec<Value> {
+    let args: Vec<Value> = deployments
+        .iter()
+        .map(|&(p, d, tokens, flags)| python_args(p, d, tokens, flags))
+        .collect();
+    let out = Command::new("python3")
+        .args(["-c", PYTHON, config, &Value::Array(args).to_string()])
+        .current_dir(repository())
+        .env("PYTHONPATH", repository().join("python"))
+        .env("MORI_TP_LIBRARY", built_library())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "python3 failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Plans each deployment of `config` with the CLI and with Python and requires the two to agree
+/// (or both to refuse); returns the CLI's plans of the deployments both took.
+fn cli_and_python_agree(config: &str, deployments: &[(u32, u32, u32, &[&str])]) -> Vec<Value> {
+    let python = python_plans(config, deployments);
+    let mut plans = Vec::new();
+    for (&(p, d, tokens, flags), python) in deployments.iter().zip(&python) {
+        let (p_text, d_text, n_text) = (p.to_string(), d.to_string(), tokens.to_string());
+        let mut args = vec![
+            "plan",
+            "--config",
+            config,
+            "--json",
+            "--prefill-tp",
+            &p_text,
+            "--decode-tp",
+            &d_text,
+            "--tokens",
+            &n_text,
+        ];
+        args.extend_from_slice(flags);
+        let out = mori_tp(&args);
+        let what = format!("{config} {args:?}");
+        if out.status.code() == Some(3) {
+            // A TP size one of the model's parts cannot take: Python refuses it too.
+            assert!(
+                python.get("refused").is_some(),
+                "{what}: only the CLI refused"
+            );
+            continue;
+        }
+        assert!(
+            out.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cli: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(
+            python.get("refused").is_none(),
+            "{what}: Python refused: {python}"
+        );
+        assert_eq!(
+            &cli["groups"], python,
+            "{what}: the CLI and Python disagree"
+        );
+        plans.push(cli);
+    }
+    plans
 }
 
 #[test]
@@ -194,74 +291,125 @@ fn python_and_the_cli_derive_the_same_groups_for_every_shipped_config() {
             "no shipped config of {family}: {families:?}"
         );
     }
-    let library = built_library();
     let mut compared = 0;
     for name in &configs {
-        let path = format!("cli/configs/{name}");
-        let args: Vec<Value> = DEPLOYMENTS
-            .iter()
-            .map(|&(p, d, tokens, flags)| python_args(p, d, tokens, flags))
-            .collect();
-        let out = Command::new("python3")
-            .args(["-c", PYTHON, &path, &Value::Array(args).to_string()])
-            .current_dir(repository())
-            .env("PYTHONPATH", repository().join("python"))
-            .env("MORI_TP_LIBRARY", &library)
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .output()
-            .expect("python3 runs");
-        assert!(
-            out.status.success(),
-            "python3 failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let python: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
-        for (&(p, d, tokens, flags), python) in DEPLOYMENTS.iter().zip(&python) {
-            let (p_text, d_text, n_text) = (p.to_string(), d.to_string(), tokens.to_string());
-            let mut args = vec![
-                "plan",
-                "--config",
-                &path,
-                "--json",
-                "--prefill-tp",
-                &p_text,
-                "--decode-tp",
-                &d_text,
-                "--tokens",
-                &n_text,
-            ];
-            args.extend_from_slice(flags);
-            let out = mori_tp(&args);
-            let what = format!("{name} {args:?}");
-            if out.status.code() == Some(3) {
-                // A TP size one of the model's parts cannot take: Python refuses it too.
-                assert!(
-                    python.get("refused").is_some(),
-                    "{what}: only the CLI refused"
-                );
-                continue;
-            }
-            assert!(
-                out.status.success(),
-                "{what}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let cli: Value = serde_json::from_slice(&out.stdout).unwrap();
-            assert!(
-                python.get("refused").is_none(),
-                "{what}: Python refused: {python}"
-            );
-            assert_eq!(
-                &cli["groups"], python,
-                "{what}: the CLI and Python disagree"
-            );
-            compared += 1;
-        }
+        compared += cli_and_python_agree(&format!("cli/configs/{name}"), DEPLOYMENTS).len();
     }
     assert!(
         compared >= 3 * configs.len(),
         "only {compared} plans were compared"
     );
+}
+
+/// Mamba2 models of one group (`n_groups` 1), in the three spellings mori-tp reads: Falcon-H1
+/// (transformers' `FalconH1Config`: attention and Mamba2 on every layer; the 0.5B model's figures
+/// in transformers' Falcon-H1 documentation), Granite-4.0-H (`GraniteMoeHybridConfig`:
+/// `layer_types`, `mamba_d_head` auto; shaped as Granite-4.0-H-Tiny) and Nemotron-H (the shipped
+/// 8B config with one group).
+fn one_group_configs() -> Vec<(&'static str, Value)> {
+    let granite_layers: Vec<&str> = (0..40)
+        .map(|i| {
+            if [5, 15, 25, 35].contains(&i) {
+                "attention"
+            } else {
+                "mamba"
+            }
+        })
+        .collect();
+    let mut nemotron = config("nemotron-h-8b-base-8k");
+    nemotron["n_groups"] = json!(1);
+    vec![
+        (
+            "falcon-h1",
+            json!({
+                "model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"],
+                "num_hidden_layers": 36, "hidden_size": 1024, "num_attention_heads": 8,
+                "num_key_value_heads": 2, "head_dim": 64, "mamba_n_heads": 24,
+                "mamba_d_head": 64, "mamba_d_ssm": 1536, "mamba_n_groups": 1,
+                "mamba_d_state": 128, "mamba_d_conv": 4, "torch_dtype": "bfloat16"
+            }),
+        ),
+        (
+            "granite-4.0-h",
+            json!({
+                "model_type": "granitemoehybrid",
+                "architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 40,
+                "hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 4,
+                "mamba_n_heads": 48, "mamba_d_head": "auto", "mamba_expand": 2,
+                "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4,
+                "layer_types": granite_layers, "torch_dtype": "bfloat16"
+            }),
+        ),
+        ("nemotron-h-one-group", nemotron),
+    ]
+}
+
+#[test]
+fn models_of_one_group_plan_alike_in_the_cli_and_python_and_send_b_and_c_from_one_rank() {
+    const ONE_GROUP: &[(u32, u32, u32, &[&str])] = &[
+        (1, 2, 100, &[]),
+        (2, 4, 100, &[]),
+        (4, 2, 100, &[]),
+        (8, 1, 100, &[]),
+        (
+            2,
+            8,
+            64,
+            &["--dtype", "fp8", "--num-speculative-tokens", "3"],
+        ),
+        (
+            4,
+            4,
+            10,
+            &[
+                "--mamba-cache-dtype",
+                "fp32",
+                "--mamba-ssm-cache-dtype",
+                "fp16",
+            ],
+        ),
+    ];
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("one-group-configs");
+    for (name, value) in one_group_configs() {
+        let folder = dir.join(name);
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::write(folder.join("config.json"), value.to_string()).unwrap();
+        let path = folder.to_str().unwrap().to_string();
+        let plans = cli_and_python_agree(&path, ONE_GROUP);
+        assert_eq!(
+            plans.len(),
+            ONE_GROUP.len(),
+            "{name}: every deployment plans"
+        );
+        for plan in &plans {
+            let (p_size, d_size) = (u(&plan["prefill_tp"]), u(&plan["decode_tp"]));
+            let conv = group(plan, "conv_state");
+            assert_eq!(part(conv, "B")["held_whole"], true, "{name}");
+            for rank in conv["decode_ranks"].as_array().unwrap() {
+                assert_eq!(rank["owned_units"]["B"], json!([0, 1]), "{name}");
+            }
+            // Each decode rank gets B and C whole from prefill rank d * P / D, and only it.
+            for d in 0..d_size {
+                for name_bc in ["B", "C"] {
+                    let senders: Vec<u64> = conv["pairs"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter(|pair| u(&pair["decode_rank"]) == d)
+                        .filter(|pair| {
+                            pair["parts"].as_array().unwrap().iter().any(|x| {
+                                x["part"] == name_bc
+                                    && x["action"] == "send"
+                                    && u(&x["num_units"]) == 1
+                            })
+                        })
+                        .map(|pair| u(&pair["prefill_rank"]))
+                        .collect();
+                    assert_eq!(senders, [d * p_size / d_size], "{name} {p_size}->{d_size}");
+                }
+            }
+        }
+    }
 }
 
 /// The layers whose character in a Nemotron-H pattern is `c`.
@@ -323,7 +471,10 @@ fn a_mamba2_hybrid_plans_every_group_with_the_bytes_of_its_formulas() {
     assert_eq!(u(&conv["slot_steps"]), steps);
     assert_eq!(conv["storage"], "slot");
 
-    // bf16 (the config's torch_dtype) for the conv state and, as no SSM dtype is named, the SSM.
+    // bf16 (the config's torch_dtype) for the conv state and, as the config names no SSM dtype,
+    // fp32 for the SSM state: vLLM's Nemotron-H default (NemotronHForCausalLMConfig).
+    assert_eq!(cfg["architectures"][0], "NemotronHForCausalLM");
+    assert!(cfg.get("mamba_ssm_cache_dtype").is_none());
     let (heads, head_dim, groups, state) = (
         field("mamba_num_heads"),
         field("mamba_head_dim"),
@@ -332,7 +483,8 @@ fn a_mamba2_hybrid_plans_every_group_with_the_bytes_of_its_formulas() {
     );
     assert_eq!(u(&part(conv, "x")["unit_bytes"]), head_dim * 2);
     assert_eq!(u(&part(conv, "B")["unit_bytes"]), state * 2);
-    assert_eq!(u(&part(ssm, "state")["unit_bytes"]), head_dim * state * 2);
+    assert_eq!(u(&part(ssm, "state")["unit_bytes"]), head_dim * state * 4);
+    assert_eq!(part(ssm, "state")["dtype"], "fp32");
     let kv_per_token = field("num_key_value_heads") / d_size * field("attention_head_dim") * 2 * 2;
     for rank in conv["decode_ranks"].as_array().unwrap() {
         let d = u(&rank["decode_rank"]);
@@ -352,7 +504,7 @@ fn a_mamba2_hybrid_plans_every_group_with_the_bytes_of_its_formulas() {
         let x = heads / d_size;
         assert_eq!(
             u(&rank["bytes_per_request"]),
-            x * head_dim * state * 2 * mamba.len() as u64
+            x * head_dim * state * 4 * mamba.len() as u64
         );
     }
     for rank in full["decode_ranks"].as_array().unwrap() {
@@ -382,7 +534,11 @@ fn a_mamba2_hybrid_plans_every_group_with_the_bytes_of_its_formulas() {
     );
     assert!(text.contains("is not\n          guessed here") || text.contains("is not guessed"));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("names no SSM state dtype") && stderr.contains("--ssm-dtype"));
+    assert!(
+        stderr.contains("conv state bf16 (the model's dtype), SSM state fp32 (vLLM's Nemotron-H")
+            && stderr.contains("--mamba-ssm-cache-dtype"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -684,4 +840,181 @@ fn the_svg_of_a_hybrid_model_draws_a_panel_per_unit_count() {
         !doc.descendants()
             .any(|n| n.attribute("class") == Some("panel"))
     );
+}
+
+/// The unit bytes and dtype of a part of a plan's group.
+fn part_dtype(plan: &Value, group_name: &str, part_name: &str) -> (u64, String) {
+    let p = part(group(plan, group_name), part_name);
+    (
+        u(&p["unit_bytes"]),
+        p["dtype"].as_str().unwrap().to_string(),
+    )
+}
+
+/// What decode rank 0 receives of a group per request.
+fn rank0_request(plan: &Value, group_name: &str) -> u64 {
+    u(&group(plan, group_name)["decode_ranks"][0]["bytes_per_request"])
+}
+
+#[test]
+fn an_fp8_kv_cache_leaves_the_conv_and_ssm_states_in_their_own_dtypes() {
+    // Nemotron-H with an fp8 KV cache, prefill TP 1, decode TP 2: vLLM keeps the conv state in
+    // the model's bf16 (mamba_cache_dtype auto) and, as the config names no SSM dtype, the SSM
+    // state in fp32 (NemotronHForCausalLMConfig's default).
+    let base = [
+        "plan",
+        "--config",
+        "cli/configs/nemotron-h-8b-base-8k",
+        "--prefill-tp",
+        "1",
+        "--decode-tp",
+        "2",
+        "--dtype",
+        "fp8",
+    ];
+    let with = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        args.push("--json");
+        json_of(&args)
+    };
+    let plan = with(&[]);
+    let cfg = config("nemotron-h-8b-base-8k");
+    let mamba = pattern_layers(cfg["hybrid_override_pattern"].as_str().unwrap(), 'M').len() as u64;
+    assert_eq!(
+        part_dtype(&plan, "full_attention", "kv"),
+        (128, "fp8".into())
+    );
+    assert_eq!(
+        part_dtype(&plan, "conv_state", "x"),
+        (64 * 2, "bf16".into())
+    );
+    assert_eq!(
+        part_dtype(&plan, "conv_state", "B"),
+        (128 * 2, "bf16".into())
+    );
+    assert_eq!(
+        part_dtype(&plan, "ssm_state", "state"),
+        (64 * 128 * 4, "fp32".into())
+    );
+    // x: 64 heads of 64, B and C: 4 groups of 128, 3 rows, bf16: 737,280 B (the issue's
+    // 737.3 kB); the SSM state: 64 heads of 64 x 128 fp32 values.
+    let conv = (64 * 64 + 2 * 4 * 128) * 3 * 2 * mamba;
+    assert_eq!(rank0_request(&plan, "conv_state"), conv);
+    assert_eq!(conv, 737_280);
+    assert_eq!(rank0_request(&plan, "ssm_state"), 64 * 64 * 128 * 4 * mamba);
+    let out = mori_tp(&base);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("receives 737.3 kB per request"), "{text}");
+    assert!(text.contains("receives 50.3 MB per request"), "{text}");
+
+    // Each state dtype by its own flag; --ssm-dtype is --mamba-ssm-cache-dtype's other name.
+    let bf16_ssm = with(&["--mamba-ssm-cache-dtype", "bf16"]);
+    assert_eq!(rank0_request(&bf16_ssm, "ssm_state"), 25_165_824);
+    assert_eq!(rank0_request(&bf16_ssm, "conv_state"), conv);
+    assert_eq!(
+        bf16_ssm["groups"],
+        with(&["--ssm-dtype", "bfloat16"])["groups"]
+    );
+    let fp8_conv = with(&["--mamba-cache-dtype", "fp8"]);
+    assert_eq!(rank0_request(&fp8_conv, "conv_state"), conv / 2);
+    assert_eq!(
+        rank0_request(&fp8_conv, "ssm_state"),
+        rank0_request(&plan, "ssm_state")
+    );
+    assert_eq!(
+        with(&["--mamba-cache-dtype", "auto"])["groups"],
+        plan["groups"]
+    );
+
+    // Qwen3-Next (no Nemotron-H hook): both states in the model's bf16 under an fp8 cache.
+    let qwen = json_of(&[
+        "plan",
+        "--config",
+        "cli/configs/qwen3-next-80b-a3b",
+        "--dtype",
+        "fp8",
+        "--json",
+    ]);
+    assert_eq!(
+        part_dtype(&qwen, "full_attention", "kv"),
+        (256, "fp8".into())
+    );
+    assert_eq!(
+        part_dtype(&qwen, "conv_state", "v"),
+        (128 * 2, "bf16".into())
+    );
+    assert_eq!(
+        part_dtype(&qwen, "recurrent_state", "state"),
+        (128 * 128 * 2, "bf16".into())
+    );
+}
+
+#[test]
+fn speculative_tokens_lengthen_the_conv_state_and_nothing_else() {
+    let plan = |spec: &str| {
+        json_of(&[
+            "plan",
+            "--config",
+            "cli/configs/qwen3-next-80b-a3b",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "2",
+            "--num-speculative-tokens",
+            spec,
+            "--json",
+        ])
+    };
+    let (base, spec) = (plan("0"), plan("2"));
+    let kernel = u(&config("qwen3-next-80b-a3b")["linear_conv_kernel_dim"]);
+    for (g0, g2) in base["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(spec["groups"].as_array().unwrap())
+    {
+        if g0["name"] == "conv_state" {
+            // vLLM's gated_delta_net_state_shape: conv_kernel - 1 + num_spec rows.
+            assert_eq!(
+                (u(&g0["slot_steps"]), u(&g2["slot_steps"])),
+                (kernel - 1, kernel + 1)
+            );
+            assert_eq!(
+                u(&g2["decode_ranks"][0]["bytes_per_request"]) * (kernel - 1),
+                u(&g0["decode_ranks"][0]["bytes_per_request"]) * (kernel + 1)
+            );
+            assert_eq!(g0["parts"], g2["parts"], "a row's bytes do not change");
+        } else {
+            assert_eq!(g0, g2, "{}", g0["name"]);
+        }
+    }
+    let out = mori_tp(&[
+        "plan",
+        "--config",
+        "cli/configs/qwen3-next-80b-a3b",
+        "--num-speculative-tokens",
+        "2",
+    ]);
+    // The text wraps its long lines: compare with the whitespace runs as single spaces.
+    let text = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        text.contains("one slot per request of 5 time steps (3 + 2 speculative tokens)"),
+        "{text}"
+    );
+    // A model without a conv state says the flag changes nothing.
+    let out = mori_tp(&[
+        "plan",
+        "--config",
+        "cli/configs/gpt-oss-20b",
+        "--num-speculative-tokens",
+        "2",
+    ]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("has none"));
+    let out = mori_tp(&["plan", "--num-speculative-tokens", "-1"]);
+    assert_eq!(out.status.code(), Some(2));
 }

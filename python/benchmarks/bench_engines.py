@@ -223,7 +223,7 @@ class StreamBench:
         try:
             self.remote = self.peer.memories[0]
             self.handle = self.driver.connect(self.transport, self.peer.address)
-            self.peer.connect(self.driver.address(self.transport))
+            self.peer.connect(self.driver.sender(self.transport))
             self.streamer = Streamer(self.transport, timeout=timeout)
             want = [sentinel(0, b, self.dst_capacity) for b in range(self.num_buffers)]
             mori_tp.send_kvcache(self.config, self.local.buffers,
@@ -233,6 +233,7 @@ class StreamBench:
                                  backend="host")
             self.expected = [digest(w) for w in want]
             self._ids = 0
+            self._tokens: Dict[str, str] = {}
             self._lock = threading.Lock()
             # First use of the engine, the pools and the pages: paid once per process.
             self.contiguous()
@@ -258,8 +259,10 @@ class StreamBench:
             local = replace(local, buffers=tuple(local.buffers[b] for b in buffers))
             remote = replace(remote, buffers=tuple(remote.buffers[b] for b in buffers))
         need = len(local.buffers) * mori_tp.staging_len(self.config, len(self.src_pages))
-        slot_address = self.peer.expect(rid, 0, self.config, self.dst_pages, int(staging),
-                                        need if staging.unpacks else 0, buffers=buffers)
+        slot_address, token = self.peer.expect(rid, 0, self.config, self.dst_pages,
+                                               int(staging), need if staging.unpacks else 0,
+                                               buffers=buffers)
+        self._tokens[rid] = token
         remote = replace(remote, staging=slot_address,
                          staging_capacity=need if slot_address else 0)
         slot = None
@@ -290,10 +293,10 @@ class StreamBench:
         """One segment of the request's bytes, prefill pool to decode pool, through the same
         engine and the same completion message: the engine's own limit for these bytes."""
         rid = self._id("contiguous")
-        slot_address = self.peer.expect(rid, 0, self.config, self.dst_pages, int(Staging.NONE),
-                                        self.need)
+        slot_address, token = self.peer.expect(rid, 0, self.config, self.dst_pages,
+                                               int(Staging.NONE), self.need)
         slot = self.pool.alloc(self.need, timeout=self.timeout)
-        message = chunk_message(rid, 0, [(0, self.num_buffers)], sealed=1)
+        message = chunk_message(rid, token, 0, [(0, self.num_buffers)], sealed=1)
         start = time.monotonic()
         self.transport.write(self.handle, [slot.address], [slot_address], [self.need],
                              notification=message, timeout=self.timeout)
@@ -304,7 +307,7 @@ class StreamBench:
             self.peer.reset()
         rid, plan, slot = self.prepare(staging)
         start = time.monotonic()
-        self.streamer.send(self.handle, plan, rid, chunks=chunks)
+        self.streamer.send(self.handle, plan, rid, chunks=chunks, token=self._tokens[rid])
         seconds = self.finish(rid, slot) - start
         if verify:
             self.verify(f"{staging.name} in {chunks or 'auto'} chunks")
@@ -314,7 +317,7 @@ class StreamBench:
         """One layer's K and V as a request of their own."""
         rid, plan, slot = self.prepare(staging, buffers=(0, self.layers))
         start = time.monotonic()
-        self.streamer.send(self.handle, plan, rid)
+        self.streamer.send(self.handle, plan, rid, token=self._tokens[rid])
         return self.finish(rid, slot) - start
 
     def behind_compute(self, staging: Staging, compute: float, streamed: bool,
@@ -336,14 +339,15 @@ class StreamBench:
         worker = threading.Thread(target=prefill)
         worker.start()
         if streamed:
-            stream = self.streamer.open(self.handle, plan, rid, layers=self.layers)
+            stream = self.streamer.open(self.handle, plan, rid, layers=self.layers,
+                                        token=self._tokens[rid])
             for layer in range(self.layers):
                 stream.submit(layer, ready=lambda layer=layer: ready[layer].wait(self.timeout))
             stream.seal()
             stream.wait()
         else:
             ready[-1].wait(self.timeout)
-            self.streamer.send(self.handle, plan, rid)
+            self.streamer.send(self.handle, plan, rid, token=self._tokens[rid])
         worker.join(self.timeout)
         seconds = self.finish(rid, slot) - ended[-1]
         if verify:
@@ -367,7 +371,7 @@ class StreamBench:
                             return
                     start = time.monotonic()
                     rid, plan, slot = self.prepare(staging)
-                    self.streamer.send(self.handle, plan, rid)
+                    self.streamer.send(self.handle, plan, rid, token=self._tokens[rid])
                     latencies.append(self.finish(rid, slot) - start)
             except BaseException as error:  # noqa: B036 - reported below
                 failures.append(error)

@@ -50,6 +50,13 @@ arrays; ``array.array('i')`` and C-contiguous numpy int32 arrays are passed to t
 address, without a copy. numpy is optional: only ``as_arrays=True`` output, numpy staging
 regions and :mod:`mori_tp.engines` need it.
 
+The copying functions take their buffers as addresses, numpy arrays or C-contiguous device
+tensors (:data:`BufferLike`: DLPack producers such as torch and CuPy tensors, and objects with
+``__cuda_array_interface__``), whose byte length caps the capacity; and a stream as an int or
+an object carrying one (:data:`StreamLike`). Device memory needs a GPU backend (``"cuda"``,
+``"hip"``) or ``"auto"``: the host backend cannot tell a device address from a host one.
+python/README.md ("Device tensors") gives the rules and the stream's precedence.
+
 Every failure raises a :class:`MoriError` subclass whose message names the offending values.
 A refused call has changed nothing: every input is validated before the first byte moves. The
 one exception is :class:`GpuError`, a HIP runtime failure in the middle of a copy, after which
@@ -78,7 +85,7 @@ from typing import (
     Union,
 )
 
-from . import _ffi
+from . import _ffi, _tensors
 from ._errors import (
     BackendUnavailableError,
     BufferTooSmallError,
@@ -106,6 +113,7 @@ __all__ = [
     "ABI_VERSION",
     "Action",
     "BackendUnavailableError",
+    "BufferLike",
     "BufferTooSmallError",
     "CopyRect",
     "GpuError",
@@ -131,6 +139,7 @@ __all__ = [
     "Staging",
     "StagingPool",
     "StagingRegion",
+    "StreamLike",
     "TopologyError",
     "check_groups_transfer",
     "check_pair_transfer",
@@ -178,6 +187,18 @@ if array.array("i").itemsize != 4 or array.array("Q").itemsize != 8:  # pragma: 
 
 #: Page indices: a sequence of ints, an ``array.array('i')``, or a 1-D numpy integer array.
 PageIndices = Union[Sequence[int], "array.array[int]", "numpy.ndarray"]
+
+#: One buffer of a copying call: its address as an int (``tensor.data_ptr()``), a C-contiguous
+#: numpy array, or a C-contiguous tensor with ``__dlpack__`` / ``__dlpack_device__`` (torch,
+#: CuPy, JAX) or ``__cuda_array_interface__``. An array or tensor gives its byte length, which
+#: caps (and by default is) the call's capacity.
+BufferLike = Union[int, "numpy.ndarray", Any]
+
+#: A stream: a ``hipStream_t`` / ``cudaStream_t`` as an int, or an object carrying one (a
+#: ``torch.cuda.Stream``'s ``cuda_stream``, a CuPy ``Stream``'s ``ptr``, ``__cuda_stream__()``,
+#: or the stream a tensor's ``__cuda_array_interface__`` carries); None: see
+#: :func:`send_kvcache`.
+StreamLike = Optional[Any]
 
 
 def library_version() -> str:
@@ -637,61 +658,91 @@ def _pointer_array(pointers: Sequence[int], name: str, where: str) -> Any:
     return (ctypes.c_void_p * len(values))(*values)
 
 
-def _kv_buffers(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], src_capacity: int,
-               dst_capacity: int, where: str) -> Tuple[_ffi.MoriKvBuffers, Tuple[Any, Any]]:
+def _backend_name(backend: Any, where: str) -> str:
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise InvalidArgumentError(
+            f"{where}: backend {backend!r} is not one of {', '.join(map(repr, _BACKENDS))}"
+        )
+    return backend
+
+
+def _copy_call(
+    where: str,
+    backend: str,
+    stream: Any,
+    synchronize: bool,
+    copy_kernel: Optional[bool],
+    operands: Sequence[Tuple[str, Any, bool, bool]],
+    extra: Sequence[Tuple[str, "_tensors.Buffer"]] = (),
+) -> Tuple[List["_tensors.Operand"], _ffi.MoriSendOptions]:
+    """Checks a copying call's backend, resolves its buffers (``(name, value, writable,
+    single)`` each: addresses, numpy arrays, DLPack and ``__cuda_array_interface__`` tensors)
+    and its stream, and builds its MoriSendOptions. The operands hold what keeps the tensors'
+    memory alive: keep them until the C call returns."""
+    name = _backend_name(backend, where)
+    resolved, chosen = _tensors.resolve(where, name, stream, operands, extra)
+    if copy_kernel is not None and not isinstance(copy_kernel, bool):
+        raise TypeError(f"{where}: copy_kernel must be None, True or False, not {copy_kernel!r}")
+    path = {None: 0, True: _ffi.MORI_SEND_COPY_KERNEL, False: _ffi.MORI_SEND_MEMCPY2D}
+    flags = (_ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0) | path[copy_kernel]
+    return resolved, _ffi.MoriSendOptions(_BACKENDS[name], flags, chosen)
+
+
+def _capacity(operand: "_tensors.Operand", given: Optional[int], name: str,
+              where: str) -> int:
+    """Each buffer's capacity: ``given``, which must fit uint64 and exceed no tensor's bytes;
+    by default the smallest tensor's bytes (refused when a buffer is a bare address)."""
+    if given is not None:
+        given = _unsigned(given, name, 64, where)
+    capacity = operand.capacity(given, name, where)
+    return 0 if capacity is None else capacity
+
+
+def _address_array(operand: "_tensors.Operand") -> Any:
+    addresses = operand.addresses
+    return (ctypes.c_void_p * len(addresses))(*addresses)
+
+
+def _kv_buffers(src: "_tensors.Operand", dst: "_tensors.Operand", src_capacity: Optional[int],
+                dst_capacity: Optional[int],
+                where: str) -> Tuple[_ffi.MoriKvBuffers, Tuple[Any, Any]]:
     """The MoriKvBuffers of a send, and the two pointer arrays it points into (keep them alive
     for the call)."""
-    if len(src_ptrs) != len(dst_ptrs):
+    if len(src.addresses) != len(dst.addresses):
         raise InvalidArgumentError(
-            f"{where}: {len(src_ptrs)} source buffers but {len(dst_ptrs)} destination buffers "
-            "(they are paired one to one)"
+            f"{where}: {len(src.addresses)} source buffers but {len(dst.addresses)} destination "
+            "buffers (they are paired one to one)"
         )
-    src_array = _pointer_array(src_ptrs, "src_ptrs", where)
-    dst_array = _pointer_array(dst_ptrs, "dst_ptrs", where)
+    src_array, dst_array = _address_array(src), _address_array(dst)
     buffers = _ffi.MoriKvBuffers(
         ctypes.cast(src_array, ctypes.POINTER(ctypes.c_void_p)),
         ctypes.cast(dst_array, ctypes.POINTER(ctypes.c_void_p)),
         len(src_array),
-        _unsigned(src_capacity, "src_capacity", 64, where),
-        _unsigned(dst_capacity, "dst_capacity", 64, where),
+        _capacity(src, src_capacity, "src_capacity", where),
+        _capacity(dst, dst_capacity, "dst_capacity", where),
     )
     return buffers, (src_array, dst_array)
 
 
-def _send_options(backend: str, stream: Optional[int], synchronize: bool, copy_kernel: bool,
-                  where: str) -> _ffi.MoriSendOptions:
-    """The MoriSendOptions of a copying call, after checking the backend name and stream."""
-    if backend not in _BACKENDS:
-        raise InvalidArgumentError(
-            f"{where}: backend {backend!r} is not one of {', '.join(map(repr, _BACKENDS))}"
-        )
-    if stream is not None and not isinstance(stream, int):
-        raise TypeError(
-            f"{where}: stream must be an int handle or None, not {type(stream).__name__} "
-            "(pass e.g. torch_stream.cuda_stream)"
-        )
-    flags = (_ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0) | (
-        _ffi.MORI_SEND_COPY_KERNEL if copy_kernel else 0)
-    return _ffi.MoriSendOptions(
-        _BACKENDS[backend],
-        flags,
-        _unsigned(stream, "stream", 64, where) if stream else None,
-    )
+def _region(operand: "_tensors.Operand", capacity: Optional[int], where: str) -> Tuple[int, int]:
+    """(address, capacity) of a staging region: an address (then ``staging_capacity`` is
+    required), a numpy array or a tensor (by default its bytes, and never more)."""
+    return operand.addresses[0], _capacity(operand, capacity, "staging_capacity", where)
 
 
 def send_kvcache(
     config: SliceConfig,
-    src_ptrs: Sequence[int],
-    dst_ptrs: Sequence[int],
+    src_ptrs: Sequence[BufferLike],
+    dst_ptrs: Sequence[BufferLike],
     *,
-    src_capacity: int,
-    dst_capacity: int,
+    src_capacity: Optional[int] = None,
+    dst_capacity: Optional[int] = None,
     src_pages: PageIndices,
     dst_pages: PageIndices,
     backend: str = "auto",
-    stream: Optional[int] = None,
+    stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Copies one request's slice: every rect of the plan, from each ``src_ptrs[i]`` to
     ``dst_ptrs[i]``.
@@ -701,33 +752,56 @@ def send_kvcache(
 
     Args:
         config: from :func:`slice_config`.
-        src_ptrs: base addresses of the prefill rank's buffers (K of each layer, then V of each
-            layer; MLA: one latent buffer per layer), e.g. ``tensor.data_ptr()``.
-        dst_ptrs: the matching buffers of the decode rank, in the same order.
+        src_ptrs: the prefill rank's buffers (K of each layer, then V of each layer; MLA: one
+            latent buffer per layer), each a :data:`BufferLike`: an address such as
+            ``tensor.data_ptr()``, a numpy array, or a C-contiguous device tensor (DLPack or
+            ``__cuda_array_interface__``: torch, CuPy).
+        dst_ptrs: the matching buffers of the decode rank, in the same order; written, so a
+            read-only array or tensor is refused.
         src_capacity: bytes in each source buffer; every source page must end within it.
-        dst_capacity: bytes in each destination buffer.
+            Default: the smallest source tensor's bytes (required when a buffer is an address);
+            never more than a tensor's bytes.
+        dst_capacity: bytes in each destination buffer, as ``src_capacity``.
         src_pages, dst_pages: paired page indices (see :data:`PageIndices`).
-        backend: ``"auto"`` (HIP when built in and a device is present, else host), ``"host"``
-            (CPU copies; both sides host memory) or ``"hip"`` (``hipMemcpy2DAsync``).
-        stream: a ``hipStream_t`` as an int (e.g. a torch stream's ``cuda_stream``); None is the
-            null stream. Must be None for host copies.
-        synchronize: wait for the copies before returning (HIP; host copies always have).
-        copy_kernel: HIP runs the whole call as one copy-kernel launch (MORI_SEND_COPY_KERNEL)
-            instead of one ``hipMemcpy2DAsync`` per (buffer, rect); every buffer must then be
-            memory the GPU can address. Host copies ignore it.
+        backend: ``"auto"`` (a GPU backend when built in and a device is present, else host),
+            ``"host"`` (CPU copies: host memory; it cannot tell a device address from a host
+            one, so pick a GPU backend or AUTO for device memory) or a GPU backend: ``"hip"``
+            (``hipMemcpy2DAsync``), ``"cuda"`` where the library has its CUDA backend. A
+            DLPack tensor in memory the backend does not reach is refused.
+        stream: a :data:`StreamLike`: a ``hipStream_t`` / ``cudaStream_t`` as an int, or an
+            object carrying one (``torch.cuda.Stream``, a CuPy ``Stream``, a tensor whose
+            ``__cuda_array_interface__`` carries a stream). None: the stream the buffers'
+            ``__cuda_array_interface__`` carry (they must agree), else the null stream.
+            DLPack producers are told the stream and order their pending work before it. The
+            host backend takes no stream.
+        synchronize: wait for the copies before returning (GPU backends; host copies always
+            have). Without it, keep the buffers alive until the stream has run the copies.
+        copy_kernel: which copy path a GPU backend takes. None (the default, flags 0): one
+            copy-kernel launch for the whole call where the kernel can surely run and the call
+            has at least 2 (buffer, rect) copies, else one 2D memcpy per (buffer, rect)
+            (REFERENCE.md section 7 says when). True (MORI_SEND_COPY_KERNEL): the kernel, and
+            every buffer must then be memory the GPU can address. False (MORI_SEND_MEMCPY2D):
+            one 2D memcpy per (buffer, rect). Host copies ignore it.
 
     Raises:
         NullPointerError: a buffer address is 0.
         InvalidArgumentError: buffer or page lists of different lengths, an unknown backend, a
-            stream with host copies, a value that does not fit its C type.
+            stream with host copies, a value that does not fit its C type; a tensor that is not
+            C-contiguous, read-only where it is written, smaller than the capacity given, in
+            memory the backend does not reach, or buffers whose interfaces carry different
+            streams (each message names the buffer and its values).
+        TypeError: a buffer or stream of a type not listed above; a capacity missing for an
+            address.
         OutOfBoundsError: a negative page index, or a page that ends past its capacity.
-        BackendUnavailableError: HIP requested but not built in, or no device.
-        GpuError: the HIP runtime failed.
+        BackendUnavailableError: a GPU backend requested but not built in, or no device.
+        GpuError: the GPU runtime failed.
     """
     where = "send_kvcache"
     c_config = _c_config(config, where)
-    buffers, _arrays = _kv_buffers(src_ptrs, dst_ptrs, src_capacity, dst_capacity, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
+    (src_op, dst_op), options = _copy_call(
+        where, backend, stream, synchronize, copy_kernel,
+        [("src_ptrs", src_ptrs, False, False), ("dst_ptrs", dst_ptrs, True, False)])
+    buffers, _arrays = _kv_buffers(src_op, dst_op, src_capacity, dst_capacity, where)
     src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
     status = _lib.mori_send_kvcache(
         ctypes.byref(c_config),
@@ -907,45 +981,23 @@ def check_transfer(
         _raise_last(status)
 
 
-#: A staging region: its address as an int, or a C-contiguous numpy array (its data and size).
-StagingRegion = Union[int, "numpy.ndarray"]
-
-
-def _region(region: Any, capacity: Optional[int], writable: bool, where: str) -> Tuple[int, int]:
-    """(address, capacity) of a staging region given as an address or a numpy array."""
-    if _np is not None and isinstance(region, _np.ndarray):
-        if not region.flags.c_contiguous:
-            raise InvalidArgumentError(f"{where}: the staging array must be C-contiguous")
-        if writable and not region.flags.writeable:
-            raise InvalidArgumentError(f"{where}: the staging array is read-only")
-        address = region.__array_interface__["data"][0]
-        if capacity is None:
-            return address, region.nbytes
-        capacity = _unsigned(capacity, "staging_capacity", 64, where)
-        if capacity > region.nbytes:
-            raise InvalidArgumentError(
-                f"{where}: staging_capacity {capacity} exceeds the staging array's "
-                f"{region.nbytes} bytes"
-            )
-        return address, capacity
-    if capacity is None:
-        raise TypeError(f"{where}: staging_capacity is required when staging is an address")
-    return (_unsigned(region, "staging", 64, where),
-            _unsigned(capacity, "staging_capacity", 64, where))
+#: A staging region: its address as an int, a C-contiguous numpy array, or a C-contiguous
+#: device tensor (DLPack or ``__cuda_array_interface__``); an array or tensor gives its size.
+StagingRegion = Any
 
 
 def pack_kvcache(
     config: SliceConfig,
-    src_ptrs: Sequence[int],
+    src_ptrs: Sequence[BufferLike],
     staging: StagingRegion,
     *,
-    src_capacity: int,
+    src_capacity: Optional[int] = None,
     src_pages: PageIndices,
     staging_capacity: Optional[int] = None,
     backend: str = "auto",
-    stream: Optional[int] = None,
+    stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Prefill side of a staged transfer (SRC or BOTH): copies the slice of every token of
     every buffer into the staging region, buffer ``b`` at ``b * staging_len(config,
@@ -956,31 +1008,37 @@ def pack_kvcache(
 
     Args:
         config: from :func:`slice_config`.
-        src_ptrs: base addresses of the prefill rank's buffers, as for :func:`send_kvcache`.
-        staging: the staging region: an address, or a writable C-contiguous numpy array.
-        src_capacity: bytes in each source buffer.
+        src_ptrs: the prefill rank's buffers (addresses, arrays or tensors), as for
+            :func:`send_kvcache`.
+        staging: the staging region: an address, or a writable C-contiguous numpy array or
+            device tensor.
+        src_capacity: bytes in each source buffer (default: the smallest tensor's bytes), as
+            for :func:`send_kvcache`.
         src_pages: the request's source pages, in request order.
-        staging_capacity: bytes of the staging region (default for an array: its size); it
-            must hold ``len(src_ptrs) * staging_len(config, len(src_pages))`` bytes.
+        staging_capacity: bytes of the staging region (default for an array or tensor: its
+            bytes, and never more); it must hold ``len(src_ptrs) * staging_len(config,
+            len(src_pages))`` bytes.
         backend, stream, synchronize, copy_kernel: as for :func:`send_kvcache`.
 
     Raises:
         BufferTooSmallError: the staging region is smaller than the request needs (the message
             names both sizes).
         NullPointerError, InvalidArgumentError, OutOfBoundsError, BackendUnavailableError,
-            GpuError: as for :func:`send_kvcache`.
+            GpuError, TypeError: as for :func:`send_kvcache`.
     """
     where = "pack_kvcache"
     c_config = _c_config(config, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
-    region, capacity = _region(staging, staging_capacity, True, where)
-    pointers = _pointer_array(src_ptrs, "src_ptrs", where)
+    (src_op, region_op), options = _copy_call(
+        where, backend, stream, synchronize, copy_kernel,
+        [("src_ptrs", src_ptrs, False, False), ("staging", staging, True, True)])
+    region, capacity = _region(region_op, staging_capacity, where)
+    pointers = _address_array(src_op)
     pages, num_pages, _owner = _pages_arg(src_pages, f"{where}: src_pages")
     status = _lib.mori_pack_kvcache(
         ctypes.byref(c_config),
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)),
         len(pointers),
-        _unsigned(src_capacity, "src_capacity", 64, where),
+        _capacity(src_op, src_capacity, "src_capacity", where),
         pages,
         num_pages,
         region,
@@ -994,15 +1052,15 @@ def pack_kvcache(
 def unpack_kvcache(
     config: SliceConfig,
     staging: StagingRegion,
-    dst_ptrs: Sequence[int],
+    dst_ptrs: Sequence[BufferLike],
     *,
-    dst_capacity: int,
+    dst_capacity: Optional[int] = None,
     dst_pages: PageIndices,
     staging_capacity: Optional[int] = None,
     backend: str = "auto",
-    stream: Optional[int] = None,
+    stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Decode side of a staged transfer (DST or BOTH): copies the staging region into the
     slice of every token of every buffer, once the transport has filled the region.
@@ -1012,23 +1070,28 @@ def unpack_kvcache(
 
     Args:
         config: from :func:`slice_config` (the same pair the prefill rank planned with).
-        staging: the staging region: an address, or a C-contiguous numpy array.
-        dst_ptrs: base addresses of the decode rank's buffers, as for :func:`send_kvcache`.
-        dst_capacity: bytes in each destination buffer.
+        staging: the staging region: an address, or a C-contiguous numpy array or device
+            tensor.
+        dst_ptrs: the decode rank's buffers (addresses, writable arrays or tensors), as for
+            :func:`send_kvcache`.
+        dst_capacity: bytes in each destination buffer (default: the smallest tensor's bytes).
         dst_pages: the request's destination pages, in request order.
-        staging_capacity: bytes of the staging region (default for an array: its size).
+        staging_capacity: bytes of the staging region (default for an array or tensor: its
+            bytes, and never more).
         backend, stream, synchronize, copy_kernel: as for :func:`send_kvcache`.
 
     Raises:
         BufferTooSmallError: the staging region is smaller than the request needs.
         NullPointerError, InvalidArgumentError, OutOfBoundsError, BackendUnavailableError,
-            GpuError: as for :func:`send_kvcache`.
+            GpuError, TypeError: as for :func:`send_kvcache`.
     """
     where = "unpack_kvcache"
     c_config = _c_config(config, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
-    region, capacity = _region(staging, staging_capacity, False, where)
-    pointers = _pointer_array(dst_ptrs, "dst_ptrs", where)
+    (region_op, dst_op), options = _copy_call(
+        where, backend, stream, synchronize, copy_kernel,
+        [("staging", staging, False, True), ("dst_ptrs", dst_ptrs, True, False)])
+    region, capacity = _region(region_op, staging_capacity, where)
+    pointers = _address_array(dst_op)
     pages, num_pages, _owner = _pages_arg(dst_pages, f"{where}: dst_pages")
     status = _lib.mori_unpack_kvcache(
         ctypes.byref(c_config),
@@ -1036,7 +1099,7 @@ def unpack_kvcache(
         capacity,
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)),
         len(pointers),
-        _unsigned(dst_capacity, "dst_capacity", 64, where),
+        _capacity(dst_op, dst_capacity, "dst_capacity", where),
         pages,
         num_pages,
         ctypes.byref(options),
@@ -1191,10 +1254,13 @@ class StagingPool:
     def alloc(self, size: int, timeout: float = DEFAULT_POOL_TIMEOUT) -> PoolSlot:
         """A slot of at least ``size`` bytes, waiting up to ``timeout`` seconds while the pool
         is full (other threads' frees end the wait). Raises :class:`BufferTooSmallError` after
-        the timeout, or at once for a size no block can ever hold."""
+        the timeout, or at once for a size no block can ever hold. ``timeout`` is a finite
+        number of seconds: no wait is unbounded (``math.inf`` is refused with
+        :class:`InvalidArgumentError`, as is one past ``uint64_t`` milliseconds)."""
         where = "StagingPool.alloc"
-        if not timeout >= 0:
-            raise InvalidArgumentError(f"{where}: timeout {timeout!r} must be >= 0 seconds")
+        if not timeout >= 0 or timeout == float("inf"):
+            raise InvalidArgumentError(f"{where}: timeout {timeout!r} must be a finite number "
+                                       ">= 0 seconds (no wait is unbounded)")
         milliseconds = _unsigned(int(timeout * 1000), "timeout", 64, where)
         status, slot = self._slot(_lib.mori_tp_pool_alloc,
                                   _unsigned(size, "size", 64, where), milliseconds)

@@ -24,9 +24,13 @@ from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import (
+    BufferLike,
     InvalidArgumentError,
     Staging,
     StagingRegion,
+    StreamLike,
+    _capacity,
+    _copy_call,
     _ffi,
     _fill,
     _lib,
@@ -34,7 +38,7 @@ from . import (
     _raise_last,
     _region,
     _segments_out,
-    _send_options,
+    _tensors,
     _unsigned,
 )
 from ._pair import PairConfig, Request, pair_staging_for
@@ -57,11 +61,18 @@ class Group:
             refuses any other with the start rounded down in its message).
         num_buffers: the group's buffers per rank; default the length of ``src_ptrs`` (or of
             ``dst_ptrs``).
-        src_ptrs, dst_ptrs: the buffers' base addresses on each rank, or None where the call
-            does not read them (planning reads neither; a pack reads ``src_ptrs`` of groups that
-            stage the prefill side, an unpack ``dst_ptrs`` of groups that stage the decode side,
-            a send both). Groups may share buffers (the parts of one state slot).
-        src_capacity, dst_capacity: bytes in each buffer of each side.
+        src_ptrs, dst_ptrs: the buffers on each rank, or None where the call does not read
+            them (planning reads neither; a pack reads ``src_ptrs`` of groups that stage the
+            prefill side, an unpack ``dst_ptrs`` of groups that stage the decode side, a send
+            both). Groups may share buffers (the parts of one state slot). Each is an address,
+            a numpy array or a C-contiguous device tensor (:data:`BufferLike`); the group keeps
+            their addresses (the fields hold ints) and keeps the arrays and tensors alive.
+            DLPack tensors are exported once, here, for the null stream; the stream a call
+            picks from ``__cuda_array_interface__`` streams is checked at the call, as is the
+            memory a backend reaches. A read-only ``dst_ptrs`` tensor is refused here.
+        src_capacity, dst_capacity: bytes in each buffer of each side. Default: the smallest
+            tensor's bytes on that side when every buffer is an array or tensor, else 0; never
+            more than a tensor's bytes.
     """
 
     config: PairConfig
@@ -69,10 +80,10 @@ class Group:
     staging: Optional[Union[Staging, int]] = None
     first_token: int = 0
     num_buffers: Optional[int] = None
-    src_ptrs: Optional[Sequence[int]] = None
-    dst_ptrs: Optional[Sequence[int]] = None
-    src_capacity: int = 0
-    dst_capacity: int = 0
+    src_ptrs: Optional[Sequence[BufferLike]] = None
+    dst_ptrs: Optional[Sequence[BufferLike]] = None
+    src_capacity: Optional[int] = None
+    dst_capacity: Optional[int] = None
 
     def __post_init__(self) -> None:
         where = "Group"
@@ -89,26 +100,41 @@ class Group:
             # Passed through: the library refuses it with the values it accepts.
             staging = _unsigned(staging, "staging", 32, where)
         object.__setattr__(self, "staging", staging)
-        for name, bits in (("first_token", 64), ("src_capacity", 64), ("dst_capacity", 64)):
-            object.__setattr__(self, name, _unsigned(getattr(self, name), name, bits, where))
-        given = [(name, getattr(self, name)) for name in ("src_ptrs", "dst_ptrs")
-                 if getattr(self, name) is not None]
+        object.__setattr__(self, "first_token",
+                           _unsigned(self.first_token, "first_token", 64, where))
+        resolved = {name: _tensors.resolve_now(getattr(self, name), name, name == "dst_ptrs",
+                                               where)
+                    for name in ("src_ptrs", "dst_ptrs") if getattr(self, name) is not None}
         count = self.num_buffers
         if count is None:
-            if not given:
+            if not resolved:
                 raise TypeError(f"{where}: give num_buffers, or src_ptrs or dst_ptrs")
-            count = len(given[0][1])
+            count = len(next(iter(resolved.values())).addresses)
         count = _unsigned(count, "num_buffers", 64, where)
         object.__setattr__(self, "num_buffers", count)
-        for name, pointers in given:
-            pointers = tuple(_unsigned(p, f"{name}[{i}]", 64, where)
-                             for i, p in enumerate(pointers))
-            if len(pointers) != count:
+        tensors = []
+        for name, operand in resolved.items():
+            if len(operand.addresses) != count:
                 # The library would read num_buffers entries from a shorter array.
                 raise InvalidArgumentError(
-                    f"{where}: {name} has {len(pointers)} entries for num_buffers {count}"
+                    f"{where}: {name} has {len(operand.addresses)} entries for num_buffers "
+                    f"{count}"
                 )
-            object.__setattr__(self, name, pointers)
+            object.__setattr__(self, name, tuple(operand.addresses))
+            tensors += operand.named_tensors()
+        for side in ("src", "dst"):
+            name, given = f"{side}_capacity", getattr(self, f"{side}_capacity")
+            operand = resolved.get(f"{side}_ptrs")
+            if operand is None:
+                capacity = 0 if given is None else _unsigned(given, name, 64, where)
+            elif given is None and operand.first_address is not None:
+                capacity = 0  # addresses: the caller's capacity, 0 until given
+            else:
+                capacity = _capacity(operand, given, name, where)
+            object.__setattr__(self, name, capacity)
+        # The arrays and tensors behind the addresses (kept alive with the group), for the
+        # stream and device checks of each call.
+        object.__setattr__(self, "_arrays", tuple(tensors))
 
     def __repr__(self) -> str:
         return (f"Group(staging={self.staging!r}, first_token={self.first_token}, "
@@ -264,9 +290,15 @@ def check_groups_transfer(groups: Sequence[Group], *, src_staging_capacity: int 
         _raise_last(status)
 
 
+def _tensors_of(groups: Sequence[Group]) -> List[Tuple[str, Any]]:
+    """The arrays and tensors of every group, named by group, for a call's checks."""
+    return [(f"group {i} {name}", buffer) for i, group in enumerate(groups)
+            if isinstance(group, Group) for name, buffer in getattr(group, "_arrays", ())]
+
+
 def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
-                        stream: Optional[int] = None, synchronize: bool = False,
-                        copy_kernel: bool = False) -> None:
+                        stream: StreamLike = None, synchronize: bool = False,
+                        copy_kernel: Optional[bool] = None) -> None:
     """Copies every group of a request page to page (whatever its staging mode), as
     :func:`send_kvcache_pair` copies a pair: every group needs ``src_ptrs`` and ``dst_ptrs``.
     Everything is checked before the first byte moves: a call that raises wrote nothing.
@@ -277,7 +309,8 @@ def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
     """
     where = "send_kvcache_groups"
     array, _keep = _c_groups(groups, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
+    _, options = _copy_call(where, backend, stream, synchronize, copy_kernel, [],
+                            _tensors_of(groups))
     status = _lib.mori_send_kvcache_groups(array, len(groups), ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)
@@ -285,12 +318,13 @@ def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
 
 def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                         staging_capacity: Optional[int] = None, backend: str = "auto",
-                        stream: Optional[int] = None, synchronize: bool = False,
-                        copy_kernel: bool = False) -> None:
+                        stream: StreamLike = None, synchronize: bool = False,
+                        copy_kernel: Optional[bool] = None) -> None:
     """Prefill side of a staged request of groups: packs every group whose staging is SRC or
     BOTH into its part of ``staging`` (the request's region: an address, or a writable
-    C-contiguous numpy array), as :func:`pack_kvcache_pair` packs a pair. Groups that stage
-    nothing here are checked and skipped. Nothing is written unless everything is valid.
+    C-contiguous numpy array or device tensor), as :func:`pack_kvcache_pair` packs a pair.
+    Groups that stage nothing here are checked and skipped. Nothing is written unless
+    everything is valid.
 
     Raises:
         the errors of :func:`groups_info` and of :func:`pack_kvcache_pair`;
@@ -298,8 +332,9 @@ def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
     """
     where = "pack_kvcache_groups"
     array, _keep = _c_groups(groups, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
-    region, capacity = _region(staging, staging_capacity, True, where)
+    (region_op,), options = _copy_call(where, backend, stream, synchronize, copy_kernel,
+                                       [("staging", staging, True, True)], _tensors_of(groups))
+    region, capacity = _region(region_op, staging_capacity, where)
     status = _lib.mori_pack_kvcache_groups(array, len(groups), region, capacity,
                                            ctypes.byref(options))
     if status != _ffi.MORI_OK:
@@ -308,8 +343,8 @@ def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
 
 def unpack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                           staging_capacity: Optional[int] = None, backend: str = "auto",
-                          stream: Optional[int] = None, synchronize: bool = False,
-                          copy_kernel: bool = False) -> None:
+                          stream: StreamLike = None, synchronize: bool = False,
+                          copy_kernel: Optional[bool] = None) -> None:
     """Decode side of a staged request of groups: once every segment has landed, unpacks every
     group whose staging is DST or BOTH from its part of ``staging`` onto its pages, as
     :func:`unpack_kvcache_pair` unpacks a pair. Groups that stage nothing here are checked and
@@ -320,8 +355,10 @@ def unpack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
     """
     where = "unpack_kvcache_groups"
     array, _keep = _c_groups(groups, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
-    region, capacity = _region(staging, staging_capacity, False, where)
+    (region_op,), options = _copy_call(where, backend, stream, synchronize, copy_kernel,
+                                       [("staging", staging, False, True)],
+                                       _tensors_of(groups))
+    region, capacity = _region(region_op, staging_capacity, where)
     status = _lib.mori_unpack_kvcache_groups(array, len(groups), region, capacity,
                                              ctypes.byref(options))
     if status != _ffi.MORI_OK:

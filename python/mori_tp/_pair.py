@@ -16,23 +16,26 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 from . import (
     Action,
+    BufferLike,
     CopyRect,
     PageIndices,
     RankMemory,
     Staging,
     StagingRegion,
+    StreamLike,
     _action,
+    _address_array,
+    _capacity,
+    _copy_call,
     _ffi,
     _fill,
     _kv_buffers,
     _lib,
     _pages_arg,
-    _pointer_array,
     _raise_last,
     _rects_out,
     _region,
     _segments_out,
-    _send_options,
     _staging_value,
     _unsigned,
 )
@@ -316,8 +319,10 @@ def pair_plan(
     as_arrays: bool = False,
 ) -> Union[List[CopyRect], "numpy.ndarray"]:
     """The page-to-page 2D copies of one request (one ``hipMemcpy2DAsync`` each): the segments
-    of :func:`pair_segments` with NONE, in order, grouped greedily into :class:`CopyRect` runs of
-    equal width whose offsets advance by constant pitches. Never more rects than segments.
+    of an order (as :func:`pair_segments` defines them, with NONE), grouped greedily into
+    :class:`CopyRect` runs of equal width whose offsets advance by constant, true pitches. The
+    order is, among those whose segments are fewest, the one whose rects are fewest (the first
+    on a tie), so never more rects than segments.
 
     Args:
         config, request: as for :func:`pair_segments`.
@@ -416,16 +421,16 @@ def check_pair_transfer(
 
 def send_kvcache_pair(
     config: PairConfig,
-    src_ptrs: Sequence[int],
-    dst_ptrs: Sequence[int],
+    src_ptrs: Sequence[BufferLike],
+    dst_ptrs: Sequence[BufferLike],
     *,
-    src_capacity: int,
-    dst_capacity: int,
+    src_capacity: Optional[int] = None,
+    dst_capacity: Optional[int] = None,
     request: Request,
     backend: str = "auto",
-    stream: Optional[int] = None,
+    stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Copies one request between any two layouts: for every buffer, every token below
     ``request.num_tokens`` and every moved head, the prefill rank's bytes of that head land on
@@ -436,8 +441,10 @@ def send_kvcache_pair(
 
     Args:
         config: from :func:`pair_config`.
-        src_ptrs, dst_ptrs: base addresses of both ranks' buffers, as for :func:`send_kvcache`.
+        src_ptrs, dst_ptrs: both ranks' buffers (addresses, numpy arrays or C-contiguous
+            device tensors), as for :func:`send_kvcache`.
         src_capacity, dst_capacity: bytes in each buffer; every page must end within them.
+            Default: the smallest tensor's bytes on that side (required with addresses).
         request: the :class:`Request`.
         backend, stream, synchronize, copy_kernel: as for :func:`send_kvcache`.
 
@@ -446,8 +453,10 @@ def send_kvcache_pair(
     """
     where = "send_kvcache_pair"
     c_config, c_request = _c_pair(config, where), _c_request(request, where)
-    buffers, _arrays = _kv_buffers(src_ptrs, dst_ptrs, src_capacity, dst_capacity, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
+    (src_op, dst_op), options = _copy_call(
+        where, backend, stream, synchronize, copy_kernel,
+        [("src_ptrs", src_ptrs, False, False), ("dst_ptrs", dst_ptrs, True, False)])
+    buffers, _arrays = _kv_buffers(src_op, dst_op, src_capacity, dst_capacity, where)
     status = _lib.mori_send_kvcache_pair(ctypes.byref(c_config), ctypes.byref(buffers),
                                          ctypes.byref(c_request), ctypes.byref(options))
     if status != _ffi.MORI_OK:
@@ -457,16 +466,16 @@ def send_kvcache_pair(
 def pack_kvcache_pair(
     config: PairConfig,
     staging_mode: Union[Staging, int],
-    src_ptrs: Sequence[int],
+    src_ptrs: Sequence[BufferLike],
     staging: StagingRegion,
     *,
-    src_capacity: int,
+    src_capacity: Optional[int] = None,
     request: Request,
     staging_capacity: Optional[int] = None,
     backend: str = "auto",
-    stream: Optional[int] = None,
+    stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Prefill side of a staged pair transfer (SRC or BOTH): copies the moved heads of every
     token of every buffer into the staging region, buffer ``b`` at ``b *
@@ -478,11 +487,14 @@ def pack_kvcache_pair(
     Args:
         config: from :func:`pair_config`.
         staging_mode: SRC or BOTH (anything else is refused by the library).
-        src_ptrs: base addresses of the prefill rank's buffers.
-        staging: the staging region: an address, or a writable C-contiguous numpy array.
-        src_capacity: bytes in each source buffer.
+        src_ptrs: the prefill rank's buffers (addresses, arrays or tensors), as for
+            :func:`send_kvcache`.
+        staging: the staging region: an address, or a writable C-contiguous numpy array or
+            device tensor.
+        src_capacity: bytes in each source buffer (default: the smallest tensor's bytes).
         request: the :class:`Request` (both page lists are checked).
-        staging_capacity: bytes of the region (default for an array: its size); it must hold
+        staging_capacity: bytes of the region (default for an array or tensor: its bytes, and
+            never more); it must hold
             ``len(src_ptrs) * pair_staging_len(config, request.num_tokens)`` bytes.
         backend, stream, synchronize, copy_kernel: as for :func:`send_kvcache`.
 
@@ -494,13 +506,15 @@ def pack_kvcache_pair(
     where = "pack_kvcache_pair"
     c_config, c_request = _c_pair(config, where), _c_request(request, where)
     mode = _unsigned(staging_mode, "staging_mode", 32, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
-    region, capacity = _region(staging, staging_capacity, True, where)
-    pointers = _pointer_array(src_ptrs, "src_ptrs", where)
+    (src_op, region_op), options = _copy_call(
+        where, backend, stream, synchronize, copy_kernel,
+        [("src_ptrs", src_ptrs, False, False), ("staging", staging, True, True)])
+    region, capacity = _region(region_op, staging_capacity, where)
+    pointers = _address_array(src_op)
     status = _lib.mori_pack_kvcache_pair(
         ctypes.byref(c_config), mode,
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)), len(pointers),
-        _unsigned(src_capacity, "src_capacity", 64, where), ctypes.byref(c_request),
+        _capacity(src_op, src_capacity, "src_capacity", where), ctypes.byref(c_request),
         region, capacity, ctypes.byref(options),
     )
     if status != _ffi.MORI_OK:
@@ -511,15 +525,15 @@ def unpack_kvcache_pair(
     config: PairConfig,
     staging_mode: Union[Staging, int],
     staging: StagingRegion,
-    dst_ptrs: Sequence[int],
+    dst_ptrs: Sequence[BufferLike],
     *,
-    dst_capacity: int,
+    dst_capacity: Optional[int] = None,
     request: Request,
     staging_capacity: Optional[int] = None,
     backend: str = "auto",
-    stream: Optional[int] = None,
+    stream: StreamLike = None,
     synchronize: bool = False,
-    copy_kernel: bool = False,
+    copy_kernel: Optional[bool] = None,
 ) -> None:
     """Decode side of a staged pair transfer (DST or BOTH): copies the staging region onto the
     moved heads of every token of every buffer, once the transport has written every segment
@@ -529,11 +543,13 @@ def unpack_kvcache_pair(
     Args:
         config: from :func:`pair_config` (the decode rank derives the same one).
         staging_mode: DST or BOTH (anything else is refused by the library).
-        staging: the staging region: an address, or a C-contiguous numpy array.
-        dst_ptrs: base addresses of the decode rank's buffers.
-        dst_capacity: bytes in each destination buffer.
+        staging: the staging region: an address, or a C-contiguous numpy array or device
+            tensor.
+        dst_ptrs: the decode rank's buffers (addresses, writable arrays or tensors).
+        dst_capacity: bytes in each destination buffer (default: the smallest tensor's bytes).
         request: the :class:`Request` (both page lists are checked).
-        staging_capacity: bytes of the region (default for an array: its size).
+        staging_capacity: bytes of the region (default for an array or tensor: its bytes, and
+            never more).
         backend, stream, synchronize, copy_kernel: as for :func:`send_kvcache`.
 
     Raises:
@@ -542,13 +558,15 @@ def unpack_kvcache_pair(
     where = "unpack_kvcache_pair"
     c_config, c_request = _c_pair(config, where), _c_request(request, where)
     mode = _unsigned(staging_mode, "staging_mode", 32, where)
-    options = _send_options(backend, stream, synchronize, copy_kernel, where)
-    region, capacity = _region(staging, staging_capacity, False, where)
-    pointers = _pointer_array(dst_ptrs, "dst_ptrs", where)
+    (region_op, dst_op), options = _copy_call(
+        where, backend, stream, synchronize, copy_kernel,
+        [("staging", staging, False, True), ("dst_ptrs", dst_ptrs, True, False)])
+    region, capacity = _region(region_op, staging_capacity, where)
+    pointers = _address_array(dst_op)
     status = _lib.mori_unpack_kvcache_pair(
         ctypes.byref(c_config), mode, region, capacity,
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)), len(pointers),
-        _unsigned(dst_capacity, "dst_capacity", 64, where), ctypes.byref(c_request),
+        _capacity(dst_op, dst_capacity, "dst_capacity", where), ctypes.byref(c_request),
         ctypes.byref(options),
     )
     if status != _ffi.MORI_OK:

@@ -215,7 +215,7 @@ class Demo:
         try:
             self.remote = self.peer_process.memories[0]
             self.peer = self.driver.connect(self.transport, self.peer_process.address)
-            self.peer_process.connect(self.driver.address(self.transport))
+            self.peer_process.connect(self.driver.sender(self.transport))
             self.expected = self._expected()
             self._warm_up()
         except BaseException:

@@ -84,15 +84,31 @@ class FakeMooncake:
 
     def batch_transfer_sync(self, session: str, src: List[int], dst: List[int],
                             lengths: List[int], opcode: Any, notify: Any = None) -> int:
-        assert opcode == TransferOpcode.Write
+        assert opcode in (TransferOpcode.Write, TransferOpcode.Read)
         if not lengths:
             return -1  # the real engine refuses an empty batch, notification or not
-        status = self.batch_transfer_sync_write(session, src, dst, lengths)
+        if opcode == TransferOpcode.Write:
+            status = self.batch_transfer_sync_write(session, src, dst, lengths)
+        else:
+            status = self.batch_transfer_sync_read(session, src, dst, lengths)
         if status == 0 and notify is not None:
+            # After every transfer of the batch completed, as the engine does.
             peer = self.peers[session]
             with peer.lock:
                 peer.inbox.append(TransferNotify(notify.name, notify.msg))
         return status
+
+    def batch_transfer_sync_read(self, session: str, dst: List[int], src: List[int],
+                                 lengths: List[int]) -> int:
+        """Reads the peer's ``src[i]`` into local ``dst[i]`` (the binding's argument order:
+        local buffers first)."""
+        self.calls.append((session, len(lengths)))
+        peer = self.peers[session]
+        for d, s, n in zip(dst, src, lengths):
+            self.memory.check(d, n, "local buffer")
+            peer.memory.check(s, n, "remote source")
+            ctypes.memmove(d, s, n)
+        return 0
 
     def get_notifies(self) -> List[TransferNotify]:
         with self.lock:

@@ -51,6 +51,7 @@ from mori_tp.engines import (
     Streamer,
     TransferError,
     TransferTimeoutError,
+    new_token,
     plan_request,
 )
 from mori_tp.engines.loopback import (
@@ -112,6 +113,8 @@ class Setup:
         self.streamer = Streamer(self.transport, timeout=STEP_TIMEOUT)
         self.peer: Optional[StreamPeer] = None
         self.remote: Any = None
+        #: Each request's token, as the decode child drew it.
+        self.tokens: Dict[str, str] = {}
         self.start_peer()
 
     def start_peer(self) -> None:
@@ -121,7 +124,7 @@ class Setup:
                                4 * self.slot_bytes, STEP_TIMEOUT,
                                placement=Placement(engine_timeout=ENGINE_TIMEOUT))
         self.remote = self.driver.connect(self.transport, self.peer.address, self.peer.epoch)
-        self.peer.connect(self.driver.address(self.transport))
+        self.peer.connect(self.driver.sender(self.transport))
 
     def plan(self, p: int, d: int, staging: Staging, rid: str,
              decode_timeout: float = STEP_TIMEOUT) -> Tuple[Any, Callable[[], None], Any]:
@@ -129,8 +132,9 @@ class Setup:
         (plan, release of the prefill slot, the slot)."""
         config = self.layout.config(p, d)
         need = BUFFERS * mori_tp.staging_len(config, len(self.request.src_pages))
-        remote_slot = self.peer.expect(rid, d, config, self.request.dst_pages, int(staging),
-                                       need if staging.unpacks else 0, timeout=decode_timeout)
+        remote_slot, self.tokens[rid] = self.peer.expect(
+            rid, d, config, self.request.dst_pages, int(staging), need if staging.unpacks else 0,
+            timeout=decode_timeout)
         local, slot = self.local[p], None
         if staging.packs:
             slot = self.pool.alloc(need, timeout=STEP_TIMEOUT)
@@ -262,7 +266,8 @@ def one_kill(engine: str, layout: Layout, runs: int, staging: Staging, chunks: i
             released.set()
 
         try:
-            streamer.send(setup.remote, plan, rid, chunks=chunks, release=free)
+            streamer.send(setup.remote, plan, rid, chunks=chunks, release=free,
+                          token=setup.tokens[rid])
             raise Failure(f"{engine}: a request to a killed decode process succeeded")
         except TransferError as caught:
             error = caught
@@ -285,7 +290,8 @@ def one_kill(engine: str, layout: Layout, runs: int, staging: Staging, chunks: i
         setup.start_peer()
         rid = "after-kill"
         plan, release, _ = setup.plan(p, d, staging, rid)
-        setup.streamer.send(setup.remote, plan, rid, chunks=chunks, release=release)
+        setup.streamer.send(setup.remote, plan, rid, chunks=chunks, release=release,
+                            token=setup.tokens[rid])
         setup.delivered(rid, p, d, "the request after the kill")
         streamer.close()
         where = "2 ms into chunk 1's write" if during else "between chunks 0 and 1"
@@ -310,8 +316,8 @@ def _prefill_child(conn: Any, placement: Placement, engine: str, runs: int, seed
     local = [transport.register(m) for m in source.memories()]
     pool = mori_tp.StagingPool(source.slot_bytes)
     transport.register(KvMemory((), 0, pool.address, pool.capacity))
-    conn.send(("ready", drive.address(transport)))
-    _, address, remote, epoch, rid, p, d = conn.recv()
+    conn.send(("ready", drive.address(transport), drive.sender(transport)))
+    _, address, remote, epoch, rid, token, p, d = conn.recv()
     peer = drive.connect(transport, address, epoch)
 
     class Stalling(Hooked):
@@ -332,7 +338,7 @@ def _prefill_child(conn: Any, placement: Placement, engine: str, runs: int, seed
     plan = plan_request(config, source.request.src_pages, source.request.dst_pages,
                         local=replace(local[p], staging=slot.address, staging_capacity=slot.size),
                         remote=KvMemory.from_dict(remote), staging=Staging.BOTH)
-    Streamer(Stalling(transport)).send(peer, plan, rid, chunks=3)
+    Streamer(Stalling(transport)).send(peer, plan, rid, chunks=3, token=token)
     conn.send(("error", "the stalled stream returned"))
 
 
@@ -369,10 +375,12 @@ def prefill_killed(engine: str) -> None:
     pool.view()[:] = 0
     process, conn = _start_child(_prefill_child, engine, runs, seed,
                                  placement=Placement(engine_timeout=ENGINE_TIMEOUT))
-    receiver = Receiver(transport)
+    # The prefill process is killed: nothing of it can land after the timeout.
+    receiver = Receiver(transport, linger=0.0)
     try:
         message = _recv(conn, "ready")
-        peer = drive.connect(transport, message[1])
+        # Its name only (Driver.sender): the decode rank never loads the prefill's address.
+        sender = message[2]
         receiver.start()
         config = SMALL.config(p, d)
         need = BUFFERS * mori_tp.staging_len(config, len(source.request.src_pages))
@@ -387,10 +395,10 @@ def prefill_killed(engine: str) -> None:
                                    memory=replace(memory, staging=slot.address,
                                                   staging_capacity=slot.size),
                                    staging=Staging.BOTH, backend="host",
-                                   timeout=DECODE_TIMEOUT, on_done=done)
+                                   timeout=DECODE_TIMEOUT, peer=sender, on_done=done)
         conn.send(("go", drive.address(transport),
                    replace(memory, staging=slot.address, staging_capacity=slot.size).to_dict(),
-                   memory.epoch, rid, p, d))
+                   memory.epoch, rid, incoming.token, p, d))
         _, half, total = _recv(conn, "partial")
         process.kill()
         killed = time.monotonic()
@@ -458,7 +466,7 @@ def lost_notification(engine: str) -> None:
             start = time.monotonic()
             if layered:
                 stream = streamer.open(setup.remote, plan, rid, layers=BUFFERS // 2,
-                                       release=release)
+                                       release=release, token=setup.tokens[rid])
                 for layer in range(BUFFERS // 2):
                     stream.submit(layer)
                     # Each chunk is written before the seal: the count travels alone.
@@ -467,7 +475,8 @@ def lost_notification(engine: str) -> None:
                 stream.seal()
                 stream.wait()
             else:
-                streamer.send(setup.remote, plan, rid, chunks=3, release=release)
+                streamer.send(setup.remote, plan, rid, chunks=3, release=release,
+                              token=setup.tokens[rid])
             require(len(hooked.dropped) == 1, f"{engine}: {len(hooked.dropped)} notifications "
                                               f"dropped, not one ({label})")
             report = setup.peer.ended(rid, timeout=DECODE_TIMEOUT + SLACK)
@@ -516,7 +525,8 @@ def restart(engine: str) -> None:
     try:
         p, d = 0, 0
         old_plan, release, _ = setup.plan(p, d, Staging.NONE, "before-restart")
-        setup.streamer.send(setup.remote, old_plan, "before-restart", release=release)
+        setup.streamer.send(setup.remote, old_plan, "before-restart", release=release,
+                            token=setup.tokens["before-restart"])
         setup.delivered("before-restart", p, d, "before the restart")
         old_epoch = setup.peer.epoch
         setup.peer.kill()
@@ -527,7 +537,8 @@ def restart(engine: str) -> None:
         for how, attempt in (
                 ("send", lambda: setup.transport.send(setup.remote, old_plan,
                                                       request_id="stale")),
-                ("a stream", lambda: setup.streamer.send(setup.remote, old_plan, "stale")),
+                ("a stream", lambda: setup.streamer.send(setup.remote, old_plan, "stale",
+                                                         token=new_token())),
                 ("a write", lambda: setup.transport.write(
                     setup.remote, *old_plan.addresses(), epoch=old_plan.remote.epoch,
                     request_id="stale"))):
@@ -544,7 +555,8 @@ def restart(engine: str) -> None:
         require(setup.peer.call("violations") == [],
                 f"{engine}: the restarted process received messages for the refused plan")
         plan, release, _ = setup.plan(p, d, Staging.NONE, "after-restart")
-        setup.streamer.send(setup.remote, plan, "after-restart", release=release)
+        setup.streamer.send(setup.remote, plan, "after-restart", release=release,
+                            token=setup.tokens["after-restart"])
         setup.delivered("after-restart", p, d, "after the restart")
         print(f"  restart: {', '.join(refusals)} against epoch {old_epoch:#x} refused after the "
               f"peer announced {setup.peer.epoch:#x}, its buffers untouched; a new plan "
@@ -566,7 +578,8 @@ def segments(engine: str) -> None:
         require(plan.segments > 2 * limit, f"{engine}: the request has only {plan.segments} "
                                            "segments")
         # One chunk: one transport write of every segment.
-        result = setup.streamer.send(setup.remote, plan, "many", chunks=1, release=release)
+        result = setup.streamer.send(setup.remote, plan, "many", chunks=1, release=release,
+                                     token=setup.tokens["many"])
         setup.delivered("many", p, d, "a request of many segments")
         if engine == "mooncake":
             want = -(-plan.segments // limit)
@@ -628,7 +641,8 @@ def together(setup: Setup, transport: Any, label: str, check: bool = True
         _, _, rid, plan, release, streamer = item
         try:
             barrier.wait(STEP_TIMEOUT)
-            streamer.send(setup.remote, plan, rid, chunks=1, release=release)
+            streamer.send(setup.remote, plan, rid, chunks=1, release=release,
+                          token=setup.tokens[rid])
         except BaseException as error:  # noqa: B036 - reported below
             errors.append(error)
 

@@ -122,7 +122,7 @@ class Run:
                  for count, size in [shapes[name]]]
         self.peer = DecodePeer(engine, ranks, 1 << 20, STEP_TIMEOUT)
         self.remote = self.driver.connect(self.transport, self.peer.address)
-        self.peer.connect(self.driver.address(self.transport))
+        self.peer.connect(self.driver.sender(self.transport))
         self.tags = 0
 
     def decode_ptrs(self, d: int) -> Dict[str, List[int]]:

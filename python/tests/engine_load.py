@@ -225,8 +225,8 @@ class Lane:
         rid = f"lane{self.index}-{self.sent}"
         self.sent += 1
         need = BUFFERS * mori_tp.staging_len(config, len(request.src_pages))
-        remote_slot = load.peer.expect(rid, self.index, config, request.dst_pages,
-                                       int(staging), need if staging.unpacks else 0)
+        remote_slot, token = load.peer.expect(rid, self.index, config, request.dst_pages,
+                                              int(staging), need if staging.unpacks else 0)
         local, slot = self.local, None
         if staging.packs:
             slot = load.pool.alloc(need, timeout=STEP_TIMEOUT)
@@ -243,7 +243,8 @@ class Lane:
         start = time.monotonic()
         if streamed:
             mode = "layers"
-            stream = load.streamer.open(load.remote, plan, rid, layers=LAYERS, release=release)
+            stream = load.streamer.open(load.remote, plan, rid, layers=LAYERS, release=release,
+                                        token=token)
             order = list(range(LAYERS))
             self.rng.shuffle(order)
             for layer in order:
@@ -253,7 +254,8 @@ class Lane:
         else:
             chunks = self.rng.choice((None, 1, 2, 3))
             mode = f"chunks={chunks or 'auto'}"
-            load.streamer.send(load.remote, plan, rid, chunks=chunks, release=release)
+            load.streamer.send(load.remote, plan, rid, chunks=chunks, release=release,
+                               token=token)
         report = load.peer.ended(rid)
         load.in_flight(-1)
         require(report.error is None,
@@ -294,7 +296,7 @@ class Load:
         self.peer = StreamPeer(engine, [(BUFFERS, self.dst_capacity)] * lanes, pool_bytes,
                                STEP_TIMEOUT, placement=placement)
         self.remote = self.driver.connect(self.transport, self.peer.address, self.peer.epoch)
-        self.peer.connect(self.driver.address(self.transport))
+        self.peer.connect(self.driver.sender(self.transport))
         self.streamer = Streamer(self.transport, timeout=STEP_TIMEOUT)
         self.lanes = [Lane(self, i) for i in range(lanes)]
         self._lock = threading.Lock()

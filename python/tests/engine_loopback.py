@@ -243,7 +243,7 @@ class Run:
         # With the child's registration epoch: every plan is checked against it.
         self.remote = self.driver.connect(self.transport, self.peer.address,
                                           self.peer.memories[0].epoch)
-        self.peer.connect(self.driver.address(self.transport))
+        self.peer.connect(self.driver.sender(self.transport))
         self.tags = 0
 
     def tag(self) -> bytes:

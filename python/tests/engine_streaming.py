@@ -11,7 +11,11 @@ outside the slices included:
 - in flight: every sending pair of tp8to2 at once from four threads, through a decode pool that
   holds two requests (the rest wait for slots: backpressure), completing in any order; and a
   request that completes before one opened earlier;
-- violations: a chunk notified twice and a chunk that never comes are reported by the child.
+- violations: a chunk notified twice and a chunk that never comes are reported by the child,
+  and a message without the request's token is ignored and recorded;
+- refusals: an expect the child refuses keeps no staging slot;
+- strangers: a completion forged under this process's name without the request's token ends
+  nothing and changes no byte; over NIXL the child cannot read this process's memory.
 
     python3 python/tests/engine_streaming.py mooncake|nixl
 
@@ -26,7 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mori_tp
 from engine_loopback import (
@@ -42,8 +46,8 @@ from engine_loopback import (
 from engine_loopback import Prefill as PlainPrefill
 from layouts import Layout
 from mori_tp import Action, Staging
-from mori_tp.engines import KvMemory, Streamer, plan_request
-from mori_tp.engines.loopback import Placement, StreamPeer, driver, run_program
+from mori_tp.engines import KvMemory, Streamer, new_token, plan_request
+from mori_tp.engines.loopback import PeerError, Placement, StreamPeer, driver, run_program
 from mori_tp.engines.streaming import chunk_message
 
 LAYERS = BUFFERS // 2
@@ -94,10 +98,13 @@ class Run:
                                placement=placement)
         # With the child's registration epoch: every plan is checked against it.
         self.remote = self.driver.connect(self.transport, self.peer.address, self.peer.epoch)
-        self.peer.connect(self.driver.address(self.transport))
+        self.peer.connect(self.driver.sender(self.transport))
         self.streamer = Streamer(self.transport, timeout=STEP_TIMEOUT)
         self.ids = 0
         self.lock = threading.Lock()
+        #: Each request's token, as the decode child drew it at expect (what a connector sends
+        #: the prefill rank with the slot and pages).
+        self.tokens: Dict[str, str] = {}
 
     def request_id(self, label: str) -> str:
         with self.lock:
@@ -109,8 +116,9 @@ class Run:
         config = layout.config(p, d)
         chosen = mori_tp.staging_for(config) if staging is None else staging
         need = BUFFERS * mori_tp.staging_len(config, len(REQUEST.src_pages))
-        remote_slot = self.peer.expect(rid, d, config, REQUEST.dst_pages, int(chosen),
-                                       need if chosen.unpacks else 0)
+        remote_slot, self.tokens[rid] = self.peer.expect(rid, d, config, REQUEST.dst_pages,
+                                                         int(chosen), need if chosen.unpacks
+                                                         else 0)
         local = self.prefill.memories[p]
         slot = None
         if chosen.packs:
@@ -155,7 +163,8 @@ class Run:
                     for p, d in sending_pairs(layout):
                         rid = self.request_id("pipelined")
                         plan, slot = self.plan(layout, p, d, staging, rid)
-                        result = self.streamer.send(self.remote, plan, rid, chunks=chunks)
+                        result = self.streamer.send(self.remote, plan, rid, chunks=chunks,
+                                                    token=self.tokens[rid])
                         if (result.segments, result.bytes) != (plan.segments, plan.bytes):
                             raise Failure(f"{rid}: wrote {result}, planned {plan.segments}")
                         self.finish(rid, slot)
@@ -173,7 +182,8 @@ class Run:
         for p, d in sending_pairs(layout):
             rid = self.request_id("layers")
             plan, slot = self.plan(layout, p, d, None, rid)
-            stream = self.streamer.open(self.remote, plan, rid, layers=LAYERS)
+            stream = self.streamer.open(self.remote, plan, rid, layers=LAYERS,
+                                        token=self.tokens[rid])
             events = [threading.Event() for _ in range(LAYERS)]
 
             def compute() -> None:
@@ -219,7 +229,7 @@ class Run:
                 for p, d in mine:
                     rid = self.request_id("flight")
                     plan, slot = self.plan(layout, p, d, Staging.BOTH, rid)
-                    self.streamer.send(self.remote, plan, rid)
+                    self.streamer.send(self.remote, plan, rid, token=self.tokens[rid])
                     finished.append((self.finish(rid, slot).finished_at, rid))
             except BaseException as error:  # noqa: B036 - reported below
                 failures.append(error)
@@ -238,9 +248,9 @@ class Run:
         ra, rb = self.request_id("A"), self.request_id("B")
         plan_a, slot_a = self.plan(layout, pa, da, Staging.BOTH, ra)
         plan_b, slot_b = self.plan(layout, pb, db, Staging.BOTH, rb)
-        a = self.streamer.open(self.remote, plan_a, ra, layers=LAYERS)
+        a = self.streamer.open(self.remote, plan_a, ra, layers=LAYERS, token=self.tokens[ra])
         a.submit(0)
-        self.streamer.send(self.remote, plan_b, rb)
+        self.streamer.send(self.remote, plan_b, rb, token=self.tokens[rb])
         report_b = self.finish(rb, slot_b)
         a.submit(list(range(1, LAYERS)))
         a.seal()
@@ -255,24 +265,126 @@ class Run:
         p, d = sending_pairs(layout)[0]
         rid = self.request_id("dup")
         plan, slot = self.plan(layout, p, d, Staging.NONE, rid)
+        token = self.tokens[rid]
         src, dst, lengths = plan.addresses([(0, 1)])
         self.transport.write(self.remote, src, dst, lengths,
-                             notification=chunk_message(rid, 0, [(0, 1)]), timeout=STEP_TIMEOUT)
-        carrier = (int(src[0]), int(dst[0]))
-        self.transport.notify(self.remote, chunk_message(rid, 0, [(0, 1)]), carrier=carrier)
+                             notification=chunk_message(rid, token, 0, [(0, 1)]),
+                             timeout=STEP_TIMEOUT)
+        carrier = int(dst[0])
+        self.transport.notify(self.remote, chunk_message(rid, token, 0, [(0, 1)]),
+                              carrier=carrier)
         report = self.peer.ended(rid)
         if not report.error or "chunk 0 arrived twice" not in report.error:
             raise Failure(f"a chunk notified twice was not reported: {report}")
         rid = self.request_id("gap")
         config = layout.config(p, d)
-        self.peer.expect(rid, d, config, REQUEST.dst_pages, int(Staging.NONE), 0, timeout=2.0)
-        self.transport.notify(self.remote, chunk_message(rid, 0, [(0, 1)], sealed=2),
+        _, token = self.peer.expect(rid, d, config, REQUEST.dst_pages, int(Staging.NONE), 0,
+                                    timeout=2.0)
+        # A stranger's messages (without the token) change nothing ...
+        self.transport.notify(self.remote, chunk_message(rid, "f" * 32, 0, [(0, BUFFERS)],
+                                                         sealed=1), carrier=carrier)
+        self.transport.notify(self.remote, chunk_message(rid, token, 0, [(0, 1)], sealed=2),
                               carrier=carrier)
         report = self.peer.ended(rid)
         if not report.error or "chunks [1]" not in report.error:
             raise Failure(f"a chunk that never came was not reported: {report}")
+        # ... and are recorded.
+        seen = self.peer.call("violations")
+        if not any(f"request {rid}: a chunk message" in v and "without the request's token"
+                   in v for v in seen):
+            raise Failure(f"a message without the request's token was not reported: {seen}")
         print("  violations: a chunk twice and a chunk never sent are reported by the decode "
-              "process")
+              "process, a message without the request's token is ignored and recorded")
+
+    def refusals(self) -> None:
+        """An expect the decode child refuses (an id the protocol cannot carry, an id already
+        expected) gives its slot back at once; the one it accepted frees its slot when it
+        ends (issue 33.13)."""
+        layout = LAYOUTS["tp2to8"]
+        p, d = sending_pairs(layout)[0]
+        config = layout.config(p, d)
+        live = self.peer.pool_info()[0]
+        accepted, refused = [], []
+        for rid in ("bad id", "dup-x", "dup-x"):
+            try:
+                self.peer.expect(rid, d, config, REQUEST.dst_pages, int(Staging.DST), 4096,
+                                 timeout=1.0)
+                accepted.append(rid)
+            except PeerError as error:
+                refused.append(str(error))
+        if accepted != ["dup-x"] or "printable ASCII" not in refused[0] \
+                or "already expected" not in refused[1]:
+            raise Failure(f"expect: accepted {accepted}, refused {refused}")
+        if self.peer.pool_info()[0] != live + 1:
+            raise Failure(f"refused expects kept slots: {self.peer.pool_info()} live, "
+                          f"{live} before")
+        report = self.peer.ended("dup-x")
+        if not report.error or "no progress" not in report.error:
+            raise Failure(f"the request never sent ended as {report}")
+        if self.peer.pool_info()[0] != live:
+            raise Failure(f"the ended request kept its slot: {self.peer.pool_info()}")
+        print("  refusals: a refused expect gives its slot back, the request accepted frees "
+              "its slot once it ends")
+
+    def forge(self, message: bytes) -> None:
+        """Sends ``message`` to the decode child as a stranger that never handshook with it,
+        under this process's own name on the engine (agent name, session id)."""
+        if self.engine == "nixl":
+            from mori_tp.engines.nixl import NixlTransport
+
+            self._mallory = NixlTransport.start(self.transport.name)
+            self._mallory.notify(self._mallory.add_peer(self.peer.address), message)
+            return
+        import mooncake.engine as engine
+        from mori_tp.engines.mooncake import MooncakeTransport
+
+        self._mallory = MooncakeTransport.start(self.driver.hostname)
+        status = self._mallory.engine.batch_transfer_sync(
+            self.remote, [self._mallory._scratch_address()], [self.peer.memories[0].buffers[0]],
+            [1], engine.TransferOpcode.Read,
+            engine.TransferNotify(self.transport.session_id, message.decode()))
+        if status != 0:
+            raise Failure(f"mooncake: the forged notification was not sent ({status})")
+
+    def strangers(self) -> None:
+        """A stranger names itself after this process and sends a request's completion
+        without its token (issue 40.1, probe_5): the request stays open, its pages untouched,
+        and its real sender completes it. The decode child cannot read this process's memory
+        over NIXL: it never loads this process's metadata (issue 40.5)."""
+        layout = LAYOUTS["tp2to8"]
+        want = self.expected(layout, 13)
+        self.peer.reset()
+        untouched = self.peer.digests()
+        pairs = sending_pairs(layout)
+        p, d = pairs[0]
+        rid = self.request_id("victim")
+        plan, slot = self.plan(layout, p, d, Staging.DST, rid)
+        self.forge(chunk_message(rid, new_token(), 0, [(0, BUFFERS)], sealed=1))
+        try:
+            report = self.peer.ended(rid, timeout=2.0)
+            raise Failure(f"{self.engine}: a stranger's message ended request {rid}: {report}")
+        except PeerError:
+            pass
+        seen = self.peer.call("violations")
+        if not any(f"request {rid}: a chunk message" in v and "without the request's token"
+                   in v for v in seen):
+            raise Failure(f"{self.engine}: the forged message was not recorded: {seen}")
+        if self.peer.digests() != untouched:
+            raise Failure(f"{self.engine}: a forged message changed the decode buffers")
+        self.streamer.send(self.remote, plan, rid, token=self.tokens[rid])
+        self.finish(rid, slot)
+        for p, d in pairs[1:]:
+            rid = self.request_id("after")
+            plan, slot = self.plan(layout, p, d, None, rid)
+            self.streamer.send(self.remote, plan, rid, token=self.tokens[rid])
+            self.finish(rid, slot)
+        self.check(layout, want, "after a stranger's message")
+        outcome = self.peer.call("try_read", self.prefill.memories[0].buffers[0], 64)
+        if self.engine == "nixl" and not outcome.startswith("refused"):
+            raise Failure(f"nixl: the decode child read this process's memory: {outcome}")
+        print(f"  strangers: a completion forged under this process's name, without the "
+              f"token, ignored and recorded, the request then completed, every byte; a "
+              f"one-sided read of this process's memory by the decode child: {outcome}")
 
     def close(self) -> None:
         self.streamer.close()
@@ -291,6 +403,8 @@ def main(engine: str) -> int:
         run.streamed()
         run.in_flight()
         run.violations()
+        run.refusals()
+        run.strangers()
     except Failure as failure:
         print(f"FAILED: {failure}")
         return 1

@@ -271,9 +271,9 @@ def large_request(run_: Any) -> Dict[str, Any]:
                       placement=run_.peer_placement)
     try:
         remote_handle = run_.driver.connect(transport, peer.address, peer.epoch)
-        peer.connect(run_.driver.address(transport))
-        slot_address = peer.expect("large", 0, config, request.dst_pages, int(Staging.BOTH),
-                                   need)
+        peer.connect(run_.driver.sender(transport))
+        slot_address, token = peer.expect("large", 0, config, request.dst_pages,
+                                          int(Staging.BOTH), need)
         slot = pool.alloc(need)
         plan = plan_request(config, request.src_pages, request.dst_pages,
                             local=KvMemory(local.buffers, src_capacity, slot.address, slot.size,
@@ -283,7 +283,8 @@ def large_request(run_: Any) -> Dict[str, Any]:
                             staging=Staging.BOTH)
         with Streamer(transport, timeout=60.0) as streamer:
             start = time.monotonic()
-            streamer.send(remote_handle, plan, "large", release=lambda: pool.free(slot))
+            streamer.send(remote_handle, plan, "large", release=lambda: pool.free(slot),
+                          token=token)
             report = peer.ended("large")
         seconds = report.finished_at - start
         if report.error:

@@ -38,9 +38,12 @@ except ImportError as error:
 
 if np is not None:
     from engine_fakes import FakeMemoryDesc, FakeMooncake, FakeMoriIo, FakeNixlAgent
+    from engine_fakes import FakeStatus
     from mori_tp.engines import (
         KvMemory,
         TransferError,
+        TransferTimeoutError,
+        new_token,
         plan_request,
         unpack_request,
     )
@@ -49,6 +52,9 @@ if np is not None:
     from mori_tp.engines.nixl import NixlTransport
 
 needs_numpy = unittest.skipIf(np is None, "numpy is not installed")
+
+#: A wait that a working fake never approaches.
+LONG_WAIT = 30.0
 
 BUFFERS = 4
 LAYOUTS = {
@@ -119,10 +125,14 @@ class Sides:
             self.remote, staging=self.dst_pool.ctypes.data, staging_capacity=self.dst_pool.nbytes)
         self.want = [x.copy() for x in self.initial]
         self.send(self.want)
+        #: The request's token, as a connector exchanges it with the slot and pages: the
+        #: plans carry it, and test_streaming's expect passes it to the Receiver.
+        self.token = new_token()
 
     def plan(self, staging=None):
         return plan_request(self.config, self.request.src_pages, self.request.dst_pages,
-                            local=self.local, remote=self.remote, staging=staging)
+                            local=self.local, remote=self.remote, staging=staging,
+                            token=self.token)
 
     def receive(self, staging) -> None:
         unpack_request(self.config, self.request.dst_pages, memory=self.remote,
@@ -160,7 +170,7 @@ class PairSides(Sides):
 
     def plan(self, staging=None):
         return plan_request(self.config, self.request, local=self.local, remote=self.remote,
-                            staging=staging)
+                            staging=staging, token=self.token)
 
     def receive(self, staging) -> None:
         unpack_request(self.config, self.request, memory=self.remote, staging=staging,
@@ -570,11 +580,68 @@ class MoriIoTransportTest(EveryPairStagingMixin, unittest.TestCase):
             sender.send("decode-engine", sides.plan())
         with self.assertRaisesRegex(TransferError, "no remote memory recorded for peer 'other'"):
             sender.send("other", sides.plan())
+        sender.engine.fail_entry = None
         lonely = MoriIoTransport(FakeMoriIo("lonely"), location="CPU")
         lonely.add_remote_memory("decode-engine", [FakeMemoryDesc("d", 1, 1, -1, "CPU")])
         with self.assertRaisesRegex(TransferError, "local buffer 0 \\[0x[0-9a-f]+, \\+\\d+\\) "
                                                    "is not inside a registered region"):
             lonely.send("decode-engine", sides.plan(Staging.NONE))
+
+
+    def test_a_timeout_is_engine_busy_and_a_failure_waits_for_the_other_entries(self):
+        """p9: MORI-IO cannot cancel a transfer, so an entry still in progress at the timeout
+        raises TransferTimeoutError with engine_busy, the peer and the request; an entry that
+        failed is reported once every other entry has ended, not while they still move."""
+        sides = Sides(LAYOUTS[Staging.BOTH], 0, 0)
+        sender, _ = self.transports(sides)
+        polls = {"per_entry": None}
+        ended: List[bool] = []
+
+        class Status(FakeStatus):
+            """Ends after ``per_entry`` polls of its own if it succeeds, at once if it
+            fails; never while ``per_entry`` is None."""
+
+            def __init__(self, ok: bool) -> None:
+                super().__init__(ok, "remote QP in error state")
+                self.left = polls["per_entry"]
+
+            def _ended(self) -> bool:
+                if self.left is None:
+                    return False
+                if not self.ok:
+                    return True
+                self.left -= 1
+                if self.left == 0:
+                    ended.append(True)
+                return self.left <= 0
+
+            def Succeeded(self):  # noqa: N802
+                return self.ok and self._ended()
+
+            def Failed(self):  # noqa: N802
+                return not self.ok and self._ended()
+
+        real = sender.engine.batch_write
+
+        def batch_write(*args):
+            return [Status(s.ok) for s in real(*args)]
+
+        sender.engine.batch_write = batch_write
+        with self.assertRaises(TransferTimeoutError) as caught:
+            sender.send("decode-engine", sides.plan(), timeout=0.05, request_id="m-1")
+        error = caught.exception
+        self.assertTrue(error.engine_busy)
+        self.assertEqual((error.peer, error.request_id), ("decode-engine", "m-1"))
+        self.assertIn("still in progress after 0.05 s", str(error))
+        # Entry 0 fails at once, the others end later: the failure is raised after them.
+        sender.engine.fail_entry = 0
+        polls["per_entry"] = 20
+        with self.assertRaisesRegex(TransferError, "entry 0 \\(buffer 0\\) to decode-engine "
+                                                   "\\(request m-2\\) failed") as caught:
+            sender.send("decode-engine", sides.plan(), timeout=LONG_WAIT, request_id="m-2")
+        self.assertFalse(caught.exception.engine_busy)
+        self.assertEqual(len(ended), sides.buffers - 1,
+                         "raised while other entries were still in progress")
 
 
 class OptionalEnginesTest(unittest.TestCase):

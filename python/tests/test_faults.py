@@ -28,6 +28,7 @@ except ImportError as error:
 if np is not None:
     from engine_fakes import FakeMooncake, FakeNixlAgent
     from mori_tp.engines import (
+        new_token,
         PeerLostError,
         Receiver,
         StaleRegistrationError,
@@ -114,8 +115,7 @@ class EpochTest(unittest.TestCase):
                         sender.write(peer, *plan.addresses(), epoch=plan.remote.epoch,
                                      request_id="r-9")
                     elif how == "notify":
-                        sender.notify(peer, b"x", carrier=(plan.addresses()[0][0],
-                                                           plan.addresses()[1][0]),
+                        sender.notify(peer, b"x", carrier=int(plan.addresses()[1][0]),
                                       epoch=plan.remote.epoch, request_id="r-9")
                     else:
                         with Streamer(sender, timeout=LONG) as streamer:
@@ -420,6 +420,153 @@ class ReleaseTest(unittest.TestCase):
 
 
 @needs_numpy
+class NotificationsTest(unittest.TestCase):
+    """How the transports hand over notifications: one message the binding cannot convert
+    costs only itself (issue 33.5), and two threads taking notifications never lose or double
+    one (33.19)."""
+
+    def test_a_foreign_mooncake_notification_costs_neither_itself_nor_the_batch(self):
+        """p7: another user's message with a character outside latin-1 (the euro sign), and
+        one whose fields the binding cannot convert, beside a mori-tp message."""
+        sides = src_sides()
+        _, receiver, _, _ = mooncake_pair(sides)
+
+        class Unconvertible:
+            name = "someone"
+
+            @property
+            def msg(self):
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+        from engine_fakes import TransferNotify
+
+        receiver.engine.inbox.extend([
+            TransferNotify("prefill:1", chunk_message("R", "0" * 32, 0, [(0, 1)]).decode()),
+            TransferNotify("other", "caf\u00e9 5\u20ac"),
+            Unconvertible(),
+            TransferNotify("prefill:1", "after"),
+        ])
+        got = receiver.poll_notifications()
+        self.assertEqual(got, [
+            ("prefill:1", chunk_message("R", "0" * 32, 0, [(0, 1)])),
+            ("other", "caf\u00e9 5\u20ac".encode("utf-8")),
+            ("someone", b""),
+            ("prefill:1", b"after"),
+        ])
+        self.assertEqual(receiver.poll_notifications(), [])
+
+    def test_two_threads_taking_nixl_notifications_each_get_distinct_ones_and_lose_none(self):
+        """A Receiver polls while another thread waits for one message; NIXL appends a new
+        one meanwhile. Each message goes to exactly one of them."""
+        agents: dict = {}
+        sender = NixlTransport(FakeNixlAgent("prefill", agents))
+        receiver = NixlTransport(FakeNixlAgent("decode", agents))
+        hooked = [True]
+        waited: List[bool] = []
+
+        def other_thread() -> None:
+            sender.agent.send_notif("decode", b"m4")  # arrives during the poll
+            waited.append(receiver._take_notification("prefill", b"m2"))
+
+        class Racing(list):
+            """The copy a poll takes of the list, then the other thread's turn."""
+
+            def _turn(self):
+                if hooked[0]:
+                    hooked[0] = False
+                    thread = threading.Thread(target=other_thread)
+                    thread.start()
+                    thread.join(0.5)  # it cannot finish while the poll holds the lock
+
+            def __getitem__(self, index):
+                copy = super().__getitem__(index)
+                if isinstance(index, slice):
+                    self._turn()
+                return copy
+
+            def __iter__(self):
+                copy = list(super().__iter__())
+                self._turn()
+                return iter(copy)
+
+        receiver.agent.notifs["prefill"] = Racing([b"m1", b"m2", b"m3"])
+        polled = [m for _, m in receiver.poll_notifications()]
+        until_done = time.monotonic() + LONG
+        while not waited and time.monotonic() < until_done:
+            time.sleep(0.001)
+        polled += [m for _, m in receiver.poll_notifications()]
+        taken = polled + ([b"m2"] if waited == [True] else [])
+        self.assertEqual(sorted(taken), [b"m1", b"m2", b"m3", b"m4"], (polled, waited))
+
+    def test_two_threads_taking_mooncake_notifications_each_get_distinct_ones_and_lose_none(
+            self):
+        """The same for Mooncake: a poll and a wait_notification that sets messages aside."""
+        sides = src_sides()
+        _, receiver, _, _ = mooncake_pair(sides)
+        from engine_fakes import TransferNotify
+
+        hooked = [True]
+        waited: List[str] = []
+
+        def other_thread() -> None:
+            try:
+                receiver.wait_notification("prefill", b"x", timeout=SHORT)
+                waited.append("x")
+            except TransferTimeoutError:
+                waited.append("none")
+
+        class Racing(dict):
+            def items(self):
+                copy = list(super().items())
+                if hooked[0]:
+                    hooked[0] = False
+                    thread = threading.Thread(target=other_thread)
+                    thread.start()
+                    thread.join(0.5)
+                return copy
+
+        receiver._notifications = Racing()
+        receiver.engine.inbox.extend([TransferNotify("prefill", "x"),
+                                      TransferNotify("prefill", "y")])
+        polled = [m for _, m in receiver.poll_notifications()]
+        deadline = time.monotonic() + LONG
+        while not waited and time.monotonic() < deadline:
+            time.sleep(0.001)
+        polled += [m for _, m in receiver.poll_notifications()]
+        taken = polled + ([b"x"] if waited == ["x"] else [])
+        self.assertEqual(sorted(taken), [b"x", b"y"], (polled, waited))
+
+    def test_a_mooncake_notification_without_data_reads_and_never_writes_the_peer(self):
+        """A seal or an abort rides on a one-byte read of the peer's memory: the peer's bytes
+        do not change, and it needs no byte of the sender's request."""
+        sides = src_sides()
+        sender, receiver, peer, _ = mooncake_pair(sides)
+        before = [d.copy() for d in sides.dst]
+        sender.notify(peer, b"hello", carrier=int(sides.remote.buffers[0]))
+        self.assertEqual(receiver.poll_notifications(), [(sender.session_id, b"hello")])
+        self.assertTrue(all(np.array_equal(a, b) for a, b in zip(before, sides.dst)))
+        with self.assertRaisesRegex(TransferError, "needs a carrier"):
+            sender.notify(peer, b"hello")
+
+    def test_a_mooncake_write_failing_at_the_engines_time_limit_is_engine_busy(self):
+        """The binding gives a call up at MC_TRANSFER_TIMEOUT (plus 1 s per 10^9 bytes) and
+        frees its batch with transfers possibly still queued: the error says engine_busy. An
+        earlier -1 does not."""
+        sides = src_sides()
+        sender, _, peer, _ = mooncake_pair(sides)
+        sender.engine_timeout = 0.2
+        sender.engine.batch_transfer_sync_write = lambda *args: (time.sleep(0.3), -1)[1]
+        with self.assertRaises(TransferError) as caught:
+            sender.write(peer, *sides.plan(Staging.NONE).addresses(), request_id="r-6")
+        self.assertTrue(caught.exception.engine_busy)
+        self.assertIn("the engine's own time limit", str(caught.exception))
+        sender.engine.batch_transfer_sync_write = lambda *args: -1
+        with self.assertRaises(TransferError) as caught:
+            sender.write(peer, *sides.plan(Staging.NONE).addresses(), request_id="r-7")
+        self.assertFalse(caught.exception.engine_busy)
+
+
+@needs_numpy
 class ReceiverBoundsTest(unittest.TestCase):
     def test_no_progress_is_a_timeout_naming_peer_request_and_what_was_unpacked(self):
         sides = Sides(LAYOUTS[Staging.BOTH], *pair_staged(Staging.BOTH))
@@ -431,7 +578,8 @@ class ReceiverBoundsTest(unittest.TestCase):
         plan = sides.plan(Staging.BOTH)
         plan.pack(backend="host")
         src, dst, lengths = plan.addresses([(0, 2)])
-        sender.write(peer, src, dst, lengths, notification=chunk_message("half-1", 0, [(0, 2)]))
+        sender.write(peer, src, dst, lengths,
+                     notification=chunk_message("half-1", incoming.token, 0, [(0, 2)]))
         start = time.monotonic()
         with self.assertRaises(TransferTimeoutError) as caught:
             receiver.wait(incoming, timeout=LONG)
@@ -450,13 +598,14 @@ class ReceiverBoundsTest(unittest.TestCase):
         sides = src_sides()
         sender, receiver_transport, peer, _ = nixl_pair(sides)
         receiver = Receiver(receiver_transport, early_timeout=SHORT)
-        sender.notify(peer, b"mori-tp/1 ghost abort the sender gave up")
+        sender.notify(peer, b"mori-tp/2 ghost " + new_token().encode() +
+                      b" abort ended the sender gave up")
         receiver.poll()
         self.assertIn("ghost", receiver._early)
         time.sleep(SHORT + 0.1)
         receiver.poll()
         self.assertNotIn("ghost", receiver._early)
-        self.assertEqual(len(receiver.violations), 1)
+        self.assertEqual(len(receiver.violations), 1, receiver.violations)
         self.assertIn("request ghost: 1 messages (abort) for a request never expected, "
                       f"dropped after {SHORT} s", receiver.violations[0])
 

@@ -109,6 +109,8 @@ class HeaderParityTest(unittest.TestCase):
         )
         self.assertEqual(defines["MORI_TP_ABI_VERSION"], mori_tp.ABI_VERSION)
         self.assertEqual(defines["MORI_SEND_SYNCHRONIZE"], _ffi.MORI_SEND_SYNCHRONIZE)
+        self.assertEqual(defines["MORI_SEND_COPY_KERNEL"], _ffi.MORI_SEND_COPY_KERNEL)
+        self.assertEqual(defines["MORI_SEND_MEMCPY2D"], _ffi.MORI_SEND_MEMCPY2D)
         self.assertEqual(defines["MORI_OK"], _ffi.MORI_OK)
         errors = {cls.status: code for code, cls in _errors.ERROR_CLASSES.items()}
         self.assertEqual(errors, {k: v for k, v in defines.items() if k.startswith("MORI_ERR_")})

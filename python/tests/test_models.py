@@ -44,6 +44,38 @@ DEEPSEEK_V32 = {
 }
 
 
+#: A Falcon-H1 config's fields (transformers' ``FalconH1Config``: ``mamba_*`` names, attention
+#: and Mamba2 side by side on every layer), with the figures of the 0.5B model in transformers'
+#: Falcon-H1 documentation (36 layers, 8 attention heads, 2 KV heads, 24 Mamba heads of 64,
+#: d_state 128) and one group (``mamba_n_groups`` 1, the default and Falcon-H1's, vLLM #55208).
+FALCON_H1 = {
+    "model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"],
+    "num_hidden_layers": 36, "hidden_size": 1024, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 64, "mamba_n_heads": 24, "mamba_d_head": 64,
+    "mamba_d_ssm": 1536, "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4,
+    "torch_dtype": "bfloat16",
+}
+
+#: Granite-4.0-H-Tiny's layer kinds: attention on layers 5, 15, 25 and 35 of 40.
+GRANITE_LAYERS = (["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 9
+                  + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 4)
+
+#: A Granite-4.0-H config's fields (transformers' ``GraniteMoeHybridConfig``: ``layer_types`` of
+#: mamba and attention, ``mamba_d_head`` auto = ``mamba_expand * hidden_size / mamba_n_heads``),
+#: shaped as Granite-4.0-H-Tiny: 40 layers, hidden 1536, 12 attention heads, 4 KV heads, 48 Mamba
+#: heads, d_state 128, one group.
+GRANITE_4_H = {
+    "model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"],
+    "num_hidden_layers": 40, "hidden_size": 1536, "num_attention_heads": 12,
+    "num_key_value_heads": 4, "mamba_n_heads": 48, "mamba_d_head": "auto", "mamba_expand": 2,
+    "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "layer_types": GRANITE_LAYERS,
+    "torch_dtype": "bfloat16",
+}
+
+#: Nemotron-H with one group, as vLLM's Nemotron-H model class names it.
+NEMOTRON_G1 = dict(NEMOTRON, n_groups=1, architectures=["NemotronHForCausalLM"])
+
+
 def gpt_oss(layers: int = 24) -> dict:
     return {"model_type": "gpt_oss", "num_hidden_layers": layers, "num_attention_heads": 64,
             "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
@@ -130,6 +162,41 @@ class FamilyTest(unittest.TestCase):
         single = models.from_config(dict(NEMOTRON, n_groups=1)).group("conv_state")
         self.assertEqual((single.parts[1].units, single.parts[1].must_divide), (1, False))
 
+    def test_falcon_h1_keeps_attention_and_mamba2_on_every_layer_with_one_group(self):
+        facts = models.from_config(FALCON_H1)
+        full, conv, ssm = facts.groups
+        every = tuple(range(36))
+        self.assertEqual((full.layers, conv.layers, ssm.layers), (every, every, every))
+        self.assertEqual([(p.name, p.units, p.elements, p.must_divide) for p in conv.parts],
+                         [("x", 24, 64, True), ("B", 1, 128, False), ("C", 1, 128, False)])
+        self.assertEqual((full.parts[0].units, full.parts[0].elements), (2, 64))
+        self.assertEqual(conv.slot_steps, 4 - 1)
+        # mamba_d_head "auto" is mamba_d_ssm / mamba_n_heads; a d_ssm the heads do not make is
+        # refused.
+        auto = models.from_config(dict(FALCON_H1, mamba_d_head="auto")).group("conv_state")
+        self.assertEqual(auto.parts[0].elements, 1536 // 24)
+        with self.assertRaisesRegex(models.ConfigError, "mamba_d_ssm` 1000 is not"):
+            models.from_config(dict(FALCON_H1, mamba_d_ssm=1000))
+
+    def test_granite_4_h_reads_its_layer_types_and_an_auto_head_dim(self):
+        facts = models.from_config(GRANITE_4_H)
+        full, conv, ssm = facts.groups
+        self.assertEqual(full.layers, (5, 15, 25, 35))
+        self.assertEqual(conv.layers, tuple(i for i in range(40) if i not in (5, 15, 25, 35)))
+        self.assertEqual(ssm.layers, conv.layers)
+        # mamba_expand 2 x hidden 1536 over 48 heads: 64 channels a head.
+        self.assertEqual([(p.name, p.units, p.elements) for p in conv.parts],
+                         [("x", 48, 64), ("B", 1, 128), ("C", 1, 128)])
+        (kv,) = full.parts
+        self.assertEqual((kv.units, kv.elements), (4, 1536 // 12))
+        with self.assertRaisesRegex(models.ConfigError, "layer_types.*`linear_attention`"):
+            models.from_config(dict(GRANITE_4_H, layer_types=["linear_attention"] * 40))
+        # A mamba_n_heads config whose layers mori-tp cannot tell is refused, not read as dense.
+        unknown = {k: v for k, v in GRANITE_4_H.items() if k not in ("layer_types",
+                                                                     "model_type")}
+        with self.assertRaisesRegex(models.ConfigError, "which layers keep which state"):
+            models.from_config(unknown)
+
     def test_bad_fields_are_named(self):
         for config, says in [
             (dict(NEMOTRON, hybrid_override_pattern="M*"), "hybrid_override_pattern"),
@@ -185,14 +252,21 @@ class PlanTest(unittest.TestCase):
         facts = models.from_config(DEEPSEEK_V32)
         indexer = next(g for g in models.plan(facts, 4, 2, 10) if g["name"] == "indexer")
         for d in range(2):
+            # Section 3 with H = 1: decode rank d's one sender is prefill rank d * P / D; the
+            # other prefill ranks skip, condensed into runs of consecutive ranks.
             pairs = [p for p in indexer["pairs"] if p["decode_rank"] == d]
-            self.assertEqual([p["prefill_rank"] for p in pairs], [0, 1, 2, 3])
-            # Section 3 with H = 1: decode rank d's one sender is prefill rank d * P / D.
-            senders = [p["prefill_rank"] for p in pairs if p["parts"][0]["action"] == "send"]
-            self.assertEqual(senders, [d * 4 // 2])
-            for p in pairs:
-                self.assertEqual(p["parts"][0]["sent_by"], d * 4 // 2)
+            self.assertEqual([p["prefill_rank"] for p in pairs], [d * 4 // 2])
+            self.assertEqual(pairs[0]["parts"][0]["action"], "send")
+            runs = [r for r in indexer["replicas"] if r["decode_rank"] == d]
+            skipping = [p for r in runs for p in range(*r["prefill_ranks"])]
+            self.assertEqual(skipping, [p for p in range(4) if p != d * 4 // 2])
+            for run in runs:
+                self.assertEqual(run["parts"], [{"part": "index_k", "shared_units": [0, 1],
+                                                 "sent_by": d * 4 // 2}])
             self.assertEqual(indexer["decode_ranks"][d]["bytes_per_token"], 132 * 61)
+        # Decode rank 0 (sender 0): one run 1-3; decode rank 1 (sender 2): runs 0-1 and 3.
+        self.assertEqual([r["prefill_ranks"] for r in indexer["replicas"]],
+                         [[1, 4], [0, 2], [3, 4]])
 
     def test_a_sliding_group_moves_its_window_and_a_tp_the_engines_refuse_is_refused(self):
         plan = models.plan(models.from_config(gpt_oss()), 1, 4, 1000)
@@ -267,10 +341,13 @@ def owned_channels(part: models.Part, tp: int, rank: int) -> range:
     return range(lo * part.elements, (lo + n) * part.elements)
 
 
-def slot_bytes(group: models.Group, tp: int, rank: int, orientation: str) -> Dict[int, bytes]:
-    """Offset -> the two bytes the engine's slot holds there, for a rank's own channels."""
+def slot_bytes(group: models.Group, tp: int, rank: int, orientation: str,
+               num_spec: int = 0) -> Dict[int, bytes]:
+    """Offset -> the two bytes the engine's slot holds there, for a rank's own channels: vLLM's
+    conv state of ``kernel - 1 + num_spec`` rows, every part's local channels in order (a group
+    held whole, ``n_groups == 1``, is on every rank: ``extra_groups_for_head_shards``)."""
     channels = [(i, c) for i, p in enumerate(group.parts) for c in owned_channels(p, tp, rank)]
-    steps = group.slot_steps
+    steps = group.slot_steps + num_spec
     out = {}
     for local, (part, channel) in enumerate(channels):
         for t in range(steps):
@@ -286,45 +363,61 @@ def filled(size: int, at: Dict[int, bytes], base: int, fill: int) -> ctypes.Arra
     return buf
 
 
+def move_conv_state(self: unittest.TestCase, prefill: Tuple[int, str],
+                    decode: Tuple[int, str], per_channel: bool, pad: int, config: dict = SMALL,
+                    num_spec: int = 0) -> Dict[Tuple[int, str], List[int]]:
+    """Moves the conv state from every prefill rank to every decode rank, checks each decode
+    rank's slot byte for byte (padding and other slots kept), and returns the prefill ranks that
+    sent each (decode rank, part)."""
+    group = models.from_config(config).group("conv_state")
+    (p_size, p_orient), (d_size, d_orient) = prefill, decode
+    steps = group.slot_steps + num_spec
+    whole = any(p.units == 1 for p in group.parts)
+    extra = {"prefill_tp": p_size} if per_channel and whole else {}
+
+    def slot_of(tp: int) -> int:
+        return sum(len(owned_channels(p, tp, 0)) for p in group.parts) * steps * 2
+
+    src_stride, dst_stride = slot_of(p_size), slot_of(d_size) + pad
+    srcs = [filled(SLOTS * src_stride, slot_bytes(group, p_size, p, p_orient, num_spec),
+                   src_stride, 0xAA) for p in range(p_size)]
+    senders: Dict[Tuple[int, str], List[int]] = {}
+    for d in range(d_size):
+        dst = filled(SLOTS * dst_stride, {}, 0, 0x55)
+        dst_layouts = models.conv_state_layouts(group, d_size, d, d_orient, "bf16",
+                                                slot_stride=dst_stride,
+                                                per_channel=per_channel,
+                                                num_spec=num_spec, **extra)
+        moved = 0
+        for p in range(p_size):
+            src_layouts = models.conv_state_layouts(group, p_size, p, p_orient, "bf16",
+                                                    slot_stride=src_stride,
+                                                    per_channel=per_channel,
+                                                    num_spec=num_spec, **extra)
+            for name in (part.name for part in group.parts):
+                config = mori_tp.pair_config(src_layouts[name], dst_layouts[name])
+                if config.action is not Action.SEND:
+                    continue
+                senders.setdefault((d, name), []).append(p)
+                tokens = config.src.page_size
+                request = Request([1], [1], tokens)
+                mori_tp.send_kvcache_pair(
+                    config, [ctypes.addressof(srcs[p])], [ctypes.addressof(dst)],
+                    src_capacity=len(srcs[p]), dst_capacity=len(dst), request=request,
+                    backend="host")
+                moved += 1
+        self.assertGreater(moved, 0)
+        want = filled(SLOTS * dst_stride, slot_bytes(group, d_size, d, d_orient, num_spec),
+                      dst_stride, 0x55)
+        # The padding after the slot and the other slots keep their bytes.
+        self.assertEqual(bytes(dst), bytes(want), f"decode rank {d} of {decode}")
+    return senders
+
+
 class StateSlotTransferTest(unittest.TestCase):
     def move(self, prefill: Tuple[int, str], decode: Tuple[int, str], per_channel: bool,
-             pad: int, config: dict = SMALL) -> None:
-        group = models.from_config(config).group("conv_state")
-        (p_size, p_orient), (d_size, d_orient) = prefill, decode
-        steps = group.slot_steps
-
-        def slot_of(tp: int) -> int:
-            return sum(len(owned_channels(p, tp, 0)) for p in group.parts) * steps * 2
-
-        src_stride, dst_stride = slot_of(p_size), slot_of(d_size) + pad
-        srcs = [filled(SLOTS * src_stride, slot_bytes(group, p_size, p, p_orient), src_stride,
-                       0xAA) for p in range(p_size)]
-        for d in range(d_size):
-            dst = filled(SLOTS * dst_stride, {}, 0, 0x55)
-            dst_layouts = models.conv_state_layouts(group, d_size, d, d_orient, "bf16",
-                                                    slot_stride=dst_stride,
-                                                    per_channel=per_channel)
-            moved = 0
-            for p in range(p_size):
-                src_layouts = models.conv_state_layouts(group, p_size, p, p_orient, "bf16",
-                                                        slot_stride=src_stride,
-                                                        per_channel=per_channel)
-                for name in (part.name for part in group.parts):
-                    config = mori_tp.pair_config(src_layouts[name], dst_layouts[name])
-                    if config.action is not Action.SEND:
-                        continue
-                    tokens = config.src.page_size
-                    request = Request([1], [1], tokens)
-                    mori_tp.send_kvcache_pair(
-                        config, [ctypes.addressof(srcs[p])], [ctypes.addressof(dst)],
-                        src_capacity=len(srcs[p]), dst_capacity=len(dst), request=request,
-                        backend="host")
-                    moved += 1
-            self.assertGreater(moved, 0)
-            want = filled(SLOTS * dst_stride, slot_bytes(group, d_size, d, d_orient),
-                          dst_stride, 0x55)
-            # The padding after the slot and the other slots keep their bytes.
-            self.assertEqual(bytes(dst), bytes(want), f"decode rank {d} of {decode}")
+             pad: int, config: dict = SMALL, num_spec: int = 0) -> Dict[Tuple[int, str], List[int]]:
+        return move_conv_state(self, prefill, decode, per_channel, pad, config, num_spec)
 
     def test_a_conv_state_of_three_parts_moves_tp2_to_tp4_and_back(self):
         for orientation in ("sd", "ds"):
@@ -509,6 +602,198 @@ class StateSlotTransferTest(unittest.TestCase):
             models.paged_layout(conv, conv.parts[0], 2, 0, 16, "nhd", "bf16")
         layout = models.paged_layout(full, full.parts[0], 2, 0, 16, "hnd", "bf16")
         self.assertEqual(layout, mori_tp.Layout.hnd(8, 2, 0, 16, 128 * 2))
+
+
+# --- issue 34: one group, speculative tokens, state dtypes -----------------------------------
+
+#: Small Mamba2 layers of one group (8 heads of 2 channels, d_state 3, kernel 4) in the three
+#: spellings: Nemotron-H's, Falcon-H1's (every layer both), Granite-4.0-H's (layer_types).
+SMALL_G1 = {
+    "Nemotron-H": dict(SMALL, n_groups=1),
+    "Falcon-H1": dict(FALCON_H1, num_hidden_layers=2, mamba_n_heads=8, mamba_d_head=2,
+                      mamba_d_ssm=16, mamba_d_state=3),
+    "Granite-4.0-H": dict(GRANITE_4_H, num_hidden_layers=2, layer_types=["mamba", "attention"],
+                          hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
+                          mamba_n_heads=8, mamba_d_head=2, mamba_d_state=3),
+}
+
+#: TP pairings the engines take with 8 heads and one group.
+G1_PAIRS = ((1, 2), (2, 4), (1, 4), (4, 1), (4, 2), (8, 2), (2, 8), (2, 2))
+
+
+class OneGroupTest(unittest.TestCase):
+    """n_groups = 1: B and C are held whole by every rank (vLLM's
+    extra_groups_for_head_shards), and each decode rank must receive them whole from exactly one
+    prefill rank: section 3's sender for a unit held whole, d * P / D."""
+
+    def test_the_three_families_read_one_group_held_whole(self):
+        for name, config in SMALL_G1.items():
+            conv = models.from_config(config).group("conv_state")
+            self.assertEqual([(p.name, p.units, p.elements) for p in conv.parts],
+                             [("x", 8, 2), ("B", 1, 3), ("C", 1, 3)], name)
+
+    def test_per_channel_across_orientations_moves_b_and_c_whole_from_one_sender(self):
+        for name, config in SMALL_G1.items():
+            for p_size, d_size in G1_PAIRS:
+                for orients in (("sd", "ds"), ("ds", "sd")):
+                    label = f"{name} {p_size}{orients[0]} -> {d_size}{orients[1]}"
+                    with self.subTest(label):
+                        senders = self.move_with((p_size, orients[0]), (d_size, orients[1]),
+                                                 config)
+                        for d in range(d_size):
+                            for part in ("B", "C"):
+                                self.assertEqual(senders[(d, part)], [d * p_size // d_size],
+                                                 f"{label}: decode rank {d}, {part}")
+
+    def move_with(self, prefill: Tuple[int, str], decode: Tuple[int, str],
+                  config: dict) -> Dict[Tuple[int, str], List[int]]:
+        return move_conv_state(self, prefill, decode, True, 6, config)
+
+    def test_per_channel_without_the_prefill_tp_is_refused_with_the_numbers(self):
+        conv = models.from_config(SMALL_G1["Falcon-H1"]).group("conv_state")
+        with self.assertRaisesRegex(ValueError, "B and C of conv_state are 1 group of 3 "
+                                    "channels held whole by every rank.*prefill_tp="):
+            models.conv_state_layouts(conv, 2, 1, "ds", "bf16", slot_stride=1 << 12,
+                                      per_channel=True)
+        # Whole units of a group per rank need no prefill TP: the pairing is section 3's.
+        models.conv_state_layouts(conv, 2, 1, "ds", "bf16", slot_stride=1 << 12)
+        with self.assertRaisesRegex(ValueError, "prefill_tp must be a positive int"):
+            models.conv_state_layouts(conv, 2, 1, "ds", "bf16", slot_stride=1 << 12,
+                                      per_channel=True, prefill_tp=0)
+        # A TP size the engines cannot split the heads by is refused here too.
+        with self.assertRaisesRegex(ValueError, "TP 3 does not divide the 8 x heads"):
+            models.conv_state_layouts(conv, 3, 0, "ds", "bf16", slot_stride=1 << 12)
+
+    def test_unit_layouts_of_one_group_move_in_either_orientation(self):
+        for name, config in SMALL_G1.items():
+            for p_size, d_size in G1_PAIRS:
+                for orient in ("sd", "ds"):
+                    with self.subTest(f"{name} {p_size} -> {d_size} {orient}"):
+                        senders = move_conv_state(self, (p_size, orient), (d_size, orient),
+                                                  False, 0, config)
+                        for d in range(d_size):
+                            self.assertEqual(senders[(d, "B")], [d * p_size // d_size])
+
+    def test_the_plan_of_real_sized_one_group_models(self):
+        for name, config in (("Falcon-H1", FALCON_H1), ("Granite-4.0-H", GRANITE_4_H),
+                             ("Nemotron-H", NEMOTRON_G1)):
+            facts = models.from_config(config)
+            conv = facts.group("conv_state")
+            heads = conv.parts[0].units
+            for p_size, d_size in ((1, 2), (2, 4), (4, 2), (8, 1)):
+                label = f"{name} {p_size} -> {d_size}"
+                plan = models.plan(facts, p_size, d_size, 100)
+                group = next(g for g in plan if g["name"] == "conv_state")
+                for rank in group["decode_ranks"]:
+                    self.assertEqual(rank["owned_units"]["B"], [0, 1], label)
+                    x = heads // d_size
+                    per_step = (x * conv.parts[0].elements + 2 * conv.parts[1].elements) * 2
+                    self.assertEqual(rank["bytes_per_request"],
+                                     per_step * 3 * len(conv.layers), label)
+                for d in range(d_size):
+                    b_senders = [pair["prefill_rank"] for pair in group["pairs"]
+                                 if pair["decode_rank"] == d
+                                 for part in pair["parts"]
+                                 if part["part"] == "B" and part["action"] == "send"]
+                    self.assertEqual(b_senders, [d * p_size // d_size], label)
+                # The other prefill ranks that share x heads with a decode rank skip B and C.
+                if p_size > d_size:
+                    skips = [part for pair in group["pairs"] for part in pair["parts"]
+                             if part["action"] == "skip_replica"]
+                    self.assertTrue(skips, label)
+                    self.assertTrue(all(part["part"] in ("B", "C") for part in skips), label)
+
+
+class SpeculativeTokensTest(unittest.TestCase):
+    """vLLM sizes a conv state kernel - 1 + num_spec rows (mamba2_state_shape and
+    gated_delta_net_state_shape), for Mamba2 and Gated DeltaNet alike; an SSM state keeps one."""
+
+    def test_qwen3_next_conv_state_layout_with_two_speculative_tokens(self):
+        conv = models.from_config(QWEN3_NEXT).group("conv_state")
+        for num_spec, rows in ((0, 3), (2, 5)):
+            # DS, TP 2: q then k then v, each head's rows back to back (vLLM's (dim, state_len)).
+            q_local, v_local = 16 * 128 // 2, 32 * 128 // 2
+            stride = (2 * q_local + v_local) * rows * 2
+            layouts = models.conv_state_layouts(conv, 2, 0, "ds", "bf16", slot_stride=stride,
+                                                num_spec=num_spec)
+            self.assertEqual(layouts["k"].offset, q_local * rows * 2)
+            self.assertEqual(layouts["v"].offset, 2 * q_local * rows * 2)
+            self.assertEqual(layouts["k"].head_bytes, 128 * rows * 2)
+        self.assertEqual((conv.steps(2), conv.steps()), (5, 3))
+        with self.assertRaisesRegex(ValueError, "num_spec must be a non-negative int"):
+            models.conv_state_layouts(conv, 2, 0, "ds", "bf16", slot_stride=1 << 20, num_spec=-1)
+
+    def test_a_conv_state_with_speculative_rows_moves_byte_for_byte(self):
+        for orient in ("sd", "ds"):
+            move_conv_state(self, (2, orient), (4, orient), False, 8, SMALL, num_spec=2)
+            move_conv_state(self, (4, orient), (1, orient), False, 0, SMALL_GDN, num_spec=1)
+        move_conv_state(self, (2, "sd"), (4, "ds"), True, 0, SMALL_G1["Granite-4.0-H"],
+                        num_spec=3)
+
+    def test_the_plan_lengthens_only_the_conv_state(self):
+        for config in (QWEN3_NEXT, NEMOTRON):
+            facts = models.from_config(config)
+            base = models.plan(facts, 2, 2, 100)
+            spec = models.plan(facts, 2, 2, 100, num_spec=2)
+            for g0, g2 in zip(base, spec):
+                if g0["name"] == "conv_state":
+                    self.assertEqual((g0["slot_steps"], g2["slot_steps"]), (3, 5))
+                    self.assertEqual(g2["decode_ranks"][0]["bytes_per_request"] * 3,
+                                     g0["decode_ranks"][0]["bytes_per_request"] * 5)
+                else:
+                    self.assertEqual(g0, g2, g0["name"])
+
+
+class StateDtypeTest(unittest.TestCase):
+    """An fp8 KV cache leaves the states in their own dtypes: the conv state in
+    mamba_cache_dtype (the model's dtype by default), the SSM state in mamba_ssm_cache_dtype (the
+    config's, else fp32 for Nemotron-H, else the conv state's)."""
+
+    def part_bytes(self, plan: List[dict], group: str, part: str) -> Tuple[int, str]:
+        g = next(g for g in plan if g["name"] == group)
+        p = next(p for p in g["parts"] if p["name"] == part)
+        return p["unit_bytes"], p["dtype"]
+
+    def test_an_fp8_cache_keeps_a_bf16_conv_state_and_the_ssm_state_vllm_chooses(self):
+        # The issue's Nemotron-H: x at 128 B, not 64; the SSM state at fp32 (vLLM's
+        # Nemotron-H default: its config names none), not 8,192 B.
+        facts = models.from_config(dict(NEMOTRON, architectures=["NemotronHForCausalLM"]))
+        plan = models.plan(facts, 1, 2, 100, dtype="fp8")
+        self.assertEqual(self.part_bytes(plan, "full_attention", "kv"), (128, "fp8"))
+        self.assertEqual(self.part_bytes(plan, "conv_state", "x"), (64 * 2, "bf16"))
+        self.assertEqual(self.part_bytes(plan, "ssm_state", "state"), (64 * 128 * 4, "fp32"))
+        conv = next(g for g in plan if g["name"] == "conv_state")
+        # x 64 heads of 64, B and C 4 groups of 128, 3 rows, 24 layers, bf16: 737,280 B.
+        self.assertEqual(conv["decode_ranks"][0]["bytes_per_request"],
+                         (64 * 64 + 2 * 4 * 128) * 3 * 24 * 2)
+        # Without the architecture (another Mamba2 model), the SSM state follows the conv state.
+        plain = models.plan(models.from_config(NEMOTRON), 1, 2, 100, dtype="fp8")
+        self.assertEqual(self.part_bytes(plain, "ssm_state", "state"), (64 * 128 * 2, "bf16"))
+        # Qwen3-Next with an fp8 cache: conv and recurrent state in the model's bf16.
+        qwen = models.plan(models.from_config(QWEN3_NEXT), 2, 2, 100, dtype="fp8")
+        self.assertEqual(self.part_bytes(qwen, "full_attention", "kv"), (256, "fp8"))
+        self.assertEqual(self.part_bytes(qwen, "conv_state", "v"), (256, "bf16"))
+        self.assertEqual(self.part_bytes(qwen, "recurrent_state", "state"),
+                         (128 * 128 * 2, "bf16"))
+
+    def test_the_engine_dtypes_override_the_defaults_one_by_one(self):
+        facts = models.from_config(QWEN3_NEXT)
+        plan = models.plan(facts, 2, 2, 10, mamba_cache_dtype="float32",
+                           mamba_ssm_cache_dtype="fp16")
+        self.assertEqual(self.part_bytes(plan, "conv_state", "q"), (128 * 4, "fp32"))
+        self.assertEqual(self.part_bytes(plan, "recurrent_state", "state"),
+                         (128 * 128 * 2, "fp16"))
+        self.assertEqual(self.part_bytes(plan, "full_attention", "kv"), (256 * 2, "bf16"))
+        # ssm_dtype is mamba_ssm_cache_dtype's older name; the two must not disagree.
+        self.assertEqual(models.plan(facts, 2, 2, 10, ssm_dtype="fp32"),
+                         models.plan(facts, 2, 2, 10, mamba_ssm_cache_dtype="float32"))
+        with self.assertRaisesRegex(ValueError, "disagree"):
+            models.plan(facts, 2, 2, 10, ssm_dtype="fp32", mamba_ssm_cache_dtype="bf16")
+        self.assertEqual(models.state_dtypes(facts), ("bf16", "bf16"))
+        self.assertEqual(models.state_dtypes(facts, "auto", "auto"), ("bf16", "bf16"))
+        self.assertEqual(models.state_dtypes(models.from_config(NEMOTRON_G1)), ("bf16", "fp32"))
+        named = dict(QWEN3_NEXT, mamba_ssm_dtype="float32", torch_dtype="float16")
+        self.assertEqual(models.state_dtypes(models.from_config(named)), ("fp16", "fp32"))
 
 
 if __name__ == "__main__":

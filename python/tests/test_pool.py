@@ -112,6 +112,27 @@ class StagingPoolTest(unittest.TestCase):
                 pool.try_alloc(2 * MIB)
             pool.free(whole)
 
+    def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(self) -> None:
+        """No wait is unbounded: infinity, NaN, a negative time and one past uint64_t
+        milliseconds are refused with the value, and nothing is allocated (issue 33.18: inf
+        raised OverflowError)."""
+        with StagingPool(MIB, min_slot=64 * KIB) as pool:
+            for timeout in (float("inf"), float("nan"), -1.0, 1e30):
+                with self.assertRaisesRegex(InvalidArgumentError, "timeout") as caught:
+                    pool.alloc(4096, timeout=timeout)
+                self.assertIn("StagingPool.alloc", str(caught.exception))
+                self.assertEqual(pool.info().live_slots, 0)
+            self.assertIn("finite", str(self._refusal(pool, float("inf"))))
+            pool.free(pool.alloc(4096, timeout=0))
+
+    @staticmethod
+    def _refusal(pool: StagingPool, timeout: float) -> BaseException:
+        try:
+            pool.alloc(4096, timeout=timeout)
+        except InvalidArgumentError as error:
+            return error
+        raise AssertionError(f"alloc(timeout={timeout}) was accepted")
+
     def test_misuse_is_refused_with_the_offsets(self) -> None:
         with StagingPool(MIB, min_slot=64 * KIB) as pool:
             slot = pool.alloc(200 * KIB)

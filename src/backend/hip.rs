@@ -1,6 +1,5 @@
-//! The HIP copy engine: one `hipMemcpy2DAsync` per (buffer, rect), or with
-//! `SendOptions::copy_kernel` one launch of the copy kernel for the whole call, on the caller's
-//! stream.
+//! The HIP copy engine: one launch of the copy kernel for the whole call, or one
+//! `hipMemcpy2DAsync` per (buffer, rect), on the caller's stream ([`CopyPath`] chooses).
 //!
 //! The runtime functions the engine calls sit behind [`HipRuntime`], so that the argument
 //! marshalling is the same code whether the runtime is the real `libamdhip64` (`LibHip`, the
@@ -8,7 +7,16 @@
 //! of the unit tests, which runs the byte-exact transfer tests on any machine. Every runtime
 //! call returns `Result<T, HipStatus>`, and [`HipResult::or_gpu`] is the one place that turns a
 //! failed call into [`Error::Gpu`] (cudarc's split between its `result` layer and the errors its
-//! safe layer reports).
+//! safe layer reports). Every function of the trait has a CUDA driver counterpart of the same
+//! meaning (`cuThreadExchangeStreamCaptureMode`, `cuStreamWaitEvent`, `cuEventQuery`, ...).
+//!
+//! **Graph capture of other threads.** While any thread captures a graph in the global mode
+//! (PyTorch's default), the runtime refuses `hipMalloc`, `hipHostMalloc`, `hipFree`,
+//! `hipHostFree`, `hipStreamSynchronize` and `hipEventSynchronize` from threads in the global
+//! mode, and invalidates that capture (clr: `CHECK_STREAM_CAPTURE_SUPPORTED` in
+//! hipamd/src/hip_internal.hpp, `Stream::StreamCaptureOngoing` in hip_stream.cpp; CUDA has the
+//! same rule). So every call of the engine runs in the relaxed mode
+//! (`hipThreadExchangeStreamCaptureMode`), and the caller's mode is restored before it returns.
 //!
 //! The engine never leaves the caller's current device changed: a copy runs on the device of the
 //! caller's stream (for the NULL stream, the caller's current device). The copy kernel is loaded
@@ -16,28 +24,43 @@
 //! HIP 5.2 lacks it; without it, the current device, which an event of that device recorded on
 //! the stream confirms): `hipModuleLoadData` loads for the current device only, and a launch
 //! runs on the stream's device, so when the two differ the engine makes the stream's device
-//! current for the load and switches back.
+//! current for the load (and for what it allocates there) and switches back.
 //!
 //! A kernel call is, in order: the capture check (a capturing stream gets the per-rect copies,
-//! whose graph nodes keep nothing of the call), the device's kernel state (loaded once; checked
-//! to have survived a `hipDeviceReset`), without `hipStreamGetDevice` the stream's device
-//! checked, the buffers the kernel cannot reach refused (device memory checked once per base
-//! with `hipPointerGetAttributes`, host memory on every call), then on the stream: one
-//! `hipMemcpyAsync` of the table from pinned host memory into a device buffer, the launch, and
-//! `hipEventRecord` of the buffer pair's event, so that the next call that takes the pair waits
-//! for this one. There are [`TABLE_SLOTS`] such pairs per device, grown when a table outgrows
-//! them.
+//! whose graph nodes keep nothing of the call), the device's kernel state (loaded once; its
+//! reset sentinel checked to have survived any `hipDeviceReset`), without `hipStreamGetDevice`
+//! the stream's device checked, the buffers the kernel cannot reach refused (device memory
+//! checked once per base with `hipPointerGetAttributes`, and another device's memory against
+//! `hipDeviceCanAccessPeer`; host memory on every call), the stream's lane and an idle table
+//! buffer pair, then on the stream one `hipMemcpyAsync` of the table from the pair's pinned
+//! host memory into its device buffer and the launch, and the pair's fence (below).
+//!
+//! **Table buffers and fences.** Each (device, stream) has a lane: a non-blocking stream of the
+//! library's own (the relay) and an event. After a launch on the caller's stream `S`, the engine
+//! records the lane's event on `S`, makes the relay wait for it (`hipStreamWaitEvent`) and
+//! records the pair's `done` event on the relay. So `done` passes when `S` has run the call, it
+//! depends on nothing but `S`, and it was recorded on a stream that never captures: asking about
+//! it (`hipEventQuery`) or waiting for it never touches a capture of `S` (clr records an event's
+//! stream at each `hipEventRecord` and invalidates a capture of that stream when the event is
+//! queried or waited for, hip_event.cpp). A call takes a pair whose `done` has passed, asking
+//! without waiting; else allocates one more, up to [`MAX_TABLE_SLOTS`] per device; only when all
+//! are busy does it wait, and then only for a pair its own stream used last, with the device's
+//! state unlocked. So no call waits for another stream, and nothing is freed while the process
+//! runs: `hipFree` waits for every stream of the device (clr's `ihipFree`), which may never end
+//! while another stream waits for something. There are at most [`MAX_LANES`] lanes per device;
+//! a new stream takes over the least recently used idle one, or gets the per-rect copies when
+//! none is idle.
 //!
 //! With `synchronize`, either path first asks whether the stream is capturing a graph and
 //! refuses a capturing one before anything is enqueued: the call would end with
 //! `hipStreamSynchronize`, which is not allowed during capture.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::copy_kernel::{BLOCK_THREADS, KERNEL_NAME, KernelArgs, KernelTable};
-use super::{CopyEngine, CopyJob, SendOptions};
+use super::{CopyEngine, CopyJob, CopyPath, SendOptions};
 use crate::error::{Error, Result};
 
 #[cfg(feature = "hip")]
@@ -58,6 +81,9 @@ impl HipStatus {
     pub const SUCCESS: HipStatus = HipStatus(0);
     /// `hipErrorInvalidValue`: an argument is out of range.
     pub const ERROR_INVALID_VALUE: HipStatus = HipStatus(1);
+    /// `hipErrorNotReady`: what `hipEventQuery` returns while the work before the event's record
+    /// has not finished (`CUDA_ERROR_NOT_READY` has the same value).
+    pub const ERROR_NOT_READY: HipStatus = HipStatus(600);
     /// `hipErrorStreamCaptureUnsupported`: the operation is not allowed while the stream is
     /// capturing a graph (as `hipStreamSynchronize` is not); what a synchronizing call on a
     /// capturing stream is refused as.
@@ -69,6 +95,10 @@ impl HipStatus {
     /// returns when its function is not loaded on the stream's device.
     #[cfg(test)]
     pub const ERROR_INVALID_DEVICE: HipStatus = HipStatus(101);
+    /// `hipErrorCapturedEvent`: an event last recorded on a stream that is now capturing was
+    /// queried or waited for (and the capture invalidated).
+    #[cfg(test)]
+    pub const ERROR_CAPTURED_EVENT: HipStatus = HipStatus(907);
 
     /// `Ok(())` for `hipSuccess`, else `Err(self)`: every runtime call's status goes through here.
     pub fn result(self) -> Result<(), HipStatus> {
@@ -76,6 +106,32 @@ impl HipStatus {
             Ok(())
         } else {
             Err(self)
+        }
+    }
+}
+
+/// A `hipStreamCaptureMode` (`CUstreamCaptureMode` has the same values): which calls of a thread
+/// the runtime refuses while graphs are being captured.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CaptureMode(pub i32);
+
+impl CaptureMode {
+    /// `hipStreamCaptureModeGlobal`, every thread's default: refused while any thread captures
+    /// in this mode.
+    pub const GLOBAL: CaptureMode = CaptureMode(0);
+    /// `hipStreamCaptureModeThreadLocal`: refused while this thread captures.
+    pub const THREAD_LOCAL: CaptureMode = CaptureMode(1);
+    /// `hipStreamCaptureModeRelaxed`: never refused.
+    pub const RELAXED: CaptureMode = CaptureMode(2);
+
+    /// The runtime's name of the mode.
+    pub fn name(self) -> &'static str {
+        match self {
+            CaptureMode::GLOBAL => "hipStreamCaptureModeGlobal",
+            CaptureMode::THREAD_LOCAL => "hipStreamCaptureModeThreadLocal",
+            CaptureMode::RELAXED => "hipStreamCaptureModeRelaxed",
+            _ => "an unknown hipStreamCaptureMode",
         }
     }
 }
@@ -88,19 +144,20 @@ pub const HIP_MEMCPY_DEFAULT: i32 = 4;
 /// `hipMemcpyHostToDevice` from `hipMemcpyKind`: the kernel table's upload.
 pub const HIP_MEMCPY_HOST_TO_DEVICE: i32 = 1;
 
-/// Table buffers per device: a call waits for the call that used its pair [`TABLE_SLOTS`] calls
-/// earlier, so the host runs at most that many kernel calls ahead of the GPU on one device.
-pub const TABLE_SLOTS: usize = 4;
+/// Table buffer pairs per device, at most: beyond them a call waits for a pair its own stream
+/// used, so the host runs at most that many kernel calls ahead of the GPU on one device.
+pub const MAX_TABLE_SLOTS: usize = 32;
 
-/// The smallest table buffer: 1000 rects and their bases fit.
+/// Lanes (streams with table buffers in flight) per device, at most.
+pub const MAX_LANES: usize = 16;
+
+/// The smallest table buffer: 1000 rects and their bases fit. Pairs are powers of two.
 pub const MIN_TABLE_BYTES: usize = 64 * 1024;
 
-/// Bytes each device table buffer is allocated beyond its table room, so that its size is one
-/// no caller asks for (a power of two and a bit): after `hipDeviceReset` frees the buffer, an
-/// allocation that takes its address has another size, and the reset check does not mistake
-/// it for the buffer.
-pub const TABLE_TAIL_BYTES: usize = 192;
-
+/// Bytes of the reset sentinel, the device allocation whose survival shows that the device was
+/// not reset since the kernel state was made: a size no caller asks for (a page and a bit), so
+/// that an allocation that takes its address after a `hipDeviceReset` has another size.
+pub const RESET_SENTINEL_BYTES: usize = 4096 + 192;
 /// The arguments of one `hipMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind,
 /// stream)`, in that order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,9 +221,10 @@ pub struct PointerInfo {
 
 /// The HIP runtime functions the engine uses. `LibHip` calls `libamdhip64`; the unit tests
 /// supply a runtime that records the calls and performs them on host memory. Every call returns
-/// its status as `Err` when it is not `hipSuccess`.
+/// its status as `Err` when it is not `hipSuccess`. Each has a CUDA driver API counterpart
+/// (named on each), so that a CUDA runtime can implement the same trait.
 pub trait HipRuntime {
-    /// `hipGetDeviceCount`: the number of devices.
+    /// `hipGetDeviceCount` (`cuDeviceGetCount`): the number of devices.
     fn device_count(&self) -> Result<i32, HipStatus>;
 
     /// `hipGetDevice`: the calling thread's current device.
@@ -174,6 +232,10 @@ pub trait HipRuntime {
 
     /// `hipSetDevice(device)`.
     fn set_device(&self, device: i32) -> Result<(), HipStatus>;
+
+    /// `hipThreadExchangeStreamCaptureMode(&mode)` (`cuThreadExchangeStreamCaptureMode`): makes
+    /// `mode` the calling thread's capture mode and returns the one it replaces.
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, HipStatus>;
 
     /// `hipStreamGetDevice(stream)`, or `Ok(None)` when the runtime has no such function (HIP
     /// 5.2 does not).
@@ -188,6 +250,10 @@ pub trait HipRuntime {
     /// `stream` must be a live stream (not NULL).
     unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, HipStatus>;
 
+    /// `hipDeviceCanAccessPeer(&can, device, peer)` (`cuDeviceCanAccessPeer`): whether kernels
+    /// on `device` can ever reach `peer`'s memory (once peer access is enabled).
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, HipStatus>;
+
     /// `hipMemcpy2DAsync` with `args`.
     ///
     /// # Safety
@@ -201,6 +267,22 @@ pub trait HipRuntime {
     /// # Safety
     /// `stream` must be NULL or a live stream.
     unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), HipStatus>;
+
+    /// `hipStreamCreateWithFlags(&stream, hipStreamNonBlocking)` (`cuStreamCreate` with
+    /// `CU_STREAM_NON_BLOCKING`) on the current device: a stream that does not synchronize with
+    /// the NULL stream.
+    fn stream_create(&self) -> Result<*mut c_void, HipStatus>;
+
+    /// `hipStreamWaitEvent(stream, event, 0)` (`cuStreamWaitEvent`): work enqueued on `stream`
+    /// after this call waits for the work before `event`'s last record.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream, `event` a live event.
+    unsafe fn stream_wait_event(
+        &self,
+        stream: *mut c_void,
+        event: *mut c_void,
+    ) -> Result<(), HipStatus>;
 
     /// `hipGetErrorName(status)`, e.g. "hipErrorInvalidValue".
     fn error_name(&self, status: HipStatus) -> String;
@@ -243,16 +325,11 @@ pub trait HipRuntime {
     /// still use it.
     unsafe fn free(&self, pointer: *mut c_void) -> Result<(), HipStatus>;
 
-    /// `hipHostMalloc(&pointer, size, hipHostMallocDefault)`: pinned host memory.
+    /// `hipHostMalloc(&pointer, size, hipHostMallocDefault)`: pinned host memory (never freed:
+    /// `hipHostFree` waits for every stream of the device, as `hipFree` does).
     fn host_malloc(&self, size: usize) -> Result<*mut c_void, HipStatus>;
 
-    /// `hipHostFree(pointer)`.
-    ///
-    /// # Safety
-    /// As for [`HipRuntime::free`], for [`HipRuntime::host_malloc`]'s memory.
-    unsafe fn host_free(&self, pointer: *mut c_void) -> Result<(), HipStatus>;
-
-    /// `hipEventCreateWithFlags(&event, hipEventDisableTiming)`.
+    /// `hipEventCreateWithFlags(&event, hipEventDisableTiming)` on the current device.
     fn event_create(&self) -> Result<*mut c_void, HipStatus>;
 
     /// `hipEventRecord(event, stream)`.
@@ -261,6 +338,14 @@ pub trait HipRuntime {
     /// `event` must be a live event, `stream` NULL or a live stream.
     unsafe fn event_record(&self, event: *mut c_void, stream: *mut c_void)
     -> Result<(), HipStatus>;
+
+    /// `hipEventQuery(event)` (`cuEventQuery`) without waiting: `Ok(true)` once the work before
+    /// its last record has finished (or it was never recorded), `Ok(false)` while it has not
+    /// (`hipErrorNotReady`).
+    ///
+    /// # Safety
+    /// `event` must be a live event.
+    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, HipStatus>;
 
     /// `hipEventSynchronize(event)`: waits for the work before its last record.
     ///
@@ -271,8 +356,8 @@ pub trait HipRuntime {
     /// `hipPointerGetAttributes(&attributes, pointer)`.
     fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, HipStatus>;
 
-    /// `hipMemGetAddressRange(&base, &size, pointer)`: the device allocation that holds
-    /// `pointer`, as its base address and size.
+    /// `hipMemGetAddressRange(&base, &size, pointer)` (`cuMemGetAddressRange`): the device
+    /// allocation that holds `pointer`, as its base address and size.
     fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus>;
 
     /// `hipMemcpyAsync(dst, src, size, hipMemcpyHostToDevice, stream)`.
@@ -403,30 +488,126 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The calling thread's capture mode while the library calls the runtime: relaxed from
+/// [`Relaxed::enter`] until the value is dropped, which gives the thread its own mode back.
+#[must_use = "the relaxed mode lasts while the value lives"]
+pub(crate) struct Relaxed<'a, R: HipRuntime + ?Sized> {
+    runtime: &'a R,
+    previous: CaptureMode,
+}
+
+impl<'a, R: HipRuntime + ?Sized> Relaxed<'a, R> {
+    /// Makes the calling thread's capture mode relaxed, so that none of the library's runtime
+    /// calls is refused for, or breaks, a graph capture of another thread.
+    pub(crate) fn enter(runtime: &'a R) -> Result<Self> {
+        let previous = runtime.exchange_capture_mode(CaptureMode::RELAXED).or_gpu(
+            runtime,
+            "hipThreadExchangeStreamCaptureMode",
+            || {
+                Context::args(format!("({})", CaptureMode::RELAXED.name())).note(
+                    " (mori-tp makes its own runtime calls in the relaxed capture mode, so that \
+                     they never break another thread's graph capture)",
+                )
+            },
+        )?;
+        Ok(Relaxed { runtime, previous })
+    }
+}
+
+impl<R: HipRuntime + ?Sized> Drop for Relaxed<'_, R> {
+    fn drop(&mut self) {
+        if let Err(status) = self.runtime.exchange_capture_mode(self.previous) {
+            log::warn!(
+                "mori-tp: restoring the thread's capture mode ({}) with \
+                 hipThreadExchangeStreamCaptureMode returned {}",
+                self.previous.name(),
+                describe(self.runtime, status)
+            );
+        }
+    }
+}
+
 /// One table buffer pair of a device: pinned host memory the table is written into, device
-/// memory it is uploaded to, and the event recorded after the last launch that read them.
-/// Addresses as integers, so that the cache is `Send`.
+/// memory it is uploaded to, and the event recorded on a lane's relay stream after the last
+/// launch that read them. Addresses and handles as integers, so that the state is `Send`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Slot {
     device: usize,
     host: usize,
-    /// Table bytes both buffers hold (the device buffer has [`TABLE_TAIL_BYTES`] more).
+    /// Table bytes both buffers hold.
     capacity: usize,
-    /// The device buffer's size as `hipMemGetAddressRange` reported it after the allocation:
-    /// what the reset check compares.
-    allocated: usize,
-    event: usize,
+    /// `hipEventRecord`ed on the relay of the lane of `stream` after the pair's last use.
+    done: usize,
+    /// The caller's stream of the pair's last use (None: unused since made or since that
+    /// stream's lane was handed on, so idle).
+    stream: Option<usize>,
+    /// When the pair was last used (the device's call counter).
+    used: u64,
+    /// A call waits for `done` with the state unlocked: nobody else takes the pair meanwhile.
+    reserved: bool,
+    /// Its fence could not be recorded: nobody can tell when it is idle, so it is never used
+    /// again.
+    broken: bool,
+}
+
+/// A caller's stream with table buffers in flight on one device: its relay, a non-blocking
+/// stream of the library that waits for the caller's stream and records the pairs' `done`
+/// events, and the event the caller's stream records for the relay to wait for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Lane {
+    /// The caller's stream (0: the NULL stream).
+    stream: usize,
+    relay: usize,
+    mark: usize,
+    used: u64,
+    /// Calls waiting for one of this stream's pairs, with the state unlocked.
+    waiters: u32,
+}
+
+/// How the kernel reaches a buffer base found to be device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reach {
+    /// Memory of the launch's own device.
+    Local,
+    /// Another device's memory that this device can reach once peer access is enabled
+    /// (`hipDeviceCanAccessPeer`), which the library cannot see.
+    Peer,
+}
+
+/// Buffers the library allocated and no longer uses, kept for later pairs and lanes instead of
+/// freed (`hipFree` waits for every stream of the device).
+#[derive(Debug, Default)]
+struct Spares {
+    device: Vec<(usize, usize)>,
+    host: Vec<(usize, usize)>,
+    events: Vec<usize>,
+}
+
+impl Spares {
+    /// The smallest spare buffer of `list` of at least `size` bytes, taken out.
+    fn take(list: &mut Vec<(usize, usize)>, size: usize) -> Option<(usize, usize)> {
+        let at = (0..list.len())
+            .filter(|&i| list[i].1 >= size)
+            .min_by_key(|&i| list[i].1)?;
+        Some(list.swap_remove(at))
+    }
 }
 
 /// The copy kernel's state on one device: its function (the module stays loaded for the
-/// process), the table buffers, and the buffer bases already found to be device memory. Nothing
-/// is ever freed but a table pair being replaced: a stream may still run the kernel.
+/// process), the reset sentinel, the table buffer pairs and lanes, and the buffer bases already
+/// found to be device memory. Nothing is ever freed: a stream may still run the kernel, and
+/// `hipFree` would wait for every stream of the device.
 #[derive(Debug)]
 pub struct DeviceKernel {
     function: usize,
-    slots: [Option<Slot>; TABLE_SLOTS],
-    next: usize,
-    reachable: HashSet<usize>,
+    /// The reset sentinel's address and the size the runtime reported for it.
+    sentinel: Option<(usize, usize)>,
+    slots: Vec<Slot>,
+    lanes: Vec<Lane>,
+    spares: Spares,
+    /// Calls that took a pair (orders the pairs and lanes by last use).
+    calls: u64,
+    known: HashMap<usize, Reach>,
     /// An event of this device, recorded on a caller's stream to check that the stream belongs
     /// to the device where the runtime cannot say (no `hipStreamGetDevice`); made on first use.
     probe: Option<usize>,
@@ -444,6 +625,23 @@ enum Entry {
     Failed(Error),
 }
 
+/// The kernel of a device: its state, or why it cannot be loaded there (no code object for the
+/// device, or a module without the kernel), which does not change while the process runs.
+#[derive(Debug)]
+enum Kernel {
+    Ready(Arc<Mutex<DeviceKernel>>),
+    Unloadable(Error),
+}
+
+impl Entry {
+    fn kernel(&self) -> Kernel {
+        match self {
+            Entry::Ready(kernel) => Kernel::Ready(kernel.clone()),
+            Entry::Failed(error) => Kernel::Unloadable(error.clone()),
+        }
+    }
+}
+
 /// The copy kernel's state per device, for the life of the process.
 #[derive(Debug, Default)]
 pub struct KernelCache {
@@ -458,32 +656,23 @@ impl KernelCache {
         }
     }
 
-    /// What is cached for `device`, if anything: its state, or the failure of its load.
-    fn cached(&self, device: i32) -> Option<Result<Arc<Mutex<DeviceKernel>>>> {
+    /// What is cached for `device`, if anything.
+    fn cached(&self, device: i32) -> Option<Kernel> {
         lock(&self.devices)
             .iter()
             .find(|(d, _)| *d == device)
-            .map(|(_, entry)| match entry {
-                Entry::Ready(kernel) => Ok(kernel.clone()),
-                Entry::Failed(error) => Err(error.clone()),
-            })
+            .map(|(_, entry)| entry.kernel())
     }
 
-    /// The state cached for `device`, or the one `load` returns, which is cached; so is a
+    /// The kernel cached for `device`, or the one `load` returns, which is cached; so is a
     /// failure, which later calls get again. `load` is the load itself (`hipModuleLoadData`,
     /// `hipModuleGetFunction`), whose failure does not change while the process runs; what
     /// surrounds it (making the device current) stays outside, so that a failure there is not
     /// cached. Loads are serialised: they are rare.
-    fn get_or_load(
-        &self,
-        device: i32,
-        load: impl FnOnce() -> Result<DeviceKernel>,
-    ) -> Result<Arc<Mutex<DeviceKernel>>> {
+    fn get_or_load(&self, device: i32, load: impl FnOnce() -> Result<DeviceKernel>) -> Kernel {
         let mut devices = lock(&self.devices);
-        match devices.iter().find(|(d, _)| *d == device) {
-            Some((_, Entry::Ready(kernel))) => return Ok(kernel.clone()),
-            Some((_, Entry::Failed(error))) => return Err(error.clone()),
-            None => {}
+        if let Some((_, entry)) = devices.iter().find(|(d, _)| *d == device) {
+            return entry.kernel();
         }
         let entry = match load() {
             Ok(kernel) => Entry::Ready(Arc::new(Mutex::new(kernel))),
@@ -497,12 +686,9 @@ impl KernelCache {
                 Entry::Failed(error)
             }
         };
-        let result = match &entry {
-            Entry::Ready(kernel) => Ok(kernel.clone()),
-            Entry::Failed(error) => Err(error.clone()),
-        };
+        let kernel = entry.kernel();
         devices.push((device, entry));
-        result
+        kernel
     }
 
     /// Forgets `device`'s state if it is still `stale`, so that the next call loads afresh.
@@ -527,28 +713,36 @@ struct LaunchDevice {
     assumed: bool,
 }
 
-/// Issues one `hipMemcpy2DAsync` per (buffer, rect), or one copy-kernel launch per call, on one
+/// What a kernel call found it can do before anything is allocated or enqueued.
+enum Plan {
+    /// Launch on the lane at this index with the pair at that index, idle now (the state stays
+    /// locked until the fence is recorded).
+    Launch { lane: usize, slot: usize },
+    /// [`CopyPath::Auto`] only: the per-rect copies, for this reason.
+    PerRect(String),
+}
+
+/// Issues one copy-kernel launch per call or one `hipMemcpy2DAsync` per (buffer, rect), on one
 /// stream and, when asked, waits for the stream before returning.
 #[derive(Debug)]
 pub struct HipEngine<R: HipRuntime> {
     runtime: R,
     stream: *mut c_void,
     synchronize: bool,
-    copy_kernel: bool,
+    path: CopyPath,
 }
 
 impl<R: HipRuntime> HipEngine<R> {
-    /// An engine on `runtime` for `options.stream`, `options.synchronize` and
-    /// `options.copy_kernel`; refuses with [`Error::BackendUnavailable`] when the runtime has no
-    /// device. `options.backend` is not consulted: choosing the backend is
-    /// [`super::open_engine`]'s job.
+    /// An engine on `runtime` for `options.stream`, `options.synchronize` and `options.path`;
+    /// refuses with [`Error::BackendUnavailable`] when the runtime has no device.
+    /// `options.backend` is not consulted: choosing the backend is [`super::open_engine`]'s job.
     pub fn new(runtime: R, options: &SendOptions) -> Result<Self> {
         require_device(&runtime)?;
         Ok(HipEngine {
             runtime,
             stream: options.stream,
             synchronize: options.synchronize,
-            copy_kernel: options.copy_kernel,
+            path: options.path,
         })
     }
 
@@ -556,6 +750,26 @@ impl<R: HipRuntime> HipEngine<R> {
     #[cfg(test)]
     pub(crate) fn runtime(&self) -> &R {
         &self.runtime
+    }
+
+    /// The engine for another stream, path or wait on the same runtime (a test sends on several
+    /// streams through one recorder).
+    #[cfg(test)]
+    pub(crate) fn set_options(&mut self, options: &SendOptions) {
+        self.stream = options.stream;
+        self.synchronize = options.synchronize;
+        self.path = options.path;
+    }
+
+    /// The caller's stream as a lane key.
+    fn stream_key(&self) -> usize {
+        self.stream as usize
+    }
+
+    /// True when the caller asked for the kernel (`MORI_SEND_COPY_KERNEL`), so that what keeps
+    /// it from running is an error rather than a reason for the per-rect copies.
+    fn kernel_required(&self) -> bool {
+        self.path == CopyPath::Kernel
     }
 
     /// One `hipMemcpy2DAsync` per (buffer, rect), then the wait when asked.
@@ -704,8 +918,8 @@ impl<R: HipRuntime> HipEngine<R> {
     }
 
     /// `f` with `at.device` current: the caller's current device when it is that one, else
-    /// switched to for `f` (a module loads, and memory and events are created, for the current
-    /// device) and switched back, whatever `f` returned.
+    /// switched to for `f` (a module loads, and memory, streams and events are created, for the
+    /// current device) and switched back, whatever `f` returned.
     fn on_device<T>(&self, at: LaunchDevice, f: impl FnOnce() -> Result<T>) -> Result<T> {
         if at.device == at.current {
             return f();
@@ -756,9 +970,12 @@ impl<R: HipRuntime> HipEngine<R> {
         match function {
             Ok(function) => Ok(DeviceKernel {
                 function: function as usize,
-                slots: [None; TABLE_SLOTS],
-                next: 0,
-                reachable: HashSet::new(),
+                sentinel: None,
+                slots: Vec::new(),
+                lanes: Vec::new(),
+                spares: Spares::default(),
+                calls: 0,
+                known: HashMap::new(),
                 probe: None,
             }),
             Err(error) => {
@@ -774,42 +991,74 @@ impl<R: HipRuntime> HipEngine<R> {
         }
     }
 
-    /// The device's kernel state, loaded now if need be, and loaded afresh when the device was
-    /// reset since (`hipDeviceReset` frees the table buffers and invalidates the module).
-    fn device_kernel(&self, at: LaunchDevice) -> Result<Arc<Mutex<DeviceKernel>>> {
+    /// The device's kernel, loaded now if need be, with its reset sentinel allocated, or checked
+    /// to be alive: `hipDeviceReset` frees every allocation of the device (the sentinel, the
+    /// table buffers), destroys its streams (the relays) and invalidates the module, so a dead
+    /// sentinel makes the engine forget the state and load afresh.
+    fn device_kernel(&self, at: LaunchDevice) -> Result<Kernel> {
         let cache = self.runtime.kernel_cache();
         // Only the load's own failure is cached: a failed hipSetDevice around it (to the
         // stream's device, or back) is returned, and the next call tries again. A failed switch
         // back after a good load returns its error with the kernel cached.
         let load = || match cache.cached(at.device) {
-            Some(cached) => cached,
+            Some(cached) => Ok(cached),
             None => self.on_device(at, || {
-                cache.get_or_load(at.device, || self.load_here(at.device))
+                Ok(cache.get_or_load(at.device, || self.load_here(at.device)))
             }),
         };
-        let kernel = load()?;
-        let first = lock(&kernel).slots[0];
-        let Some(first) = first else {
-            return Ok(kernel);
-        };
-        // After hipDeviceReset the runtime no longer knows the buffer, or knows the address as
-        // part of an allocation of another size.
-        let alive = self
-            .runtime
-            .address_range(first.device as *mut c_void)
-            .is_ok_and(|range| range == (first.device, first.allocated));
-        if alive {
-            return Ok(kernel);
+        for _ in 0..2 {
+            let kernel = match load()? {
+                Kernel::Ready(kernel) => kernel,
+                unloadable => return Ok(unloadable),
+            };
+            let mut state = lock(&kernel);
+            let Some((base, allocated)) = state.sentinel else {
+                // Allocated under the state's lock: one sentinel per state. Its failure is
+                // returned, not cached; the next call allocates again.
+                state.sentinel = Some(self.on_device(at, || self.allocate_sentinel(at.device))?);
+                drop(state);
+                return Ok(Kernel::Ready(kernel));
+            };
+            // After hipDeviceReset the runtime no longer knows the sentinel, or knows the
+            // address as part of an allocation of another size.
+            let alive = self
+                .runtime
+                .address_range(base as *mut c_void)
+                .is_ok_and(|range| range == (base, allocated));
+            if alive {
+                drop(state);
+                return Ok(Kernel::Ready(kernel));
+            }
+            drop(state);
+            log::debug!(
+                "device {}: the copy kernel's reset sentinel is gone (hipDeviceReset?); loading \
+                 the kernel again",
+                at.device
+            );
+            cache.forget(at.device, &kernel);
         }
-        log::debug!(
-            "device {}: the copy kernel's table buffer is gone (hipDeviceReset?); loading the \
-             kernel again",
-            at.device
-        );
-        cache.forget(at.device, &kernel);
-        load()
+        unreachable!("a state loaded afresh has no sentinel yet")
     }
 
+    /// The reset sentinel of `device`, the current device: its address and the size the runtime
+    /// reports for it. Kept (not freed) when the size cannot be read.
+    fn allocate_sentinel(&self, device: i32) -> Result<(usize, usize)> {
+        let base =
+            self.runtime
+                .malloc(RESET_SENTINEL_BYTES)
+                .or_gpu(&self.runtime, "hipMalloc", || {
+                    Context::args(format!(
+                        "({RESET_SENTINEL_BYTES} bytes for the copy kernel's reset check on device \
+                     {device})"
+                    ))
+                })?;
+        let (_, allocated) = self.runtime.address_range(base).or_gpu(
+            &self.runtime,
+            "hipMemGetAddressRange",
+            || Context::args(format!("({base:p})")).note(" (the copy kernel's reset sentinel)"),
+        )?;
+        Ok((base as usize, allocated))
+    }
     /// Where the runtime has no `hipStreamGetDevice`: records the device's probe event on the
     /// stream, which the runtime refuses (`hipErrorInvalidHandle`) when the stream belongs to
     /// another device, so that such a stream is refused before anything is allocated or issued
@@ -853,29 +1102,58 @@ impl<R: HipRuntime> HipEngine<R> {
         )
     }
 
-    /// Refuses a buffer base the kernel cannot reach. A base found to be device memory is not
-    /// asked about again (a device address is not reused for host memory); host memory is
+    /// Whether the kernel can reach every buffer of `job`: `Ok(true)` when it can, `Ok(false)`
+    /// when [`CopyPath::Auto`] should take the per-rect copies instead, and with
+    /// `MORI_SEND_COPY_KERNEL` an error naming the buffer. A base found to be device memory is
+    /// not asked about again (a device address is not reused for host memory); host memory is
     /// asked about on every call, since its address may come back as pageable memory.
-    fn check_reachable(&self, state: &mut DeviceKernel, job: &CopyJob<'_>) -> Result<()> {
+    fn check_reachable(
+        &self,
+        state: &mut DeviceKernel,
+        at: LaunchDevice,
+        job: &CopyJob<'_>,
+    ) -> Result<bool> {
         for (buffer, (src, dst)) in job.buffers().enumerate() {
             for (side, base) in [("source", src as usize), ("destination", dst as usize)] {
-                if state.reachable.contains(&base) {
-                    continue;
-                }
-                if self.check_base(side, buffer, base)? {
-                    if state.reachable.len() >= MAX_REMEMBERED_BASES {
-                        state.reachable.clear();
-                    }
-                    state.reachable.insert(base);
+                let reach = match state.known.get(&base) {
+                    Some(&reach) => Some(reach),
+                    None => match self.check_base(at, side, buffer, base) {
+                        Ok(reach) => {
+                            if let Some(reach) = reach {
+                                if state.known.len() >= MAX_REMEMBERED_BASES {
+                                    state.known.clear();
+                                }
+                                state.known.insert(base, reach);
+                            }
+                            reach
+                        }
+                        Err(error) if self.kernel_required() => return Err(error),
+                        Err(error) => {
+                            log::debug!("per-rect copies: {error}");
+                            return Ok(false);
+                        }
+                    },
+                };
+                // The library cannot see whether peer access is enabled: without the flag, a
+                // peer's memory gets the copies, which need no peer access.
+                if reach == Some(Reach::Peer) && !self.kernel_required() {
+                    return Ok(false);
                 }
             }
         }
-        Ok(())
+        Ok(true)
     }
 
-    /// Ok when the runtime knows `base` as memory a kernel addresses at `base` itself: `true`
-    /// for device memory, `false` for host memory.
-    fn check_base(&self, side: &str, buffer: usize, base: usize) -> Result<bool> {
+    /// Ok when the runtime knows `base` as memory a kernel on `at.device` addresses at `base`
+    /// itself: `Some` for device memory (the launch device's own, or a peer's this device can
+    /// access), `None` for host memory.
+    fn check_base(
+        &self,
+        at: LaunchDevice,
+        side: &str,
+        buffer: usize,
+        base: usize,
+    ) -> Result<Option<Reach>> {
         let args = || format!("({side} buffer {buffer}, {base:#x})");
         let advice = "the copy kernel faults on memory it cannot reach, and the fault aborts the \
                       process; pass device memory, hipHostMalloc'd memory or a \
@@ -899,8 +1177,30 @@ impl<R: HipRuntime> HipEngine<R> {
                 "host memory registered with hipHostRegister, which devices address at {:p}",
                 info.device_pointer
             )
+        } else if !info.host_pointer.is_null() {
+            return Ok(None);
+        } else if info.device == at.device {
+            return Ok(Some(Reach::Local));
         } else {
-            return Ok(info.host_pointer.is_null());
+            let can = self
+                .runtime
+                .can_access_peer(at.device, info.device)
+                .or_gpu(&self.runtime, "hipDeviceCanAccessPeer", || {
+                    Context::args(format!("(device {}, peer {})", at.device, info.device))
+                        .note(format!(
+                            " (the {side} buffer {buffer} at {base:#x} is device {}'s memory)",
+                            info.device
+                        ))
+                        .at(buffer, None)
+                })?;
+            if can {
+                return Ok(Some(Reach::Peer));
+            }
+            format!(
+                "memory of device {}, which a kernel on device {} cannot reach \
+                 (hipDeviceCanAccessPeer says no)",
+                info.device, at.device
+            )
         };
         // The runtime answered, but the kernel would fault: refused as an invalid value.
         let refused = HipStatus::ERROR_INVALID_VALUE;
@@ -913,128 +1213,315 @@ impl<R: HipRuntime> HipEngine<R> {
             .error("hipPointerGetAttributes", refused, "hipSuccess"))
     }
 
-    /// A table pair of at least `bytes` bytes, idle: the next in turn, waited for, and grown
-    /// (or allocated on first use) as needed.
-    fn take_slot(
-        &self,
-        state: &mut DeviceKernel,
-        at: LaunchDevice,
-        bytes: usize,
-    ) -> Result<(usize, Slot)> {
-        let device = at.device;
-        let index = state.next % TABLE_SLOTS;
-        state.next = state.next.wrapping_add(1);
-        let mut event = None;
-        if let Some(slot) = state.slots[index] {
-            // SAFETY: the slot's event, created by this runtime and never destroyed.
-            unsafe { self.runtime.event_synchronize(slot.event as *mut c_void) }.or_gpu(
-                &self.runtime,
-                "hipEventSynchronize",
-                || {
-                    Context::args(format!("(table buffer {index} of device {device})"))
-                        .note(" (waiting for the last kernel call that used this table buffer)")
-                },
-            )?;
-            if slot.capacity >= bytes {
-                return Ok((index, slot));
-            }
-            // Idle now (the wait above): replace the pair, keep the event.
-            state.slots[index] = None;
-            // SAFETY: allocated by this runtime, idle, and forgotten above.
-            let freed = unsafe { self.runtime.free(slot.device as *mut c_void) }
-                .and(unsafe { self.runtime.host_free(slot.host as *mut c_void) });
-            if let Err(status) = freed {
-                log::warn!(
-                    "freeing an outgrown copy-kernel table buffer returned {}",
-                    describe(&self.runtime, status)
-                );
-            }
-            event = Some(slot.event);
+    /// The lane of the caller's stream on this device: its own, a new one, or the least
+    /// recently used idle one taken over; `None` when every lane is busy.
+    fn lane_for(&self, state: &mut DeviceKernel, at: LaunchDevice) -> Result<Option<usize>> {
+        let key = self.stream_key();
+        if let Some(lane) = state.lanes.iter().position(|l| l.stream == key) {
+            return Ok(Some(lane));
         }
-        let capacity = bytes.max(MIN_TABLE_BYTES).next_power_of_two();
-        let slot = self.on_device(at, || self.allocate_slot(device, capacity, event))?;
-        state.slots[index] = Some(slot);
-        Ok((index, slot))
+        if state.lanes.len() < MAX_LANES {
+            let spares = &mut state.spares;
+            let (mark, relay) = self.on_device(at, || {
+                let mark = match spares.events.pop() {
+                    Some(event) => event,
+                    None => self.create_event("a lane's mark")?,
+                };
+                let relay = self.runtime.stream_create().or_gpu(
+                    &self.runtime,
+                    "hipStreamCreateWithFlags",
+                    || {
+                        Context::args("(hipStreamNonBlocking)").note(format!(
+                            " (the relay stream of stream {:p} on device {})",
+                            self.stream, at.device
+                        ))
+                    },
+                );
+                match relay {
+                    Ok(relay) => Ok((mark, relay as usize)),
+                    Err(error) => {
+                        spares.events.push(mark);
+                        Err(error)
+                    }
+                }
+            })?;
+            state.lanes.push(Lane {
+                stream: key,
+                relay,
+                mark,
+                used: 0,
+                waiters: 0,
+            });
+            return Ok(Some(state.lanes.len() - 1));
+        }
+        let mut order: Vec<usize> = (0..state.lanes.len())
+            .filter(|&l| state.lanes[l].waiters == 0)
+            .collect();
+        order.sort_by_key(|&l| state.lanes[l].used);
+        for lane in order {
+            let old = state.lanes[lane].stream;
+            if self.stream_idle(state, old)? {
+                for slot in state.slots.iter_mut().filter(|s| s.stream == Some(old)) {
+                    slot.stream = None;
+                }
+                state.lanes[lane].stream = key;
+                return Ok(Some(lane));
+            }
+        }
+        Ok(None)
     }
 
-    /// A new table pair of `capacity` bytes on the current device, with `event` or a new one;
-    /// nothing stays allocated when a step fails.
-    fn allocate_slot(&self, device: i32, capacity: usize, event: Option<usize>) -> Result<Slot> {
+    /// True when every pair last used by `stream` is idle.
+    fn stream_idle(&self, state: &DeviceKernel, stream: usize) -> Result<bool> {
+        for slot in state.slots.iter().filter(|s| s.stream == Some(stream)) {
+            if slot.reserved || !self.slot_idle(slot)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// True when nothing reads `slot` any more: unused, or its `done` event has passed (asked
+    /// without waiting; the event was recorded on a relay, which never captures).
+    fn slot_idle(&self, slot: &Slot) -> Result<bool> {
+        if slot.stream.is_none() {
+            return Ok(true);
+        }
+        // SAFETY: the pair's event, created by this runtime and never destroyed.
+        unsafe { self.runtime.event_query(slot.done as *mut c_void) }.or_gpu(
+            &self.runtime,
+            "hipEventQuery",
+            || Context::args("(a copy-kernel table buffer's event)"),
+        )
+    }
+
+    /// An event of the current device, for `what`.
+    fn create_event(&self, what: &str) -> Result<usize> {
+        self.runtime
+            .event_create()
+            .map(|event| event as usize)
+            .or_gpu(&self.runtime, "hipEventCreateWithFlags", || {
+                Context::args("(hipEventDisableTiming)").note(format!(" ({what})"))
+            })
+    }
+
+    /// Where the call can launch: the stream's lane and an idle pair of at least `bytes`, or
+    /// why not. In order: an idle pair that is big enough, the least recently used first; a new
+    /// pair while the device has fewer than [`MAX_TABLE_SLOTS`]; an idle pair that is too small,
+    /// replaced by a bigger one (the small one kept as a spare); a wait, with the state unlocked,
+    /// for the least recently used pair of the caller's own stream that is big enough. Returns
+    /// the state locked again.
+    fn plan_launch<'k>(
+        &self,
+        kernel: &'k Mutex<DeviceKernel>,
+        mut state: MutexGuard<'k, DeviceKernel>,
+        at: LaunchDevice,
+        bytes: usize,
+    ) -> Result<(MutexGuard<'k, DeviceKernel>, Plan)> {
+        let Some(lane) = self.lane_for(&mut state, at)? else {
+            let why = format!(
+                "all {MAX_LANES} lanes of device {} have copies in flight",
+                at.device
+            );
+            return Ok((state, Plan::PerRect(why)));
+        };
+        let key = self.stream_key();
+        let mut usable: Vec<usize> = (0..state.slots.len())
+            .filter(|&i| !state.slots[i].reserved && !state.slots[i].broken)
+            .collect();
+        usable.sort_by_key(|&i| state.slots[i].used);
+        let (big, small): (Vec<usize>, Vec<usize>) = usable
+            .into_iter()
+            .partition(|&i| state.slots[i].capacity >= bytes);
+        for &slot in &big {
+            if self.slot_idle(&state.slots[slot])? {
+                return Ok((state, Plan::Launch { lane, slot }));
+            }
+        }
+        let capacity = bytes.max(MIN_TABLE_BYTES).next_power_of_two();
+        if state.slots.len() < MAX_TABLE_SLOTS {
+            let spares = &mut state.spares;
+            let (done, device, host, capacity) = self.on_device(at, || {
+                let done = match spares.events.pop() {
+                    Some(event) => event,
+                    None => self.create_event("a table buffer's fence")?,
+                };
+                match self.allocate_pair(spares, at, capacity) {
+                    Ok((device, host, capacity)) => Ok((done, device, host, capacity)),
+                    Err(error) => {
+                        spares.events.push(done);
+                        Err(error)
+                    }
+                }
+            })?;
+            let slot = state.slots.len();
+            state.slots.push(Slot {
+                device,
+                host,
+                capacity,
+                done,
+                stream: None,
+                used: 0,
+                reserved: false,
+                broken: false,
+            });
+            return Ok((state, Plan::Launch { lane, slot }));
+        }
+        let mut small = small;
+        small.sort_by_key(|&i| state.slots[i].capacity);
+        for &slot in &small {
+            if self.slot_idle(&state.slots[slot])? {
+                let (device, host, capacity) =
+                    self.on_device(at, || self.allocate_pair(&mut state.spares, at, capacity))?;
+                let old = state.slots[slot];
+                state.spares.device.push((old.device, old.capacity));
+                state.spares.host.push((old.host, old.capacity));
+                state.slots[slot] = Slot {
+                    device,
+                    host,
+                    capacity,
+                    ..old
+                };
+                return Ok((state, Plan::Launch { lane, slot }));
+            }
+        }
+        // Every pair is busy: wait for the caller's own stream, never another.
+        let Some(&slot) = big.iter().find(|&&i| state.slots[i].stream == Some(key)) else {
+            let why = format!(
+                "all {MAX_TABLE_SLOTS} table buffers of device {} are busy with other streams' \
+                 copies",
+                at.device
+            );
+            return Ok((state, Plan::PerRect(why)));
+        };
+        state.slots[slot].reserved = true;
+        state.lanes[lane].waiters += 1;
+        let done = state.slots[slot].done;
+        drop(state);
+        // SAFETY: the pair's event, never destroyed; recorded on this stream's relay, which only
+        // waits for this stream.
+        let waited = unsafe { self.runtime.event_synchronize(done as *mut c_void) }.or_gpu(
+            &self.runtime,
+            "hipEventSynchronize",
+            || {
+                Context::args(format!(
+                    "(a copy-kernel table buffer of stream {:p} on device {})",
+                    self.stream, at.device
+                ))
+                .note(format!(
+                    " (all {MAX_TABLE_SLOTS} table buffers were busy; waiting for this stream's \
+                     oldest call)"
+                ))
+            },
+        );
+        let mut state = lock(kernel);
+        state.slots[slot].reserved = false;
+        state.lanes[lane].waiters -= 1;
+        waited?;
+        Ok((state, Plan::Launch { lane, slot }))
+    }
+
+    /// A table buffer pair of at least `capacity` bytes on the current device `at.device`, from
+    /// the spares where one is big enough: its device and host buffers and the bytes both hold.
+    /// What was allocated before a failing step is kept as a spare.
+    fn allocate_pair(
+        &self,
+        spares: &mut Spares,
+        at: LaunchDevice,
+        capacity: usize,
+    ) -> Result<(usize, usize, usize)> {
         let what = |size: usize| {
             move || {
                 Context::args(format!(
-                    "({size} bytes for the copy kernel's table on device {device})"
+                    "({size} bytes for the copy kernel's table on device {})",
+                    at.device
                 ))
             }
         };
-        let size = capacity + TABLE_TAIL_BYTES;
-        let device_buffer =
-            self.runtime
-                .malloc(size)
-                .or_gpu(&self.runtime, "hipMalloc", what(size))?;
-        // SAFETY (each cleanup below): allocated here, never used, freed once.
-        let free_device = || unsafe {
-            let _ = self.runtime.free(device_buffer);
+        let device = match Spares::take(&mut spares.device, capacity) {
+            Some(spare) => spare,
+            None => (
+                self.runtime
+                    .malloc(capacity)
+                    .or_gpu(&self.runtime, "hipMalloc", what(capacity))? as usize,
+                capacity,
+            ),
         };
-        let allocated = match self.runtime.address_range(device_buffer).or_gpu(
-            &self.runtime,
-            "hipMemGetAddressRange",
-            || {
-                Context::args(format!("({device_buffer:p})"))
-                    .note(" (the copy kernel's new table buffer)")
-            },
-        ) {
-            Ok((_, allocated)) => allocated,
-            Err(error) => {
-                free_device();
-                return Err(error);
-            }
-        };
-        let host = match self.runtime.host_malloc(capacity).or_gpu(
-            &self.runtime,
-            "hipHostMalloc",
-            what(capacity),
-        ) {
-            Ok(host) => host,
-            Err(error) => {
-                free_device();
-                return Err(error);
-            }
-        };
-        let event = match event {
-            Some(event) => Ok(event),
+        let host = match Spares::take(&mut spares.host, capacity) {
+            Some(spare) => Ok(spare),
             None => self
                 .runtime
-                .event_create()
-                .map(|event| event as usize)
-                .or_gpu(&self.runtime, "hipEventCreateWithFlags", || {
-                    Context::args("(hipEventDisableTiming)")
-                }),
+                .host_malloc(capacity)
+                .map(|host| (host as usize, capacity))
+                .or_gpu(&self.runtime, "hipHostMalloc", what(capacity)),
         };
-        match event {
-            Ok(event) => Ok(Slot {
-                device: device_buffer as usize,
-                host: host as usize,
-                capacity,
-                allocated,
-                event,
-            }),
+        match host {
+            // A spare bigger than asked for lends the pair its size.
+            Ok(host) => Ok((device.0, host.0, device.1.min(host.1))),
             Err(error) => {
-                free_device();
-                // SAFETY: allocated above, never used.
-                let _ = unsafe { self.runtime.host_free(host) };
+                spares.device.push(device);
                 Err(error)
             }
         }
     }
 
+    /// After the launch on the caller's stream: the lane's mark recorded there, the relay made
+    /// to wait for it, and the pair's `done` recorded on the relay. Without its fence nobody can
+    /// tell when the pair is idle: it is never used again.
+    fn fence(&self, state: &mut DeviceKernel, lane: usize, slot: usize) -> Result<()> {
+        let Lane { relay, mark, .. } = state.lanes[lane];
+        let done = state.slots[slot].done;
+        // SAFETY: the lane's event and relay and the pair's event, created by this runtime on
+        // the stream's device and never destroyed; the caller's live stream.
+        let fenced = unsafe { self.runtime.event_record(mark as *mut c_void, self.stream) }
+            .or_gpu(&self.runtime, "hipEventRecord", || {
+                Context::args(format!("(the lane's event, stream {:p})", self.stream))
+                    .note(" (the copy-kernel table buffer's fence)")
+            })
+            .and_then(|()| {
+                // SAFETY: as above.
+                unsafe {
+                    self.runtime
+                        .stream_wait_event(relay as *mut c_void, mark as *mut c_void)
+                }
+                .or_gpu(&self.runtime, "hipStreamWaitEvent", || {
+                    Context::args(format!(
+                        "(relay stream {relay:#x}, the lane's event of stream {:p}, 0)",
+                        self.stream
+                    ))
+                })
+            })
+            .and_then(|()| {
+                // SAFETY: as above.
+                unsafe {
+                    self.runtime
+                        .event_record(done as *mut c_void, relay as *mut c_void)
+                }
+                .or_gpu(&self.runtime, "hipEventRecord", || {
+                    Context::args(format!("(a table buffer's event, relay stream {relay:#x})"))
+                })
+            });
+        state.calls += 1;
+        let calls = state.calls;
+        state.lanes[lane].used = calls;
+        let pair = &mut state.slots[slot];
+        pair.used = calls;
+        match fenced {
+            Ok(()) => pair.stream = Some(self.stream_key()),
+            Err(_) => pair.broken = true,
+        }
+        fenced
+    }
+
     /// The whole job as one kernel launch on the stream's device, or as per-rect copies while
-    /// the stream is capturing a graph; then the wait when asked.
+    /// the stream is capturing a graph (and, without `MORI_SEND_COPY_KERNEL`, wherever the
+    /// kernel cannot surely run); then the wait when asked.
     ///
     /// # Safety
-    /// As for [`CopyEngine::run`]; every buffer must also be memory the kernel can address
-    /// (device memory, a peer's with access enabled, or host memory mapped into the device).
-    /// `capturing` is whether the stream is capturing, when already asked.
+    /// As for [`CopyEngine::run`]; with [`CopyPath::Kernel`], every buffer must also be memory
+    /// the kernel can address (device memory, a peer's with access enabled, or host memory
+    /// mapped into the device). `capturing` is whether the stream is capturing, when already
+    /// asked.
     unsafe fn run_kernel(&self, job: &CopyJob<'_>, capturing: Option<bool>) -> Result<()> {
         let table = KernelTable::new(job)?;
         let (grid_x, grid_y) = table.grid();
@@ -1045,41 +1532,68 @@ impl<R: HipRuntime> HipEngine<R> {
             Some(capturing) => capturing,
             None => self.stream_is_capturing()?,
         };
-        if capturing {
-            // A captured upload would keep reading the table buffer at every replay, long after
-            // this call reused it; copy nodes keep nothing of the call.
+        let per_rect = |why: &str| {
             log::debug!(
-                "stream {:p} is capturing: per-rect copies instead of the copy kernel",
+                "stream {:p}: per-rect copies instead of the copy kernel: {why}",
                 self.stream
             );
             // SAFETY: as the caller guarantees.
-            return unsafe { self.run_rects(job) };
+            unsafe { self.run_rects(job) }
+        };
+        if capturing {
+            // A captured upload would keep reading the table buffer at every replay, long after
+            // this call reused it; copy nodes keep nothing of the call.
+            return per_rect("the stream is capturing a graph");
         }
         let at = self.launch_device()?;
-        let kernel = self.device_kernel(at)?;
+        let kernel = match self.device_kernel(at)? {
+            Kernel::Ready(kernel) => kernel,
+            Kernel::Unloadable(error) if !self.kernel_required() => {
+                return per_rect(&error.to_string());
+            }
+            Kernel::Unloadable(error) => return Err(error),
+        };
         let mut state = lock(&kernel);
         if at.assumed {
-            self.probe_stream_device(&mut state, at)?;
+            match self.probe_stream_device(&mut state, at) {
+                Ok(()) => {}
+                Err(error) if !self.kernel_required() => {
+                    drop(state);
+                    return per_rect(&error.to_string());
+                }
+                Err(error) => return Err(error),
+            }
         }
-        self.check_reachable(&mut state, job)?;
+        if !self.check_reachable(&mut state, at, job)? {
+            drop(state);
+            return per_rect("a buffer is memory the kernel may not reach");
+        }
         let bytes = table.byte_len();
-        let (index, slot) = self.take_slot(&mut state, at, bytes)?;
-        // SAFETY: the slot's pinned buffer holds `capacity >= bytes` bytes, and nothing reads it
-        // (its event was waited for).
-        table.write_to(unsafe { std::slice::from_raw_parts_mut(slot.host as *mut u8, bytes) });
+        let (mut state, plan) = self.plan_launch(&kernel, state, at, bytes)?;
+        let (lane, slot) = match plan {
+            Plan::Launch { lane, slot } => (lane, slot),
+            Plan::PerRect(why) => {
+                drop(state);
+                return per_rect(&why);
+            }
+        };
+        let pair = state.slots[slot];
+        // SAFETY: the pair's pinned buffer holds `capacity >= bytes` bytes, and nothing reads it
+        // (it is idle, and reserved to this call while the state is locked).
+        table.write_to(unsafe { std::slice::from_raw_parts_mut(pair.host as *mut u8, bytes) });
         let launch = KernelLaunch {
             function: state.function as *mut c_void,
             grid: (grid_x, grid_y),
             block: BLOCK_THREADS,
             stream: self.stream,
-            args: table.args(slot.device as u64),
+            args: table.args(pair.device as u64),
         };
-        // SAFETY: both buffers hold `bytes` bytes and stay untouched until the slot's event,
+        // SAFETY: both buffers hold `bytes` bytes and stay untouched until the pair's fence,
         // recorded below, has passed.
         unsafe {
             self.runtime.memcpy_host_to_device_async(
-                slot.device as *mut c_void,
-                slot.host as *const c_void,
+                pair.device as *mut c_void,
+                pair.host as *const c_void,
                 bytes,
                 self.stream,
             )
@@ -1088,23 +1602,15 @@ impl<R: HipRuntime> HipEngine<R> {
             Context::args(format!(
                 "({:#x}, copy kernel table {:#x}, {bytes} bytes, hipMemcpyHostToDevice, stream \
                  {:p})",
-                slot.device, slot.host, self.stream
+                pair.device, pair.host, self.stream
             ))
         })
         .map_err(|error| self.also_finish(error))?;
         // SAFETY: the function was loaded on the stream's device; the caller vouches for the
-        // buffers, and the table stays until the event below has passed.
+        // buffers, and the table stays until the fence below has passed.
         let launched = unsafe { self.runtime.launch_kernel(&launch) };
-        // Recorded even when the launch failed: the upload may still be reading the slot.
-        // SAFETY: the slot's event and the caller's stream.
-        let recorded = unsafe {
-            self.runtime
-                .event_record(slot.event as *mut c_void, self.stream)
-        };
-        if recorded.is_err() {
-            // Without its event nobody can tell when the slot is idle: never reuse it.
-            state.slots[index] = None;
-        }
+        // Fenced even when the launch failed: the upload may still be reading the pair.
+        let fenced = self.fence(&mut state, lane, slot);
         drop(state);
         launched
             .or_gpu(&self.runtime, "hipModuleLaunchKernel", || {
@@ -1121,11 +1627,7 @@ impl<R: HipRuntime> HipEngine<R> {
                 ))
                 .note(note)
             })
-            .and_then(|()| {
-                recorded.or_gpu(&self.runtime, "hipEventRecord", || {
-                    Context::args(format!("(table buffer {index}, stream {:p})", self.stream))
-                })
-            })
+            .and(fenced)
             .map_err(|error| self.also_finish(error))?;
         self.finish()
     }
@@ -1137,8 +1639,16 @@ impl<R: HipRuntime> CopyEngine for HipEngine<R> {
     }
 
     unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()> {
+        let _relaxed = Relaxed::enter(&self.runtime)?;
         let capturing = self.refuse_synchronize_while_capturing()?;
-        if self.copy_kernel {
+        let kernel = match self.path {
+            CopyPath::Kernel => true,
+            CopyPath::Memcpy2d => false,
+            CopyPath::Auto => {
+                job.num_buffers().saturating_mul(job.num_rects()) >= super::AUTO_KERNEL_MIN_COPIES
+            }
+        };
+        if kernel {
             // SAFETY: as the caller guarantees for the whole job.
             unsafe { self.run_kernel(job, capturing) }
         } else {

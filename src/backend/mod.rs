@@ -86,7 +86,7 @@ pub fn open_host_copies(backend: Backend) -> Result<Box<dyn HostCopies>> {
     let options = SendOptions {
         backend,
         synchronize: true,
-        copy_kernel: false,
+        path: CopyPath::Memcpy2d,
         stream: std::ptr::null_mut(),
     };
     Ok(Box::new(Synchronized(hip::open(&options)?)))
@@ -99,9 +99,31 @@ pub enum Backend {
     Auto,
     /// CPU copies.
     Host,
-    /// `hipMemcpy2DAsync` per rect, or one copy-kernel launch, on the caller's stream.
+    /// One copy-kernel launch, or `hipMemcpy2DAsync` per (buffer, rect), on the caller's stream.
     Hip,
 }
+
+/// How the HIP engine issues a call (the host engine ignores it): the choice of
+/// `MORI_SEND_COPY_KERNEL`, `MORI_SEND_MEMCPY2D` or neither (REFERENCE.md section 7).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CopyPath {
+    /// Neither flag: one copy-kernel launch when the call has at least
+    /// [`AUTO_KERNEL_MIN_COPIES`] (buffer, rect) copies and the kernel can run it (its code
+    /// object loads on the stream's device, the stream is not capturing, every buffer is memory
+    /// a kernel surely reaches); else one `hipMemcpy2DAsync` per (buffer, rect).
+    #[default]
+    Auto,
+    /// `MORI_SEND_COPY_KERNEL`: the copy kernel (a capturing stream still gets the per-rect
+    /// copies), and a refusal for memory the kernel cannot reach or a device it cannot load on.
+    Kernel,
+    /// `MORI_SEND_MEMCPY2D`: one `hipMemcpy2DAsync` per (buffer, rect).
+    Memcpy2d,
+}
+
+/// The fewest (buffer, rect) copies for which [`CopyPath::Auto`] launches the kernel: a single
+/// copy is one `hipMemcpy2DAsync`, cheaper than a table upload and a launch.
+/// cbindgen:ignore
+pub const AUTO_KERNEL_MIN_COPIES: usize = 2;
 
 /// Options of one send, pack or unpack, as the C ABI's `MoriSendOptions` carries them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,9 +132,9 @@ pub struct SendOptions {
     pub backend: Backend,
     /// Wait for the copies to finish before returning (HIP; host copies always have).
     pub synchronize: bool,
-    /// HIP: run the whole call as one copy-kernel launch instead of one `hipMemcpy2DAsync` per
-    /// (buffer, rect). The host engine ignores it.
-    pub copy_kernel: bool,
+    /// HIP: the copy kernel, one `hipMemcpy2DAsync` per (buffer, rect), or the engine's choice.
+    /// The host engine ignores it.
+    pub path: CopyPath,
     /// `hipStream_t` for HIP; must be NULL for the host backend.
     pub stream: *mut c_void,
 }
@@ -122,7 +144,7 @@ impl Default for SendOptions {
         SendOptions {
             backend: Backend::Auto,
             synchronize: false,
-            copy_kernel: false,
+            path: CopyPath::Auto,
             stream: std::ptr::null_mut(),
         }
     }

@@ -41,9 +41,17 @@ pub(crate) enum Failure {
     /// A flags field has bits the ABI does not define.
     #[error(
         "invalid argument: options.flags {flags:#x} has unknown bits {unknown:#x} (only \
-         MORI_SEND_SYNCHRONIZE = 0x1 and MORI_SEND_COPY_KERNEL = 0x2 are defined)"
+         MORI_SEND_SYNCHRONIZE = 0x1, MORI_SEND_COPY_KERNEL = 0x2 and MORI_SEND_MEMCPY2D = 0x4 \
+         are defined)"
     )]
     UnknownFlags { flags: u32, unknown: u32 },
+    /// A flags field asks for two copy paths at once.
+    #[error(
+        "invalid argument: options.flags {flags:#x} sets both MORI_SEND_COPY_KERNEL (0x2) and \
+         MORI_SEND_MEMCPY2D (0x4), which ask for different copy paths: set one, or neither for \
+         the library's choice"
+    )]
+    ConflictingFlags { flags: u32 },
     /// The caller's output array holds fewer entries than the result needs.
     #[error(
         "buffer too small: the result needs {needed} entries, the output array holds {capacity}"
@@ -121,6 +129,7 @@ impl Failure {
             | Failure::ArrayTooLong { .. }
             | Failure::UnknownValue { .. }
             | Failure::UnknownFlags { .. }
+            | Failure::ConflictingFlags { .. }
             | Failure::UnknownPool(_) => ErrorClass::InvalidArgument,
             Failure::BufferTooSmall { .. } => ErrorClass::BufferTooSmall,
             Failure::Panic(_) => return None,
@@ -339,9 +348,10 @@ mod tests {
                 align: 8,
             },
             Failure::UnknownFlags {
-                flags: 4,
-                unknown: 4,
+                flags: 8,
+                unknown: 8,
             },
+            Failure::ConflictingFlags { flags: 6 },
             Failure::BufferTooSmall {
                 needed: 2,
                 capacity: 1,

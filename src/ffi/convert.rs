@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 
 use super::boundary::{Failure, Result};
 use super::types::*;
-use crate::backend::{Backend, CopyJob, KvBuffers, SendOptions, open_engine};
+use crate::backend::{Backend, CopyJob, CopyPath, KvBuffers, SendOptions, open_engine};
 use crate::error::Error;
 use crate::layout::{PairConfig, Request, pair_config};
 use crate::plan::Walk;
@@ -350,17 +350,26 @@ pub(crate) unsafe fn options_from_raw(options: *const MoriSendOptions) -> Result
     // SAFETY: non-NULL, valid per the caller; misalignment is refused.
     let o = unsafe { try_ref(options, "options") }?;
     let backend = Backend::from_c(o.backend, "options.backend")?;
-    let known = MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL;
+    let known = MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL | MORI_SEND_MEMCPY2D;
     if o.flags & !known != 0 {
         return Err(Failure::UnknownFlags {
             flags: o.flags,
             unknown: o.flags & !known,
         });
     }
+    let path = match (
+        o.flags & MORI_SEND_COPY_KERNEL != 0,
+        o.flags & MORI_SEND_MEMCPY2D != 0,
+    ) {
+        (false, false) => CopyPath::Auto,
+        (true, false) => CopyPath::Kernel,
+        (false, true) => CopyPath::Memcpy2d,
+        (true, true) => return Err(Failure::ConflictingFlags { flags: o.flags }),
+    };
     Ok(SendOptions {
         backend,
         synchronize: o.flags & MORI_SEND_SYNCHRONIZE != 0,
-        copy_kernel: o.flags & MORI_SEND_COPY_KERNEL != 0,
+        path,
         stream: o.stream,
     })
 }

@@ -268,8 +268,8 @@ pub unsafe extern "C" fn mori_tp_check_groups_transfer(
 /// what mori_send_kvcache_pair moves for its config, buffers and request. Every group (config,
 /// request, first_token, buffers against pages, NULLs, options) is checked before the first
 /// byte moves, so a refused call writes nothing; then the groups are copied in order, each as
-/// mori_send_kvcache_pair copies a pair (per (buffer, rect) hipMemcpy2DAsync, or with
-/// MORI_SEND_COPY_KERNEL one kernel launch per group that moves bytes; MORI_SEND_SYNCHRONIZE
+/// mori_send_kvcache_pair copies a pair (one kernel launch per group that moves bytes, or per
+/// (buffer, rect) hipMemcpy2DAsync, as the flags and each group choose; MORI_SEND_SYNCHRONIZE
 /// waits before the call returns).
 ///
 /// @param[in] groups      num_groups groups; buffers.src and buffers.dst of each must hold
@@ -321,7 +321,7 @@ fn run_group_jobs(
 /// Everything is checked before the first byte moves: every group; staging_capacity >=
 /// total->src_staging_bytes (MORI_ERR_BUFFER_TOO_SMALL naming both); the region's used bytes
 /// overlap no packed group's source buffer; backends, stream and flags as for
-/// mori_pack_kvcache_pair (with MORI_SEND_COPY_KERNEL, one launch per packed group).
+/// mori_pack_kvcache_pair (with the kernel, one launch per packed group).
 ///
 /// @param[in]  groups            num_groups groups; buffers.src of each packed group holds
 ///                               buffers.num_buffers non-NULL pointers. NULL only if

@@ -205,20 +205,26 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
 /// MORI_OK.
 ///
 /// Backends: HOST copies on the CPU and returns when done (both sides must be host memory).
-/// HIP issues one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src + src_offset, src_pitch,
-/// width, height, hipMemcpyDefault, stream) per (buffer, rect) on options->stream, or with
-/// MORI_SEND_COPY_KERNEL one copy-kernel launch for the whole call, then hipStreamSynchronize if
+/// HIP runs on options->stream either one copy-kernel launch for the whole call (plus one
+/// upload of its rect table) or one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src +
+/// src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer, rect):
+/// MORI_SEND_COPY_KERNEL asks for the kernel, MORI_SEND_MEMCPY2D for the per-rect copies, and
+/// with neither the library launches the kernel when the call has at least 2 (buffer, rect)
+/// copies, the kernel loads on the stream's device and every buffer is memory it surely reaches,
+/// else issues the per-rect copies (MORI_SEND_COPY_KERNEL says which memory that is). A stream
+/// that is capturing a graph always gets the per-rect copies. Then hipStreamSynchronize if
 /// MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still be running on return,
-/// and the buffers must stay valid until the stream reaches them. hipMemcpyDefault lets either
-/// side be device memory, a peer device's memory (enable peer access first) or host memory.
-/// Pageable host memory is legal but makes each copy synchronous and slow; pin it
+/// and the buffers must stay valid until the stream reaches them. The per-rect copies take
+/// device memory, a peer device's memory (enable peer access first) or host memory on either
+/// side; pageable host memory is legal but makes each copy synchronous and slow; pin it
 /// (hipHostMalloc / hipHostRegister) for asynchronous copies. The copies run on the stream's
 /// device (the NULL stream: the calling thread's current device); the calling thread's current
-/// device is left as it was (with MORI_SEND_COPY_KERNEL the library makes the stream's device
-/// current only while it loads the kernel there). D2D copies are fastest when width,
-/// pitches and offsets are multiples of 16 bytes (see the README for real models). AUTO is HIP
-/// when the library is built with it and a device is present (the device count is read once per
-/// process), else HOST.
+/// device and graph-capture mode are left as they were (the library makes the stream's device
+/// current only while it loads the kernel or allocates for it there, and runs its own runtime
+/// calls in the relaxed capture mode). D2D copies are fastest when width, pitches and offsets
+/// are multiples of 16 bytes (see the README for real models). AUTO is HIP when the library is
+/// built with it and a device is present (the device count is read once per process), else
+/// HOST.
 ///
 /// @param[in] config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
 /// @param[in] buffers    Source and destination buffers and their capacities. Must not be NULL.
@@ -456,8 +462,8 @@ pub unsafe extern "C" fn mori_tp_check_transfer(
 /// overflow, NULL pointers, overlap of the staging region with a source buffer) is validated
 /// before a backend is opened and before the first byte moves: a refused call writes nothing.
 /// A config that is not SEND passes the same checks, then moves nothing and returns MORI_OK.
-/// Backends, stream and flags as for mori_send_kvcache (the HIP backend: one hipMemcpy2DAsync
-/// per (buffer, rect), or one copy-kernel launch with MORI_SEND_COPY_KERNEL).
+/// Backends, stream and flags as for mori_send_kvcache (the HIP backend: one copy-kernel launch,
+/// or one hipMemcpy2DAsync per (buffer, rect), as the flags and the call choose).
 ///
 /// @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
 ///                               NULL.

@@ -58,7 +58,8 @@ pub type MoriBackend = u32;
 pub const MORI_BACKEND_AUTO: MoriBackend = 0;
 /// CPU copies (memmove), synchronous. Both sides must be host memory.
 pub const MORI_BACKEND_HOST: MoriBackend = 1;
-/// hipMemcpy2DAsync on the caller's stream (library built with the `hip` feature).
+/// The copy kernel or hipMemcpy2DAsync on the caller's stream (library built with the `hip`
+/// feature); see MORI_SEND_COPY_KERNEL for which runs when.
 pub const MORI_BACKEND_HIP: MoriBackend = 2;
 
 /// MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
@@ -67,25 +68,47 @@ pub const MORI_BACKEND_HIP: MoriBackend = 2;
 /// without this flag, and synchronize after launching the graph.
 pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
 /// MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
-/// one copy-kernel launch, plus at most one upload of the rect table, instead of one
-/// hipMemcpy2DAsync per (buffer, rect). On the stream, in order: hipMemcpyAsync of the table
-/// from pinned host memory into a device buffer the library keeps per device,
-/// hipModuleLaunchKernel, hipEventRecord (the buffer's fence). Every buffer (and a staging
-/// region) must then be memory a kernel on the stream's device reaches: its device memory, a
-/// peer device's memory with peer access enabled, hipHostMalloc'd memory, or hipHostRegister'd
-/// memory at the address hipHostGetDevicePointer returns. A kernel that touches other memory
-/// aborts the process (in the HSA runtime), so the library first asks hipPointerGetAttributes
-/// about each buffer and refuses with MORI_ERR_GPU, writing nothing, what it can tell the kernel
-/// cannot reach (pageable host memory; registered memory at its host address); peer access it
+/// one copy-kernel launch, plus one upload of the rect table, even where flags 0 would take the
+/// per-rect copies, and refuses (MORI_ERR_GPU, nothing written) what keeps the kernel from
+/// running: memory it cannot reach, a device without a code object. Without MORI_SEND_COPY_KERNEL
+/// and MORI_SEND_MEMCPY2D (flags 0) the HIP backend launches the kernel by itself when the call
+/// has at least 2 (buffer, rect) copies, the kernel loads on the stream's device, and every
+/// buffer is memory a kernel there surely reaches (that device's memory, hipHostMalloc'd memory,
+/// hipHostRegister'd memory at the address hipHostGetDevicePointer returns); otherwise it
+/// issues the per-rect copies (MORI_SEND_MEMCPY2D). A stream that is capturing a graph gets the
+/// per-rect copies with either flag, as does a call that finds every table buffer (32) or lane
+/// (16 streams) of the device busy with other streams' copies.
+///
+/// On the stream, in order: hipMemcpyAsync of the table from pinned host memory into a device
+/// buffer the library keeps per device, hipModuleLaunchKernel, then the buffer's fence:
+/// hipEventRecord of an event of the library on the stream, which a stream of the library waits
+/// for (hipStreamWaitEvent) before recording the buffer's own event. The library never waits
+/// for another stream, never frees or synchronizes while sending, and makes its runtime calls in
+/// the relaxed capture mode (hipThreadExchangeStreamCaptureMode, restored before it returns), so
+/// that it never breaks another thread's graph capture. Every buffer (and a staging region) must
+/// be memory a kernel on the stream's device reaches: its device memory, a peer device's memory
+/// with peer access enabled, hipHostMalloc'd memory, or hipHostRegister'd memory at the address
+/// hipHostGetDevicePointer returns. A kernel that touches other memory aborts the process (in
+/// the HSA runtime), so the library first asks hipPointerGetAttributes about each buffer and
+/// refuses with MORI_ERR_GPU, writing nothing, what it can tell the kernel cannot reach
+/// (pageable host memory; registered memory at its host address; another device's memory that
+/// hipDeviceCanAccessPeer says this device cannot reach); whether peer access is enabled it
 /// cannot see. The kernel is loaded for the stream's device, once per device (found with
 /// hipStreamGetDevice; with HIP 5.2, which lacks it, the stream must belong to the calling
 /// thread's current device, and a stream of another device is refused with MORI_ERR_GPU before
-/// anything is issued). A stream that is capturing a graph gets the per-rect copies. The
-/// kernel copies in no particular order: a destination byte written twice in one call (a
-/// repeated destination page or buffer), or one that is also a source byte, may end as either
-/// copy leaves it, where the per-rect path leaves the last copy's. The host backend ignores the
-/// flag (its result is the same).
+/// anything is issued; flags 0 takes the per-rect copies there). The kernel copies in no
+/// particular order: a destination byte written twice in one call (a repeated destination page
+/// or buffer), or one that is also a source byte, may end as either copy leaves it, where the
+/// per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
+/// same).
 pub const MORI_SEND_COPY_KERNEL: u32 = 2;
+/// MoriSendOptions.flags bit: the HIP backend issues one hipMemcpy2DAsync(dst + dst_offset,
+/// dst_pitch, src + src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer,
+/// rect), in buffer-then-rect order, and nothing else on the stream. Every kind of memory works
+/// (pageable host memory makes each copy synchronous), but each copy costs a runtime call, so a
+/// fragmented request is far slower than one kernel launch (BENCHMARKS.md). Not together with
+/// MORI_SEND_COPY_KERNEL (MORI_ERR_INVALID_ARGUMENT). The host backend ignores the flag.
+pub const MORI_SEND_MEMCPY2D: u32 = 4;
 
 /// Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.
 pub type MoriTpStaging = u32;
@@ -203,7 +226,9 @@ pub struct MoriKvBuffers {
 pub struct MoriSendOptions {
     /// A MoriBackend: MORI_BACKEND_AUTO, MORI_BACKEND_HOST or MORI_BACKEND_HIP.
     pub backend: u32,
-    /// Zero or more of MORI_SEND_SYNCHRONIZE and MORI_SEND_COPY_KERNEL; other bits are refused.
+    /// Zero or more of MORI_SEND_SYNCHRONIZE, MORI_SEND_COPY_KERNEL and MORI_SEND_MEMCPY2D (not
+    /// both of the last two); other bits are refused. 0 lets the HIP backend choose its copy path
+    /// (see MORI_SEND_COPY_KERNEL).
     pub flags: u32,
     /// hipStream_t for the HIP backend; NULL = the null stream. Must be NULL for the host backend
     /// (including when AUTO falls back to the host).

@@ -33,30 +33,44 @@ use recorder::{
 
 use crate::backend::copy_kernel::KernelTable;
 use crate::backend::hip::{
-    HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelLaunch, MIN_TABLE_BYTES,
-    Memcpy2dAsync, TABLE_SLOTS, TABLE_TAIL_BYTES,
+    CaptureMode, HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelLaunch, MAX_LANES,
+    MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, RESET_SENTINEL_BYTES,
 };
-use crate::pool::{DeviceMemory, PoolMemory, PoolMemoryKind, StagingPool};
+use crate::pool::{DeviceMemory, POOL_TAIL_BYTES, PoolMemory, PoolMemoryKind, StagingPool};
 use crate::{
-    Backend, CopyEngine, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig, SliceParams,
-    Walk, pack, pack_host, send, slice_config, unpack, unpack_host,
+    Backend, CopyEngine, CopyPath, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig,
+    SliceParams, Walk, pack, pack_host, send, slice_config, unpack, unpack_host,
 };
 
+/// `MORI_SEND_MEMCPY2D`: one hipMemcpy2DAsync per (buffer, rect).
 fn options(synchronize: bool, stream: *mut c_void) -> SendOptions {
     SendOptions {
         backend: Backend::Hip,
         synchronize,
-        copy_kernel: false,
+        path: CopyPath::Memcpy2d,
         stream,
     }
 }
 
+/// `MORI_SEND_COPY_KERNEL`.
 fn kernel_options(synchronize: bool, stream: *mut c_void) -> SendOptions {
     SendOptions {
-        copy_kernel: true,
+        path: CopyPath::Kernel,
         ..options(synchronize, stream)
     }
 }
+
+/// Flags 0: the engine's choice.
+fn auto_options(synchronize: bool, stream: *mut c_void) -> SendOptions {
+    SendOptions {
+        path: CopyPath::Auto,
+        ..options(synchronize, stream)
+    }
+}
+
+/// The calls that put the thread into the relaxed capture mode and give it its mode back.
+const RELAXED: Call = Call::ExchangeCaptureMode(CaptureMode::RELAXED);
+const RESTORED: Call = Call::ExchangeCaptureMode(CaptureMode::GLOBAL);
 
 /// Sends `plan` through a HipEngine on `runtime`; returns the result and the recorded calls.
 fn hip_send(
@@ -83,9 +97,9 @@ fn hip_send(
     (result, calls)
 }
 
-/// The calls the header documents: the device check, with synchronize on a caller's stream the
-/// capture check, one hipMemcpy2DAsync per (buffer, rect) in that order with the rect's own
-/// numbers, then hipStreamSynchronize only if asked.
+/// The calls the header documents: the device check, the relaxed capture mode, with synchronize
+/// on a caller's stream the capture check, one hipMemcpy2DAsync per (buffer, rect) in that order
+/// with the rect's own numbers, hipStreamSynchronize only if asked, and the thread's mode back.
 fn expected_calls(
     plan: &Walk<'_>,
     src: &[&[u8]],
@@ -108,6 +122,7 @@ fn expected_rect_calls(
     if !plan.sends() {
         return calls;
     }
+    calls.push(RELAXED);
     if options.synchronize && !options.stream.is_null() {
         calls.push(Call::IsCapturing(options.stream));
     }
@@ -128,6 +143,7 @@ fn expected_rect_calls(
     if options.synchronize {
         calls.push(Call::Synchronize(options.stream));
     }
+    calls.push(RESTORED);
     calls
 }
 
@@ -282,9 +298,10 @@ fn a_failing_copy_is_a_gpu_error_naming_the_hip_error_the_buffer_and_the_rect() 
     }
     assert_eq!(
         calls.len(),
-        1 + 6,
-        "the device check, then copies up to the failing one"
+        1 + 1 + 6 + 1,
+        "the device check, the relaxed mode, the copies up to the failing one, the mode back"
     );
+    assert_eq!((calls[1], calls[8]), (RELAXED, RESTORED));
     assert!(
         !calls.contains(&Call::Synchronize(stream)),
         "no flag, no wait"
@@ -318,10 +335,10 @@ fn a_failing_copy_with_synchronize_still_waits_for_the_copies_already_issued() {
         message.contains("hipErrorUnknown (709)") && message.contains("buffer 0 of 4, rect 1 of 3"),
         "{message:?}"
     );
-    // The device check, the capture check, two copies, the wait.
-    assert_eq!(calls.len(), 1 + 1 + 2 + 1);
-    assert_eq!(calls[1], Call::IsCapturing(stream));
-    assert_eq!(calls.last(), Some(&Call::Synchronize(stream)));
+    // The device check, the relaxed mode, the capture check, two copies, the wait, the mode.
+    assert_eq!(calls.len(), 1 + 1 + 1 + 2 + 1 + 1);
+    assert_eq!(calls[2], Call::IsCapturing(stream));
+    assert_eq!(calls[5..], [Call::Synchronize(stream), RESTORED]);
 }
 
 #[test]
@@ -352,8 +369,8 @@ fn a_failing_synchronize_is_a_gpu_error_after_every_copy_was_issued() {
     );
     assert_eq!(
         calls.len(),
-        1 + 12 + 1,
-        "4 buffers x 3 rects, then the wait"
+        1 + 1 + 12 + 1 + 1,
+        "4 buffers x 3 rects, then the wait, in the relaxed mode"
     );
 }
 
@@ -451,33 +468,63 @@ fn the_recording_runtime_refuses_what_hipmemcpy2d_refuses() {
 
 // ---- The copy-kernel path ----
 
-/// What the recorder handed out in `calls`: the first table buffer, its pinned twin and event.
+/// What the recorder handed out in `calls`: the reset sentinel, the first table buffer and its
+/// pinned twin, the first lane's event and relay stream, and the first pair's event.
 #[derive(Clone, Copy, Debug, Default)]
 struct Handed {
+    sentinel: usize,
     table: usize,
     host: usize,
-    event: usize,
+    mark: usize,
+    relay: usize,
+    done: usize,
 }
 
 fn handed(calls: &[Call]) -> Handed {
     let mut handed = Handed::default();
     for call in calls {
         match *call {
+            Call::Malloc { size, returned } if size == RESET_SENTINEL_BYTES => {
+                handed.sentinel = returned;
+            }
             Call::Malloc { returned, .. } if handed.table == 0 => handed.table = returned,
             Call::HostMalloc { returned, .. } if handed.host == 0 => handed.host = returned,
-            Call::EventCreate { returned } if handed.event == 0 => handed.event = returned,
+            Call::StreamCreate { returned } if handed.relay == 0 => handed.relay = returned,
+            Call::EventCreate { returned } if handed.mark == 0 => handed.mark = returned,
+            Call::EventCreate { returned } if handed.done == 0 => handed.done = returned,
             _ => {}
         }
     }
     handed
 }
 
-/// The calls a kernel send on a fresh runtime must make: the device check; for a caller's
-/// stream the capture check; hipGetDevice (and the stream's device); the load on that device;
-/// each buffer base checked once; the first table buffer pair (the device buffer's size read
-/// back) and its event; then on the stream one upload of the table's `byte_len` bytes from the
-/// pinned buffer (0 when the table travels inside the kernel's argument), one launch, the
-/// event's record, and hipStreamSynchronize only if asked.
+/// The fence of a kernel call on `stream`: the lane's event recorded there, the relay waiting for
+/// it, the pair's event recorded on the relay.
+fn fence_calls(stream: *mut c_void, mark: usize, relay: usize, done: usize) -> [Call; 3] {
+    [
+        Call::EventRecord {
+            event: without_provenance_mut(mark),
+            stream,
+        },
+        Call::StreamWaitEvent {
+            stream: without_provenance_mut(relay),
+            event: without_provenance_mut(mark),
+        },
+        Call::EventRecord {
+            event: without_provenance_mut(done),
+            stream: without_provenance_mut(relay),
+        },
+    ]
+}
+
+/// The calls a kernel send on a fresh runtime must make: the device check; the relaxed capture
+/// mode; for a caller's stream the capture check; hipGetDevice (and the stream's device); the
+/// load on that device and its reset sentinel (its size read back); each buffer base checked
+/// once; the stream's lane (an event and a relay stream); the first table buffer pair and its
+/// event; then on the stream one upload of the table's `byte_len` bytes from the pinned buffer
+/// (0 when the table travels inside the kernel's argument) and one launch with the table's
+/// argument and grid; the fence; hipStreamSynchronize only if asked; the thread's capture mode
+/// back.
 fn expected_kernel_calls(
     plan: &Walk<'_>,
     src: &[*const u8],
@@ -490,6 +537,7 @@ fn expected_kernel_calls(
     if !plan.sends() || rects.is_empty() || src.is_empty() {
         return calls;
     }
+    calls.push(RELAXED);
     let stream = options.stream;
     if !stream.is_null() {
         calls.push(Call::IsCapturing(stream));
@@ -504,6 +552,13 @@ fn expected_kernel_calls(
     calls.push(Call::GetFunction {
         module: module_handle(0),
     });
+    calls.push(Call::Malloc {
+        size: RESET_SENTINEL_BYTES,
+        returned: handed.sentinel,
+    });
+    calls.push(Call::AddressRange {
+        pointer: without_provenance_mut(handed.sentinel),
+    });
     let mut seen = HashSet::new();
     for (&s, &d) in src.iter().zip(dst) {
         for base in [s as usize, d as usize] {
@@ -514,6 +569,15 @@ fn expected_kernel_calls(
             }
         }
     }
+    calls.push(Call::EventCreate {
+        returned: handed.mark,
+    });
+    calls.push(Call::StreamCreate {
+        returned: handed.relay,
+    });
+    calls.push(Call::EventCreate {
+        returned: handed.done,
+    });
     // The table the engine must launch with (src/backend/copy_kernel.rs checks its bytes
     // against the C++ builder and the kernel): its upload is byte_len bytes, none when it
     // travels inside the argument.
@@ -526,18 +590,12 @@ fn expected_kernel_calls(
     let size = table.byte_len();
     let capacity = size.max(MIN_TABLE_BYTES).next_power_of_two();
     calls.push(Call::Malloc {
-        size: capacity + TABLE_TAIL_BYTES,
+        size: capacity,
         returned: handed.table,
-    });
-    calls.push(Call::AddressRange {
-        pointer: without_provenance_mut(handed.table),
     });
     calls.push(Call::HostMalloc {
         size: capacity,
         returned: handed.host,
-    });
-    calls.push(Call::EventCreate {
-        returned: handed.event,
     });
     calls.push(Call::MemcpyHostToDevice {
         dst: without_provenance_mut(handed.table),
@@ -552,13 +610,11 @@ fn expected_kernel_calls(
         stream,
         args: table.args(handed.table as u64),
     }));
-    calls.push(Call::EventRecord {
-        event: without_provenance_mut(handed.event),
-        stream,
-    });
+    calls.extend(fence_calls(stream, handed.mark, handed.relay, handed.done));
     if options.synchronize {
         calls.push(Call::Synchronize(stream));
     }
+    calls.push(RESTORED);
     calls
 }
 
@@ -575,8 +631,9 @@ fn kernel_run(
     let runtime = engine.runtime();
     let (device, host) = runtime.live_allocations();
     assert!(
-        device <= TABLE_SLOTS && host <= TABLE_SLOTS,
-        "{device} device and {host} pinned allocations: only the table buffers stay"
+        device <= MAX_TABLE_SLOTS + 1 && host <= MAX_TABLE_SLOTS,
+        "{device} device and {host} pinned allocations: only the table buffers and the reset \
+         sentinel stay"
     );
     let calls = runtime.calls.borrow().clone();
     (result, calls)
@@ -609,6 +666,219 @@ fn checked_kernel_sender() -> Box<Sender<'static>> {
         assert_eq!(calls, expected, "HIP calls for {:?}", plan.config());
         Some(report)
     })
+}
+
+/// A sender through flags 0 (the engine's choice): calls with at least two (buffer, rect) copies
+/// must make exactly a kernel call's calls, the others exactly the per-rect copies'.
+fn checked_auto_sender(kernel_calls: Rc<std::cell::Cell<(usize, usize)>>) -> Box<Sender<'static>> {
+    let mut sends = 0usize;
+    Box::new(move |plan, _, src, dst| {
+        sends += 1;
+        let stream = stream_for_send(sends);
+        let options = auto_options(sends % 2 == 0, stream);
+        let runtime = Recorder::new(src, dst);
+        let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
+        let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        let buffers = KvBuffers {
+            src: &src_ptrs,
+            dst: &dst_ptrs,
+            src_capacity: src.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
+            dst_capacity: dst.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
+        };
+        // SAFETY: live slices at least as long as the capacities; the recorder checks every row
+        // either path touches.
+        let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
+            send(plan, &buffers, engine)
+        });
+        let report = result.expect("the recording runtime accepts the call");
+        let copies = src.len() * plan.rects().count();
+        let expected = if copies >= crate::AUTO_KERNEL_MIN_COPIES {
+            expected_kernel_calls(plan, &src_ptrs, &dst_ptrs, &options, handed(&calls))
+        } else {
+            expected_rect_calls(plan, &src_ptrs, &dst_ptrs, &options)
+        };
+        assert_eq!(calls, expected, "HIP calls for {:?}", plan.config());
+        if plan.sends() && copies > 0 {
+            let (kernel, rects) = kernel_calls.get();
+            kernel_calls.set(if copies >= 2 {
+                (kernel + 1, rects)
+            } else {
+                (kernel, rects + 1)
+            });
+        }
+        Some(report)
+    })
+}
+
+/// Issue 31.2: with flags 0 a call of at least two (buffer, rect) copies is one kernel launch
+/// (one upload, one launch), a call of one copy is one hipMemcpy2DAsync; both land byte for
+/// byte.
+#[test]
+fn flags_0_launch_the_kernel_for_two_copies_or_more_and_copy_a_single_rect_directly() {
+    if cpu_kernel_or_skip("flags_0_launch_the_kernel_...").is_none() {
+        return;
+    }
+    let counts = Rc::new(std::cell::Cell::new((0, 0)));
+    odd_deployments(&mut *checked_auto_sender(Rc::clone(&counts)));
+    // One run of pages, one buffer: one rect, one copy.
+    let request = Request {
+        src_pages: (2..6).collect(),
+        dst_pages: (0..4).collect(),
+        src_capacity_pages: 6,
+        dst_capacity_pages: 4,
+    };
+    transfer(
+        4,
+        256,
+        1,
+        2,
+        2,
+        16,
+        &request,
+        &mut *checked_auto_sender(Rc::clone(&counts)),
+    );
+    let (kernel, per_rect) = counts.get();
+    assert!(
+        kernel > 0 && per_rect > 0,
+        "both paths ran: {kernel}, {per_rect}"
+    );
+}
+
+/// Issue 31.2: flags 0 fall back to the per-rect copies, without an error, wherever the kernel
+/// cannot surely run: memory it may not reach (pageable host memory, host memory registered and
+/// passed at its host address, another device's memory, which needs peer access the library
+/// cannot see), a device without a code object, and (HIP 5.2) a stream of another device. With
+/// MORI_SEND_COPY_KERNEL each of these is an error, except another device's memory that this one
+/// can reach, which is launched.
+#[test]
+fn flags_0_take_the_per_rect_copies_where_the_kernel_cannot_surely_run() {
+    if cpu_kernel_or_skip("flags_0_take_the_per_rect_copies_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    type Adjust = fn(Recorder) -> Recorder;
+    let cases: [(&str, Adjust, bool, Option<&str>); 6] = [
+        (
+            "pageable",
+            |mut r| {
+                r.device_memory.pop();
+                r
+            },
+            false,
+            Some("hipPointerGetAttributes"),
+        ),
+        (
+            "registered at its host address",
+            |mut r| {
+                let (base, len) = r.device_memory.pop().unwrap();
+                r.registered.push(((base, len), 0x7000_0000_0000));
+                r
+            },
+            false,
+            Some("hipPointerGetAttributes"),
+        ),
+        (
+            "a peer's memory it can reach",
+            |r| {
+                r.stream_home.set(1);
+                Recorder {
+                    devices: Ok(2),
+                    ..r
+                }
+            },
+            false,
+            None,
+        ),
+        (
+            "a peer's memory it cannot reach",
+            |r| {
+                r.stream_home.set(1);
+                r.peer_access.set(false);
+                Recorder {
+                    devices: Ok(2),
+                    ..r
+                }
+            },
+            false,
+            Some("hipPointerGetAttributes"),
+        ),
+        (
+            "no code object",
+            |r| {
+                r.fail_call.set(Some(("hipModuleLoadData", HipStatus(209))));
+                r
+            },
+            false,
+            Some("hipModuleLoadData"),
+        ),
+        (
+            "HIP 5.2, a stream of another device",
+            |r| Recorder {
+                has_stream_get_device: false,
+                ..stream_on_device_1(r)
+            },
+            true,
+            Some("hipEventRecord"),
+        ),
+    ];
+    for (case, adjust, on_a_stream, kernel_error) in cases {
+        let stream = if on_a_stream {
+            without_provenance_mut(0xde73_0000)
+        } else {
+            null_mut()
+        };
+        let mut f = Fixture::new();
+        let (result, calls) = kernel_fixture_run(&mut f, &auto_options(true, stream), adjust);
+        assert_eq!(result.map(|r| r.copies), Ok(12), "{case}");
+        let n = names(&calls);
+        assert!(!n.contains(&"hipModuleLaunchKernel"), "{case}: {n:?}");
+        assert_eq!(
+            n.iter().filter(|c| **c == "hipMemcpy2DAsync").count(),
+            12,
+            "{case}: {n:?}"
+        );
+        assert_eq!(f.dst.ranks[3], want, "{case}");
+
+        let mut f = Fixture::new();
+        let initial = f.dst.ranks[3].clone();
+        let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, stream), adjust);
+        match kernel_error {
+            Some(call) => {
+                let (failed, _, message, _) = gpu_error(result);
+                assert_eq!(failed, call, "{case}: {message}");
+                assert_eq!(f.dst.ranks[3], initial, "{case}: nothing written");
+                if case.starts_with("a peer") {
+                    assert!(
+                        message.contains(
+                            "memory of device 1, which a kernel on device 0 cannot reach"
+                        ),
+                        "{message}"
+                    );
+                }
+            }
+            None => {
+                assert!(result.is_ok(), "{case}: {result:?}");
+                assert!(names(&calls).contains(&"hipModuleLaunchKernel"), "{case}");
+                assert!(
+                    calls.contains(&Call::CanAccessPeer { device: 0, peer: 1 }),
+                    "{case}: {calls:?}"
+                );
+                assert_eq!(f.dst.ranks[3], want, "{case}");
+            }
+        }
+    }
+}
+
+/// Issue 31.2: MORI_SEND_MEMCPY2D is one hipMemcpy2DAsync per (buffer, rect) even where flags 0
+/// would launch the kernel.
+#[test]
+fn memcpy2d_is_one_copy_per_buffer_and_rect() {
+    let mut f = Fixture::new();
+    let (result, calls) = f.run(1, &options(false, null_mut()), |r| r);
+    assert_eq!(result.map(|r| r.copies), Ok(12));
+    let n = names(&calls);
+    assert_eq!(n.iter().filter(|c| **c == "hipMemcpy2DAsync").count(), 12);
+    assert!(!n.contains(&"hipModuleLaunchKernel") && !n.contains(&"hipModuleLoadData"));
 }
 
 #[test]
@@ -793,6 +1063,17 @@ fn kernel_fixture_sends(
     options: &SendOptions,
     make: impl FnOnce(Recorder) -> Recorder,
     sends: usize,
+    before: impl FnMut(usize, &Recorder),
+) -> Vec<(crate::Result<SendReport>, Vec<Call>)> {
+    fixture_sends_with(f, &vec![*options; sends], make, before)
+}
+
+/// As [`kernel_fixture_sends`], send i with `options[i]` (its stream, path and wait), all on one
+/// engine and one recorder.
+fn fixture_sends_with(
+    f: &mut Fixture,
+    options: &[SendOptions],
+    make: impl FnOnce(Recorder) -> Recorder,
     mut before: impl FnMut(usize, &Recorder),
 ) -> Vec<(crate::Result<SendReport>, Vec<Call>)> {
     let config = slice_config(&f.params(1)).unwrap();
@@ -808,9 +1089,10 @@ fn kernel_fixture_sends(
         src_capacity: src[0].len() as u64,
         dst_capacity: dst[0].len() as u64,
     };
-    let mut engine = HipEngine::new(runtime, options).expect("the recorder has a device");
+    let mut engine = HipEngine::new(runtime, &options[0]).expect("the recorder has a device");
     let mut results = Vec::new();
-    for i in 0..sends {
+    for (i, options) in options.iter().enumerate() {
+        engine.set_options(options);
         before(i, engine.runtime());
         // The first send's calls include the engine's device check.
         let from = if i == 0 {
@@ -824,8 +1106,12 @@ fn kernel_fixture_sends(
         results.push((result, calls));
     }
     let (device, host) = engine.runtime().live_allocations();
-    let pairs = TABLE_SLOTS * engine.runtime().devices.unwrap_or(1) as usize;
-    assert!(device <= pairs && host <= pairs, "only table buffers stay");
+    let devices = engine.runtime().devices.unwrap_or(1) as usize;
+    let pairs = MAX_TABLE_SLOTS * devices;
+    assert!(
+        device <= pairs + devices && host <= pairs,
+        "only table buffers and reset sentinels stay"
+    );
     results
 }
 
@@ -913,33 +1199,23 @@ fn a_failing_launch_is_a_gpu_error_that_still_fences_the_table_and_waits_when_as
     ] {
         assert!(message.contains(part), "{message:?} lacks {part:?}");
     }
-    // The upload was issued before the launch failed: the table buffer's event is recorded all
+    // The upload was issued before the launch failed: the table buffer's fence is recorded all
     // the same, so that nobody rewrites the buffer while the upload may still read it.
+    let n = names(&calls);
+    let launch = n
+        .iter()
+        .position(|c| *c == "hipModuleLaunchKernel")
+        .unwrap();
     assert_eq!(
-        names(&calls),
+        n[launch - 1..],
         [
-            "hipGetDeviceCount",
-            "hipStreamIsCapturing",
-            "hipGetDevice",
-            "hipStreamGetDevice",
-            "hipModuleLoadData",
-            "hipModuleGetFunction",
-            "hipPointerGetAttributes",
-            "hipPointerGetAttributes",
-            "hipPointerGetAttributes",
-            "hipPointerGetAttributes",
-            "hipPointerGetAttributes",
-            "hipPointerGetAttributes",
-            "hipPointerGetAttributes",
-            "hipPointerGetAttributes",
-            "hipMalloc",
-            "hipMemGetAddressRange",
-            "hipHostMalloc",
-            "hipEventCreateWithFlags",
             "hipMemcpyAsync",
             "hipModuleLaunchKernel",
             "hipEventRecord",
+            "hipStreamWaitEvent",
+            "hipEventRecord",
             "hipStreamSynchronize",
+            "hipThreadExchangeStreamCaptureMode",
         ]
     );
     assert_eq!(f.dst.ranks[3], initial, "a failed launch writes nothing");
@@ -950,19 +1226,32 @@ fn each_failing_kernel_path_call_is_named_and_issues_nothing_after_it_but_its_cl
     if cpu_kernel_or_skip("each_failing_kernel_path_call_...").is_none() {
         return;
     }
+    // After a failure: its cleanup (nothing is freed: what was made is kept for the next call),
+    // and the thread's capture mode given back (unless it was the exchange that failed).
+    let mode = "hipThreadExchangeStreamCaptureMode";
+    let fence = [
+        "hipEventRecord",
+        "hipStreamWaitEvent",
+        "hipEventRecord",
+        mode,
+    ];
     for (call, then) in [
-        ("hipStreamIsCapturing", &[][..]),
-        ("hipGetDevice", &[][..]),
-        ("hipStreamGetDevice", &[][..]),
-        ("hipModuleLoadData", &[][..]),
-        ("hipModuleGetFunction", &["hipModuleUnload"][..]),
-        ("hipPointerGetAttributes", &[][..]),
-        ("hipMalloc", &[][..]),
-        ("hipMemGetAddressRange", &["hipFree"][..]),
-        ("hipHostMalloc", &["hipFree"][..]),
-        ("hipEventCreateWithFlags", &["hipFree", "hipHostFree"][..]),
-        ("hipMemcpyAsync", &[][..]),
-        ("hipEventRecord", &[][..]),
+        (mode, &[][..]),
+        ("hipStreamIsCapturing", &[mode][..]),
+        ("hipGetDevice", &[mode][..]),
+        ("hipStreamGetDevice", &[mode][..]),
+        ("hipModuleLoadData", &[mode][..]),
+        ("hipModuleGetFunction", &["hipModuleUnload", mode][..]),
+        ("hipMalloc", &[mode][..]),
+        ("hipMemGetAddressRange", &[mode][..]),
+        ("hipPointerGetAttributes", &[mode][..]),
+        ("hipEventCreateWithFlags", &[mode][..]),
+        ("hipStreamCreateWithFlags", &[mode][..]),
+        ("hipHostMalloc", &[mode][..]),
+        ("hipMemcpyAsync", &[mode][..]),
+        ("hipModuleLaunchKernel", &fence[..]),
+        ("hipEventRecord", &[mode][..]),
+        ("hipStreamWaitEvent", &[mode][..]),
     ] {
         let mut f = Fixture::new();
         let initial = f.dst.ranks[3].clone();
@@ -1000,7 +1289,7 @@ fn each_failing_kernel_path_call_is_named_and_issues_nothing_after_it_but_its_cl
             .position(|n| *n == call)
             .expect("the call was made");
         assert_eq!(&names[at + 1..], then, "{call}: {names:?}");
-        if call != "hipEventRecord" {
+        if !["hipEventRecord", "hipStreamWaitEvent"].contains(&call) {
             assert_eq!(f.dst.ranks[3], initial, "{call}: nothing launched");
         }
     }
@@ -1093,6 +1382,20 @@ fn stream_on_device_1(r: Recorder) -> Recorder {
     }
 }
 
+/// The device current at each of `calls`, starting with `device`.
+fn current_during(calls: &[Call], mut device: i32) -> Vec<i32> {
+    calls
+        .iter()
+        .map(|call| {
+            let now = device;
+            if let Call::SetDevice(to) = call {
+                device = *to;
+            }
+            now
+        })
+        .collect()
+}
+
 #[test]
 fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there() {
     if cpu_kernel_or_skip("a_stream_on_another_device_...").is_none() {
@@ -1105,41 +1408,45 @@ fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there(
         &mut f,
         &kernel_options(true, stream),
         stream_on_device_1,
-        TABLE_SLOTS + 1,
+        3,
         |_, _| {},
     );
-    let (first, last) = (&runs[0].1, &runs[TABLE_SLOTS].1);
-    // Loaded, and its table buffer and event made, with device 1 current; then back to 0.
-    let names_first = names(first);
-    let switch = names_first
-        .iter()
-        .position(|n| *n == "hipSetDevice")
-        .unwrap();
-    assert_eq!(first[switch], Call::SetDevice(1));
-    assert_eq!(
-        names_first[switch + 1..switch + 4],
-        ["hipModuleLoadData", "hipModuleGetFunction", "hipSetDevice"]
-    );
-    assert_eq!(first[switch + 3], Call::SetDevice(0));
-    let alloc = names_first.iter().position(|n| *n == "hipMalloc").unwrap();
-    assert_eq!(first[alloc - 1], Call::SetDevice(1));
-    assert_eq!(
-        names_first[alloc..alloc + 5],
-        [
-            "hipMalloc",
-            "hipMemGetAddressRange",
-            "hipHostMalloc",
-            "hipEventCreateWithFlags",
-            "hipSetDevice"
-        ]
-    );
-    assert_eq!(first[alloc + 4], Call::SetDevice(0));
     for (result, _) in &runs {
         assert!(result.is_ok(), "{result:?}");
     }
-    // Once every table pair exists, a call finds everything on device 1 and switches nothing.
-    assert!(!names(last).contains(&"hipSetDevice"), "{last:?}");
-    assert!(!names(last).contains(&"hipModuleLoadData"));
+    // Loaded, and its sentinel, lane (event, relay stream), table buffer pair and event made,
+    // with device 1 current; then back to 0.
+    let first = &runs[0].1;
+    let current = current_during(first, 0);
+    for (call, device) in first.iter().zip(&current) {
+        let made_for_the_device = matches!(
+            call,
+            Call::ModuleLoad { .. }
+                | Call::GetFunction { .. }
+                | Call::Malloc { .. }
+                | Call::HostMalloc { .. }
+                | Call::EventCreate { .. }
+                | Call::StreamCreate { .. }
+        );
+        if made_for_the_device {
+            assert_eq!(*device, 1, "{call:?} with device 1 current: {first:?}");
+        }
+    }
+    assert_eq!(first.last(), Some(&RESTORED));
+    let last_switch = first.iter().rposition(|c| matches!(c, Call::SetDevice(_)));
+    assert_eq!(first[last_switch.unwrap()], Call::SetDevice(0));
+    // Once the lane and a pair exist, a call finds everything on device 1 and switches nothing.
+    for (_, calls) in &runs[1..] {
+        let n = names(calls);
+        for never in [
+            "hipSetDevice",
+            "hipModuleLoadData",
+            "hipMalloc",
+            "hipHostMalloc",
+        ] {
+            assert!(!n.contains(&never), "{n:?}");
+        }
+    }
     assert_eq!(f.dst.ranks[3], want);
 }
 
@@ -1166,8 +1473,8 @@ fn without_hip_stream_get_device_a_stream_on_another_device_is_refused_before_an
                 let (device, host) = r.live_allocations();
                 assert_eq!(
                     (device, host),
-                    (0, 0),
-                    "the refused sends allocated nothing"
+                    (1, 0),
+                    "the refused sends allocated nothing but the reset sentinel"
                 );
                 *r.current.borrow_mut() = 1;
             }
@@ -1189,9 +1496,14 @@ fn without_hip_stream_get_device_a_stream_on_another_device_is_refused_before_an
             assert!(message.contains(part), "{message:?} lacks {part:?}");
         }
         let n = names(calls);
+        assert!(
+            calls
+                .iter()
+                .all(|c| !matches!(c, Call::Malloc { size, .. } if *size != RESET_SENTINEL_BYTES)),
+            "send {i}: no table buffer: {n:?}"
+        );
         for never in [
             "hipSetDevice",
-            "hipMalloc",
             "hipHostMalloc",
             "hipMemcpyAsync",
             "hipModuleLaunchKernel",
@@ -1231,10 +1543,158 @@ fn a_capturing_stream_gets_per_rect_copies_whose_graph_nodes_keep_nothing_of_the
         r
     });
     assert_eq!(result.unwrap().copies, 12);
-    let mut expected = vec!["hipGetDeviceCount", "hipStreamIsCapturing"];
+    let mut expected = vec![
+        "hipGetDeviceCount",
+        "hipThreadExchangeStreamCaptureMode",
+        "hipStreamIsCapturing",
+    ];
     expected.extend(["hipMemcpy2DAsync"; 12]);
+    expected.push("hipThreadExchangeStreamCaptureMode");
     assert_eq!(names(&calls), expected, "no table, no upload, no launch");
     assert_eq!(f.dst.ranks[3], want);
+}
+
+/// The recorder keeps clr's rule: while another thread captures in the global mode, hipMalloc,
+/// hipHostMalloc, hipFree, hipStreamSynchronize and hipEventSynchronize of a thread in the global
+/// mode are refused, and the capture is invalidated; in the relaxed mode they are not.
+#[test]
+fn the_recording_runtime_refuses_unsafe_calls_during_another_threads_global_capture() {
+    let recorder = pool_recorder();
+    recorder.global_capture_elsewhere.set(true);
+    let event = recorder.event_create().unwrap();
+    let refused = HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    assert_eq!(recorder.malloc(64), Err(refused));
+    assert_eq!(recorder.host_malloc(64), Err(refused));
+    // SAFETY: the recorder's own event; the NULL stream.
+    unsafe {
+        assert_eq!(recorder.stream_synchronize(null_mut()), Err(refused));
+        assert_eq!(recorder.event_synchronize(event), Err(refused));
+    }
+    assert_eq!(recorder.invalidated.borrow().len(), 4);
+    assert_eq!(
+        recorder.exchange_capture_mode(CaptureMode::RELAXED),
+        Ok(CaptureMode::GLOBAL)
+    );
+    let pointer = recorder.malloc(64).expect("allowed when relaxed");
+    // SAFETY: as above; the allocation made just now.
+    unsafe {
+        assert_eq!(recorder.stream_synchronize(null_mut()), Ok(()));
+        assert_eq!(recorder.event_synchronize(event), Ok(()));
+        assert_eq!(recorder.free(pointer), Ok(()));
+    }
+}
+
+/// Issue 35.1: while another thread captures a graph in the global mode (PyTorch's default),
+/// kernel sends on streams that do not capture (the first ones allocate the kernel's sentinel,
+/// lane and table buffers; with MORI_SEND_SYNCHRONIZE they wait for the stream), per-rect sends
+/// and a device pool's life neither fail nor invalidate that capture, and the thread's own mode
+/// is given back after each.
+#[test]
+fn nothing_breaks_another_threads_global_capture() {
+    if cpu_kernel_or_skip("nothing_breaks_another_threads_global_capture").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let mut sends = Vec::new();
+    for stream in [null_mut(), without_provenance_mut(0x7ab2_0000)] {
+        for synchronize in [false, true] {
+            sends.push(kernel_options(synchronize, stream));
+            sends.push(auto_options(synchronize, stream));
+            sends.push(options(synchronize, stream));
+        }
+    }
+    let invalidated = std::cell::RefCell::new(Vec::new());
+    let runs = fixture_sends_with(
+        &mut f,
+        &sends,
+        |r| {
+            r.global_capture_elsewhere.set(true);
+            r
+        },
+        |_, r| {
+            invalidated
+                .borrow_mut()
+                .extend(r.invalidated.borrow().iter().copied());
+            assert_eq!(
+                r.capture_mode.get(),
+                CaptureMode::GLOBAL,
+                "the mode came back"
+            );
+        },
+    );
+    for (i, (result, calls)) in runs.iter().enumerate() {
+        assert!(result.is_ok(), "send {i}: {result:?}");
+        assert_eq!(calls.last(), Some(&RESTORED), "send {i}");
+    }
+    assert!(
+        invalidated.borrow().is_empty(),
+        "{:?}",
+        invalidated.borrow()
+    );
+    assert!(names(&runs[0].1).contains(&"hipMalloc"));
+    assert_eq!(f.dst.ranks[3], want);
+
+    let recorder = pool_recorder();
+    recorder.global_capture_elsewhere.set(true);
+    let memory = DeviceMemory::new(recorder, 1 << 16).expect("allocated while relaxed");
+    let calls = Rc::clone(&memory.runtime().calls);
+    let invalidated = Rc::new(std::cell::Cell::new(usize::MAX));
+    invalidated.set(memory.runtime().invalidated.borrow().len());
+    drop(memory);
+    assert!(
+        calls.borrow().contains(&Call::Free {
+            pointer: without_provenance_mut(
+                calls
+                    .borrow()
+                    .iter()
+                    .find_map(|c| match c {
+                        Call::Malloc { returned, .. } => Some(*returned),
+                        _ => None,
+                    })
+                    .unwrap()
+            )
+        })
+    );
+    assert_eq!(invalidated.get(), 0);
+}
+
+/// Issue 35.1, same thread: after kernel sends on S, S captures a graph (relaxed mode); a kernel
+/// send on T then neither waits for nor asks about an event last recorded on S (clr invalidates
+/// S's capture and fails the call with hipErrorCapturedEvent), and S's own send gets the
+/// per-rect copies.
+#[test]
+fn a_kernel_send_on_one_stream_leaves_another_streams_capture_alone() {
+    if cpu_kernel_or_skip("a_kernel_send_on_one_stream_leaves_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let (s, t) = (0x5200_0000usize, 0x7200_0000usize);
+    let mut sends = vec![kernel_options(false, without_provenance_mut(s)); 5];
+    sends.extend([kernel_options(false, without_provenance_mut(t)); MAX_TABLE_SLOTS + 2]);
+    let last = sends.len() - 1;
+    let runs = fixture_sends_with(
+        &mut f,
+        &sends,
+        |r| r,
+        |i, r| {
+            if i == 4 {
+                r.captures.borrow_mut().push(s);
+            }
+            assert!(r.invalidated.borrow().is_empty(), "before send {i}");
+            if i == last {
+                r.captures.borrow_mut().clear();
+            }
+        },
+    );
+    for (i, (result, calls)) in runs.iter().enumerate() {
+        assert!(result.is_ok(), "send {i}: {result:?}");
+        let n = names(calls);
+        assert!(!n.contains(&"hipEventSynchronize"), "send {i}: {n:?}");
+        if i == 4 {
+            assert!(!n.contains(&"hipModuleLaunchKernel"), "{n:?}");
+        }
+    }
 }
 
 /// `hipStreamSynchronize` is not allowed on a capturing stream, so MORI_SEND_SYNCHRONIZE there
@@ -1247,9 +1707,10 @@ fn synchronize_on_a_capturing_stream_is_refused_before_anything_is_enqueued() {
     for kernel in [false, true] {
         let mut f = Fixture::new();
         let initial = f.dst.ranks[3].clone();
-        let options = SendOptions {
-            copy_kernel: kernel,
-            ..options(true, stream)
+        let options = if kernel {
+            kernel_options(true, stream)
+        } else {
+            options(true, stream)
         };
         let (result, calls) = kernel_fixture_run(&mut f, &options, |r| {
             r.capturing.set(true);
@@ -1272,8 +1733,13 @@ fn synchronize_on_a_capturing_stream_is_refused_before_anything_is_enqueued() {
             assert!(message.contains(part), "{message:?} lacks {part:?}");
         }
         assert_eq!(
-            names(&calls),
-            ["hipGetDeviceCount", "hipStreamIsCapturing"],
+            calls,
+            [
+                Call::DeviceCount,
+                RELAXED,
+                Call::IsCapturing(stream),
+                RESTORED
+            ],
             "kernel {kernel}: nothing enqueued, no wait"
         );
         assert_eq!(f.dst.ranks[3], initial, "kernel {kernel}: nothing written");
@@ -1350,75 +1816,237 @@ fn a_failed_switch_to_the_streams_device_is_not_cached_as_a_failed_load() {
 }
 
 #[test]
-fn the_table_buffers_are_reused_fenced_by_their_events_and_grown_when_outgrown() {
-    if cpu_kernel_or_skip("the_table_buffers_are_reused_...").is_none() {
+fn a_table_buffer_pair_is_reused_once_its_fence_on_the_relay_has_passed_without_a_wait() {
+    if cpu_kernel_or_skip("a_table_buffer_pair_is_reused_...").is_none() {
         return;
     }
     let want = fixture_sent_by_host();
     let mut f = Fixture::new();
     let stream = without_provenance_mut(0x7ab1_0000);
-    let sends = TABLE_SLOTS + 2;
-    let runs = kernel_fixture_sends(
-        &mut f,
-        &kernel_options(false, stream),
-        |r| r,
-        sends,
-        |_, _| {},
-    );
-    let mut events = Vec::new();
-    for (i, (result, calls)) in runs.iter().enumerate() {
+    let runs = kernel_fixture_sends(&mut f, &kernel_options(false, stream), |r| r, 4, |_, _| {});
+    let first = handed(&runs[0].1);
+    for (i, (result, calls)) in runs.iter().enumerate().skip(1) {
         assert!(result.is_ok(), "send {i}: {result:?}");
-        let recorded = calls.iter().find_map(|c| match c {
-            Call::EventRecord { event, .. } => Some(*event),
-            _ => None,
-        });
-        events.push(recorded.expect("every send records its table buffer's event"));
-        let n = names(calls);
-        assert!(!n.contains(&"hipMallocAsync") && !n.contains(&"hipFreeAsync"));
-        if i < TABLE_SLOTS {
-            // First use of each of the pairs: allocated, nothing to wait for.
-            assert!(
-                n.contains(&"hipMalloc") && !n.contains(&"hipEventSynchronize"),
-                "{n:?}"
-            );
-        } else {
-            // Steady state: check the device was not reset, wait for the pair's last use,
-            // upload, launch, record. No allocation, no free.
-            assert_eq!(
-                n,
-                [
-                    "hipStreamIsCapturing",
-                    "hipGetDevice",
-                    "hipStreamGetDevice",
-                    "hipMemGetAddressRange",
-                    "hipEventSynchronize",
-                    "hipMemcpyAsync",
-                    "hipModuleLaunchKernel",
-                    "hipEventRecord",
-                ],
-                "send {i}"
-            );
-            assert!(
-                calls.contains(&Call::EventSynchronize {
-                    event: events[i - TABLE_SLOTS]
-                }),
-                "send {i} waits for the send {} before it that used its pair",
-                TABLE_SLOTS
-            );
-        }
+        // Steady state: the reset check, the pair's fence asked about (passed), upload, launch,
+        // the fence. No allocation, no free, no wait.
+        let mut want_calls = vec![
+            RELAXED,
+            Call::IsCapturing(stream),
+            Call::GetDevice,
+            Call::StreamGetDevice(stream),
+            Call::AddressRange {
+                pointer: without_provenance_mut(first.sentinel),
+            },
+            Call::EventQuery {
+                event: without_provenance_mut(first.done),
+            },
+        ];
+        let upload = calls
+            .iter()
+            .position(|c| matches!(c, Call::MemcpyHostToDevice { .. }))
+            .expect("an upload");
+        assert_eq!(calls[..upload], want_calls, "send {i}");
+        assert!(
+            matches!(calls[upload], Call::MemcpyHostToDevice { dst, .. } if dst as usize == first.table)
+        );
+        assert!(matches!(calls[upload + 1], Call::Launch(_)));
+        want_calls = fence_calls(stream, first.mark, first.relay, first.done).to_vec();
+        want_calls.push(RESTORED);
+        assert_eq!(calls[upload + 2..], want_calls, "send {i}");
     }
     assert_eq!(f.dst.ranks[3], want);
 }
 
+/// Issue 35.2: a stream that runs behind (blocked by a wait for a flag) never makes a call on
+/// another stream wait: each stream's calls take pairs whose fences passed, and a stream's
+/// fence (on its own relay) waits for that stream only.
 #[test]
-fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle() {
+fn a_blocked_stream_never_makes_a_call_on_another_stream_wait() {
+    if cpu_kernel_or_skip("a_blocked_stream_never_makes_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let (s, t) = (0x5000_0000usize, 0x7000_0000usize);
+    // One send on S behind its wait, then many on T, then S runs again and sends.
+    let mut sends = vec![kernel_options(false, without_provenance_mut(s))];
+    sends.extend([kernel_options(false, without_provenance_mut(t)); 12]);
+    sends.push(kernel_options(false, without_provenance_mut(s)));
+    let last = sends.len() - 1;
+    let runs = fixture_sends_with(
+        &mut f,
+        &sends,
+        |r| r,
+        |i, r| match i {
+            0 => r.block_stream(s),
+            i if i == last => r.release_stream(s),
+            _ => {}
+        },
+    );
+    let mut relays = HashSet::new();
+    for (i, (result, calls)) in runs.iter().enumerate() {
+        assert!(result.is_ok(), "send {i}: {result:?}");
+        let n = names(calls);
+        for never in ["hipEventSynchronize", "hipStreamSynchronize", "hipFree"] {
+            assert!(!n.contains(&never), "send {i}: {n:?}");
+        }
+        for call in calls {
+            if let Call::StreamWaitEvent { stream, .. } = call {
+                relays.insert(*stream as usize);
+            }
+        }
+        // T's calls share one pair (its fence passes at once); S's pair stays busy meanwhile.
+        let pairs = calls
+            .iter()
+            .filter(|c| matches!(c, Call::HostMalloc { .. }))
+            .count();
+        assert_eq!(pairs, usize::from(i <= 1), "send {i}: {n:?}");
+    }
+    assert_eq!(relays.len(), 2, "a relay stream per caller's stream");
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+/// A device has at most MAX_LANES lanes (relay streams): a new stream takes over the least
+/// recently used lane whose pairs are all idle, and gets the per-rect copies (no wait) while
+/// every lane has copies in flight.
+#[test]
+fn a_new_stream_takes_over_an_idle_lane_or_gets_the_per_rect_copies() {
+    if cpu_kernel_or_skip("a_new_stream_takes_over_an_idle_lane_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let stream = |n: usize| without_provenance_mut::<c_void>(0x6000_0000 + 0x1000 * n);
+    let mut sends: Vec<SendOptions> = (0..MAX_LANES)
+        .map(|n| kernel_options(false, stream(n)))
+        .collect();
+    let extra = kernel_options(false, stream(MAX_LANES));
+    sends.extend([extra, extra]);
+    let runs = fixture_sends_with(
+        &mut f,
+        &sends,
+        |r| r,
+        |i, r| {
+            if i < MAX_LANES {
+                r.block_stream(stream(i) as usize);
+            }
+            if i == MAX_LANES + 1 {
+                r.release_stream(stream(3) as usize);
+            }
+        },
+    );
+    for (i, (result, _)) in runs.iter().enumerate() {
+        assert!(result.is_ok(), "send {i}: {result:?}");
+    }
+    let relays: usize = runs
+        .iter()
+        .map(|(_, c)| {
+            names(c)
+                .iter()
+                .filter(|n| **n == "hipStreamCreateWithFlags")
+                .count()
+        })
+        .sum();
+    assert_eq!(relays, MAX_LANES, "one relay per lane, never more");
+    let busy = names(&runs[MAX_LANES].1);
+    assert!(
+        !busy.contains(&"hipModuleLaunchKernel") && !busy.contains(&"hipEventSynchronize"),
+        "{busy:?}"
+    );
+    let took_over = &runs[MAX_LANES + 1].1;
+    assert!(names(took_over).contains(&"hipModuleLaunchKernel"));
+    let relay_of_3 = runs[3].1.iter().find_map(|c| match c {
+        Call::StreamCreate { returned } => Some(*returned),
+        _ => None,
+    });
+    assert!(
+        took_over.iter().any(|c| matches!(c,
+            Call::StreamWaitEvent { stream, .. } if Some(*stream as usize) == relay_of_3)),
+        "stream 3's idle lane, taken over: {took_over:?}"
+    );
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+/// The host runs at most MAX_TABLE_SLOTS kernel calls ahead of a stream: past them, a call on a
+/// stream that is behind waits, and only for its own stream's oldest call (which, with the
+/// stream blocked for good, the recorder reports as a wait that would never end). Another stream
+/// then gets the per-rect copies, without a wait.
+#[test]
+fn past_every_pair_a_call_waits_only_for_its_own_stream() {
+    if cpu_kernel_or_skip("past_every_pair_a_call_waits_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let (s, t) = (0x5100_0000usize, 0x7100_0000usize);
+    let mut sends = vec![kernel_options(false, without_provenance_mut(s)); MAX_TABLE_SLOTS + 1];
+    sends.push(kernel_options(false, without_provenance_mut(t)));
+    let runs = fixture_sends_with(
+        &mut f,
+        &sends,
+        |r| r,
+        |i, r| {
+            if i == 0 {
+                r.block_stream(s);
+            }
+        },
+    );
+    let allocations = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter(|c| matches!(c, Call::HostMalloc { .. }))
+            .count()
+    };
+    for (i, (result, calls)) in runs.iter().take(MAX_TABLE_SLOTS).enumerate() {
+        assert!(result.is_ok(), "send {i}: {result:?}");
+        assert_eq!(allocations(calls), 1, "send {i}: a pair of its own");
+        assert!(!names(calls).contains(&"hipEventSynchronize"));
+    }
+    let (result, calls) = &runs[MAX_TABLE_SLOTS];
+    let (call, status, message, _) = gpu_error(result.clone());
+    assert_eq!((call, status), ("hipEventSynchronize", 77_777), "{message}");
+    assert!(
+        message.contains("waiting for this stream's oldest call"),
+        "{message}"
+    );
+    let first_done = handed(&runs[0].1).done;
+    assert!(
+        calls.contains(&Call::EventSynchronize {
+            event: without_provenance_mut(first_done)
+        }),
+        "it waits for the first call's pair: {calls:?}"
+    );
+    assert_eq!(
+        calls.last(),
+        Some(&RESTORED),
+        "the caller's mode comes back"
+    );
+    let (result, calls) = &runs[MAX_TABLE_SLOTS + 1];
+    assert_eq!(result.as_ref().map(|r| r.copies), Ok(12), "{result:?}");
+    let n = names(calls);
+    assert!(
+        !n.contains(&"hipEventSynchronize") && !n.contains(&"hipModuleLaunchKernel"),
+        "{n:?}"
+    );
+    assert_eq!(
+        n.iter().filter(|c| **c == "hipMemcpy2DAsync").count(),
+        12,
+        "{n:?}"
+    );
+}
+
+/// Issue 35.2 (growth): a table that outgrows every idle pair gets a new, bigger pair; nothing is
+/// freed (hipFree waits for every stream of the device, here one that is blocked), nothing
+/// waited for. At the device's limit of pairs, the smallest idle pair is replaced and kept as a
+/// spare, still without a free.
+#[test]
+fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     if cpu_kernel_or_skip("a_table_that_outgrows_...").is_none() {
         return;
     }
     // One 16-byte head, TP 1 -> 1, page size 1: a page of every other slot is one rect, so
     // 9000 pages make a table of 16 bytes of bases, one 48-byte run and 9000 8-byte rect
     // entries (72064 bytes), past the first pair's 65536 bytes. Four pages fit in the kernel's
-    // argument: nothing to upload.
+    // argument: nothing to upload, but a pair all the same.
     let config = slice_config(&SliceParams {
         prefill_tp_size: 1,
         prefill_tp_rank: 0,
@@ -1432,72 +2060,87 @@ fn a_table_that_outgrows_its_buffer_pair_gets_a_bigger_one_once_the_pair_is_idle
     .unwrap();
     let pages = |n: i32| -> Vec<i32> { (0..n).map(|i| 2 * i).collect() };
     let (small, big) = (pages(4), pages(9000));
-    let src: Vec<u8> = (0..18000 * 16).map(|i| i as u8).collect();
-    let mut dst = vec![0u8; 18000 * 16];
+    let bigger = (16 + 48 + 8 * 9000usize).next_power_of_two();
+    let src: Vec<u8> = (0..34_000 * 16).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; 34_000 * 16];
     let (src_ptr, dst_ptr) = (src.as_ptr(), dst.as_mut_ptr());
     let runtime = Recorder::new(&[&src], &mut [&mut dst]);
+    // Someone else's stream, blocked for the whole test.
+    runtime.block_stream(0x0b10_c000);
     let mut engine = HipEngine::new(runtime, &kernel_options(false, null_mut())).expect("a device");
-    let mut calls_of = Vec::new();
-    for pages in std::iter::repeat_n(&small, TABLE_SLOTS).chain([&big]) {
+    let send_pages = |engine: &mut HipEngine<Recorder>, pages: &[i32]| {
         let plan = Plan::new(&config, pages, pages).unwrap();
         let buffers = KvBuffers {
             src: &[src_ptr],
             dst: &[dst_ptr],
-            src_capacity: 18000 * 16,
-            dst_capacity: 18000 * 16,
+            src_capacity: 34_000 * 16,
+            dst_capacity: 34_000 * 16,
         };
         let from = engine.runtime().calls.borrow().len();
         // SAFETY: live buffers of the stated capacities; the recorder checks every row.
-        unsafe { send(&plan, &buffers, &mut engine) }.expect("send");
-        calls_of.push(engine.runtime().calls.borrow()[from..].to_vec());
+        unsafe { send(&plan, &buffers, engine) }.expect("send");
+        engine.runtime().calls.borrow()[from..].to_vec()
+    };
+    for _ in 0..4 {
+        send_pages(&mut engine, &small);
     }
-    let first = handed(&calls_of[0]);
-    let last = calls_of.last().unwrap();
-    let grow: Vec<Call> = last
+    let grown = send_pages(&mut engine, &big);
+    let made: Vec<Call> = grown
         .iter()
         .copied()
-        .filter(|c| {
-            !matches!(
-                c,
-                Call::DeviceCount
-                    | Call::GetDevice
-                    | Call::PointerInfo { .. }
-                    | Call::AddressRange { .. }
-            )
-        })
-        .take(5)
+        .filter(|c| matches!(c, Call::Malloc { .. } | Call::HostMalloc { .. }))
         .collect();
-    let bigger = (16 + 48 + 8 * 9000usize).next_power_of_two();
+    let new = handed(&grown);
     assert_eq!(
-        grow,
+        made,
         [
-            Call::EventSynchronize {
-                event: without_provenance_mut(first.event)
-            },
-            Call::Free {
-                pointer: without_provenance_mut(first.table)
-            },
-            Call::HostFree {
-                pointer: without_provenance_mut(first.host)
-            },
             Call::Malloc {
-                size: bigger + TABLE_TAIL_BYTES,
-                returned: handed(last).table
+                size: bigger,
+                returned: new.table
             },
             Call::HostMalloc {
                 size: bigger,
-                returned: handed(last).host
+                returned: new.host
             },
         ],
-        "{last:?}"
+        "{grown:?}"
     );
-    assert!(
-        !names(last).contains(&"hipEventCreateWithFlags"),
-        "the event is kept"
+    for never in ["hipFree", "hipEventSynchronize", "hipStreamSynchronize"] {
+        assert!(!names(&grown).contains(&never), "{grown:?}");
+    }
+    // The small pair is still there and still taken for small tables: no allocation.
+    let again = send_pages(&mut engine, &small);
+    assert!(!names(&again).contains(&"hipMalloc"), "{again:?}");
+    // Fill the device's pairs: small calls on a stream that does not run meanwhile.
+    let behind = without_provenance_mut(0x5eed_5000);
+    engine.set_options(&kernel_options(false, behind));
+    engine.runtime().block_stream(behind as usize);
+    for _ in 0..MAX_TABLE_SLOTS {
+        send_pages(&mut engine, &small);
+    }
+    engine.runtime().release_stream(behind as usize);
+    let (device, host) = engine.runtime().live_allocations();
+    assert_eq!(
+        (device, host),
+        (MAX_TABLE_SLOTS + 1, MAX_TABLE_SLOTS),
+        "every pair made, and the reset sentinel"
+    );
+    // A table bigger than any pair (17000 rects: 136064 bytes): the smallest idle pair is
+    // replaced, and kept.
+    let huge = pages(17_000);
+    let replaced = send_pages(&mut engine, &huge);
+    for never in ["hipFree", "hipEventSynchronize"] {
+        assert!(!names(&replaced).contains(&never), "{replaced:?}");
+    }
+    assert!(names(&replaced).contains(&"hipMalloc"), "{replaced:?}");
+    assert_eq!(
+        engine.runtime().live_allocations(),
+        (MAX_TABLE_SLOTS + 2, MAX_TABLE_SLOTS + 1),
+        "the replaced pair stays allocated, as a spare"
     );
     for (i, byte) in dst.iter().enumerate() {
         let (page, at) = (i / 16, i % 16);
-        let want = if page % 2 == 0 && page < 18000 {
+        let want = if page % 2 == 0 && page < 34_000 {
             src[i]
         } else {
             0
@@ -1520,7 +2163,10 @@ fn a_refusing_allocator_is_a_gpu_error_naming_hip_malloc_that_writes_nothing() {
     let (call, status, message, _) = gpu_error(result);
     assert_eq!((call, status), ("hipMalloc", 2));
     assert!(
-        message.contains("hipMalloc(65728 bytes for the copy kernel's table on device 0) returned hipErrorOutOfMemory (2)"),
+        message.contains(
+            "hipMalloc(4288 bytes for the copy kernel's reset check on device 0) returned \
+             hipErrorOutOfMemory (2)"
+        ),
         "{message}"
     );
     assert!(!names(&calls).contains(&"hipModuleLaunchKernel"));
@@ -1561,9 +2207,14 @@ fn memory_the_kernel_cannot_reach_is_refused_before_anything_is_allocated() {
             message.contains(says) && message.contains("without MORI_SEND_COPY_KERNEL"),
             "{message}"
         );
+        // Only the reset sentinel, made with the kernel's load: no table buffer, no launch.
         let n = names(&calls);
         assert!(
-            !n.contains(&"hipMalloc") && !n.contains(&"hipModuleLaunchKernel"),
+            calls
+                .iter()
+                .all(|c| !matches!(c, Call::Malloc { size, .. } if *size != RESET_SENTINEL_BYTES))
+                && !n.contains(&"hipHostMalloc")
+                && !n.contains(&"hipModuleLaunchKernel"),
             "{n:?}"
         );
         assert_eq!(f.dst.ranks[3], initial);
@@ -1633,7 +2284,7 @@ fn after_a_device_reset_the_kernel_is_loaded_again() {
 }
 
 #[test]
-fn after_a_device_reset_an_allocation_at_the_old_table_buffers_address_is_left_alone() {
+fn after_a_device_reset_an_allocation_at_the_old_sentinels_address_is_left_alone() {
     if cpu_kernel_or_skip("after_a_device_reset_an_allocation_...").is_none() {
         return;
     }
@@ -1641,7 +2292,7 @@ fn after_a_device_reset_an_allocation_at_the_old_table_buffers_address_is_left_a
     let mut f = Fixture::new();
     let reused = std::cell::Cell::new(0usize);
     // Between the two sends the device is reset and the caller's next allocation (64 KiB, a
-    // size callers ask for) gets the address of the kernel's first table buffer.
+    // size callers ask for) gets the address of the kernel's reset sentinel.
     let runs = kernel_fixture_sends(
         &mut f,
         &kernel_options(true, null_mut()),
@@ -1657,7 +2308,7 @@ fn after_a_device_reset_an_allocation_at_the_old_table_buffers_address_is_left_a
         assert!(result.is_ok(), "{result:?}");
     }
     let (first, second) = (&runs[0].1, &runs[1].1);
-    assert_eq!(handed(first).table, reused.get());
+    assert_eq!(handed(first).sentinel, reused.get());
     // The second send sees an allocation of another size there: it loads the kernel again and
     // uploads its table into a new buffer, never into the caller's memory.
     let n = names(second);
@@ -1674,6 +2325,50 @@ fn after_a_device_reset_an_allocation_at_the_old_table_buffers_address_is_left_a
         .collect();
     assert_eq!(uploads, [handed(second).table]);
     assert_ne!(uploads[0], reused.get());
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+/// Issue 35.3: the reset check does not depend on a table buffer: after a first call that was
+/// refused before any was made (pageable memory), a hipDeviceReset is still noticed, and the next
+/// call loads the kernel again instead of launching the dead module's function.
+#[test]
+fn a_reset_after_a_call_that_made_no_table_buffer_is_noticed() {
+    if cpu_kernel_or_skip("a_reset_after_a_call_that_made_no_table_buffer_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(true, null_mut()),
+        |r| r,
+        2,
+        |i, r| {
+            if i == 0 {
+                // The runtime does not know the first buffer: refused before any table buffer.
+                r.fail_call
+                    .set(Some(("hipPointerGetAttributes", HipStatus(1))));
+            } else {
+                r.fail_call.set(None);
+                assert_eq!(r.live_allocations(), (1, 0), "only the sentinel");
+                r.reset_device(0);
+            }
+        },
+    );
+    let (call, _, message, _) = gpu_error(runs[0].0.clone());
+    assert_eq!(call, "hipPointerGetAttributes", "{message}");
+    assert!(runs[1].0.is_ok(), "{:?}", runs[1].0);
+    let second = &runs[1].1;
+    assert!(names(second).contains(&"hipModuleLoadData"), "{second:?}");
+    let launch = second.iter().find_map(|c| match c {
+        Call::Launch(l) => Some(l.function),
+        _ => None,
+    });
+    assert_eq!(
+        launch,
+        Some(function_handle(1)),
+        "the new module's function"
+    );
     assert_eq!(f.dst.ranks[3], want);
 }
 
@@ -1732,17 +2427,53 @@ fn a_device_pool_is_one_hipmalloc_for_its_life_and_one_hipfree_at_the_end() {
     }
     pool.free(a.offset).unwrap();
     pool.free(b.offset).unwrap();
-    let malloc = Call::Malloc {
-        size: 1 << 20,
-        returned: base,
-    };
+    // In the relaxed capture mode: the allocation (a size no caller asks for) and its size read
+    // back.
+    let at = without_provenance_mut(base);
+    let made = [
+        Call::DeviceCount,
+        RELAXED,
+        Call::Malloc {
+            size: (1 << 20) + POOL_TAIL_BYTES as usize,
+            returned: base,
+        },
+        Call::AddressRange { pointer: at },
+        RESTORED,
+    ];
     // Slots are carved on the host, without runtime calls.
-    assert_eq!(*calls.borrow(), [Call::DeviceCount, malloc]);
+    assert_eq!(*calls.borrow(), made);
     drop(pool);
-    let free = Call::Free {
-        pointer: without_provenance_mut(base),
-    };
-    assert_eq!(*calls.borrow(), [Call::DeviceCount, malloc, free]);
+    let freed = [
+        RELAXED,
+        Call::AddressRange { pointer: at },
+        Call::Free { pointer: at },
+        RESTORED,
+    ];
+    assert_eq!(calls.borrow()[made.len()..], freed);
+}
+
+/// Issue 35.3: after a hipDeviceReset has freed the pool's memory, dropping the pool frees
+/// nothing: not the address the runtime no longer knows, nor a caller's allocation that took the
+/// address since (a size callers ask for).
+#[test]
+fn a_device_pool_dropped_after_a_reset_frees_nothing() {
+    for reuse in [false, true] {
+        let memory = DeviceMemory::new(pool_recorder(), 1 << 16).expect("a device");
+        let calls = Rc::clone(&memory.runtime().calls);
+        if reuse {
+            memory.runtime().reset_device_and_reuse_address(0, 1 << 16);
+        } else {
+            memory.runtime().reset_device(0);
+        }
+        let before = calls.borrow().len();
+        drop(memory);
+        let after = calls.borrow()[before..].to_vec();
+        assert!(
+            !names(&after).contains(&"hipFree"),
+            "reuse {reuse}: {after:?}"
+        );
+        assert_eq!(after.last(), Some(&RESTORED));
+    }
 }
 
 #[test]

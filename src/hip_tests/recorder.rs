@@ -6,8 +6,23 @@
 //! `c++ -shared` and loaded with dlopen). Uploads must come from pinned (hipHostMalloc'd)
 //! memory, events must belong to the stream's device, and a function looked up on another
 //! device than its module's panics, as clr aborts there. Failures are injected by name.
+//!
+//! It keeps clr's graph-capture rules (ROCm/clr, hipamd/src): while another thread captures in
+//! the global mode, hipMalloc, hipHostMalloc and hipFree (`CHECK_STREAM_CAPTURE_SUPPORTED`,
+//! hip_internal.hpp, used in hip_memory.cpp) and hipStreamSynchronize and hipEventSynchronize
+//! (`Stream::StreamCaptureOngoing`, hip_stream.cpp) from a thread not in the relaxed mode return
+//! hipErrorStreamCaptureUnsupported and invalidate that capture; hipEventQuery and
+//! hipEventSynchronize of an event last recorded on a stream that is capturing now invalidate
+//! that capture and return hipErrorCapturedEvent (hip_event.cpp, `ihipEventQuery` and
+//! `hipEventSynchronize`); hipStreamWaitEvent on such an event returns
+//! hipErrorStreamCaptureIsolation (hip_stream.cpp, `hipStreamWaitEvent_common`). And it knows
+//! which stream's progress each event and stream waits for: a stream can be blocked (as by
+//! hipStreamWaitValue32 on a flag nobody raised yet), and then hipEventQuery of every event
+//! recorded behind it, or behind a hipStreamWaitEvent for it, says not ready; a
+//! hipEventSynchronize of such an event, which would never return, returns [`WOULD_HANG`].
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_void};
 use std::process::Command;
 use std::ptr::without_provenance_mut;
@@ -19,7 +34,7 @@ use crate::backend::copy_kernel::{
     BLOCK_THREADS, INLINE_TABLE_BYTES, KernelArgs, decode, inline_bytes,
 };
 use crate::backend::hip::{
-    HIP_MEMCPY_DEFAULT, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
+    CaptureMode, HIP_MEMCPY_DEFAULT, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
     Memcpy2dAsync, PointerInfo,
 };
 
@@ -29,6 +44,14 @@ pub const INVALID_MEMCPY_DIRECTION: HipStatus = HipStatus(21);
 pub const INVALID_RESOURCE_HANDLE: HipStatus = HipStatus(400);
 /// `hipErrorIllegalAddress`.
 pub const ILLEGAL_ADDRESS: HipStatus = HipStatus(700);
+/// `hipErrorStreamCaptureIsolation`.
+pub const CAPTURE_ISOLATION: HipStatus = HipStatus(905);
+/// What the recorder returns for a host wait that would never end (the stream it waits for is
+/// blocked); not a HIP status.
+pub const WOULD_HANG: HipStatus = HipStatus(77_777);
+
+/// A blocked stream and the generation of its block: what an event or a stream waits for.
+type Dependency = (usize, u64);
 
 /// One runtime call as the engine made it.
 // A launch carries the kernel's whole 4 KiB argument (its table may be inside); the log is a
@@ -39,6 +62,22 @@ pub enum Call {
     DeviceCount,
     GetDevice,
     SetDevice(i32),
+    /// `hipThreadExchangeStreamCaptureMode` with the mode asked for.
+    ExchangeCaptureMode(CaptureMode),
+    CanAccessPeer {
+        device: i32,
+        peer: i32,
+    },
+    StreamCreate {
+        returned: usize,
+    },
+    StreamWaitEvent {
+        stream: *mut c_void,
+        event: *mut c_void,
+    },
+    EventQuery {
+        event: *mut c_void,
+    },
     StreamGetDevice(*mut c_void),
     IsCapturing(*mut c_void),
     Memcpy2d(Memcpy2dAsync),
@@ -63,9 +102,6 @@ pub enum Call {
     HostMalloc {
         size: usize,
         returned: usize,
-    },
-    HostFree {
-        pointer: *mut c_void,
     },
     EventCreate {
         returned: usize,
@@ -99,6 +135,11 @@ impl Call {
             Call::DeviceCount => "hipGetDeviceCount",
             Call::GetDevice => "hipGetDevice",
             Call::SetDevice(_) => "hipSetDevice",
+            Call::ExchangeCaptureMode(_) => "hipThreadExchangeStreamCaptureMode",
+            Call::CanAccessPeer { .. } => "hipDeviceCanAccessPeer",
+            Call::StreamCreate { .. } => "hipStreamCreateWithFlags",
+            Call::StreamWaitEvent { .. } => "hipStreamWaitEvent",
+            Call::EventQuery { .. } => "hipEventQuery",
             Call::StreamGetDevice(_) => "hipStreamGetDevice",
             Call::IsCapturing(_) => "hipStreamIsCapturing",
             Call::Memcpy2d(_) => "hipMemcpy2DAsync",
@@ -109,7 +150,6 @@ impl Call {
             Call::Malloc { .. } => "hipMalloc",
             Call::Free { .. } => "hipFree",
             Call::HostMalloc { .. } => "hipHostMalloc",
-            Call::HostFree { .. } => "hipHostFree",
             Call::EventCreate { .. } => "hipEventCreateWithFlags",
             Call::EventRecord { .. } => "hipEventRecord",
             Call::EventSynchronize { .. } => "hipEventSynchronize",
@@ -124,6 +164,21 @@ impl Call {
 /// The names of `calls`, in order.
 pub fn names(calls: &[Call]) -> Vec<&'static str> {
     calls.iter().map(Call::name).collect()
+}
+
+/// What the recorder's hipStreamCreateWithFlags hands out for its n-th stream.
+pub fn created_handle(n: usize) -> *mut c_void {
+    without_provenance_mut(0x57e0_0000 + 0x100 * n)
+}
+
+/// The index of a stream `created_handle` made (a huge number for any other stream).
+fn created_index(stream: *mut c_void) -> usize {
+    let at = (stream as usize).wrapping_sub(0x57e0_0000);
+    if at % 0x100 == 0 {
+        at / 0x100
+    } else {
+        usize::MAX
+    }
 }
 
 /// What the recorder's hipModuleLoadData hands out for its n-th module (and
@@ -302,6 +357,26 @@ pub struct Recorder {
     pub has_stream_get_device: bool,
     /// Whether every non-NULL stream is capturing a graph.
     pub capturing: Cell<bool>,
+    /// Streams capturing a graph, each (besides every stream with `capturing`).
+    pub captures: RefCell<Vec<usize>>,
+    /// Captures invalidated by a call the runtime refused or answered with
+    /// hipErrorCapturedEvent: the stream, or 0 for another thread's global-mode capture.
+    pub invalidated: RefCell<Vec<usize>>,
+    /// Another thread captures a graph in the global mode.
+    pub global_capture_elsewhere: Cell<bool>,
+    /// The calling thread's capture mode.
+    pub capture_mode: Cell<CaptureMode>,
+    /// What hipDeviceCanAccessPeer answers for two different devices.
+    pub peer_access: Cell<bool>,
+    /// Streams made with hipStreamCreateWithFlags: the device of each (handle index + 1).
+    pub streams: RefCell<Vec<i32>>,
+    /// Blocked streams and the generation of each block.
+    pub blocked: RefCell<HashMap<usize, u64>>,
+    pub generation: Cell<u64>,
+    /// What work enqueued on a stream now waits for (its hipStreamWaitEvent calls).
+    pub stream_waits: RefCell<HashMap<usize, Vec<Dependency>>>,
+    /// Per event: the stream of its last record, and what that record waits for.
+    pub event_records: RefCell<HashMap<usize, (usize, Vec<Dependency>)>>,
     /// Fail every call of this name with this status.
     pub fail_call: Cell<Option<(&'static str, HipStatus)>>,
     /// The kernel state, shared between recorders to test the cache.
@@ -333,6 +408,16 @@ impl Recorder {
             stream_home: Cell::new(0),
             has_stream_get_device: true,
             capturing: Cell::new(false),
+            captures: RefCell::new(Vec::new()),
+            invalidated: RefCell::new(Vec::new()),
+            global_capture_elsewhere: Cell::new(false),
+            capture_mode: Cell::new(CaptureMode::GLOBAL),
+            peer_access: Cell::new(true),
+            streams: RefCell::new(Vec::new()),
+            blocked: RefCell::new(HashMap::new()),
+            generation: Cell::new(0),
+            stream_waits: RefCell::new(HashMap::new()),
+            event_records: RefCell::new(HashMap::new()),
             fail_call: Cell::new(None),
             cache: Arc::new(KernelCache::new()),
             device_allocations: RefCell::new(Vec::new()),
@@ -377,7 +462,9 @@ impl Recorder {
         // The caller's allocation keeps the freed one's memory (and so its address).
         let mut reused = allocations.swap_remove(at);
         allocations.retain(|a| a.device != device);
-        reused.size = size.min(reused.words.len() * 8);
+        // What the runtime reports for the caller's allocation (its memory here stays the freed
+        // one's: the test only checks that nothing writes it).
+        reused.size = size;
         let address = reused.base();
         allocations.push(reused);
         drop(allocations);
@@ -400,9 +487,101 @@ impl Recorder {
     /// The device of `stream`'s work.
     fn stream_device_of(&self, stream: *mut c_void) -> i32 {
         if stream.is_null() {
-            *self.current.borrow()
-        } else {
-            self.stream_home.get()
+            return *self.current.borrow();
+        }
+        match self.streams.borrow().get(created_index(stream)) {
+            Some(&device) => device,
+            None => self.stream_home.get(),
+        }
+    }
+
+    /// Whether `stream` is capturing a graph.
+    pub fn stream_captures(&self, stream: usize) -> bool {
+        stream != 0 && (self.capturing.get() || self.captures.borrow().contains(&stream))
+    }
+
+    /// Blocks `stream`, as a hipStreamWaitValue32 for a flag nobody raised yet does: nothing
+    /// enqueued on it from now on finishes until [`Recorder::release_stream`].
+    pub fn block_stream(&self, stream: usize) {
+        self.generation.set(self.generation.get() + 1);
+        self.blocked
+            .borrow_mut()
+            .insert(stream, self.generation.get());
+    }
+
+    /// Lets `stream` run again.
+    pub fn release_stream(&self, stream: usize) {
+        self.blocked.borrow_mut().remove(&stream);
+    }
+
+    /// What work enqueued on `stream` now waits for.
+    fn dependencies_of(&self, stream: usize) -> Vec<Dependency> {
+        let mut deps = self
+            .stream_waits
+            .borrow()
+            .get(&stream)
+            .cloned()
+            .unwrap_or_default();
+        if let Some(&generation) = self.blocked.borrow().get(&stream) {
+            deps.push((stream, generation));
+        }
+        deps
+    }
+
+    /// Whether everything `deps` waits for has run.
+    fn passed(&self, deps: &[Dependency]) -> bool {
+        let blocked = self.blocked.borrow();
+        deps.iter()
+            .all(|(stream, g)| blocked.get(stream) != Some(g))
+    }
+
+    /// clr's `CHECK_STREAM_CAPTURE_SUPPORTED` and `StreamCaptureOngoing` for a call that is
+    /// unsafe during capture: refused, invalidating the other thread's capture, unless the
+    /// thread is in the relaxed mode.
+    fn capture_allows(&self) -> Result<(), HipStatus> {
+        if self.global_capture_elsewhere.get() && self.capture_mode.get() != CaptureMode::RELAXED {
+            self.invalidated.borrow_mut().push(0);
+            return Err(HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        Ok(())
+    }
+
+    /// clr's check of a queried or waited-for event: one last recorded on a capturing stream
+    /// invalidates that capture (hipErrorCapturedEvent).
+    fn event_outside_capture(&self, event: *mut c_void) -> Result<(), HipStatus> {
+        let stream = self
+            .event_records
+            .borrow()
+            .get(&(event as usize))
+            .map(|r| r.0);
+        match stream {
+            Some(stream) if self.stream_captures(stream) => {
+                self.invalidated.borrow_mut().push(stream);
+                Err(HipStatus::ERROR_CAPTURED_EVENT)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the work before `event`'s last record has run.
+    fn event_passed(&self, event: *mut c_void) -> bool {
+        let deps = self
+            .event_records
+            .borrow()
+            .get(&(event as usize))
+            .map(|r| r.1.clone())
+            .unwrap_or_default();
+        self.passed(&deps)
+    }
+
+    fn check_event(&self, event: *mut c_void) -> Result<(), HipStatus> {
+        match self
+            .events
+            .borrow()
+            .get((event as usize).wrapping_sub(0xe7e0_0001))
+        {
+            Some(_) => Ok(()),
+            None => Err(INVALID_RESOURCE_HANDLE),
         }
     }
 
@@ -512,6 +691,61 @@ impl HipRuntime for Recorder {
         }
     }
 
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, HipStatus> {
+        self.record(Call::ExchangeCaptureMode(mode))?;
+        Ok(self.capture_mode.replace(mode))
+    }
+
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, HipStatus> {
+        self.record(Call::CanAccessPeer { device, peer })?;
+        match self.devices {
+            Ok(count) if (0..count).contains(&device) && (0..count).contains(&peer) => {
+                Ok(device != peer && self.peer_access.get())
+            }
+            _ => Err(HipStatus::ERROR_INVALID_DEVICE),
+        }
+    }
+
+    fn stream_create(&self) -> Result<*mut c_void, HipStatus> {
+        self.record(Call::StreamCreate { returned: 0 })?;
+        let mut streams = self.streams.borrow_mut();
+        streams.push(*self.current.borrow());
+        let returned = created_handle(streams.len() - 1);
+        if let Some(Call::StreamCreate { returned: r }) = self.calls.borrow_mut().last_mut() {
+            *r = returned as usize;
+        }
+        Ok(returned)
+    }
+
+    unsafe fn stream_wait_event(
+        &self,
+        stream: *mut c_void,
+        event: *mut c_void,
+    ) -> Result<(), HipStatus> {
+        self.record(Call::StreamWaitEvent { stream, event })?;
+        self.check_event(event)?;
+        let record = self.event_records.borrow().get(&(event as usize)).cloned();
+        let Some((recorded_on, deps)) = record else {
+            return Ok(()); // never recorded: nothing to wait for
+        };
+        if self.stream_captures(recorded_on) {
+            return Err(CAPTURE_ISOLATION);
+        }
+        self.stream_waits
+            .borrow_mut()
+            .entry(stream as usize)
+            .or_default()
+            .extend(deps);
+        Ok(())
+    }
+
+    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, HipStatus> {
+        self.record(Call::EventQuery { event })?;
+        self.check_event(event)?;
+        self.event_outside_capture(event)?;
+        Ok(self.event_passed(event))
+    }
+
     unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, HipStatus> {
         if !self.has_stream_get_device {
             return Ok(None);
@@ -522,7 +756,7 @@ impl HipRuntime for Recorder {
 
     unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, HipStatus> {
         self.record(Call::IsCapturing(stream))?;
-        Ok(self.capturing.get())
+        Ok(self.stream_captures(stream as usize))
     }
 
     unsafe fn memcpy_2d_async(&self, a: Memcpy2dAsync) -> Result<(), HipStatus> {
@@ -559,6 +793,14 @@ impl HipRuntime for Recorder {
 
     unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), HipStatus> {
         self.calls.borrow_mut().push(Call::Synchronize(stream));
+        if self.stream_captures(stream as usize) {
+            self.invalidated.borrow_mut().push(stream as usize);
+            return Err(HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        self.capture_allows()?;
+        if !self.passed(&self.dependencies_of(stream as usize)) {
+            return Err(WOULD_HANG);
+        }
         self.sync_status.result()
     }
 
@@ -575,7 +817,11 @@ impl HipRuntime for Recorder {
             400 => "hipErrorInvalidHandle",
             500 => "hipErrorNotFound",
             700 => "hipErrorIllegalAddress",
+            600 => "hipErrorNotReady",
             900 => "hipErrorStreamCaptureUnsupported",
+            905 => "hipErrorStreamCaptureIsolation",
+            907 => "hipErrorCapturedEvent",
+            77_777 => "the recorder's wait that would never end",
             _ => "hipErrorUnknown",
         }
         .into()
@@ -636,6 +882,7 @@ impl HipRuntime for Recorder {
 
     fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
         self.record(Call::Malloc { size, returned: 0 })?;
+        self.capture_allows()?;
         let returned = Self::allocate(&self.device_allocations, *self.current.borrow(), size);
         if let Some(Call::Malloc { returned: r, .. }) = self.calls.borrow_mut().last_mut() {
             *r = returned;
@@ -645,21 +892,22 @@ impl HipRuntime for Recorder {
 
     unsafe fn free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
         self.record(Call::Free { pointer })?;
+        self.capture_allows()?;
+        // clr's ihipFree waits for every stream of the device first.
+        if !self.blocked.borrow().is_empty() {
+            return Err(WOULD_HANG);
+        }
         Self::release(&self.device_allocations, pointer)
     }
 
     fn host_malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
         self.record(Call::HostMalloc { size, returned: 0 })?;
+        self.capture_allows()?;
         let returned = Self::allocate(&self.host_allocations, -1, size);
         if let Some(Call::HostMalloc { returned: r, .. }) = self.calls.borrow_mut().last_mut() {
             *r = returned;
         }
         Ok(without_provenance_mut(returned))
-    }
-
-    unsafe fn host_free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
-        self.record(Call::HostFree { pointer })?;
-        Self::release(&self.host_allocations, pointer)
     }
 
     fn event_create(&self) -> Result<*mut c_void, HipStatus> {
@@ -685,22 +933,26 @@ impl HipRuntime for Recorder {
             .borrow()
             .get((event as usize).wrapping_sub(0xe7e0_0001))
         {
-            Some(&device) if device == self.stream_device_of(stream) => Ok(()),
-            _ => Err(INVALID_RESOURCE_HANDLE),
+            Some(&device) if device == self.stream_device_of(stream) => {}
+            _ => return Err(INVALID_RESOURCE_HANDLE),
         }
+        // clr: the event remembers the stream of its last record (hip_event.cpp).
+        let deps = self.dependencies_of(stream as usize);
+        self.event_records
+            .borrow_mut()
+            .insert(event as usize, (stream as usize, deps));
+        Ok(())
     }
 
     unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), HipStatus> {
         self.record(Call::EventSynchronize { event })?;
-        // Every recorded call has run: the wait is over at once.
-        match self
-            .events
-            .borrow()
-            .get((event as usize).wrapping_sub(0xe7e0_0001))
-        {
-            Some(_) => Ok(()),
-            None => Err(INVALID_RESOURCE_HANDLE),
+        self.check_event(event)?;
+        self.event_outside_capture(event)?;
+        self.capture_allows()?;
+        if !self.event_passed(event) {
+            return Err(WOULD_HANG);
         }
+        Ok(())
     }
 
     fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, HipStatus> {

@@ -23,6 +23,8 @@ mod host;
 
 #[cfg(test)]
 pub(crate) use device::DeviceMemory;
+#[cfg(test)]
+pub(crate) use device::POOL_TAIL_BYTES;
 use fit::{Fit, Refusal};
 pub use host::HostMemory;
 

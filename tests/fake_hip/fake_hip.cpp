@@ -19,8 +19,37 @@
 // - graph capture: work on a capturing stream is recorded and runs at hipGraphLaunch. A graph that
 //   captured an upload from pageable host memory refuses to launch (hipErrorIllegalAddress): the
 //   runtime would read that memory at every replay, long after its owner may have freed it;
-// - hipDeviceReset, which frees the device's memory and invalidates its modules;
+// - hipDeviceReset, which frees the device's memory, invalidates its modules and destroys its
+//   streams (clr hipamd/src/hip_device.cpp, Device::Reset: destroyAllStreams);
 // - HIP 5.2 without hipStreamGetDevice (built with -DFAKE_HIP_5_2), and HIP 6 with it.
+//
+// Graph capture across threads, as clr (ROCm/clr, hipamd/src) rules it:
+// - each thread has a capture mode, Global unless hipThreadExchangeStreamCaptureMode changed it
+//   (hip_graph.cpp); hipStreamBeginCapture in Global mode makes a global capture, in Global or
+//   ThreadLocal mode one of the calling thread's own;
+// - hipMalloc, hipHostMalloc, hipFree and hipHostFree from a thread not in Relaxed mode, while a
+//   global capture exists (Global mode) or the thread has one of its own, return
+//   hipErrorStreamCaptureUnsupported and invalidate those captures (CHECK_STREAM_CAPTURE_SUPPORTED
+//   in hip_internal.hpp, used by those functions in hip_memory.cpp);
+// - hipStreamSynchronize of a non-NULL stream and hipEventSynchronize do the same, and also when
+//   the stream itself is capturing (Stream::StreamCaptureOngoing in hip_stream.cpp);
+// - an event remembers the stream of its last hipEventRecord (hip_event.cpp,
+//   hipEventRecord_common: SetCaptureStream); hipEventQuery and hipEventSynchronize of an event
+//   whose stream is capturing now invalidate that capture and return hipErrorCapturedEvent
+//   (ihipEventQuery, hipEventSynchronize); hipStreamWaitEvent on it returns
+//   hipErrorStreamCaptureIsolation (hip_stream.cpp, hipStreamWaitEvent_common);
+// - hipStreamEndCapture of an invalidated capture returns hipErrorStreamCaptureInvalidated, and
+//   hipStreamIsCapturing says hipStreamCaptureStatusInvalidated.
+//
+// Streams that wait: hipStreamWaitValue32(stream, flag, value) makes the stream's later work wait
+// until *flag >= value. The work itself still runs at once (this is not a GPU), but what reports
+// completion waits for it: hipEventQuery of an event recorded behind such a wait (directly, or
+// through hipStreamWaitEvent, or on the NULL stream, which waits for every blocking stream) says
+// hipErrorNotReady, and hipEventSynchronize, hipStreamSynchronize, hipDeviceSynchronize, hipFree
+// and hipHostFree (which wait for every stream of the device first: clr's ihipFree,
+// hip_memory.cpp, SyncAllStreams) wait for it. A wait that has not ended after FAKE_HIP_HANG_MS
+// milliseconds (default 3000) is one a GPU would never end either: it says so on stderr, counts
+// in fake_hip_stat("hangs") and returns hipErrorNotReady.
 //
 // Kernels: hipModuleLoadData accepts a code-object bundle (plain or compressed) or ELF as hipcc
 // --genco writes it, and its one function is mori-tp's copy kernel, whose own source
@@ -48,6 +77,7 @@
 #include <hip/hip_runtime_api.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -59,20 +89,33 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #define MORI_COPY_KERNEL_CPU
 #include "../../hip/copy_kernel.hip"
 #include "../../hip/copy_table.hpp"
 
+// A hipStreamWaitValue32 condition: *flag >= value.
+struct Gate {
+    volatile uint32_t *flag;
+    uint32_t value;
+};
+
 struct ihipStream_t {
     int device;
     struct ihipGraph *capture;  // the graph being captured, or nullptr
+    bool non_blocking;          // hipStreamNonBlocking: not synchronized with the NULL stream
+    bool invalidated;           // its capture was invalidated
+    bool destroyed;             // hipStreamDestroy or hipDeviceReset (the handle stays readable)
+    std::vector<Gate> waits;    // what work enqueued on it from now on waits for
 };
 
 struct ihipEvent_t {
     std::chrono::steady_clock::time_point at;
     int device;
+    hipStream_t recorded_on;  // the stream of its last record (clr: its capture stream)
+    std::vector<Gate> waits;  // what its last record waits for
 };
 
 // The one function a module holds: the copy kernel, compiled for the CPU.
@@ -121,6 +164,10 @@ struct Registered {
 std::map<uintptr_t, Registered> registered;
 
 std::set<std::pair<int, int>> peer_access;  // (device, peer it may reach)
+std::vector<hipStream_t> streams;           // every stream made, destroyed ones too
+thread_local int capture_mode = hipStreamCaptureModeGlobal;
+thread_local std::vector<hipStream_t> thread_captures;  // this thread's Global/ThreadLocal ones
+std::vector<hipStream_t> global_captures;               // every thread's Global-mode ones
 std::vector<ihipModule_t *> modules;        // kept after unload or reset: handles stay readable
 thread_local int current_device = 0;
 // Seeds each launch's block order differently.
@@ -382,14 +429,140 @@ bool kernel_memory_ok(const MoriCopyKernelArgs &a, int device) {
     return ok;
 }
 
+void invalidate(std::vector<hipStream_t> &captures) {
+    for (hipStream_t stream : captures) {
+        if (!stream->invalidated) {
+            stream->invalidated = true;
+            stats["invalidated_captures"]++;
+        }
+    }
+}
+
+// clr CHECK_STREAM_CAPTURE_SUPPORTED (hip_internal.hpp): true when the call is refused.
+bool capture_unsupported() {
+    Guard guard(lock);
+    if (capture_mode == hipStreamCaptureModeRelaxed) {
+        return false;
+    }
+    if (!thread_captures.empty()) {
+        invalidate(thread_captures);
+        return true;
+    }
+    if (capture_mode == hipStreamCaptureModeGlobal && !global_captures.empty()) {
+        invalidate(global_captures);
+        return true;
+    }
+    return false;
+}
+
+// clr Stream::StreamCaptureOngoing (hip_stream.cpp): true when a wait for `stream` is refused.
+bool capture_ongoing(hipStream_t stream) {
+    Guard guard(lock);
+    if (stream == nullptr) {
+        return false;
+    }
+    if (stream->capture != nullptr) {
+        std::vector<hipStream_t> self{stream};
+        invalidate(self);
+        return true;
+    }
+    if (capture_mode == hipStreamCaptureModeRelaxed) {
+        return false;
+    }
+    if (!global_captures.empty()) {
+        invalidate(global_captures);
+        return true;
+    }
+    if (!thread_captures.empty()) {
+        invalidate(thread_captures);
+        return true;
+    }
+    return false;
+}
+
+// clr ihipEventQuery / hipEventSynchronize (hip_event.cpp): an event last recorded on a stream
+// that is capturing now invalidates that capture.
+bool captured_event(hipEvent_t event) {
+    Guard guard(lock);
+    hipStream_t stream = event->recorded_on;
+    if (stream != nullptr && stream->capture != nullptr && !stream->invalidated) {
+        std::vector<hipStream_t> self{stream};
+        invalidate(self);
+        return true;
+    }
+    return false;
+}
+
+// What work enqueued on `stream` now waits for: its own waits; for the NULL stream, every
+// blocking stream's (the NULL stream synchronizes with them).
+std::vector<Gate> waits_of(hipStream_t stream) {
+    Guard guard(lock);
+    if (stream != nullptr) {
+        return stream->waits;
+    }
+    std::vector<Gate> waits;
+    for (hipStream_t s : streams) {
+        if (!s->destroyed && !s->non_blocking && s->device == current_device) {
+            waits.insert(waits.end(), s->waits.begin(), s->waits.end());
+        }
+    }
+    return waits;
+}
+
+bool passed(const std::vector<Gate> &waits) {
+    for (const Gate &gate : waits) {
+        if (*gate.flag < gate.value) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// Waits until `waits` have passed, or reports a wait that would never end.
+hipError_t wait_for(const std::vector<Gate> &waits, const char *what, const void *on) {
+    const char *ms = std::getenv("FAKE_HIP_HANG_MS");
+    const long limit = ms == nullptr ? 3000 : std::atol(ms);
+    const auto start = std::chrono::steady_clock::now();
+    while (!passed(waits)) {
+        if (std::chrono::steady_clock::now() - start > std::chrono::milliseconds(limit)) {
+            std::fprintf(stderr, "fake_hip: %s(%p) still waits after %ld ms: on a GPU it would never return\n",
+                         what, on, limit);
+            count("hangs");
+            return hipErrorNotReady;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return hipSuccess;
+}
+
+// clr ihipFree: SyncAllStreams of the device before the memory goes.
+hipError_t sync_all_streams(const char *what, const void *ptr) {
+    std::vector<Gate> waits;
+    {
+        Guard guard(lock);
+        for (hipStream_t s : streams) {
+            if (!s->destroyed) {
+                waits.insert(waits.end(), s->waits.begin(), s->waits.end());
+            }
+        }
+    }
+    return wait_for(waits, what, ptr);
+}
+
+bool dead(hipStream_t stream) {
+    return stream != nullptr && stream->destroyed;
+}
+
 }  // namespace
 
 extern "C" {
 
 // How often something happened in this process: "pageable_async_copies" (hipMemcpyAsync from
 // pageable host memory, which HIP performs synchronously), "module_loads", "graph_launches";
-// "kernel_launches" (kernels run), "memcpy2d_calls" (hipMemcpy2DAsync calls accepted); -1 for an
-// unknown name.
+// "kernel_launches" (kernels run), "memcpy2d_calls" (hipMemcpy2DAsync calls accepted);
+// "invalidated_captures" (graph captures a call invalidated), "hangs" (waits a GPU would never
+// end), "bad_frees" (hipFree of memory that is not, or no longer, allocated); -1 for an unknown
+// name.
 long fake_hip_stat(const char *name) {
     Guard guard(lock);
     auto it = stats.find(name);
@@ -397,7 +570,7 @@ long fake_hip_stat(const char *name) {
         return it->second;
     }
     const std::string known[] = {"pageable_async_copies", "module_loads", "graph_launches", "kernel_launches",
-                                 "memcpy2d_calls"};
+                                 "memcpy2d_calls", "invalidated_captures", "hangs", "bad_frees"};
     for (const std::string &k : known) {
         if (k == name) {
             return 0;
@@ -440,11 +613,12 @@ hipError_t hipGetDeviceProperties(hipDeviceProp_t *props, int device) {
     return hipSuccess;
 }
 
+// FAKE_HIP_NO_PEER=1: no device can ever reach another's memory.
 hipError_t hipDeviceCanAccessPeer(int *can, int device, int peer) {
     if (can == nullptr || device < 0 || peer < 0 || device >= device_count() || peer >= device_count()) {
         return hipErrorInvalidDevice;
     }
-    *can = device != peer;
+    *can = device != peer && std::getenv("FAKE_HIP_NO_PEER") == nullptr;
     return hipSuccess;
 }
 
@@ -473,6 +647,11 @@ hipError_t hipDeviceReset(void) {
     }
     for (auto it = peer_access.begin(); it != peer_access.end();) {
         it = it->first == current_device ? peer_access.erase(it) : std::next(it);
+    }
+    for (hipStream_t stream : streams) {
+        if (stream->device == current_device) {
+            stream->destroyed = true;
+        }
     }
     return hipSuccess;
 }
@@ -505,6 +684,16 @@ const char *hipGetErrorName(hipError_t status) {
         return "hipErrorPeerAccessAlreadyEnabled";
     case hipErrorStreamCaptureUnsupported:
         return "hipErrorStreamCaptureUnsupported";
+    case hipErrorStreamCaptureInvalidated:
+        return "hipErrorStreamCaptureInvalidated";
+    case hipErrorStreamCaptureIsolation:
+        return "hipErrorStreamCaptureIsolation";
+    case hipErrorCapturedEvent:
+        return "hipErrorCapturedEvent";
+    case hipErrorNotReady:
+        return "hipErrorNotReady";
+    case hipErrorContextIsDestroyed:
+        return "hipErrorContextIsDestroyed";
     default:
         return "hipErrorUnknown";
     }
@@ -520,6 +709,9 @@ hipError_t hipMalloc(void **ptr, size_t size) {
     if (const hipError_t status = status_from_env("FAKE_HIP_MALLOC_STATUS"); status != hipSuccess) {
         return status;
     }
+    if (capture_unsupported()) {
+        return hipErrorStreamCaptureUnsupported;
+    }
     *ptr = reserve(size);
     if (*ptr == nullptr) {
         return hipErrorOutOfMemory;
@@ -533,9 +725,16 @@ hipError_t hipFree(void *ptr) {
     if (ptr == nullptr) {
         return hipSuccess;
     }
+    if (capture_unsupported()) {
+        return hipErrorStreamCaptureUnsupported;
+    }
+    if (const hipError_t status = sync_all_streams("hipFree", ptr); status != hipSuccess) {
+        return status;
+    }
     Guard guard(lock);
     auto it = device_memory.find(reinterpret_cast<uintptr_t>(ptr));
     if (it == device_memory.end()) {
+        stats["bad_frees"]++;
         return hipErrorInvalidValue;
     }
     retire(ptr, it->second.size);
@@ -562,6 +761,9 @@ hipError_t hipHostMalloc(void **ptr, size_t size, unsigned int) {
     if (ptr == nullptr) {
         return hipErrorInvalidValue;
     }
+    if (capture_unsupported()) {
+        return hipErrorStreamCaptureUnsupported;
+    }
     *ptr = reserve(size);
     if (*ptr == nullptr) {
         return hipErrorOutOfMemory;
@@ -574,6 +776,12 @@ hipError_t hipHostMalloc(void **ptr, size_t size, unsigned int) {
 hipError_t hipHostFree(void *ptr) {
     if (ptr == nullptr) {
         return hipSuccess;
+    }
+    if (capture_unsupported()) {
+        return hipErrorStreamCaptureUnsupported;
+    }
+    if (const hipError_t status = sync_all_streams("hipHostFree", ptr); status != hipSuccess) {
+        return status;
     }
     Guard guard(lock);
     auto it = pinned_memory.find(reinterpret_cast<uintptr_t>(ptr));
@@ -735,6 +943,9 @@ hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int grid_x, unsigned 
     if (f == nullptr || !f->module->live) {
         return hipErrorInvalidHandle;
     }
+    if (dead(stream)) {
+        return hipErrorContextIsDestroyed;
+    }
     const int device = stream_device(stream);
     // clr: the function has no kernel loaded for the stream's device.
     if (f->module->device != device) {
@@ -778,6 +989,9 @@ hipError_t hipMemcpy(void *dst, const void *src, size_t size, hipMemcpyKind kind
 }
 
 hipError_t hipMemcpyAsync(void *dst, const void *src, size_t size, hipMemcpyKind kind, hipStream_t stream) {
+    if (dead(stream)) {
+        return hipErrorContextIsDestroyed;
+    }
     const bool from_pageable = !in_device_memory(src, 1) && pageable(src, size);
     if (from_pageable) {
         count("pageable_async_copies");
@@ -798,20 +1012,57 @@ hipError_t hipMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t sp
     if (const hipError_t status = status_from_env("FAKE_HIP_COPY_STATUS"); status != hipSuccess) {
         return status;
     }
+    if (dead(stream)) {
+        return hipErrorContextIsDestroyed;
+    }
     count("memcpy2d_calls");
     return run_or_capture(stream, [=] { return copy_2d(dst, dpitch, src, spitch, width, height, kind); });
 }
 
-hipError_t hipStreamCreate(hipStream_t *stream) {
+hipError_t hipStreamCreateWithFlags(hipStream_t *stream, unsigned int flags) {
     if (!devices_present()) {
         return hipErrorInvalidDevice;
     }
-    *stream = new ihipStream_t{current_device, nullptr};
+    if (stream == nullptr || (flags & ~hipStreamNonBlocking) != 0) {
+        return hipErrorInvalidValue;
+    }
+    *stream = new ihipStream_t{current_device, nullptr, flags == hipStreamNonBlocking, false, false, {}};
+    Guard guard(lock);
+    streams.push_back(*stream);
     return hipSuccess;
 }
 
+hipError_t hipStreamCreate(hipStream_t *stream) {
+    return hipStreamCreateWithFlags(stream, hipStreamDefault);
+}
+
+// The handle stays readable (an event may still name it as the stream of its last record).
 hipError_t hipStreamDestroy(hipStream_t stream) {
-    delete stream;
+    if (stream == nullptr || stream->destroyed) {
+        return hipErrorInvalidHandle;
+    }
+    stream->destroyed = true;
+    return hipSuccess;
+}
+
+// Later work on `stream` waits until *ptr >= value (hipStreamWaitValueGte; other flags and the
+// mask are not modelled).
+hipError_t hipStreamWaitValue32(hipStream_t stream, void *ptr, uint32_t value, unsigned int, uint32_t) {
+    if (stream == nullptr || ptr == nullptr) {
+        return hipErrorInvalidValue;
+    }
+    Guard guard(lock);
+    stream->waits.push_back(Gate{static_cast<volatile uint32_t *>(ptr), value});
+    return hipSuccess;
+}
+
+hipError_t hipThreadExchangeStreamCaptureMode(hipStreamCaptureMode *mode) {
+    if (mode == nullptr || *mode < hipStreamCaptureModeGlobal || *mode > hipStreamCaptureModeRelaxed) {
+        return hipErrorInvalidValue;
+    }
+    const int previous = capture_mode;
+    capture_mode = *mode;
+    *mode = static_cast<hipStreamCaptureMode>(previous);
     return hipSuccess;
 }
 
@@ -827,36 +1078,69 @@ hipError_t hipStreamGetDevice(hipStream_t stream, hipDevice_t *device) {
 #endif
 
 hipError_t hipStreamSynchronize(hipStream_t stream) {
-    if (stream != nullptr && stream->capture != nullptr) {
+    if (!devices_present()) {
+        return hipErrorInvalidDevice;
+    }
+    if (dead(stream)) {
+        return hipErrorContextIsDestroyed;
+    }
+    if (capture_ongoing(stream)) {
         return hipErrorStreamCaptureUnsupported;
     }
-    return devices_present() ? hipSuccess : hipErrorInvalidDevice;
+    return wait_for(waits_of(stream), "hipStreamSynchronize", stream);
 }
 
 hipError_t hipDeviceSynchronize(void) {
-    return devices_present() ? hipSuccess : hipErrorInvalidDevice;
+    if (!devices_present()) {
+        return hipErrorInvalidDevice;
+    }
+    return sync_all_streams("hipDeviceSynchronize", nullptr);
 }
 
 hipError_t hipStreamIsCapturing(hipStream_t stream, hipStreamCaptureStatus *status) {
     if (status == nullptr) {
         return hipErrorInvalidValue;
     }
-    *status = stream != nullptr && stream->capture != nullptr ? hipStreamCaptureStatusActive
-                                                              : hipStreamCaptureStatusNone;
+    if (stream == nullptr || stream->capture == nullptr) {
+        *status = hipStreamCaptureStatusNone;
+    } else {
+        *status = stream->invalidated ? hipStreamCaptureStatusInvalidated : hipStreamCaptureStatusActive;
+    }
     return hipSuccess;
 }
 
-hipError_t hipStreamBeginCapture(hipStream_t stream, hipStreamCaptureMode) {
-    if (stream == nullptr || stream->capture != nullptr) {
+hipError_t hipStreamBeginCapture(hipStream_t stream, hipStreamCaptureMode mode) {
+    if (stream == nullptr || stream->capture != nullptr || mode < hipStreamCaptureModeGlobal ||
+        mode > hipStreamCaptureModeRelaxed) {
         return hipErrorInvalidValue;
     }
+    Guard guard(lock);
     stream->capture = new ihipGraph{};
+    stream->invalidated = false;
+    if (mode != hipStreamCaptureModeRelaxed) {
+        thread_captures.push_back(stream);
+    }
+    if (mode == hipStreamCaptureModeGlobal) {
+        global_captures.push_back(stream);
+    }
     return hipSuccess;
 }
 
 hipError_t hipStreamEndCapture(hipStream_t stream, hipGraph_t *graph) {
     if (stream == nullptr || stream->capture == nullptr || graph == nullptr) {
         return hipErrorInvalidValue;
+    }
+    Guard guard(lock);
+    for (std::vector<hipStream_t> *captures : {&thread_captures, &global_captures}) {
+        captures->erase(std::remove(captures->begin(), captures->end(), stream), captures->end());
+    }
+    const bool invalidated = stream->invalidated;
+    stream->invalidated = false;
+    if (invalidated) {
+        delete stream->capture;
+        stream->capture = nullptr;
+        *graph = nullptr;
+        return hipErrorStreamCaptureInvalidated;
     }
     *graph = stream->capture;
     stream->capture = nullptr;
@@ -902,7 +1186,7 @@ hipError_t hipEventCreateWithFlags(hipEvent_t *event, unsigned) {
     if (event == nullptr) {
         return hipErrorInvalidValue;
     }
-    *event = new ihipEvent_t{std::chrono::steady_clock::now(), current_device};
+    *event = new ihipEvent_t{std::chrono::steady_clock::now(), current_device, nullptr, {}};
     return hipSuccess;
 }
 
@@ -916,15 +1200,68 @@ hipError_t hipEventDestroy(hipEvent_t event) {
 }
 
 hipError_t hipEventRecord(hipEvent_t event, hipStream_t stream) {
-    if (event == nullptr || event->device != stream_device(stream)) {
+    if (event == nullptr) {
+        return hipErrorInvalidHandle;
+    }
+    if (dead(stream)) {
+        return hipErrorContextIsDestroyed;
+    }
+    Guard guard(lock);
+    // clr sets the event's stream before it checks the device (hipEventRecord_common).
+    event->recorded_on = stream;
+    if (event->device != stream_device(stream)) {
         return hipErrorInvalidHandle;
     }
     event->at = std::chrono::steady_clock::now();
+    event->waits = waits_of(stream);
     return hipSuccess;
 }
 
+hipError_t hipEventQuery(hipEvent_t event) {
+    if (event == nullptr) {
+        return hipErrorInvalidHandle;
+    }
+    if (captured_event(event)) {
+        return hipErrorCapturedEvent;
+    }
+    Guard guard(lock);
+    return passed(event->waits) ? hipSuccess : hipErrorNotReady;
+}
+
 hipError_t hipEventSynchronize(hipEvent_t event) {
-    return event == nullptr ? hipErrorInvalidHandle : hipSuccess;
+    if (event == nullptr) {
+        return hipErrorInvalidHandle;
+    }
+    if (captured_event(event)) {
+        return hipErrorCapturedEvent;
+    }
+    if (capture_ongoing(event->recorded_on)) {
+        return hipErrorStreamCaptureUnsupported;
+    }
+    std::vector<Gate> waits;
+    {
+        Guard guard(lock);
+        waits = event->waits;
+    }
+    return wait_for(waits, "hipEventSynchronize", event);
+}
+
+hipError_t hipStreamWaitEvent(hipStream_t stream, hipEvent_t event, unsigned int flags) {
+    if (event == nullptr || dead(stream)) {
+        return hipErrorInvalidHandle;
+    }
+    if (flags != 0) {
+        return hipErrorInvalidValue;
+    }
+    Guard guard(lock);
+    // clr: an event recorded on a stream that is capturing now, but not into this capture.
+    if (event->recorded_on != nullptr && event->recorded_on->capture != nullptr) {
+        return hipErrorStreamCaptureIsolation;
+    }
+    if (stream != nullptr) {
+        stream->waits.insert(stream->waits.end(), event->waits.begin(), event->waits.end());
+    }
+    return hipSuccess;
 }
 
 hipError_t hipEventElapsedTime(float *ms, hipEvent_t start, hipEvent_t stop) {

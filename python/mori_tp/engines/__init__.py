@@ -32,7 +32,9 @@ Both ranks derive the staging mode from the pair's config (:func:`mori_tp.stagin
 :class:`Streamer` and :class:`Receiver` (:mod:`mori_tp.engines.streaming`) move a request in
 chunks of buffers instead, so that packing, writing and unpacking overlap, or layer by layer as
 the prefill's compute finishes each layer; a :class:`mori_tp.StagingPool` per rank provides the
-staging slots.
+staging slots. Their notifications carry a per-request token that the decode rank draws
+(:func:`new_token`, ``Receiver.expect``) and sends with the request's slot and pages
+(:mod:`mori_tp.engines.protocol`; who can reach what: REFERENCE.md section 18).
 
 A hybrid model's request of several groups (:class:`mori_tp.Group`: full and sliding-window KV,
 per-token records, state slots) is planned with :func:`plan_groups` and moves through the same
@@ -64,7 +66,8 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
         "mori_tp.engines needs numpy (pip install numpy); the core mori_tp package does not"
     ) from _error
 
-# The errors and registration epochs (faults.py needs nothing from this module).
+# The errors and registration epochs (faults.py needs nothing from this module), and the
+# notification protocol's tokens (nor does protocol.py).
 from .faults import (  # noqa: E402
     PeerLostError,
     StaleRegistrationError,
@@ -72,6 +75,7 @@ from .faults import (  # noqa: E402
     TransferTimeoutError,
     new_epoch,
 )
+from .protocol import check_token  # noqa: E402
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -84,6 +88,7 @@ __all__ = [
     "Streamer",
     "chunk_ranges",
     "layer_buffers",
+    "new_token",
     "RequestPlan",
     "SendResult",
     "PeerLostError",
@@ -224,6 +229,9 @@ class RequestPlan:
     lengths: "np.ndarray"
     #: The Request of a PairConfig plan; None with a SliceConfig.
     request: Optional[Request] = None
+    #: The request's token, when the decode rank sent one with the slot and pages
+    #: (``Receiver.expect`` draws it): a :class:`Streamer` puts it in every notification.
+    token: Optional[str] = field(default=None, repr=False)
 
     @property
     def num_buffers(self) -> int:
@@ -309,6 +317,7 @@ def plan_request(
     local: KvMemory,
     remote: KvMemory,
     staging: Optional[Union[Staging, int]] = None,
+    token: Optional[str] = None,
 ) -> RequestPlan:
     """Plans one request of one pair for a transfer engine, on the prefill rank.
 
@@ -327,17 +336,22 @@ def plan_request(
         staging: a :class:`~mori_tp.Staging`; default :func:`mori_tp.staging_for` (with a
             PairConfig :func:`mori_tp.pair_staging_for`), which the decode rank computes the
             same way. If you choose another, tell the receiver.
+        token: the request's token, from the decode rank with the slot and pages (its
+            ``Receiver.expect`` drew it), for a :class:`Streamer` to carry in every
+            notification (:mod:`mori_tp.engines.protocol`).
 
     Raises:
         InvalidArgumentError: buffer counts differ, page lists differ in length (SliceConfig)
             or do not cover the request's tokens (PairConfig), an unknown staging value, a bad
-            config.
+            config, a token that is not one.
         OutOfBoundsError: a page is negative or ends past its side's capacity.
         BufferTooSmallError: a staging region is missing or smaller than the request needs.
         TypeError: a Request with a SliceConfig, page lists with a PairConfig.
     """
     if not isinstance(local, KvMemory) or not isinstance(remote, KvMemory):
         raise TypeError("plan_request: local and remote must be KvMemory")
+    if token is not None:
+        check_token(token, "plan_request")
     # The library checks the staging value, the pages, both sides' capacities and staging
     # regions and the buffer counts, with messages that name the values.
     memory = {"prefill": local.rank_memory(), "decode": remote.rank_memory()}
@@ -363,6 +377,7 @@ def plan_request(
         config, _staging(chosen, "plan_request"), np.asarray(src_pages, dtype=np.int32),
         np.asarray(dst_pages, dtype=np.int32), local, remote, length,
         *(np.ascontiguousarray(column) for column in offsets), request=pair_request,
+        token=token,
     )
 
 
@@ -472,6 +487,7 @@ from .streaming import (  # noqa: E402
     Streamer,
     chunk_ranges,
     layer_buffers,
+    new_token,
 )
 
 # Requests of several groups; imported last, as they build on the names above.

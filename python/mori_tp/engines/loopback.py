@@ -82,6 +82,12 @@ class Driver:
         """What the peer needs to reach this transport (after registration)."""
         raise NotImplementedError
 
+    def sender(self, transport: Any) -> str:
+        """What this transport's notifications are attributed to on the peer: all a receiving
+        peer needs of it (NIXL: the agent name; loading its metadata would give the peer
+        access to this transport's registered memory)."""
+        raise NotImplementedError
+
     def connect(self, transport: Any, address: Any, epoch: int = 0) -> Any:
         """The peer handle :meth:`send` takes, from the peer's :meth:`address`; with the peer's
         registration ``epoch`` (its memories' ``epoch``), plans against any other are refused."""
@@ -116,6 +122,9 @@ class MooncakeDriver(Driver):
     def address(self, transport: Any) -> Any:
         return transport.session_id
 
+    def sender(self, transport: Any) -> str:
+        return transport.session_id
+
     def _connect(self, transport: Any, address: Any) -> Any:
         return address
 
@@ -143,6 +152,9 @@ class NixlDriver(Driver):
 
     def address(self, transport: Any) -> Any:
         return transport.metadata()
+
+    def sender(self, transport: Any) -> str:
+        return transport.name
 
     def _connect(self, transport: Any, address: Any) -> Any:
         return transport.add_peer(address)
@@ -281,9 +293,11 @@ class DecodePeer:
         self._conn.send(request)
         return self._expect(kind, timeout)
 
-    def connect(self, address: Any) -> None:
-        """Gives the child the parent engine's address (NIXL: for notifications)."""
-        self._call(("connect", address), "ok")
+    def connect(self, sender: str) -> None:
+        """Tells the child the name the parent's notifications carry (``Driver.sender``): all it
+        needs to receive them. It never loads the parent's address (NIXL metadata), which
+        would give it access to the parent's registered memory."""
+        self._call(("connect", sender), "ok")
 
     def reset(self) -> None:
         """Refills every buffer with its sentinel bytes and zeroes the staging pool."""
@@ -453,7 +467,7 @@ def _serve(conn: Any, placement: Placement, engine: str, ranks: List[Tuple[int, 
         if kind == "stop":
             return
         if kind == "connect":
-            peer = drive.connect(transport, request[1])
+            peer = request[1]
             conn.send(("ok",))
         elif kind == "reset":
             reset()
@@ -512,17 +526,21 @@ class StreamPeer:
         pool_bytes: capacity of the child's staging pool (0: none); ``min_slot`` its unit.
         timeout: seconds any one step may take before the parent gives up on the child.
         placement: where the child's engine runs (default 127.0.0.1 in this namespace).
+        linger: the child's ``Receiver(linger=)``: seconds a failed request's slot is held
+            before it goes back to the pool (and the request is reported ended). Short by
+            default: the senders here are the tests' own processes, whose writes have
+            returned by the time a request they fail or abandon ends.
     """
 
     def __init__(self, engine: str, ranks: Sequence[Tuple[int, int]], pool_bytes: int,
                  timeout: float = 60.0, min_slot: int = 1 << 16,
-                 placement: Placement = Placement()) -> None:
+                 placement: Placement = Placement(), linger: float = 0.25) -> None:
         import threading
 
         self.engine = engine
         self.timeout = timeout
         self._process, self._conn = _start_child(_stream_serve, engine, list(ranks), pool_bytes,
-                                                 min_slot, timeout, placement=placement)
+                                                 min_slot, timeout, linger, placement=placement)
         try:
             if not self._conn.poll(max(timeout, 120.0)):
                 raise PeerError("the decode process sent nothing before it was ready")
@@ -594,21 +612,24 @@ class StreamPeer:
             raise PeerError(f"the decode process refused {kind}: {answer[1]}")
         return answer
 
-    def connect(self, address: Any) -> None:
-        self.call("connect", address)
+    def connect(self, sender: str) -> None:
+        """Tells the child the name the parent's notifications carry (``Driver.sender``); its
+        requests are bound to that sender. It never loads the parent's address."""
+        self.call("connect", sender)
 
     def expect(self, request_id: str, rank: int, config: mori_tp.SliceConfig,
                dst_pages: Sequence[int], staging: int, slot_bytes: int,
                timeout: Optional[float] = None,
-               buffers: Optional[Sequence[int]] = None) -> int:
+               buffers: Optional[Sequence[int]] = None) -> Tuple[int, str]:
         """Has the child allocate a slot of ``slot_bytes`` (waiting while its pool is full:
-        backpressure) and expect the request; returns the slot's address (0 without one).
-        ``buffers``: the rank's buffers the request moves, in the request's order (default
-        all)."""
+        backpressure) and expect the request; returns the slot's address (0 without one) and
+        the request's token, what a decode rank sends the prefill rank. ``buffers``: the
+        rank's buffers the request moves, in the request's order (default all)."""
         wait = self.timeout if timeout is None else timeout
-        return self.call("expect", request_id, rank, config, tuple(dst_pages), staging,
-                         slot_bytes, wait, None if buffers is None else tuple(buffers),
-                         timeout=wait + 30)
+        slot, token = self.call("expect", request_id, rank, config, tuple(dst_pages), staging,
+                                slot_bytes, wait, None if buffers is None else tuple(buffers),
+                                timeout=wait + 30)
+        return slot, token
 
     def ended(self, request_id: str, timeout: Optional[float] = None) -> Expected:
         """Waits until the child reports the request ended; returns the report."""
@@ -656,7 +677,7 @@ class StreamPeer:
 
 
 def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tuple[int, int]],
-                  pool_bytes: int, min_slot: int, timeout: float) -> None:
+                  pool_bytes: int, min_slot: int, timeout: float, linger: float) -> None:
     import threading
 
     from .streaming import Receiver
@@ -687,21 +708,45 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
 
     send(("ready", drive.address(transport), [m.to_dict() for m in memories],
           (pool.address if pool else 0, pool.capacity if pool else 0)))
-    receiver = Receiver(transport)
-    chunks: dict = {}
+    receiver = Receiver(transport, linger=linger)
+    #: The parent's name on the engine: every request is bound to it (connect).
+    sender: Optional[str] = None
 
-    def ended(incoming: Any) -> None:
-        slot = chunks.pop(("slot", incoming.request_id), None)
-        if slot is not None and pool is not None:
-            pool.free(slot)
-        error = None if incoming.error is None else str(incoming.error)
-        send(("ended", Expected(incoming.request_id, incoming.finished_at or time.monotonic(),
-                                error, incoming.unpack_seconds,
-                                tuple(chunks.pop(incoming.request_id, ())))))
-        receiver.forget(incoming)
+    def expect(rid: str, rank: int, config: Any, dst_pages: Sequence[int], staging: int,
+               slot_bytes: int, wait: float, chosen: Optional[Sequence[int]]
+               ) -> Tuple[int, str]:
+        """A connector's part: a slot, then the request expected; the slot goes back when the
+        request has settled (on_done), or at once if expect refuses it."""
+        memory = memories[rank]
+        if chosen is not None:
+            memory = replace(memory, buffers=tuple(memory.buffers[b] for b in chosen))
+        slot = None
+        if slot_bytes:
+            if pool is None:
+                raise ValueError("this decode process has no staging pool")
+            slot = pool.alloc(slot_bytes, timeout=wait)
+            memory = replace(memory, staging=slot.address, staging_capacity=slot.size)
+        landed: List[Any] = []
 
-    def landed(incoming: Any, ranges: Any) -> None:
-        chunks.setdefault(incoming.request_id, []).append(ranges)
+        def ended(incoming: Any) -> None:
+            # No write of the request can land any more: its slot goes back.
+            if slot is not None:
+                pool.free(slot)
+            error = None if incoming.error is None else str(incoming.error)
+            send(("ended", Expected(incoming.request_id,
+                                    incoming.finished_at or time.monotonic(), error,
+                                    incoming.unpack_seconds, tuple(landed))))
+
+        try:
+            incoming = receiver.expect(
+                rid, config, list(dst_pages), memory=memory, staging=staging, backend="host",
+                timeout=wait, peer=sender, on_chunk=lambda _, ranges: landed.append(ranges),
+                on_done=ended)
+        except BaseException:
+            if slot is not None:
+                pool.free(slot)
+            raise
+        return (slot.address if slot is not None else 0), incoming.token
 
     while True:
         # A parent that stays silent this long is gone or stuck: stop rather than linger.
@@ -715,23 +760,13 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
         answer: Any = None
         try:
             if kind == "connect":
-                drive.connect(transport, args[0])
+                # The name only: loading the parent's address (NIXL metadata) would give this
+                # process access to the parent's registered memory, and is not needed to
+                # receive.
+                sender = args[0]
                 receiver.start()
             elif kind == "expect":
-                rid, rank, config, dst_pages, staging, slot_bytes, wait, chosen = args
-                memory = memories[rank]
-                if chosen is not None:
-                    memory = replace(memory, buffers=tuple(memory.buffers[b] for b in chosen))
-                answer = 0
-                if slot_bytes:
-                    if pool is None:
-                        raise ValueError("this decode process has no staging pool")
-                    slot = pool.alloc(slot_bytes, timeout=wait)
-                    chunks[("slot", rid)] = slot
-                    memory = replace(memory, staging=slot.address, staging_capacity=slot.size)
-                    answer = slot.address
-                receiver.expect(rid, config, list(dst_pages), memory=memory, staging=staging,
-                                backend="host", timeout=wait, on_chunk=landed, on_done=ended)
+                answer = expect(*args)
             elif kind == "reset":
                 reset()
             elif kind == "digests":
@@ -748,11 +783,43 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
                 # And the messages for requests not expected (yet).
                 answer = list(receiver.violations) + [f"unexpected messages for request {rid}"
                                                       for rid in receiver._early]
+            elif kind == "try_read":
+                answer = _try_read(engine, transport, sender, *args)
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except mori_tp.MoriError as error:
             answer = ("refused", str(error))
         send(("reply", call, answer))
+
+
+def _try_read(engine: str, transport: Any, sender: Optional[str], address: int,
+              length: int) -> str:
+    """Whether this (decode) process can read ``length`` bytes at ``address`` of the process
+    named ``sender`` one-sided, through its engine: "read" or "refused: why". The trust model
+    (REFERENCE.md section 18): a NIXL agent reads only agents whose metadata it loaded, which
+    the decode child never does; a Mooncake engine lets any peer read registered memory."""
+    scratch = np.zeros(max(length, 1), dtype=np.uint8)
+    local = int(scratch.ctypes.data)
+    try:
+        if engine == "nixl":
+            agent = transport.agent
+            handle = agent.initialize_xfer(
+                "READ", transport._descs(np.array([local], dtype=np.uint64),
+                                         np.array([length], dtype=np.uint64)),
+                transport._descs(np.array([address], dtype=np.uint64),
+                                 np.array([length], dtype=np.uint64)),
+                sender, b"")
+            agent.release_xfer_handle(handle)
+            return "read"
+        transport.engine.register_memory(local, scratch.nbytes)
+        try:
+            status = transport.engine.batch_transfer_sync_read(sender, [local], [address],
+                                                               [length])
+        finally:
+            transport.engine.unregister_memory(local)
+        return "read" if status == 0 else f"refused: status {status}"
+    except Exception as error:  # noqa: BLE001 - the engine's own exception types
+        return f"refused: {type(error).__name__}: {str(error)[:120]}"
 
 
 def run_program(main: Callable[[], Optional[int]]) -> NoReturn:

@@ -43,15 +43,34 @@ least 5) plus one second per GiB, and drops a TCP connection that makes no progr
 :meth:`MooncakeTransport.start` sets both from its ``engine_timeout`` (default 30 s) unless the
 environment already does. Measured here: a peer killed mid-write fails the write within 0.1 s
 (connection reset); a peer that stops responding (SIGSTOP) fails it after ``engine_timeout``.
+
+What a failed call leaves behind: the binding's ``batch_transfer_sync`` returns -1 as soon as one
+transfer of its batch failed (``getBatchTransferStatus`` reports the batch FAILED then, with the
+others possibly still waiting; it retries the batch on the next NIC context), and after its own
+time limit (``MC_TRANSFER_TIMEOUT`` plus 1 s per 10^9 bytes) it frees the batch with transfers
+possibly still queued (kvcache-ai/Mooncake ``transfer_engine_py.cpp``, ``batchTransferSync``;
+``multi_transport.cpp``, ``getBatchTransferStatus``). A write that fails at that time limit
+raises with ``engine_busy`` set: the engine may still read its source and write its
+destination. An earlier -1 (a refused address, a connection that failed) does not.
+
+Notifications: Mooncake sends a batch's ``TransferNotify`` once every transfer of the batch has
+completed (``getBatchTransferStatus``, ``transfer_engine_impl.h``), over its RPC connection, never
+without a transfer. :meth:`MooncakeTransport.notify` therefore reads one byte of the peer's
+registered memory into a scratch byte of its own, which changes nothing on the peer. The name a
+notification carries is whatever the sender put in its ``TransferNotify``: the engine does not
+authenticate it (REFERENCE.md section 18).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from . import KvMemory, RequestPlan, SendResult, TransferError
 from .faults import (
@@ -79,6 +98,8 @@ DEFAULT_MAX_SEGMENTS_PER_CALL = 1024
 #: Seconds the engine gives a write (MC_TRANSFER_TIMEOUT) or a stalled connection
 #: (MC_TCP_PROGRESS_TIMEOUT_SEC) by default, as Mooncake does.
 DEFAULT_ENGINE_TIMEOUT = 30.0
+#: The least MC_TRANSFER_TIMEOUT the engine takes (it raises smaller settings to this).
+MIN_ENGINE_TIMEOUT = 5
 
 
 class MooncakeTransport:
@@ -126,6 +147,16 @@ class MooncakeTransport:
         self.peer_epochs = PeerEpochs()
         #: Notifications received and not yet taken, per sender.
         self._notifications: Dict[str, List[bytes]] = {}
+        #: Held while notifications are taken (poll_notifications, wait_notification): from
+        #: several threads, each notification goes to exactly one caller.
+        self._notify_lock = threading.Lock()
+        #: The engine's own time limit for one synchronous call, in seconds before the bytes'
+        #: share (it reads MC_TRANSFER_TIMEOUT when created; start() sets it).
+        self.engine_timeout = float(max(MIN_ENGINE_TIMEOUT, env_int(
+            "MC_TRANSFER_TIMEOUT", int(DEFAULT_ENGINE_TIMEOUT))))
+        #: A registered byte of our own that notifications without data read into.
+        self._scratch: Optional["np.ndarray"] = None
+        self._scratch_lock = threading.Lock()
 
     @property
     def segment_budget(self) -> int:
@@ -220,41 +251,58 @@ class MooncakeTransport:
         if notification and not count:
             raise TransferError(
                 f"mooncake: a notification {about(session_id, request_id)} needs at least one "
-                "segment to carry it (Mooncake sends notifications only with a transfer)",
+                "segment to carry it (Mooncake sends notifications only with a transfer; "
+                "notify() reads a byte of the peer's memory for it)",
                 peer=session_id, request_id=request_id,
             )
         self.peer_epochs.check("mooncake", session_id, epoch, request_id)
         calls = 0
         for start in range(0, count, self.max_segments_per_call):
             end = min(start + self.max_segments_per_call, count)
-            args = (session_id, _ints(src[start:end]), _ints(dst[start:end]),
-                    _ints(lengths[start:end]))
-            if not self.budget.acquire(session_id, end - start, timeout):
-                held = self.budget.held(session_id)
-                raise TransferTimeoutError(
-                    f"mooncake: no room for {end - start} segments in the queue "
-                    f"{about(session_id, request_id)} within {timeout} s ({held} of "
-                    f"{self.segment_budget} in flight from other calls); segments before "
-                    f"{start} of {count} were written", peer=session_id, request_id=request_id,
-                )
-            try:
-                if notification and end == count:
-                    notify_type, opcode = self._notify_types()
-                    notify = notify_type(self.session_id, notification.decode("latin-1"))
-                    status = self.engine.batch_transfer_sync(*args, opcode.Write, notify)
-                else:
-                    status = self.engine.batch_transfer_sync_write(*args)
-            finally:
-                self.budget.release(session_id, end - start)
             calls += 1
-            if status != 0:
-                raise TransferError(
-                    f"mooncake: batch_transfer_sync_write {about(session_id, request_id)} "
-                    f"returned {status} for segments {start}..{end - 1} of {count} (call "
-                    f"{calls}); segments before {start} were written",
-                    peer=session_id, request_id=request_id,
-                )
+            self._batch(session_id, src[start:end], dst[start:end], lengths[start:end],
+                        notification if end == count else b"", "Write", timeout, request_id,
+                        f"segments {start}..{end - 1} of {count} (call {calls}); segments "
+                        f"before {start} were written")
         return calls
+
+    def _batch(self, session_id: str, src: Any, dst: Any, lengths: Any, notification: bytes,
+               opcode_name: str, timeout: float, request_id: Optional[str], what: str) -> None:
+        """One ``batch_transfer_sync`` call (``batch_transfer_sync_write`` without a
+        notification), within the peer's segment budget."""
+        count = len(lengths)
+        args = (session_id, _ints(src), _ints(dst), _ints(lengths))
+        if not self.budget.acquire(session_id, count, timeout):
+            held = self.budget.held(session_id)
+            raise TransferTimeoutError(
+                f"mooncake: no room for {count} segments in the queue "
+                f"{about(session_id, request_id)} within {timeout} s ({held} of "
+                f"{self.segment_budget} in flight from other calls); {what}",
+                peer=session_id, request_id=request_id,
+            )
+        started = time.monotonic()
+        try:
+            if notification:
+                notify_type, opcode = self._notify_types()
+                notify = notify_type(self.session_id, notification.decode("latin-1"))
+                status = self.engine.batch_transfer_sync(*args, getattr(opcode, opcode_name),
+                                                         notify)
+            else:
+                status = self.engine.batch_transfer_sync_write(*args)
+        finally:
+            self.budget.release(session_id, count)
+        if status != 0:
+            elapsed = time.monotonic() - started
+            limit = self.engine_timeout + sum(args[3]) / 1e9
+            gave_up = elapsed >= limit
+            why = (f"after {elapsed:.1f} s, the engine's own time limit ({limit:.1f} s): it gave "
+                   "the call up with transfers of it possibly still queued, which may still "
+                   "read the source and write the destination" if gave_up else "")
+            raise TransferError(
+                f"mooncake: batch_transfer_sync {about(session_id, request_id)} returned "
+                f"{status} for {what}" + (f"; {why}" if why else ""),
+                peer=session_id, request_id=request_id, engine_busy=gave_up,
+            )
 
     def _notify_types(self) -> Tuple[Any, Any]:
         """``TransferNotify`` and ``TransferOpcode`` of the engine's own module."""
@@ -263,31 +311,54 @@ class MooncakeTransport:
             import mooncake.engine as module  # type: ignore[no-redef]
         return module.TransferNotify, module.TransferOpcode
 
-    def notify(self, session_id: str, message: bytes, *,
-               carrier: Optional[Tuple[int, int]] = None, timeout: float = DEFAULT_TIMEOUT,
-               epoch: Optional[int] = None, request_id: Optional[str] = None) -> None:
-        """Sends ``message`` to the peer without new data. Mooncake only sends a notification
-        with a transfer, so ``carrier`` names one byte to write again, ``(local address,
-        remote address)``: a byte an earlier write of the same request already copied, whose
-        source has not changed since, so the write changes nothing. ``timeout``, ``epoch``
-        and ``request_id`` as for :meth:`write`."""
+    def notify(self, session_id: str, message: bytes, *, carrier: Optional[int] = None,
+               timeout: float = DEFAULT_TIMEOUT, epoch: Optional[int] = None,
+               request_id: Optional[str] = None) -> None:
+        """Sends ``message`` to the peer without data. Mooncake only sends a notification with
+        a transfer, so the message rides on a one-byte read: ``carrier`` is an address of the
+        peer's registered memory (any byte: the first buffer of the plan's ``remote``), read
+        into a scratch byte of this transport, which changes nothing on the peer. The engine
+        sends the notification once the read has completed. ``timeout``, ``epoch`` and
+        ``request_id`` as for :meth:`write`."""
         if carrier is None:
             raise TransferError(
-                f"mooncake: a notification {about(session_id, request_id)} needs a carrier byte "
-                "(Mooncake sends notifications only with a transfer)",
+                f"mooncake: a notification {about(session_id, request_id)} needs a carrier: an "
+                "address of the peer's registered memory to read one byte of (Mooncake sends "
+                "notifications only with a transfer)",
                 peer=session_id, request_id=request_id,
             )
-        self.write(session_id, [carrier[0]], [carrier[1]], [1], notification=message,
-                   timeout=timeout, epoch=epoch, request_id=request_id)
+        self.peer_epochs.check("mooncake", session_id, epoch, request_id)
+        scratch = self._scratch_address()
+        self._batch(session_id, [scratch], [int(carrier)], [1], message, "Read", timeout,
+                    request_id, "a one-byte read carrying a notification")
+
+    def _scratch_address(self) -> int:
+        """The scratch byte notifications read into, registered with the engine once."""
+        with self._scratch_lock:
+            if self._scratch is None:
+                scratch = np.zeros(64, dtype=np.uint8)
+                status = self.engine.register_memory(int(scratch.ctypes.data), scratch.nbytes)
+                if status != 0:
+                    raise TransferError(f"mooncake: register_memory of the notification "
+                                        f"scratch byte returned {status}")
+                self._scratch = scratch
+            return int(self._scratch.ctypes.data)
 
     def poll_notifications(self) -> List[Tuple[str, bytes]]:
-        """Every notification received since the last call, as ``(sender session id,
-        message)``, oldest first, including those :meth:`wait_notification` has set aside."""
+        """Every notification received since the last call, as ``(sender name, message)``,
+        oldest first, including those :meth:`wait_notification` has set aside. Thread-safe:
+        each notification goes to one caller of this or of :meth:`wait_notification`. One
+        message the binding cannot convert costs only itself: it is returned as
+        ``(name or None, b"")``, and the rest of the batch as usual."""
+        with self._notify_lock:
+            return self._take_all()
+
+    def _take_all(self) -> List[Tuple[str, bytes]]:
         out = [(peer, message) for peer, messages in self._notifications.items()
                for message in messages]
         self._notifications.clear()
-        out.extend((_text(n.name), _text(n.msg).encode("latin-1"))
-                   for n in self.engine.get_notifies())
+        for notify in self.engine.get_notifies():
+            out.append(_notification(notify))
         return out
 
     def wait_notification(self, session_id: str, message: bytes, *,
@@ -297,12 +368,13 @@ class MooncakeTransport:
         :class:`~mori_tp.engines.TransferTimeoutError` after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            for peer, received in self.poll_notifications():
-                self._notifications.setdefault(peer, []).append(received)
-            waiting = self._notifications.get(session_id, [])
-            if message in waiting:
-                waiting.remove(message)
-                return
+            with self._notify_lock:
+                for peer, received in self._take_all():
+                    self._notifications.setdefault(peer, []).append(received)
+                waiting = self._notifications.get(session_id, [])
+                if message in waiting:
+                    waiting.remove(message)
+                    return
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(
                     f"mooncake: no notification {message!r} from {session_id} within {timeout} s",
@@ -331,6 +403,27 @@ class MooncakeTransport:
 
 def _text(value: Any) -> str:
     return value.decode("latin-1") if isinstance(value, bytes) else str(value)
+
+
+def _notification(notify: Any) -> Tuple[Any, bytes]:
+    """``(name, message bytes)`` of one received TransferNotify. The binding gives ``str``:
+    this transport's own messages were decoded as latin-1 (so latin-1 gives their bytes back);
+    another sender's may hold any character, and then its UTF-8 is the message. A field the
+    binding cannot convert gives None or b"", never an exception."""
+    try:
+        name: Any = _text(notify.name)
+    except Exception:  # noqa: BLE001 - a foreign name must not cost the batch
+        name = None
+    try:
+        text = notify.msg
+        if isinstance(text, bytes):
+            return name, text
+        try:
+            return name, text.encode("latin-1")
+        except UnicodeEncodeError:
+            return name, text.encode("utf-8", "surrogateescape")
+    except Exception:  # noqa: BLE001 - likewise for the message
+        return name, b""
 
 
 def _ints(values: Any) -> Any:

@@ -39,6 +39,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from . import KvMemory, RequestPlan, SendResult, TransferError
+from .faults import TransferTimeoutError, about
 from .groups import GroupsPlan
 
 __all__ = ["MoriIoTransport"]
@@ -131,15 +132,26 @@ class MoriIoTransport:
             regions.add(int(desc.data), int(desc.size), desc)
 
     def send(self, peer: str, plan: Union[RequestPlan, GroupsPlan], *, timeout: float = 60.0,
-             backend: str = "auto", stream: Optional[int] = None) -> SendResult:
+             backend: str = "auto", stream: Optional[int] = None,
+             request_id: Optional[str] = None) -> SendResult:
         """Moves one request: packs the local staging region if the plan's staging is SRC or
         BOTH, then one ``batch_write`` with one entry per buffer, and waits for every entry's
         status. A :class:`~mori_tp.engines.GroupsPlan` (a request of several groups) packs its
         staged groups and writes one entry per buffer of each group that has segments, group
         after group. The result's ``transfer_ids`` (one per entry) are what the decode rank
-        polls with ``pop_inbound_transfer_status``."""
+        polls with ``pop_inbound_transfer_status``.
+
+        Raises:
+            TransferTimeoutError: an entry still in progress after ``timeout`` seconds, with
+                ``engine_busy`` set: MORI-IO's Python API has no call that cancels a transfer,
+                so the engine may still read the source (do not reuse its staging slot) and
+                write the peer's memory.
+            TransferError: an entry failed (after every entry had ended, so nothing of the
+                request still moves), naming it, the peer and ``request_id``.
+        """
         if peer not in self._remote:
-            raise TransferError(f"mori-io: no remote memory recorded for peer {peer!r}")
+            raise TransferError(f"mori-io: no remote memory recorded for peer {peer!r}",
+                                peer=peer, request_id=request_id)
         pack_seconds = plan.pack(backend=backend, stream=stream)
         remote = self._remote[peer]
         local_descs, local_offsets, remote_descs, remote_offsets, sizes = [], [], [], [], []
@@ -161,24 +173,37 @@ class MoriIoTransport:
         if plan.segments:
             statuses = self.engine.batch_write(local_descs, local_offsets, remote_descs,
                                                remote_offsets, sizes, uids)
-            self._wait(statuses, labels, peer, timeout)
+            self._wait(statuses, labels, peer, timeout, request_id)
         return SendResult(plan.staging, plan.segments, plan.bytes, 1 if plan.segments else 0,
                           pack_seconds, time.perf_counter() - start, tuple(uids))
 
-    def _wait(self, statuses: List[Any], labels: List[str], peer: str, timeout: float) -> None:
+    def _wait(self, statuses: List[Any], labels: List[str], peer: str, timeout: float,
+              request_id: Optional[str] = None) -> None:
+        """Waits until every entry has ended (succeeded or failed) or ``timeout`` has passed;
+        then raises for the entries that did not succeed."""
         deadline = time.monotonic() + timeout
-        for entry, status in enumerate(statuses):
+        pending = list(range(len(statuses)))
+        while pending:
             # Neither yet covers INIT (not started) as well as IN_PROGRESS.
-            while not (status.Succeeded() or status.Failed()):
-                if time.monotonic() > deadline:
-                    raise TransferError(
-                        f"mori-io: batch_write entry {entry} to {peer} still in progress after "
-                        f"{timeout} s"
-                    )
-                if self.poll_interval:
-                    time.sleep(self.poll_interval)
-            if not status.Succeeded():
-                raise TransferError(
-                    f"mori-io: batch_write entry {entry} ({labels[entry]}) to {peer} failed: "
-                    f"code {status.Code()}, {status.Message()}"
-                )
+            pending = [e for e in pending
+                       if not (statuses[e].Succeeded() or statuses[e].Failed())]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"mori-io: batch_write {about(peer, request_id)}: entries {pending[:8]} "
+                    f"({', '.join(labels[e] for e in pending[:4])}) of {len(statuses)} still "
+                    f"in progress after {timeout} s; MORI-IO cannot cancel them, so the engine "
+                    "may still read the source and write the destination",
+                    peer=peer, request_id=request_id, engine_busy=True)
+            if self.poll_interval:
+                time.sleep(self.poll_interval)
+        failed = [e for e, status in enumerate(statuses) if not status.Succeeded()]
+        if failed:
+            entry = failed[0]
+            status = statuses[entry]
+            raise TransferError(
+                f"mori-io: batch_write entry {entry} ({labels[entry]}) {about(peer, request_id)} "
+                f"failed: code {status.Code()}, {status.Message()}"
+                + (f" ({len(failed)} entries failed in all)" if len(failed) > 1 else ""),
+                peer=peer, request_id=request_id)

@@ -7,16 +7,21 @@ else ``nixl_cu12``); a transport can also wrap an agent the connector already ha
 
 Who calls what:
 
-- Both ranks: one :class:`NixlTransport` per process, :meth:`~NixlTransport.register` of its
-  :class:`~mori_tp.engines.KvMemory` once, and the agents' metadata exchanged at handshake
-  (:meth:`~NixlTransport.metadata` on one side, :meth:`~NixlTransport.add_peer` on the other;
-  the prefill rank needs the decode rank's, and the decode rank the prefill rank's to receive
-  notifications).
-- Prefill rank (initiator): :func:`mori_tp.engines.plan_request`, then
+- Both ranks: one :class:`NixlTransport` per process and :meth:`~NixlTransport.register` of
+  its :class:`~mori_tp.engines.KvMemory` once.
+- Prefill rank (initiator): loads the decode rank's metadata (:meth:`~NixlTransport.metadata`
+  there, :meth:`~NixlTransport.add_peer` here), then :func:`mori_tp.engines.plan_request` and
   :meth:`~NixlTransport.send` with a notification message; it returns once NIXL reports the
   write done.
-- Decode rank (target): :meth:`~NixlTransport.wait_notification` for that message, then
-  :func:`mori_tp.engines.unpack_request`. NIXL delivers the notification after the data.
+- Decode rank (target): needs only the prefill agent's name (:attr:`~NixlTransport.name`,
+  sent over the connector's channel) to match notifications: NIXL delivers a notification from
+  an agent whose metadata this agent never loaded, named as that agent named itself. Do not
+  load the prefill rank's metadata here unless this rank must write to or read from it:
+  metadata gives one-sided access to every byte the prefill rank registered, the KV of all its
+  requests (REFERENCE.md section 18). :meth:`~NixlTransport.wait_notification` for the
+  message, then :func:`mori_tp.engines.unpack_request`. NIXL sends a transfer's notification
+  after every descriptor of the transfer (docs/BackendGuide.md in ai-dynamo/nixl); a
+  notification sent alone (``send_notif``) has no ordering against transfers.
 
 A crash at exit (nixl-cu12 1.5.1 with the system's rdma-core, as on Debian 12 with
 ``ibverbs-providers`` 44.0): the wheel bundles UCX, libibverbs and libnl under renamed file
@@ -39,6 +44,7 @@ import ctypes
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
@@ -178,6 +184,9 @@ class NixlTransport:
         self.epoch = new_epoch()
         #: The epoch each peer announced at its latest handshake (set_peer_epoch).
         self.peer_epochs = PeerEpochs()
+        #: Held while notifications are taken (poll_notifications, wait_notification): from
+        #: several threads, each notification goes to exactly one caller.
+        self._notify_lock = threading.Lock()
 
     @classmethod
     def start(cls, name: str, *, backends: Sequence[str] = ("UCX",), mem_type: str = "DRAM",
@@ -200,6 +209,9 @@ class NixlTransport:
 
     @property
     def name(self) -> str:
+        """This agent's name: what notifications from it are attributed to on the peer (the
+        decode rank binds a request to it, ``Receiver.expect(peer=)``). Agents choose their
+        own names: NIXL does not authenticate them."""
         return _text(self.agent.name)
 
     def metadata(self) -> bytes:
@@ -353,14 +365,16 @@ class NixlTransport:
 
     def poll_notifications(self) -> List[Tuple[str, bytes]]:
         """Every notification received and not yet taken, as ``(peer name, message)``, oldest
-        first per peer. Takes them all: use it or :meth:`wait_notification`, not both."""
-        notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
+        first per peer. Thread-safe with :meth:`wait_notification`: each notification goes to
+        exactly one of them (so a message this takes is not there for a later
+        ``wait_notification``)."""
         out = []
-        for peer, messages in notifs.items():
-            taken = messages[:]
-            # Only what was copied: a message appended meanwhile stays for the next call.
-            del messages[:len(taken)]
-            out.extend((_text(peer), bytes(m)) for m in taken)
+        with self._notify_lock:
+            notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
+            for peer, messages in notifs.items():
+                taken = list(messages)
+                del messages[:len(taken)]
+                out.extend((_text(peer), bytes(m)) for m in taken)
         return out
 
     def wait_notification(self, peer: str, message: bytes, *,
@@ -379,12 +393,13 @@ class NixlTransport:
 
     def _take_notification(self, peer: str, message: bytes) -> bool:
         # Exact match: check_remote_xfer_done matches prefixes, so b"req-1" would take b"req-10".
-        notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
-        for key in (peer, peer.encode()):
-            messages = notifs.get(key)
-            if messages and message in messages:
-                messages.remove(message)
-                return True
+        with self._notify_lock:
+            notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
+            for key in (peer, peer.encode()):
+                messages = notifs.get(key)
+                if messages and message in messages:
+                    messages.remove(message)
+                    return True
         return False
 
 
@@ -397,4 +412,6 @@ def _wrapped(what: str, error: BaseException, peer: Any,
 
 
 def _text(name: Any) -> str:
-    return name.decode() if isinstance(name, bytes) else str(name)
+    """A NIXL agent name as text; a name that is not UTF-8 (agents choose their own) keeps its
+    bytes as escapes rather than raising."""
+    return name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else str(name)

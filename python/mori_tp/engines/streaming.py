@@ -7,14 +7,22 @@ pack is a pack of those buffers into that part, and its segments are the request
 list applied to those buffers (:meth:`RequestPlan.addresses` with ``buffers``). Nothing here
 depends on how a plan computed its segments.
 
+Decode rank (:class:`Receiver`, one per transport), first: it draws the request's token::
+
+    receiver = Receiver(transport).start()
+    incoming = receiver.expect("req-17", config, dst_pages, memory=slot_memory,
+                               peer=prefill_name, on_done=lambda _: pool.free(slot))
+    # Send incoming.token to the prefill rank with the slot's offset and the page list.
+    receiver.wait(incoming)          # every chunk landed and unpacked; or TransferError
+
 Prefill rank (:class:`Streamer`, one per transport)::
 
     streamer = Streamer(transport)
     # Whole request, pipelined: pack chunk i+1 while chunk i is written and the decode rank
     # unpacks chunk i-1.
-    result = streamer.send(peer, plan, "req-17")
+    result = streamer.send(peer, plan, "req-17", token=token)
     # Layer by layer, behind prefill compute:
-    stream = streamer.open(peer, plan, "req-18", layers=num_layers)
+    stream = streamer.open(peer, plan, "req-18", token=token, layers=num_layers)
     for layer in range(num_layers):
         run_layer(layer)
         stream.submit(layer, ready=layer_event)   # a torch.cuda.Event, a hipEvent_t (int),
@@ -22,48 +30,58 @@ Prefill rank (:class:`Streamer`, one per transport)::
     stream.seal()                                 # after the last layer: the count is final
     result = stream.wait()
 
-Decode rank (:class:`Receiver`, one per transport)::
-
-    receiver = Receiver(transport).start()
-    incoming = receiver.expect("req-17", config, dst_pages, memory=slot_memory,
-                               num_buffers=num_buffers)
-    receiver.wait(incoming)          # every chunk landed and unpacked; or TransferError
-
-Protocol (ASCII notifications, delivered by the engine after the data they follow):
-``mori-tp/1 <request> chunk <index> <ranges>`` after each chunk's data, with `` sealed <count>``
-appended to the last one when the sender has sealed by then, else a separate
-``mori-tp/1 <request> sealed <count>``; ``mori-tp/1 <request> abort <reason>`` when the sender
-fails. ``<ranges>`` is ``first-end`` pairs joined by commas. The receiver unpacks each chunk as
-it arrives (staging DST or BOTH), and completes the request once it is sealed, every chunk
-below the count has arrived and every buffer has arrived exactly once. A chunk index or a
-buffer that arrives twice, or a seal whose count disagrees with what arrived, fails the
-request with an error that names them; a request that makes no progress for ``timeout``
-seconds (default :data:`DEFAULT_TIMEOUT`) fails naming what is missing. Nothing waits forever.
+Protocol (:mod:`mori_tp.engines.protocol`, REFERENCE.md section 13): after each chunk's data a
+notification ``mori-tp/2 <request> <token> chunk <index> <ranges>``, with `` sealed <count>``
+appended to the last one when the sender has sealed by then, else a separate ``... sealed
+<count>``; ``... abort ended|busy <reason>`` when the sender fails, sent only once every write
+of the stream has returned. The receiver takes a message only from the request's token holder
+(and the bound peer, when given), unpacks each chunk as it arrives (staging DST or BOTH), and
+completes the request once it is sealed, every chunk below the count has arrived and every
+buffer has arrived exactly once. Anything else (a chunk or buffer twice, a count out of range,
+overlapping ranges, a malformed message from the token holder) fails the request with an error
+that names it; a message without the token changes nothing and is recorded in
+:attr:`Receiver.violations`. A request that makes no progress for ``timeout`` seconds (default
+:data:`DEFAULT_TIMEOUT`) fails naming what is missing. Nothing waits forever.
 
 Chunk size (:func:`chunk_ranges`): ``min(num_buffers, cap, bytes // MIN_CHUNK_BYTES)``
 chunks (at least 1) of whole buffers, as even as buffers allow, where ``cap`` is half the host's
-cores, at least 2 and at most ``MAX_AUTO_CHUNKS``: 2 chunks from 8 MiB up on two cores. With ``n`` chunks the stages that are not the bottleneck are hidden but for about
-``1/n`` of their time, and each chunk costs one engine call, one notification and two thread
-wake-ups (about 0.3 ms measured here); REFERENCE.md section 13 and BENCHMARKS.md give the
-measurement behind the constants.
+cores, at least 2 and at most ``MAX_AUTO_CHUNKS``: 2 chunks from 8 MiB up on two cores. With
+``n`` chunks the stages that are not the bottleneck are hidden but for about ``1/n`` of their
+time, and each chunk costs one engine call, one notification and two thread wake-ups (about
+0.3 ms measured here); REFERENCE.md section 13 and BENCHMARKS.md give the measurement behind
+the constants.
 """
 
 from __future__ import annotations
 
 import ctypes
+import heapq
+import hmac
+import math
 import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 import mori_tp
 from mori_tp import (
     BackendUnavailableError,
     GpuError,
     InvalidArgumentError,
-    PageIndices,
+    PairConfig,
     SliceConfig,
     Staging,
 )
@@ -74,12 +92,22 @@ from . import (
     RequestPlan,
     SendResult,
     TransferError,
-    _ranges,
     _staging,
     buffer_indices,
     unpack_request,
 )
 from .faults import TransferTimeoutError, about, planned_epoch
+from .protocol import (  # noqa: F401 - chunk_message, seal_message: also from here
+    PROTOCOL,
+    Message,
+    abort_message,
+    check_request_id,
+    check_token,
+    chunk_message,
+    new_token,
+    parse_message,
+    seal_message,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -92,10 +120,12 @@ __all__ = [
     "chunk_ranges",
     "hip_event_synchronize",
     "layer_buffers",
+    "new_token",
 ]
 
 #: Seconds any wait of this module lasts at most unless told otherwise: a stream's wait, a
-#: receiver's wait, one engine write, and a request that makes no progress.
+#: receiver's wait, one engine write, a request that makes no progress, and how long a failed
+#: request's memory is held before its ``on_done`` (a write of its sender may still land).
 DEFAULT_TIMEOUT = 60.0
 #: No automatic chunk is smaller than this: each chunk costs about 0.3 ms here (an engine call,
 #: a notification, two thread wake-ups), which smaller chunks do not win back (BENCHMARKS.md).
@@ -105,7 +135,15 @@ MIN_CHUNK_BYTES = 4 << 20
 #: none; BENCHMARKS.md).
 MAX_AUTO_CHUNKS = 8
 
-PROTOCOL = "mori-tp/1"
+#: What a Receiver keeps, at most: violations (the newest; ``violation_count`` counts all),
+#: other users' notifications (entries and bytes), messages for requests not expected yet
+#: (entries and bytes), and finished requests remembered to recognise a late message.
+MAX_VIOLATIONS = 1000
+MAX_OTHERS = 1024
+MAX_OTHERS_BYTES = 16 << 20
+MAX_EARLY = 1024
+MAX_EARLY_BYTES = 4 << 20
+MAX_RECENT = 4096
 
 
 def chunk_ranges(num_buffers: int, bytes_per_buffer: int,
@@ -156,70 +194,38 @@ def _merged(indices: Sequence[int]) -> List[Tuple[int, int]]:
     return out
 
 
-def _check_request_id(request_id: str) -> str:
-    if not isinstance(request_id, str) or not request_id or len(request_id) > 200 or any(
-            c.isspace() or not c.isprintable() for c in request_id):
-        raise InvalidArgumentError(
-            f"request id {request_id!r} must be 1-200 printable characters without spaces"
-        )
-    return request_id
+def _listed(items: Sequence[Any], most: int = 32) -> str:
+    """``[a, b, ...]``, cut after ``most`` items with the count: error messages stay short
+    whatever a peer sends."""
+    items = list(items)
+    if len(items) <= most:
+        return str(items)
+    return str(items[:most])[:-1] + f", ... ({len(items)} in all)]"
 
 
-def chunk_message(request_id: str, index: int, ranges: BufferRanges,
-                  sealed: Optional[int] = None) -> bytes:
-    text = f"{PROTOCOL} {request_id} chunk {index} " + ",".join(f"{a}-{b}" for a, b in ranges)
-    if sealed is not None:
-        text += f" sealed {sealed}"
-    return text.encode()
+def _a(word: str) -> str:
+    """``word`` with its indefinite article."""
+    return ("an " if word[:1] in "aeiou" else "a ") + word
 
 
-def seal_message(request_id: str, count: int) -> bytes:
-    return f"{PROTOCOL} {request_id} sealed {count}".encode()
+def _check_timeout(value: Any, name: str, where: str) -> float:
+    """A wait in seconds: a finite number above 0 (no wait of this module is unbounded)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < math.inf:
+        raise InvalidArgumentError(f"{where}: {name} {value!r} must be a finite number of "
+                                   "seconds above 0")
+    return float(value)
 
 
-def abort_message(request_id: str, reason: str) -> bytes:
-    reason = " ".join(reason.split())[:300]
-    return f"{PROTOCOL} {request_id} abort {reason}".encode("ascii", "replace")
-
-
-@dataclass(frozen=True)
-class Message:
-    """A parsed notification of this protocol."""
-
-    request_id: str
-    #: "chunk", "sealed" or "abort".
-    kind: str
-    index: int = -1
-    ranges: Tuple[Tuple[int, int], ...] = ()
-    sealed: Optional[int] = None
-    reason: str = ""
-
-
-def parse_message(message: bytes) -> Optional[Message]:
-    """The protocol message in ``message``, or None when it is not one (another user's
-    notification). A malformed message of this protocol is kind "malformed"."""
-    try:
-        words = message.decode("ascii").split(" ")
-    except UnicodeDecodeError:
-        return None
-    if len(words) < 3 or words[0] != PROTOCOL:
-        return None
-    request_id, kind = words[1], words[2]
-    try:
-        if kind == "chunk" and len(words) in (5, 7):
-            ranges = tuple(tuple(int(v) for v in part.split("-"))
-                           for part in words[4].split(","))
-            if any(len(r) != 2 for r in ranges) or (len(words) == 7 and words[5] != "sealed"):
-                raise ValueError
-            sealed = int(words[6]) if len(words) == 7 else None
-            return Message(request_id, kind, int(words[3]), ranges, sealed)  # type: ignore
-        if kind == "sealed" and len(words) == 4:
-            return Message(request_id, kind, sealed=int(words[3]))
-        if kind == "abort":
-            return Message(request_id, kind, reason=" ".join(words[3:]))
-    except ValueError:
-        pass
-    return Message(request_id, "malformed", reason=repr(message))
+def _run_release(release: Optional[Callable[[], None]], error: BaseException) -> None:
+    """Runs a ``release`` whose stream never began, for the call that took it and raises
+    ``error``; a failure of ``release`` goes on ``error`` (its ``__context__``), not instead
+    of it."""
+    if release is not None:
+        try:
+            release()
+        except Exception as failure:  # noqa: BLE001 - the caller's error comes first
+            error.__context__ = failure
 
 
 # --- the prefill side ----------------------------------------------------------------------
@@ -299,16 +305,26 @@ def _wait_ready(ready: Any) -> None:
 
 
 class RequestStream:
-    """One request in flight from this rank: chunks submitted as they become ready, written in
-    order by the :class:`Streamer`'s threads. Get one from :meth:`Streamer.open`."""
+    """One request in flight from this rank: chunks submitted as they become ready, written by
+    the :class:`Streamer`'s threads. Get one from :meth:`Streamer.open`.
+
+    Its life: chunks wait for their ``ready`` on a thread of this stream's own (so a layer
+    whose compute never finishes holds back only its own request), are packed by the
+    streamer's packing thread and written by its writing thread. The stream ends written (the
+    seal delivered after every chunk) or failed (the first error). A failed stream writes no
+    further chunk, tells the decode rank with an ``abort`` once every write of it has returned,
+    and then gives its memory back (``release``), unless an engine may still read it.
+    """
 
     def __init__(self, streamer: "Streamer", peer: Any, plan: RequestPlan, request_id: str,
-                 layers: Optional[int], backend: str, stream: Optional[int],
+                 token: str, layers: Optional[int], backend: str, stream: Optional[int],
                  timeout: float, release: Optional[Callable[[], None]] = None) -> None:
         self._streamer = streamer
         self.peer = peer
         self.plan = plan
-        self.request_id = _check_request_id(request_id)
+        self.request_id = request_id
+        #: The request's token (the decode rank's ``Incoming.token``), in every notification.
+        self.token = token
         self.num_layers = layers
         self._layer = layer_buffers(plan.num_buffers, layers) if layers is not None else None
         self.backend = backend
@@ -316,18 +332,32 @@ class RequestStream:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._submitted = [False] * plan.num_buffers
+        #: Chunks submitted, and chunks whose write returned.
         self._chunks = 0
+        self._written = 0
         self._sealed: Optional[int] = None
-        self._seal_sent = False
+        #: How the count reaches the decode rank: None (not yet), "riding" (on the chunk being
+        #: written, the last one), "queued" (alone, queued or being sent), "sent".
+        self._seal: Optional[str] = None
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
-        self._carrier: Optional[Tuple[int, int]] = None
-        #: Chunks queued for the packing thread and not yet handed to the writing thread.
-        self._in_packing = 0
-        #: Chunks and seals submitted whose writing thread has not finished with them: while
-        #: any is, the streamer may still read the local memory (the staging slot).
+        #: An error of this stream that says an engine may still move its bytes, if any (not
+        #: only the first error: a write that fails after a timeout failed the stream counts).
+        self._engine_busy: Optional[BaseException] = None
+        #: Chunks whose ``ready`` has not returned: not packed, memory not touched yet.
+        self._waiting = 0
+        #: Chunks past their ``ready`` that the writing thread has not finished with, the seal
+        #: sent alone, and the abort being sent: while any is, the local memory may be read.
         self._busy = 0
+        #: The abort to the decode rank: None, "pending" (the stream failed; sent once _busy is
+        #: 0), "sending", "sent".
+        self._abort: Optional[str] = None
+        #: The abort's own failure, if it could not be sent (the receiver then times out).
+        self.abort_error: Optional[BaseException] = None
+        self._readies: "queue.Queue[Any]" = queue.Queue()
+        self._ready_thread: Optional[threading.Thread] = None
         self._release = release
+        self._releasing = False
         #: Set once ``release`` has run (or would have: a stream without one), see released.
         self._released = threading.Event()
         #: Why the slot was kept instead of released (an engine that may still read it).
@@ -345,17 +375,22 @@ class RequestStream:
                buffers: Optional[BufferRanges] = None, ready: Any = None,
                pack_here: bool = False) -> int:
         """Queues one chunk: ``layers`` (a layer or several; needs ``layers=`` at open) or
-        ``buffers`` (ranges). Packing waits for ``ready`` (None: ready now; a callable; an
-        object with ``synchronize()``, such as the layer's torch.cuda.Event; or a raw
-        ``hipEvent_t`` handle as an int, synchronized with ``hipEventSynchronize`` from
-        libamdhip64, loaded with ctypes: :func:`hip_event_synchronize`) on the streamer's
-        thread, so this returns at once; with ``pack_here`` it waits and packs on the calling
-        thread instead (one thread handoff fewer per chunk, for a caller that has nothing else
-        to do, as :meth:`Streamer.send`). Returns the chunk's index.
+        ``buffers`` (ranges), at least one buffer. Packing waits for ``ready`` (None: ready
+        now; a callable; an object with ``synchronize()``, such as the layer's
+        torch.cuda.Event; or a raw ``hipEvent_t`` handle as an int, synchronized with
+        ``hipEventSynchronize`` from libamdhip64, loaded with ctypes:
+        :func:`hip_event_synchronize`) on a thread of this stream, so this returns at once and
+        a ``ready`` that never returns holds back no other request; with ``pack_here`` it waits
+        and packs on the calling thread instead (one thread handoff fewer per chunk, for a
+        caller that has nothing else to do, as :meth:`Streamer.send`); an exception there,
+        ``KeyboardInterrupt`` included, fails the stream and is raised. Returns the chunk's
+        index.
 
-        Raises InvalidArgumentError, changing nothing, for a buffer already submitted (a layer
-        submitted twice), a stream already sealed, or ranges outside the buffers; the error of
-        an earlier chunk (TransferError) once the stream has failed.
+        Raises InvalidArgumentError, changing nothing, for an empty chunk, a buffer already
+        submitted (a layer submitted twice), a stream already sealed, ranges outside the
+        buffers, or a chunk whose notification would exceed the protocol's bound; a
+        TransferError caused by the stream's error once the stream has failed; and
+        InvalidArgumentError, failing the stream, once the streamer is closed.
         """
         if (layers is None) == (buffers is None):
             raise TypeError("submit: pass layers or buffers, not both or neither")
@@ -368,9 +403,18 @@ class RequestStream:
             indices = [b for layer in chosen for a, e in self._layer(layer) for b in range(a, e)]
         else:
             indices = buffer_indices(buffers, self.plan.num_buffers)
+        if not indices:
+            raise InvalidArgumentError(
+                f"submit: request {self.request_id}: an empty chunk (no layer, no buffer); a "
+                "chunk carries at least one buffer")
+        ranges = _merged(indices)
+        # The longest this chunk's notification can be: refused here, not by the receiver.
+        width = self.plan.num_buffers
+        chunk_message(self.request_id, self.token, width, ranges, sealed=width)
         with self._lock:
             if self._error is not None:
-                raise TransferError(f"request {self.request_id} failed: {self._error}")
+                raise TransferError(f"request {self.request_id} failed: {self._error}") \
+                    from self._error
             if self._sealed is not None:
                 raise InvalidArgumentError(
                     f"submit: request {self.request_id} is sealed with {self._sealed} chunks")
@@ -380,26 +424,40 @@ class RequestStream:
                 raise InvalidArgumentError(
                     f"submit: request {self.request_id}: {self._describe(twice)} "
                     "already submitted (each buffer is sent exactly once)")
-            for b in indices:
-                self._submitted[b] = True
-            index = self._chunks
-            self._chunks += 1
-            self._busy += 1
-            if not pack_here:
-                self._in_packing += 1
-        item = (self, index, _merged(indices), ready)
+            if self._streamer._closing:
+                closed = self._streamer._closed_error("submit", self)
+            else:
+                closed = None
+                for b in indices:
+                    self._submitted[b] = True
+                index = self._chunks
+                self._chunks += 1
+                if ready is None or pack_here:
+                    self._busy += 1
+                else:
+                    self._waiting += 1
+        if closed is not None:
+            self._fail(closed)
+            raise closed
+        item = (self, index, ranges, ready)
         if pack_here:
-            self._streamer._pack(item)
+            self._streamer._pack(item, here=True)
+        elif ready is None:
+            self._streamer._hand(self._streamer._packing, item)
         else:
-            self._streamer._packing.put(item)
+            self._await_ready(item)
         return index
 
     def seal(self) -> int:
         """Fixes the chunk count after the last submit; the decode rank learns it with the last
         chunk or in a message of its own. Returns the count. Raises InvalidArgumentError,
-        changing nothing, when a buffer (a layer) was never submitted or the stream is sealed
-        already."""
+        changing nothing, when no chunk or a buffer (a layer) was never submitted, or the
+        stream is sealed already; the stream's error (a TransferError caused by it) once it
+        has failed."""
         with self._lock:
+            if self._error is not None:
+                raise TransferError(f"request {self.request_id} failed: {self._error}") \
+                    from self._error
             if self._sealed is not None:
                 raise InvalidArgumentError(
                     f"seal: request {self.request_id} is already sealed with {self._sealed} "
@@ -410,17 +468,21 @@ class RequestStream:
                     f"seal: request {self.request_id}: {self._describe(missing)} never "
                     "submitted (seal after the last layer)")
             self._sealed = self._chunks
-            self._busy += 1
-            # Straight to the writing thread when no chunk of this stream waits to be packed.
-            direct = self._in_packing == 0
-        (self._streamer._writing if direct else self._streamer._packing).put(
-            (self, None, None, None))
+            # Every chunk written already: the count goes alone. Otherwise the last chunk to be
+            # written carries it (or sends it right after, see Streamer._write_chunk).
+            alone = self._written == self._chunks and self._seal is None
+            if alone:
+                self._seal = "queued"
+                self._busy += 1
+        if alone:
+            self._streamer._hand(self._streamer._writing, (self, None, None, None))
         return self._chunks
 
     def wait(self, timeout: Optional[float] = None) -> SendResult:
         """Waits until every chunk and the seal are written (``timeout``: default the
-        stream's); returns what moved. Raises the first error of any chunk, or TransferError
-        after the timeout (the stream then fails: later chunks are not written)."""
+        stream's); returns what moved. Raises the stream's first error, or
+        TransferTimeoutError after the timeout: the stream then fails (later chunks are not
+        written, the decode rank is told once the write in progress has returned)."""
         limit = self.timeout if timeout is None else timeout
         if not self._done.wait(limit):
             self._fail(TransferTimeoutError(
@@ -431,18 +493,27 @@ class RequestStream:
         return SendResult(self.plan.staging, self.segments, self.bytes, self.calls,
                           self.pack_seconds, self.write_seconds, chunks=self._chunks)
 
+    def abort(self, reason: str = "aborted by the caller") -> bool:
+        """Fails the stream now: no further chunk is written, ``wait`` raises a TransferError
+        naming ``reason``, the decode rank gets an ``abort`` once every write of the stream has
+        returned, and ``release`` runs after that. Returns False (doing nothing) when the
+        stream had already ended."""
+        return self._fail(TransferError(
+            f"request {self.request_id} {about(self.peer, None)}: {reason}", peer=self.peer,
+            request_id=self.request_id))
+
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
     def released(self, timeout: Optional[float] = None) -> bool:
         """Waits until the stream no longer uses its local memory (every chunk it took is
-        written or dropped) and its ``release`` has run; returns True. ``timeout``: seconds,
-        default the stream's (:meth:`Streamer.open`'s ``timeout``, else the streamer's,
-        :data:`DEFAULT_TIMEOUT` = 60 s unless told otherwise); never unbounded. A failed
-        stream gets there once the engine call in progress, if any, has returned (the engine
-        bounds it); one whose engine may still read the memory (``engine_busy``) never does,
-        and says why in :attr:`kept`.
+        written or dropped, its abort sent) and its ``release`` has run; returns True.
+        ``timeout``: seconds, default the stream's (:meth:`Streamer.open`'s ``timeout``, else
+        the streamer's, :data:`DEFAULT_TIMEOUT` = 60 s unless told otherwise); never
+        unbounded. A failed stream gets there once the engine call in progress, if any, has
+        returned (the engine bounds it); one whose engine may still read the memory
+        (``engine_busy`` on any of its errors) never does, and says why in :attr:`kept`.
 
         Raises:
             TransferTimeoutError: not released after ``timeout`` seconds; the message says
@@ -462,15 +533,70 @@ class RequestStream:
     def _describe(self, buffers: Sequence[int]) -> str:
         if self._layer is not None and self.num_layers:
             layers = sorted({b % self.num_layers for b in buffers})
-            return f"layers {layers} (buffers {list(buffers)})"
-        return f"buffers {list(buffers)}"
+            return f"layers {_listed(layers)} (buffers {_listed(buffers)})"
+        return f"buffers {_listed(buffers)}"
 
     def _progress(self) -> str:
         with self._lock:
             sealed = "not sealed" if self._sealed is None else f"sealed with {self._sealed}"
-            return f"{self._chunks} chunks submitted, {sealed}, seal sent: {self._seal_sent}"
+            return (f"{self._chunks} chunks submitted, {self._written} written, {sealed}, "
+                    f"seal sent: {self._seal == 'sent'}")
 
-    def _fail(self, error: BaseException) -> None:
+    def _carrier(self) -> Optional[int]:
+        """A byte of the decode rank's registered memory that a notification without data can
+        read (Mooncake sends a notification only with a transfer): the first buffer's."""
+        remote = self.plan.remote
+        if remote.buffers:
+            return remote.buffers[0]
+        return remote.staging or None
+
+    def _await_ready(self, item: Tuple[Any, ...]) -> None:
+        """Queues a chunk for this stream's ready thread, starting it if none runs."""
+        with self._lock:
+            self._readies.put(item)
+            thread = None
+            if self._ready_thread is None:
+                thread = threading.Thread(target=self._ready_loop, daemon=True,
+                                          name=f"mori-tp-ready ({self.request_id})")
+                self._ready_thread = thread
+        if thread is not None:
+            self._streamer._track(thread)
+            thread.start()
+
+    def _ready_loop(self) -> None:
+        """Waits for each queued chunk's ``ready`` in turn and hands the chunk to the packing
+        thread; ends when none is queued. A failed stream's chunks are dropped unwaited."""
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                try:
+                    item = self._readies.get_nowait()
+                except queue.Empty:
+                    self._ready_thread = None
+                    self._streamer._untrack(me)
+                    return
+            failure: Optional[BaseException] = None
+            if self._error is None:
+                try:
+                    _wait_ready(item[3])
+                except BaseException as error:  # noqa: B036 - reported to the caller's wait
+                    failure = error
+            if failure is not None:
+                self._fail(failure)
+            with self._lock:
+                self._waiting -= 1
+                go = self._error is None
+                if go:
+                    self._busy += 1
+            if go:
+                self._streamer._hand(self._streamer._packing, item)
+            else:
+                self._settle()
+
+    def _fail(self, error: BaseException) -> bool:
+        """Fails the stream with ``error`` if it has not ended; returns whether this did. An
+        error that says the engine may still read (``engine_busy``) is remembered even when
+        the stream had failed before, so that its memory is kept."""
         if isinstance(error, TransferError):
             # Name the request and the peer on errors that came without them.
             if error.request_id is None:
@@ -478,46 +604,97 @@ class RequestStream:
             if error.peer is None:
                 error.peer = self.peer
         with self._lock:
-            if self._error is None and not self._done.is_set():
+            if isinstance(error, TransferError) and error.engine_busy \
+                    and self._engine_busy is None:
+                self._engine_busy = error
+            first = not self._done.is_set()
+            if first:
                 self._error = error
-            else:
-                return
-        self._done.set()
-        self._streamer._abort(self, str(error))
-        self._maybe_release()
+                self._abort = "pending"
+                self._done.set()
+        if first:
+            self._streamer._forget(self)
+        self._settle()
+        return first
 
     def _finish(self) -> None:
-        self._done.set()
-        self._maybe_release()
+        """Every chunk and the count were delivered."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._done.set()
+        self._streamer._forget(self)
+        self._settle()
 
     def _put_down(self) -> None:
         """The writing thread is done with one chunk or seal of this stream."""
         with self._lock:
             self._busy -= 1
-        self._maybe_release()
+        self._settle()
 
-    def _maybe_release(self) -> None:
-        """Runs ``release`` once the stream has ended and nothing of it is in use."""
+    def _settle(self) -> None:
+        """Once the stream has ended and nothing of it is in use: a failed stream sends its
+        abort first (so that the decode rank hears of the failure only after every write of
+        the stream has returned), then ``release`` runs, unless an engine may still read the
+        memory."""
+        abort = False
+        release: Optional[Callable[[], None]] = None
         with self._lock:
-            if self._released.is_set() or self.kept or not self._done.is_set() or self._busy:
+            if not self._done.is_set() or self._busy:
                 return
-            if isinstance(self._error, TransferError) and self._error.engine_busy:
+            if self._error is not None and self._abort == "pending":
+                self._abort = "sending"
+                self._busy += 1
+                abort = True
+                busy = self._engine_busy is not None
+            elif self._releasing or self.kept is not None:
+                return
+            elif self._engine_busy is not None:
                 self.kept = (f"request {self.request_id}: the engine may still read its "
-                             f"memory ({self._error}); its staging slot is not released")
+                             f"memory ({self._engine_busy}); its staging slot is not released")
                 return
-            self._released.set()
-            release, self._release = self._release, None
-        if release is not None:
-            try:
+            else:
+                self._releasing = True
+                release, self._release = self._release, None
+        if abort:
+            thread = threading.Thread(target=self._send_abort, args=(busy,), daemon=True,
+                                      name=f"mori-tp-abort ({self.request_id})")
+            self._streamer._track(thread, self._streamer._aborts)
+            thread.start()
+            return
+        try:
+            if release is not None:
                 release()
-            except Exception as error:  # noqa: BLE001 - reported; the threads must go on
-                self.kept = f"request {self.request_id}: release raised {error!r}"
+        except Exception as error:  # noqa: BLE001 - reported; the threads must go on
+            self.kept = f"request {self.request_id}: release raised {error!r}"
+            return
+        self._released.set()
+
+    def _send_abort(self, busy: bool) -> None:
+        """Tells the decode rank that the stream failed: ``abort busy`` when an engine may still
+        move bytes of it, else ``abort ended``. Runs on a thread of its own, so that a failing
+        caller is not held up by a peer that does not answer; best effort (a receiver that
+        never hears it times out)."""
+        try:
+            self._streamer.transport.notify(
+                self.peer, abort_message(self.request_id, self.token, str(self._error), busy),
+                carrier=self._carrier(), timeout=self.timeout,
+                epoch=planned_epoch(self.plan), request_id=self.request_id)
+        except BaseException as error:  # noqa: B036 - best effort, recorded
+            self.abort_error = error
+        finally:
+            with self._lock:
+                self._abort = "sent"
+                self._busy -= 1
+            self._settle()
+            self._streamer._untrack(threading.current_thread(), self._streamer._aborts)
 
 
 class Streamer:
     """Writes requests in chunks through one transport: a packing thread and a writing thread
     shared by every request in flight, so that packing chunk i+1 overlaps writing chunk i (the
-    engine and the pack release the GIL). Requests interleave in submission order.
+    engine and the pack release the GIL). Chunks are packed in the order they become ready and
+    written in the order they were packed; requests interleave.
 
     The transport needs ``write(peer, src, dst, lengths, notification=...)``,
     ``notify(peer, message, carrier=...)`` and, on the receiving side, ``poll_notifications()``:
@@ -527,8 +704,18 @@ class Streamer:
 
     def __init__(self, transport: Any, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.transport = transport
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout, "timeout", "Streamer")
+        self._lock = threading.Lock()
+        #: No new stream or chunk is taken (close was called).
         self._closing = False
+        #: The packing and writing threads have been told to stop, and have stopped taking work.
+        self._stopped = False
+        self._gone: Set[int] = set()
+        self._streams: Set[RequestStream] = set()
+        self._waiters: Set[threading.Thread] = set()
+        #: Threads sending a failed stream's abort: close() waits for them too, so that no
+        #: streamer thread is inside the engine once it returns.
+        self._aborts: Set[threading.Thread] = set()
         self._packing: "queue.Queue[Any]" = queue.Queue()
         self._writing: "queue.Queue[Any]" = queue.Queue()
         self._threads = [
@@ -539,60 +726,136 @@ class Streamer:
             thread.start()
 
     def open(self, peer: Any, plan: RequestPlan, request_id: str, *,
-             layers: Optional[int] = None, backend: str = "auto",
+             token: Optional[str] = None, layers: Optional[int] = None, backend: str = "auto",
              stream: Optional[int] = None, timeout: Optional[float] = None,
              release: Optional[Callable[[], None]] = None) -> RequestStream:
-        """A stream for one request to ``peer``; submit its chunks, then seal. ``layers``: the
-        model's layers, when the plan's buffers are one or two per layer (see
+        """A stream for one request to ``peer``; submit its chunks, then seal. ``token``: the
+        request's token, drawn by the decode rank's :meth:`Receiver.expect` and sent with the
+        slot and pages (``incoming.token``); default the plan's (``plan_request(...,
+        token=)``). The decode rank ignores messages without it.
+        ``layers``: the model's layers, when the plan's buffers are one or two per layer (see
         :func:`layer_buffers`), to submit by layer. ``timeout``: the stream's (default the
         streamer's), for its wait and each engine write.
 
-        ``release``: called once, on a streamer thread, when the stream has ended (written,
-        or failed) and none of its chunks is being packed or written any more: return the
-        request's staging slot there (``lambda: pool.free(slot)``). Not called while the
-        engine may still read the memory (an error with ``engine_busy``; :attr:`RequestStream.kept`
-        says so).
+        ``release``: called exactly once, on a streamer thread, when the stream has ended
+        (written, or failed) and none of its chunks is being packed or written any more, nor
+        its abort sent: return the request's staging slot there (``lambda: pool.free(slot)``).
+        Not called while the engine may still read the memory (an error with
+        ``engine_busy``; :attr:`RequestStream.kept` says so). When ``open`` itself raises,
+        ``release`` has run before it does (nothing used the memory).
 
         Raises :class:`~mori_tp.engines.StaleRegistrationError` at once, with nothing queued,
-        when the plan's registration epoch is not the one the peer announced last."""
-        epochs = getattr(self.transport, "peer_epochs", None)
-        if epochs is not None:
-            epochs.check("streamer", peer, planned_epoch(plan), request_id)
-        return RequestStream(self, peer, plan, request_id, layers, backend, stream,
-                             self.timeout if timeout is None else timeout, release)
+        when the plan's registration epoch is not the one the peer announced last;
+        InvalidArgumentError for a missing or bad token, a request id the protocol cannot
+        carry, a plan without buffers, a bad timeout, or a closed streamer."""
+        try:
+            where = "Streamer.open"
+            check_request_id(request_id, where)
+            planned = getattr(plan, "token", None)
+            if token is None:
+                token = planned
+            elif planned is not None and planned != token:
+                raise InvalidArgumentError(f"{where}: request {request_id}: the token differs "
+                                           "from the one the plan was made with")
+            if token is None:
+                raise InvalidArgumentError(
+                    f"{where}: request {request_id} needs its token: the one the decode rank's "
+                    "Receiver.expect drew (incoming.token), sent with the slot and pages "
+                    "(plan_request(..., token=) or token=)")
+            check_token(token, where)
+            if plan.num_buffers < 1:
+                raise InvalidArgumentError(f"{where}: request {request_id}: the plan has no "
+                                           "buffers")
+            limit = self.timeout if timeout is None else _check_timeout(timeout, "timeout",
+                                                                        where)
+            epochs = getattr(self.transport, "peer_epochs", None)
+            if epochs is not None:
+                epochs.check("streamer", peer, planned_epoch(plan), request_id)
+            request = RequestStream(self, peer, plan, request_id, token, layers, backend,
+                                    stream, limit, release)
+            with self._lock:
+                if self._closing:
+                    raise self._closed_error("open", request)
+                self._streams.add(request)
+        except BaseException as error:
+            _run_release(release, error)
+            raise
+        return request
 
     def send(self, peer: Any, plan: RequestPlan, request_id: str, *,
-             chunks: Optional[int] = None, backend: str = "auto",
+             token: Optional[str] = None, chunks: Optional[int] = None, backend: str = "auto",
              stream: Optional[int] = None, timeout: Optional[float] = None,
              release: Optional[Callable[[], None]] = None) -> SendResult:
         """One whole request, pipelined: its buffers in :func:`chunk_ranges` chunks, submitted
-        at once and sealed; returns when every chunk is written (``release`` as for
-        :meth:`open`)."""
-        request = self.open(peer, plan, request_id, backend=backend, stream=stream,
-                            timeout=timeout, release=release)
-        # The caller packs chunk i+1 while the writing thread writes chunk i.
-        for ranges in chunk_ranges(plan.num_buffers, plan.bytes_per_buffer, chunks):
-            request.submit(buffers=[ranges], pack_here=True)
-        request.seal()
+        at once and sealed; returns when every chunk is written (``token`` and ``release`` as
+        for :meth:`open`). Raises the stream's error: the pack's or the engine's own
+        exception, not a wrapper; ``release`` runs in every case (also when ``chunks`` is
+        refused)."""
+        try:
+            ranges = chunk_ranges(plan.num_buffers, plan.bytes_per_buffer, chunks)
+        except BaseException as error:
+            _run_release(release, error)
+            raise
+        request = self.open(peer, plan, request_id, token=token, backend=backend,
+                            stream=stream, timeout=timeout, release=release)
+        try:
+            # The caller packs chunk i+1 while the writing thread writes chunk i.
+            for chunk in ranges:
+                request.submit(buffers=[chunk], pack_here=True)
+            request.seal()
+        except BaseException as error:  # noqa: B036 - the stream ends with it, then it goes on
+            request._fail(error)
+            original = request._error
+            if original is not None and original is not error \
+                    and isinstance(error, TransferError) and error.__cause__ is original:
+                raise original from None
+            raise
         return request.wait()
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Stops the threads once the queued work is done, waiting at most ``timeout`` seconds
-        for both (default the streamer's ``timeout``, :data:`DEFAULT_TIMEOUT` = 60 s unless
-        told otherwise). Closing again waits again for threads still running.
+        """Stops taking work, fails the streams that were never sealed (they could not end
+        otherwise; their ``release`` runs), and stops the threads once the queued work is done,
+        waiting at most ``timeout`` seconds in all (default the streamer's ``timeout``,
+        :data:`DEFAULT_TIMEOUT` = 60 s unless told otherwise). Closing again waits again for
+        threads still running. ``open``, ``send`` and ``submit`` after ``close`` raise
+        InvalidArgumentError.
 
         Raises:
-            TransferTimeoutError: a thread still running after ``timeout`` (a ``ready`` that
-                never returns, an engine call that does not end); the message names it.
+            TransferTimeoutError: a thread still running after ``timeout`` (a stream's
+                ``ready`` that has not returned, an engine call that does not end, an abort
+                to a peer that does not answer); the message names it.
         """
         limit = self.timeout if timeout is None else timeout
-        if not self._closing:
-            self._closing = True
-            self._packing.put(None)
         deadline = time.monotonic() + limit
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        running = [thread.name for thread in self._threads if thread.is_alive()]
+        with self._lock:
+            self._closing = True
+            unsealed = [s for s in self._streams if s._sealed is None]
+        for request in unsealed:
+            request._fail(TransferError(
+                f"request {request.request_id} {about(request.peer, None)}: the streamer was "
+                "closed before the stream was sealed", peer=request.peer,
+                request_id=request.request_id))
+        with self._lock:
+            waiters = list(self._waiters)
+        for waiter in waiters:
+            waiter.join(max(0.0, deadline - time.monotonic()))
+        held = [w.name for w in waiters if w.is_alive()]
+        if not held:
+            with self._lock:
+                stop = not self._stopped
+                self._stopped = True
+            if stop:
+                self._packing.put(None)
+            for thread in self._threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            # The writing thread has ended: no abort starts after this.
+            with self._lock:
+                aborts = list(self._aborts)
+            for thread in aborts:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            held = ([t.name for t in self._threads if t.is_alive()]
+                    + [t.name for t in aborts if t.is_alive()])
+        running = held
         if running:
             raise TransferTimeoutError(
                 f"Streamer.close: {', '.join(running)} still running after {limit} s "
@@ -605,46 +868,99 @@ class Streamer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # -- bookkeeping --
+
+    def _closed_error(self, what: str, request: RequestStream) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"{what}: request {request.request_id} {about(request.peer, None)}: the streamer is "
+            "closed")
+
+    def _forget(self, request: RequestStream) -> None:
+        with self._lock:
+            self._streams.discard(request)
+
+    def _track(self, thread: threading.Thread,
+               into: Optional[Set[threading.Thread]] = None) -> None:
+        """Records a ready thread (default) or an abort thread, which close() waits for."""
+        with self._lock:
+            (self._waiters if into is None else into).add(thread)
+
+    def _untrack(self, thread: threading.Thread,
+                 into: Optional[Set[threading.Thread]] = None) -> None:
+        with self._lock:
+            (self._waiters if into is None else into).discard(thread)
+
+    def _hand(self, target: "queue.Queue[Any]", item: Any) -> None:
+        """Queues ``item`` for the packing or the writing thread; once that thread has stopped
+        taking work (a close that raced this), fails its stream and puts it down instead."""
+        with self._lock:
+            gone = id(target) in self._gone
+            if not gone:
+                target.put(item)
+        if gone and item is not None:
+            self._drop(item)
+
+    def _drop(self, item: Tuple[Any, ...]) -> None:
+        """A chunk or seal that no thread will take any more: its stream fails, and the item
+        is put down."""
+        request = item[0]
+        request._fail(self._closed_error("write", request))
+        request._put_down()
+
+    # -- the threads --
+
     def _pack_loop(self) -> None:
         while True:
             item = self._packing.get()
             if item is None:
-                self._writing.put(None)
+                with self._lock:
+                    self._gone.add(id(self._packing))
+                    left = _drain(self._packing)
+                for rest in left:
+                    self._drop(rest)
+                self._hand(self._writing, None)
                 return
-            self._packed(item)
+            self._pack(item)
 
-    def _pack(self, item: Tuple[RequestStream, Optional[int], Any, Any]) -> None:
-        """Waits for a chunk's data and packs it (if the staging packs), then hands it to the
-        writing thread; a seal passes through."""
+    def _pack(self, item: Tuple[RequestStream, Optional[int], Any, Any],
+              here: bool = False) -> None:
+        """Waits for a chunk's data (``here``: the caller's thread, for pack_here) and packs it
+        if the staging packs, then hands it to the writing thread. ``here``: an exception that
+        is not an Exception (KeyboardInterrupt, SystemExit) fails the stream and is raised."""
         request, index, ranges, ready = item
-        if index is not None and request._error is None:
+        raised: Optional[BaseException] = None
+        if request._error is None:
             try:
-                _wait_ready(ready)
+                if here:
+                    _wait_ready(ready)
                 request.pack_seconds += request.plan.pack(
                     backend=request.backend, stream=request.stream, buffers=ranges)
             except BaseException as error:  # noqa: B036 - reported to the caller's wait
                 request._fail(error)
-        self._writing.put(item)
-
-    def _packed(self, item: Tuple[RequestStream, Optional[int], Any, Any]) -> None:
-        """The packing thread's part: pack, then count the chunk out of the packing queue."""
-        request = item[0]
-        self._pack(item)
-        if item[1] is not None:
-            with request._lock:
-                request._in_packing -= 1
+                if here and not isinstance(error, Exception):
+                    raised = error
+        self._hand(self._writing, item)
+        if raised is not None:
+            raise raised
 
     def _write_loop(self) -> None:
         while True:
             item = self._writing.get()
             if item is None:
+                with self._lock:
+                    self._gone.add(id(self._writing))
+                    left = _drain(self._writing)
+                for rest in left:
+                    if rest is not None:
+                        self._drop(rest)
                 return
             request, index, ranges, _ = item
             try:
                 if request._error is not None:
                     continue
                 if index is None:
-                    self._write_seal(request)
+                    self._send_seal(request)
+                    request._finish()
                 else:
                     self._write_chunk(request, index, ranges)
             except BaseException as error:  # noqa: B036 - reported to the caller's wait
@@ -655,74 +971,86 @@ class Streamer:
     def _write_chunk(self, request: RequestStream, index: int,
                      ranges: List[Tuple[int, int]]) -> None:
         with request._lock:
-            last = request._sealed is not None and index == request._sealed - 1
+            # This chunk completes the count: the count rides on its notification.
+            last = (request._sealed is not None and request._seal is None
+                    and request._written + 1 == request._sealed)
             if last:
-                request._seal_sent = True
-        message = chunk_message(request.request_id, index, ranges,
+                request._seal = "riding"
+        message = chunk_message(request.request_id, request.token, index, ranges,
                                 request._sealed if last else None)
         src, dst, lengths = request.plan.addresses(ranges)
         start = time.perf_counter()
-        request.calls += self.transport.write(request.peer, src, dst, lengths,
-                                              notification=message, timeout=request.timeout,
-                                              epoch=planned_epoch(request.plan),
-                                              request_id=request.request_id)
+        if len(lengths):
+            request.calls += self.transport.write(request.peer, src, dst, lengths,
+                                                  notification=message,
+                                                  timeout=request.timeout,
+                                                  epoch=planned_epoch(request.plan),
+                                                  request_id=request.request_id)
+        else:
+            # Nothing to move (a pair that is not SEND): the notification goes alone.
+            self._notify(request, message)
         request.write_seconds += time.perf_counter() - start
         request.segments += len(lengths)
         request.bytes += int(lengths.sum())
-        if len(lengths):
-            # The last byte written: the same bytes again carry a later notification.
-            request._carrier = (int(src[-1] + lengths[-1] - 1), int(dst[-1] + lengths[-1] - 1))
-        if last:
+        with request._lock:
+            request._written += 1
+            if last:
+                request._seal = "sent"
+            complete = request._sealed is not None and request._written == request._sealed
+            # Sealed while this chunk was being written: the count goes alone, now.
+            alone = complete and request._seal is None
+            if alone:
+                request._seal = "queued"
+        if alone:
+            self._send_seal(request)
+        if complete:
             request._finish()
 
-    def _write_seal(self, request: RequestStream) -> None:
-        if not request._seal_sent:
-            request._seal_sent = True
-            self.transport.notify(request.peer, seal_message(request.request_id,
-                                                             request._sealed or 0),
-                                  carrier=request._carrier, timeout=request.timeout,
-                                  epoch=planned_epoch(request.plan),
-                                  request_id=request.request_id)
-        request._finish()
-
-    def _abort(self, request: RequestStream, reason: str) -> None:
-        """Tells the decode rank that the request failed, where the engine can carry it: on a
-        thread of its own, so that a failing caller is not held up by a peer that does not
-        answer; the stream counts as busy (its carrier byte is read) until it is done."""
+    def _send_seal(self, request: RequestStream) -> None:
+        self._notify(request, seal_message(request.request_id, request.token,
+                                           request._sealed or 0))
         with request._lock:
-            request._busy += 1
+            request._seal = "sent"
 
-        def abort() -> None:
-            try:
-                self.transport.notify(request.peer, abort_message(request.request_id, reason),
-                                      carrier=request._carrier, timeout=request.timeout,
-                                      epoch=planned_epoch(request.plan),
-                                      request_id=request.request_id)
-            except BaseException:  # noqa: B036 - best effort: the receiver's timeout ends it
-                pass
-            finally:
-                request._put_down()
+    def _notify(self, request: RequestStream, message: bytes) -> None:
+        self.transport.notify(request.peer, message, carrier=request._carrier(),
+                              timeout=request.timeout, epoch=planned_epoch(request.plan),
+                              request_id=request.request_id)
 
-        threading.Thread(target=abort, name="mori-tp-abort", daemon=True).start()
+
+def _drain(target: "queue.Queue[Any]") -> List[Any]:
+    out = []
+    while True:
+        try:
+            out.append(target.get_nowait())
+        except queue.Empty:
+            return out
 
 
 # --- the decode side -----------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class Incoming:
     """One request the decode rank expects (:meth:`Receiver.expect`) and its progress."""
 
     request_id: str
-    config: SliceConfig
+    config: Union[SliceConfig, PairConfig]
     dst_pages: Any
     memory: KvMemory
     staging: Staging
     num_buffers: int
     backend: str
     timeout: float
+    #: The request's token: send it to the prefill rank with the slot and pages
+    #: (``Streamer.open(..., token=)``). Messages without it are ignored.
+    token: str = field(default="", repr=False)
     on_chunk: Optional[Callable[["Incoming", Tuple[Tuple[int, int], ...]], None]] = None
+    #: Runs once the request has ended and no write of it can land in its memory any more.
     on_done: Optional[Callable[["Incoming"], None]] = None
+    #: The sender the request is bound to (the engine's name for it), or None: any sender
+    #: that has the token.
+    sender: Any = None
     #: Buffers that have landed (and been unpacked, when staged).
     buffers_ready: Set[int] = field(default_factory=set)
     #: Chunk indices that have landed.
@@ -736,8 +1064,17 @@ class Incoming:
     unpack_seconds: float = 0.0
     last_progress: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
-    #: The sender, once a message of the request has arrived.
+    #: The sender: the bound one, else the sender of the first message taken.
     peer: Any = None
+    #: Messages of the request's sender that came after it had finished, in words.
+    late: List[str] = field(default_factory=list)
+    #: Set once no write of the request can land in its memory any more (then ``on_done``
+    #: runs): at once when it completes or its sender aborts after every write returned,
+    #: ``linger`` seconds (default its ``timeout``) after another failure, never while the
+    #: sender's engine may write.
+    settled: threading.Event = field(default_factory=threading.Event)
+    #: Why the request never settles: the sender's engine may still write into its memory.
+    kept: Optional[str] = None
 
     @property
     def complete(self) -> bool:
@@ -745,11 +1082,13 @@ class Incoming:
 
     def missing(self) -> str:
         """What has not arrived, in words."""
-        gone = sorted(set(range(self.num_buffers)) - self.buffers_ready)
+        gone = [b for b in range(self.num_buffers) if b not in self.buffers_ready]
         if self.sealed is None:
-            return f"not sealed; {len(self.chunks)} chunks arrived; buffers {gone} missing"
-        chunks = sorted(set(range(self.sealed)) - self.chunks)
-        return f"sealed with {self.sealed} chunks; chunks {chunks} and buffers {gone} missing"
+            return (f"not sealed; {len(self.chunks)} chunks arrived; buffers {_listed(gone)} "
+                    "missing")
+        chunks = [c for c in range(self.sealed) if c not in self.chunks]
+        return (f"sealed with {self.sealed} chunks; chunks {_listed(chunks)} and buffers "
+                f"{_listed(gone)} missing")
 
     def unpacked(self) -> str:
         """What of the request reached its buffers, in words: the chunks whose notification
@@ -759,8 +1098,8 @@ class Incoming:
                  else "written in place")
         if not landed:
             return "no chunk arrived, nothing was unpacked"
-        return (f"buffers {landed} ({len(self.chunks)} chunks) arrived and were {where}; no "
-                "other data was unpacked")
+        return (f"buffers {_listed(landed)} ({len(self.chunks)} chunks) arrived and were "
+                f"{where}; no other data was unpacked")
 
     def layers_ready(self, num_layers: int) -> List[int]:
         """The layers all of whose buffers have landed."""
@@ -769,125 +1108,214 @@ class Incoming:
                 if all(b in self.buffers_ready for a, e in of(layer) for b in range(a, e))]
 
 
+class _Finished:
+    """What a Receiver remembers of a finished request, to recognise a late message of its
+    sender: its id, token, bound sender and the request's list of late messages."""
+
+    __slots__ = ("request_id", "token", "sender", "late", "finished_at")
+
+    def __init__(self, incoming: Incoming) -> None:
+        self.request_id = incoming.request_id
+        self.token = incoming.token
+        self.sender = incoming.sender
+        self.late = incoming.late
+        self.finished_at = incoming.finished_at
+
+
 class Receiver:
     """The decode rank's side of pipelined and streamed requests, over one transport: takes the
     transport's notifications, unpacks each chunk as it lands (DST or BOTH staging), completes
     requests in whatever order they finish, and reports every protocol violation.
 
-    Call :meth:`poll` from your loop, or :meth:`start` a thread that polls. Notifications for a
-    request that is not expected yet are kept until it is.
+    Call :meth:`poll` from your loop, or :meth:`start` a thread that polls. A message is taken
+    for a request only with the request's token (and from its bound sender, when given);
+    messages for a request that is not expected yet are kept until it is (bounded), and checked
+    then. Everything the receiver keeps is bounded: finished requests leave by themselves,
+    :attr:`violations` and :attr:`others` keep the newest.
 
     The thread polls every ``poll_interval`` seconds while notifications keep coming and backs
     off, doubling, to ``max_poll_interval`` while none do: a poll is not free (NIXL's
     ``update_notifs`` polled back to back takes about 40% of a core here), and on a host with
     few cores that time comes out of the copies.
+
+    ``linger``: seconds a failed request waits before ``on_done`` (which frees its memory) when
+    a write of its sender may still be in flight (a request that timed out, or whose sender
+    broke the protocol): at least the longest a sender's write may take. Default (None): each
+    request's own ``timeout``, the time its sender may go without progress (60 s, as a
+    Streamer's write timeout, unless told otherwise); a deployment whose senders' writes may
+    take longer than that gives a longer linger. The request's ``done`` is set, and
+    :meth:`wait` raises, at once. A request that completes, or whose sender aborted after
+    every write of it returned, settles at once.
     """
 
     def __init__(self, transport: Any, *, poll_interval: float = 0.0001,
                  max_poll_interval: float = 0.001,
-                 early_timeout: float = DEFAULT_TIMEOUT) -> None:
+                 early_timeout: float = DEFAULT_TIMEOUT,
+                 linger: Optional[float] = None) -> None:
         self.transport = transport
         self.poll_interval = poll_interval
         self.max_poll_interval = max(max_poll_interval, poll_interval)
         #: Seconds a message for a request nobody expects is kept (then dropped, and recorded in
         #: violations): a request that is never expected, or an abort for one that never began.
+        #: Also how long a finished request is remembered, to recognise a late message.
         self.early_timeout = early_timeout
+        if linger is not None and not 0 <= linger < math.inf:
+            raise InvalidArgumentError(f"Receiver: linger {linger!r} must be a finite number of "
+                                       "seconds, at least 0, or None (each request's timeout)")
+        self.linger = linger
         self._lock = threading.RLock()
         self._incoming: Dict[str, Incoming] = {}
-        self._early: Dict[str, List[Message]] = {}
+        #: Finished requests, oldest first, kept early_timeout seconds (at most MAX_RECENT).
+        self._recent: "OrderedDict[str, _Finished]" = OrderedDict()
+        #: Raw messages for requests not expected yet, per request id, and since when.
+        self._early: Dict[str, List[Tuple[Any, bytes]]] = {}
         self._early_since: Dict[str, float] = {}
+        self._early_count = 0
+        self._early_bytes = 0
+        #: Early messages of requests expected since, for the next poll to take.
+        self._queued: List[Tuple[Incoming, Any, bytes]] = []
+        #: Requests that settle later: a heap of (when, order, request).
+        self._lingering: List[Tuple[float, int, Incoming]] = []
+        self._lingered = 0
         self._finished: List[Incoming] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        #: Notifications that are not this protocol's, as (peer, message), for other users.
+        #: Notifications that are not this protocol's, as (peer, message), for other users: the
+        #: newest MAX_OTHERS, at most MAX_OTHERS_BYTES together (others_dropped counts the rest).
         self.others: List[Tuple[Any, bytes]] = []
+        self._others_bytes = 0
+        self.others_dropped = 0
         self._received = 0
-        #: Messages for requests that had already completed, in words: a sender that sent
-        #: more than it sealed. Reported here and on the request (its ``error``).
+        #: What went wrong that no request could be told of, in words, the newest
+        #: MAX_VIOLATIONS: messages without the request's token or from another sender,
+        #: messages after a request finished, malformed or foreign-version messages, early
+        #: messages dropped, a transport that failed to poll. violation_count counts them all.
         self.violations: List[str] = []
+        self.violation_count = 0
+        #: Polls whose transport call raised (the thread records each new error once).
+        self.poll_errors = 0
+        self._last_poll_error = ""
 
-    def expect(self, request_id: str, config: SliceConfig, dst_pages: PageIndices, *,
-               memory: KvMemory, num_buffers: Optional[int] = None,
+    def expect(self, request_id: str, config: Union[SliceConfig, PairConfig],
+               dst_pages: Any, *, memory: KvMemory, num_buffers: Optional[int] = None,
                staging: Optional[Union[Staging, int]] = None, backend: str = "auto",
-               timeout: float = DEFAULT_TIMEOUT,
+               timeout: float = DEFAULT_TIMEOUT, peer: Any = None,
+               token: Optional[str] = None,
                on_chunk: Optional[Callable[[Incoming, Tuple[Tuple[int, int], ...]], None]] = None,
                on_done: Optional[Callable[[Incoming], None]] = None) -> Incoming:
-        """Registers a request: its pair's config, its destination pages, this rank's memory
-        whose staging field is the request's slot, and the staging the sender uses (default
-        :func:`mori_tp.staging_for`). ``on_chunk(incoming, ranges)`` runs after each chunk has
-        landed and been unpacked (per-layer readiness), ``on_done(incoming)`` once it completes
-        or fails (both on the polling thread); ``timeout`` bounds the time without progress."""
-        chosen = _staging(mori_tp.staging_for(config) if staging is None else staging,
-                          "Receiver.expect")
-        incoming = Incoming(_check_request_id(request_id), config, dst_pages, memory, chosen,
-                            len(memory.buffers) if num_buffers is None else num_buffers,
-                            backend, timeout, on_chunk, on_done)
+        """Registers a request: its pair's config (a SliceConfig with its destination pages,
+        or a PairConfig with its :class:`~mori_tp.Request`), this rank's memory whose staging
+        field is the request's slot, and the staging the sender uses (default
+        :func:`mori_tp.staging_for`, :func:`mori_tp.pair_staging_for` for a PairConfig).
+
+        ``token``: the request's token (default: a new one, :func:`new_token`); send
+        ``incoming.token`` to the prefill rank with the slot and pages. ``peer``: the sender's
+        name as the engine reports it (Mooncake: the prefill's session id; NIXL: its agent
+        name), to take messages from that sender only; both engines let a sender choose its
+        name, so the token is what authenticates (REFERENCE.md section 18).
+
+        ``on_chunk(incoming, ranges)`` runs after each chunk has landed and been unpacked
+        (per-layer readiness). ``on_done(incoming)`` runs once the request has ended and no
+        write of it can land in ``memory`` any more, so free the request's slot there: at
+        once when it completes, or when its sender aborts after every write of the stream
+        returned; ``linger`` seconds after any other failure (a timeout, a protocol
+        violation), while ``incoming.done`` is set and :meth:`wait` raises at once; never
+        when the sender's engine may still write (an ``abort busy``: ``incoming.kept`` says
+        so, and the slot must be kept). Both run on the thread that polls (the receiver's,
+        or a caller of :meth:`poll` or :meth:`wait`), never inside ``expect``. ``timeout``
+        bounds the time without progress.
+
+        Raises InvalidArgumentError, changing nothing, for a request id the protocol cannot
+        carry, a bad token, a bad timeout or buffer count, or a request already expected and
+        not finished."""
+        where = "Receiver.expect"
+        check_request_id(request_id, where)
+        chosen = token if token is not None else new_token()
+        check_token(chosen, where)
+        timeout = _check_timeout(timeout, "timeout", where)
+        if staging is None:
+            staging = (mori_tp.pair_staging_for(config) if isinstance(config, PairConfig)
+                       else mori_tp.staging_for(config))
+        mode = _staging(staging, where)
+        count = len(memory.buffers) if num_buffers is None else num_buffers
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidArgumentError(f"{where}: request {request_id}: num_buffers {count!r} "
+                                       "must be at least 1")
+        incoming = Incoming(request_id, config, dst_pages, memory, mode, count, backend,
+                            timeout, chosen, on_chunk, on_done, sender=peer, peer=peer)
         with self._lock:
-            if request_id in self._incoming and not self._incoming[request_id].done.is_set():
-                raise InvalidArgumentError(f"Receiver.expect: request {request_id} is already "
+            live = self._incoming.get(request_id)
+            if live is not None:
+                raise InvalidArgumentError(f"{where}: request {request_id} is already "
                                            "expected")
+            self._recent.pop(request_id, None)
             self._incoming[request_id] = incoming
+            # Messages that came first are checked and applied by the next poll.
             self._early_since.pop(request_id, None)
-            for message in self._early.pop(request_id, []):
-                self._apply(incoming, message)
+            for sender, raw in self._early.pop(request_id, []):
+                self._early_count -= 1
+                self._early_bytes -= len(raw)
+                self._queued.append((incoming, sender, raw))
         return incoming
 
     def forget(self, incoming: Incoming) -> None:
-        """Drops a finished request (its id may then be expected again)."""
+        """Forgets a finished request at once (finished requests are forgotten by themselves
+        after ``early_timeout``; a finished request's id may be expected again at any time)."""
         with self._lock:
-            if self._incoming.get(incoming.request_id) is incoming:
-                del self._incoming[incoming.request_id]
+            record = self._recent.get(incoming.request_id)
+            if record is not None and record.late is incoming.late:
+                del self._recent[incoming.request_id]
 
     def poll(self) -> List[Incoming]:
-        """Takes the transport's new notifications and applies them; returns the requests that
-        completed or failed since the last poll."""
+        """Takes the transport's new notifications and applies them, fails requests past their
+        timeout and settles those due (``on_done``); returns the requests that completed or
+        failed since
+        the last poll. One message that cannot be processed is recorded in
+        :attr:`violations`, and the rest of the batch is taken as usual.
+
+        Raises:
+            TransferError: the transport's ``poll_notifications`` raised (its exception is the
+                cause); the timeouts and settling were still handled.
+        """
         with self._lock:
-            for peer, raw in self.transport.poll_notifications():
+            failure: Optional[BaseException] = None
+            try:
+                batch = list(self.transport.poll_notifications())
+            except Exception as error:  # noqa: BLE001 - timeouts must still fire
+                batch, failure = [], error
+            queued, self._queued = self._queued, []
+            for incoming, sender, raw in queued:
+                self._guarded(sender, raw, incoming)
+            for sender, raw in batch:
                 self._received += 1
-                message = parse_message(raw)
-                if message is None:
-                    self.others.append((peer, raw))
-                    continue
-                incoming = self._incoming.get(message.request_id)
-                if incoming is None:
-                    self._early.setdefault(message.request_id, []).append(message)
-                    self._early_since.setdefault(message.request_id, time.monotonic())
-                    continue
-                if incoming.peer is None:
-                    incoming.peer = peer
-                self._apply(incoming, message)
-            now = time.monotonic()
-            for incoming in list(self._incoming.values()):
-                if not incoming.done.is_set() and now - incoming.last_progress > incoming.timeout:
-                    self._fail(incoming, TransferTimeoutError(
-                        f"request {incoming.request_id}"
-                        + (f" from {incoming.peer}" if incoming.peer is not None else "")
-                        + f": no progress for {incoming.timeout} s: {incoming.missing()}; "
-                        f"{incoming.unpacked()}", peer=incoming.peer,
-                        request_id=incoming.request_id))
-            for rid, since in list(self._early_since.items()):
-                if now - since > self.early_timeout:
-                    dropped = self._early.pop(rid, [])
-                    del self._early_since[rid]
-                    kinds = ", ".join(m.kind for m in dropped)
-                    self.violations.append(
-                        f"request {rid}: {len(dropped)} messages ({kinds}) for a request never "
-                        f"expected, dropped after {self.early_timeout} s")
+                self._guarded(sender, raw, None)
+            self._sweep(time.monotonic())
+            if failure is not None:
+                raise TransferError(f"Receiver.poll: the transport's poll_notifications raised "
+                                    f"{failure!r}") from failure
             finished, self._finished = self._finished, []
             return finished
 
     def wait(self, incoming: Incoming, timeout: Optional[float] = None) -> Incoming:
-        """Waits until ``incoming`` completes; raises its error, or TransferError after
-        ``timeout`` seconds (default: the request's own timeout)."""
+        """Waits until ``incoming`` completes; raises its error. After ``timeout`` seconds
+        (default: the request's own timeout) the request fails with TransferTimeoutError, as a
+        stream's wait does: nothing of it is unpacked any more, later messages are violations,
+        and it settles ``linger`` seconds later (then ``on_done`` runs). Polls itself when no
+        thread polls."""
         limit = incoming.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not incoming.done.is_set():
             if time.monotonic() > deadline:
-                raise TransferTimeoutError(
-                    f"request {incoming.request_id}: not complete after {limit} s: "
-                    f"{incoming.missing()}", peer=incoming.peer,
-                    request_id=incoming.request_id)
-            if self._thread is not None:
+                with self._lock:
+                    self._fail(incoming, TransferTimeoutError(
+                        f"request {incoming.request_id}"
+                        + (f" from {incoming.peer}" if incoming.peer is not None else "")
+                        + f": not complete after {limit} s: {incoming.missing()}; "
+                        f"{incoming.unpacked()}", peer=incoming.peer,
+                        request_id=incoming.request_id))
+                break
+            thread = self._thread
+            if thread is not None and thread.is_alive():
                 incoming.done.wait(min(0.05, max(deadline - time.monotonic(), 0)))
             else:
                 self.poll()
@@ -898,30 +1326,43 @@ class Receiver:
         return incoming
 
     def start(self) -> "Receiver":
-        """Polls on a thread of its own until :meth:`close`."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mori-tp-receive",
-                                            daemon=True)
-            self._thread.start()
+        """Polls on a thread of its own until :meth:`close` (again after a close)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name="mori-tp-receive",
+                                                daemon=True)
+                self._thread.start()
         return self
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stops the polling thread, waiting for it at most ``timeout`` seconds."""
+        """Stops the polling thread, waiting for it at most ``timeout`` seconds; :meth:`wait`
+        polls by itself from then on, and :meth:`start` starts a new thread."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if not thread.is_alive():
+                with self._lock:
+                    if self._thread is thread:
+                        self._thread = None
 
     def _run(self) -> None:
         interval = self.poll_interval
         while not self._stop.is_set():
             try:
                 busy = self._poll_counting()
+                self._last_poll_error = ""
             except Exception as error:  # noqa: BLE001 - keep polling; waits stay bounded
-                self.violations.append(f"poll raised {error!r}")
+                self.poll_errors += 1
+                text = f"poll raised {error.__cause__ or error!r}"
+                if text != self._last_poll_error:
+                    self._violation(text)
+                    self._last_poll_error = text
                 busy = False
             interval = self.poll_interval if busy else min(2 * interval,
                                                            self.max_poll_interval)
-            time.sleep(interval)
+            self._stop.wait(interval)
 
     def _poll_counting(self) -> bool:
         """Polls; whether any notification came."""
@@ -929,62 +1370,218 @@ class Receiver:
         self.poll()
         return self._received != before
 
+    # -- taking messages --
+
+    def _violation(self, text: str) -> None:
+        self.violation_count += 1
+        self.violations.append(text)
+        if len(self.violations) > MAX_VIOLATIONS:
+            del self.violations[:len(self.violations) - MAX_VIOLATIONS]
+
+    def _guarded(self, sender: Any, raw: bytes, queued: Optional[Incoming]) -> None:
+        """Takes one message; whatever it raises is recorded, and the batch goes on."""
+        try:
+            if queued is None:
+                self._take(sender, raw)
+            elif self._incoming.get(queued.request_id) is queued:
+                self._take_for(queued, sender, raw, early=True)
+            else:
+                self._take(sender, raw)
+        except Exception as error:  # noqa: BLE001 - one message must not cost the others
+            self._violation(f"a notification from {sender!r} ({len(raw)} bytes) could not be "
+                            f"processed: {error!r}"[:400])
+
+    def _other(self, sender: Any, raw: bytes) -> None:
+        if len(raw) > MAX_OTHERS_BYTES:
+            self.others_dropped += 1
+            return
+        self.others.append((sender, raw))
+        self._others_bytes += len(raw)
+        drop = 0
+        while len(self.others) - drop > MAX_OTHERS or self._others_bytes > MAX_OTHERS_BYTES:
+            self._others_bytes -= len(self.others[drop][1])
+            drop += 1
+        if drop:
+            del self.others[:drop]
+            self.others_dropped += drop
+
+    def _take(self, sender: Any, raw: bytes) -> None:
+        if not raw.startswith(b"mori-tp/"):
+            self._other(sender, raw)
+            return
+        message = parse_message(raw)
+        assert message is not None
+        if message.kind == "version":
+            self._violation(f"a notification from {sender!r} in another protocol version "
+                            f"({message.reason}), ignored")
+            return
+        rid = message.request_id
+        incoming = self._incoming.get(rid)
+        if incoming is not None:
+            self._take_for(incoming, sender, raw, message=message)
+            return
+        finished = self._recent.get(rid)
+        if finished is not None:
+            if self._authentic(finished, sender, message):
+                late = (f"request {rid}: {_a(message.kind)} message (chunk {message.index}) "
+                        f"from {sender!r} arrived after the request had finished")
+                finished.late.append(late)
+                del finished.late[:-16]
+                self._violation(late)
+            return
+        try:
+            check_request_id(rid)
+        except InvalidArgumentError:
+            self._violation(f"a notification from {sender!r} names no valid request: "
+                            f"{raw[:80]!r}, ignored")
+            return
+        if self._early_count >= MAX_EARLY or self._early_bytes + len(raw) > MAX_EARLY_BYTES:
+            self._violation(f"request {rid}: a message from {sender!r} for a request not "
+                            f"expected, dropped: {self._early_count} such messages "
+                            f"({self._early_bytes} bytes) are kept already")
+            return
+        self._early.setdefault(rid, []).append((sender, raw))
+        self._early_since.setdefault(rid, time.monotonic())
+        self._early_count += 1
+        self._early_bytes += len(raw)
+
+    def _take_for(self, incoming: Incoming, sender: Any, raw: bytes, *,
+                  message: Optional[Message] = None, early: bool = False) -> None:
+        if message is None:
+            message = parse_message(raw)
+            if message is None or message.kind == "version" \
+                    or message.request_id != incoming.request_id:
+                return
+        if self._authentic(incoming, sender, message, early):
+            self._apply(incoming, sender, message)
+
+    def _authentic(self, incoming: Incoming, sender: Any, message: Message,
+                   early: bool = False) -> bool:
+        """Whether ``message`` carries the request's token and comes from its bound sender;
+        if not, it is recorded and changes nothing."""
+        rid = incoming.request_id
+        when = " (kept from before the request was expected)" if early else ""
+        if not hmac.compare_digest(message.token.encode("ascii", "replace"),
+                                   incoming.token.encode("ascii")):
+            self._violation(f"request {rid}: {_a(message.kind)} message from {sender!r}{when} "
+                            "without the request's token, ignored")
+            return False
+        if incoming.sender is not None and sender != incoming.sender:
+            self._violation(f"request {rid}: {_a(message.kind)} message from {sender!r}{when}, "
+                            f"but the request is bound to {incoming.sender!r}, ignored")
+            return False
+        return True
+
     # -- applying messages --
 
-    def _fail(self, incoming: Incoming, error: BaseException) -> None:
+    def _fail(self, incoming: Incoming, error: BaseException, *, settled: bool = False,
+              busy: bool = False) -> None:
+        """Fails a live request. ``settled``: no write of its sender can still land (settle
+        now); ``busy``: one may, for as long as the sender's engine says (never settle: keep the
+        memory); neither: one may until the sender's write timeout (settle after ``linger``)."""
         if incoming.done.is_set():
             return
         incoming.error = error
-        self._finish(incoming)
+        self._end(incoming, "now" if settled else "keep" if busy else "linger")
 
-    def _finish(self, incoming: Incoming) -> None:
-        incoming.finished_at = time.monotonic()
+    def _end(self, incoming: Incoming, settle: str) -> None:
+        now = time.monotonic()
+        incoming.finished_at = now
+        if self._incoming.get(incoming.request_id) is incoming:
+            del self._incoming[incoming.request_id]
+        self._recent[incoming.request_id] = _Finished(incoming)
+        while len(self._recent) > MAX_RECENT:
+            self._recent.popitem(last=False)
         incoming.done.set()
         self._finished.append(incoming)
+        if settle == "now":
+            self._settle(incoming)
+        elif settle == "keep":
+            incoming.kept = (f"request {incoming.request_id}: the sender's engine may still "
+                             f"write into its memory ({incoming.error}); on_done does not run, "
+                             "keep its slot")
+            self._violation(incoming.kept)
+        else:
+            delay = incoming.timeout if self.linger is None else self.linger
+            self._lingered += 1
+            heapq.heappush(self._lingering, (now + delay, self._lingered, incoming))
+
+    def _settle(self, incoming: Incoming) -> None:
+        """No write of the request can land any more: ``on_done`` (which frees its slot)."""
+        incoming.settled.set()
         if incoming.on_done is not None:
             try:
                 incoming.on_done(incoming)
             except Exception as error:  # noqa: BLE001 - the polling thread must go on
-                self.violations.append(f"request {incoming.request_id}: on_done raised "
-                                       f"{error!r}")
+                self._violation(f"request {incoming.request_id}: on_done raised {error!r}")
 
-    def _apply(self, incoming: Incoming, message: Message) -> None:
+    def _sweep(self, now: float) -> None:
+        """Timeouts of live requests, requests that settle now, and what is kept too long."""
+        for incoming in list(self._incoming.values()):
+            if now - incoming.last_progress > incoming.timeout:
+                self._fail(incoming, TransferTimeoutError(
+                    f"request {incoming.request_id}"
+                    + (f" from {incoming.peer}" if incoming.peer is not None else "")
+                    + f": no progress for {incoming.timeout} s: {incoming.missing()}; "
+                    f"{incoming.unpacked()}", peer=incoming.peer,
+                    request_id=incoming.request_id))
+        while self._lingering and self._lingering[0][0] <= now:
+            self._settle(heapq.heappop(self._lingering)[2])
+        for rid, since in list(self._early_since.items()):
+            if now - since > self.early_timeout:
+                dropped = self._early.pop(rid, [])
+                del self._early_since[rid]
+                self._early_count -= len(dropped)
+                self._early_bytes -= sum(len(raw) for _, raw in dropped)
+                kinds = ", ".join(sorted({(parse_message(raw) or Message("", "", "?")).kind
+                                          for _, raw in dropped}))
+                self._violation(
+                    f"request {rid}: {len(dropped)} messages ({kinds}) for a request never "
+                    f"expected, dropped after {self.early_timeout} s")
+        while self._recent:
+            rid, oldest = next(iter(self._recent.items()))
+            if oldest.finished_at is not None and now - oldest.finished_at <= self.early_timeout:
+                break
+            del self._recent[rid]
+
+    def _apply(self, incoming: Incoming, sender: Any, message: Message) -> None:
+        """A message of the request's token holder: progress, or a failure naming what the
+        sender got wrong. Every check comes before any unpack."""
         rid = incoming.request_id
-        if incoming.done.is_set():
-            # A finished request got more: report it, never drop it.
-            violation = (f"request {rid}: a {message.kind} message (chunk {message.index}) "
-                         "arrived after the request had finished")
-            self.violations.append(violation)
-            if incoming.error is None:
-                incoming.error = TransferError(violation)
+        if incoming.peer is None:
+            incoming.peer = sender
+        kind = message.kind
+        if kind in ("malformed", "oversized"):
+            self._fail(incoming, TransferError(f"request {rid}: {kind} notification from "
+                                               f"{sender!r}: {message.reason}"))
             return
-        incoming.last_progress = time.monotonic()
-        if message.kind == "malformed":
-            self._fail(incoming, TransferError(f"request {rid}: malformed notification "
-                                               f"{message.reason}"))
+        if kind == "abort":
+            self._fail(incoming, TransferError(
+                f"request {rid}: the sender aborted: {message.reason}", peer=sender,
+                request_id=rid, engine_busy=message.busy),
+                settled=not message.busy, busy=message.busy)
             return
-        if message.kind == "abort":
-            self._fail(incoming, TransferError(f"request {rid}: the sender aborted: "
-                                               f"{message.reason}"))
+        n = incoming.num_buffers
+        problem = None
+        if message.sealed is not None:
+            if not 1 <= message.sealed <= n:
+                problem = (f"sealed with {message.sealed} chunks; a request of {n} buffers has "
+                           f"1 to {n}")
+            elif incoming.sealed is not None:
+                problem = (f"sealed twice, with {incoming.sealed} and {message.sealed} "
+                           "chunks")
+            else:
+                beyond = sorted(c for c in incoming.chunks if c >= message.sealed)
+                if beyond:
+                    problem = (f"sealed with {message.sealed} chunks, but chunks "
+                               f"{_listed(beyond)} arrived")
+        if problem is None and kind == "chunk":
+            problem = self._check_chunk(incoming, message)
+        if problem is not None:
+            self._fail(incoming, TransferError(f"request {rid}: {problem}"))
             return
-        if message.kind == "chunk":
-            if message.index in incoming.chunks:
-                self._fail(incoming, TransferError(
-                    f"request {rid}: chunk {message.index} arrived twice"))
-                return
-            try:
-                ranges = _ranges(message.ranges, incoming.num_buffers)
-            except (InvalidArgumentError, TypeError) as error:
-                self._fail(incoming, TransferError(f"request {rid}: chunk {message.index}: "
-                                                   f"{error}"))
-                return
-            buffers = [b for a, e in ranges for b in range(a, e)]
-            twice = sorted(set(buffers) & incoming.buffers_ready)
-            if twice or len(set(buffers)) != len(buffers):
-                self._fail(incoming, TransferError(
-                    f"request {rid}: chunk {message.index} carries buffers {twice or buffers} "
-                    "that already arrived"))
-                return
+        if kind == "chunk":
+            ranges = message.ranges
             try:
                 start = time.perf_counter()
                 unpack_request(incoming.config, incoming.dst_pages, memory=incoming.memory,
@@ -995,7 +1592,8 @@ class Receiver:
                 self._fail(incoming, error)
                 return
             incoming.chunks.add(message.index)
-            incoming.buffers_ready.update(buffers)
+            incoming.buffers_ready.update(b for a, e in ranges for b in range(a, e))
+            incoming.last_progress = time.monotonic()
             if incoming.on_chunk is not None:
                 try:
                     incoming.on_chunk(incoming, tuple(ranges))
@@ -1003,24 +1601,43 @@ class Receiver:
                     self._fail(incoming, error)
                     return
         if message.sealed is not None:
-            if incoming.sealed is not None and incoming.sealed != message.sealed:
-                self._fail(incoming, TransferError(
-                    f"request {rid}: sealed twice, with {incoming.sealed} and "
-                    f"{message.sealed} chunks"))
-                return
             incoming.sealed = message.sealed
-        if incoming.sealed is None:
-            return
-        beyond = sorted(i for i in incoming.chunks if i >= incoming.sealed)
-        if beyond:
-            self._fail(incoming, TransferError(
-                f"request {rid}: sealed with {incoming.sealed} chunks, but chunks {beyond} "
-                "arrived"))
-            return
-        if len(incoming.chunks) == incoming.sealed:
-            if len(incoming.buffers_ready) != incoming.num_buffers:
+            incoming.last_progress = time.monotonic()
+        if incoming.sealed is not None and len(incoming.chunks) == incoming.sealed:
+            if len(incoming.buffers_ready) != n:
                 self._fail(incoming, TransferError(
                     f"request {rid}: all {incoming.sealed} chunks arrived, but "
                     f"{incoming.missing()}"))
                 return
-            self._finish(incoming)
+            self._end(incoming, "now")
+
+    def _check_chunk(self, incoming: Incoming, message: Message) -> Optional[str]:
+        """What is wrong with a chunk message, or None: its index, its count of ranges, each
+        range, overlaps among them and with what arrived, in time linear in the ranges."""
+        n = incoming.num_buffers
+        index = message.index
+        count = message.sealed if message.sealed is not None else incoming.sealed
+        if index >= n:
+            return (f"chunk {index} is outside the chunks of a request of {n} buffers "
+                    f"(0 to {n - 1})")
+        if index in incoming.chunks:
+            return f"chunk {index} arrived twice"
+        if count is not None and index >= count:
+            beyond = sorted(c for c in incoming.chunks | {index} if c >= count)
+            return f"sealed with {count} chunks, but chunks {_listed(beyond)} arrived"
+        ranges = message.ranges
+        if not 1 <= len(ranges) <= n:
+            return f"chunk {index} has {len(ranges)} buffer ranges (1 to {n})"
+        for first, end in ranges:
+            if not first < end <= n:
+                return (f"chunk {index}: buffer range ({first}, {end}) is empty or outside the "
+                        f"{n} buffers")
+        ordered = sorted(ranges)
+        for before, after in zip(ordered, ordered[1:]):
+            if after[0] < before[1]:
+                return (f"chunk {index} carries buffer ranges {before} and {after}, which "
+                        "overlap")
+        twice = [b for a, e in ordered for b in range(a, e) if b in incoming.buffers_ready]
+        if twice:
+            return f"chunk {index} carries buffers {_listed(twice)} that already arrived"
+        return None

@@ -10,8 +10,8 @@ use hip_sys as _;
 
 use super::super::copy_kernel::{ARCHS, IMAGE, KernelArgs};
 use super::{
-    HIP_MEMCPY_HOST_TO_DEVICE, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
-    Memcpy2dAsync, PointerInfo,
+    CaptureMode, HIP_MEMCPY_HOST_TO_DEVICE, HipRuntime, HipStatus, KernelCache, KernelImage,
+    KernelLaunch, Memcpy2dAsync, PointerInfo,
 };
 
 /// `hipPointerAttribute_t` (hip/hip_runtime_api.h): the same layout in HIP 5 and 6, whose first
@@ -27,13 +27,19 @@ struct PointerAttributes {
 }
 
 // Signatures from hip/hip_runtime_api.h, with hipError_t and the other C enums (int sized) as
-// integers and every handle as an opaque pointer. All are exported by HIP 5.2 and later; what
-// only newer runtimes have is looked up at run time (`optional`).
+// integers and every handle as an opaque pointer. All are exported by HIP 5.2 and later
+// (hipThreadExchangeStreamCaptureMode since HIP 5.0); what only newer runtimes have is looked up
+// at run time (`optional`).
 unsafe extern "C" {
     fn hipGetDeviceCount(count: *mut c_int) -> HipStatus;
     fn hipGetDevice(device: *mut c_int) -> HipStatus;
     fn hipSetDevice(device: c_int) -> HipStatus;
+    fn hipThreadExchangeStreamCaptureMode(mode: *mut c_int) -> HipStatus;
     fn hipStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> HipStatus;
+    fn hipDeviceCanAccessPeer(can: *mut c_int, device: c_int, peer: c_int) -> HipStatus;
+    fn hipStreamCreateWithFlags(stream: *mut *mut c_void, flags: c_uint) -> HipStatus;
+    fn hipStreamWaitEvent(stream: *mut c_void, event: *mut c_void, flags: c_uint) -> HipStatus;
+    fn hipEventQuery(event: *mut c_void) -> HipStatus;
     fn hipMemcpy2DAsync(
         dst: *mut c_void,
         dpitch: usize,
@@ -56,7 +62,6 @@ unsafe extern "C" {
     fn hipMalloc(pointer: *mut *mut c_void, size: usize) -> HipStatus;
     fn hipFree(pointer: *mut c_void) -> HipStatus;
     fn hipHostMalloc(pointer: *mut *mut c_void, size: usize, flags: c_uint) -> HipStatus;
-    fn hipHostFree(pointer: *mut c_void) -> HipStatus;
     fn hipEventCreateWithFlags(event: *mut *mut c_void, flags: c_uint) -> HipStatus;
     fn hipEventRecord(event: *mut c_void, stream: *mut c_void) -> HipStatus;
     fn hipEventSynchronize(event: *mut c_void) -> HipStatus;
@@ -102,6 +107,8 @@ const HOST_MALLOC_DEFAULT: c_uint = 0;
 const EVENT_DISABLE_TIMING: c_uint = 2;
 /// `hipStreamCaptureStatusNone`.
 const CAPTURE_STATUS_NONE: c_int = 0;
+/// `hipStreamNonBlocking`: the library's relay streams do not synchronize with the NULL stream.
+const STREAM_NON_BLOCKING: c_uint = 1;
 
 /// `hipStreamGetDevice(stream, &device)`: HIP 6.0 and later.
 type StreamGetDevice = unsafe extern "C" fn(*mut c_void, *mut c_int) -> HipStatus;
@@ -169,6 +176,16 @@ impl HipRuntime for LibHip {
         unsafe { hipSetDevice(device) }.result()
     }
 
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, HipStatus> {
+        let mut mode: c_int = mode.0;
+        // SAFETY: a valid in/out pointer (any value is checked by the runtime).
+        out(
+            unsafe { hipThreadExchangeStreamCaptureMode(&mut mode) },
+            mode,
+        )
+        .map(CaptureMode)
+    }
+
     unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, HipStatus> {
         let Some(get) = stream_get_device() else {
             return Ok(None);
@@ -185,6 +202,15 @@ impl HipRuntime for LibHip {
             .map(|status| status != CAPTURE_STATUS_NONE)
     }
 
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, HipStatus> {
+        let mut can: c_int = 0;
+        // SAFETY: a valid out-pointer; bad device numbers are refused with a status.
+        out(
+            unsafe { hipDeviceCanAccessPeer(&mut can, device, peer) },
+            can != 0,
+        )
+    }
+
     unsafe fn memcpy_2d_async(&self, a: Memcpy2dAsync) -> Result<(), HipStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe {
@@ -198,6 +224,24 @@ impl HipRuntime for LibHip {
     unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), HipStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipStreamSynchronize(stream) }.result()
+    }
+
+    fn stream_create(&self) -> Result<*mut c_void, HipStatus> {
+        let mut stream = null_mut();
+        // SAFETY: a valid out-pointer.
+        out(
+            unsafe { hipStreamCreateWithFlags(&mut stream, STREAM_NON_BLOCKING) },
+            stream,
+        )
+    }
+
+    unsafe fn stream_wait_event(
+        &self,
+        stream: *mut c_void,
+        event: *mut c_void,
+    ) -> Result<(), HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        unsafe { hipStreamWaitEvent(stream, event, 0) }.result()
     }
 
     fn error_name(&self, status: HipStatus) -> String {
@@ -267,11 +311,6 @@ impl HipRuntime for LibHip {
         )
     }
 
-    unsafe fn host_free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
-        // SAFETY: forwarded from the caller, as the trait documents.
-        unsafe { hipHostFree(pointer) }.result()
-    }
-
     fn event_create(&self) -> Result<*mut c_void, HipStatus> {
         let mut event = null_mut();
         // SAFETY: a valid out-pointer.
@@ -288,6 +327,14 @@ impl HipRuntime for LibHip {
     ) -> Result<(), HipStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipEventRecord(event, stream) }.result()
+    }
+
+    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, HipStatus> {
+        // SAFETY: forwarded from the caller, as the trait documents.
+        match unsafe { hipEventQuery(event) } {
+            HipStatus::ERROR_NOT_READY => Ok(false),
+            status => status.result().map(|()| true),
+        }
     }
 
     unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), HipStatus> {
