@@ -254,6 +254,13 @@ fn pair_segments(pair: &MoriTpPairConfig, request: &MoriTpRequest, out: &mut Vec
     });
 }
 
+fn pair_plan(pair: &MoriTpPairConfig, request: &MoriTpRequest, out: &mut Vec<MoriCopyRect>) {
+    // SAFETY: a valid config and request; out valid for its capacity.
+    plan_into(out, |out, capacity, len| unsafe {
+        mori_tp_pair_plan(pair, request, out, capacity, len)
+    });
+}
+
 /// The shapes of the pair comparison: (name, decode TP).
 const PAIR_SHAPES: [(&str, u32); 2] = [("per_token", 8), ("whole_token", 4)];
 
@@ -276,6 +283,7 @@ fn bench_pair_segments(c: &mut Criterion) {
                 num_tokens: tokens as u64,
             };
             let mut out = Vec::with_capacity(tokens);
+            let mut rects = Vec::with_capacity(tokens);
             let name = plan_case_name(tokens, page_size, fragmented);
             let mut group = c.benchmark_group(format!("pair/{shape}/{name}"));
             group.throughput(Throughput::Elements(tokens as u64));
@@ -284,6 +292,76 @@ fn bench_pair_segments(c: &mut Criterion) {
             });
             group.bench_function("mori_tp_pair_segments", |b| {
                 b.iter(|| pair_segments(&pair, black_box(&r), &mut out))
+            });
+            group.bench_function("mori_tp_pair_plan", |b| {
+                b.iter(|| pair_plan(&pair, black_box(&r), &mut rects))
+            });
+            group.finish();
+        }
+    }
+}
+
+/// The gapped-plan cases: (name, the two layouts for pages of `P` slots). Two pages per side,
+/// 2 * P tokens; each plan has the same few rects at every P.
+type GappedCase = (&'static str, fn(u32) -> [MoriTpLayout; 2]);
+
+const GAPPED_CASES: [GappedCase; 2] = [
+    // Two heads of 2 bytes, 4 apart, in slots of 8 (issue 37's request): a segment per
+    // (token, head) in every order, all one rect.
+    ("gapped_heads", |p| {
+        let l = MoriTpLayout {
+            total_kv_heads: 2,
+            tp_size: 1,
+            tp_rank: 0,
+            page_size: p,
+            head_bytes: 2,
+            page_stride: 8 * u64::from(p),
+            offset: 0,
+            token_stride: 8,
+            head_stride: 4,
+        };
+        [l, l]
+    }),
+    // 8 KV heads of 256 bytes at TP 4 -> 4, HND into NHD: a rect per (page, head).
+    ("hnd_to_nhd", |p| {
+        let (mut src, mut dst) = (MoriTpLayout::default(), MoriTpLayout::default());
+        // SAFETY: valid out-pointers.
+        unsafe {
+            assert_eq!(mori_tp_layout_hnd(8, 4, 1, p, 256, &mut src), MORI_OK);
+            assert_eq!(mori_tp_layout_nhd(8, 4, 1, p, 256, &mut dst), MORI_OK);
+        }
+        [src, dst]
+    }),
+];
+
+/// Tokens of the gapped-plan cases: the plan's time must not grow from the first to the second.
+const GAPPED_TOKENS: [u64; 2] = [1 << 21, 1 << 25];
+
+/// `mori_tp_pair_plan` on requests of two pages of 2^20 and 2^24 slots whose plans are a few
+/// rects: the time is the pages' and the rects', so both sizes take about as long.
+fn bench_pair_gapped(c: &mut Criterion) {
+    for (name, layouts) in GAPPED_CASES {
+        for tokens in GAPPED_TOKENS {
+            let [src, dst] = layouts((tokens / 2) as u32);
+            let mut pair = MoriTpPairConfig::default();
+            // SAFETY: valid pointers.
+            assert_eq!(
+                unsafe { mori_tp_pair_config(&src, &dst, &mut pair) },
+                MORI_OK
+            );
+            let (src_pages, dst_pages) = ([0, 1], [1, 0]);
+            let r = MoriTpRequest {
+                src_pages: src_pages.as_ptr(),
+                num_src_pages: 2,
+                dst_pages: dst_pages.as_ptr(),
+                num_dst_pages: 2,
+                num_tokens: tokens,
+            };
+            let mut rects = Vec::with_capacity(16);
+            let mut group =
+                c.benchmark_group(format!("pair_gapped/{name}/{}M_tokens", tokens >> 20));
+            group.bench_function("mori_tp_pair_plan", |b| {
+                b.iter(|| pair_plan(&pair, black_box(&r), &mut rects))
             });
             group.finish();
         }
@@ -653,8 +731,11 @@ fn mean_ns(group: &str, function: &str) -> Option<f64> {
 /// The pair generator's time over section 4's on the same requests.
 fn print_pair_ratios() {
     println!(
-        "\n{:<46} {:>10} {:>22}",
-        "pair segments (section-4 layouts)", "segments", "pair time / plan time"
+        "\n{:<46} {:>10} {:>22} {:>22}",
+        "pair segments (section-4 layouts)",
+        "segments",
+        "pair time / plan time",
+        "pair_plan / plan time"
     );
     for (tokens, page_size, fragmented) in PLAN_CASES {
         for (shape, decode_tp) in PAIR_SHAPES {
@@ -674,12 +755,32 @@ fn print_pair_ratios() {
             } = request(tokens / page_size as usize, fragmented);
             let mut out = Vec::with_capacity(tokens);
             plan_segments(&config, &src, &dst, &mut out);
+            let rects = mean_ns(&group, "mori_tp_pair_plan")
+                .map_or("-".to_string(), |t| format!("{:.2}", t / plan));
             println!(
-                "{:<46} {:>10} {:>22.2}",
+                "{:<46} {:>10} {:>22.2} {:>22}",
                 format!("{shape}/{name}"),
                 out.len(),
-                pair / plan
+                pair / plan,
+                rects
             );
+        }
+    }
+    println!(
+        "\n{:<46} {:>14} {:>22}",
+        "pair plan, two pages (gapped)", "time (us)", "time / time at 2M tokens"
+    );
+    for (name, _) in GAPPED_CASES {
+        let base = mean_ns(
+            &format!("pair_gapped/{name}/{}M_tokens", GAPPED_TOKENS[0] >> 20),
+            "mori_tp_pair_plan",
+        );
+        for tokens in GAPPED_TOKENS {
+            let group = format!("pair_gapped/{name}/{}M_tokens", tokens >> 20);
+            let (Some(t), Some(base)) = (mean_ns(&group, "mori_tp_pair_plan"), base) else {
+                continue;
+            };
+            println!("{group:<46} {:>14.2} {:>22.2}", t / 1e3, t / base);
         }
     }
 }
@@ -830,6 +931,7 @@ fn main() {
     bench_slice_config(&mut c);
     bench_plans(&mut c);
     bench_pair_segments(&mut c);
+    bench_pair_gapped(&mut c);
     bench_host_copies(&mut c);
     bench_staging_plans(&mut c);
     bench_pack_unpack(&mut c);

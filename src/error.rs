@@ -473,6 +473,18 @@ pub enum Error {
         /// Its second factor.
         rhs: u64,
     },
+    /// A call's copy-kernel table would need a count beyond its 32-bit field (4 GiB of table,
+    /// or 2^32 tiles, rects or buffers); the per-rect copies have no such limit.
+    #[error(
+        "invalid argument: the copy kernel's table would hold {count} {what}, more than its 32-bit fields allow ({}); the per-rect copies (flags without MORI_SEND_COPY_KERNEL) have no such limit",
+        u32::MAX
+    )]
+    KernelTableTooLarge {
+        /// What is counted: `"bytes"`, `"tiles"`, `"rects"` or `"buffers"`.
+        what: &'static str,
+        /// How many the table would need.
+        count: u64,
+    },
     /// The two buffer arrays differ in length.
     #[error(
         "invalid argument: {src} source buffers but {dst} destination buffers (they are paired one to one)"
@@ -820,6 +832,7 @@ impl Error {
             | OffsetNotOnHead { .. }
             | PageCountMismatch { .. }
             | SizeOverflow { .. }
+            | KernelTableTooLarge { .. }
             | BufferCountMismatch { .. }
             | CapacityTooLarge { .. }
             | StagingOverlapsBuffer { .. }

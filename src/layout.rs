@@ -168,7 +168,7 @@ impl Layout {
         Ok(TpSide::new(side, self.tp_size, self.total_kv_heads)?.heads_per_rank())
     }
 
-    /// Validates the layout of `side` (CONTRACT section 7): non-zero sizes and a rank below the
+    /// Validates the layout of `side` (REFERENCE.md section 11): non-zero sizes and a rank below the
     /// TP size, the topology, no overflow, elements that neither overlap nor interleave, and
     /// pages that do not overlap.
     pub fn check(&self, side: Side) -> Result<ValidLayout> {

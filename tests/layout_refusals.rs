@@ -1,6 +1,7 @@
-//! Every refusal of CONTRACT section 7 through the C ABI: its status code, a message that names
-//! the values, and nothing written (output structs, output arrays, destination buffers and
-//! staging regions are checked untouched after each refused call).
+//! Every refusal of the layout functions (REFERENCE.md section 11) through the C ABI: its
+//! status code, a message that names the values, and nothing written (output structs, output
+//! arrays, destination buffers and staging regions are checked untouched after each refused
+//! call).
 
 use std::ffi::{CStr, c_void};
 use std::ptr::{null, null_mut};

@@ -1,11 +1,15 @@
-//! Any page layout (CONTRACT section 7) through the C ABI, against an independent oracle that
+//! Any page layout (REFERENCE.md section 11) through the C ABI, against an independent oracle that
 //! copies element by element and finds the segments of every order itself: every valid
 //! (H, P, D) with H, P, D <= 16; NHD, HND, padded strides, offsets and heads outside pages, mixed
 //! between the sides; page sizes 1, 3, 16 and 64 on each side; empty requests, whole pages and
 //! partial last pages. Checked: the destination bytes (untouched ones included), the segment
-//! list (the order with the fewest segments, ties to the first), the greedy rects, the
-//! composition law in all four staging modes and the staging region's own layout, and the
-//! agreement with sections 4 and 5 on their layouts.
+//! list (the order with the fewest segments, ties to the first), the greedy rects (of the order
+//! with the fewest rects among those with the fewest segments, ties to the first) and that
+//! every rect's rows lie inside the buffers at true, non-negative pitches, the composition law
+//! in all four staging modes and the staging region's own layout, and the agreement with
+//! sections 4 and 5 on their layouts. Also: layouts whose strides reach the top of the 64-bit
+//! range (planned in this test build, which checks integer overflow), and that the work a plan
+//! does grows with its pages and entries, not with its tokens.
 
 mod common;
 
@@ -39,14 +43,14 @@ fn last_error() -> String {
         .into_owned()
 }
 
-// ---- the oracle: the contract's formulas, written again here (ownership: tests/common) ---
+// ---- the oracle: the documented formulas, written again here (ownership: tests/common) ---
 
 /// Where element (slot, local head) of page `page` lies in a layout.
 fn element(l: &MoriTpLayout, page: u64, slot: u64, local: u64) -> u64 {
     page * l.page_stride + l.offset + slot * l.token_stride + local * l.head_stride
 }
 
-/// True when the layout holds heads head-major within a page (the contract's test).
+/// True when the layout holds heads head-major within a page (the documented test).
 fn head_major(l: &MoriTpLayout) -> bool {
     l.page_size > 1 && l.head_stride > l.token_stride
 }
@@ -151,26 +155,63 @@ impl Pair<'_> {
         out
     }
 
-    /// The fewest segments among the contract's orders, ties to the first listed.
-    fn best_segments(&self, page_sizes: [u32; 2]) -> Vec<MoriSegment> {
+    /// The segments of every documented order (token-major, then head-major in chunks of
+    /// the prefill page size, the decode page size and all tokens) whose segments are fewest,
+    /// in that order.
+    fn tied_segments(&self, page_sizes: [u32; 2]) -> Vec<Vec<MoriSegment>> {
         let orders = [
             None,
             Some(u64::from(page_sizes[0])),
             Some(u64::from(page_sizes[1])),
             Some(self.tokens.max(1)),
         ];
-        let mut best: Option<Vec<MoriSegment>> = None;
-        for order in orders {
-            let segments = self.segments(order);
-            if best.as_ref().is_none_or(|b| segments.len() < b.len()) {
-                best = Some(segments);
-            }
-        }
-        best.unwrap_or_default()
+        let all: Vec<Vec<MoriSegment>> = orders.iter().map(|&o| self.segments(o)).collect();
+        let fewest = all.iter().map(Vec::len).min().unwrap_or(0);
+        all.into_iter().filter(|s| s.len() == fewest).collect()
+    }
+
+    /// The fewest segments among the documented orders, ties to the first listed.
+    fn best_segments(&self, page_sizes: [u32; 2]) -> Vec<MoriSegment> {
+        self.tied_segments(page_sizes).swap_remove(0)
+    }
+
+    /// The rects of `mori_tp_pair_plan`: among the orders whose segments are fewest, the
+    /// greedy rects of the one whose rects are fewest, ties to the first listed.
+    fn best_rects(&self, page_sizes: [u32; 2]) -> Vec<MoriCopyRect> {
+        self.tied_segments(page_sizes)
+            .iter()
+            .map(|segments| greedy_rects(segments))
+            // The first of the minima.
+            .min_by_key(Vec::len)
+            .unwrap_or_default()
     }
 }
 
-/// The contract's greedy rects over a segment list.
+/// Every row of every rect lies inside buffers of the given lengths, and a rect of more than
+/// one row advances by pitches of at least its width (as `hipMemcpy2DAsync` needs): the rows
+/// are where the pitches put them in true integers, never modulo 2^64.
+fn check_rect_rows(rects: &[MoriCopyRect], src_len: u128, dst_len: u128, what: &str) {
+    for r in rects {
+        assert!(r.height >= 1 && r.width >= 1, "{what}: empty rect {r:?}");
+        if r.height > 1 {
+            assert!(
+                r.src_pitch >= r.width && r.dst_pitch >= r.width,
+                "{what}: pitch below the width in {r:?}"
+            );
+        }
+        let last = u128::from(r.height - 1);
+        let src_end =
+            u128::from(r.src_offset) + last * u128::from(r.src_pitch) + u128::from(r.width);
+        let dst_end =
+            u128::from(r.dst_offset) + last * u128::from(r.dst_pitch) + u128::from(r.width);
+        assert!(
+            src_end <= src_len && dst_end <= dst_len,
+            "{what}: {r:?} ends at ({src_end}, {dst_end}), past buffers of ({src_len}, {dst_len})"
+        );
+    }
+}
+
+/// The documented greedy rects over a segment list.
 fn greedy_rects(segments: &[MoriSegment]) -> Vec<MoriCopyRect> {
     let mut rects: Vec<MoriCopyRect> = Vec::new();
     let mut last: Option<(u64, u64)> = None;
@@ -231,7 +272,7 @@ fn full(l: &MoriTpLayout, first_local: u64, n: u64, head_major: bool) -> bool {
     pair.segments(order).len() == 1
 }
 
-/// The staging `mori_tp_pair_staging_for` must choose (CONTRACT section 7), with "full" from
+/// The staging `mori_tp_pair_staging_for` must choose (REFERENCE.md section 11), with "full" from
 /// the oracle's segment counts: not SEND, or both sides full token-major, or both full
 /// head-major with one page size: NONE; else the prefill side full in some order: DST; else
 /// the decode side full in some order: SRC; else BOTH.
@@ -608,8 +649,10 @@ fn check_pair(case: &Case, what: &str) -> usize {
         "{what}: segments"
     );
     let rects = library_rects(&config, &r);
-    assert_eq!(rects, greedy_rects(&segments), "{what}: rects");
+    assert_eq!(rects, direct.best_rects(page_sizes), "{what}: rects");
     assert!(rects.len() <= segments.len());
+    assert!(rects.len() <= greedy_rects(&segments).len());
+    check_rect_rows(&rects, case.src_len as u128, case.dst_len as u128, what);
     let rect_bytes: u64 = rects.iter().map(|r| r.width * r.height).sum();
     assert_eq!(rect_bytes, tokens * n * hb * u64::from(tokens > 0));
 
@@ -674,7 +717,7 @@ fn check_pair(case: &Case, what: &str) -> usize {
                 )
             };
             assert_eq!(status, MORI_OK, "{what} pack {mode}: {}", last_error());
-            // The region holds the slice in the contract's order.
+            // The region holds the slice in the documented order.
             for (b, s) in src.iter().enumerate() {
                 for k in 0..tokens {
                     for j in 0..n {
@@ -1243,6 +1286,496 @@ fn check_region_agreement(
         );
         if config.action == MORI_TP_ACTION_SEND && region_len > 0 {
             assert!(dst7 != initial, "{what}: unpacked nothing");
+        }
+    }
+}
+
+// ---- edge cases: any stride a side ignores, strides at the top of 64 bits, work -------------
+
+/// The places of a case's two sides, its moved heads and page sizes, as the oracle needs them;
+/// `None` for a pair that does not send.
+fn direct_pair(case: &Case) -> Option<Pair<'_>> {
+    let (src_l, dst_l) = (&case.src_layout, &case.dst_layout);
+    let h = src_l.total_kv_heads;
+    let moved = moved_heads(
+        h,
+        src_l.tp_size,
+        src_l.tp_rank,
+        dst_l.tp_size,
+        dst_l.tp_rank,
+    )?;
+    let first =
+        |l: &MoriTpLayout| u64::from(moved.start - owned_heads(h, l.tp_size, l.tp_rank).start);
+    Some(Pair {
+        src: Place::Pages {
+            layout: src_l,
+            pages: &case.src_pages,
+            first_local: first(src_l),
+        },
+        dst: Place::Pages {
+            layout: dst_l,
+            pages: &case.dst_pages,
+            first_local: first(dst_l),
+        },
+        tokens: case.tokens,
+        heads: moved.len() as u64,
+        hb: src_l.head_bytes,
+    })
+}
+
+/// Bytes a buffer needs for the pages of a case's side, in true integers (the case's own
+/// lengths may not fit a buffer that could be allocated here).
+fn needed_len(l: &MoriTpLayout, pages: &[i32]) -> u128 {
+    let local = u128::from(local_heads(l.total_kv_heads, l.tp_size));
+    let extent = u128::from(l.offset)
+        + u128::from(l.page_size - 1) * u128::from(l.token_stride)
+        + (local - 1) * u128::from(l.head_stride)
+        + u128::from(l.head_bytes);
+    pages
+        .iter()
+        .map(|&p| p as u128 * u128::from(l.page_stride) + extent)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Everything of a case that moves no bytes, against the oracle: the segments of every
+/// staging mode (and that their fast count equals a walk of every element, for the transfer,
+/// pack and unpack plans), and the rects, whose rows must lie inside the pages' buffers at true
+/// pitches. For layouts whose buffers could not be allocated.
+fn check_plans(case: &Case, what: &str) {
+    let config = pair_config(case);
+    let r = request(case);
+    let Some(direct) = direct_pair(case) else {
+        assert!(library_segments(&config, &r, MORI_TP_STAGING_NONE).is_empty());
+        assert!(library_rects(&config, &r).is_empty());
+        return;
+    };
+    let (src_l, dst_l) = (&case.src_layout, &case.dst_layout);
+    let page_sizes = [src_l.page_size, dst_l.page_size];
+    let segments = library_segments(&config, &r, MORI_TP_STAGING_NONE);
+    assert_eq!(
+        segments,
+        direct.best_segments(page_sizes),
+        "{what}: segments"
+    );
+    let rects = library_rects(&config, &r);
+    assert_eq!(rects, direct.best_rects(page_sizes), "{what}: rects");
+    check_rect_rows(
+        &rects,
+        needed_len(src_l, &case.src_pages),
+        needed_len(dst_l, &case.dst_pages),
+        what,
+    );
+    for mode in MODES {
+        let stages = |side| {
+            mode == MORI_TP_STAGING_BOTH
+                || mode == [MORI_TP_STAGING_SRC, MORI_TP_STAGING_DST][side as usize]
+        };
+        let chunk = |other: &MoriTpLayout| -> Option<u64> {
+            (mode != MORI_TP_STAGING_BOTH && head_major(other)).then(|| {
+                if heads_outside_pages(other) {
+                    case.tokens.max(1)
+                } else {
+                    u64::from(other.page_size)
+                }
+            })
+        };
+        let staged = Pair {
+            src: if stages(0) {
+                Place::Region {
+                    chunk: chunk(dst_l),
+                }
+            } else {
+                direct.src
+            },
+            dst: if stages(1) {
+                Place::Region {
+                    chunk: chunk(src_l),
+                }
+            } else {
+                direct.dst
+            },
+            ..direct
+        };
+        let transport = library_segments(&config, &r, mode);
+        assert_eq!(
+            transport,
+            staged.best_segments(page_sizes),
+            "{what} mode {mode}: segments"
+        );
+        check_walked_segments(case, mode, transport.len(), what);
+    }
+}
+
+/// A case of two layouts given field by field and their pages.
+fn case_of(
+    src_layout: MoriTpLayout,
+    dst_layout: MoriTpLayout,
+    src_pages: Vec<i32>,
+    dst_pages: Vec<i32>,
+    tokens: u64,
+) -> Case {
+    let len = |l: &MoriTpLayout, pages: &[i32]| {
+        usize::try_from(needed_len(l, pages)).unwrap_or(usize::MAX)
+    };
+    Case {
+        src_len: len(&src_layout, &src_pages),
+        dst_len: len(&dst_layout, &dst_pages),
+        src_layout,
+        dst_layout,
+        src_pages,
+        dst_pages,
+        tokens,
+    }
+}
+
+#[test]
+fn a_side_of_one_slot_pages_may_carry_any_token_stride_and_rects_keep_true_pitches() {
+    // One head of 4 bytes, one slot per page; the decode side's token stride, which a page of
+    // one slot never uses, is 2^64 - 4, and its pages go down: [1, 0]. Row 1 of a rect joining
+    // the two tokens would sit at 4 + (2^64 - 4), right only modulo 2^64.
+    let one = |token_stride| MoriTpLayout {
+        total_kv_heads: 1,
+        tp_size: 1,
+        tp_rank: 0,
+        page_size: 1,
+        head_bytes: 4,
+        page_stride: 4,
+        offset: 0,
+        token_stride,
+        head_stride: 4,
+    };
+    let case = case_of(one(4), one(u64::MAX - 3), vec![0, 1], vec![1, 0], 2);
+    let config = pair_config(&case);
+    let r = request(&case);
+    let rect = |src, dst| MoriCopyRect {
+        src_offset: src,
+        dst_offset: dst,
+        src_pitch: 4,
+        dst_pitch: 4,
+        width: 4,
+        height: 1,
+    };
+    assert_eq!(library_rects(&config, &r), [rect(0, 4), rect(4, 0)]);
+    let segments = library_segments(&config, &r, MORI_TP_STAGING_NONE);
+    let offsets: Vec<_> = segments
+        .iter()
+        .map(|s| (s.src_offset, s.dst_offset, s.length))
+        .collect();
+    assert_eq!(offsets, [(0, 4, 4), (4, 0, 4)]);
+    let src = vec![(1u8..=8).collect::<Vec<u8>>()];
+    let mut dst = vec![vec![0u8; 8]];
+    send(&config, &case, &src, &mut dst);
+    assert_eq!(dst[0], [5, 6, 7, 8, 1, 2, 3, 4]);
+    check_pair(&case, "page 1, token stride 2^64 - 4");
+
+    // Every layout kind, with each side of one-slot pages given a token stride it ignores,
+    // checked end to end (bytes, segments, rects inside the buffers, staging modes).
+    let mut rng = Rng::new(41);
+    let strides = [0, 1, 3, 1 << 40, 1 << 63, u64::MAX - 3, u64::MAX];
+    let mut checked = 0;
+    for round in 0..400 {
+        let kinds = [0, 1].map(|_| KINDS[rng.range(0, KINDS.len() as u64 - 1) as usize]);
+        let page_sizes = [0, 1].map(|_| [1, 1, 3, 16][rng.range(0, 3) as usize]);
+        if page_sizes != [1, 1] && rng.range(0, 1) == 0 {
+            continue;
+        }
+        let max_ps = u64::from(page_sizes[0].max(page_sizes[1]));
+        let tokens = rng.range(0, 3 * max_ps + 2);
+        let (p_tp, d_tp) = [(2u32, 8u32), (8, 2), (4, 4), (8, 8), (1, 1)][rng.range(0, 4) as usize];
+        let (p, d) = (
+            rng.range(0, u64::from(p_tp) - 1) as u32,
+            rng.range(0, u64::from(d_tp) - 1) as u32,
+        );
+        let hb = [1, 2, 4, 8][rng.range(0, 3) as usize];
+        let mut case = build_case(
+            &mut rng,
+            8,
+            [(p_tp, p), (d_tp, d)],
+            kinds,
+            page_sizes,
+            hb,
+            tokens,
+        );
+        for layout in [&mut case.src_layout, &mut case.dst_layout] {
+            if layout.page_size == 1 {
+                layout.token_stride = strides[rng.range(0, strides.len() as u64 - 1) as usize];
+            }
+        }
+        let what = format!(
+            "round {round}: {kinds:?} pages {page_sizes:?}, TP {p_tp} -> {d_tp} ({p}, {d}), \
+             {tokens} tokens, token strides {} / {}",
+            case.src_layout.token_stride, case.dst_layout.token_stride
+        );
+        check_pair(&case, &what);
+        checked += 1;
+    }
+    assert!(checked > 150, "only {checked} cases checked");
+}
+
+#[test]
+fn strides_at_the_top_of_the_64_bit_range_plan_without_overflow() {
+    // Heads outside pages: the decode rank's second head holds its run of pages from byte
+    // 2^63. The segment writer must not step past the last segment (2^63 + 2^63).
+    let src = MoriTpLayout {
+        total_kv_heads: 2,
+        tp_size: 1,
+        tp_rank: 0,
+        page_size: 1,
+        head_bytes: 16,
+        page_stride: 32,
+        offset: 0,
+        token_stride: 32,
+        head_stride: 16,
+    };
+    let dst = MoriTpLayout {
+        page_stride: 16,
+        token_stride: 16,
+        head_stride: 1 << 63,
+        ..src
+    };
+    let case = case_of(src, dst, vec![0], vec![0], 1);
+    let config = pair_config(&case);
+    let segments = library_segments(&config, &request(&case), MORI_TP_STAGING_NONE);
+    let offsets: Vec<_> = segments
+        .iter()
+        .map(|s| (s.src_offset, s.dst_offset, s.length))
+        .collect();
+    assert_eq!(offsets, [(0, 0, 16), (16, 1 << 63, 16)]);
+    check_plans(&case, "second head at 2^63");
+
+    // Layouts whose strides and pages reach toward 2^64, mixed on both sides, with pages in
+    // any order: every plan equals the oracle's, with no overflow (this build checks).
+    let mut rng = Rng::new(43);
+    let mut kinds_drawn = [0; 4];
+    for round in 0..800 {
+        let heads = [1u32, 2, 4][rng.range(0, 2) as usize];
+        let (p_tp, d_tp) = [(1u32, 1u32), (1, 2), (2, 1), (2, 4), (4, 2)][rng.range(0, 4) as usize];
+        if !valid_tp(heads, p_tp) || !valid_tp(heads, d_tp) {
+            continue;
+        }
+        let hb = [1u64, 4, 16][rng.range(0, 2) as usize];
+        // One rank's layout, for buffers of three pages ending at most at 2^64 - 1.
+        let mut layout = |tp: u32| -> MoriTpLayout {
+            let l = u64::from(local_heads(heads, tp));
+            let mut kind = rng.range(0, 3);
+            if kind == 2 && l == 1 {
+                kind = 3;
+            }
+            kinds_drawn[kind as usize] += 1;
+            let ps = if kind == 3 {
+                1
+            } else {
+                [1u32, 2, 3, 5][rng.range(0, 3) as usize]
+            };
+            let slots = u64::from(ps);
+            let top = u64::MAX - rng.range(0, 64);
+            let base = MoriTpLayout {
+                total_kv_heads: heads,
+                tp_size: tp,
+                tp_rank: rng.range(0, u64::from(tp) - 1) as u32,
+                page_size: ps,
+                head_bytes: hb,
+                page_stride: 0,
+                offset: 0,
+                token_stride: hb,
+                head_stride: hb,
+            };
+            match kind {
+                // Token-major, pages 2^62 apart.
+                0 => MoriTpLayout {
+                    token_stride: l * hb,
+                    page_stride: 1 << 62,
+                    offset: rng.range(0, 1 << 20),
+                    ..base
+                },
+                // Head-major inside pages, heads 2^60 apart, pages as far apart as fits.
+                1 => {
+                    let head_stride = if l > 1 { 1 << 60 } else { hb };
+                    let extent = (slots - 1) * hb + (l - 1) * head_stride + hb;
+                    MoriTpLayout {
+                        head_stride,
+                        page_stride: (top - extent) / 2,
+                        ..base
+                    }
+                }
+                // Heads outside pages, each head's run as long as fits.
+                2 => {
+                    let page_stride = slots * hb + rng.range(0, 8);
+                    MoriTpLayout {
+                        page_stride,
+                        head_stride: (top - 3 * page_stride) / (l - 1),
+                        ..base
+                    }
+                }
+                // Pages of one slot, with any token stride, at the top.
+                _ => MoriTpLayout {
+                    token_stride: rng.next_u64(),
+                    page_stride: (top - l * hb) / 2,
+                    ..base
+                },
+            }
+        };
+        let (src, dst) = (layout(p_tp), layout(d_tp));
+        let tokens = rng.range(0, 3 * u64::from(src.page_size.min(dst.page_size)));
+        let mut pages = |l: &MoriTpLayout| {
+            let mut all = vec![0, 1, 2];
+            rng.shuffle(&mut all);
+            all.truncate(tokens.div_ceil(u64::from(l.page_size)) as usize);
+            all
+        };
+        let (src_pages, dst_pages) = (pages(&src), pages(&dst));
+        let case = case_of(src, dst, src_pages, dst_pages, tokens);
+        let what = format!(
+            "round {round}: {src:?} {:?} -> {dst:?} {:?}, {tokens} tokens",
+            case.src_pages, case.dst_pages
+        );
+        check_plans(&case, &what);
+    }
+    assert!(
+        kinds_drawn.iter().all(|&n| n > 50),
+        "layout kinds drawn: {kinds_drawn:?}"
+    );
+}
+
+#[test]
+fn hnd_pages_into_nhd_pages_at_one_tp_take_one_rect_per_page_and_head() {
+    // 8 KV heads at TP 4 on both sides (2 heads per rank), pages of 16, 4096 tokens. Every
+    // order gives one segment per (token, head): 8192. Token-major order groups them into a
+    // 2-row rect per token (4096 rects); head-major in chunks of 16 into a 16-row rect per
+    // (page, head): 512, which the plan takes. (Pages apart, so that no page's last element
+    // touches the next page's first.)
+    for (kinds, what) in [
+        ([Kind::Hnd, Kind::Nhd], "HND 16 -> NHD 16, TP 4 -> 4"),
+        ([Kind::Nhd, Kind::Hnd], "NHD 16 -> HND 16, TP 4 -> 4"),
+    ] {
+        let [src, dst] = kinds.map(|kind| library_layout(kind, 8, 4, 1, 16, 256));
+        let src_pages = (0..256).map(|i| 2 * i).collect();
+        let dst_pages = (0..256).map(|i| 3 * i + 1).collect();
+        let case = case_of(src, dst, src_pages, dst_pages, 4096);
+        let config = pair_config(&case);
+        let r = request(&case);
+        let segments = library_segments(&config, &r, MORI_TP_STAGING_NONE);
+        assert_eq!(segments.len(), 8192, "{what}: segments");
+        assert_eq!(
+            greedy_rects(&segments).len(),
+            4096,
+            "{what}: token-major rects"
+        );
+        let rects = library_rects(&config, &r);
+        assert_eq!(rects.len(), 512, "{what}: rects");
+        assert!(
+            rects.iter().all(|r| (r.width, r.height) == (256, 16)),
+            "{what}: a rect per (page, head)"
+        );
+        check_pair(&case, what);
+    }
+}
+
+/// The rects of a request through the C ABI, and the steps of work the plans did (the size
+/// query's and the filling call's).
+fn rects_and_work(config: &MoriTpPairConfig, r: &MoriTpRequest) -> (Vec<MoriCopyRect>, u64) {
+    let before = mori_tp::plan::work_steps();
+    let rects = library_rects(config, r);
+    (rects, mori_tp::plan::work_steps() - before)
+}
+
+#[test]
+fn a_plans_work_grows_with_its_pages_and_entries_never_with_its_tokens() {
+    // Two pages of P slots on each side, P up to 2^30 (2^31 tokens). Each shape's rects do not
+    // depend on P; nor may the work of planning them.
+    let gapped = |p: u32| MoriTpLayout {
+        // Two heads of 2 bytes, 4 apart, in slots of 8: every order gives a segment per
+        // element, all 4 bytes apart (one rect).
+        total_kv_heads: 2,
+        tp_size: 1,
+        tp_rank: 0,
+        page_size: p,
+        head_bytes: 2,
+        page_stride: 8 * u64::from(p),
+        offset: 0,
+        token_stride: 8,
+        head_stride: 4,
+    };
+    let kind = |kind: Kind, p: u32| layout(kind, 8, 4, 1, p, 64, 2, 64);
+    type Shape = (&'static str, [Kind; 2], [Vec<i32>; 2]);
+    let shapes: [Shape; 5] = [
+        ("gapped heads", [Kind::Gapped; 2], [vec![0, 1], vec![0, 1]]),
+        (
+            "HND -> NHD",
+            [Kind::Hnd, Kind::Nhd],
+            [vec![0, 1], vec![1, 0]],
+        ),
+        (
+            "NHD -> HND",
+            [Kind::Nhd, Kind::Hnd],
+            [vec![1, 0], vec![0, 1]],
+        ),
+        (
+            "padded HND -> gapped",
+            [Kind::PaddedHnd, Kind::Gapped],
+            [vec![0, 1], vec![1, 0]],
+        ),
+        (
+            "heads outside pages -> padded NHD",
+            [Kind::HeadsOutsidePages, Kind::PaddedNhd],
+            [vec![1, 0], vec![0, 1]],
+        ),
+    ];
+    for (name, kinds, [src_pages, dst_pages]) in shapes {
+        let mut seen: Option<(usize, u64)> = None;
+        for p in [1u32 << 8, 1 << 20, 1 << 30] {
+            let (src, dst) = if name == "gapped heads" {
+                (gapped(p), gapped(p))
+            } else {
+                (kind(kinds[0], p), kind(kinds[1], p))
+            };
+            let case = case_of(
+                src,
+                dst,
+                src_pages.clone(),
+                dst_pages.clone(),
+                2 * u64::from(p),
+            );
+            let config = pair_config(&case);
+            let r = request(&case);
+            let (rects, work) = rects_and_work(&config, &r);
+            let what = format!("{name}, pages of {p}");
+            if p == 1 << 8 {
+                // Small enough for the oracle's element-by-element walk.
+                let direct = direct_pair(&case).expect("the pair sends");
+                assert_eq!(rects, direct.best_rects([p, p]), "{what}: rects");
+            }
+            if name == "gapped heads" {
+                assert_eq!(
+                    rects,
+                    [MoriCopyRect {
+                        src_offset: 0,
+                        dst_offset: 0,
+                        src_pitch: 4,
+                        dst_pitch: 4,
+                        width: 2,
+                        height: 4 * u64::from(p),
+                    }],
+                    "{what}"
+                );
+            }
+            assert!(
+                work < 20_000,
+                "{what}: {work} steps for {} rects",
+                rects.len()
+            );
+            match seen {
+                None => seen = Some((rects.len(), work)),
+                Some((count, steps)) => {
+                    assert_eq!(rects.len(), count, "{what}: rects");
+                    if p == 1 << 30 {
+                        // As many steps for 2^31 tokens as for 2^21.
+                        assert_eq!(work, steps, "{what}: steps of work");
+                    }
+                    seen = Some((count, work));
+                }
+            }
         }
     }
 }

@@ -319,8 +319,10 @@ def pair_plan(
     as_arrays: bool = False,
 ) -> Union[List[CopyRect], "numpy.ndarray"]:
     """The page-to-page 2D copies of one request (one ``hipMemcpy2DAsync`` each): the segments
-    of :func:`pair_segments` with NONE, in order, grouped greedily into :class:`CopyRect` runs of
-    equal width whose offsets advance by constant pitches. Never more rects than segments.
+    of an order (as :func:`pair_segments` defines them, with NONE), grouped greedily into
+    :class:`CopyRect` runs of equal width whose offsets advance by constant, true pitches. The
+    order is, among those whose segments are fewest, the one whose rects are fewest (the first
+    on a tie), so never more rects than segments.
 
     Args:
         config, request: as for :func:`pair_segments`.

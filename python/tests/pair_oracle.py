@@ -188,13 +188,13 @@ def elements(tokens: int, heads: int, chunk: Optional[int]) -> List[Tuple[int, i
     return out
 
 
-def segments(src_layout: mori_tp.Layout, dst_layout: mori_tp.Layout, what: Moved,
-             request: Request) -> Tuple[List[int], List[int], List[int]]:
-    """Pages to pages: of the orders token-major, then head-major in chunks of the prefill page
-    size, the decode page size and the whole request, the one with the fewest runs of elements
-    contiguous on both sides (ties to the first)."""
+def order_segments(src_layout: mori_tp.Layout, dst_layout: mori_tp.Layout, what: Moved,
+                   request: Request) -> List[List[List[int]]]:
+    """Pages to pages, the segments of each order: token-major, then head-major in chunks of
+    the prefill page size, the decode page size and the whole request. A segment is a run of
+    elements contiguous on both sides, as [source offset, destination offset, length]."""
     hb = src_layout.head_bytes
-    best = None
+    orders = []
     for chunk in (None, src_layout.page_size, dst_layout.page_size,
                   max(request.num_tokens, 1)):
         out: List[List[int]] = []
@@ -207,9 +207,32 @@ def segments(src_layout: mori_tp.Layout, dst_layout: mori_tp.Layout, what: Moved
                 out[-1][2] += hb
             else:
                 out.append([s, t, hb])
-        if best is None or len(out) < len(best):
-            best = out
-    return ([s for s, _, _ in best], [t for _, t, _ in best], [n for _, _, n in best])
+        orders.append(out)
+    return orders
+
+
+def _columns(segments: List[List[int]]) -> Tuple[List[int], List[int], List[int]]:
+    return ([s for s, _, _ in segments], [t for _, t, _ in segments],
+            [n for _, _, n in segments])
+
+
+def segments(src_layout: mori_tp.Layout, dst_layout: mori_tp.Layout, what: Moved,
+             request: Request) -> Tuple[List[int], List[int], List[int]]:
+    """The segments of the order with the fewest (ties to the first listed)."""
+    orders = order_segments(src_layout, dst_layout, what, request)
+    fewest = min(len(o) for o in orders)
+    return _columns(next(o for o in orders if len(o) == fewest))
+
+
+def rects(src_layout: mori_tp.Layout, dst_layout: mori_tp.Layout, what: Moved,
+          request: Request) -> List[CopyRect]:
+    """pair_plan's rects: among the orders whose segments are fewest, the greedy rects of the
+    one whose rects are fewest (ties to the first listed)."""
+    orders = order_segments(src_layout, dst_layout, what, request)
+    fewest = min(len(o) for o in orders)
+    candidates = [greedy_rects(*_columns(o)) for o in orders if len(o) == fewest]
+    least = min(len(r) for r in candidates)
+    return next(r for r in candidates if len(r) == least)
 
 
 def greedy_rects(local: List[int], remote: List[int], sizes: List[int]) -> List[CopyRect]:

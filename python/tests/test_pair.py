@@ -16,7 +16,7 @@ from typing import List, Tuple
 import mori_tp
 import pair_oracle as oracle
 from layouts import tools_required
-from mori_tp import Action, Staging
+from mori_tp import Action, CopyRect, Staging
 from pair_oracle import Deployment
 
 try:
@@ -262,8 +262,12 @@ class TransferTest(unittest.TestCase):
             want = (oracle.segments(pair.prefill, pair.decode, pair.moved, pair.request)
                     if pair.moved.action is Action.SEND else ([], [], []))
             self.assertEqual((local, remote, sizes), want, what)
-            self.assertEqual(mori_tp.pair_plan(pair.config, pair.api),
-                             oracle.greedy_rects(*want), what)
+            if pair.moved.action is Action.SEND:
+                self.assertEqual(mori_tp.pair_plan(pair.config, pair.api),
+                                 oracle.rects(pair.prefill, pair.decode, pair.moved,
+                                              pair.request), what)
+            else:
+                self.assertEqual(mori_tp.pair_plan(pair.config, pair.api), [], what)
             self.assertEqual(pair.staging_len, pair.request.num_tokens * len(pair.moved.heads)
                              * pair.prefill.head_bytes, what)
             self.assertIs(mori_tp.pair_staging_for(pair.config),
@@ -281,6 +285,37 @@ class TransferTest(unittest.TestCase):
         self.assertEqual(len(local), runs)
         self.assertEqual(sum(sizes), 6 * 16 * 8)
         self.assertIs(mori_tp.pair_staging_for(pair.config), Staging.NONE)
+
+    def test_hnd_into_nhd_at_one_tp_takes_a_rect_per_page_and_head(self):
+        # 8 KV heads at TP 4 on both sides (2 heads per rank), pages of 16 that never touch,
+        # 4096 tokens: every order gives a segment per (token, head). Token-major order groups
+        # them into a 2-row rect per token; head-major in chunks of 16 into a 16-row rect per
+        # (page, head), the fewer, which pair_plan takes.
+        for src_kind, dst_kind in (("hnd", "nhd"), ("nhd", "hnd")):
+            request = oracle.Request(4096, [2 * i for i in range(256)],
+                                     [3 * i + 1 for i in range(256)], 512, 768)
+            prefill = oracle.make_layout(src_kind, 8, 4, 1, 16, 256, 512)
+            decode = oracle.make_layout(dst_kind, 8, 4, 1, 16, 256, 768)
+            config = mori_tp.pair_config(prefill, decode)
+            local, remote, sizes = mori_tp.pair_segments(config, request.api())
+            self.assertEqual(len(sizes), 8192)
+            self.assertEqual(len(oracle.greedy_rects(local, remote, sizes)), 4096)
+            rects = mori_tp.pair_plan(config, request.api())
+            self.assertEqual(len(rects), 512)
+            self.assertEqual(rects, oracle.rects(prefill, decode, oracle.moved(8, 4, 1, 4, 1),
+                                                 request))
+
+    def test_a_token_stride_that_pages_of_one_slot_ignore_never_becomes_a_pitch(self):
+        # Pages of one slot may carry any token stride; the decode pages go down. A rect
+        # joining the two tokens would need a pitch of -4, which is no pitch.
+        prefill = mori_tp.Layout(1, 1, 0, 1, 4, page_stride=4, offset=0, token_stride=4,
+                                 head_stride=4)
+        decode = mori_tp.Layout(1, 1, 0, 1, 4, page_stride=4, offset=0,
+                                token_stride=2**64 - 4, head_stride=4)
+        config = mori_tp.pair_config(prefill, decode)
+        request = mori_tp.Request([0, 1], [1, 0], 2)
+        self.assertEqual(mori_tp.pair_plan(config, request),
+                         [CopyRect(0, 4, 4, 4, 4, 1), CopyRect(4, 0, 4, 4, 4, 1)])
 
     def test_only_the_requested_tokens_of_a_partial_last_page_are_written(self):
         deployment = Deployment("hnd 16 to 64", 4, 2, 2, "hnd", 16, "hnd", 64)

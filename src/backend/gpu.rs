@@ -1842,10 +1842,11 @@ impl<R: GpuRuntime> GpuEngine<R> {
         drop(state);
         launched
             .or_gpu(&self.runtime, self.api().launch_kernel, || {
-                let args = &launch.args;
                 let note = format!(
                     " ({} buffers x {} rects, {} rows per buffer)",
-                    args.num_buffers, args.num_rects, args.total_rows
+                    table.num_buffers(),
+                    table.num_rects(),
+                    table.rows_per_buffer()
                 );
                 Context::args(format!(
                     "(mori_copy_kernel, grid ({}, {}, 1), block ({}, 1, 1), stream {:p}) on \

@@ -1,4 +1,4 @@
-//! The C ABI of any page layout (CONTRACT section 7): layouts, pair configs, requests of
+//! The C ABI of any page layout (REFERENCE.md section 11): layouts, pair configs, requests of
 //! tokens, and their segments, plans, staging, send, pack and unpack.
 
 use std::ffi::c_void;
@@ -167,13 +167,24 @@ pub unsafe extern "C" fn mori_tp_pair_segments(
     }
 }
 
-/// The page-to-page 2D copies of one request (one hipMemcpy2DAsync each): the segments of
-/// mori_tp_pair_segments with MORI_TP_STAGING_NONE, in order, grouped greedily from the front
-/// into rects. A rect grows while the next segment has its width and the source and
-/// destination offsets advance by the rect's two pitches; its second segment fixes the pitches
-/// when both are at least the width. A rect of one segment has pitches equal to its width. So
-/// a plan never has more rects than the request has segments, and on section-4 layouts never
-/// more than mori_tp_plan (it may join runs of pages whose offsets advance evenly).
+/// The page-to-page 2D copies of one request (one hipMemcpy2DAsync each). The segments of an
+/// order (as mori_tp_pair_segments defines them, with MORI_TP_STAGING_NONE) are grouped
+/// greedily from the front into rects: a rect grows while the next segment has its width and
+/// the source and destination offsets advance by the rect's two pitches; its second segment
+/// fixes the pitches when both advances are at least the width. A rect of one segment has
+/// pitches equal to its width. Pitches are the true advances between rows, never negative and
+/// never taken modulo 2^64: a token stride that pages of one slot ignore is not a pitch unless
+/// rows really lie that far apart.
+///
+/// The order used is, among the orders whose segments are fewest, the one whose rects are
+/// fewest; on a tie the first of token-major, then G = prefill page size, decode page size,
+/// num_tokens. (Every such order moves the same bytes as the same number of segments; fewer
+/// rects are fewer hipMemcpy2DAsync calls and a smaller copy-kernel table. HND pages of 16 into
+/// NHD pages of 16 at one TP size with 2 heads per rank: 512 rects for 4096 tokens, where
+/// token-major order would give 4096.) So a plan never has more rects than the request has
+/// segments, and on section-4 layouts never more than mori_tp_plan (it may join runs of pages
+/// whose offsets advance evenly). Building it costs time in the request's pages and the rects
+/// it returns, not in its tokens.
 ///
 /// Parameters, size query and return codes as for mori_tp_pair_segments, with MoriCopyRect
 /// entries and no staging argument.

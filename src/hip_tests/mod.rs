@@ -16,6 +16,7 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 mod recorder;
+mod table;
 
 use std::collections::HashSet;
 use std::ffi::c_void;
@@ -30,7 +31,7 @@ use recorder::{
     cpu_kernel_or_skip, function_handle, module_handle, names,
 };
 
-use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
+use crate::backend::copy_kernel::KernelTable;
 use crate::backend::gpu::{
     CaptureMode, GpuEngine, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch, MAX_LANES,
     MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, RESET_SENTINEL_BYTES,
@@ -467,17 +468,6 @@ fn the_recording_runtime_refuses_what_hipmemcpy2d_refuses() {
 
 // ---- The copy-kernel path ----
 
-/// The rows-per-tile, lanes-per-row and grid rule of hip/copy_kernel.h, restated: tiles of
-/// clamp(16384 / width, 1, 1024) rows, one lane per 16 bytes of the widest row (at most a block),
-/// grid x over tiles and y over buffers, both capped.
-fn expected_geometry(rows: u64, width: u64, buffers: u64) -> (u64, u64, (u32, u32)) {
-    let rows_per_block = (16_384 / width.max(1)).clamp(1, 1024);
-    let lanes = width.div_ceil(16).clamp(1, 256);
-    let x = rows.div_ceil(rows_per_block).min(u64::from(MAX_GRID_X)) as u32;
-    let y = buffers.min(u64::from(MAX_GRID_Y)) as u32;
-    (rows_per_block, lanes, (x, y))
-}
-
 /// What the recorder handed out in `calls`: the reset sentinel, the first table buffer and its
 /// pinned twin, the first lane's event and relay stream, and the first pair's event.
 #[derive(Clone, Copy, Debug, Default)]
@@ -531,9 +521,10 @@ fn fence_calls(stream: *mut c_void, mark: usize, relay: usize, done: usize) -> [
 /// mode; for a caller's stream the capture check; hipGetDevice (and the stream's device); the
 /// load on that device and its reset sentinel (its size read back); each buffer base checked
 /// once; the stream's lane (an event and a relay stream); the first table buffer pair and its
-/// event; then on the stream one upload of the table (64 bytes per rect, 16 per buffer) from the
-/// pinned buffer and one launch; the fence; hipStreamSynchronize only if asked; the thread's
-/// capture mode back.
+/// event; then on the stream one upload of the table's `byte_len` bytes from the pinned buffer
+/// (0 when the table travels inside the kernel's argument) and one launch with the table's
+/// argument and grid; the fence; hipStreamSynchronize only if asked; the thread's capture mode
+/// back.
 fn expected_kernel_calls(
     plan: &Walk<'_>,
     src: &[*const u8],
@@ -587,8 +578,16 @@ fn expected_kernel_calls(
     calls.push(Call::EventCreate {
         returned: handed.done,
     });
-    let (num_rects, num_buffers) = (rects.len(), src.len());
-    let size = 64 * num_rects + 16 * num_buffers;
+    // The table the engine must launch with (src/backend/copy_kernel.rs checks its bytes
+    // against the C++ builder and the kernel): its upload is byte_len bytes, none when it
+    // travels inside the argument.
+    let bases: Vec<(u64, u64)> = src
+        .iter()
+        .zip(dst)
+        .map(|(&s, &d)| (s as u64, d as u64))
+        .collect();
+    let table = KernelTable::build(rects.iter().copied(), &bases).expect("a table");
+    let size = table.byte_len();
     let capacity = size.max(MIN_TABLE_BYTES).next_power_of_two();
     calls.push(Call::Malloc {
         size: capacity,
@@ -604,26 +603,12 @@ fn expected_kernel_calls(
         size,
         stream,
     });
-    let rows: u64 = rects.iter().map(|r| r.height).sum();
-    let width = rects.iter().map(|r| r.width).max().unwrap_or(0);
-    let (rows_per_block, lanes_per_row, grid) = expected_geometry(rows, width, num_buffers as u64);
-    let rect_bytes = 64 * num_rects as u64;
-    let table = handed.table as u64;
     calls.push(Call::Launch(KernelLaunch {
         function: function_handle(0),
-        grid,
+        grid: table.grid(),
         block: 256,
         stream,
-        args: KernelArgs {
-            rects: table,
-            src_bases: table + rect_bytes,
-            dst_bases: table + rect_bytes + 8 * num_buffers as u64,
-            num_rects: num_rects as u64,
-            num_buffers: num_buffers as u64,
-            total_rows: rows,
-            rows_per_block,
-            lanes_per_row,
-        },
+        args: table.args(handed.table as u64),
     }));
     calls.extend(fence_calls(stream, handed.mark, handed.relay, handed.done));
     if options.synchronize {
@@ -2059,7 +2044,9 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
         return;
     }
     // One 16-byte head, TP 1 -> 1, page size 1: a page of every other slot is one rect, so
-    // 1100 pages make a 70400-byte table, past the first pair's 65536 bytes.
+    // 9000 pages make a table of 16 bytes of bases, one 48-byte run and 9000 8-byte rect
+    // entries (72064 bytes), past the first pair's 65536 bytes. Four pages fit in the kernel's
+    // argument: nothing to upload, but a pair all the same.
     let config = slice_config(&SliceParams {
         prefill_tp_size: 1,
         prefill_tp_rank: 0,
@@ -2072,10 +2059,10 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     })
     .unwrap();
     let pages = |n: i32| -> Vec<i32> { (0..n).map(|i| 2 * i).collect() };
-    let (small, big) = (pages(4), pages(1100));
-    let bigger = (64 * 1100 + 16usize).next_power_of_two();
-    let src: Vec<u8> = (0..4400 * 16).map(|i| i as u8).collect();
-    let mut dst = vec![0u8; 4400 * 16];
+    let (small, big) = (pages(4), pages(9000));
+    let bigger = (16 + 48 + 8 * 9000usize).next_power_of_two();
+    let src: Vec<u8> = (0..34_000 * 16).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; 34_000 * 16];
     let (src_ptr, dst_ptr) = (src.as_ptr(), dst.as_mut_ptr());
     let runtime = Recorder::new(&[&src], &mut [&mut dst]);
     // Someone else's stream, blocked for the whole test.
@@ -2086,8 +2073,8 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
         let buffers = KvBuffers {
             src: &[src_ptr],
             dst: &[dst_ptr],
-            src_capacity: 4400 * 16,
-            dst_capacity: 4400 * 16,
+            src_capacity: 34_000 * 16,
+            dst_capacity: 34_000 * 16,
         };
         let from = engine.runtime().calls.borrow().len();
         // SAFETY: live buffers of the stated capacities; the recorder checks every row.
@@ -2138,8 +2125,9 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
         (MAX_TABLE_SLOTS + 1, MAX_TABLE_SLOTS),
         "every pair made, and the reset sentinel"
     );
-    // A table bigger than any pair: the smallest idle pair is replaced, and kept.
-    let huge = pages(2100);
+    // A table bigger than any pair (17000 rects: 136064 bytes): the smallest idle pair is
+    // replaced, and kept.
+    let huge = pages(17_000);
     let replaced = send_pages(&mut engine, &huge);
     for never in ["hipFree", "hipEventSynchronize"] {
         assert!(!names(&replaced).contains(&never), "{replaced:?}");
@@ -2152,7 +2140,7 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     );
     for (i, byte) in dst.iter().enumerate() {
         let (page, at) = (i / 16, i % 16);
-        let want = if page % 2 == 0 && page < 4200 {
+        let want = if page % 2 == 0 && page < 34_000 {
             src[i]
         } else {
             0

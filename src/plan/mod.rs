@@ -6,9 +6,10 @@
 //! staging region; see [`walk`](self) for how the walk stays proportional to pages. The
 //! section-4 functions (one page size, token-major pages, whole pages) are the case where both
 //! sides are token-major and share a page size, and keep their results exactly: their rects
-//! are the walk's own rows, one per maximal run of pages. Pair plans (any layout, CONTRACT
-//! section 7) choose, among the orders the contract lists, the one with the fewest transport
-//! segments, and grow rects greedily from those segments.
+//! are the walk's own rows, one per maximal run of pages. Pair plans (any layout, REFERENCE.md
+//! section 11) take their segments in the order, among those the reference lists, with the fewest
+//! transport segments (the first on a tie), and grow rects greedily from the segments of the
+//! order that, among those with the fewest segments, gives the fewest rects.
 //!
 //! Staging exists for RDMA engines (MORI-IO, Mooncake, NIXL): they take flat
 //! `(src, dst, length)` lists and merge nothing across a stride, so a slice narrower than a
@@ -31,8 +32,17 @@ use crate::error::{Error, Result, checked_product, checked_usize};
 use crate::layout::{PairConfig, Request, ValidLayout};
 use crate::slice::{IntoValid, SliceConfig, ValidConfig};
 use crate::types::{Action, Side, Staging};
-use stream::{Counter, Merger, Rects, Writer};
+use stream::{Counter, Merger, RectCount, Rects, Writer};
 use walk::{Geometry, Joiner, Order, Pages, SideGeom};
+
+/// Steps of work the plans built on this thread have done so far: pieces of a request walked,
+/// periods of a repeated stretch followed, rows and segments passed on one by one. A test hook
+/// (`tests/layouts.rs` checks that a plan's work grows with its pages and entries, never with
+/// its tokens); not part of the API.
+#[doc(hidden)]
+pub fn work_steps() -> u64 {
+    walk::work_done()
+}
 
 /// One strided 2D copy, exactly the arguments of one hipMemcpy2DAsync: height rows of width
 /// bytes, row r read at src_offset + r * src_pitch and written at dst_offset + r * dst_pitch.
@@ -161,13 +171,47 @@ enum RectShape {
     Greedy,
 }
 
+/// The orders whose segments are fewest, in the reference's list order (token-major, then
+/// head-major in chunks of the prefill page size, the decode page size, all tokens): the first
+/// is the order of a plan's segments; its rects come from the one of them with the fewest.
+#[derive(Clone, Copy, Debug)]
+struct Ties {
+    orders: [Order; 4],
+    len: usize,
+}
+
+impl Ties {
+    fn one(order: Order) -> Ties {
+        Ties {
+            orders: [order; 4],
+            len: 1,
+        }
+    }
+
+    fn push(&mut self, order: Order) {
+        self.orders[self.len] = order;
+        self.len += 1;
+    }
+
+    fn first(&self) -> Order {
+        self.orders[0]
+    }
+
+    fn as_slice(&self) -> &[Order] {
+        &self.orders[..self.len]
+    }
+}
+
 /// The validated elements of one request, ready to yield segments or rects: what every plan
 /// is. Building one checked everything that does not depend on buffers (config, pages, every
 /// offset against overflow); after that, producing the plan cannot fail.
 #[derive(Clone, Debug)]
 pub struct Walk<'a> {
     geometry: Geometry<'a>,
+    /// The order of the segments: the first of `ties`.
     order: Order,
+    /// The orders whose segments are fewest; the rects' order is chosen among them.
+    ties: Ties,
     shape: RectShape,
     sends: bool,
     bytes_per_buffer: u64,
@@ -226,9 +270,12 @@ impl<'a> Walk<'a> {
                     rows.finish()
                 }
                 RectShape::Greedy => {
-                    let mut merger = Merger::new(Rects::new(Joiner::new(Vec::new())));
-                    self.geometry.walk(self.order, &mut merger);
-                    merger.finish().finish().finish()
+                    // Greedy rects never continue one another (a rect that could take the
+                    // next segment did), so nothing joins them after.
+                    let order = fewest_rects(&self.geometry, self.ties.as_slice());
+                    let mut merger = Merger::new(Rects::new(Vec::new()));
+                    self.geometry.walk(order, &mut merger);
+                    merger.finish().finish()
                 }
             }
         })
@@ -312,9 +359,16 @@ impl<'a> Deref for Plan<'a> {
     }
 }
 
-/// A section-4 side: token-major pages of `item_len` bytes, the slice at `slice_offset`.
+/// Where the highest page's slice starts on a side (see [`SideGeom::reach`]), saturating.
+fn reach(highest: u64, page_stride: u64, base: u64) -> u64 {
+    highest.saturating_mul(page_stride).saturating_add(base)
+}
+
+/// A section-4 side: token-major pages of `item_len` bytes, the slice at `slice_offset`;
+/// `highest` is the highest page index.
 fn slice_side(
     pages: &[i32],
+    highest: u64,
     page_size: u32,
     item_len: u64,
     bpt: u64,
@@ -329,11 +383,12 @@ fn slice_side(
         token_stride: bpt,
         head_stride: hb,
         last_head_stride: None,
+        reach: reach(highest, item_len, offset),
     }
 }
 
 /// A staging region of `tokens` tokens of `heads` heads, token-major or head-major in chunks of
-/// `G` tokens (CONTRACT sections 5 and 7). A token-major region is cut into pages of `page_size`
+/// `G` tokens (REFERENCE.md sections 6 and 11). A token-major region is cut into pages of `page_size`
 /// tokens (the unstaged side's, so that both sides change page together); its addresses do not
 /// depend on it.
 fn region(
@@ -344,6 +399,8 @@ fn region(
     page_size: u64,
 ) -> SideGeom<'static> {
     let slice = heads * hb;
+    // The highest position of a region cut into pages of `page_size` tokens.
+    let highest = |page_size: u64| tokens.div_ceil(page_size).saturating_sub(1);
     match head_major {
         None => {
             let page_size = page_size.max(1);
@@ -355,6 +412,7 @@ fn region(
                 token_stride: slice,
                 head_stride: hb,
                 last_head_stride: None,
+                reach: reach(highest(page_size), page_size * slice, 0),
             }
         }
         Some(g) => {
@@ -368,6 +426,7 @@ fn region(
                 token_stride: hb,
                 head_stride: g * hb,
                 last_head_stride: (partial != 0).then_some((tokens / g, partial * hb)),
+                reach: reach(highest(g), g * slice, 0),
             }
         }
     }
@@ -492,6 +551,7 @@ impl<'a> Plan<'a> {
             });
             geoms.push(Some(slice_side(
                 pages,
+                max.map_or(0, |page| page as u64),
                 c.page_size,
                 item_len,
                 bpt,
@@ -521,9 +581,10 @@ impl<'a> Plan<'a> {
                 heads,
                 head_bytes: hb,
             },
-            // Token-major is the order with the fewest segments for section-4 sides (CONTRACT
-            // section 7's agreement), so no other is counted.
+            // Token-major is the order with the fewest segments for section-4 sides (REFERENCE.md
+            // section 11's agreement), so no other is counted.
             order: Order::TokenMajor,
+            ties: Ties::one(Order::TokenMajor),
             shape: RectShape::Rows,
             sends,
             bytes_per_buffer,
@@ -625,7 +686,7 @@ pub fn plan_transfer(
 
 // ---- section 7: any layout, page sizes that differ, partial pages --------------------------
 
-/// A pair plan (CONTRACT section 7): a pair config and a request, between page buffers, or
+/// A pair plan (REFERENCE.md section 11): a pair config and a request, between page buffers, or
 /// with staged sides read or written as their staging regions.
 #[derive(Clone, Debug)]
 pub struct PairPlan<'a> {
@@ -647,7 +708,7 @@ fn head_major(layout: &ValidLayout) -> bool {
     layout.layout().page_size > 1 && layout.layout().head_stride > layout.layout().token_stride
 }
 
-/// The order of the staging region that replaces `staged` under `staging` (CONTRACT section 7):
+/// The order of the staging region that replaces `staged` under `staging` (REFERENCE.md section 11):
 /// head-major in chunks of the unstaged side's page size (or of all `tokens` when that side's
 /// heads hold their own pages) exactly when one side is staged and the other is head-major;
 /// token-major otherwise. `None` is token-major.
@@ -690,6 +751,11 @@ fn layout_side<'a>(
         token_stride: layout.token_stride,
         head_stride: layout.head_stride,
         last_head_stride: None,
+        reach: reach(
+            highest.map_or(0, |(page, _)| page),
+            layout.page_stride,
+            base,
+        ),
     };
     Ok((
         geometry,
@@ -794,19 +860,20 @@ impl<'a> PairPlan<'a> {
             head_bytes: hb,
         };
         let segments = OnceCell::new();
-        let order = if sends {
+        let ties = if sends {
             let page_sizes = [Side::Prefill, Side::Decode]
                 .map(|side| u64::from(config.side(side).layout().page_size));
-            let (order, count) = fewest_segments(&geometry, page_sizes);
+            let (ties, count) = fewest_segments(&geometry, page_sizes);
             let _ = segments.set(count);
-            order
+            ties
         } else {
-            Order::TokenMajor
+            Ties::one(Order::TokenMajor)
         };
         Ok(PairPlan {
             walk: Walk {
                 geometry,
-                order,
+                order: ties.first(),
+                ties,
                 shape: RectShape::Greedy,
                 sends,
                 bytes_per_buffer: staging_len,
@@ -830,38 +897,80 @@ impl<'a> PairPlan<'a> {
     }
 }
 
-/// The order with the fewest segments among token-major and head-major in chunks of the
+/// The orders with the fewest segments among token-major and head-major in chunks of the
 /// prefill layout's page size, the decode layout's page size and all tokens (whether or not a
-/// side is staged); the first of them on a tie.
-fn fewest_segments(geometry: &Geometry<'_>, page_sizes: [u64; 2]) -> (Order, u64) {
+/// side is staged), in that list's order, and their segments. Orders that walk the elements
+/// alike (one head; G >= N is one chunk of all tokens; G = 1 is token-major) are counted once,
+/// as the first of them.
+fn fewest_segments(geometry: &Geometry<'_>, page_sizes: [u64; 2]) -> (Ties, u64) {
     let tokens = geometry.tokens;
-    let mut best = (
-        Order::TokenMajor,
-        geometry
-            .count(Order::TokenMajor, u64::MAX)
-            .expect("no cap to reach"),
-    );
+    let mut ties = Ties::one(Order::TokenMajor);
+    let mut best = geometry
+        .count(Order::TokenMajor, u64::MAX)
+        .expect("no cap to reach");
     if geometry.heads <= 1 {
         // With one head every order walks the same elements in the same order.
-        return best;
+        return (ties, best);
     }
-    let mut tried: Vec<u64> = vec![1];
-    for g in [page_sizes[0], page_sizes[1], tokens] {
-        // Chunks of G >= N are one chunk of all tokens; G = 1 is token-major.
+    let mut tried = [1u64; 4];
+    for (i, g) in [page_sizes[0], page_sizes[1], tokens]
+        .into_iter()
+        .enumerate()
+    {
         let g = g.min(tokens).max(1);
-        if tried.contains(&g) {
+        if tried[..=i].contains(&g) {
             continue;
         }
-        tried.push(g);
+        tried[i + 1] = g;
         let order = Order::HeadMajor(g);
-        if let Some(count) = geometry.count(order, best.1) {
-            best = (order, count);
+        // Counted up to a tie with the best so far.
+        match geometry.count(order, best.saturating_add(1)) {
+            Some(count) if count < best => {
+                (ties, best) = (Ties::one(order), count);
+            }
+            Some(_) => ties.push(order),
+            None => {}
         }
     }
-    best
+    (ties, best)
 }
 
-/// The staging that gives the transport the fewest segments for a pair (CONTRACT section 7):
+/// The greedy rects of `order`, counted up to `cap`: `None` once they reach it.
+fn count_rects(geometry: &Geometry<'_>, order: Order, cap: u64) -> Option<u64> {
+    let mut merger = Merger::new(Rects::new(RectCount { count: 0, cap }));
+    geometry.walk(order, &mut merger);
+    let count = merger.finish().finish().count;
+    (count < cap).then_some(count)
+}
+
+/// The order, among `ties` (the orders with the fewest segments, in the reference's list
+/// order), whose greedy rects are fewest; the first of them on a tie (REFERENCE.md section 11).
+///
+/// Each order is counted up to a cap that starts small and grows fourfold until some order
+/// comes in under it, and a later order of a round only up to the best count so far. So
+/// choosing costs time in the rects of the order chosen (and the pages walked), never in
+/// those of an order with many more: an order whose rects are one per token stops at the cap.
+fn fewest_rects(geometry: &Geometry<'_>, ties: &[Order]) -> Order {
+    if let [order] = ties {
+        return *order;
+    }
+    let mut cap: u64 = 256;
+    loop {
+        let mut best: Option<(Order, u64)> = None;
+        for &order in ties {
+            let limit = best.map_or(cap, |(_, count)| count);
+            if let Some(count) = count_rects(geometry, order, limit) {
+                best = Some((order, count));
+            }
+        }
+        if let Some((order, _)) = best {
+            return order;
+        }
+        cap = cap.saturating_mul(4);
+    }
+}
+
+/// The staging that gives the transport the fewest segments for a pair (REFERENCE.md section 11):
 /// a side is *full* in an order when its pages hold the slice and nothing else, back to back in
 /// that order. Not SEND: NONE. Both sides full token-major, or both full head-major with one
 /// page size: NONE. Else the prefill side full in some order: DST; else the decode side: SRC;

@@ -1,5 +1,5 @@
-//! The one generator: the elements of a request, walked in one of the orders of CONTRACT
-//! section 7, as rows of strided copies; and how many transport segments each order gives,
+//! The one generator: the elements of a request, walked in one of the orders of REFERENCE.md
+//! section 11, as rows of strided copies; and how many transport segments each order gives,
 //! counted without walking every element.
 //!
 //! An element is one head of one token: `head_bytes` bytes at a side's address
@@ -7,9 +7,71 @@
 //! token ranges in which neither side changes page, so that inside a piece each side's
 //! address is affine in `(k, j)`. A request has at most one piece per page of either side,
 //! which is what bounds the cost of a plan by its pages and its entries, never by tokens
-//! times heads.
+//! times heads. Inside a piece, the rows of a stretch that repeats at a constant step (a
+//! token's heads when they have gaps, token after token; a chunk's run of head 0, head after
+//! head) are handed on once with their count ([`RowSink::repeat`]), so that the sinks of
+//! `stream` can pass on or extend whole repetitions at once.
+//!
+//! Arithmetic: every address of an element of a request was checked to fit in `u64` when the
+//! plan was built, so sums that land on an element, or just past one, cannot wrap and are
+//! written plainly. Where a sum may not be such an address (whether the next row continues a
+//! run of rows, with a pitch that a side ignores, such as the token stride of a page of one
+//! slot), it is computed in `u128`, where a sum past 2^64 never equals an address.
+
+use std::cell::Cell;
 
 use crate::plan::CopyRect;
+
+thread_local! {
+    /// Steps of work done by the plans of this thread (see [`work`]).
+    static WORK: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts `steps` units of work: pieces walked, rows handed to a sink of rows or runs to a sink
+/// of segment runs, periods of a repetition followed one by one. Everything whose number could
+/// grow with the tokens of a request counts here, so that a test can check that a plan's work
+/// is bounded by its pages and its entries. The hot paths count in a field of their own and
+/// add it here once (a thread-local costs a call in a shared library).
+#[inline]
+pub(crate) fn work(steps: u64) {
+    WORK.with(|w| w.set(w.get().wrapping_add(steps)));
+}
+
+/// The steps [`work`] counted on this thread so far.
+pub(crate) fn work_done() -> u64 {
+    WORK.with(Cell::get)
+}
+
+/// `row` moved `i` steps of `step` on both sides: a row of a period that the walk repeats,
+/// whose every repetition lies on elements of the request (so the sums cannot wrap).
+#[inline]
+pub(crate) fn shifted_row(row: &CopyRect, i: u64, step: (u64, u64)) -> CopyRect {
+    CopyRect {
+        src_offset: row.src_offset + i * step.0,
+        dst_offset: row.dst_offset + i * step.1,
+        ..*row
+    }
+}
+
+/// True when a run of `rows` rows starting at `offset` with `pitch` puts its next row at `at`,
+/// in true integers (`u128`, which these sums cannot overflow): a sum past 2^64 is no address
+/// of a request, and a wrapped one must never look like a continuation.
+#[inline]
+fn lands_on(offset: u64, rows: u64, pitch: u64, at: u64) -> bool {
+    u128::from(offset) + u128::from(rows) * u128::from(pitch) == u128::from(at)
+}
+
+/// True when `row` continues `run`: the same width and pitches, and its first row where the
+/// pitches put the run's next one on both sides, so that the joined rows advance by the true
+/// pitches.
+#[inline]
+fn continues(run: &CopyRect, row: &CopyRect) -> bool {
+    run.width == row.width
+        && run.src_pitch == row.src_pitch
+        && run.dst_pitch == row.dst_pitch
+        && lands_on(run.src_offset, run.height, run.src_pitch, row.src_offset)
+        && lands_on(run.dst_offset, run.height, run.dst_pitch, row.dst_offset)
+}
 
 /// The page each position of a request visits on one side.
 #[derive(Clone, Copy, Debug)]
@@ -46,6 +108,9 @@ pub(crate) struct SideGeom<'a> {
     /// A head-major staging region's last chunk, when partial: (its position, its head
     /// stride). Every other page has `head_stride`.
     pub last_head_stride: Option<(u64, u64)>,
+    /// At least the start of the highest page's slice (`highest * page_stride + base`; 0 for
+    /// a request without pages): no row of the side starts past it plus a page's rows.
+    pub reach: u64,
 }
 
 impl SideGeom<'_> {
@@ -69,7 +134,7 @@ pub(crate) struct Geometry<'a> {
     pub head_bytes: u64,
 }
 
-/// An order of a request's elements (CONTRACT section 7): token-major (token outer, head
+/// An order of a request's elements (REFERENCE.md section 11): token-major (token outer, head
 /// inner), or head-major in chunks of `G` tokens (chunk outer, then head, then token).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Order {
@@ -83,6 +148,25 @@ pub(crate) enum Order {
 pub(crate) trait RowSink {
     /// `row.height` rows of `row.width` bytes at the row's pitches.
     fn rows(&mut self, row: CopyRect);
+
+    /// The rows of `period`, then `times - 1` more copies of them, copy `i` shifted by
+    /// `i * step` on both sides. Every row of every copy lies on elements of the request.
+    fn repeat(&mut self, period: &[CopyRect], times: u64, step: (u64, u64)) {
+        let mut i = 0;
+        while i < times && !self.full() {
+            for row in period {
+                self.rows(shifted_row(row, i, step));
+            }
+            i += 1;
+        }
+        work(i * period.len() as u64);
+    }
+
+    /// True when the sink needs nothing more (a capped count that reached its cap): the walk
+    /// may stop early.
+    fn full(&self) -> bool {
+        false
+    }
 }
 
 /// Joins consecutive rows that continue one another (same width and pitches, the next row
@@ -90,6 +174,8 @@ pub(crate) trait RowSink {
 /// stride is one rect.
 pub(crate) struct Joiner<S: RowSink> {
     pending: Option<CopyRect>,
+    /// Rows taken, for [`work`].
+    steps: u64,
     pub sink: S,
 }
 
@@ -97,11 +183,13 @@ impl<S: RowSink> Joiner<S> {
     pub fn new(sink: S) -> Self {
         Joiner {
             pending: None,
+            steps: 0,
             sink,
         }
     }
 
     pub fn finish(mut self) -> S {
+        work(self.steps);
         if let Some(pending) = self.pending.take() {
             self.sink.rows(pending);
         }
@@ -111,19 +199,19 @@ impl<S: RowSink> Joiner<S> {
 
 impl<S: RowSink> RowSink for Joiner<S> {
     fn rows(&mut self, row: CopyRect) {
+        self.steps += 1;
         if let Some(pending) = &mut self.pending {
-            if pending.width == row.width
-                && pending.src_pitch == row.src_pitch
-                && pending.dst_pitch == row.dst_pitch
-                && pending.src_offset + pending.height * pending.src_pitch == row.src_offset
-                && pending.dst_offset + pending.height * pending.dst_pitch == row.dst_offset
-            {
+            if continues(pending, &row) {
                 pending.height += row.height;
                 return;
             }
             self.sink.rows(*pending);
         }
         self.pending = Some(row);
+    }
+
+    fn full(&self) -> bool {
+        self.sink.full()
     }
 }
 
@@ -187,6 +275,14 @@ struct Pieces<'g, 'a> {
     to: u64,
     src: Cursor,
     dst: Cursor,
+    /// Pieces yielded, for [`work`].
+    steps: u64,
+}
+
+impl Drop for Pieces<'_, '_> {
+    fn drop(&mut self) {
+        work(self.steps);
+    }
 }
 
 impl Iterator for Pieces<'_, '_> {
@@ -198,6 +294,7 @@ impl Iterator for Pieces<'_, '_> {
             return None;
         }
         let g = self.geometry;
+        self.steps += 1;
         let len = (g.src.page_size - self.src.slot)
             .min(g.dst.page_size - self.dst.slot)
             .min(self.to - self.k);
@@ -262,6 +359,7 @@ impl<'a> Geometry<'a> {
             to,
             src: self.src.cursor(from),
             dst: self.dst.cursor(from),
+            steps: 0,
         }
     }
 
@@ -300,18 +398,21 @@ impl<'a> Geometry<'a> {
             sink.rows(self.token_rows(p));
             return;
         }
-        // Each token's heads are a run of rows one head stride apart.
-        for k in p.a..p.b {
-            let (src, dst) = p.at(self, k, 0);
-            sink.rows(CopyRect {
-                src_offset: src,
-                dst_offset: dst,
-                src_pitch: p.hs_src,
-                dst_pitch: p.hs_dst,
-                width: self.head_bytes,
-                height: self.heads,
-            });
-        }
+        // Each token's heads are a run of rows one head stride apart, and token after token
+        // that run repeats one token stride on.
+        let first = CopyRect {
+            src_offset: p.src,
+            dst_offset: p.dst,
+            src_pitch: p.hs_src,
+            dst_pitch: p.hs_dst,
+            width: self.head_bytes,
+            height: self.heads,
+        };
+        sink.repeat(
+            &[first],
+            p.b - p.a,
+            (self.src.token_stride, self.dst.token_stride),
+        );
     }
 
     /// The rows of head `j` over a piece.
@@ -361,6 +462,9 @@ impl<'a> Geometry<'a> {
                 return;
             }
             for p in self.pieces(0, self.tokens) {
+                if sink.full() {
+                    return;
+                }
                 self.token_major_piece(&p, sink);
             }
             return;
@@ -369,6 +473,9 @@ impl<'a> Geometry<'a> {
         let mut template = Vec::new();
         let mut c0 = 0;
         while c0 < self.tokens {
+            if sink.full() {
+                return;
+            }
             let c1 = (c0 + g).min(self.tokens);
             self.head_major_chunk(c0, c1, &mut template, sink);
             c0 = c1;
@@ -404,15 +511,8 @@ impl<'a> Geometry<'a> {
             });
             return;
         }
-        for j in 0..self.heads {
-            for row in template.iter() {
-                sink.rows(CopyRect {
-                    src_offset: row.src_offset + j * hs_src,
-                    dst_offset: row.dst_offset + j * hs_dst,
-                    ..*row
-                });
-            }
-        }
+        // Head j's rows are head 0's, j head strides on.
+        sink.repeat(template, self.heads, (hs_src, hs_dst));
     }
 
     /// The segments of head 0's run over the chunk `[c0, c1)` with both head strides; or that
@@ -647,14 +747,46 @@ struct WalkPages<'g, 'a, S> {
 
 impl<S: RowSink> PageLoop<()> for WalkPages<'_, '_, S> {
     #[inline]
-    fn run(mut self, src: impl Iterator<Item = u64>, dst: impl Iterator<Item = u64>) {
+    fn run(self, src: impl Iterator<Item = u64>, dst: impl Iterator<Item = u64>) {
+        // Every row has the same width and pitches: a page continues the pending run where its
+        // pitches put the next row. A page of one slot may carry any token stride, so that
+        // place may lie past 2^64, where a wrapped sum must never match a page: it is compared
+        // in u128, unless no run can reach past 2^64 on either side (its next row is at most
+        // a whole page's rows after the highest page's start), as in every usual layout.
+        let g = self.geometry;
+        let (row, _) = page_shape(g);
+        let within = |side: &SideGeom<'_>, pitch: u64| -> bool {
+            pitch
+                .checked_mul(row.height)
+                .and_then(|rows| side.reach.checked_add(rows))
+                .is_some()
+        };
+        if within(&g.src, row.src_pitch) && within(&g.dst, row.dst_pitch) {
+            self.join_pages(src, dst, |offset, rows, pitch, at| {
+                offset + rows * pitch == at
+            });
+        } else {
+            self.join_pages(src, dst, lands_on);
+        }
+    }
+}
+
+impl<S: RowSink> WalkPages<'_, '_, S> {
+    /// Passes on each run of pages that continue one another as one row; `lands_on` says
+    /// whether a run of rows puts its next row at a page's start.
+    #[inline]
+    fn join_pages(
+        mut self,
+        src: impl Iterator<Item = u64>,
+        dst: impl Iterator<Item = u64>,
+        lands_on: impl Fn(u64, u64, u64, u64) -> bool,
+    ) {
         let (row, _) = page_shape(self.geometry);
         let mut pending: Option<CopyRect> = None;
         for (src, dst, height) in page_starts(self.geometry, src, dst) {
             if let Some(p) = &mut pending {
-                // Every row has the same width and pitches: it continues where they put it.
-                if p.src_offset + p.height * p.src_pitch == src
-                    && p.dst_offset + p.height * p.dst_pitch == dst
+                if lands_on(p.src_offset, p.height, p.src_pitch, src)
+                    && lands_on(p.dst_offset, p.height, p.dst_pitch, dst)
                 {
                     p.height += height;
                     continue;
@@ -677,6 +809,14 @@ impl<S: RowSink> PageLoop<()> for WalkPages<'_, '_, S> {
 impl<S: RowSink> RowSink for &mut S {
     fn rows(&mut self, row: CopyRect) {
         (**self).rows(row);
+    }
+
+    fn repeat(&mut self, period: &[CopyRect], times: u64, step: (u64, u64)) {
+        (**self).repeat(period, times, step);
+    }
+
+    fn full(&self) -> bool {
+        (**self).full()
     }
 }
 

@@ -496,13 +496,11 @@ uint64_t checked_translate(uint64_t address) {
     return reinterpret_cast<uint64_t>(launch_check.scratch);
 }
 
-// The table the kernel reads must be memory it reaches (it is read directly, not through the
-// check pass).
+// The table the kernel reads (directly, not through the check pass) must be memory it reaches,
+// unless it travels inside the argument.
 bool table_reachable(const MoriCopyKernelArgs &a, int device) {
-    if (a.num_rects == 0 || a.num_buffers == 0) return true;
-    return kernel_reaches(device, reinterpret_cast<uintptr_t>(a.rects), a.num_rects * sizeof(MoriCopyKernelRect)) &&
-           kernel_reaches(device, reinterpret_cast<uintptr_t>(a.src_bases), a.num_buffers * sizeof(uint64_t)) &&
-           kernel_reaches(device, reinterpret_cast<uintptr_t>(a.dst_bases), a.num_buffers * sizeof(uint64_t));
+    if (a.table == 0) return a.table_bytes <= MORI_COPY_INLINE_TABLE_BYTES;
+    return kernel_reaches(device, static_cast<uintptr_t>(a.table), a.table_bytes);
 }
 
 bool kernel_args(void **params, void **extra, MoriCopyKernelArgs &args) {

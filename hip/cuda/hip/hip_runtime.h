@@ -35,6 +35,7 @@
 #define hipStreamCreate cudaStreamCreate
 #define hipStreamDestroy cudaStreamDestroy
 #define hipStreamSynchronize cudaStreamSynchronize
+#define hipStreamAddCallback cudaStreamAddCallback
 #define hipEvent_t cudaEvent_t
 #define hipEventCreate cudaEventCreate
 #define hipEventRecord cudaEventRecord

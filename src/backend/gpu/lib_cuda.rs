@@ -39,7 +39,7 @@ use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys as cu;
 
-use super::super::copy_kernel::{KernelArgs, PTX, PTX_ARCH};
+use super::super::copy_kernel::{COPY_KERNEL_PTX, KernelArgs, PTX_ARCH};
 use super::{
     Api, CUDA_API, CaptureMode, GpuRuntime, GpuStatus, KernelCache, KernelImage, KernelLaunch,
     Memcpy2dAsync, PointerInfo, lock,
@@ -553,7 +553,7 @@ impl GpuRuntime for LibCuda {
 
     fn kernel_image(&self) -> KernelImage {
         KernelImage {
-            bytes: PTX,
+            bytes: COPY_KERNEL_PTX,
             targets: PTX_ARCH,
         }
     }
