@@ -176,7 +176,7 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
                 "nhd-tp2to8-p1-runs1       640    640     0.6 send   memcpy2d     2560",
                 "nhd-tp2to8-p1-runs1       640    640     0.6 send   kernel          1     5232",
                 "nhd-tp2to8-p16-contig     640      1     0.6 send   kernel          1        0",
-                "hnd16-nhd16-tp4to4        640    640     1.2 unpack kernel          1",
+                "hnd16-nhd16-tp4to4        640     80     1.2 unpack kernel          1",
                 "bench: staging in pinned host memory",
                 "bench: prefill on device 0, decode on device 1",
                 "bench: byte checks: 9 cases, the kernel's send equal to the memcpy2D send",
