@@ -18,7 +18,8 @@
 #      groups, a device staging pool, two streams, pinned and registered host memory, two GPUs
 #      when there are);
 #   4. python/tests/device_tensors.py with torch and CuPy tensors (--backend cuda);
-#   5. bench: the per-rect copies against the kernel against one memcpy, per layout and shape;
+#   5. bench: the kernel against the per-rect copies against one memcpy, on issue 31's shapes
+#      (at 4096 tokens with the per-rect rows, at 32768 tokens without them: seconds per call);
 #   6. compute-sanitizer --tool memcheck on the quick set (bench --quick): 0 errors.
 # Each step's output goes to the terminal and, when OUT is set, to $OUT/<step>.txt; $OUT/summary.txt
 # has one line per step (PASS, FAIL, SKIP, with seconds). Exit status: 0 when no step failed,
@@ -255,6 +256,14 @@ gpu_program() {
   return "$rc"
 }
 
+# 5. bench: every row at 4096 tokens (the per-rect rows included: about 16,000 runtime calls
+# each), and the kernel's rows at 32768 tokens (the per-rect rows there take seconds per call).
+# shellcheck disable=SC2329
+bench_tables() {
+  gpu_program "$MORI_DC_BUILD/bench" --tokens 4096 || return 1
+  gpu_program "$MORI_DC_BUILD/bench" --tokens 32768 --no-memcpy2d
+}
+
 # 4. The Python device script.
 # shellcheck disable=SC2329
 python_tensors() {
@@ -314,7 +323,7 @@ if [ "$failed" = 0 ] || [ -x "$build/device_test" ]; then
     record device_tensors SKIP 0 "--skip-python"
   fi
   if [ "$skip_bench" = 0 ]; then
-    step bench 150 gpu_program "$build/bench"
+    step bench 180 bench_tables
   else
     record bench SKIP 0 "--skip-bench"
   fi
