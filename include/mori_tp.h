@@ -1304,7 +1304,7 @@ const char *mori_tp_staging_name(uint32_t staging);
 
 /**
  * A static, NUL-terminated name for a MoriBackend value ("MORI_BACKEND_AUTO",
- * "MORI_BACKEND_HOST", "MORI_BACKEND_HIP"); other values get "MORI_BACKEND_UNKNOWN". The name
+ * "MORI_BACKEND_HOST", "MORI_BACKEND_HIP", "MORI_BACKEND_CUDA"); other values get "MORI_BACKEND_UNKNOWN". The name
  * says nothing of whether the backend is built in or has a device. Never NULL; do not free.
  */
 const char *mori_backend_name(uint32_t backend);
