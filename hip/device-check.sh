@@ -234,7 +234,15 @@ build_programs() {
   # The library's SONAME is libmori_tp.so.<ABI>: the loader looks for that name.
   local soname
   soname=$(objdump -p "$lib" 2>/dev/null | awk '/SONAME/ {print $2}')
-  [ -n "$soname" ] && ln -sf libmori_tp.so "$build/lib/$soname"
+  if [ -z "$soname" ]; then
+    soname=$(readelf -d "$lib" 2>/dev/null | sed -n 's/.*Library soname: \[\(.*\)\].*/\1/p')
+  fi
+  if [ -z "$soname" ]; then
+    soname=libmori_tp.so.1
+    echo "note: neither objdump nor readelf read the library's SONAME; assuming $soname"
+  fi
+  echo "library SONAME: $soname"
+  ln -sf libmori_tp.so "$build/lib/$soname"
   echo "host compiler: $cxx"
   "$cxx" -std=c++17 -O2 -I"$root/include" -I"$root/hip" -c "$root/hip/lane_count.cpp" -o "$build/lane_count.o" || return 1
   local common=(-x cu -std=c++17 -O2 -I"$root/include" -I"$root/hip/cuda" -I"$root/hip" -Xcompiler -Wall)
