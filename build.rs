@@ -15,6 +15,10 @@ fn main() {
     if env::var_os("CARGO_FEATURE_HIP").is_some() {
         build_copy_kernel();
     }
+    // With the `cuda` feature only: the same kernel as PTX, built without a CUDA toolkit.
+    if env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        build_copy_kernel_ptx();
+    }
 }
 
 /// Gives libmori_tp.so the SONAME `libmori_tp.so.<ABI version>`, so that a program linked
@@ -246,4 +250,123 @@ fn list_compressed(path: &Path) -> Result<Vec<String>, String> {
         .filter(|l| !l.is_empty())
         .map(String::from)
         .collect())
+}
+
+/// The virtual GPU architecture the PTX is written for by default: Volta (sm_70), the oldest
+/// the CUDA 12 and 13 drivers JIT-compile for, so the driver compiles it for any newer GPU.
+const PTX_ARCH: &str = "sm_70";
+
+/// Compiles hip/copy_kernel.hip as CUDA device code for NVPTX with clang, without a CUDA
+/// toolkit (`-nocudainc -nocudalib`; hip/cuda_stand_in.h supplies the few CUDA names the kernel
+/// uses), into `$OUT_DIR/copy_kernel.ptx`, NUL-terminated as `cuModuleLoadData` takes PTX text,
+/// and checks that it declares the kernel's entry with its 4 KiB argument. `MORI_TP_CLANG` names
+/// the compiler (default: the first of `clang`, `clang-21` .. `clang-14` on PATH, clang in
+/// `hipconfig --hipclangpath`, `/usr/lib/llvm-*/bin/clang`: Debian's hipcc package installs
+/// clang-15); `MORI_TP_PTX_ARCH` the architecture (default sm_70).
+fn build_copy_kernel_ptx() {
+    for file in [
+        "hip/copy_kernel.hip",
+        "hip/copy_kernel.h",
+        "hip/cuda_stand_in.h",
+    ] {
+        println!("cargo:rerun-if-changed={file}");
+    }
+    for var in ["MORI_TP_CLANG", "MORI_TP_PTX_ARCH"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let clang = clang().unwrap_or_else(|| {
+        panic!(
+            "the `cuda` feature builds the copy kernel as PTX with clang, and none was found \
+             (install clang, e.g. Debian: apt install clang-15 (hipcc brings it), or set \
+             MORI_TP_CLANG)"
+        )
+    });
+    let arch = env::var("MORI_TP_PTX_ARCH").unwrap_or_else(|_| PTX_ARCH.into());
+    let ptx = out.join("copy_kernel.ptx.text");
+    let output = Command::new(&clang)
+        .args([
+            "-x",
+            "cuda",
+            "--cuda-device-only",
+            &format!("--cuda-gpu-arch={arch}"),
+            "-nocudainc",
+            "-nocudalib",
+            "-O3",
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-S",
+        ])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.hip"))
+        .arg("-o")
+        .arg(&ptx)
+        .output()
+        .unwrap_or_else(|e| panic!("{} did not run: {e}", clang.display()));
+    if !output.status.success() {
+        panic!(
+            "{} -x cuda --cuda-device-only --cuda-gpu-arch={arch} hip/copy_kernel.hip failed:\n{}",
+            clang.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let mut text = fs::read(&ptx).expect("read the PTX");
+    let entry = String::from_utf8_lossy(&text);
+    assert!(
+        entry.contains(".entry mori_copy_kernel(")
+            && entry.contains(".b8 mori_copy_kernel_param_0[4096]"),
+        "{} lacks the entry mori_copy_kernel with its 4096-byte argument",
+        ptx.display()
+    );
+    assert!(!text.contains(&0), "PTX text holds a NUL byte");
+    text.push(0);
+    fs::write(out.join("copy_kernel.ptx"), &text).expect("write the PTX");
+    println!("cargo:rustc-env=MORI_TP_PTX_ARCH={arch}");
+}
+
+/// `$MORI_TP_CLANG`, else the first clang that runs: `clang`, `clang-21` .. `clang-14` on PATH,
+/// then in `hipconfig --hipclangpath`, then `/usr/lib/llvm-*/bin/clang` (newest first).
+fn clang() -> Option<PathBuf> {
+    if let Some(clang) = env::var_os("MORI_TP_CLANG") {
+        return Some(PathBuf::from(clang));
+    }
+    let runs = |path: &Path| {
+        Command::new(path)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let mut candidates: Vec<PathBuf> = vec!["clang".into()];
+    candidates.extend((14..=21).rev().map(|v| PathBuf::from(format!("clang-{v}"))));
+    if let Ok(out) = Command::new("hipconfig").arg("--hipclangpath").output() {
+        let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if !dir.is_empty() {
+            candidates.push(Path::new(&dir).join("clang"));
+        }
+    }
+    let mut llvm: Vec<PathBuf> = fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("llvm-"))
+        })
+        .map(|p| p.join("bin/clang"))
+        .collect();
+    llvm.sort_by_key(|p| {
+        std::cmp::Reverse(
+            p.to_string_lossy()
+                .split("llvm-")
+                .nth(1)
+                .and_then(|v| v.split('/').next())
+                .and_then(|v| v.parse::<u32>().ok())
+                .unwrap_or(0),
+        )
+    });
+    candidates.extend(llvm);
+    candidates.into_iter().find(|c| runs(c))
 }

@@ -1024,7 +1024,87 @@ fn print_ratios() {
     );
 }
 
+/// `rounds` calls of each plan function on the pair comparison's requests (and of
+/// `mori_tp_pair_plan` on the gapped ones) whose group name contains `filter`
+/// (`pair/whole_token/32k_tokens/page1/fragmented`, `pair/` or `pair_gapped/`), for
+/// instruction counts: run under `valgrind --tool=callgrind` with `MORI_TP_BENCH_CALLS=<filter>`
+/// and `MORI_TP_BENCH_ROUNDS` 1 and 2; the difference of the inclusive counts of
+/// `mori_tp_plan_segments`, `mori_tp_pair_segments` and `mori_tp_pair_plan` is one call's,
+/// without the first call's one-time set-up (BENCHMARKS.md says how).
+fn call_pair_plans(filter: &str, rounds: usize) {
+    for (tokens, page_size, fragmented) in PLAN_CASES {
+        for (shape, decode_tp) in PAIR_SHAPES {
+            let group = format!(
+                "pair/{shape}/{}",
+                plan_case_name(tokens, page_size, fragmented)
+            );
+            if !group.contains(filter) {
+                continue;
+            }
+            let (config, pair) = section4_pair(decode_tp, page_size);
+            let Request {
+                src_pages: src,
+                dst_pages: dst,
+                ..
+            } = request(tokens / page_size as usize, fragmented);
+            let r = MoriTpRequest {
+                src_pages: src.as_ptr(),
+                num_src_pages: src.len(),
+                dst_pages: dst.as_ptr(),
+                num_dst_pages: dst.len(),
+                num_tokens: tokens as u64,
+            };
+            let mut out = Vec::with_capacity(tokens);
+            let mut rects = Vec::with_capacity(tokens);
+            for _ in 0..rounds {
+                plan_segments(&config, black_box(&src), &dst, &mut out);
+                let segments = out.len();
+                pair_segments(&pair, black_box(&r), &mut out);
+                assert_eq!(out.len(), segments);
+                pair_plan(&pair, black_box(&r), &mut rects);
+            }
+            println!("{group}: {} segments, {} rects", out.len(), rects.len());
+        }
+    }
+    for (name, layouts) in GAPPED_CASES {
+        for tokens in GAPPED_TOKENS {
+            let group = format!("pair_gapped/{name}/{}M_tokens", tokens >> 20);
+            if !group.contains(filter) {
+                continue;
+            }
+            let [src, dst] = layouts((tokens / 2) as u32);
+            let mut pair = MoriTpPairConfig::default();
+            // SAFETY: valid pointers.
+            assert_eq!(
+                unsafe { mori_tp_pair_config(&src, &dst, &mut pair) },
+                MORI_OK
+            );
+            let (src_pages, dst_pages) = ([0, 1], [1, 0]);
+            let r = MoriTpRequest {
+                src_pages: src_pages.as_ptr(),
+                num_src_pages: 2,
+                dst_pages: dst_pages.as_ptr(),
+                num_dst_pages: 2,
+                num_tokens: tokens,
+            };
+            let mut rects = Vec::with_capacity(16);
+            for _ in 0..rounds {
+                pair_plan(&pair, black_box(&r), &mut rects);
+            }
+            println!("{group}: {} rects", rects.len());
+        }
+    }
+}
+
 fn main() {
+    if let Some(filter) = std::env::var_os("MORI_TP_BENCH_CALLS") {
+        let rounds = std::env::var("MORI_TP_BENCH_ROUNDS")
+            .ok()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(1);
+        call_pair_plans(&filter.to_string_lossy(), rounds);
+        return;
+    }
     START.get_or_init(std::time::SystemTime::now);
     let mut c = Criterion::default().configure_from_args();
     bench_slice_config(&mut c);

@@ -1,6 +1,7 @@
 // Helpers shared by the HIP programs: error checks, the "no device" protocol, switching the
 // current device for a moment, and the head ownership rule (REFERENCE.md section 3) restated
-// independently of the library.
+// independently of the library. Built with nvcc and -I hip/cuda (hip/cuda/hip/hip_runtime.h maps
+// the HIP names to CUDA's), the same programs check the CUDA backend on NVIDIA GPUs.
 #pragma once
 
 #include <dlfcn.h>
@@ -10,8 +11,31 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "mori_tp.h"
+
+// The backend the programs request, and the words their messages use for it.
+#ifdef MORI_TP_DEVICE_BACKEND_CUDA
+constexpr MoriBackend kBackend = MORI_BACKEND_CUDA;
+constexpr const char *kBackendName = "CUDA";
+constexpr const char *kDeviceCountCall = "cuDeviceGetCount";
+constexpr const char *kPerRect = "cuMemcpy2DAsync per rect";
+#else
+constexpr MoriBackend kBackend = MORI_BACKEND_HIP;
+constexpr const char *kBackendName = "HIP";
+constexpr const char *kDeviceCountCall = "hipGetDeviceCount";
+constexpr const char *kPerRect = "hipMemcpy2DAsync per rect";
+#endif
+
+// The device's architecture: gfx90a, ... on AMD GPUs, sm_90, ... on NVIDIA GPUs.
+inline std::string device_arch(const hipDeviceProp_t &props) {
+#ifdef MORI_TP_DEVICE_BACKEND_CUDA
+    return "sm_" + std::to_string(props.major) + std::to_string(props.minor);
+#else
+    return props.gcnArchName;
+#endif
+}
 
 // Exit codes: 0 passed, 1 failed, 77 skipped (no HIP device; the automake convention).
 constexpr int kPassed = 0;
@@ -55,6 +79,9 @@ void on_device(int device, const F &f) {
 // call's stream to be the current device's and refuses a stream of another device (README, "The
 // HIP backend"), so the programs make the stream's device current for such calls.
 inline bool runtime_has_stream_get_device() {
+#ifdef MORI_TP_DEVICE_BACKEND_CUDA
+    return true;  // the CUDA backend asks the driver for the stream's context (cuStreamGetCtx)
+#endif
     Dl_info info;
     if (dladdr(reinterpret_cast<void *>(&hipGetDevice), &info) != 0 && info.dli_fname != nullptr) {
         if (void *handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD); handle != nullptr) {
@@ -79,10 +106,11 @@ inline HeadRange owned_heads(uint32_t heads, uint32_t tp, uint32_t rank) {
     return {rank / (tp / heads), 1};
 }
 
-// Returns -1 when a HIP device is present. Otherwise checks that libmori_tp refuses
-// MORI_BACKEND_HIP cleanly (MORI_ERR_BACKEND_UNAVAILABLE, naming hipGetDeviceCount: proof that
-// the library was built with the HIP backend and does not crash without a GPU), prints the skip
-// line and returns 77, or returns 1 if the library misbehaves.
+// Returns -1 when a device is present. Otherwise checks that libmori_tp refuses its backend
+// (MORI_BACKEND_HIP, or MORI_BACKEND_CUDA with nvcc) cleanly (MORI_ERR_BACKEND_UNAVAILABLE,
+// naming hipGetDeviceCount or cuDeviceGetCount: proof that the library was built with the
+// backend and does not crash without a GPU), prints the skip line and returns 77, or returns 1
+// if the library misbehaves.
 inline int skip_without_device(const char *program) {
     if (mori_abi_version() != MORI_TP_ABI_VERSION) {
         std::fprintf(stderr, "%s: libmori_tp ABI %u, header ABI %u\n", program, mori_abi_version(),
@@ -103,20 +131,22 @@ inline int skip_without_device(const char *program) {
     void *dsts[1] = {dst};
     const MoriKvBuffers buffers = {srcs, dsts, 1, sizeof src, sizeof dst};
     const int32_t page[1] = {0};
-    const MoriSendOptions hip = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, nullptr};
-    MoriStatus sent = mori_send_kvcache(&config, &buffers, page, page, 1, &hip);
+    const MoriSendOptions device = {kBackend, MORI_SEND_SYNCHRONIZE, nullptr};
+    MoriStatus sent = mori_send_kvcache(&config, &buffers, page, page, 1, &device);
     const char *message = mori_last_error_message();
-    if (sent != MORI_ERR_BACKEND_UNAVAILABLE || std::strstr(message, "hipGetDeviceCount") == nullptr) {
+    if (sent != MORI_ERR_BACKEND_UNAVAILABLE || std::strstr(message, kDeviceCountCall) == nullptr) {
         std::fprintf(stderr,
-                     "%s: without a device, MORI_BACKEND_HIP returned %s (%s); expected "
-                     "MORI_ERR_BACKEND_UNAVAILABLE naming hipGetDeviceCount (is libmori_tp.a "
-                     "built with --features hip?)\n",
-                     program, mori_status_str(sent), message);
+                     "%s: without a device, MORI_BACKEND_%s returned %s (%s); expected "
+                     "MORI_ERR_BACKEND_UNAVAILABLE naming %s (is libmori_tp built with --features "
+                     "%s?)\n",
+                     program, kBackendName, mori_status_str(sent), message, kDeviceCountCall,
+                     kBackend == MORI_BACKEND_HIP ? "hip" : "cuda");
         return kFailed;
     }
-    std::printf("%s: skipped: no HIP device (hipGetDeviceCount: %s (%d), %d devices); "
-                "libmori_tp refuses MORI_BACKEND_HIP with MORI_ERR_BACKEND_UNAVAILABLE as it "
+    std::printf("%s: skipped: no %s device (%s: %s (%d), %d devices); "
+                "libmori_tp refuses MORI_BACKEND_%s with MORI_ERR_BACKEND_UNAVAILABLE as it "
                 "should\n",
-                program, hipGetErrorName(status), static_cast<int>(status), count);
+                program, kBackendName, kDeviceCountCall, hipGetErrorName(status), static_cast<int>(status),
+                count, kBackendName);
     return kSkipped;
 }

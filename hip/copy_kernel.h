@@ -1,115 +1,166 @@
-/* The batched copy kernel's ABI: what the host uploads and how it launches the kernel.
+/* The batched copy kernel's ABI: what the host builds, where the kernel finds it, and how the
+ * kernel is launched.
  *
  * One launch of `mori_copy_kernel` copies every (buffer, rect) of one call: for every buffer b
  * and every rect r, `height` rows of `width` bytes, row i read at
  * `src_bases[b] + src_offset + i * src_pitch` and written at `dst_bases[b] + dst_offset + i *
  * dst_pitch` (the rects are mori_tp_plan's, offsets relative to each buffer's base).
  *
- * The host builds, in ONE device allocation uploaded with ONE hipMemcpyAsync:
- *   [num_rects x MoriCopyKernelRect][num_buffers x uint64 source bases][num_buffers x uint64
- *   destination bases]
- * (64 * num_rects + 16 * num_buffers bytes; every part stays 8-byte aligned), then calls
- * hipModuleLaunchKernel(function, grid.x, grid.y, 1, MORI_COPY_BLOCK_THREADS, 1, 1, 0, stream,
- * NULL, extra) with extra = {HIP_LAUNCH_PARAM_BUFFER_POINTER, &args, HIP_LAUNCH_PARAM_BUFFER_SIZE,
- * &size, HIP_LAUNCH_PARAM_END}, where args is a MoriCopyKernelArgs whose pointers point into that
- * allocation and size = sizeof args: the struct is the whole kernel-argument buffer. (`extra`
- * rather than kernelParams because HIP 5.2's header still says kernelParams is not implemented;
- * `extra` works with every HIP version.) The grid is any size; mori_copy_grid below gives the
- * one that covers the work with one block per tile, and the kernel strides over the rest when a
- * dimension is capped.
+ * THE WORK SPLIT. The host plans all of it, so that no thread searches:
+ * - Rects become RUNS: consecutive rects with the same width, pitches, height and unit (the
+ *   widest of 16, 8, 4, 2 or 1 bytes that every row start, the width and every buffer base
+ *   allow). When a rect's height and its run's divide one another (at most
+ *   MORI_COPY_MAX_RUN_SPLIT times), the taller are cut into rects of the smaller height, so that
+ *   fragmented pages in runs of 1, 2, 3... pages form one run of one-page rects. A run's rows
+ *   are numbered g = 0 .. rows - 1; row g is row g % height of rect first_rect + g / height.
+ * - Each run is cut into TILES of at most MORI_COPY_TILE_UNITS units of one buffer: whole rows
+ *   (rows_per_tile = MORI_COPY_TILE_UNITS / units rows), or, for a row of more units than that,
+ *   column chunks of one row (col_chunks per row). Tiles are numbered across runs.
+ * - Grid x walks tiles; grid y walks groups of buffers_per_block buffers. A block's thread t
+ *   takes the tile's units t, t + blockDim.x, ..., MORI_COPY_SLOTS_PER_THREAD of them (unit i
+ *   of a tile of C units per row is column i % C of its row i / C, so adjacent threads touch
+ *   adjacent addresses), works out their offsets once, then copies them for every buffer of its
+ *   group, several buffers' loads in flight before their stores. So a block reads its run and
+ *   rect entries once and reuses them for all of its buffers, and a tile of one-row rects keeps
+ *   every thread as busy as a tall rect does. Rows move in the run's unit (a 256-byte bf16 head
+ *   in 16-byte loads and stores, a 72-byte fp8 head in 8-byte ones).
  *
- * Requirements: the rects are in the order of their first_row, which is the prefix sum of the
- * heights before them; every row of every (buffer, rect) is device-accessible memory (device
- * memory, a peer's with peer access enabled, or host memory mapped into the device, such as
+ * No shared memory, no atomics, no barriers: threads are independent, so the same source also
+ * runs on a CPU (hip/cpu_shim.hpp). hip/copy_table.hpp builds and decodes tables in C++; the Rust
+ * side (src/backend/copy_kernel.rs) builds the same bytes (a test compares them).
+ *
+ * THE TABLE: 8-byte aligned, little-endian, at byte offsets the args give:
+ *   [0, 8 * num_buffers)            source base address of each buffer (uint64)
+ *   [8 * num_buffers, 16 * ...)     destination base address of each buffer (uint64)
+ *   runs_at                         num_runs MoriCopyKernelRun entries (48 bytes each)
+ *   tile_runs_at                    the run of each tile (uint32 each), when num_runs > 1
+ *   rects_at                        num_rects rect offsets: (src, dst) as two uint32 each
+ *                                   (8 bytes), or with MORI_COPY_WIDE_OFFSETS two uint64 each
+ *                                   (16 bytes); either way shifted right by offset_shift bits
+ * When it fits in MORI_COPY_INLINE_TABLE_BYTES it travels inside the kernel's argument
+ * (`inline_table`, `table` = 0), so the call uploads nothing; otherwise the host uploads it
+ * (one hipMemcpyAsync into device memory, or any memory the kernel reaches) and `table` is its
+ * address.
+ *
+ * THE LAUNCH: hipModuleLaunchKernel(function, grid.x, grid.y, 1, MORI_COPY_BLOCK_THREADS, 1, 1,
+ * 0, stream, NULL, extra) with extra = {HIP_LAUNCH_PARAM_BUFFER_POINTER, &args,
+ * HIP_LAUNCH_PARAM_BUFFER_SIZE, &size, HIP_LAUNCH_PARAM_END}, where args is a MoriCopyKernelArgs
+ * and size = sizeof args (MORI_COPY_ARGS_BYTES): the struct is the whole kernel-argument buffer.
+ * (`extra` rather than kernelParams because HIP 5.2's header still says kernelParams is not
+ * implemented.) Grid x = min(num_tiles, MORI_COPY_MAX_GRID_X), grid y = min(ceil(num_buffers /
+ * buffers_per_block), MORI_COPY_MAX_GRID_Y); the kernel strides over the rest, and any grid or
+ * smaller block copies the same bytes.
+ *
+ * Requirements: every row of every (buffer, rect) is device-accessible memory (device memory, a
+ * peer's with peer access enabled, or host memory mapped into the device, such as
  * hipHostMalloc's); no destination byte is written twice or is also a source byte of the same
  * launch (threads run in no particular order, so such a byte may end as either copy leaves it).
  *
- * Work split: the rows of all rects, in order, form one flattened list of total_rows rows. Grid
- * x walks tiles of rows_per_block consecutive rows of that list, grid y walks buffers. A block's
- * threads form groups of lanes_per_row lanes (the blockDim.x / lanes_per_row whole groups; the
- * threads left over idle), and group g copies rows g, g + groups, g + 2 * groups, ... of the tile,
- * whichever rects they belong to: one-row rects keep every group busy as well as tall ones do.
- * A group finds its row's rect by binary search of first_row, and its lanes copy the row with
- * the widest of 16, 8 or 4-byte loads and stores that both row starts and the width allow (bytes
- * otherwise), lane i taking units i, i + lanes, ... No shared memory, no atomics, no barriers:
- * threads are independent, so the same source also runs on a CPU (hip/cpu_shim.hpp).
- *
- * This header is plain C (and C++), usable from host code, device code and the CPU shim. The
- * Rust side (src/backend/copy_kernel.rs) mirrors these structs and formulas; keep them in sync.
+ * This header is plain C (and C++), usable from host code, device code and the CPU shim.
  */
 #ifndef MORI_COPY_KERNEL_H
 #define MORI_COPY_KERNEL_H
 
 #include <stdint.h>
 
-/* The kernel's symbol in the code object, for hipModuleGetFunction. */
+/* The kernel's symbol in the code object, for hipModuleGetFunction / cuModuleGetFunction. */
 #define MORI_COPY_KERNEL_NAME "mori_copy_kernel"
 
-/* Threads per block; the kernel is compiled for exactly this block size (launch bounds). */
+/* Threads per block; the kernel is compiled for at most this block size (launch bounds). */
 #define MORI_COPY_BLOCK_THREADS 256u
-/* Grid limits the host applies; the kernel strides over tiles and buffers beyond them. Grid y
- * is capped at 65535 by the hardware; grid x is capped so that grid.x * block stays far below
- * 2^32 (AMD's limit on the threads of one dimension). */
+/* Units of one tile each thread of a full block takes (its loads in flight per buffer). */
+#define MORI_COPY_SLOTS_PER_THREAD 4u
+/* Units of one buffer a tile holds: MORI_COPY_BLOCK_THREADS * MORI_COPY_SLOTS_PER_THREAD (16 KiB
+ * of 16-byte units). */
+#define MORI_COPY_TILE_UNITS 1024u
+/* Grid limits the host applies; the kernel strides over tiles and buffer groups beyond them.
+ * Grid y is capped at 65535 by the hardware; grid x is capped so that grid.x * block stays far
+ * below 2^32 (AMD's limit on the threads of one dimension). */
 #define MORI_COPY_MAX_GRID_X 1048576u
 #define MORI_COPY_MAX_GRID_Y 65535u
-/* A tile holds about this many bytes of one buffer (whole rows), enough rows of a narrow slice
- * to keep all threads of a block busy. */
-#define MORI_COPY_TILE_BYTES 16384u
-#define MORI_COPY_MAX_ROWS_PER_BLOCK 1024u
+/* Buffers a block copies its tile for: about tiles * buffers / MORI_COPY_TARGET_BLOCKS, within
+ * [1, MORI_COPY_MAX_BUFFERS_PER_BLOCK] (mori_copy_buffers_per_block). 2048 blocks are about
+ * one wave on a 304-CU MI300X and four or five on a 132-SM H200 (3-4 resident blocks of 256
+ * threads per SM), so a partial last wave costs little; more buffers per block share one
+ * block's reading of its run and rect entries. Host-side, so the same for every target. */
+#define MORI_COPY_TARGET_BLOCKS 2048u
+#define MORI_COPY_MAX_BUFFERS_PER_BLOCK 16u
+/* A rect and its run are cut to the smaller of their heights when that makes at most this many
+ * rects of each. */
+#define MORI_COPY_MAX_RUN_SPLIT 64u
+/* Limits the host keeps the entries within by cutting rects (never visible to a caller): row
+ * width in bytes, rows of one run. */
+#define MORI_COPY_MAX_WIDTH 1073741824u
+#define MORI_COPY_MAX_RUN_ROWS 1073741824u
+/* Bytes of the kernel's argument and of the table room inside it. */
+#define MORI_COPY_ARGS_BYTES 4096u
+#define MORI_COPY_INLINE_TABLE_BYTES 4032u
+/* Bytes of one run entry. */
+#define MORI_COPY_RUN_BYTES 48u
 
-/* One rect of the table: 8 x uint64 = 64 bytes. */
-typedef struct MoriCopyKernelRect {
-    uint64_t src_offset; /* first source row, relative to each source base */
-    uint64_t dst_offset; /* first destination row, relative to each destination base */
-    uint64_t src_pitch;  /* bytes between source rows */
-    uint64_t dst_pitch;  /* bytes between destination rows */
-    uint64_t width;      /* bytes per row */
-    uint64_t height;     /* rows */
-    uint64_t first_row;  /* rows of all rects before this one: the prefix sum of heights */
-    uint64_t reserved;   /* 0; pads the entry to 64 bytes */
-} MoriCopyKernelRect;
+/* args.flags: rect offsets are two uint64 (16 bytes per rect) rather than two uint32. */
+#define MORI_COPY_WIDE_OFFSETS 1u
 
-/* The kernel's one parameter, passed by value (8 x 8 = 64 bytes). */
+/* One run: rects of equal shape, copied in tiles. 48 bytes. */
+typedef struct MoriCopyKernelRun {
+    uint64_t src_pitch;     /* bytes between source rows of a rect (0 when height is 1) */
+    uint64_t dst_pitch;     /* bytes between destination rows of a rect (0 when height is 1) */
+    uint32_t first_rect;    /* index of its first rect in the rect offsets */
+    uint32_t rows;          /* rows of the run: its rects times height */
+    uint32_t height;        /* rows of each rect, >= 1 */
+    uint32_t units;         /* units per row: width >> unit_shift, >= 1 */
+    uint32_t rows_per_tile; /* rows of a tile: MORI_COPY_TILE_UNITS / units, or 1 */
+    uint32_t col_chunks;    /* tiles per row: 1, or ceil(units / MORI_COPY_TILE_UNITS) */
+    uint32_t first_tile;    /* tiles of the runs before it */
+    uint32_t unit_shift;    /* log2 of the unit: 0 (bytes) to 4 (16 bytes) */
+} MoriCopyKernelRun;
+
+/* The kernel's one parameter, passed by value: MORI_COPY_ARGS_BYTES bytes. */
 typedef struct MoriCopyKernelArgs {
-    const MoriCopyKernelRect *rects; /* num_rects entries, device-accessible */
-    const uint64_t *src_bases;       /* num_buffers source base addresses, device-accessible */
-    const uint64_t *dst_bases;       /* num_buffers destination base addresses, device-accessible */
-    uint64_t num_rects;
-    uint64_t num_buffers;
-    uint64_t total_rows;     /* sum of all heights = first_row + height of the last rect */
-    uint64_t rows_per_block; /* rows of one tile, >= 1 (mori_copy_rows_per_block) */
-    uint64_t lanes_per_row;  /* threads per row, >= 1 (mori_copy_lanes_per_row); capped at blockDim.x */
+    uint64_t table;             /* address of the table, or 0: it is inline_table */
+    uint32_t table_bytes;       /* bytes of the table */
+    uint32_t num_buffers;       /* buffer pairs */
+    uint32_t buffers_per_block; /* buffers one block copies its tile for, >= 1 */
+    uint32_t num_runs;
+    uint32_t num_tiles;         /* tiles of all runs */
+    uint32_t num_rects;         /* rect offsets in the table */
+    uint32_t runs_at;           /* byte offset of the runs in the table */
+    uint32_t tile_runs_at;      /* byte offset of the tiles' runs (when num_runs > 1) */
+    uint32_t rects_at;          /* byte offset of the rect offsets */
+    uint32_t flags;             /* MORI_COPY_WIDE_OFFSETS */
+    uint32_t offset_shift;      /* rect offsets are stored shifted right by this many bits */
+    uint32_t reserved[3];       /* 0 */
+    uint64_t inline_table[MORI_COPY_INLINE_TABLE_BYTES / 8]; /* the table when table is 0 */
 } MoriCopyKernelArgs;
 
-/* Rows per tile for rects whose widest row is `max_width` bytes:
- * clamp(MORI_COPY_TILE_BYTES / max_width, 1, MORI_COPY_MAX_ROWS_PER_BLOCK). */
-static inline uint64_t mori_copy_rows_per_block(uint64_t max_width) {
-    uint64_t rows = max_width == 0 ? MORI_COPY_MAX_ROWS_PER_BLOCK : MORI_COPY_TILE_BYTES / max_width;
-    if (rows < 1) {
-        rows = 1;
-    }
-    return rows > MORI_COPY_MAX_ROWS_PER_BLOCK ? MORI_COPY_MAX_ROWS_PER_BLOCK : rows;
+/* Rows of a tile and tiles per row for rows of `units` units (>= 1). */
+static inline uint32_t mori_copy_rows_per_tile(uint32_t units) {
+    return units >= MORI_COPY_TILE_UNITS ? 1u : MORI_COPY_TILE_UNITS / units;
 }
 
-/* Threads per row for rects whose widest row is `max_width` bytes: enough for one 16-byte unit
- * each, clamp(ceil(max_width / 16), 1, MORI_COPY_BLOCK_THREADS). A row that moves in narrower
- * units gives each lane several. */
-static inline uint64_t mori_copy_lanes_per_row(uint64_t max_width) {
-    uint64_t lanes = max_width / 16 + (max_width % 16 != 0);
-    if (lanes < 1) {
-        lanes = 1;
-    }
-    return lanes > MORI_COPY_BLOCK_THREADS ? MORI_COPY_BLOCK_THREADS : lanes;
+static inline uint32_t mori_copy_col_chunks(uint32_t units) {
+    return units <= MORI_COPY_TILE_UNITS ? 1u : (units + MORI_COPY_TILE_UNITS - 1) / MORI_COPY_TILE_UNITS;
 }
 
-/* The grid that gives each (tile, buffer) its own block, within the caps:
- * x = min(ceil(total_rows / rows_per_block), MORI_COPY_MAX_GRID_X),
- * y = min(num_buffers, MORI_COPY_MAX_GRID_Y). Nothing to copy gives 0: do not launch. */
-static inline void mori_copy_grid(uint64_t total_rows, uint64_t rows_per_block, uint64_t num_buffers,
-                                  uint32_t *grid_x, uint32_t *grid_y) {
-    uint64_t tiles = rows_per_block == 0 ? 0 : (total_rows + rows_per_block - 1) / rows_per_block;
-    *grid_x = (uint32_t)(tiles > MORI_COPY_MAX_GRID_X ? MORI_COPY_MAX_GRID_X : tiles);
-    *grid_y = (uint32_t)(num_buffers > MORI_COPY_MAX_GRID_Y ? MORI_COPY_MAX_GRID_Y : num_buffers);
+/* Buffers per block for `tiles` tiles of `buffers` buffers: about MORI_COPY_TARGET_BLOCKS
+ * blocks, each copying its tile for at least one and at most MORI_COPY_MAX_BUFFERS_PER_BLOCK
+ * buffers: clamp(tiles * buffers / MORI_COPY_TARGET_BLOCKS, 1, min(buffers, 16)). */
+static inline uint32_t mori_copy_buffers_per_block(uint64_t tiles, uint64_t buffers) {
+    uint64_t per = tiles * buffers / MORI_COPY_TARGET_BLOCKS;
+    uint64_t most = buffers < MORI_COPY_MAX_BUFFERS_PER_BLOCK ? buffers : MORI_COPY_MAX_BUFFERS_PER_BLOCK;
+    if (per > most) {
+        per = most;
+    }
+    return (uint32_t)(per < 1 ? 1 : per);
+}
+
+/* The grid for these args: x over tiles, y over buffer groups, within the caps. Nothing to copy
+ * gives 0: do not launch. */
+static inline void mori_copy_grid(const MoriCopyKernelArgs *args, uint32_t *grid_x, uint32_t *grid_y) {
+    const uint64_t per = args->buffers_per_block == 0 ? 1 : args->buffers_per_block;
+    const uint64_t groups = (args->num_buffers + per - 1) / per;
+    *grid_x = args->num_tiles > MORI_COPY_MAX_GRID_X ? MORI_COPY_MAX_GRID_X : args->num_tiles;
+    *grid_y = (uint32_t)(groups > MORI_COPY_MAX_GRID_Y ? MORI_COPY_MAX_GRID_Y : groups);
     if (*grid_x == 0 || *grid_y == 0) {
         *grid_x = *grid_y = 0;
     }

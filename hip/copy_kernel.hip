@@ -1,23 +1,42 @@
 // The batched copy kernel: one launch copies every (buffer, rect) of a mori-tp call.
 // copy_kernel.h describes the table it reads, the launch and the work split.
 //
-// The same source builds two ways:
+// The same source builds four ways:
 // - for AMD GPUs: hipcc --genco (build.rs embeds the code objects in libmori_tp);
+// - for NVIDIA GPUs as PTX: clang -x cuda --cuda-device-only -nocudainc (build.rs, feature
+//   `cuda`), with hip/cuda_stand_in.h in place of CUDA's headers;
+// - with nvcc, as standard CUDA (CUDA's own headers);
 // - for the CPU: a C++ compiler with MORI_COPY_KERNEL_CPU defined, through hip/cpu_shim.hpp
 //   (a launch is loops over blocks and threads), which is how the tests run it without a GPU.
-// So the kernel uses only what both provide: threadIdx/blockIdx/blockDim/gridDim, plain loads
-// and stores (through mori_load/mori_store), no shared memory, no barriers, no atomics.
+// So the kernel uses only what all of them provide: threadIdx/blockIdx/blockDim/gridDim, plain
+// loads and stores (through mori_load/mori_store and mori_table_load), no shared memory, no
+// barriers, no atomics. The target-specific lines are the macros below.
 
 #if defined(MORI_COPY_KERNEL_CPU)
 #include "cpu_shim.hpp"
 #else
+#if defined(__HIP__)
 #include <hip/hip_runtime.h>
+#elif defined(__CUDA__) && !defined(__CUDACC__)
+// clang -x cuda -nocudainc: no CUDA toolkit, so the few CUDA names the kernel uses come from here.
+#include "cuda_stand_in.h"
+#elif defined(__CUDACC__)
+#include <cuda_runtime.h>
+#else
+#error "copy_kernel.hip builds with hipcc, clang -x cuda, nvcc, or a C++ compiler with MORI_COPY_KERNEL_CPU"
+#endif
 
 #define MORI_DEVICE __device__ __forceinline__
 
-// Addresses are global memory (device, peer or mapped host memory; never LDS or scratch), so
-// the loads and stores are global_* instructions rather than flat_* ones.
+// Addresses are global memory (device, peer or mapped host memory; never shared memory or the
+// stack). Clang's AMDGPU and NVPTX targets both call that address space 1, so the loads and
+// stores become global_* (AMD) or ld.global/st.global (NVPTX) instructions rather than flat or
+// generic ones; nvcc has no such attribute and infers it.
+#if defined(__clang__) && (defined(__AMDGPU__) || defined(__NVPTX__))
 #define MORI_GLOBAL __attribute__((address_space(1)))
+#else
+#define MORI_GLOBAL
+#endif
 
 template <class T>
 MORI_DEVICE T mori_load(uint64_t address) {
@@ -28,117 +47,243 @@ template <class T>
 MORI_DEVICE void mori_store(uint64_t address, T value) {
     *(MORI_GLOBAL T *)address = value;
 }
+
+// The table (when not inside the argument) is global memory like the buffers.
+template <class T>
+MORI_DEVICE T mori_table_load(uint64_t address) {
+    return *(const MORI_GLOBAL T *)address;
+}
 #endif
 
 #include "copy_kernel.h"
 
-// Counts one (thread, step) of a tile, and whether the thread moved bytes in it. Nothing on a
+// Counts one (thread, slot) of a tile, and whether the thread moves bytes in it. Nothing on a
 // GPU; the CPU shim counts, which is how the tests and hip/bench measure the share of lanes
 // that work (active-lane utilisation).
 #ifndef MORI_COPY_COUNT_LANE
 #define MORI_COPY_COUNT_LANE(active) ((void)(active))
 #endif
 
+// 16 bytes as one value, so that an aligned row moves with 128-bit loads and stores: a clang or
+// GCC vector (AMD, NVPTX through clang, the CPU shim; 16-byte aligned), CUDA's uint4 with nvcc,
+// which has no vector_size.
+#if defined(__CUDACC__) && !defined(__clang__)
+typedef uint4 MoriU128;
+#else
+typedef uint32_t MoriU128 __attribute__((vector_size(16)));
+#endif
+
+// Unrolls the fixed-count loops over a thread's slots, so that its loads stay in registers and
+// are all in flight before the first store (GCC, for the CPU shim, needs no hint).
+#if defined(__clang__) || defined(__CUDACC__)
+#define MORI_UNROLL _Pragma("unroll")
+#else
+#define MORI_UNROLL
+#endif
+
+// Buffers whose loads a thread issues before their stores: MORI_COPY_SLOTS_PER_THREAD units of
+// each. Kernel-internal (the host's table and grid do not depend on it), so a target may set its
+// own after profiling; both start at 2 (8 loads of 16 bytes in flight per thread).
+#ifndef MORI_COPY_BUFFERS_IN_FLIGHT
+#define MORI_COPY_BUFFERS_IN_FLIGHT 2
+#endif
+
+// The kernel's argument is 4 KiB of table read with per-thread indices. nvcc 11.7+ can leave it
+// in the parameter space instead of copying it per thread when it is __grid_constant__; clang
+// reads a by-value parameter in place anyway (ld.param on NVPTX, the kernarg segment on AMD).
+#if defined(__CUDACC__) && !defined(__clang__) && \
+    (__CUDACC_VER_MAJOR__ > 11 || (__CUDACC_VER_MAJOR__ == 11 && __CUDACC_VER_MINOR__ >= 7))
+#define MORI_GRID_CONSTANT __grid_constant__
+#else
+#define MORI_GRID_CONSTANT
+#endif
+
 namespace mori_copy {
 
-// 16 bytes as one value, so that an aligned row moves with 128-bit loads and stores (GCC and
-// Clang both know vector_size; the type is 16-byte aligned).
-typedef uint32_t U128 __attribute__((vector_size(16)));
+constexpr uint32_t kSlots = MORI_COPY_SLOTS_PER_THREAD;
 
-MORI_DEVICE uint64_t min_u64(uint64_t a, uint64_t b) {
+MORI_DEVICE uint32_t min_u32(uint32_t a, uint32_t b) {
     return a < b ? a : b;
 }
 
-// The rect that holds flattened row `row`: the last one in [lo, num_rects) whose first_row <= row
-// (rects are sorted by first_row, and the one at lo starts at or before row). A zero-height rect
-// never holds a row: the next rect starts at the same row and wins.
-MORI_DEVICE uint64_t find_rect(const MoriCopyKernelRect *rects, uint64_t lo, uint64_t num_rects, uint64_t row) {
-    uint64_t hi = num_rects;  // answer in [lo, hi)
-    while (hi - lo > 1) {
-        const uint64_t mid = lo + (hi - lo) / 2;
-        if (rects[mid].first_row <= row) {
-            lo = mid;
-        } else {
-            hi = mid;
+// Reads of the table where it lies: kInline, inside the argument; else at args.table. The kernel
+// body is instantiated for each, so that no read branches on it.
+template <bool kInline>
+MORI_DEVICE uint64_t table_u64(const MoriCopyKernelArgs &a, uint32_t at) {
+    // `at` is a multiple of 8.
+    if (kInline) {
+        return a.inline_table[at / 8];
+    }
+    return mori_table_load<uint64_t>(a.table + at);
+}
+
+template <bool kInline>
+MORI_DEVICE uint32_t table_u32(const MoriCopyKernelArgs &a, uint32_t at) {
+    // `at` is a multiple of 4; the table is little-endian.
+    if (kInline) {
+        return static_cast<uint32_t>(a.inline_table[at / 8] >> (8 * (at % 8)));
+    }
+    return mori_table_load<uint32_t>(a.table + at);
+}
+
+struct Run {
+    uint64_t src_pitch, dst_pitch;
+    uint32_t first_rect, rows, height, units, rows_per_tile, col_chunks, first_tile, unit_shift;
+};
+
+template <bool kInline>
+MORI_DEVICE Run read_run(const MoriCopyKernelArgs &a, uint32_t index) {
+    const uint32_t at = a.runs_at + index * MORI_COPY_RUN_BYTES;
+    Run run;
+    run.src_pitch = table_u64<kInline>(a, at);
+    run.dst_pitch = table_u64<kInline>(a, at + 8);
+    run.first_rect = table_u32<kInline>(a, at + 16);
+    run.rows = table_u32<kInline>(a, at + 20);
+    run.height = table_u32<kInline>(a, at + 24);
+    run.units = table_u32<kInline>(a, at + 28);
+    run.rows_per_tile = table_u32<kInline>(a, at + 32);
+    run.col_chunks = table_u32<kInline>(a, at + 36);
+    run.first_tile = table_u32<kInline>(a, at + 40);
+    run.unit_shift = table_u32<kInline>(a, at + 44);
+    return run;
+}
+
+// The offsets of one thread's units of a tile, relative to each buffer's base: the first
+// `count` slots are valid.
+struct Slots {
+    uint64_t src[kSlots];
+    uint64_t dst[kSlots];
+    uint32_t count;
+};
+
+// Slot k of this thread is unit first + k * stride of the tile; a tile holds rows
+// [first_row, first_row + rows) of the run, columns [col0, col0 + cols) of each.
+template <bool kInline>
+MORI_DEVICE Slots tile_slots(const MoriCopyKernelArgs &a, const Run &run, uint32_t first_row, uint32_t col0,
+                             uint32_t cols, uint32_t units, uint32_t first, uint32_t stride) {
+    Slots s;
+    s.count = 0;
+    MORI_UNROLL
+    for (uint32_t k = 0; k < kSlots; k++) {
+        s.src[k] = s.dst[k] = 0;
+        const uint32_t i = first + k * stride;
+        if (i < units) {
+            const uint32_t g = first_row + i / cols;  // the run's row
+            const uint64_t col = static_cast<uint64_t>(col0 + i % cols) << run.unit_shift;
+            const uint32_t rect = run.first_rect + g / run.height, r = g % run.height;
+            uint64_t src, dst;
+            if (a.flags & MORI_COPY_WIDE_OFFSETS) {
+                src = table_u64<kInline>(a, a.rects_at + 16 * rect);
+                dst = table_u64<kInline>(a, a.rects_at + 16 * rect + 8);
+            } else {
+                const uint64_t both = table_u64<kInline>(a, a.rects_at + 8 * rect);
+                src = both & 0xffffffffu;
+                dst = both >> 32;
+            }
+            s.src[k] = (src << a.offset_shift) + r * run.src_pitch + col;
+            s.dst[k] = (dst << a.offset_shift) + r * run.dst_pitch + col;
+            s.count = k + 1;
         }
     }
-    return lo;
+    return s;
 }
 
-// One row of `width` bytes as units of T (both starts and the width are multiples of
-// sizeof(T)): lane `lane` of `lanes` takes units lane, lane + lanes, ..., so adjacent lanes touch
-// adjacent addresses. True when this lane moved any unit.
-template <class T>
-MORI_DEVICE bool copy_row(uint64_t s, uint64_t d, uint64_t width, uint32_t lane, uint32_t lanes) {
-    const uint64_t units = width / sizeof(T);
-    uint64_t unit = lane;
-    // Four loads in flight before their stores, for rows wider than one pass of the group.
-    for (; unit + 3 * lanes < units; unit += 4 * lanes) {
-        const T a = mori_load<T>(s + unit * sizeof(T));
-        const T b = mori_load<T>(s + (unit + lanes) * sizeof(T));
-        const T c = mori_load<T>(s + (unit + 2 * lanes) * sizeof(T));
-        const T e = mori_load<T>(s + (unit + 3 * lanes) * sizeof(T));
-        mori_store<T>(d + unit * sizeof(T), a);
-        mori_store<T>(d + (unit + lanes) * sizeof(T), b);
-        mori_store<T>(d + (unit + 2 * lanes) * sizeof(T), c);
-        mori_store<T>(d + (unit + 3 * lanes) * sizeof(T), e);
+// Moves the slots' units of buffers [b, end): MORI_COPY_BUFFERS_IN_FLIGHT buffers at a time, all
+// their loads before their stores.
+template <bool kInline, class T>
+MORI_DEVICE void copy_slots(const MoriCopyKernelArgs &a, const Slots &s, uint32_t b, uint32_t end) {
+    constexpr uint32_t kBuffers = MORI_COPY_BUFFERS_IN_FLIGHT;
+    for (; b < end; b += kBuffers) {
+        uint64_t src[kBuffers], dst[kBuffers];
+        T v[kBuffers][kSlots] = {};
+        MORI_UNROLL
+        for (uint32_t j = 0; j < kBuffers; j++) {
+            // A group's last step may hold fewer buffers (those past `end` move nothing).
+            const uint32_t at = min_u32(b + j, end - 1);
+            src[j] = table_u64<kInline>(a, 8 * at);
+            dst[j] = table_u64<kInline>(a, 8 * (a.num_buffers + at));
+        }
+        MORI_UNROLL
+        for (uint32_t j = 0; j < kBuffers; j++) {
+            MORI_UNROLL
+            for (uint32_t k = 0; k < kSlots; k++) {
+                if (k < s.count && b + j < end) {
+                    v[j][k] = mori_load<T>(src[j] + s.src[k]);
+                }
+            }
+        }
+        MORI_UNROLL
+        for (uint32_t j = 0; j < kBuffers; j++) {
+            MORI_UNROLL
+            for (uint32_t k = 0; k < kSlots; k++) {
+                if (k < s.count && b + j < end) {
+                    mori_store<T>(dst[j] + s.dst[k], v[j][k]);
+                }
+            }
+        }
     }
-    for (; unit < units; unit += lanes) {
-        mori_store<T>(d + unit * sizeof(T), mori_load<T>(s + unit * sizeof(T)));
-    }
-    return lane < units;
 }
 
-// One row with the widest unit both starts and the width allow.
-MORI_DEVICE bool copy_row_widest(uint64_t s, uint64_t d, uint64_t width, uint32_t lane, uint32_t lanes) {
-    const uint64_t alignment = s | d | width;
-    if (alignment % 16 == 0) {
-        return copy_row<U128>(s, d, width, lane, lanes);
+// The whole launch for this block, with the table inside the argument (kInline) or in memory.
+template <bool kInline>
+MORI_DEVICE void copy_blocks(const MoriCopyKernelArgs &args) {
+    const uint32_t per = args.buffers_per_block;
+    const uint32_t groups = args.num_buffers / per + (args.num_buffers % per != 0);
+    const uint32_t stride = blockDim.x;
+    for (uint32_t tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
+        // The tile's run, and which rows and columns of it the tile holds.
+        const uint32_t run_index = args.num_runs == 1 ? 0 : table_u32<kInline>(args, args.tile_runs_at + 4 * tile);
+        const Run run = read_run<kInline>(args, run_index);
+        const uint32_t in_run = tile - run.first_tile;
+        const uint32_t first_row = in_run / run.col_chunks * run.rows_per_tile;
+        const uint32_t col0 = in_run % run.col_chunks * MORI_COPY_TILE_UNITS;
+        const uint32_t rows = min_u32(run.rows_per_tile, run.rows - first_row);
+        const uint32_t cols = min_u32(run.units - col0, MORI_COPY_TILE_UNITS);
+        const uint32_t units = rows * cols;
+        // One pass with a full block; a smaller block takes several.
+        for (uint32_t base = 0; base < units; base += kSlots * stride) {
+            const Slots s = tile_slots<kInline>(args, run, first_row, col0, cols, units, base + threadIdx.x, stride);
+            for (uint32_t k = 0; k < kSlots; k++) {
+                MORI_COPY_COUNT_LANE(k < s.count);
+            }
+            if (s.count == 0) {
+                continue;
+            }
+            for (uint32_t group = blockIdx.y; group < groups; group += gridDim.y) {
+                const uint32_t b = group * per, end = min_u32(b + per, args.num_buffers);
+                switch (run.unit_shift) {
+                    case 4:
+                        copy_slots<kInline, MoriU128>(args, s, b, end);
+                        break;
+                    case 3:
+                        copy_slots<kInline, uint64_t>(args, s, b, end);
+                        break;
+                    case 2:
+                        copy_slots<kInline, uint32_t>(args, s, b, end);
+                        break;
+                    case 1:
+                        copy_slots<kInline, uint16_t>(args, s, b, end);
+                        break;
+                    default:
+                        copy_slots<kInline, uint8_t>(args, s, b, end);
+                        break;
+                }
+            }
+        }
     }
-    if (alignment % 8 == 0) {
-        return copy_row<uint64_t>(s, d, width, lane, lanes);
-    }
-    if (alignment % 4 == 0) {
-        return copy_row<uint32_t>(s, d, width, lane, lanes);
-    }
-    return copy_row<uint8_t>(s, d, width, lane, lanes);
 }
 
 }  // namespace mori_copy
 
 extern "C" __global__ void __launch_bounds__(MORI_COPY_BLOCK_THREADS)
-    mori_copy_kernel(MoriCopyKernelArgs args) {
-    using namespace mori_copy;
-    if (args.num_rects == 0 || args.rows_per_block == 0) {
+    mori_copy_kernel(MORI_GRID_CONSTANT const MoriCopyKernelArgs args) {
+    if (args.num_tiles == 0 || args.num_buffers == 0 || args.buffers_per_block == 0 || threadIdx.y != 0 ||
+        threadIdx.z != 0) {
         return;
     }
-    const uint32_t lanes = static_cast<uint32_t>(
-        args.lanes_per_row == 0 ? 1 : min_u64(args.lanes_per_row, blockDim.x));
-    const uint32_t groups = blockDim.x / lanes;
-    // Threads past the last whole group (when lanes does not divide the block) stay idle.
-    const uint32_t group = threadIdx.x / lanes, lane = threadIdx.x % lanes;
-    const uint64_t tiles = (args.total_rows + args.rows_per_block - 1) / args.rows_per_block;
-    for (uint64_t buffer = blockIdx.y; buffer < args.num_buffers; buffer += gridDim.y) {
-        const uint64_t src_base = args.src_bases[buffer], dst_base = args.dst_bases[buffer];
-        for (uint64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            const uint64_t first = tile * args.rows_per_block;
-            const uint64_t end = min_u64(first + args.rows_per_block, args.total_rows);
-            const uint64_t steps = (end - first + groups - 1) / groups;
-            // Each group takes every groups-th row of the tile, across rect boundaries; its rows
-            // only move forward, so each search starts at the previous row's rect.
-            uint64_t index = 0;
-            for (uint64_t step = 0; step < steps; step++) {
-                const uint64_t row = first + step * groups + group;
-                bool active = false;
-                if (group < groups && row < end) {
-                    index = find_rect(args.rects, index, args.num_rects, row);
-                    const MoriCopyKernelRect rect = args.rects[index];
-                    const uint64_t r = row - rect.first_row;
-                    active = copy_row_widest(src_base + rect.src_offset + r * rect.src_pitch,
-                                             dst_base + rect.dst_offset + r * rect.dst_pitch, rect.width, lane, lanes);
-                }
-                MORI_COPY_COUNT_LANE(active);
-            }
-        }
+    if (args.table == 0) {
+        mori_copy::copy_blocks<true>(args);
+    } else {
+        mori_copy::copy_blocks<false>(args);
     }
 }

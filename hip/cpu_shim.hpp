@@ -11,7 +11,7 @@
 //
 // The thread coordinates are thread_local: launches on different host threads do not interfere.
 //
-// It also counts, per launch, the (thread, step) slots of the kernel's tiles and how many of them
+// It also counts, per launch, the (thread, slot) pairs of the kernel's tiles and how many of them
 // moved bytes (MORI_COPY_COUNT_LANE): the kernel's active-lane utilisation, which depends only on
 // its work split, so the count here is the GPU's too. A dry run (mori_cpu_lanes.dry_run) counts
 // without touching memory: loads read zeros and stores are dropped, alignment still checked.
@@ -37,13 +37,13 @@ inline thread_local MoriDim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __global__
 #endif
 #ifndef __launch_bounds__
-#define __launch_bounds__(threads)
+#define __launch_bounds__(...)
 #endif
 #define MORI_DEVICE inline
 
 // The lane count of the launches on this host thread since the last reset.
 struct MoriCpuLanes {
-    uint64_t slots = 0;   // (thread, step) pairs the kernel's tiles ran
+    uint64_t slots = 0;   // (thread, slot) pairs of the kernel's tiles
     uint64_t active = 0;  // of those, the ones that moved bytes
     bool dry_run = false;
     double utilisation() const { return slots == 0 ? 0.0 : static_cast<double>(active) / static_cast<double>(slots); }
@@ -95,6 +95,17 @@ inline void mori_store(uint64_t address, T value) {
     if (!mori_cpu_lanes.dry_run) {
         std::memcpy(reinterpret_cast<void *>(mori_cpu_address(address)), &value, sizeof(T));
     }
+}
+
+// A read of the kernel's table: host memory at its own address (the tables of the tests and of
+// the stand-in runtimes are ordinary host or "device" memory), read even in a dry run, since the
+// kernel's work split depends on it.
+template <class T>
+inline T mori_table_load(uint64_t address) {
+    mori_cpu_check_alignment<T>(address, "table load");
+    T value;
+    std::memcpy(&value, reinterpret_cast<const void *>(address), sizeof(T));
+    return value;
 }
 
 // Runs kernel(args) for every thread of a grid x block launch, blocks and threads in an order

@@ -1,10 +1,12 @@
-// Device test of the HIP backend on real GPU memory, for both ways it runs a call: one
+// Device test of the GPU backend on real GPU memory, for both ways it runs a call: one
 // hipMemcpy2DAsync per (buffer, rect) (MORI_SEND_MEMCPY2D), and one copy-kernel launch
-// (MORI_SEND_COPY_KERNEL).
+// (MORI_SEND_COPY_KERNEL). Built with hipcc it checks the HIP backend; built with nvcc and
+// -I hip/cuda (hip/cuda/hip/hip_runtime.h maps the HIP names to CUDA's; hip/device-check.sh),
+// the CUDA backend (MORI_BACKEND_CUDA, cuMemcpy2DAsync and the kernel as PTX).
 //
 // For several heterogeneous-TP layouts it allocates per-layer K and V buffers for every prefill
 // and decode rank with hipMalloc, fills them, moves every (prefill rank, decode rank) pair's
-// slice with mori_send_kvcache (MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE, on a created stream and
+// slice with mori_send_kvcache (the backend, MORI_SEND_SYNCHRONIZE, on a created stream and
 // on the null stream), copies the decode buffers back and checks them byte for byte against an
 // independent statement of REFERENCE.md. It then does the same transfer through a staging
 // region per pair (mori_pack_kvcache on the prefill side, asynchronous, then mori_unpack_kvcache
@@ -20,7 +22,9 @@
 //   hipStreamGetDevice (HIP 5.x), where the library needs the stream's device current for
 //   copy-kernel calls, with device 1 current instead (it prints which rule it followed);
 // and host memory registered with hipHostRegister: the copy kernel takes it at the address
-// hipHostGetDevicePointer returns, and refuses its host address when that differs.
+// hipHostGetDevicePointer returns, and refuses its host address when that differs. Then the pair
+// functions (NHD pages of 16 -> HND pages of 64, a partial last page), two groups in one request,
+// pack and unpack through a device staging pool, and interleaved sends on two streams.
 //
 // Exit: 0 passed, 1 failed, 77 "skipped: no HIP device".
 
@@ -151,7 +155,7 @@ class Test {
         std::printf("%s, %s, %zu pages: %u buffers, %" PRIu64 " bytes per head\n", l_.name, where_.name,
                     pages_.src.size(), buffers_, bph_);
         for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
-            const std::string name = path == MORI_SEND_MEMCPY2D ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
+            const std::string name = path == MORI_SEND_MEMCPY2D ? kPerRect : "one copy-kernel launch";
             fill();
             direct(path);
             verify(dst_, ("direct, " + name).c_str());
@@ -231,7 +235,7 @@ class Test {
                 const MoriTpSliceConfig c = config(p, d);
                 const MoriKvBuffers kv = buffers(src_.ranks[p], dst_.ranks[d], src_.capacity, dst_.capacity);
                 // Alternate the created stream and the null stream.
-                const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path,
+                const MoriSendOptions options = {kBackend, MORI_SEND_SYNCHRONIZE | path,
                                                  (p + d) % 2 == 0 ? stream_ : nullptr};
                 MORI_OK_OR_DIE(mori_send_kvcache(&c, &kv, pages_.src.data(), pages_.dst.data(), pages_.src.size(),
                                                  &options));
@@ -255,8 +259,8 @@ class Test {
 
     // Every pair through a staging region: pack (asynchronous), then unpack (synchronize).
     void staged(uint32_t path) {
-        const MoriSendOptions async = {MORI_BACKEND_HIP, path, stream_};
-        const MoriSendOptions sync = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path, stream_};
+        const MoriSendOptions async = {kBackend, path, stream_};
+        const MoriSendOptions sync = {kBackend, MORI_SEND_SYNCHRONIZE | path, stream_};
         for (uint32_t p = 0; p < l_.prefill_tp; p++) {
             for (uint32_t d = 0; d < l_.decode_tp; d++) {
                 const MoriTpSliceConfig c = config(p, d);
@@ -353,7 +357,7 @@ class Test {
         const MoriKvBuffers kv = buffers(src_.ranks[0], dst_.ranks[0], src_.capacity, dst_.capacity);
         const int32_t src_pages[2] = {0, 1};
         const int32_t dst_pages[2] = {0, static_cast<int32_t>(pages_.dst_capacity_pages)};
-        const MoriSendOptions options = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path, stream_};
+        const MoriSendOptions options = {kBackend, MORI_SEND_SYNCHRONIZE | path, stream_};
         const MoriStatus status = mori_send_kvcache(&c, &kv, src_pages, dst_pages, 2, &options);
         if (status != MORI_ERR_OUT_OF_BOUNDS) {
             fail(std::string(l_.name) + ": a page past capacity returned " + mori_status_str(status) + ": " +
@@ -421,7 +425,7 @@ void registered_host_memory() {
     HIP_OK(hipHostGetDevicePointer(&src_device, src.data(), 0));
     HIP_OK(hipHostGetDevicePointer(&dst_device, dst.data(), 0));
     const int32_t pages[3] = {0, 1, 3};
-    const MoriSendOptions kernel = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL, nullptr};
+    const MoriSendOptions kernel = {kBackend, MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL, nullptr};
     const auto expect = [&](const char *how) {
         for (uint32_t page = 0; page < 4; page++) {
             for (uint32_t x = 0; x < 32; x++) {
@@ -454,7 +458,7 @@ void registered_host_memory() {
             fail(std::string("the copy kernel given registered memory's host address returned ") +
                  mori_status_str(status) + ": " + mori_last_error_message());
         }
-        const MoriSendOptions per_rect = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | MORI_SEND_MEMCPY2D, nullptr};
+        const MoriSendOptions per_rect = {kBackend, MORI_SEND_SYNCHRONIZE | MORI_SEND_MEMCPY2D, nullptr};
         MORI_OK_OR_DIE(mori_send_kvcache(&config, &kv, pages, pages, 3, &per_rect));
         expect("hipMemcpy2DAsync at the host address");
         std::printf("registered host memory (hipHostRegister): the copy kernel takes the device address %p, "
@@ -505,8 +509,8 @@ void pair_layouts() {
         return out;
     };
     for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
-        const char *name = path == MORI_SEND_MEMCPY2D ? "hipMemcpy2DAsync per rect" : "one copy-kernel launch";
-        const MoriSendOptions hip = {MORI_BACKEND_HIP, MORI_SEND_SYNCHRONIZE | path, nullptr};
+        const char *name = path == MORI_SEND_MEMCPY2D ? kPerRect : "one copy-kernel launch";
+        const MoriSendOptions hip = {kBackend, MORI_SEND_SYNCHRONIZE | path, nullptr};
         std::vector<const void *> host_src = {src[0].data(), src[1].data()};
         std::vector<const void *> dev_src = {device_copy(src[0]), device_copy(src[1])};
         // Send.
@@ -556,6 +560,233 @@ void pair_layouts() {
     }
 }
 
+// Bytes of device memory holding `bytes`, and back.
+void *device_copy_of(const std::vector<uint8_t> &bytes) {
+    void *p = nullptr;
+    HIP_OK(hipMalloc(&p, bytes.size()));
+    HIP_OK(hipMemcpy(p, bytes.data(), bytes.size(), hipMemcpyHostToDevice));
+    return p;
+}
+
+std::vector<uint8_t> host_copy_of(const void *p, size_t len) {
+    std::vector<uint8_t> out(len);
+    HIP_OK(hipMemcpy(out.data(), p, len, hipMemcpyDeviceToHost));
+    return out;
+}
+
+// One fragmented send for two_streams and device_pool: 8 heads of 256 bytes, prefill TP 2 ->
+// decode TP 4, pair (1, 3), pages of 16, `pages` pages in runs of one page (seeded), 4 buffers;
+// its source and initial destination bytes, and what a host send leaves in the destination.
+struct Case {
+    MoriTpSliceConfig config;
+    mori_testkit::Pages pages;
+    uint64_t src_len, dst_len;
+    std::vector<std::vector<uint8_t>> src, dst, want;
+};
+
+Case make_case(uint64_t seed, size_t pages) {
+    Case c;
+    const MoriTpSliceParams params = {2, 1, 4, 3, 8, 16, 16 * 4 * 256, 16 * 2 * 256};
+    MORI_OK_OR_DIE(mori_tp_slice_config(&params, &c.config));
+    c.pages = mori_testkit::fixed_runs(seed, pages, 1);
+    c.src_len = c.pages.src_capacity_pages * params.src_item_len;
+    c.dst_len = c.pages.dst_capacity_pages * params.dst_item_len;
+    for (uint64_t b = 0; b < 4; b++) {
+        std::vector<uint8_t> src(c.src_len), dst(c.dst_len);
+        for (uint64_t i = 0; i < c.src_len; i++) src[i] = static_cast<uint8_t>(i * 131 + b * 7 + seed * 13 + 1);
+        for (uint64_t i = 0; i < c.dst_len; i++) dst[i] = static_cast<uint8_t>(i * 29 + b * 3 + seed + 0x80);
+        c.src.push_back(src);
+        c.dst.push_back(dst);
+    }
+    c.want = c.dst;
+    std::vector<const void *> srcs;
+    std::vector<void *> dsts;
+    for (size_t b = 0; b < 4; b++) {
+        srcs.push_back(c.src[b].data());
+        dsts.push_back(c.want[b].data());
+    }
+    const MoriKvBuffers kv = {srcs.data(), dsts.data(), 4, c.src_len, c.dst_len};
+    const MoriSendOptions host = {MORI_BACKEND_HOST, 0, nullptr};
+    MORI_OK_OR_DIE(mori_send_kvcache(&c.config, &kv, c.pages.src.data(), c.pages.dst.data(), c.pages.src.size(),
+                                     &host));
+    return c;
+}
+
+// Two streams, each given kernel sends of its own requests, interleaved and not waited for
+// between calls (the library fences each stream's table buffers on that stream): every byte of
+// every destination as a host send leaves it.
+void two_streams() {
+    hipStream_t streams[2];
+    HIP_OK(hipStreamCreate(&streams[0]));
+    HIP_OK(hipStreamCreate(&streams[1]));
+    std::vector<Case> cases;
+    std::vector<std::vector<void *>> src(8), dst(8);
+    for (uint64_t i = 0; i < 8; i++) {
+        cases.push_back(make_case(100 + i, 40 + 3 * i));
+        for (size_t b = 0; b < 4; b++) {
+            src[i].push_back(device_copy_of(cases[i].src[b]));
+            dst[i].push_back(device_copy_of(cases[i].dst[b]));
+        }
+    }
+    for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_COPY_KERNEL), static_cast<uint32_t>(MORI_SEND_MEMCPY2D)}) {
+        for (uint64_t i = 0; i < 8; i++) {
+            for (size_t b = 0; b < 4; b++) {
+                HIP_OK(hipMemcpy(dst[i][b], cases[i].dst[b].data(), cases[i].dst_len, hipMemcpyHostToDevice));
+            }
+        }
+        for (uint64_t i = 0; i < 8; i++) {
+            const Case &c = cases[i];
+            std::vector<const void *> srcs(src[i].begin(), src[i].end());
+            const MoriKvBuffers kv = {srcs.data(), dst[i].data(), 4, c.src_len, c.dst_len};
+            const MoriSendOptions options = {kBackend, path, streams[i % 2]};
+            MORI_OK_OR_DIE(mori_send_kvcache(&c.config, &kv, c.pages.src.data(), c.pages.dst.data(),
+                                             c.pages.src.size(), &options));
+        }
+        HIP_OK(hipStreamSynchronize(streams[0]));
+        HIP_OK(hipStreamSynchronize(streams[1]));
+        for (uint64_t i = 0; i < 8; i++) {
+            for (size_t b = 0; b < 4; b++) {
+                if (host_copy_of(dst[i][b], cases[i].dst_len) != cases[i].want[b]) {
+                    fail("two streams, " + std::string(path == MORI_SEND_MEMCPY2D ? kPerRect : "the copy kernel") +
+                         ": send " + std::to_string(i) + " buffer " + std::to_string(b) + ": bytes differ");
+                }
+            }
+        }
+    }
+    for (uint64_t i = 0; i < 8; i++) {
+        for (size_t b = 0; b < 4; b++) {
+            HIP_OK(hipFree(src[i][b]));
+            HIP_OK(hipFree(dst[i][b]));
+        }
+    }
+    HIP_OK(hipStreamDestroy(streams[0]));
+    HIP_OK(hipStreamDestroy(streams[1]));
+    std::printf("two streams, 8 interleaved sends each way (kernel, then per rect), not waited for between "
+                "calls: every byte checked\n");
+}
+
+// A staging pool of device memory (mori_tp_pool_create, MORI_TP_POOL_DEVICE): pack into a slot,
+// unpack from it, with each path: the destination as a host send leaves it.
+void device_pool() {
+    const Case c = make_case(7, 48);
+    uint64_t staging_len = 0;
+    MORI_OK_OR_DIE(mori_tp_staging_len(&c.config, c.pages.src.size(), &staging_len));
+    const MoriTpPoolOptions options = {64u << 20, 64u << 10, MORI_TP_POOL_DEVICE, 0};
+    MoriTpPool pool = 0;
+    MORI_OK_OR_DIE(mori_tp_pool_create(&options, &pool));
+    std::vector<void *> src, dst;
+    for (size_t b = 0; b < 4; b++) {
+        src.push_back(device_copy_of(c.src[b]));
+        dst.push_back(device_copy_of(c.dst[b]));
+    }
+    std::vector<const void *> srcs(src.begin(), src.end());
+    for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
+        for (size_t b = 0; b < 4; b++) {
+            HIP_OK(hipMemcpy(dst[b], c.dst[b].data(), c.dst_len, hipMemcpyHostToDevice));
+        }
+        MoriTpSlot slot;
+        MORI_OK_OR_DIE(mori_tp_pool_try_alloc(pool, 4 * staging_len, &slot));
+        const MoriSendOptions sync = {kBackend, MORI_SEND_SYNCHRONIZE | path, nullptr};
+        MORI_OK_OR_DIE(mori_pack_kvcache(&c.config, srcs.data(), 4, c.src_len, c.pages.src.data(), c.pages.src.size(),
+                                         slot.address, slot.size, &sync));
+        MORI_OK_OR_DIE(mori_unpack_kvcache(&c.config, slot.address, slot.size, dst.data(), 4, c.dst_len,
+                                           c.pages.dst.data(), c.pages.dst.size(), &sync));
+        for (size_t b = 0; b < 4; b++) {
+            if (host_copy_of(dst[b], c.dst_len) != c.want[b]) {
+                fail(std::string("device pool, ") + (path == MORI_SEND_MEMCPY2D ? kPerRect : "the copy kernel") +
+                     ": buffer " + std::to_string(b) + ": bytes differ");
+            }
+        }
+        MORI_OK_OR_DIE(mori_tp_pool_free(pool, slot.offset));
+    }
+    MORI_OK_OR_DIE(mori_tp_pool_destroy(pool));
+    for (size_t b = 0; b < 4; b++) {
+        HIP_OK(hipFree(src[b]));
+        HIP_OK(hipFree(dst[b]));
+    }
+    std::printf("device staging pool (MORI_TP_POOL_DEVICE): pack into a slot and unpack from it, per rect and "
+                "with the kernel: every byte checked\n");
+}
+
+// Two groups in one request (mori_send_kvcache_groups): the NHD (pages of 16) -> HND (pages of
+// 64) pair of pair_layouts with 173 tokens, and an HND -> NHD pair with pages of 16 and 40
+// tokens, on buffers of their own; per rect and with the kernel, against the host backend.
+void groups() {
+    struct Side {
+        MoriTpLayout prefill, decode;
+        std::vector<int32_t> src_pages, dst_pages;
+        uint64_t tokens;
+    };
+    Side sides[2];
+    MORI_OK_OR_DIE(mori_tp_layout_nhd(8, 2, 1, 16, 32, &sides[0].prefill));
+    MORI_OK_OR_DIE(mori_tp_layout_hnd(8, 4, 2, 64, 32, &sides[0].decode));
+    sides[0].src_pages = {4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 0};
+    sides[0].dst_pages = {3, 1, 0};
+    sides[0].tokens = 173;
+    MORI_OK_OR_DIE(mori_tp_layout_hnd(4, 2, 0, 16, 64, &sides[1].prefill));
+    MORI_OK_OR_DIE(mori_tp_layout_nhd(4, 4, 1, 16, 64, &sides[1].decode));
+    sides[1].src_pages = {2, 0, 1};
+    sides[1].dst_pages = {1, 3, 0};
+    sides[1].tokens = 40;
+    MoriTpGroup host_groups[2], dev_groups[2];
+    std::vector<std::vector<uint8_t>> src[2], dst[2], want[2];
+    std::vector<const void *> host_src[2], dev_src[2];
+    std::vector<void *> host_dst[2], dev_dst[2];
+    for (int g = 0; g < 2; g++) {
+        Side &side = sides[g];
+        MoriTpPairConfig config;
+        MORI_OK_OR_DIE(mori_tp_pair_config(&side.prefill, &side.decode, &config));
+        const uint64_t src_len = 14 * side.prefill.page_stride, dst_len = 4 * side.decode.page_stride;
+        for (size_t b = 0; b < 2; b++) {
+            std::vector<uint8_t> s(src_len), d(dst_len);
+            for (uint64_t i = 0; i < src_len; i++) s[i] = static_cast<uint8_t>(i * 97 + b * 5 + g * 11 + 3);
+            for (uint64_t i = 0; i < dst_len; i++) d[i] = static_cast<uint8_t>(i * 23 + b + g * 17 + 0x40);
+            src[g].push_back(s);
+            dst[g].push_back(d);
+        }
+        want[g] = dst[g];
+        for (size_t b = 0; b < 2; b++) {
+            host_src[g].push_back(src[g][b].data());
+            host_dst[g].push_back(want[g][b].data());
+            dev_src[g].push_back(device_copy_of(src[g][b]));
+            dev_dst[g].push_back(device_copy_of(dst[g][b]));
+        }
+        const MoriTpRequest request = {side.src_pages.data(), side.src_pages.size(), side.dst_pages.data(),
+                                       side.dst_pages.size(), side.tokens};
+        host_groups[g] = MoriTpGroup{config, MORI_TP_STAGING_NONE, 0, 0, request,
+                                     MoriKvBuffers{host_src[g].data(), host_dst[g].data(), 2, src_len, dst_len}};
+        dev_groups[g] = MoriTpGroup{config, MORI_TP_STAGING_NONE, 0, 0, request,
+                                    MoriKvBuffers{dev_src[g].data(), dev_dst[g].data(), 2, src_len, dst_len}};
+    }
+    const MoriSendOptions host = {MORI_BACKEND_HOST, 0, nullptr};
+    MORI_OK_OR_DIE(mori_send_kvcache_groups(host_groups, 2, &host));
+    for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
+        for (int g = 0; g < 2; g++) {
+            for (size_t b = 0; b < 2; b++) {
+                HIP_OK(hipMemcpy(dev_dst[g][b], dst[g][b].data(), dst[g][b].size(), hipMemcpyHostToDevice));
+            }
+        }
+        const MoriSendOptions sync = {kBackend, MORI_SEND_SYNCHRONIZE | path, nullptr};
+        MORI_OK_OR_DIE(mori_send_kvcache_groups(dev_groups, 2, &sync));
+        for (int g = 0; g < 2; g++) {
+            for (size_t b = 0; b < 2; b++) {
+                if (host_copy_of(dev_dst[g][b], want[g][b].size()) != want[g][b]) {
+                    fail(std::string("groups, ") + (path == MORI_SEND_MEMCPY2D ? kPerRect : "the copy kernel") +
+                         ": group " + std::to_string(g) + " buffer " + std::to_string(b) + ": bytes differ");
+                }
+            }
+        }
+    }
+    for (int g = 0; g < 2; g++) {
+        for (size_t b = 0; b < 2; b++) {
+            HIP_OK(hipFree(const_cast<void *>(dev_src[g][b])));
+            HIP_OK(hipFree(dev_dst[g][b]));
+        }
+    }
+    std::printf("groups: two pairs (NHD 16 -> HND 64, 173 tokens; HND 16 -> NHD 16, 40 tokens) in one "
+                "mori_send_kvcache_groups, per rect and with the kernel: every byte checked\n");
+}
+
 // Enables peer access between devices 0 and 1 where the hardware allows it; false otherwise.
 bool enable_peer_access() {
     int forward = 0, backward = 0;
@@ -586,7 +817,7 @@ int main() {
     HIP_OK(hipGetDeviceCount(&devices));
     hipDeviceProp_t props;
     HIP_OK(hipGetDeviceProperties(&props, device));
-    std::printf("device_test: device %d of %d, %s (%s)\n", device, devices, props.name, props.gcnArchName);
+    std::printf("device_test: device %d of %d, %s (%s)\n", device, devices, props.name, device_arch(props).c_str());
     for (const Layout &layout : kLayouts) {
         Test(layout, fragmented_request(), kLocal).run();
     }
@@ -597,6 +828,9 @@ int main() {
     Test(kOneTokenPages, one_page_runs(), kPinned).run();
     registered_host_memory();
     pair_layouts();
+    groups();
+    device_pool();
+    two_streams();
     if (devices >= 2 && device == 0) {
         if (enable_peer_access()) {
             const auto two_devices = [] {

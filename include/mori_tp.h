@@ -41,7 +41,8 @@ extern "C" {
 #endif
 
 /**
- * MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
+ * MoriSendOptions.flags bit: wait (hipStreamSynchronize, cuStreamSynchronize) for the copies
+ * before returning.
  * Host copies are always complete on return. On a stream that is capturing a graph the wait is
  * not allowed, so such a call is refused with MORI_ERR_GPU before anything is enqueued: capture
  * without this flag, and synchronize after launching the graph.
@@ -229,7 +230,7 @@ typedef struct MoriKvBuffers {
  */
 typedef struct MoriSendOptions {
   /**
-   * A MoriBackend: MORI_BACKEND_AUTO, MORI_BACKEND_HOST or MORI_BACKEND_HIP.
+   * A MoriBackend: MORI_BACKEND_AUTO, MORI_BACKEND_HOST, MORI_BACKEND_HIP or MORI_BACKEND_CUDA.
    */
   uint32_t backend;
   /**
@@ -239,8 +240,9 @@ typedef struct MoriSendOptions {
    */
   uint32_t flags;
   /**
-   * hipStream_t for the HIP backend; NULL = the null stream. Must be NULL for the host backend
-   * (including when AUTO falls back to the host).
+   * hipStream_t for the HIP backend, cudaStream_t (CUstream) for the CUDA backend; NULL = the
+   * null stream. Must be NULL for the host backend (including when AUTO falls back to the
+   * host).
    */
   void *stream;
 } MoriSendOptions;
@@ -844,7 +846,8 @@ typedef struct MoriTpLayerRange {
 #define MORI_TP_ACTION_SKIP_REPLICA 2u
 
 /**
- * HIP when the library is built with it and a HIP device is present, the host otherwise.
+ * HIP when the library is built with it and an AMD GPU is present, else CUDA when it is built
+ * with it and an NVIDIA GPU is present, the host otherwise.
  */
 #define MORI_BACKEND_AUTO 0u
 
@@ -858,6 +861,14 @@ typedef struct MoriTpLayerRange {
  * feature); see MORI_SEND_COPY_KERNEL for which runs when.
  */
 #define MORI_BACKEND_HIP 2u
+
+/**
+ * The same on NVIDIA GPUs over the CUDA driver API (cuLaunchKernel of the copy kernel as PTX,
+ * or cuMemcpy2DAsync), on the caller's stream (a cudaStream_t / CUstream); library built with
+ * the `cuda` feature, libcuda.so.1 loaded when first used. Every flag means for it what it
+ * means for MORI_BACKEND_HIP, with the CUDA driver's counterpart of each HIP call.
+ */
+#define MORI_BACKEND_CUDA 3u
 
 /**
  * Pages to pages: the transport copies straight between the page buffers.
@@ -1293,7 +1304,7 @@ const char *mori_tp_staging_name(uint32_t staging);
 
 /**
  * A static, NUL-terminated name for a MoriBackend value ("MORI_BACKEND_AUTO",
- * "MORI_BACKEND_HOST", "MORI_BACKEND_HIP"); other values get "MORI_BACKEND_UNKNOWN". The name
+ * "MORI_BACKEND_HOST", "MORI_BACKEND_HIP", "MORI_BACKEND_CUDA"); other values get "MORI_BACKEND_UNKNOWN". The name
  * says nothing of whether the backend is built in or has a device. Never NULL; do not free.
  */
 const char *mori_backend_name(uint32_t backend);

@@ -477,6 +477,18 @@ pub enum Error {
         /// Its second factor.
         rhs: u64,
     },
+    /// A call's copy-kernel table would need a count beyond its 32-bit field (4 GiB of table,
+    /// or 2^32 tiles, rects or buffers); the per-rect copies have no such limit.
+    #[error(
+        "invalid argument: the copy kernel's table would hold {count} {what}, more than its 32-bit fields allow ({}); the per-rect copies (flags without MORI_SEND_COPY_KERNEL) have no such limit",
+        u32::MAX
+    )]
+    KernelTableTooLarge {
+        /// What is counted: `"bytes"`, `"tiles"`, `"rects"` or `"buffers"`.
+        what: &'static str,
+        /// How many the table would need.
+        count: u64,
+    },
     /// The two buffer arrays differ in length.
     #[error(
         "invalid argument: {src} source buffers but {dst} destination buffers (they are paired one to one)"
@@ -778,11 +790,11 @@ pub enum Error {
 
     // ---- backends ----
     /// A stream was passed to the host backend, which takes none.
-    #[error("invalid argument: options.stream is {stream:#x} but {} (pass NULL, or request MORI_BACKEND_HIP)", host_stream_reason(.auto_fallback))]
+    #[error("invalid argument: options.stream is {stream:#x} but {} (pass NULL, or request MORI_BACKEND_HIP or MORI_BACKEND_CUDA)", host_stream_reason(.auto_fallback))]
     StreamWithHostBackend {
         /// The stream given.
         stream: usize,
-        /// True when AUTO fell back to the host backend for want of a HIP device.
+        /// True when AUTO fell back to the host backend for want of a GPU.
         auto_fallback: bool,
     },
     /// The requested copy backend is not compiled in, or it has no device.
@@ -824,6 +836,7 @@ impl Error {
             | OffsetNotOnHead { .. }
             | PageCountMismatch { .. }
             | SizeOverflow { .. }
+            | KernelTableTooLarge { .. }
             | BufferCountMismatch { .. }
             | CapacityTooLarge { .. }
             | StagingOverlapsBuffer { .. }
@@ -927,8 +940,8 @@ fn not_a_slot(offset: u64, inside: &Option<(u64, u64)>, capacity: u64) -> String
 /// Why [`Error::StreamWithHostBackend`] refused a stream.
 fn host_stream_reason(auto_fallback: &bool) -> &'static str {
     if *auto_fallback {
-        "AUTO chose the host backend because no HIP device is available, and host copies take \
-         no stream"
+        "AUTO chose the host backend because no GPU is available (no HIP device, no CUDA device), \
+         and host copies take no stream"
     } else {
         "the host backend runs on the CPU and takes no stream"
     }

@@ -38,11 +38,6 @@ const NOT_MEASURED: &[(&str, &str, &str)] = &[
     ),
     (
         "REFERENCE.md",
-        "is 1.25x of",
-        "the target for the pair functions' speed, not a measurement",
-    ),
-    (
-        "REFERENCE.md",
         "reports TTFT -61% at 1K tokens",
         "SGLang's own figure, cited as theirs",
     ),

@@ -911,7 +911,8 @@ fn action_staging_and_backend_values_have_static_names() {
         (MORI_BACKEND_AUTO, "MORI_BACKEND_AUTO"),
         (MORI_BACKEND_HOST, "MORI_BACKEND_HOST"),
         (MORI_BACKEND_HIP, "MORI_BACKEND_HIP"),
-        (3, "MORI_BACKEND_UNKNOWN"),
+        (MORI_BACKEND_CUDA, "MORI_BACKEND_CUDA"),
+        (4, "MORI_BACKEND_UNKNOWN"),
     ] {
         assert_eq!(text(mori_backend_name(value)), expected);
     }

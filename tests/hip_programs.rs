@@ -114,6 +114,12 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
                  pack, unpack checked",
                 "pair NHD (pages of 16) -> HND (pages of 64), 173 tokens, one copy-kernel launch: send, \
                  pack, unpack checked",
+                "groups: two pairs (NHD 16 -> HND 64, 173 tokens; HND 16 -> NHD 16, 40 tokens) in one \
+                 mori_send_kvcache_groups, per rect and with the kernel: every byte checked",
+                "device staging pool (MORI_TP_POOL_DEVICE): pack into a slot and unpack from it, per \
+                 rect and with the kernel: every byte checked",
+                "two streams, 8 interleaved sends each way (kernel, then per rect), not waited for \
+                 between calls: every byte checked",
                 "one device: the two-device checks need two",
                 "device_test: all checks passed",
             ][..],
@@ -155,8 +161,11 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
                 "bench: done",
             ][..],
         ),
-        // Rows of both paths; the last local row is the kernel path of the last case. The
-        // fragmented shape keeps every lane of the kernel busy.
+        // Rows of both paths for every shape: the one-row rects (640 rects x 4 buffers for the
+        // per-rect path; a table of 64 + 48 + 8 * 640 bytes, too big for the kernel's argument,
+        // so uploaded), the contiguous shape (a table inside the argument), the last pair
+        // shape, the byte check of every shape, the other placements. The one-row shape keeps
+        // every lane of the kernel busy.
         (
             &fake,
             "bench",
@@ -164,11 +173,13 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
             "2",
             &[
                 "bench: two devices: this HIP runtime has hipStreamGetDevice",
-                "tp2to8     1 runs of 1   send   memcpy2d      1024",
-                "tp2to8     1 runs of 1   send   kernel           1",
-                "tp4to8    16 contiguous  unpack kernel           1",
+                "nhd-tp2to8-p1-runs1       640    640     0.6 send   memcpy2d     2560",
+                "nhd-tp2to8-p1-runs1       640    640     0.6 send   kernel          1     5232",
+                "nhd-tp2to8-p16-contig     640      1     0.6 send   kernel          1        0",
+                "hnd16-nhd16-tp4to4        640     80     1.2 unpack kernel          1",
                 "bench: staging in pinned host memory",
                 "bench: prefill on device 0, decode on device 1",
+                "bench: byte checks: 9 cases, the kernel's send equal to the memcpy2D send",
                 "bench: done",
             ][..],
         ),
@@ -194,8 +205,10 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
         if program == "bench" && runtime == &fake {
             let fragmented = out
                 .lines()
-                .find(|l| l.starts_with("tp2to8     1 runs of 1   send   kernel"))
-                .expect("the fragmented kernel row");
+                .find(|l| {
+                    l.starts_with("nhd-tp2to8-p1-runs1       640    640     0.6 send   kernel")
+                })
+                .expect("the one-row rects' kernel row");
             assert!(
                 fragmented.ends_with("100.0%"),
                 "one-row rects keep every lane busy: {fragmented}"

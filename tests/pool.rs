@@ -389,9 +389,9 @@ fn bad_options_are_refused_with_their_values() {
     }
 }
 
-#[cfg(not(feature = "hip"))]
+#[cfg(not(any(feature = "hip", feature = "cuda")))]
 #[test]
-fn a_device_pool_without_the_hip_backend_is_backend_unavailable() {
+fn a_device_pool_without_a_gpu_backend_is_backend_unavailable() {
     let mut pool = 0;
     let device = MoriTpPoolOptions {
         memory: MORI_TP_POOL_DEVICE,
@@ -403,13 +403,14 @@ fn a_device_pool_without_the_hip_backend_is_backend_unavailable() {
         status,
         MORI_ERR_BACKEND_UNAVAILABLE,
         &[
-            "a device staging pool needs the HIP backend",
+            "a device staging pool needs a GPU: no GPU backend is built in",
             "--features hip",
+            "--features cuda",
         ],
     );
 }
 
-#[cfg(feature = "hip")]
+#[cfg(any(feature = "hip", feature = "cuda"))]
 #[test]
 fn a_device_pool_is_device_memory_or_a_clear_no_device() {
     let mut pool = 0;
@@ -419,12 +420,16 @@ fn a_device_pool_is_device_memory_or_a_clear_no_device() {
     };
     // SAFETY: valid pointers.
     let status = unsafe { mori_tp_pool_create(&device, &mut pool) };
-    if !mori_tp::backend::hip_device_present() {
-        assert_refused(
-            status,
-            MORI_ERR_BACKEND_UNAVAILABLE,
-            &["the HIP backend needs a HIP device"],
-        );
+    if !mori_tp::backend::hip_device_present() && !mori_tp::backend::cuda_device_present() {
+        // Each backend built in says why it has no device.
+        let mut why = vec!["a device staging pool needs a GPU: "];
+        if cfg!(feature = "hip") {
+            why.push("the HIP backend needs a HIP device");
+        }
+        if cfg!(feature = "cuda") {
+            why.push("CUDA");
+        }
+        assert_refused(status, MORI_ERR_BACKEND_UNAVAILABLE, &why);
         return;
     }
     assert_eq!(status, MORI_OK, "{}", last_error());

@@ -108,8 +108,8 @@ enum Command {
                       that head: head-major pages keep a head's tokens together), and the decode \
                       side with a sentinel. Then, for every pair the library says must send, \
                       plans a fragmented list of pages on each side and copies the request's \
-                      --tokens tokens with the library's host engine (or its HIP engine with \
-                      --backend hip), and checks every decode byte: the slots of the request's \
+                      --tokens tokens with the library's host engine (or its HIP or CUDA engine \
+                      with --backend hip or cuda), and checks every decode byte: the slots of the request's \
                       tokens must hold exactly the heads each decode rank owns, everything else \
                       (other pages, the slots after the last token of a partial last page) must \
                       be untouched. Then moves every pair again the way an RDMA connector would \
@@ -446,9 +446,10 @@ struct SimulateArgs {
     )]
     fragmentation: f64,
 
-    /// How the bytes move: the library's host engine, or its HIP engine (hipMemcpy2DAsync; the
-    /// buffers stay in host memory, so this checks the HIP path end to end on a machine with an
-    /// AMD GPU and a build with --features hip)
+    /// How the bytes move: the library's host engine, or its HIP or CUDA engine
+    /// (hipMemcpy2DAsync, cuMemcpy2DAsync; the buffers stay in host memory, so this checks that
+    /// path end to end on a machine with an AMD GPU and a build with --features hip, or an NVIDIA
+    /// GPU and --features cuda)
     #[arg(long, value_enum, default_value_t = BackendArg::Host)]
     backend: BackendArg,
 }

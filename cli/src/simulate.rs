@@ -34,6 +34,8 @@ pub enum BackendArg {
     Host,
     /// hipMemcpy2DAsync on the null stream (the buffers stay in host memory)
     Hip,
+    /// cuMemcpy2DAsync on the null stream (the buffers stay in host memory)
+    Cuda,
 }
 
 /// The knobs of a simulation.
@@ -230,6 +232,7 @@ impl<'a> Simulation<'a> {
         let engine = open_host_copies(match options.backend {
             BackendArg::Host => Backend::Host,
             BackendArg::Hip => Backend::Hip,
+            BackendArg::Cuda => Backend::Cuda,
         })
         .map_err(|e| match e {
             Error::BackendUnavailable { .. } => SimError::Backend(e.to_string()),
@@ -718,6 +721,7 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
             match options.backend {
                 BackendArg::Host => "the library's host engine (send_host)",
                 BackendArg::Hip => "the library's HIP engine (hipMemcpy2DAsync, host buffers)",
+                BackendArg::Cuda => "the library's CUDA engine (cuMemcpy2DAsync, host buffers)",
             },
             plural(stats.replicas_skipped, "pair"),
         ),

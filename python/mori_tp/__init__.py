@@ -652,6 +652,7 @@ _BACKENDS = {
     "auto": _ffi.MORI_BACKEND_AUTO,
     "host": _ffi.MORI_BACKEND_HOST,
     "hip": _ffi.MORI_BACKEND_HIP,
+    "cuda": _ffi.MORI_BACKEND_CUDA,
 }
 
 
@@ -768,8 +769,9 @@ def send_kvcache(
         backend: ``"auto"`` (a GPU backend when built in and a device is present, else host),
             ``"host"`` (CPU copies: host memory; it cannot tell a device address from a host
             one, so pick a GPU backend or AUTO for device memory) or a GPU backend: ``"hip"``
-            (``hipMemcpy2DAsync``), ``"cuda"`` where the library has its CUDA backend. A
-            DLPack tensor in memory the backend does not reach is refused.
+            (AMD GPUs) or ``"cuda"`` (NVIDIA GPUs, the CUDA driver API); each runs the copy
+            kernel or one 2D copy per rect (see ``copy_kernel``). A DLPack tensor in memory the
+            backend does not reach is refused.
         stream: a :data:`StreamLike`: a ``hipStream_t`` / ``cudaStream_t`` as an int, or an
             object carrying one (``torch.cuda.Stream``, a CuPy ``Stream``, a tensor whose
             ``__cuda_array_interface__`` carries a stream). None: the stream the buffers'

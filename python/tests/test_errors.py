@@ -234,7 +234,7 @@ class SendRefusalsTest(ErrorTestCase):
             (dict(dst_ptrs=[ctypes.addressof(self.dst[0])]),
              ["2 source buffers but 1 destination buffers"]),
             (dict(dst_pages=[5, 2]), ["3 source pages but 2 destination pages"]),
-            (dict(backend="cuda"), ["backend 'cuda'", "'auto', 'host', 'hip'"]),
+            (dict(backend="metal"), ["backend 'metal'", "'auto', 'host', 'hip', 'cuda'"]),
             (dict(stream=0x1234), ["options.stream", "host backend", "takes no stream"]),
             (dict(src_ptrs=[-1, 1]), ["src_ptrs[0] -1"]),
             (dict(dst_capacity=2**64), ["dst_capacity 18446744073709551616"]),

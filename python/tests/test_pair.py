@@ -532,10 +532,10 @@ class RefusalsTest(unittest.TestCase):
             src_capacity=pair.src_len, dst_capacity=pair.dst_len, request=pair.api,
             backend="host")
         self.assertRefused(
-            mori_tp.InvalidArgumentError, "send_kvcache_pair: backend 'cuda'",
+            mori_tp.InvalidArgumentError, "send_kvcache_pair: backend 'metal'",
             mori_tp.send_kvcache_pair, pair.config, pair.src_ptrs(), pair.src_ptrs(),
             src_capacity=pair.src_len, dst_capacity=pair.dst_len, request=pair.api,
-            backend="cuda")
+            backend="metal")
 
     def test_a_staging_length_that_overflows_is_refused(self):
         self.assertRefused(mori_tp.InvalidArgumentError, "^mori_tp_pair_staging_len: .*overflow",

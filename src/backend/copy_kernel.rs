@@ -1,193 +1,568 @@
 //! The copy kernel's table and launch geometry: the Rust side of `hip/copy_kernel.h`.
 //!
-//! One launch of the kernel copies every (buffer, rect) of a [`CopyJob`]. The host lays out, in
-//! one allocation uploaded at once, the rects (64 bytes each, with the prefix sum of heights the
-//! kernel searches), then the source base addresses, then the destination base addresses; the
-//! kernel's one argument points into it. Everything here mirrors the C header field for field
-//! (a test compares the constants), so that the engine and the kernel agree on every byte.
+//! One launch of the kernel copies every (buffer, rect) of a [`CopyJob`]. The host plans the
+//! whole work split, so that no GPU thread searches: rects of equal shape form runs (a rect and
+//! its run whose heights divide one another are cut to the smaller), runs are cut into tiles
+//! of at most [`TILE_UNITS`] units of one buffer, grid x walks tiles and grid y groups of buffers,
+//! and each thread works out the offsets of its [`SLOTS_PER_THREAD`] units of a tile once and
+//! copies them for every buffer of its group. The table (buffer bases, runs, the tiles' runs,
+//! rect offsets) travels inside the kernel's argument when it fits in
+//! [`INLINE_TABLE_BYTES`]; otherwise the engine uploads it. Everything here mirrors the C header
+//! and `hip/copy_table.hpp` field for field and step for step (tests compare the constants, the
+//! field offsets and, through the C++ builder, the bytes), so that the engine and the kernel
+//! agree on every byte.
 
 use super::CopyJob;
-use crate::error::{Result, checked_product};
+use crate::error::{Error, Result};
+use crate::plan::CopyRect;
 
 /// The kernel's symbol in the code object (`MORI_COPY_KERNEL_NAME`).
 pub const KERNEL_NAME: &std::ffi::CStr = c"mori_copy_kernel";
-/// Threads per block; the kernel is compiled for exactly this block size.
+/// Threads per block; the kernel is compiled for at most this block size.
 pub const BLOCK_THREADS: u32 = 256;
+/// Units of a tile each thread of a full block takes.
+pub const SLOTS_PER_THREAD: u32 = 4;
+/// Units of one buffer a tile holds (1024).
+pub const TILE_UNITS: u32 = BLOCK_THREADS * SLOTS_PER_THREAD;
 /// Grid x cap; the kernel strides over further tiles.
 pub const MAX_GRID_X: u32 = 1_048_576;
-/// Grid y cap (the hardware's); the kernel strides over further buffers.
+/// Grid y cap (the hardware's); the kernel strides over further buffer groups.
 pub const MAX_GRID_Y: u32 = 65_535;
-/// Bytes of one buffer a tile holds (whole rows).
-pub const TILE_BYTES: u64 = 16_384;
-/// Most rows in one tile.
-pub const MAX_ROWS_PER_BLOCK: u64 = 1024;
+/// Blocks the buffer grouping aims at.
+pub const TARGET_BLOCKS: u64 = 2048;
+/// Most buffers one block copies its tile for.
+pub const MAX_BUFFERS_PER_BLOCK: u64 = 16;
+/// A rect and its run are cut to the smaller height when that makes at most this many rects of
+/// each.
+pub const MAX_RUN_SPLIT: u64 = 64;
+/// Widest row of a table entry; wider rects are cut into column strips.
+pub const MAX_WIDTH: u64 = 1 << 30;
+/// Most rows of one run; taller rects are cut.
+pub const MAX_RUN_ROWS: u64 = 1 << 30;
+/// Bytes of the kernel's argument.
+pub const ARGS_BYTES: usize = 4096;
+/// Bytes of the table room inside the argument.
+pub const INLINE_TABLE_BYTES: usize = 4032;
+/// Bytes of one run entry.
+pub const RUN_BYTES: usize = 48;
+/// `args.flags`: rect offsets are two u64 rather than two u32.
+pub const WIDE_OFFSETS: u32 = 1;
 
-/// One rect of the table (`MoriCopyKernelRect`): 8 x u64 = 64 bytes.
+/// The kernel's one argument (`MoriCopyKernelArgs`), passed by value: [`ARGS_BYTES`] bytes, a
+/// 64-byte header and the table room.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KernelRect {
-    /// First source row, relative to each source base.
-    pub src_offset: u64,
-    /// First destination row, relative to each destination base.
-    pub dst_offset: u64,
-    /// Bytes between source rows.
-    pub src_pitch: u64,
-    /// Bytes between destination rows.
-    pub dst_pitch: u64,
-    /// Bytes per row.
-    pub width: u64,
-    /// Rows.
-    pub height: u64,
-    /// Rows of all rects before this one.
-    pub first_row: u64,
-    /// Zero; pads the entry to 64 bytes.
-    pub reserved: u64,
-}
-
-/// The kernel's one argument (`MoriCopyKernelArgs`), passed by value: 64 bytes. The three
-/// pointers are device addresses inside the uploaded table.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct KernelArgs {
-    /// Address of the first [`KernelRect`].
-    pub rects: u64,
-    /// Address of the `num_buffers` source base addresses.
-    pub src_bases: u64,
-    /// Address of the `num_buffers` destination base addresses.
-    pub dst_bases: u64,
-    /// Rects in the table.
-    pub num_rects: u64,
+    /// Address of the table, or 0: the table is `inline_table`.
+    pub table: u64,
+    /// Bytes of the table.
+    pub table_bytes: u32,
     /// Buffer pairs.
-    pub num_buffers: u64,
-    /// Sum of all heights.
-    pub total_rows: u64,
-    /// Rows of one tile, at least 1.
-    pub rows_per_block: u64,
-    /// Threads per row, at least 1.
-    pub lanes_per_row: u64,
+    pub num_buffers: u32,
+    /// Buffers one block copies its tile for, at least 1.
+    pub buffers_per_block: u32,
+    /// Runs in the table.
+    pub num_runs: u32,
+    /// Tiles of all runs.
+    pub num_tiles: u32,
+    /// Rect offsets in the table.
+    pub num_rects: u32,
+    /// Byte offset of the runs in the table.
+    pub runs_at: u32,
+    /// Byte offset of the tiles' runs (when there is more than one run).
+    pub tile_runs_at: u32,
+    /// Byte offset of the rect offsets.
+    pub rects_at: u32,
+    /// [`WIDE_OFFSETS`] or 0.
+    pub flags: u32,
+    /// Rect offsets are stored shifted right by this many bits.
+    pub offset_shift: u32,
+    /// Zero.
+    pub reserved: [u32; 3],
+    /// The table when `table` is 0.
+    pub inline_table: [u64; INLINE_TABLE_BYTES / 8],
 }
 
-/// Rows per tile for rows of at most `max_width` bytes (`mori_copy_rows_per_block`).
-pub fn rows_per_block(max_width: u64) -> u64 {
-    TILE_BYTES
-        .checked_div(max_width)
-        .unwrap_or(MAX_ROWS_PER_BLOCK)
-        .clamp(1, MAX_ROWS_PER_BLOCK)
+// The kernel is compiled for exactly this argument (hip/copy_kernel.h, MORI_COPY_ARGS_BYTES).
+const _: () = assert!(std::mem::size_of::<KernelArgs>() == ARGS_BYTES);
+
+impl Default for KernelArgs {
+    fn default() -> Self {
+        KernelArgs {
+            table: 0,
+            table_bytes: 0,
+            num_buffers: 0,
+            buffers_per_block: 0,
+            num_runs: 0,
+            num_tiles: 0,
+            num_rects: 0,
+            runs_at: 0,
+            tile_runs_at: 0,
+            rects_at: 0,
+            flags: 0,
+            offset_shift: 0,
+            reserved: [0; 3],
+            inline_table: [0; INLINE_TABLE_BYTES / 8],
+        }
+    }
 }
 
-/// Threads per row for rows of at most `max_width` bytes: one 16-byte unit each
-/// (`mori_copy_lanes_per_row`).
-pub fn lanes_per_row(max_width: u64) -> u64 {
-    max_width.div_ceil(16).clamp(1, u64::from(BLOCK_THREADS))
+impl std::fmt::Debug for KernelArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The inline table only as a checksum: 4 KiB of words say nothing in a message.
+        let inline = self
+            .inline_table
+            .iter()
+            .fold(0u64, |h, w| h.rotate_left(5) ^ w);
+        f.debug_struct("KernelArgs")
+            .field("table", &format_args!("{:#x}", self.table))
+            .field("table_bytes", &self.table_bytes)
+            .field("num_buffers", &self.num_buffers)
+            .field("buffers_per_block", &self.buffers_per_block)
+            .field("num_runs", &self.num_runs)
+            .field("num_tiles", &self.num_tiles)
+            .field("num_rects", &self.num_rects)
+            .field("runs_at", &self.runs_at)
+            .field("tile_runs_at", &self.tile_runs_at)
+            .field("rects_at", &self.rects_at)
+            .field("flags", &self.flags)
+            .field("offset_shift", &self.offset_shift)
+            .field("inline_table_hash", &format_args!("{inline:#018x}"))
+            .finish()
+    }
 }
 
-/// The grid `(x, y)` that gives each (tile, buffer) its own block within the caps
-/// (`mori_copy_grid`); `(0, 0)` when there is nothing to copy.
-pub fn grid(total_rows: u64, rows_per_block: u64, num_buffers: u64) -> (u32, u32) {
-    let tiles = total_rows.div_ceil(rows_per_block.max(1));
-    let x = tiles.min(u64::from(MAX_GRID_X)) as u32;
-    let y = num_buffers.min(u64::from(MAX_GRID_Y)) as u32;
+/// Rows of a tile for rows of `units` units (`mori_copy_rows_per_tile`).
+pub fn rows_per_tile(units: u32) -> u32 {
+    if units >= TILE_UNITS {
+        1
+    } else {
+        TILE_UNITS / units.max(1)
+    }
+}
+
+/// Tiles per row for rows of `units` units (`mori_copy_col_chunks`).
+pub fn col_chunks(units: u32) -> u32 {
+    units.div_ceil(TILE_UNITS).max(1)
+}
+
+/// Buffers per block for `tiles` tiles of `buffers` buffers (`mori_copy_buffers_per_block`):
+/// `clamp(tiles * buffers / TARGET_BLOCKS, 1, min(buffers, MAX_BUFFERS_PER_BLOCK))`.
+pub fn buffers_per_block(tiles: u64, buffers: u64) -> u32 {
+    let most = buffers.min(MAX_BUFFERS_PER_BLOCK);
+    (tiles.saturating_mul(buffers) / TARGET_BLOCKS)
+        .min(most)
+        .max(1) as u32
+}
+
+/// The grid `(x, y)` for `args` (`mori_copy_grid`): x over tiles, y over buffer groups, within
+/// the caps; `(0, 0)` when there is nothing to copy.
+pub fn grid(args: &KernelArgs) -> (u32, u32) {
+    let per = u64::from(args.buffers_per_block.max(1));
+    let groups = u64::from(args.num_buffers).div_ceil(per);
+    let x = args.num_tiles.min(MAX_GRID_X);
+    let y = groups.min(u64::from(MAX_GRID_Y)) as u32;
     if x == 0 || y == 0 { (0, 0) } else { (x, y) }
 }
 
-/// A call's table, ready to upload: rects, then source bases, then destination bases (every
-/// part 8-byte aligned, as the kernel reads it).
+/// One piece of a rect, as the table keeps it (step 1 of the builder).
+#[derive(Clone, Copy)]
+struct Piece {
+    src: u64,
+    dst: u64,
+    src_pitch: u64,
+    dst_pitch: u64,
+    width: u64,
+    height: u64,
+    unit_shift: u32,
+}
+
+/// A run being built.
+struct Run {
+    src_pitch: u64,
+    dst_pitch: u64,
+    width: u64,
+    height: u64,
+    rows: u64,
+    unit_shift: u32,
+    first_rect: u64,
+}
+
+/// `count` as a u32 field of the table, or [`Error::KernelTableTooLarge`].
+fn field(what: &'static str, count: u64) -> Result<u32> {
+    u32::try_from(count).map_err(|_| Error::KernelTableTooLarge { what, count })
+}
+
+/// A call's table, ready to launch: the kernel's argument (with the table inside when it fits)
+/// and the table's bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelTable {
-    rects: Vec<KernelRect>,
-    src_bases: Vec<u64>,
-    dst_bases: Vec<u64>,
-    total_rows: u64,
-    max_width: u64,
+    args: KernelArgs,
+    bytes: Vec<u8>,
+    inline: bool,
+    job_rects: usize,
+    rows_per_buffer: u64,
 }
 
 impl KernelTable {
-    /// The table of `job`: its rects with their prefix sums of heights, and its base pointers.
+    /// The table of `job`: its rects and its buffer pairs.
     pub fn new(job: &CopyJob<'_>) -> Result<Self> {
-        let (num_rects, num_buffers) = (job.num_rects(), job.num_buffers());
-        // 64 bytes per rect and 16 per buffer = 16 * (4 * rects + buffers); the sum cannot
-        // overflow (both counts are lengths of in-memory arrays), the product is checked.
-        checked_product(
-            "bytes of the copy kernel's table (16 * (4 * rects + buffers))",
-            4 * num_rects as u64 + num_buffers as u64,
-            16,
-        )?;
-        let mut rects = Vec::with_capacity(num_rects);
-        let (mut total_rows, mut max_width) = (0u64, 0u64);
-        for rect in job.rects() {
-            rects.push(KernelRect {
-                src_offset: rect.src_offset,
-                dst_offset: rect.dst_offset,
-                src_pitch: rect.src_pitch,
-                dst_pitch: rect.dst_pitch,
-                width: rect.width,
-                height: rect.height,
-                first_row: total_rows,
-                reserved: 0,
+        let bases: Vec<(u64, u64)> = job
+            .buffers()
+            .map(|(src, dst)| (src as u64, dst as u64))
+            .collect();
+        Self::build(job.rects(), &bases)
+    }
+
+    /// The table of `rects` for the buffer pairs `bases` (source, destination), step for step
+    /// as `hip/copy_table.hpp` builds it.
+    pub fn build(rects: impl IntoIterator<Item = CopyRect>, bases: &[(u64, u64)]) -> Result<Self> {
+        let num_buffers = field("buffers", bases.len() as u64)?;
+        let base_bits = bases.iter().fold(0u64, |bits, &(s, d)| bits | s | d);
+
+        // 1. Pieces: no empty rects, rows of at most MAX_WIDTH bytes, at most MAX_RUN_ROWS rows,
+        //    pitches 0 for one row, and each piece's unit.
+        let (mut job_rects, mut rows_per_buffer) = (0usize, 0u64);
+        let mut pieces = Vec::new();
+        for r in rects {
+            job_rects += 1;
+            rows_per_buffer = rows_per_buffer.saturating_add(r.height);
+            if r.width == 0 || r.height == 0 {
+                continue;
+            }
+            let mut row = 0;
+            while row < r.height {
+                let height = (r.height - row).min(MAX_RUN_ROWS);
+                let mut col = 0;
+                while col < r.width {
+                    let (src_pitch, dst_pitch) = if height == 1 {
+                        (0, 0)
+                    } else {
+                        (r.src_pitch, r.dst_pitch)
+                    };
+                    let src = r
+                        .src_offset
+                        .wrapping_add(row.wrapping_mul(r.src_pitch))
+                        .wrapping_add(col);
+                    let dst = r
+                        .dst_offset
+                        .wrapping_add(row.wrapping_mul(r.dst_pitch))
+                        .wrapping_add(col);
+                    let width = (r.width - col).min(MAX_WIDTH);
+                    let bits = base_bits | width | src | dst | src_pitch | dst_pitch;
+                    pieces.push(Piece {
+                        src,
+                        dst,
+                        src_pitch,
+                        dst_pitch,
+                        width,
+                        height,
+                        unit_shift: bits.trailing_zeros().min(4),
+                    });
+                    col += MAX_WIDTH;
+                }
+                row += MAX_RUN_ROWS;
+            }
+        }
+
+        // 2. Runs: a piece joins the run before it when it has the run's width and unit and
+        //    one height divides the other at most MAX_RUN_SPLIT times: the taller side is cut
+        //    into rects of the smaller height (the run's rects, retroactively, when the piece is
+        //    the shorter), and for a height above one row their pitches must agree.
+        let mut runs: Vec<Run> = Vec::new();
+        let mut offsets: Vec<(u64, u64)> = Vec::new();
+        for p in pieces {
+            let height = runs.last().and_then(|run| {
+                let same = p.width == run.width
+                    && p.unit_shift == run.unit_shift
+                    && run.rows + p.height <= MAX_RUN_ROWS;
+                let pitches = p.src_pitch == run.src_pitch && p.dst_pitch == run.dst_pitch;
+                if !same {
+                    None
+                } else if p.height % run.height == 0
+                    && p.height / run.height <= MAX_RUN_SPLIT
+                    && (run.height == 1 || pitches)
+                {
+                    Some(run.height)
+                } else if run.height % p.height == 0
+                    && run.height / p.height <= MAX_RUN_SPLIT
+                    && (p.height == 1 || pitches)
+                {
+                    Some(p.height)
+                } else {
+                    None
+                }
             });
-            // Cannot overflow: the job's total bytes (rows x width) fit in u64.
-            total_rows += rect.height;
-            max_width = max_width.max(rect.width);
+            let Some(height) = height else {
+                runs.push(Run {
+                    src_pitch: p.src_pitch,
+                    dst_pitch: p.dst_pitch,
+                    width: p.width,
+                    height: p.height,
+                    rows: p.height,
+                    unit_shift: p.unit_shift,
+                    first_rect: offsets.len() as u64,
+                });
+                offsets.push((p.src, p.dst));
+                continue;
+            };
+            let run = runs.last_mut().expect("a run to join");
+            if height < run.height {
+                // Cut the run's rects into rects of the piece's height.
+                let (k, src_pitch, dst_pitch) = (run.height / height, run.src_pitch, run.dst_pitch);
+                let cut: Vec<(u64, u64)> = offsets
+                    .drain(run.first_rect as usize..)
+                    .flat_map(|(src, dst)| {
+                        (0..k).map(move |j| {
+                            (
+                                src.wrapping_add((j * height).wrapping_mul(src_pitch)),
+                                dst.wrapping_add((j * height).wrapping_mul(dst_pitch)),
+                            )
+                        })
+                    })
+                    .collect();
+                offsets.extend(cut);
+                run.height = height;
+                if height == 1 {
+                    (run.src_pitch, run.dst_pitch) = (0, 0);
+                }
+            }
+            for j in 0..p.height / height {
+                offsets.push((
+                    p.src.wrapping_add((j * height).wrapping_mul(p.src_pitch)),
+                    p.dst.wrapping_add((j * height).wrapping_mul(p.dst_pitch)),
+                ));
+            }
+            run.rows += p.height;
+        }
+        let num_rects = field("rects", offsets.len() as u64)?;
+
+        // 3. Offsets: shifted right by their common trailing zeros; two u32 when they all fit.
+        let all = offsets.iter().fold(0u64, |bits, &(s, d)| bits | s | d);
+        let offset_shift = if all == 0 { 0 } else { all.trailing_zeros() };
+        let wide = offsets.iter().any(|&(s, d)| {
+            (s >> offset_shift) > u64::from(u32::MAX) || (d >> offset_shift) > u64::from(u32::MAX)
+        });
+
+        // 4. Tiles of each run, numbered across runs.
+        let mut tiles = 0u64;
+        let mut first_tiles = Vec::with_capacity(runs.len());
+        for run in &runs {
+            let units = (run.width >> run.unit_shift) as u32;
+            first_tiles.push(tiles);
+            tiles +=
+                run.rows.div_ceil(u64::from(rows_per_tile(units))) * u64::from(col_chunks(units));
+            field("tiles", tiles)?;
+        }
+
+        // 5. The layout: bases, runs, the tiles' runs (more than one run), rect offsets.
+        let runs_at = 16 * u64::from(num_buffers);
+        let tile_runs_at = runs_at + (RUN_BYTES * runs.len()) as u64;
+        let tile_runs_bytes = if runs.len() > 1 {
+            (4 * tiles).div_ceil(8) * 8
+        } else {
+            0
+        };
+        let rects_at = tile_runs_at + tile_runs_bytes;
+        let table_bytes = rects_at + if wide { 16 } else { 8 } * offsets.len() as u64;
+        let table_bytes32 = field("bytes", table_bytes)?;
+
+        let mut bytes = vec![0u8; table_bytes as usize];
+        let put_u64 = |b: &mut [u8], at: u64, v: u64| {
+            b[at as usize..at as usize + 8].copy_from_slice(&v.to_le_bytes())
+        };
+        let put_u32 = |b: &mut [u8], at: u64, v: u32| {
+            b[at as usize..at as usize + 4].copy_from_slice(&v.to_le_bytes())
+        };
+        for (i, &(src, dst)) in bases.iter().enumerate() {
+            put_u64(&mut bytes, 8 * i as u64, src);
+            put_u64(&mut bytes, 8 * (bases.len() + i) as u64, dst);
+        }
+        for (i, run) in runs.iter().enumerate() {
+            let units = (run.width >> run.unit_shift) as u32;
+            let at = runs_at + (RUN_BYTES * i) as u64;
+            put_u64(&mut bytes, at, run.src_pitch);
+            put_u64(&mut bytes, at + 8, run.dst_pitch);
+            put_u32(&mut bytes, at + 16, run.first_rect as u32);
+            put_u32(&mut bytes, at + 20, run.rows as u32);
+            put_u32(&mut bytes, at + 24, run.height as u32);
+            put_u32(&mut bytes, at + 28, units);
+            put_u32(&mut bytes, at + 32, rows_per_tile(units));
+            put_u32(&mut bytes, at + 36, col_chunks(units));
+            put_u32(&mut bytes, at + 40, first_tiles[i] as u32);
+            put_u32(&mut bytes, at + 44, run.unit_shift);
+            if runs.len() > 1 {
+                let end = first_tiles.get(i + 1).copied().unwrap_or(tiles);
+                for t in first_tiles[i]..end {
+                    put_u32(&mut bytes, tile_runs_at + 4 * t, i as u32);
+                }
+            }
+        }
+        for (i, &(src, dst)) in offsets.iter().enumerate() {
+            let (src, dst) = (src >> offset_shift, dst >> offset_shift);
+            if wide {
+                put_u64(&mut bytes, rects_at + 16 * i as u64, src);
+                put_u64(&mut bytes, rects_at + 16 * i as u64 + 8, dst);
+            } else {
+                put_u64(&mut bytes, rects_at + 8 * i as u64, src | dst << 32);
+            }
+        }
+
+        let inline = bytes.len() <= INLINE_TABLE_BYTES;
+        let mut args = KernelArgs {
+            table: 0,
+            table_bytes: table_bytes32,
+            num_buffers,
+            buffers_per_block: buffers_per_block(tiles, u64::from(num_buffers)),
+            num_runs: runs.len() as u32,
+            num_tiles: tiles as u32,
+            num_rects,
+            runs_at: runs_at as u32,
+            tile_runs_at: tile_runs_at as u32,
+            rects_at: rects_at as u32,
+            flags: if wide { WIDE_OFFSETS } else { 0 },
+            offset_shift,
+            ..KernelArgs::default()
+        };
+        if inline {
+            for (word, chunk) in args.inline_table.iter_mut().zip(bytes.chunks(8)) {
+                let mut le = [0u8; 8];
+                le[..chunk.len()].copy_from_slice(chunk);
+                *word = u64::from_le_bytes(le);
+            }
         }
         Ok(KernelTable {
-            rects,
-            src_bases: job.buffers().map(|(src, _)| src as u64).collect(),
-            dst_bases: job.buffers().map(|(_, dst)| dst as u64).collect(),
-            total_rows,
-            max_width,
+            args,
+            bytes,
+            inline,
+            job_rects,
+            rows_per_buffer,
         })
     }
 
     /// Buffer pairs in the table.
     pub fn num_buffers(&self) -> usize {
-        self.src_bases.len()
+        self.args.num_buffers as usize
     }
 
-    /// Bytes of the table as the kernel reads it.
+    /// The call's rects per buffer (before the table joins or cuts any).
+    pub fn num_rects(&self) -> usize {
+        self.job_rects
+    }
+
+    /// The call's rows per buffer.
+    pub fn rows_per_buffer(&self) -> u64 {
+        self.rows_per_buffer
+    }
+
+    /// True when the table travels inside the kernel's argument: nothing to upload.
+    #[cfg(test)]
+    pub fn is_inline(&self) -> bool {
+        self.inline
+    }
+
+    /// The whole table as the kernel reads it (inside the argument or uploaded).
+    #[cfg(test)]
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Bytes to upload before the launch: 0 when the table is inside the argument.
     pub fn byte_len(&self) -> usize {
-        std::mem::size_of_val(self.rects.as_slice()) + 16 * self.num_buffers()
+        if self.inline { 0 } else { self.bytes.len() }
     }
 
-    /// Writes the table into `out` (at least [`KernelTable::byte_len`] bytes), in the kernel's
-    /// layout.
+    /// Writes the bytes to upload into `out` (at least [`KernelTable::byte_len`] bytes).
     pub fn write_to(&self, out: &mut [u8]) {
-        let rects = std::mem::size_of_val(self.rects.as_slice());
-        let bases = 8 * self.num_buffers();
-        // SAFETY: KernelRect is repr(C) of eight u64s (no padding), so its slice is initialised
-        // bytes; u8 has no alignment requirement.
-        let rect_bytes = unsafe { std::slice::from_raw_parts(self.rects.as_ptr().cast(), rects) };
-        out[..rects].copy_from_slice(rect_bytes);
-        for (part, words) in [(rects, &self.src_bases), (rects + bases, &self.dst_bases)] {
-            for (at, word) in words.iter().enumerate() {
-                out[part + 8 * at..part + 8 * at + 8].copy_from_slice(&word.to_ne_bytes());
+        let len = self.byte_len();
+        out[..len].copy_from_slice(&self.bytes[..len]);
+    }
+
+    /// The kernel's argument once the uploaded table is at device address `table` (ignored
+    /// when the table is inside the argument).
+    pub fn args(&self, table: u64) -> KernelArgs {
+        KernelArgs {
+            table: if self.inline { 0 } else { table },
+            ..self.args
+        }
+    }
+
+    /// The launch's grid (x over tiles, y over buffer groups); `(0, 0)`: nothing to launch.
+    pub fn grid(&self) -> (u32, u32) {
+        grid(&self.args)
+    }
+}
+
+/// One (buffer, rect) of a table as the kernel reads it.
+#[cfg(test)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableRect {
+    /// Buffer pair index.
+    pub buffer: usize,
+    /// Source base address.
+    pub src_base: u64,
+    /// Destination base address.
+    pub dst_base: u64,
+    /// The rect, relative to the bases.
+    pub rect: CopyRect,
+}
+
+/// Every (buffer, rect) of the table `table` (`args.table_bytes` bytes: the uploaded copy, or
+/// the argument's `inline_table` as bytes) describes, run by run, as the kernel reads them; None
+/// when an entry lies outside `table`. (Tests check launches with it.)
+#[cfg(test)]
+pub fn decode(args: &KernelArgs, table: &[u8]) -> Option<Vec<TableRect>> {
+    let u64_at = |at: u64| -> Option<u64> {
+        let at = usize::try_from(at).ok()?;
+        Some(u64::from_le_bytes(table.get(at..at + 8)?.try_into().ok()?))
+    };
+    let u32_at = |at: u64| -> Option<u32> {
+        let at = usize::try_from(at).ok()?;
+        Some(u32::from_le_bytes(table.get(at..at + 4)?.try_into().ok()?))
+    };
+    let nb = u64::from(args.num_buffers);
+    let mut out = Vec::new();
+    for run in 0..u64::from(args.num_runs) {
+        let at = u64::from(args.runs_at) + RUN_BYTES as u64 * run;
+        let (src_pitch, dst_pitch) = (u64_at(at)?, u64_at(at + 8)?);
+        let (first_rect, rows, height) = (u32_at(at + 16)?, u32_at(at + 20)?, u32_at(at + 24)?);
+        let (units, unit_shift) = (u32_at(at + 28)?, u32_at(at + 44)?);
+        for i in 0..rows.checked_div(height).unwrap_or(0) {
+            let rect = u64::from(first_rect) + u64::from(i);
+            let (src, dst) = if args.flags & WIDE_OFFSETS != 0 {
+                let at = u64::from(args.rects_at) + 16 * rect;
+                (u64_at(at)?, u64_at(at + 8)?)
+            } else {
+                let both = u64_at(u64::from(args.rects_at) + 8 * rect)?;
+                (both & 0xffff_ffff, both >> 32)
+            };
+            for b in 0..nb {
+                out.push(TableRect {
+                    buffer: b as usize,
+                    src_base: u64_at(8 * b)?,
+                    dst_base: u64_at(8 * (nb + b))?,
+                    rect: CopyRect {
+                        src_offset: src << args.offset_shift,
+                        dst_offset: dst << args.offset_shift,
+                        src_pitch,
+                        dst_pitch,
+                        width: u64::from(units) << unit_shift,
+                        height: u64::from(height),
+                    },
+                });
             }
         }
     }
+    Some(out)
+}
 
-    /// The kernel's argument once the table is at device address `table`.
-    pub fn args(&self, table: u64) -> KernelArgs {
-        let rects = std::mem::size_of_val(self.rects.as_slice()) as u64;
-        let num_buffers = self.num_buffers() as u64;
-        KernelArgs {
-            rects: table,
-            src_bases: table + rects,
-            dst_bases: table + rects + 8 * num_buffers,
-            num_rects: self.rects.len() as u64,
-            num_buffers,
-            total_rows: self.total_rows,
-            rows_per_block: rows_per_block(self.max_width),
-            lanes_per_row: lanes_per_row(self.max_width),
-        }
-    }
-
-    /// The launch's grid (x over tiles, y over buffers).
-    pub fn grid(&self) -> (u32, u32) {
-        grid(
-            self.total_rows,
-            rows_per_block(self.max_width),
-            self.num_buffers() as u64,
-        )
-    }
+/// The inline table of `args` as bytes (what [`decode`] reads when `args.table` is 0).
+#[cfg(test)]
+pub fn inline_bytes(args: &KernelArgs) -> Vec<u8> {
+    args.inline_table
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect()
 }
 
 /// The code objects of the kernel for every GPU target the build's hipcc supports, as one clang
@@ -208,44 +583,368 @@ pub static IMAGE: &[u8] = {
 #[cfg(feature = "hip")]
 pub const ARCHS: &str = env!("MORI_TP_HIP_KERNEL_ARCHS");
 
+/// The kernel as PTX for NVIDIA GPUs (built by build.rs from hip/copy_kernel.hip with clang for
+/// NVPTX, feature `cuda`): NUL-terminated text for `cuModuleLoadData`, which JIT-compiles it for
+/// the GPU at hand; its entry is [`KERNEL_NAME`] with one [`ARGS_BYTES`]-byte parameter.
+#[cfg(feature = "cuda")]
+pub(crate) static COPY_KERNEL_PTX: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.ptx"));
+
+/// The virtual architecture [`COPY_KERNEL_PTX`] targets (`sm_70` unless the build set
+/// `MORI_TP_PTX_ARCH`).
+#[cfg(feature = "cuda")]
+pub(crate) const PTX_ARCH: &str = env!("MORI_TP_PTX_ARCH");
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The embedded PTX: NUL-terminated text (cuModuleLoadData reads a C string), for the
+    /// build's architecture, declaring the kernel's entry with its 4 KiB argument and the block
+    /// size it is built for, and reading that argument in place: no per-thread copy of it to
+    /// local memory (a `__local_depot`), which would cost 4 KiB of stores per thread.
+    #[cfg(feature = "cuda")]
     #[test]
-    fn the_structs_have_the_c_header_sizes() {
-        assert_eq!(std::mem::size_of::<KernelRect>(), 64);
-        assert_eq!(std::mem::size_of::<KernelArgs>(), 64);
+    fn the_embedded_ptx_declares_the_kernel_entry_with_its_argument() {
+        let ptx = COPY_KERNEL_PTX;
+        assert!(ptx.len() > 1000, "{} bytes of PTX", ptx.len());
+        assert_eq!(ptx.last(), Some(&0), "NUL-terminated");
+        assert_eq!(
+            ptx.iter().filter(|&&b| b == 0).count(),
+            1,
+            "one NUL, at the end"
+        );
+        let text = std::str::from_utf8(&ptx[..ptx.len() - 1]).expect("PTX is text");
+        let name = KERNEL_NAME.to_str().unwrap();
+        assert!(text.contains(&format!(".visible .entry {name}(")), "{text}");
+        let param = format!(".b8 {name}_param_0[{}]", std::mem::size_of::<KernelArgs>());
+        assert!(text.contains(&param), "no {param:?} in the entry");
+        assert!(
+            !text.contains(&format!("{name}_param_1")),
+            "one parameter only"
+        );
+        assert!(text.contains(&format!(".target {PTX_ARCH}")), "{PTX_ARCH}");
+        assert!(text.contains(&format!(".maxntid {BLOCK_THREADS}, 1, 1")));
+        assert!(
+            !text.contains("__local_depot"),
+            "the argument is copied to local memory"
+        );
+        assert!(text.contains("ld.global.v4.u32") && text.contains("st.global.v4.u32"));
+    }
+
+    fn rect(src: u64, dst: u64, sp: u64, dp: u64, width: u64, height: u64) -> CopyRect {
+        CopyRect {
+            src_offset: src,
+            dst_offset: dst,
+            src_pitch: sp,
+            dst_pitch: dp,
+            width,
+            height,
+        }
+    }
+
+    /// Every byte a list of (src base, dst base, rect) moves, as (source row start, destination
+    /// row start, bytes) segments, sorted and with segments that continue each other joined: the
+    /// same for two lists exactly when they move the same bytes to the same places.
+    fn segments(rects: impl IntoIterator<Item = (u64, u64, CopyRect)>) -> Vec<(u64, u64, u64)> {
+        let mut rows: Vec<(u64, u64, u64)> = Vec::new();
+        for (s, d, r) in rects {
+            for i in 0..r.height {
+                rows.push((
+                    s.wrapping_add(r.src_offset + i * r.src_pitch),
+                    d.wrapping_add(r.dst_offset + i * r.dst_pitch),
+                    r.width,
+                ));
+            }
+        }
+        rows.sort_unstable();
+        let mut joined: Vec<(u64, u64, u64)> = Vec::new();
+        for (s, d, w) in rows.into_iter().filter(|r| r.2 > 0) {
+            match joined.last_mut() {
+                Some(last) if last.0 + last.2 == s && last.1 + last.2 == d => last.2 += w,
+                _ => joined.push((s, d, w)),
+            }
+        }
+        joined
+    }
+
+    /// Builds the table of `rects` for `bases`, decodes it as the kernel reads it, and checks
+    /// it moves exactly the bytes of the rects; returns the table.
+    fn round_trip(rects: &[CopyRect], bases: &[(u64, u64)]) -> KernelTable {
+        let table = KernelTable::build(rects.iter().copied(), bases).expect("a table");
+        let args = table.args(0x1000);
+        let bytes = if table.is_inline() {
+            assert_eq!(args.table, 0);
+            inline_bytes(&args)
+        } else {
+            assert_eq!(args.table, 0x1000);
+            table.bytes().to_vec()
+        };
+        let decoded = decode(&args, &bytes).expect("every entry inside the table");
+        let want = segments(
+            bases
+                .iter()
+                .flat_map(|&(s, d)| rects.iter().map(move |&r| (s, d, r))),
+        );
+        let got = segments(decoded.iter().map(|t| (t.src_base, t.dst_base, t.rect)));
+        assert_eq!(got, want, "{rects:?}");
+        table
     }
 
     #[test]
-    fn rows_per_block_fills_a_tile_within_its_bounds() {
-        assert_eq!(rows_per_block(256), 64);
-        assert_eq!(rows_per_block(1), MAX_ROWS_PER_BLOCK);
-        assert_eq!(rows_per_block(0), MAX_ROWS_PER_BLOCK);
-        assert_eq!(rows_per_block(TILE_BYTES + 1), 1);
+    fn the_argument_is_4_kib_with_a_64_byte_header() {
+        assert_eq!(std::mem::size_of::<KernelArgs>(), ARGS_BYTES);
+        assert_eq!(std::mem::offset_of!(KernelArgs, inline_table), 64);
+        assert_eq!(INLINE_TABLE_BYTES, ARGS_BYTES - 64);
+        assert_eq!(TILE_UNITS, BLOCK_THREADS * SLOTS_PER_THREAD);
     }
 
     #[test]
-    fn lanes_per_row_gives_each_lane_one_16_byte_unit_of_the_widest_row() {
-        assert_eq!(lanes_per_row(256), 16);
-        assert_eq!(lanes_per_row(1152), 72);
-        assert_eq!(lanes_per_row(72), 5);
-        assert_eq!(lanes_per_row(0), 1);
-        assert_eq!(lanes_per_row(1), 1);
-        assert_eq!(lanes_per_row(16_000), u64::from(BLOCK_THREADS));
+    fn tiles_hold_whole_rows_up_to_1024_units_and_column_chunks_beyond() {
+        assert_eq!((rows_per_tile(16), col_chunks(16)), (64, 1));
+        assert_eq!((rows_per_tile(9), col_chunks(9)), (113, 1));
+        assert_eq!((rows_per_tile(1000), col_chunks(1000)), (1, 1));
+        assert_eq!((rows_per_tile(1024), col_chunks(1024)), (1, 1));
+        assert_eq!((rows_per_tile(1250), col_chunks(1250)), (1, 2));
+        assert_eq!((rows_per_tile(1 << 30), col_chunks(1 << 30)), (1, 1 << 20));
     }
 
     #[test]
-    fn the_grid_covers_every_tile_and_buffer_up_to_the_caps() {
-        assert_eq!(grid(1000, 64, 70_000), (16, MAX_GRID_Y));
-        assert_eq!(grid(1 << 40, 1, 3), (MAX_GRID_X, 3));
-        assert_eq!(grid(0, 64, 3), (0, 0));
-        assert_eq!(grid(5, 64, 0), (0, 0));
+    fn blocks_take_several_buffers_when_tiles_times_buffers_exceed_the_target() {
+        assert_eq!(buffers_per_block(64, 64), 2);
+        assert_eq!(buffers_per_block(512, 64), 16);
+        assert_eq!(buffers_per_block(3, 5), 1);
+        assert_eq!(buffers_per_block(100_000, 3), 3);
+        assert_eq!(buffers_per_block(0, 0), 1);
+        let args = |tiles, buffers, per| KernelArgs {
+            num_tiles: tiles,
+            num_buffers: buffers,
+            buffers_per_block: per,
+            ..KernelArgs::default()
+        };
+        assert_eq!(grid(&args(5, 140_000, 1)), (5, MAX_GRID_Y));
+        assert_eq!(grid(&args(1 << 31, 140_000, 16)), (MAX_GRID_X, 8750));
+        assert_eq!(grid(&args(0, 3, 1)), (0, 0));
+        assert_eq!(grid(&args(7, 0, 1)), (0, 0));
+    }
+
+    /// The issue's shapes at 4096 tokens and 64 buffers: the table fits in the argument for
+    /// contiguous pages and for 256 rects of 16 rows (nothing to upload), one run each, 64 tiles
+    /// of 16 KiB, 2 buffers per block.
+    #[test]
+    fn the_common_shapes_are_one_run_and_fit_in_the_argument_when_small() {
+        let bases: Vec<(u64, u64)> = (0..64u64)
+            .map(|b| ((b + 1) << 30, (b + 100) << 30))
+            .collect();
+        let contiguous = [rect(0, 0, 1024, 256, 256, 4096)];
+        let pages: Vec<CopyRect> = (0..256u64)
+            .map(|i| {
+                rect(
+                    (i * 37 % 512) * 16384,
+                    (i * 91 % 512) * 4096,
+                    1024,
+                    256,
+                    256,
+                    16,
+                )
+            })
+            .collect();
+        let rows: Vec<CopyRect> = (0..4096u64)
+            .map(|i| {
+                rect(
+                    (i * 37 % 8192) * 1024,
+                    (i * 91 % 8192) * 256,
+                    1024,
+                    256,
+                    256,
+                    1,
+                )
+            })
+            .collect();
+        for (name, rects, inline, bytes) in [
+            ("contiguous", &contiguous[..], true, 1024 + 48 + 8),
+            ("pages of 16", &pages[..], true, 1024 + 48 + 256 * 8),
+            ("page size 1", &rows[..], false, 1024 + 48 + 4096 * 8),
+        ] {
+            let table = round_trip(rects, &bases);
+            let args = table.args(0xdead_0000);
+            assert_eq!(table.is_inline(), inline, "{name}");
+            assert_eq!(table.bytes().len(), bytes, "{name}");
+            assert_eq!(table.byte_len(), if inline { 0 } else { bytes }, "{name}");
+            assert_eq!(
+                (args.num_runs, args.num_tiles, args.buffers_per_block),
+                (1, 64, 2),
+                "{name}"
+            );
+            assert_eq!(table.grid(), (64, 32), "{name}");
+            assert_eq!(table.num_rects(), rects.len(), "{name}");
+            assert_eq!(table.rows_per_buffer(), 4096, "{name}");
+            assert_eq!(args.flags, 0, "{name}: offsets fit in u32");
+        }
     }
 
     #[test]
-    fn the_rust_table_layout_and_grid_rule_match_the_c_header() {
+    fn heights_that_divide_each_other_join_one_run_as_rects_of_the_smaller_height() {
+        let rects = [
+            rect(0, 0, 64, 32, 32, 16),
+            rect(4096, 8192, 64, 32, 32, 32),
+            rect(16384, 32768, 64, 32, 32, 48),
+            // Too many pieces (65 x 16 rows): a run of its own.
+            rect(1 << 20, 1 << 20, 64, 32, 32, 16 * 65),
+            // A partial page: its own run.
+            rect(1 << 22, 1 << 22, 64, 32, 32, 5),
+        ];
+        let table = round_trip(&rects, &[(1 << 24, 1 << 25)]);
+        let args = table.args(0);
+        assert_eq!((args.num_runs, args.num_rects), (3, 6 + 1 + 1));
+        // One-row rects take a taller rect of any pitch as one-row rects.
+        let rows = [
+            rect(0, 0, 0, 0, 48, 1),
+            rect(96, 96, 0, 0, 48, 1),
+            rect(1024, 2048, 96, 64, 48, 3),
+        ];
+        let table = round_trip(&rows, &[(1 << 24, 1 << 25)]);
+        assert_eq!((table.args(0).num_runs, table.args(0).num_rects), (1, 5));
+        // A shorter rect after a taller one cuts the run's rects to its height: 48, 16, 32 and
+        // 16 rows (pages in runs of 3, 1, 2, 1) are one run of seven 16-row rects; then 5 rows
+        // (a partial page) start a run, 3 rows another, and a one-row rect after the 3-row one
+        // makes both one-row rects (four of them).
+        let shrinking = [
+            rect(0, 0, 64, 32, 32, 48),
+            rect(1 << 16, 1 << 16, 64, 32, 32, 16),
+            rect(1 << 17, 1 << 17, 64, 32, 32, 32),
+            rect(3 << 16, 3 << 16, 64, 32, 32, 16),
+            rect(1 << 18, 1 << 18, 64, 32, 32, 5),
+            rect(1 << 19, 1 << 19, 64, 32, 32, 3),
+            rect(1 << 20, 1 << 20, 0, 0, 32, 1),
+        ];
+        let table = round_trip(&shrinking, &[(1 << 24, 1 << 25)]);
+        let args = table.args(0);
+        assert_eq!((args.num_runs, args.num_rects), (3, 7 + 1 + 4));
+    }
+
+    #[test]
+    fn units_follow_the_alignment_of_rows_pitches_and_every_base() {
+        // The unit of the table's one run.
+        let unit = |rects: &[CopyRect], bases: &[(u64, u64)]| {
+            let table = round_trip(rects, bases);
+            assert_eq!(table.args(0).num_runs, 1);
+            let at = table.args(0).runs_at as usize + 44;
+            u32::from_le_bytes(table.bytes()[at..at + 4].try_into().unwrap())
+        };
+        let aligned = [(1 << 20, 1 << 21)];
+        assert_eq!(unit(&[rect(0, 0, 512, 256, 256, 4)], &aligned), 4);
+        assert_eq!(unit(&[rect(0, 0, 72, 72, 72, 4)], &aligned), 3);
+        assert_eq!(unit(&[rect(4, 0, 512, 256, 256, 4)], &aligned), 2);
+        assert_eq!(unit(&[rect(0, 0, 510, 256, 256, 4)], &aligned), 1);
+        assert_eq!(unit(&[rect(0, 0, 256, 256, 3, 4)], &aligned), 0);
+        // A one-row rect ignores its pitches; a misaligned base of any buffer lowers the unit.
+        assert_eq!(unit(&[rect(0, 0, 3, 5, 256, 1)], &aligned), 4);
+        assert_eq!(
+            unit(
+                &[rect(0, 0, 512, 256, 256, 4)],
+                &[(1 << 20, 1 << 21), (8, 16)]
+            ),
+            3
+        );
+    }
+
+    #[test]
+    fn offsets_beyond_32_bits_after_the_shift_use_wide_entries() {
+        let table = round_trip(&[rect(1 << 40, 3, 0, 0, 1, 1)], &[(1, 1)]);
+        assert_eq!(table.args(0).flags, WIDE_OFFSETS);
+        let table = round_trip(
+            &[rect(1 << 40, 1 << 36, 0, 0, 16, 1)],
+            &[(1 << 12, 1 << 12)],
+        );
+        assert_eq!((table.args(0).flags, table.args(0).offset_shift), (0, 36));
+    }
+
+    /// Rows wider than a table entry takes and rects taller than a run takes are cut; the
+    /// table still moves exactly their bytes (decoded, never run: no such memory here).
+    #[test]
+    fn huge_rects_are_cut_into_entries_that_move_the_same_bytes() {
+        let huge = [
+            rect(0, 0, 0, 0, 3 * MAX_WIDTH + 16, 1),
+            rect(1 << 40, 1 << 41, 64, 32, 32, MAX_RUN_ROWS + 5),
+        ];
+        let table = KernelTable::build(huge, &[(0, 1 << 44)]).expect("a table");
+        let args = table.args(0x1000);
+        let decoded = decode(&args, table.bytes()).expect("entries inside");
+        assert!(decoded.iter().all(|t| t.rect.width <= MAX_WIDTH));
+        let bytes: u64 = decoded.iter().map(|t| t.rect.width * t.rect.height).sum();
+        assert_eq!(bytes, 3 * MAX_WIDTH + 16 + 32 * (MAX_RUN_ROWS + 5));
+        // The same cut, small enough to compare byte for byte.
+        round_trip(
+            &[rect(7, 9, 0, 0, 100, 1), rect(0, 0, 512, 256, 256, 3)],
+            &[(1 << 20, 1 << 21), (1 << 22, 1 << 23)],
+        );
+    }
+
+    #[test]
+    fn a_table_beyond_its_32_bit_fields_is_refused_with_the_count() {
+        // 2^30-byte rows in bytes (misaligned base): 2^20 tiles a row, 2^13 rows.
+        match KernelTable::build([rect(0, 0, 1 << 30, 1 << 30, 1 << 30, 1 << 13)], &[(1, 1)]) {
+            Err(Error::KernelTableTooLarge { what, count }) => {
+                assert_eq!((what, count), ("tiles", 1 << 33));
+                let message = Error::KernelTableTooLarge { what, count }.to_string();
+                assert!(message.contains("8589934592 tiles"), "{message}");
+            }
+            other => panic!("expected KernelTableTooLarge, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn empty_rects_and_empty_calls_launch_nothing() {
+        let table = round_trip(&[rect(0, 0, 8, 8, 8, 0), rect(0, 0, 8, 8, 0, 4)], &[(8, 8)]);
+        assert_eq!((table.grid(), table.args(0).num_runs), ((0, 0), 0));
+        let table = round_trip(&[rect(0, 0, 8, 8, 8, 4)], &[]);
+        assert_eq!(table.grid(), (0, 0));
+    }
+
+    /// Seeded random rect lists of every kind (widths 1..=300 and wide ones, any alignment,
+    /// heights 0..=40 with repeats, one-row rects, many buffers) decode to exactly their bytes.
+    #[test]
+    fn random_tables_decode_to_exactly_the_rects_bytes() {
+        let mut rng = mori_tp_testkit::Rng::new(31);
+        for _ in 0..150 {
+            let n = rng.range(0, 40) as usize;
+            let shape = (rng.range(1, 300), rng.range(0, 3));
+            let mut rects = Vec::new();
+            for _ in 0..n {
+                let same = rng.range(0, 3) != 0;
+                let width = if same { shape.0 } else { rng.range(1, 2000) };
+                let height = if same {
+                    16 * rng.range(1, 3)
+                } else {
+                    rng.range(0, 40)
+                };
+                let align = 1u64 << shape.1;
+                rects.push(rect(
+                    rng.range(0, 1 << 24) * align,
+                    rng.range(0, 1 << 24) * align,
+                    width + rng.range(0, 64) * align,
+                    width + rng.range(0, 64) * align,
+                    width,
+                    height,
+                ));
+            }
+            let buffers = rng.range(0, 70);
+            let bases: Vec<(u64, u64)> = (0..buffers)
+                .map(|_| {
+                    (
+                        rng.range(1, 1 << 30) << rng.range(0, 5),
+                        rng.range(1, 1 << 30) << 4,
+                    )
+                })
+                .collect();
+            round_trip(&rects, &bases);
+        }
+    }
+
+    /// The header's `#define`s and struct fields, with their C offsets, against this module.
+    #[test]
+    fn the_rust_table_layout_matches_the_c_header() {
         let header = std::fs::read_to_string(
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.h"),
         )
@@ -262,80 +961,100 @@ mod tests {
                 .parse()
                 .unwrap()
         };
-        use super as k;
-        assert_eq!(
-            define("MORI_COPY_BLOCK_THREADS"),
-            u64::from(k::BLOCK_THREADS)
-        );
-        assert_eq!(define("MORI_COPY_MAX_GRID_X"), u64::from(k::MAX_GRID_X));
-        assert_eq!(define("MORI_COPY_MAX_GRID_Y"), u64::from(k::MAX_GRID_Y));
-        assert_eq!(define("MORI_COPY_TILE_BYTES"), k::TILE_BYTES);
-        assert_eq!(
-            define("MORI_COPY_MAX_ROWS_PER_BLOCK"),
-            k::MAX_ROWS_PER_BLOCK
-        );
+        for (name, value) in [
+            ("MORI_COPY_BLOCK_THREADS", u64::from(BLOCK_THREADS)),
+            ("MORI_COPY_SLOTS_PER_THREAD", u64::from(SLOTS_PER_THREAD)),
+            ("MORI_COPY_TILE_UNITS", u64::from(TILE_UNITS)),
+            ("MORI_COPY_MAX_GRID_X", u64::from(MAX_GRID_X)),
+            ("MORI_COPY_MAX_GRID_Y", u64::from(MAX_GRID_Y)),
+            ("MORI_COPY_TARGET_BLOCKS", TARGET_BLOCKS),
+            ("MORI_COPY_MAX_BUFFERS_PER_BLOCK", MAX_BUFFERS_PER_BLOCK),
+            ("MORI_COPY_MAX_RUN_SPLIT", MAX_RUN_SPLIT),
+            ("MORI_COPY_MAX_WIDTH", MAX_WIDTH),
+            ("MORI_COPY_MAX_RUN_ROWS", MAX_RUN_ROWS),
+            ("MORI_COPY_ARGS_BYTES", ARGS_BYTES as u64),
+            ("MORI_COPY_INLINE_TABLE_BYTES", INLINE_TABLE_BYTES as u64),
+            ("MORI_COPY_RUN_BYTES", RUN_BYTES as u64),
+            ("MORI_COPY_WIDE_OFFSETS", u64::from(WIDE_OFFSETS)),
+        ] {
+            assert_eq!(define(name), value, "{name}");
+        }
         assert!(header.contains(&format!(
             "#define MORI_COPY_KERNEL_NAME \"{}\"",
-            k::KERNEL_NAME.to_str().unwrap()
+            KERNEL_NAME.to_str().unwrap()
         )));
-        // The struct fields, in order, as the header declares them (one per line).
-        let fields = |name: &str| -> Vec<String> {
+        // The struct's fields, in order, with their C offsets (natural alignment).
+        let fields = |name: &str| -> Vec<(String, usize)> {
             let start = header.find(&format!("typedef struct {name} {{")).unwrap();
             let body = &header[start..start + header[start..].find('}').unwrap()];
+            let mut at = 0usize;
             body.lines()
                 .skip(1)
                 .filter_map(|l| {
                     let decl = l.split("/*").next().unwrap().trim().trim_end_matches(';');
-                    let field = decl.rsplit(' ').next()?.trim_start_matches('*');
-                    (!field.is_empty()).then(|| field.to_string())
+                    let (ty, rest) = decl.split_once(' ')?;
+                    let size = match ty {
+                        "uint64_t" => 8,
+                        "uint32_t" => 4,
+                        other => panic!("{name}: type {other}"),
+                    };
+                    let (field, count) = match rest.trim().split_once('[') {
+                        Some((field, count)) => {
+                            let count = count.trim_end_matches(']');
+                            let count = match count.split_once(" / ") {
+                                Some((a, b)) => define(a.trim()) / b.trim().parse::<u64>().unwrap(),
+                                None => count.parse().unwrap(),
+                            };
+                            (field.to_string(), count as usize)
+                        }
+                        None => (rest.trim().to_string(), 1),
+                    };
+                    at = at.div_ceil(size) * size;
+                    let offset = at;
+                    at += size * count;
+                    Some((field, offset))
                 })
                 .collect()
         };
-        // Every field is 8 bytes, so the header's order fixes each offset.
         use std::mem::offset_of;
-        let rect_offsets = [
-            ("src_offset", offset_of!(k::KernelRect, src_offset)),
-            ("dst_offset", offset_of!(k::KernelRect, dst_offset)),
-            ("src_pitch", offset_of!(k::KernelRect, src_pitch)),
-            ("dst_pitch", offset_of!(k::KernelRect, dst_pitch)),
-            ("width", offset_of!(k::KernelRect, width)),
-            ("height", offset_of!(k::KernelRect, height)),
-            ("first_row", offset_of!(k::KernelRect, first_row)),
-            ("reserved", offset_of!(k::KernelRect, reserved)),
-        ];
-        let args_offsets = [
-            ("rects", offset_of!(KernelArgs, rects)),
-            ("src_bases", offset_of!(KernelArgs, src_bases)),
-            ("dst_bases", offset_of!(KernelArgs, dst_bases)),
-            ("num_rects", offset_of!(KernelArgs, num_rects)),
+        let args = [
+            ("table", offset_of!(KernelArgs, table)),
+            ("table_bytes", offset_of!(KernelArgs, table_bytes)),
             ("num_buffers", offset_of!(KernelArgs, num_buffers)),
-            ("total_rows", offset_of!(KernelArgs, total_rows)),
-            ("rows_per_block", offset_of!(KernelArgs, rows_per_block)),
-            ("lanes_per_row", offset_of!(KernelArgs, lanes_per_row)),
+            (
+                "buffers_per_block",
+                offset_of!(KernelArgs, buffers_per_block),
+            ),
+            ("num_runs", offset_of!(KernelArgs, num_runs)),
+            ("num_tiles", offset_of!(KernelArgs, num_tiles)),
+            ("num_rects", offset_of!(KernelArgs, num_rects)),
+            ("runs_at", offset_of!(KernelArgs, runs_at)),
+            ("tile_runs_at", offset_of!(KernelArgs, tile_runs_at)),
+            ("rects_at", offset_of!(KernelArgs, rects_at)),
+            ("flags", offset_of!(KernelArgs, flags)),
+            ("offset_shift", offset_of!(KernelArgs, offset_shift)),
+            ("reserved", offset_of!(KernelArgs, reserved)),
+            ("inline_table", offset_of!(KernelArgs, inline_table)),
         ];
-        for (name, offsets) in [
-            ("MoriCopyKernelRect", &rect_offsets[..]),
-            ("MoriCopyKernelArgs", &args_offsets[..]),
-        ] {
-            let declared = fields(name);
-            assert_eq!(declared.len(), offsets.len(), "{name}: {declared:?}");
-            for (index, (field, (rust, offset))) in declared.iter().zip(offsets).enumerate() {
-                assert_eq!((field.as_str(), *offset), (*rust, 8 * index), "{name}");
-            }
-        }
-        // The header's formulas, restated: tiles of clamp(16384 / width, 1, 1024) rows, one lane
-        // per 16 bytes of the widest row (at most a block), grid x over tiles, y over buffers.
-        for (rows, width, buffers) in [
-            (1000u64, 256u64, 70_000u64),
-            (1 << 40, 1, 3),
-            (7, 20_000, 2),
-        ] {
-            let rpb = (16_384 / width).clamp(1, 1024);
-            let x = rows.div_ceil(rpb).min(u64::from(MAX_GRID_X)) as u32;
-            let y = buffers.min(u64::from(MAX_GRID_Y)) as u32;
-            assert_eq!(k::rows_per_block(width), rpb);
-            assert_eq!(k::lanes_per_row(width), width.div_ceil(16).clamp(1, 256));
-            assert_eq!(k::grid(rows, rpb, buffers), (x, y));
-        }
+        let declared = fields("MoriCopyKernelArgs");
+        let rust: Vec<(String, usize)> = args.iter().map(|(n, o)| (n.to_string(), *o)).collect();
+        assert_eq!(declared, rust);
+        // The run entry the builder writes: these offsets, 48 bytes.
+        let run: Vec<(String, usize)> = [
+            ("src_pitch", 0),
+            ("dst_pitch", 8),
+            ("first_rect", 16),
+            ("rows", 20),
+            ("height", 24),
+            ("units", 28),
+            ("rows_per_tile", 32),
+            ("col_chunks", 36),
+            ("first_tile", 40),
+            ("unit_shift", 44),
+        ]
+        .iter()
+        .map(|(n, o)| (n.to_string(), *o))
+        .collect();
+        assert_eq!(fields("MoriCopyKernelRun"), run);
     }
 }

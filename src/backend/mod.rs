@@ -2,9 +2,9 @@
 //! job they take.
 //!
 //! An engine knows rects and pointers, nothing of heads or TP: the plan decides what to copy, the
-//! engine only how. The host engine is always built; the HIP engine's marshalling is always built
-//! too (its unit tests run it on a recording runtime anywhere), but only the `hip` feature links
-//! it to the real HIP runtime.
+//! engine only how. The host engine is always built; the GPU engine is always built too (its unit
+//! tests run it on a recording runtime anywhere), but only the `hip` feature links it to the
+//! real HIP runtime, and only the `cuda` feature loads the CUDA driver.
 
 use std::ffi::c_void;
 
@@ -17,13 +17,13 @@ pub use job::{CopyJob, KvBuffers, SendReport};
 pub(crate) use job::{check_capacity_fits, first_null};
 
 // Engine internals, neither Rust nor C API (cbindgen must not copy them into the header).
-// Without the `hip` feature only their unit tests use them.
+// Without a GPU feature only their unit tests use them.
 /// cbindgen:ignore
-#[cfg_attr(not(feature = "hip"), allow(dead_code))]
+#[cfg_attr(not(any(feature = "hip", feature = "cuda")), allow(dead_code))]
 pub(crate) mod copy_kernel;
 /// cbindgen:ignore
-#[cfg_attr(not(feature = "hip"), allow(dead_code))]
-pub(crate) mod hip;
+#[cfg_attr(not(any(feature = "hip", feature = "cuda")), allow(dead_code))]
+pub(crate) mod gpu;
 
 /// Performs a whole [`CopyJob`]: every rect of a plan on every buffer pair of a call.
 ///
@@ -59,7 +59,8 @@ pub unsafe trait HostCopies: CopyEngine {}
 unsafe impl HostCopies for HostEngine {}
 
 /// An engine opened with `synchronize` and without the copy kernel: `hipMemcpyDefault` copies
-/// reach pageable host memory, and the stream is drained before `run` returns.
+/// (CUDA: `CU_MEMORYTYPE_UNIFIED`) reach pageable host memory, and the stream is drained before
+/// `run` returns.
 struct Synchronized(Box<dyn CopyEngine>);
 
 impl CopyEngine for Synchronized {
@@ -74,36 +75,41 @@ impl CopyEngine for Synchronized {
 }
 
 // SAFETY: opened by `open_host_copies` only: per-rect hipMemcpy2DAsync with hipMemcpyDefault
-// (which takes host memory on either side) on the NULL stream, synchronized before returning.
+// (cuMemcpy2DAsync with CU_MEMORYTYPE_UNIFIED; either takes host memory on either side) on the
+// NULL stream, synchronized before returning.
 unsafe impl HostCopies for Synchronized {}
 
-/// `backend` for host memory: the host engine, or the HIP engine's per-rect copies on the NULL
-/// stream, waited for before each call returns (AUTO: HIP when a device is present).
+/// `backend` for host memory: the host engine, or a GPU engine's per-rect copies on the NULL
+/// stream, waited for before each call returns (AUTO: as [`Backend::Auto`] resolves).
 pub fn open_host_copies(backend: Backend) -> Result<Box<dyn HostCopies>> {
-    if !uses_hip(backend) {
+    let resolved = resolve(backend);
+    if resolved == Backend::Host {
         return Ok(Box::new(HostEngine::default()));
     }
     let options = SendOptions {
-        backend,
+        backend: resolved,
         synchronize: true,
         path: CopyPath::Memcpy2d,
         stream: std::ptr::null_mut(),
     };
-    Ok(Box::new(Synchronized(hip::open(&options)?)))
+    Ok(Box::new(Synchronized(open_gpu(resolved, &options)?)))
 }
 
 /// Which engine `mori_send_kvcache` should use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
-    /// HIP when built with it and a device is present, else host.
+    /// HIP when built with it and an AMD GPU is present, else CUDA when built with it and an
+    /// NVIDIA GPU is present, else host.
     Auto,
     /// CPU copies.
     Host,
     /// One copy-kernel launch, or `hipMemcpy2DAsync` per (buffer, rect), on the caller's stream.
     Hip,
+    /// The same over the CUDA driver API (`cuLaunchKernel`, `cuMemcpy2DAsync`).
+    Cuda,
 }
 
-/// How the HIP engine issues a call (the host engine ignores it): the choice of
+/// How a GPU engine (HIP or CUDA) issues a call (the host engine ignores it): the choice of
 /// `MORI_SEND_COPY_KERNEL`, `MORI_SEND_MEMCPY2D` or neither (REFERENCE.md section 7).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum CopyPath {
@@ -152,22 +158,39 @@ impl Default for SendOptions {
 
 /// True when the HIP engine is compiled in and the runtime reports at least one device.
 pub fn hip_device_present() -> bool {
-    hip::device_present().is_ok()
+    gpu::hip_device_present().is_ok()
 }
 
-/// True when `backend` resolves to the HIP engine (AUTO: when a device is present).
-fn uses_hip(backend: Backend) -> bool {
+/// True when the CUDA engine is compiled in, libcuda.so.1 loads with every function the engine
+/// uses, and the driver reports at least one device.
+pub fn cuda_device_present() -> bool {
+    gpu::cuda_device_present().is_ok()
+}
+
+/// The engine `backend` runs on: itself, or for AUTO, HIP when an AMD GPU is present, else CUDA
+/// when an NVIDIA GPU is present, else host.
+pub fn resolve(backend: Backend) -> Backend {
     match backend {
-        Backend::Auto => hip_device_present(),
-        Backend::Host => false,
-        Backend::Hip => true,
+        Backend::Auto if hip_device_present() => Backend::Hip,
+        Backend::Auto if cuda_device_present() => Backend::Cuda,
+        Backend::Auto => Backend::Host,
+        other => other,
+    }
+}
+
+/// The GPU engine of `backend` (HIP or CUDA) for `options`.
+fn open_gpu(backend: Backend, options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
+    match backend {
+        Backend::Cuda => gpu::open_cuda(options),
+        _ => gpu::open_hip(options),
     }
 }
 
 /// Resolves `options` to an engine, or says why the requested backend cannot run.
 pub fn open_engine(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
-    if uses_hip(options.backend) {
-        return hip::open(options);
+    let resolved = resolve(options.backend);
+    if resolved != Backend::Host {
+        return open_gpu(resolved, options);
     }
     if !options.stream.is_null() {
         return Err(Error::StreamWithHostBackend {

@@ -276,6 +276,7 @@ impl CEnum for Backend {
         (MORI_BACKEND_AUTO, Backend::Auto, "AUTO"),
         (MORI_BACKEND_HOST, Backend::Host, "HOST"),
         (MORI_BACKEND_HIP, Backend::Hip, "HIP"),
+        (MORI_BACKEND_CUDA, Backend::Cuda, "CUDA"),
     ];
 }
 

@@ -633,7 +633,7 @@ pub extern "C" fn mori_tp_staging_name(staging: u32) -> *const c_char {
 }
 
 /// A static, NUL-terminated name for a MoriBackend value ("MORI_BACKEND_AUTO",
-/// "MORI_BACKEND_HOST", "MORI_BACKEND_HIP"); other values get "MORI_BACKEND_UNKNOWN". The name
+/// "MORI_BACKEND_HOST", "MORI_BACKEND_HIP", "MORI_BACKEND_CUDA"); other values get "MORI_BACKEND_UNKNOWN". The name
 /// says nothing of whether the backend is built in or has a device. Never NULL; do not free.
 #[unsafe(no_mangle)]
 pub extern "C" fn mori_backend_name(backend: u32) -> *const c_char {
@@ -641,6 +641,7 @@ pub extern "C" fn mori_backend_name(backend: u32) -> *const c_char {
         MORI_BACKEND_AUTO => c"MORI_BACKEND_AUTO",
         MORI_BACKEND_HOST => c"MORI_BACKEND_HOST",
         MORI_BACKEND_HIP => c"MORI_BACKEND_HIP",
+        MORI_BACKEND_CUDA => c"MORI_BACKEND_CUDA",
         _ => c"MORI_BACKEND_UNKNOWN",
     };
     name.as_ptr()

@@ -62,15 +62,22 @@ pub const MORI_TP_ACTION_SKIP_REPLICA: MoriTpAction = 2u32;
 
 /// Which copy engine mori_send_kvcache uses; the type of MoriSendOptions.backend.
 pub type MoriBackend = u32;
-/// HIP when the library is built with it and a HIP device is present, the host otherwise.
+/// HIP when the library is built with it and an AMD GPU is present, else CUDA when it is built
+/// with it and an NVIDIA GPU is present, the host otherwise.
 pub const MORI_BACKEND_AUTO: MoriBackend = 0u32;
 /// CPU copies (memmove), synchronous. Both sides must be host memory.
 pub const MORI_BACKEND_HOST: MoriBackend = 1u32;
 /// The copy kernel or hipMemcpy2DAsync on the caller's stream (library built with the `hip`
 /// feature); see MORI_SEND_COPY_KERNEL for which runs when.
 pub const MORI_BACKEND_HIP: MoriBackend = 2u32;
+/// The same on NVIDIA GPUs over the CUDA driver API (cuLaunchKernel of the copy kernel as PTX,
+/// or cuMemcpy2DAsync), on the caller's stream (a cudaStream_t / CUstream); library built with
+/// the `cuda` feature, libcuda.so.1 loaded when first used. Every flag means for it what it
+/// means for MORI_BACKEND_HIP, with the CUDA driver's counterpart of each HIP call.
+pub const MORI_BACKEND_CUDA: MoriBackend = 3u32;
 
-/// MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
+/// MoriSendOptions.flags bit: wait (hipStreamSynchronize, cuStreamSynchronize) for the copies
+/// before returning.
 /// Host copies are always complete on return. On a stream that is capturing a graph the wait is
 /// not allowed, so such a call is refused with MORI_ERR_GPU before anything is enqueued: capture
 /// without this flag, and synchronize after launching the graph.
@@ -238,14 +245,15 @@ pub struct MoriKvBuffers {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct MoriSendOptions {
-    /// A MoriBackend: MORI_BACKEND_AUTO, MORI_BACKEND_HOST or MORI_BACKEND_HIP.
+    /// A MoriBackend: MORI_BACKEND_AUTO, MORI_BACKEND_HOST, MORI_BACKEND_HIP or MORI_BACKEND_CUDA.
     pub backend: u32,
     /// Zero or more of MORI_SEND_SYNCHRONIZE, MORI_SEND_COPY_KERNEL and MORI_SEND_MEMCPY2D (not
     /// both of the last two); other bits are refused. 0 lets the HIP backend choose its copy path
     /// (see MORI_SEND_COPY_KERNEL).
     pub flags: u32,
-    /// hipStream_t for the HIP backend; NULL = the null stream. Must be NULL for the host backend
-    /// (including when AUTO falls back to the host).
+    /// hipStream_t for the HIP backend, cudaStream_t (CUstream) for the CUDA backend; NULL = the
+    /// null stream. Must be NULL for the host backend (including when AUTO falls back to the
+    /// host).
     pub stream: *mut c_void,
 }
 

@@ -16,6 +16,7 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 mod recorder;
+mod table;
 
 use std::collections::HashSet;
 use std::ffi::c_void;
@@ -30,9 +31,9 @@ use recorder::{
     cpu_kernel_or_skip, function_handle, module_handle, names,
 };
 
-use crate::backend::copy_kernel::{KernelArgs, MAX_GRID_X, MAX_GRID_Y};
-use crate::backend::hip::{
-    CaptureMode, HIP_MEMCPY_DEFAULT, HipEngine, HipRuntime, HipStatus, KernelLaunch, MAX_LANES,
+use crate::backend::copy_kernel::KernelTable;
+use crate::backend::gpu::{
+    CaptureMode, GpuEngine, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch, MAX_LANES,
     MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, RESET_SENTINEL_BYTES,
 };
 use crate::pool::{DeviceMemory, POOL_TAIL_BYTES, PoolMemory, PoolMemoryKind, StagingPool};
@@ -71,7 +72,7 @@ fn auto_options(synchronize: bool, stream: *mut c_void) -> SendOptions {
 const RELAXED: Call = Call::ExchangeCaptureMode(CaptureMode::RELAXED);
 const RESTORED: Call = Call::ExchangeCaptureMode(CaptureMode::GLOBAL);
 
-/// Sends `plan` through a HipEngine on `runtime`; returns the result and the recorded calls.
+/// Sends `plan` through a GpuEngine on `runtime`; returns the result and the recorded calls.
 fn hip_send(
     plan: &Walk<'_>,
     src: &[&[u8]],
@@ -87,7 +88,7 @@ fn hip_send(
         src_capacity: src.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
         dst_capacity: dst.iter().map(|b| b.len()).min().unwrap_or(0) as u64,
     };
-    let mut engine = HipEngine::new(runtime, options).expect("the recorder has a device");
+    let mut engine = GpuEngine::new(runtime, options).expect("the recorder has a device");
     assert_eq!(engine.name(), "hip");
     // SAFETY: the pointers come from live slices at least as long as the capacities, and the
     // recorder refuses any row outside them.
@@ -269,7 +270,7 @@ fn a_failing_copy_is_a_gpu_error_naming_the_hip_error_the_buffer_and_the_rect() 
     let stream = without_provenance_mut(0xabc000);
     // Three rects per buffer: the sixth copy is buffer 1, rect 2.
     let (result, calls) = f.run(1, &options(false, stream), |mut r| {
-        r.fail_copy = Some((5, HipStatus::ERROR_INVALID_VALUE));
+        r.fail_copy = Some((5, GpuStatus::ERROR_INVALID_VALUE));
         r
     });
     assert!(
@@ -315,7 +316,7 @@ fn a_failing_copy_with_synchronize_still_waits_for_the_copies_already_issued() {
     let mut f = Fixture::new();
     let stream = without_provenance_mut(0xabc000);
     let (result, calls) = f.run(1, &options(true, stream), |mut r| {
-        r.fail_copy = Some((1, HipStatus(709)));
+        r.fail_copy = Some((1, GpuStatus(709)));
         r
     });
     assert!(
@@ -344,7 +345,7 @@ fn a_failing_copy_with_synchronize_still_waits_for_the_copies_already_issued() {
 fn an_unknown_status_from_a_newer_runtime_keeps_its_number() {
     let mut f = Fixture::new();
     let (result, _) = f.run(1, &options(false, null_mut()), |mut r| {
-        r.fail_copy = Some((0, HipStatus(123_456)));
+        r.fail_copy = Some((0, GpuStatus(123_456)));
         r
     });
     let message = gpu_message(result);
@@ -358,7 +359,7 @@ fn an_unknown_status_from_a_newer_runtime_keeps_its_number() {
 fn a_failing_synchronize_is_a_gpu_error_after_every_copy_was_issued() {
     let mut f = Fixture::new();
     let (result, calls) = f.run(1, &options(true, null_mut()), |mut r| {
-        r.sync_status = HipStatus(719); // hipErrorLaunchFailure
+        r.sync_status = GpuStatus(719); // hipErrorLaunchFailure
         r
     });
     let message = gpu_message(result);
@@ -412,12 +413,12 @@ fn no_device_is_backend_unavailable_naming_what_the_runtime_said() {
     let opts = options(false, null_mut());
     for (devices, says) in [
         (
-            Err(HipStatus::ERROR_NO_DEVICE),
+            Err(GpuStatus::ERROR_NO_DEVICE),
             "hipGetDeviceCount returned hipErrorNoDevice (100)",
         ),
         (Ok(0), "hipGetDeviceCount reports 0"),
     ] {
-        match HipEngine::new(runtime(devices), &opts) {
+        match GpuEngine::new(runtime(devices), &opts) {
             Err(Error::BackendUnavailable { reason: message }) => {
                 assert!(message.contains(says), "{message:?} lacks {says:?}");
                 assert!(message.contains("needs a HIP device"), "{message:?}");
@@ -453,7 +454,7 @@ fn the_recording_runtime_refuses_what_hipmemcpy2d_refuses() {
     for args in refused {
         // SAFETY: the recorder checks every row against the registered buffers.
         let status = unsafe { recorder.memcpy_2d_async(args) };
-        assert_eq!(status, Err(HipStatus::ERROR_INVALID_VALUE), "{args:?}");
+        assert_eq!(status, Err(GpuStatus::ERROR_INVALID_VALUE), "{args:?}");
     }
     // SAFETY: as above.
     let status = unsafe { recorder.memcpy_2d_async(Memcpy2dAsync { kind: 9, ..good }) };
@@ -466,17 +467,6 @@ fn the_recording_runtime_refuses_what_hipmemcpy2d_refuses() {
 }
 
 // ---- The copy-kernel path ----
-
-/// The rows-per-tile, lanes-per-row and grid rule of hip/copy_kernel.h, restated: tiles of
-/// clamp(16384 / width, 1, 1024) rows, one lane per 16 bytes of the widest row (at most a block),
-/// grid x over tiles and y over buffers, both capped.
-fn expected_geometry(rows: u64, width: u64, buffers: u64) -> (u64, u64, (u32, u32)) {
-    let rows_per_block = (16_384 / width.max(1)).clamp(1, 1024);
-    let lanes = width.div_ceil(16).clamp(1, 256);
-    let x = rows.div_ceil(rows_per_block).min(u64::from(MAX_GRID_X)) as u32;
-    let y = buffers.min(u64::from(MAX_GRID_Y)) as u32;
-    (rows_per_block, lanes, (x, y))
-}
 
 /// What the recorder handed out in `calls`: the reset sentinel, the first table buffer and its
 /// pinned twin, the first lane's event and relay stream, and the first pair's event.
@@ -531,9 +521,10 @@ fn fence_calls(stream: *mut c_void, mark: usize, relay: usize, done: usize) -> [
 /// mode; for a caller's stream the capture check; hipGetDevice (and the stream's device); the
 /// load on that device and its reset sentinel (its size read back); each buffer base checked
 /// once; the stream's lane (an event and a relay stream); the first table buffer pair and its
-/// event; then on the stream one upload of the table (64 bytes per rect, 16 per buffer) from the
-/// pinned buffer and one launch; the fence; hipStreamSynchronize only if asked; the thread's
-/// capture mode back.
+/// event; then on the stream one upload of the table's `byte_len` bytes from the pinned buffer
+/// (0 when the table travels inside the kernel's argument) and one launch with the table's
+/// argument and grid; the fence; hipStreamSynchronize only if asked; the thread's capture mode
+/// back.
 fn expected_kernel_calls(
     plan: &Walk<'_>,
     src: &[*const u8],
@@ -587,8 +578,16 @@ fn expected_kernel_calls(
     calls.push(Call::EventCreate {
         returned: handed.done,
     });
-    let (num_rects, num_buffers) = (rects.len(), src.len());
-    let size = 64 * num_rects + 16 * num_buffers;
+    // The table the engine must launch with (src/backend/copy_kernel.rs checks its bytes
+    // against the C++ builder and the kernel): its upload is byte_len bytes, none when it
+    // travels inside the argument.
+    let bases: Vec<(u64, u64)> = src
+        .iter()
+        .zip(dst)
+        .map(|(&s, &d)| (s as u64, d as u64))
+        .collect();
+    let table = KernelTable::build(rects.iter().copied(), &bases).expect("a table");
+    let size = table.byte_len();
     let capacity = size.max(MIN_TABLE_BYTES).next_power_of_two();
     calls.push(Call::Malloc {
         size: capacity,
@@ -604,26 +603,12 @@ fn expected_kernel_calls(
         size,
         stream,
     });
-    let rows: u64 = rects.iter().map(|r| r.height).sum();
-    let width = rects.iter().map(|r| r.width).max().unwrap_or(0);
-    let (rows_per_block, lanes_per_row, grid) = expected_geometry(rows, width, num_buffers as u64);
-    let rect_bytes = 64 * num_rects as u64;
-    let table = handed.table as u64;
     calls.push(Call::Launch(KernelLaunch {
         function: function_handle(0),
-        grid,
+        grid: table.grid(),
         block: 256,
         stream,
-        args: KernelArgs {
-            rects: table,
-            src_bases: table + rect_bytes,
-            dst_bases: table + rect_bytes + 8 * num_buffers as u64,
-            num_rects: num_rects as u64,
-            num_buffers: num_buffers as u64,
-            total_rows: rows,
-            rows_per_block,
-            lanes_per_row,
-        },
+        args: table.args(handed.table as u64),
     }));
     calls.extend(fence_calls(stream, handed.mark, handed.relay, handed.done));
     if options.synchronize {
@@ -639,9 +624,9 @@ fn expected_kernel_calls(
 fn kernel_run(
     runtime: Recorder,
     options: &SendOptions,
-    job: impl FnOnce(&mut HipEngine<Recorder>) -> crate::Result<SendReport>,
+    job: impl FnOnce(&mut GpuEngine<Recorder>) -> crate::Result<SendReport>,
 ) -> (crate::Result<SendReport>, Vec<Call>) {
-    let mut engine = HipEngine::new(runtime, options).expect("the recorder has a device");
+    let mut engine = GpuEngine::new(runtime, options).expect("the recorder has a device");
     let result = job(&mut engine);
     let runtime = engine.runtime();
     let (device, host) = runtime.live_allocations();
@@ -820,7 +805,7 @@ fn flags_0_take_the_per_rect_copies_where_the_kernel_cannot_surely_run() {
         (
             "no code object",
             |r| {
-                r.fail_call.set(Some(("hipModuleLoadData", HipStatus(209))));
+                r.fail_call.set(Some(("hipModuleLoadData", GpuStatus(209))));
                 r
             },
             false,
@@ -1104,7 +1089,7 @@ fn fixture_sends_with(
         src_capacity: src[0].len() as u64,
         dst_capacity: dst[0].len() as u64,
     };
-    let mut engine = HipEngine::new(runtime, &options[0]).expect("the recorder has a device");
+    let mut engine = GpuEngine::new(runtime, &options[0]).expect("the recorder has a device");
     let mut results = Vec::new();
     for (i, options) in options.iter().enumerate() {
         engine.set_options(options);
@@ -1202,7 +1187,7 @@ fn a_failing_launch_is_a_gpu_error_that_still_fences_the_table_and_waits_when_as
     let stream = without_provenance_mut(0xabc000);
     let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, stream), |r| {
         r.fail_call
-            .set(Some(("hipModuleLaunchKernel", HipStatus(98))));
+            .set(Some(("hipModuleLaunchKernel", GpuStatus(98))));
         r
     });
     let message = gpu_message(result);
@@ -1272,7 +1257,7 @@ fn each_failing_kernel_path_call_is_named_and_issues_nothing_after_it_but_its_cl
         let initial = f.dst.ranks[3].clone();
         let stream = without_provenance_mut(0x5700_0000);
         let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
-            r.fail_call.set(Some((call, HipStatus(123_456))));
+            r.fail_call.set(Some((call, GpuStatus(123_456))));
             r
         });
         match result {
@@ -1323,7 +1308,7 @@ fn a_failed_load_is_cached_and_reported_again_without_a_retry() {
         2,
         |i, r| {
             r.fail_call
-                .set((i == 0).then_some(("hipModuleLoadData", HipStatus(209))))
+                .set((i == 0).then_some(("hipModuleLoadData", GpuStatus(209))))
         },
     );
     let mut messages = Vec::new();
@@ -1352,7 +1337,7 @@ fn a_module_without_the_kernel_is_unloaded_again() {
     let mut f = Fixture::new();
     let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, null_mut()), |r| {
         r.fail_call
-            .set(Some(("hipModuleGetFunction", HipStatus(500))));
+            .set(Some(("hipModuleGetFunction", GpuStatus(500))));
         r
     });
     assert!(gpu_message(result).contains("hipErrorNotFound (500)"));
@@ -1382,7 +1367,7 @@ fn the_recording_runtime_refuses_a_launch_that_would_touch_unregistered_memory()
         gpu_message(result).contains("hipErrorIllegalAddress (700)"),
         "a launch outside the buffers is refused"
     );
-    assert_eq!(ILLEGAL_ADDRESS, HipStatus(700));
+    assert_eq!(ILLEGAL_ADDRESS, GpuStatus(700));
     assert_eq!(f.dst.ranks[3], initial);
 }
 
@@ -1577,7 +1562,7 @@ fn the_recording_runtime_refuses_unsafe_calls_during_another_threads_global_capt
     let recorder = pool_recorder();
     recorder.global_capture_elsewhere.set(true);
     let event = recorder.event_create().unwrap();
-    let refused = HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    let refused = GpuStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED;
     assert_eq!(recorder.malloc(64), Err(refused));
     assert_eq!(recorder.host_malloc(64), Err(refused));
     // SAFETY: the recorder's own event; the NULL stream.
@@ -1796,7 +1781,7 @@ fn a_failed_switch_to_the_streams_device_is_not_cached_as_a_failed_load() {
         2,
         |i, r| {
             if i == 0 {
-                r.fail_call.set(Some(("hipSetDevice", HipStatus(2))));
+                r.fail_call.set(Some(("hipSetDevice", GpuStatus(2))));
             } else {
                 r.fail_call.set(None);
                 assert_eq!(
@@ -2059,7 +2044,9 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
         return;
     }
     // One 16-byte head, TP 1 -> 1, page size 1: a page of every other slot is one rect, so
-    // 1100 pages make a 70400-byte table, past the first pair's 65536 bytes.
+    // 9000 pages make a table of 16 bytes of bases, one 48-byte run and 9000 8-byte rect
+    // entries (72064 bytes), past the first pair's 65536 bytes. Four pages fit in the kernel's
+    // argument: nothing to upload, but a pair all the same.
     let config = slice_config(&SliceParams {
         prefill_tp_size: 1,
         prefill_tp_rank: 0,
@@ -2072,22 +2059,22 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     })
     .unwrap();
     let pages = |n: i32| -> Vec<i32> { (0..n).map(|i| 2 * i).collect() };
-    let (small, big) = (pages(4), pages(1100));
-    let bigger = (64 * 1100 + 16usize).next_power_of_two();
-    let src: Vec<u8> = (0..4400 * 16).map(|i| i as u8).collect();
-    let mut dst = vec![0u8; 4400 * 16];
+    let (small, big) = (pages(4), pages(9000));
+    let bigger = (16 + 48 + 8 * 9000usize).next_power_of_two();
+    let src: Vec<u8> = (0..34_000 * 16).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; 34_000 * 16];
     let (src_ptr, dst_ptr) = (src.as_ptr(), dst.as_mut_ptr());
     let runtime = Recorder::new(&[&src], &mut [&mut dst]);
     // Someone else's stream, blocked for the whole test.
     runtime.block_stream(0x0b10_c000);
-    let mut engine = HipEngine::new(runtime, &kernel_options(false, null_mut())).expect("a device");
-    let send_pages = |engine: &mut HipEngine<Recorder>, pages: &[i32]| {
+    let mut engine = GpuEngine::new(runtime, &kernel_options(false, null_mut())).expect("a device");
+    let send_pages = |engine: &mut GpuEngine<Recorder>, pages: &[i32]| {
         let plan = Plan::new(&config, pages, pages).unwrap();
         let buffers = KvBuffers {
             src: &[src_ptr],
             dst: &[dst_ptr],
-            src_capacity: 4400 * 16,
-            dst_capacity: 4400 * 16,
+            src_capacity: 34_000 * 16,
+            dst_capacity: 34_000 * 16,
         };
         let from = engine.runtime().calls.borrow().len();
         // SAFETY: live buffers of the stated capacities; the recorder checks every row.
@@ -2138,8 +2125,9 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
         (MAX_TABLE_SLOTS + 1, MAX_TABLE_SLOTS),
         "every pair made, and the reset sentinel"
     );
-    // A table bigger than any pair: the smallest idle pair is replaced, and kept.
-    let huge = pages(2100);
+    // A table bigger than any pair (17000 rects: 136064 bytes): the smallest idle pair is
+    // replaced, and kept.
+    let huge = pages(17_000);
     let replaced = send_pages(&mut engine, &huge);
     for never in ["hipFree", "hipEventSynchronize"] {
         assert!(!names(&replaced).contains(&never), "{replaced:?}");
@@ -2152,7 +2140,7 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     );
     for (i, byte) in dst.iter().enumerate() {
         let (page, at) = (i / 16, i % 16);
-        let want = if page % 2 == 0 && page < 4200 {
+        let want = if page % 2 == 0 && page < 34_000 {
             src[i]
         } else {
             0
@@ -2169,7 +2157,7 @@ fn a_refusing_allocator_is_a_gpu_error_naming_hip_malloc_that_writes_nothing() {
     let mut f = Fixture::new();
     let initial = f.dst.ranks[3].clone();
     let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, null_mut()), |r| {
-        r.fail_call.set(Some(("hipMalloc", HipStatus(2))));
+        r.fail_call.set(Some(("hipMalloc", GpuStatus(2))));
         r
     });
     let (call, status, message, _) = gpu_error(result);
@@ -2292,7 +2280,7 @@ fn after_a_device_reset_the_kernel_is_loaded_again() {
         "the new module's function"
     );
     assert_eq!(f.dst.ranks[3], want);
-    assert_eq!(INVALID_RESOURCE_HANDLE, HipStatus(400));
+    assert_eq!(INVALID_RESOURCE_HANDLE, GpuStatus(400));
 }
 
 #[test]
@@ -2359,7 +2347,7 @@ fn a_reset_after_a_call_that_made_no_table_buffer_is_noticed() {
             if i == 0 {
                 // The runtime does not know the first buffer: refused before any table buffer.
                 r.fail_call
-                    .set(Some(("hipPointerGetAttributes", HipStatus(1))));
+                    .set(Some(("hipPointerGetAttributes", GpuStatus(1))));
             } else {
                 r.fail_call.set(None);
                 assert_eq!(r.live_allocations(), (1, 0), "only the sentinel");
@@ -2491,7 +2479,7 @@ fn a_device_pool_dropped_after_a_reset_frees_nothing() {
 #[test]
 fn a_failing_hipmalloc_is_a_gpu_error_naming_the_size_and_status() {
     let recorder = pool_recorder();
-    recorder.fail_call.set(Some(("hipMalloc", HipStatus(2))));
+    recorder.fail_call.set(Some(("hipMalloc", GpuStatus(2))));
     let error = DeviceMemory::new(recorder, 1 << 30).unwrap_err();
     let Error::Gpu {
         call,

@@ -30,28 +30,33 @@ use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 
 use super::common;
-use crate::backend::copy_kernel::{BLOCK_THREADS, KernelArgs, KernelRect};
-use crate::backend::hip::{
-    CaptureMode, HIP_MEMCPY_DEFAULT, HipRuntime, HipStatus, KernelCache, KernelImage, KernelLaunch,
-    Memcpy2dAsync, PointerInfo,
+use crate::backend::copy_kernel::{
+    BLOCK_THREADS, INLINE_TABLE_BYTES, KernelArgs, decode, inline_bytes,
+};
+use crate::backend::gpu::{
+    Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_DEFAULT, KernelCache, KernelImage,
+    KernelLaunch, Memcpy2dAsync, PointerInfo,
 };
 
 /// `hipErrorInvalidMemcpyDirection` (hip/hip_runtime_api.h).
-pub const INVALID_MEMCPY_DIRECTION: HipStatus = HipStatus(21);
+pub const INVALID_MEMCPY_DIRECTION: GpuStatus = GpuStatus(21);
 /// `hipErrorInvalidHandle` (`hipErrorInvalidResourceHandle` is the same value).
-pub const INVALID_RESOURCE_HANDLE: HipStatus = HipStatus(400);
+pub const INVALID_RESOURCE_HANDLE: GpuStatus = GpuStatus(400);
 /// `hipErrorIllegalAddress`.
-pub const ILLEGAL_ADDRESS: HipStatus = HipStatus(700);
+pub const ILLEGAL_ADDRESS: GpuStatus = GpuStatus(700);
 /// `hipErrorStreamCaptureIsolation`.
-pub const CAPTURE_ISOLATION: HipStatus = HipStatus(905);
+pub const CAPTURE_ISOLATION: GpuStatus = GpuStatus(905);
 /// What the recorder returns for a host wait that would never end (the stream it waits for is
 /// blocked); not a HIP status.
-pub const WOULD_HANG: HipStatus = HipStatus(77_777);
+pub const WOULD_HANG: GpuStatus = GpuStatus(77_777);
 
 /// A blocked stream and the generation of its block: what an event or a stream waits for.
 type Dependency = (usize, u64);
 
 /// One runtime call as the engine made it.
+// A launch carries the kernel's whole 4 KiB argument (its table may be inside); the log is a
+// test's, and comparing it by value keeps the expected calls plain.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Call {
     DeviceCount,
@@ -332,10 +337,10 @@ pub struct Recorder {
     /// Every call so far, shared so that a test can read it after handing the recorder away.
     pub calls: Rc<RefCell<Vec<Call>>>,
     /// What hipGetDeviceCount answers.
-    pub devices: Result<i32, HipStatus>,
+    pub devices: Result<i32, GpuStatus>,
     /// Fail the n-th hipMemcpy2DAsync (counting from 0) with this status, copying nothing.
-    pub fail_copy: Option<(usize, HipStatus)>,
-    pub sync_status: HipStatus,
+    pub fail_copy: Option<(usize, GpuStatus)>,
+    pub sync_status: GpuStatus,
     /// Buffers the copies and the kernel may read and write.
     pub readable: Vec<Region>,
     pub writable: Vec<Region>,
@@ -373,7 +378,7 @@ pub struct Recorder {
     /// Per event: the stream of its last record, and what that record waits for.
     pub event_records: RefCell<HashMap<usize, (usize, Vec<Dependency>)>>,
     /// Fail every call of this name with this status.
-    pub fail_call: Cell<Option<(&'static str, HipStatus)>>,
+    pub fail_call: Cell<Option<(&'static str, GpuStatus)>>,
     /// The kernel state, shared between recorders to test the cache.
     pub cache: Arc<KernelCache>,
     pub device_allocations: RefCell<Vec<Allocation>>,
@@ -394,7 +399,7 @@ impl Recorder {
             calls: Rc::new(RefCell::new(Vec::new())),
             devices: Ok(1),
             fail_copy: None,
-            sync_status: HipStatus::SUCCESS,
+            sync_status: GpuStatus::SUCCESS,
             device_memory: readable.iter().chain(&writable).copied().collect(),
             readable,
             writable,
@@ -423,7 +428,7 @@ impl Recorder {
     }
 
     /// Records `call`; the injected status when `call` is the one to fail.
-    fn record(&self, call: Call) -> Result<(), HipStatus> {
+    fn record(&self, call: Call) -> Result<(), GpuStatus> {
         let name = call.name();
         self.calls.borrow_mut().push(call);
         match self.fail_call.get() {
@@ -533,17 +538,17 @@ impl Recorder {
     /// clr's `CHECK_STREAM_CAPTURE_SUPPORTED` and `StreamCaptureOngoing` for a call that is
     /// unsafe during capture: refused, invalidating the other thread's capture, unless the
     /// thread is in the relaxed mode.
-    fn capture_allows(&self) -> Result<(), HipStatus> {
+    fn capture_allows(&self) -> Result<(), GpuStatus> {
         if self.global_capture_elsewhere.get() && self.capture_mode.get() != CaptureMode::RELAXED {
             self.invalidated.borrow_mut().push(0);
-            return Err(HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            return Err(GpuStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
         Ok(())
     }
 
     /// clr's check of a queried or waited-for event: one last recorded on a capturing stream
     /// invalidates that capture (hipErrorCapturedEvent).
-    fn event_outside_capture(&self, event: *mut c_void) -> Result<(), HipStatus> {
+    fn event_outside_capture(&self, event: *mut c_void) -> Result<(), GpuStatus> {
         let stream = self
             .event_records
             .borrow()
@@ -552,7 +557,7 @@ impl Recorder {
         match stream {
             Some(stream) if self.stream_captures(stream) => {
                 self.invalidated.borrow_mut().push(stream);
-                Err(HipStatus::ERROR_CAPTURED_EVENT)
+                Err(GpuStatus::ERROR_CAPTURED_EVENT)
             }
             _ => Ok(()),
         }
@@ -569,7 +574,7 @@ impl Recorder {
         self.passed(&deps)
     }
 
-    fn check_event(&self, event: *mut c_void) -> Result<(), HipStatus> {
+    fn check_event(&self, event: *mut c_void) -> Result<(), GpuStatus> {
         match self
             .events
             .borrow()
@@ -600,43 +605,43 @@ impl Recorder {
     }
 
     /// What a GPU needs before running the kernel on `device`: the table inside that device's
-    /// memory and every row of every (buffer, rect) inside the registered buffers.
+    /// memory (unless it travels inside the argument) and every row of every (buffer, rect) it
+    /// describes inside the registered buffers.
     fn kernel_memory_ok(&self, a: &KernelArgs, device: i32) -> bool {
-        let (rects, buffers) = (a.num_rects as usize, a.num_buffers as usize);
-        let on_device = |start: u64, len: usize| {
-            self.device_allocations
+        let len = a.table_bytes as usize;
+        let table = if a.table == 0 {
+            if len > INLINE_TABLE_BYTES {
+                return false;
+            }
+            inline_bytes(a)
+        } else {
+            let on_device = self
+                .device_allocations
                 .borrow()
                 .iter()
-                .any(|al| al.device == device && al.holds(start as usize, len))
+                .any(|al| al.device == device && al.holds(a.table as usize, len));
+            if !on_device {
+                return false;
+            }
+            // SAFETY: the table lies inside a live allocation (checked above).
+            unsafe { std::slice::from_raw_parts(a.table as *const u8, len) }.to_vec()
         };
-        if !on_device(a.rects, rects * 64)
-            || !on_device(a.src_bases, buffers * 8)
-            || !on_device(a.dst_bases, buffers * 8)
-        {
+        let Some(rects) = decode(a, &table) else {
             return false;
-        }
-        // SAFETY: the three tables lie inside live allocations (checked above).
-        let (table, src, dst) = unsafe {
-            (
-                std::slice::from_raw_parts(a.rects as *const KernelRect, rects),
-                std::slice::from_raw_parts(a.src_bases as *const u64, buffers),
-                std::slice::from_raw_parts(a.dst_bases as *const u64, buffers),
-            )
         };
-        src.iter().zip(dst).all(|(&s, &d)| {
-            table.iter().all(|r| {
-                let rows = |base: u64, offset: u64, pitch: u64, regions: &[Region]| {
-                    Self::rows_inside(
-                        regions,
-                        (base + offset) as usize,
-                        pitch as usize,
-                        r.width as usize,
-                        r.height as usize,
-                    )
-                };
-                rows(s, r.src_offset, r.src_pitch, &self.readable)
-                    && rows(d, r.dst_offset, r.dst_pitch, &self.writable)
-            })
+        rects.iter().all(|t| {
+            let r = &t.rect;
+            let rows = |base: u64, offset: u64, pitch: u64, regions: &[Region]| {
+                Self::rows_inside(
+                    regions,
+                    (base + offset) as usize,
+                    pitch as usize,
+                    r.width as usize,
+                    r.height as usize,
+                )
+            };
+            rows(t.src_base, r.src_offset, r.src_pitch, &self.readable)
+                && rows(t.dst_base, r.dst_offset, r.dst_pitch, &self.writable)
         })
     }
 
@@ -653,55 +658,59 @@ impl Recorder {
     }
 
     /// Frees the allocation at `pointer` in `list`.
-    fn release(list: &RefCell<Vec<Allocation>>, pointer: *mut c_void) -> Result<(), HipStatus> {
+    fn release(list: &RefCell<Vec<Allocation>>, pointer: *mut c_void) -> Result<(), GpuStatus> {
         let mut list = list.borrow_mut();
         let index = list
             .iter()
             .position(|a| a.base() == pointer as usize)
-            .ok_or(HipStatus::ERROR_INVALID_VALUE)?;
+            .ok_or(GpuStatus::ERROR_INVALID_VALUE)?;
         list.swap_remove(index);
         Ok(())
     }
 }
 
-impl HipRuntime for Recorder {
-    fn device_count(&self) -> Result<i32, HipStatus> {
+impl GpuRuntime for Recorder {
+    fn api(&self) -> &'static Api {
+        &HIP_API
+    }
+
+    fn device_count(&self) -> Result<i32, GpuStatus> {
         self.calls.borrow_mut().push(Call::DeviceCount);
         self.devices
     }
 
-    fn current_device(&self) -> Result<i32, HipStatus> {
+    fn current_device(&self) -> Result<i32, GpuStatus> {
         self.record(Call::GetDevice)?;
         Ok(*self.current.borrow())
     }
 
-    fn set_device(&self, device: i32) -> Result<(), HipStatus> {
+    fn set_device(&self, device: i32) -> Result<(), GpuStatus> {
         self.record(Call::SetDevice(device))?;
         match self.devices {
             Ok(count) if (0..count).contains(&device) => {
                 *self.current.borrow_mut() = device;
                 Ok(())
             }
-            _ => Err(HipStatus::ERROR_INVALID_DEVICE),
+            _ => Err(GpuStatus::ERROR_INVALID_DEVICE),
         }
     }
 
-    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, HipStatus> {
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, GpuStatus> {
         self.record(Call::ExchangeCaptureMode(mode))?;
         Ok(self.capture_mode.replace(mode))
     }
 
-    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, HipStatus> {
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, GpuStatus> {
         self.record(Call::CanAccessPeer { device, peer })?;
         match self.devices {
             Ok(count) if (0..count).contains(&device) && (0..count).contains(&peer) => {
                 Ok(device != peer && self.peer_access.get())
             }
-            _ => Err(HipStatus::ERROR_INVALID_DEVICE),
+            _ => Err(GpuStatus::ERROR_INVALID_DEVICE),
         }
     }
 
-    fn stream_create(&self) -> Result<*mut c_void, HipStatus> {
+    fn stream_create(&self) -> Result<*mut c_void, GpuStatus> {
         self.record(Call::StreamCreate { returned: 0 })?;
         let mut streams = self.streams.borrow_mut();
         streams.push(*self.current.borrow());
@@ -716,7 +725,7 @@ impl HipRuntime for Recorder {
         &self,
         stream: *mut c_void,
         event: *mut c_void,
-    ) -> Result<(), HipStatus> {
+    ) -> Result<(), GpuStatus> {
         self.record(Call::StreamWaitEvent { stream, event })?;
         self.check_event(event)?;
         let record = self.event_records.borrow().get(&(event as usize)).cloned();
@@ -734,14 +743,14 @@ impl HipRuntime for Recorder {
         Ok(())
     }
 
-    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, HipStatus> {
+    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, GpuStatus> {
         self.record(Call::EventQuery { event })?;
         self.check_event(event)?;
         self.event_outside_capture(event)?;
         Ok(self.event_passed(event))
     }
 
-    unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, HipStatus> {
+    unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, GpuStatus> {
         if !self.has_stream_get_device {
             return Ok(None);
         }
@@ -749,12 +758,12 @@ impl HipRuntime for Recorder {
         Ok(Some(self.stream_device_of(stream)))
     }
 
-    unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, HipStatus> {
+    unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, GpuStatus> {
         self.record(Call::IsCapturing(stream))?;
         Ok(self.stream_captures(stream as usize))
     }
 
-    unsafe fn memcpy_2d_async(&self, a: Memcpy2dAsync) -> Result<(), HipStatus> {
+    unsafe fn memcpy_2d_async(&self, a: Memcpy2dAsync) -> Result<(), GpuStatus> {
         let index = self.copies();
         self.calls.borrow_mut().push(Call::Memcpy2d(a));
         if let Some((_, status)) = self.fail_copy.filter(|&(n, _)| n == index) {
@@ -766,12 +775,12 @@ impl HipRuntime for Recorder {
         // hipMemcpy2D: non-NULL pointers, width at most each pitch (hipErrorInvalidValue stands
         // in for every refused argument).
         if a.dst.is_null() || a.src.is_null() || a.width > a.dpitch || a.width > a.spitch {
-            return Err(HipStatus::ERROR_INVALID_VALUE);
+            return Err(GpuStatus::ERROR_INVALID_VALUE);
         }
         if !Self::rows_inside(&self.readable, a.src as usize, a.spitch, a.width, a.height)
             || !Self::rows_inside(&self.writable, a.dst as usize, a.dpitch, a.width, a.height)
         {
-            return Err(HipStatus::ERROR_INVALID_VALUE);
+            return Err(GpuStatus::ERROR_INVALID_VALUE);
         }
         for r in 0..a.height {
             // SAFETY: every row was checked to lie inside a live buffer registered above.
@@ -786,11 +795,11 @@ impl HipRuntime for Recorder {
         Ok(())
     }
 
-    unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), HipStatus> {
+    unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), GpuStatus> {
         self.calls.borrow_mut().push(Call::Synchronize(stream));
         if self.stream_captures(stream as usize) {
             self.invalidated.borrow_mut().push(stream as usize);
-            return Err(HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            return Err(GpuStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
         self.capture_allows()?;
         if !self.passed(&self.dependencies_of(stream as usize)) {
@@ -799,7 +808,7 @@ impl HipRuntime for Recorder {
         self.sync_status.result()
     }
 
-    fn error_name(&self, status: HipStatus) -> String {
+    fn error_name(&self, status: GpuStatus) -> String {
         // What hipGetErrorName answers for these codes; anything else is "hipErrorUnknown".
         match status.0 {
             0 => "hipSuccess",
@@ -830,7 +839,7 @@ impl HipRuntime for Recorder {
         &self.cache
     }
 
-    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, HipStatus> {
+    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, GpuStatus> {
         self.record(Call::ModuleLoad { bytes: image.len() })?;
         let mut modules = self.modules.borrow_mut();
         modules.push(Module {
@@ -844,7 +853,7 @@ impl HipRuntime for Recorder {
         &self,
         module: *mut c_void,
         name: &CStr,
-    ) -> Result<*mut c_void, HipStatus> {
+    ) -> Result<*mut c_void, GpuStatus> {
         self.record(Call::GetFunction { module })?;
         let modules = self.modules.borrow();
         let Some(n) = (0..modules.len()).find(|&n| module_handle(n) == module) else {
@@ -858,12 +867,12 @@ impl HipRuntime for Recorder {
         );
         // hipErrorNotFound for any other name.
         if name != c"mori_copy_kernel" {
-            return Err(HipStatus(500));
+            return Err(GpuStatus(500));
         }
         Ok(function_handle(n))
     }
 
-    unsafe fn module_unload(&self, module: *mut c_void) -> Result<(), HipStatus> {
+    unsafe fn module_unload(&self, module: *mut c_void) -> Result<(), GpuStatus> {
         self.record(Call::ModuleUnload { module })?;
         let mut modules = self.modules.borrow_mut();
         match (0..modules.len()).find(|&n| module_handle(n) == module) {
@@ -875,7 +884,7 @@ impl HipRuntime for Recorder {
         }
     }
 
-    fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+    fn malloc(&self, size: usize) -> Result<*mut c_void, GpuStatus> {
         self.record(Call::Malloc { size, returned: 0 })?;
         self.capture_allows()?;
         let returned = Self::allocate(&self.device_allocations, *self.current.borrow(), size);
@@ -885,7 +894,7 @@ impl HipRuntime for Recorder {
         Ok(without_provenance_mut(returned))
     }
 
-    unsafe fn free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
+    unsafe fn free(&self, pointer: *mut c_void) -> Result<(), GpuStatus> {
         self.record(Call::Free { pointer })?;
         self.capture_allows()?;
         // clr's ihipFree waits for every stream of the device first.
@@ -895,7 +904,7 @@ impl HipRuntime for Recorder {
         Self::release(&self.device_allocations, pointer)
     }
 
-    fn host_malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+    fn host_malloc(&self, size: usize) -> Result<*mut c_void, GpuStatus> {
         self.record(Call::HostMalloc { size, returned: 0 })?;
         self.capture_allows()?;
         let returned = Self::allocate(&self.host_allocations, -1, size);
@@ -905,7 +914,7 @@ impl HipRuntime for Recorder {
         Ok(without_provenance_mut(returned))
     }
 
-    fn event_create(&self) -> Result<*mut c_void, HipStatus> {
+    fn event_create(&self) -> Result<*mut c_void, GpuStatus> {
         self.record(Call::EventCreate { returned: 0 })?;
         let mut events = self.events.borrow_mut();
         events.push(*self.current.borrow());
@@ -920,7 +929,7 @@ impl HipRuntime for Recorder {
         &self,
         event: *mut c_void,
         stream: *mut c_void,
-    ) -> Result<(), HipStatus> {
+    ) -> Result<(), GpuStatus> {
         self.record(Call::EventRecord { event, stream })?;
         // An event records only on a stream of its own device.
         match self
@@ -939,7 +948,7 @@ impl HipRuntime for Recorder {
         Ok(())
     }
 
-    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), HipStatus> {
+    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), GpuStatus> {
         self.record(Call::EventSynchronize { event })?;
         self.check_event(event)?;
         self.event_outside_capture(event)?;
@@ -950,7 +959,7 @@ impl HipRuntime for Recorder {
         Ok(())
     }
 
-    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, HipStatus> {
+    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, GpuStatus> {
         self.record(Call::PointerInfo { pointer })?;
         let at = pointer as usize;
         let device_memory = |device| PointerInfo {
@@ -991,10 +1000,10 @@ impl HipRuntime for Recorder {
             return Ok(device_memory(self.stream_home.get()));
         }
         // Unknown to the runtime: pageable host memory.
-        Err(HipStatus::ERROR_INVALID_VALUE)
+        Err(GpuStatus::ERROR_INVALID_VALUE)
     }
 
-    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus> {
+    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), GpuStatus> {
         self.record(Call::AddressRange { pointer })?;
         self.device_allocations
             .borrow()
@@ -1002,7 +1011,7 @@ impl HipRuntime for Recorder {
             .find(|a| a.holds(pointer as usize, 1))
             .map(|a| (a.base(), a.size))
             // hipErrorNotFound, as clr answers for an address it does not know.
-            .ok_or(HipStatus(500))
+            .ok_or(GpuStatus(500))
     }
 
     unsafe fn memcpy_host_to_device_async(
@@ -1011,7 +1020,7 @@ impl HipRuntime for Recorder {
         src: *const c_void,
         size: usize,
         stream: *mut c_void,
-    ) -> Result<(), HipStatus> {
+    ) -> Result<(), GpuStatus> {
         self.record(Call::MemcpyHostToDevice {
             dst,
             src,
@@ -1025,14 +1034,14 @@ impl HipRuntime for Recorder {
         if !device.iter().any(|a| a.holds(dst as usize, size))
             || !host.iter().any(|a| a.holds(src as usize, size))
         {
-            return Err(HipStatus::ERROR_INVALID_VALUE);
+            return Err(GpuStatus::ERROR_INVALID_VALUE);
         }
         // SAFETY: both ranges lie inside live allocations (checked above), which do not overlap.
         unsafe { std::ptr::copy_nonoverlapping(src.cast::<u8>(), dst.cast::<u8>(), size) };
         Ok(())
     }
 
-    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), HipStatus> {
+    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus> {
         self.record(Call::Launch(*launch))?;
         let device = self.stream_device_of(launch.stream);
         let modules = self.modules.borrow();
@@ -1044,11 +1053,11 @@ impl HipRuntime for Recorder {
         }
         // clr: the function has no kernel for the stream's device.
         if modules[n].device != device {
-            return Err(HipStatus::ERROR_INVALID_DEVICE);
+            return Err(GpuStatus::ERROR_INVALID_DEVICE);
         }
         // hipErrorInvalidConfiguration.
         if launch.grid.0 == 0 || launch.grid.1 == 0 || launch.block > BLOCK_THREADS {
-            return Err(HipStatus(9));
+            return Err(GpuStatus(9));
         }
         if !self.kernel_memory_ok(&launch.args, device) {
             return Err(ILLEGAL_ADDRESS);

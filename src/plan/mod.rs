@@ -864,7 +864,9 @@ impl<'a> PairPlan<'a> {
             let page_sizes = [Side::Prefill, Side::Decode]
                 .map(|side| u64::from(config.side(side).layout().page_size));
             let (ties, count) = fewest_segments(&geometry, page_sizes);
-            let _ = segments.set(count);
+            if let Some(count) = count {
+                let _ = segments.set(count);
+            }
             ties
         } else {
             Ties::one(Order::TokenMajor)
@@ -897,21 +899,13 @@ impl<'a> PairPlan<'a> {
     }
 }
 
-/// The orders with the fewest segments among token-major and head-major in chunks of the
-/// prefill layout's page size, the decode layout's page size and all tokens (whether or not a
-/// side is staged), in that list's order, and their segments. Orders that walk the elements
-/// alike (one head; G >= N is one chunk of all tokens; G = 1 is token-major) are counted once,
-/// as the first of them.
-fn fewest_segments(geometry: &Geometry<'_>, page_sizes: [u64; 2]) -> (Ties, u64) {
-    let tokens = geometry.tokens;
-    let mut ties = Ties::one(Order::TokenMajor);
-    let mut best = geometry
-        .count(Order::TokenMajor, u64::MAX)
-        .expect("no cap to reach");
-    if geometry.heads <= 1 {
-        // With one head every order walks the same elements in the same order.
-        return (ties, best);
-    }
+/// The head-major orders a pair plan weighs against token-major: in chunks of the prefill
+/// layout's page size, the decode layout's page size and all tokens (whether or not a side is
+/// staged), in that list's order. Orders that walk the elements as an earlier one does (G >= N
+/// is one chunk of all tokens; G = 1 is token-major) are left out.
+fn head_major_orders(tokens: u64, page_sizes: [u64; 2]) -> ([Order; 3], usize) {
+    let mut orders = [Order::TokenMajor; 3];
+    let mut len = 0;
     let mut tried = [1u64; 4];
     for (i, g) in [page_sizes[0], page_sizes[1], tokens]
         .into_iter()
@@ -922,7 +916,62 @@ fn fewest_segments(geometry: &Geometry<'_>, page_sizes: [u64; 2]) -> (Ties, u64)
             continue;
         }
         tried[i + 1] = g;
-        let order = Order::HeadMajor(g);
+        orders[len] = Order::HeadMajor(g);
+        len += 1;
+    }
+    (orders, len)
+}
+
+/// The orders with the fewest segments among token-major and [`head_major_orders`], in that
+/// list's order, and their segments when they were counted (`None`: they are token-major's,
+/// counted when asked for).
+///
+/// What the layouts prove is not counted: with one head every order walks the same elements
+/// in the same order, and a head-major order whose floor ([`Geometry::head_major_floor`]) is
+/// above token-major's ceiling ([`Geometry::token_major_ceiling`]), or above the fewest
+/// segments counted so far, has more segments than the best order. On section-4 layouts (NHD
+/// pages on both sides, one page size) with `n >= 2` moved heads, token-major has at most `N`
+/// segments and head-major in chunks of `G` at least `n * (N - ceil(N / G)) + 1`, which is more
+/// for every `G` of 3 or more and `N >= 2` (and for `G = 2` unless `n = 2` and `N` is odd):
+/// then the order is token-major without a count, and a rect plan walks its request once.
+fn fewest_segments(geometry: &Geometry<'_>, page_sizes: [u64; 2]) -> (Ties, Option<u64>) {
+    let ties = Ties::one(Order::TokenMajor);
+    if geometry.heads <= 1 {
+        return (ties, None);
+    }
+    let (orders, len) = head_major_orders(geometry.tokens, page_sizes);
+    let orders = &orders[..len];
+    // Each order's floor, 0 where the layouts prove none.
+    let mut floors = [0u64; 3];
+    if geometry.head_runs_broken() {
+        for (floor, &order) in floors.iter_mut().zip(orders) {
+            *floor = geometry.head_major_floor(geometry.chunk_len(order));
+        }
+    }
+    let ceiling = geometry.token_major_ceiling();
+    if floors[..len].iter().all(|&floor| floor > ceiling) {
+        return (ties, None);
+    }
+    let (ties, best) = count_fewest(geometry, orders, |i, best| floors[i] > best);
+    (ties, Some(best))
+}
+
+/// Counts token-major, then each of `orders` up to a tie with the best so far, skipping order
+/// `i` when `beaten(i, best)` proves it has more segments than `best`: the orders with the
+/// fewest segments, in list order, and their segments.
+fn count_fewest(
+    geometry: &Geometry<'_>,
+    orders: &[Order],
+    beaten: impl Fn(usize, u64) -> bool,
+) -> (Ties, u64) {
+    let mut ties = Ties::one(Order::TokenMajor);
+    let mut best = geometry
+        .count(Order::TokenMajor, u64::MAX)
+        .expect("no cap to reach");
+    for (i, &order) in orders.iter().enumerate() {
+        if beaten(i, best) {
+            continue;
+        }
         // Counted up to a tie with the best so far.
         match geometry.count(order, best.saturating_add(1)) {
             Some(count) if count < best => {
@@ -1116,4 +1165,422 @@ pub(crate) fn check_staging_capacity(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{Layout, pair_config};
+    use mori_tp_testkit::Rng;
+
+    fn pick<T: Copy>(rng: &mut Rng, items: &[T]) -> T {
+        items[rng.range(0, items.len() as u64 - 1) as usize]
+    }
+
+    /// The orders as they were chosen before the layouts could prove anything: token-major
+    /// counted to the end, then every head-major order up to a tie with the best so far.
+    fn fewest_segments_counted(geometry: &Geometry<'_>, page_sizes: [u64; 2]) -> (Ties, u64) {
+        let (orders, len) = head_major_orders(geometry.tokens, page_sizes);
+        let len = if geometry.heads <= 1 { 0 } else { len };
+        count_fewest(geometry, &orders[..len], |_, _| false)
+    }
+
+    /// Both sides' address of element `(k, j)`, from the definition of a side.
+    fn address(side: &SideGeom<'_>, k: u64, j: u64) -> u64 {
+        let position = k / side.page_size;
+        let page = match side.pages {
+            Pages::List(pages) => pages[position as usize] as u64,
+            Pages::Dense => position,
+        };
+        let head_stride = match side.last_head_stride {
+            Some((last, stride)) if last == position => stride,
+            _ => side.head_stride,
+        };
+        page * side.page_stride
+            + side.base
+            + (k % side.page_size) * side.token_stride
+            + j * head_stride
+    }
+
+    /// The elements of `order`, one by one.
+    fn elements(g: &Geometry<'_>, order: Order) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        match order {
+            Order::TokenMajor => {
+                for k in 0..g.tokens {
+                    out.extend((0..g.heads).map(|j| (k, j)));
+                }
+            }
+            Order::HeadMajor(chunk) => {
+                for c0 in (0..g.tokens).step_by(chunk as usize) {
+                    let c1 = (c0 + chunk).min(g.tokens);
+                    for j in 0..g.heads {
+                        out.extend((c0..c1).map(|k| (k, j)));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The segments of `order` counted element by element: a new one wherever an element does
+    /// not start where the last one ended on both sides.
+    fn brute_segments(g: &Geometry<'_>, order: Order) -> u64 {
+        let mut segments = 0;
+        let mut end = None;
+        for (k, j) in elements(g, order) {
+            let at = (address(&g.src, k, j), address(&g.dst, k, j));
+            if end != Some(at) {
+                segments += 1;
+            }
+            end = Some((at.0 + g.head_bytes, at.1 + g.head_bytes));
+        }
+        segments
+    }
+
+    /// A side with arbitrary strides (overlapping and interleaving elements included), listed
+    /// pages (repeats included) or a dense region, whose head strides may differ on its last
+    /// page: more than any valid layout, so that the floors are checked beyond what layouts
+    /// allow.
+    fn raw_side<'a>(
+        rng: &mut Rng,
+        pages: &'a mut Vec<i32>,
+        tokens: u64,
+        heads: u64,
+        hb: u64,
+    ) -> SideGeom<'a> {
+        let page_size = rng.range(1, 4);
+        let any = rng.range(0, 20);
+        let token_stride = pick(
+            rng,
+            &[0, hb, 2 * hb, heads * hb, heads * hb + 1, 3 * hb + 1, any],
+        );
+        let any = rng.range(0, 20);
+        let head_stride = pick(rng, &[hb, 2 * hb, page_size * hb, 0, any]);
+        let any = rng.range(0, 40);
+        let run = (page_size - 1) * token_stride + hb;
+        let page_stride = pick(
+            rng,
+            &[
+                0,
+                run,
+                2 * run,
+                page_size * heads * hb,
+                page_size * token_stride,
+                any,
+            ],
+        );
+        let positions = tokens.div_ceil(page_size);
+        let dense = rng.range(0, 3) == 0;
+        *pages = (0..positions).map(|_| rng.range(0, 4) as i32).collect();
+        let highest = if dense {
+            positions.saturating_sub(1)
+        } else {
+            pages.iter().max().map_or(0, |&p| p as u64)
+        };
+        let base = rng.range(0, 8);
+        SideGeom {
+            pages: if dense {
+                Pages::Dense
+            } else {
+                Pages::List(pages)
+            },
+            page_size,
+            page_stride,
+            base,
+            token_stride,
+            head_stride,
+            last_head_stride: (dense && positions > 0 && rng.range(0, 1) == 0)
+                .then(|| (positions - 1, rng.range(0, 3 * hb))),
+            reach: highest * page_stride + base,
+        }
+    }
+
+    #[test]
+    fn the_floors_and_ceilings_bound_the_segments_counted_element_by_element() {
+        let mut rng = Rng::new(4077);
+        let mut floors = 0;
+        for case in 0..100_000 {
+            let tokens = rng.range(0, 12);
+            let heads = rng.range(1, 4);
+            let hb = rng.range(1, 4);
+            let (mut src_pages, mut dst_pages) = (Vec::new(), Vec::new());
+            let src = raw_side(&mut rng, &mut src_pages, tokens, heads, hb);
+            let dst = raw_side(&mut rng, &mut dst_pages, tokens, heads, hb);
+            let g = Geometry {
+                src,
+                dst,
+                tokens,
+                heads,
+                head_bytes: hb,
+            };
+            let what = format!("case {case}: {g:?}");
+            assert!(
+                g.token_major_ceiling() >= brute_segments(&g, Order::TokenMajor),
+                "{what}"
+            );
+            let page_sizes = [g.src.page_size, g.dst.page_size];
+            let (orders, len) = head_major_orders(tokens, page_sizes);
+            if !g.head_runs_broken() {
+                continue;
+            }
+            for &order in &orders[..len] {
+                let floor = g.head_major_floor(g.chunk_len(order));
+                assert!(floor <= brute_segments(&g, order), "{what}, {order:?}");
+                floors += u64::from(floor > 0);
+            }
+        }
+        assert!(floors > 10_000, "only {floors} floors above 0");
+    }
+
+    #[test]
+    fn head_runs_are_compared_in_true_integers() {
+        // Heads of 2^62 bytes in slots 3 * 2^62 apart: a page's last slot ends 2^64 past its
+        // first, a multiple of a page stride of 2^62 but not of 3 (where the wrapped sum, 0,
+        // would be a multiple of both).
+        let side = |page_stride: u64, token_stride: u64| SideGeom {
+            pages: Pages::Dense,
+            page_size: 2,
+            page_stride,
+            base: 0,
+            token_stride,
+            head_stride: 1 << 62,
+            last_head_stride: None,
+            reach: 0,
+        };
+        let geometry = |src: SideGeom<'static>| Geometry {
+            src,
+            // Slots one head apart: never breaks a head run.
+            dst: side(1 << 63, 1 << 62),
+            tokens: 4,
+            heads: 2,
+            head_bytes: 1 << 62,
+        };
+        assert!(!geometry(side(1 << 62, 3 << 62)).head_runs_broken());
+        assert!(geometry(side(3, 3 << 62)).head_runs_broken());
+    }
+
+    /// A layout of one of the kinds the layout tests use (NHD, HND, padded, heads outside pages,
+    /// gapped heads) or with random strides, when those are valid.
+    fn random_layout(rng: &mut Rng, side: Side, h: u32, tp: u32, ps: u32, hb: u64) -> Layout {
+        let rank = rng.range(0, u64::from(tp) - 1) as u32;
+        let nhd = Layout::nhd(h, tp, rank, ps, hb).expect("a valid NHD layout");
+        let hnd = Layout::hnd(h, tp, rank, ps, hb).expect("a valid HND layout");
+        let local = nhd.token_stride / hb;
+        let slots = u64::from(ps);
+        let pad = rng.range(1, 2 * hb);
+        let layout = match rng.range(0, 6) {
+            0 => nhd,
+            1 => hnd,
+            2 => {
+                let head_stride = hb + pad;
+                let token_stride = (local - 1) * head_stride + hb + pick(rng, &[0, 2 * pad]);
+                Layout {
+                    head_stride,
+                    token_stride,
+                    offset: 3 * pad,
+                    page_stride: 3 * pad + slots * token_stride + pad,
+                    ..nhd
+                }
+            }
+            3 => {
+                let page_stride = slots * hb + pad;
+                Layout {
+                    token_stride: hb,
+                    page_stride,
+                    offset: pad,
+                    head_stride: 8 * page_stride + pad,
+                    ..hnd
+                }
+            }
+            4 => {
+                let head_stride = 2 * hb;
+                let token_stride = (local - 1) * head_stride + hb;
+                Layout {
+                    head_stride,
+                    token_stride,
+                    page_stride: slots * token_stride,
+                    ..nhd
+                }
+            }
+            _ => Layout {
+                offset: rng.range(0, 3),
+                token_stride: rng.range(hb, (local + 2) * hb),
+                head_stride: rng.range(hb, (slots + 2) * hb),
+                page_stride: rng.range(0, (slots + 1) * (local + 1) * hb + 4),
+                ..nhd
+            },
+        };
+        if layout.check(side).is_ok() {
+            layout
+        } else {
+            nhd
+        }
+    }
+
+    /// How a plan's orders were chosen.
+    #[derive(Debug, Default)]
+    struct Paths {
+        /// Token-major proven the only order with the fewest segments, nothing counted.
+        proven: u64,
+        /// Counted, with a head-major order skipped as its floor was above the best count.
+        skipped: u64,
+        /// Counted, every order.
+        counted: u64,
+    }
+
+    /// Checks a plan's orders, segments and rects against those the counting path gives.
+    fn check_against_counting(
+        walk: &Walk<'_>,
+        page_sizes: [u64; 2],
+        paths: &mut Paths,
+        what: &str,
+    ) {
+        if !walk.sends() {
+            return;
+        }
+        let g = &walk.geometry;
+        let (ties, count) = fewest_segments_counted(g, page_sizes);
+        assert_eq!(walk.ties.as_slice(), ties.as_slice(), "{what}");
+        assert_eq!(walk.order, ties.first(), "{what}");
+        if walk.segments.get().is_none() {
+            paths.proven += u64::from(g.heads > 1);
+        } else {
+            let (orders, len) = head_major_orders(g.tokens, page_sizes);
+            let skipped = g.head_runs_broken()
+                && orders[..len]
+                    .iter()
+                    .any(|&order| g.head_major_floor(g.chunk_len(order)) > count);
+            if skipped && g.heads > 1 {
+                paths.skipped += 1;
+            } else {
+                paths.counted += 1;
+            }
+        }
+        assert_eq!(walk.num_segments().unwrap() as u64, count, "{what}");
+        // The plan the counting path made, with nothing computed yet.
+        let counted = Walk {
+            order: ties.first(),
+            ties,
+            segments: OnceCell::from(count),
+            rects: OnceCell::new(),
+            ..walk.clone()
+        };
+        assert_eq!(
+            walk.rects().collect::<Vec<_>>(),
+            counted.rects().collect::<Vec<_>>(),
+            "{what}"
+        );
+        assert_eq!(
+            walk.segments().unwrap(),
+            counted.segments().unwrap(),
+            "{what}"
+        );
+    }
+
+    #[test]
+    fn pair_plans_choose_the_orders_rects_and_segments_that_counting_every_order_chooses() {
+        let mut rng = Rng::new(2026);
+        let mut paths = Paths::default();
+        let mut plans = 0;
+        while plans < 40_000 {
+            let h = pick(&mut rng, &[1, 2, 3, 4, 6, 8]);
+            let hb = pick(&mut rng, &[1, 2, 4]);
+            let ps = [
+                pick(&mut rng, &[1, 2, 3, 4, 16]),
+                pick(&mut rng, &[1, 2, 3, 4, 16]),
+            ];
+            let ps = if rng.range(0, 1) == 0 {
+                [ps[0], ps[0]]
+            } else {
+                ps
+            };
+            let tp = [rng.range(1, 8) as u32, rng.range(1, 8) as u32];
+            if Layout::nhd(h, tp[0], 0, ps[0], hb).is_err()
+                || Layout::nhd(h, tp[1], 0, ps[1], hb).is_err()
+            {
+                continue;
+            }
+            let src = random_layout(&mut rng, Side::Prefill, h, tp[0], ps[0], hb);
+            let dst = random_layout(&mut rng, Side::Decode, h, tp[1], ps[1], hb);
+            let Ok(config) = pair_config(&src, &dst) else {
+                continue;
+            };
+            let page_sizes = [u64::from(ps[0]), u64::from(ps[1])];
+            for _ in 0..4 {
+                let tokens = match rng.range(0, 2) {
+                    // Whole pages of the prefill side.
+                    0 => rng.range(0, 4) * page_sizes[0],
+                    _ => rng.range(0, 40),
+                };
+                let list = |rng: &mut Rng, page_size: u64| -> Vec<i32> {
+                    (0..tokens.div_ceil(page_size))
+                        .map(|_| rng.range(0, 7) as i32)
+                        .collect()
+                };
+                let (src_pages, dst_pages) =
+                    (list(&mut rng, page_sizes[0]), list(&mut rng, page_sizes[1]));
+                let request = Request {
+                    src_pages: &src_pages,
+                    dst_pages: &dst_pages,
+                    num_tokens: tokens,
+                };
+                let what = format!("{src:?} -> {dst:?}, {tokens} tokens, {request:?}");
+                for staging in [Staging::None, Staging::Src, Staging::Dst, Staging::Both] {
+                    // Pages past a run of heads outside pages are refused; so is nothing else.
+                    let Ok(plan) = PairPlan::transfer(&config, &request, staging) else {
+                        continue;
+                    };
+                    check_against_counting(&plan, page_sizes, &mut paths, &what);
+                    plans += 1;
+                    if staging.stages_src() {
+                        let plan = PairPlan::pack(&config, staging, &request).unwrap();
+                        check_against_counting(&plan, page_sizes, &mut paths, &what);
+                    }
+                    if staging.stages_dst() {
+                        let plan = PairPlan::unpack(&config, staging, &request).unwrap();
+                        check_against_counting(&plan, page_sizes, &mut paths, &what);
+                    }
+                }
+            }
+        }
+        // Every path was taken, often.
+        assert!(
+            paths.proven > 500 && paths.skipped > 500 && paths.counted > 500,
+            "{paths:?}"
+        );
+    }
+
+    #[test]
+    fn on_section_4_layouts_a_pair_plan_counts_no_segments() {
+        let mut rng = Rng::new(44);
+        let mut proven = 0;
+        for _ in 0..2000 {
+            let hb = pick(&mut rng, &[2, 256]);
+            let ps = pick(&mut rng, &[1, 3, 16, 64]);
+            let tp = [pick(&mut rng, &[1, 2, 4, 8]), pick(&mut rng, &[1, 2, 4, 8])];
+            let ranks = tp.map(|tp| rng.range(0, u64::from(tp) - 1) as u32);
+            let src = Layout::nhd(8, tp[0], ranks[0], ps, hb).unwrap();
+            let dst = Layout::nhd(8, tp[1], ranks[1], ps, hb).unwrap();
+            let config = pair_config(&src, &dst).unwrap();
+            let pages = rng.range(1, 20) as usize;
+            let request = Request {
+                src_pages: &(0..pages as i32).rev().collect::<Vec<_>>(),
+                dst_pages: &(0..pages as i32).collect::<Vec<_>>(),
+                num_tokens: pages as u64 * u64::from(ps),
+            };
+            let plan = PairPlan::transfer(&config, &request, Staging::None).unwrap();
+            if !plan.sends() || request.num_tokens < 2 {
+                continue;
+            }
+            assert_eq!(
+                plan.segments.get(),
+                None,
+                "{tp:?} {ranks:?}, page size {ps}, {pages} pages: counted"
+            );
+            assert_eq!(plan.order, Order::TokenMajor);
+            proven += 1;
+        }
+        assert!(proven > 500, "{proven}");
+    }
 }

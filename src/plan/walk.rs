@@ -122,6 +122,46 @@ impl SideGeom<'_> {
             _ => self.head_stride,
         }
     }
+
+    /// True when, on this side, head `j` of token `k + 1` never starts where head `j` of token
+    /// `k` ends, whatever the pages listed (repeated ones included): then no two elements of
+    /// one head's run of a head-major chunk are ever one segment.
+    ///
+    /// The step from token `k` to token `k + 1` is the token stride within a page, and from
+    /// the last slot of a page to the first of the next page listed, `(q - p) * page_stride -
+    /// (page_size - 1) * token_stride` for some whole `q - p` (any sign, 0 included); the head
+    /// stride cancels out as every page has the same one (a region's partial last chunk, which
+    /// has its own, is left out). So the side breaks every head run when the token stride is not
+    /// `head_bytes` (or pages hold one slot) and no multiple of the page stride is `(page_size -
+    /// 1) * token_stride + head_bytes`. Addresses are true integers (they were checked to fit in
+    /// `u64`), so the comparison is too.
+    fn breaks_head_runs(&self, head_bytes: u64) -> bool {
+        if head_bytes == 0 || self.last_head_stride.is_some() {
+            return false;
+        }
+        if self.page_size > 1 && self.token_stride == head_bytes {
+            return false;
+        }
+        if self.page_stride == 0 {
+            return true;
+        }
+        match (self.page_size - 1)
+            .checked_mul(self.token_stride)
+            .and_then(|slots| slots.checked_add(head_bytes))
+        {
+            Some(across) => across % self.page_stride != 0,
+            None => {
+                let across = u128::from(self.page_size - 1) * u128::from(self.token_stride)
+                    + u128::from(head_bytes);
+                across % u128::from(self.page_stride) != 0
+            }
+        }
+    }
+
+    /// True when this side holds each token's moved heads back to back on every page.
+    fn heads_back_to_back(&self, head_bytes: u64) -> bool {
+        self.head_stride == head_bytes && self.last_head_stride.is_none()
+    }
 }
 
 /// Both sides of a request: `tokens` tokens of `heads` moved heads of `head_bytes` bytes.
@@ -365,7 +405,7 @@ impl<'a> Geometry<'a> {
 
     /// The chunks of an order: token ranges walked head by head (one token each for
     /// token-major).
-    fn chunk_len(&self, order: Order) -> u64 {
+    pub fn chunk_len(&self, order: Order) -> u64 {
         match order {
             Order::TokenMajor => 1,
             Order::HeadMajor(g) => g.max(1),
@@ -540,6 +580,43 @@ impl<'a> Geometry<'a> {
             Some(strides) => HeadRun::Uniform(joiner.finish(), strides),
             None => HeadRun::Varying,
         }
+    }
+
+    /// At most the transport segments of token-major order, from the layouts alone: a token
+    /// per segment when both sides hold a token's moved heads back to back (or one head moves),
+    /// else an element per segment.
+    pub fn token_major_ceiling(&self) -> u64 {
+        if self.heads <= 1
+            || (self.src.heads_back_to_back(self.head_bytes)
+                && self.dst.heads_back_to_back(self.head_bytes))
+        {
+            self.tokens
+        } else {
+            // Saturated, it still bounds a count, which is a `u64`.
+            self.tokens.saturating_mul(self.heads)
+        }
+    }
+
+    /// True when one side or the other breaks every head run ([`SideGeom::breaks_head_runs`]):
+    /// no step along one head's run of a head-major chunk joins two elements into a segment.
+    pub fn head_runs_broken(&self) -> bool {
+        self.src.breaks_head_runs(self.head_bytes) || self.dst.breaks_head_runs(self.head_bytes)
+    }
+
+    /// At least the transport segments of head-major order in chunks of `g` tokens when the
+    /// head runs are broken ([`Geometry::head_runs_broken`]): then only the `n - 1` steps from
+    /// one head to the next inside a chunk and the step into each chunk after the first can
+    /// join two elements. Of the `n * N - 1` steps of the order, at most `n * chunks - 1` join,
+    /// so at least `n * (N - chunks) + 1` segments remain.
+    pub fn head_major_floor(&self, g: u64) -> u64 {
+        if self.tokens == 0 {
+            return 0;
+        }
+        let chunks = self.tokens.div_ceil(g.max(1));
+        // The count is a `u64`, so a floor past it cannot be, and saturating stays a floor.
+        self.heads
+            .saturating_mul(self.tokens - chunks)
+            .saturating_add(1)
     }
 
     /// The transport segments of `order`, or `None` as soon as they reach `cap`: the count of

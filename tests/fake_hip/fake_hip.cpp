@@ -94,6 +94,7 @@
 
 #define MORI_COPY_KERNEL_CPU
 #include "../../hip/copy_kernel.hip"
+#include "../../hip/copy_table.hpp"
 
 // A hipStreamWaitValue32 condition: *flag >= value.
 struct Gate {
@@ -400,29 +401,32 @@ bool kernel_reaches(int device, uint64_t address, uint64_t len) {
     return in_pinned_memory(p, len) || in_registered_alias(p, len);
 }
 
-// Every byte the launch reads or writes is memory the kernel reaches from `device`: the tables
-// and each row of each (buffer, rect). (A GPU would fault on the first one that is not.)
+// Every byte the launch reads or writes is memory the kernel reaches from `device`: the table
+// (unless it is inside the argument) and each row of each (buffer, rect) it describes. (A GPU
+// would fault on the first one that is not.)
 bool kernel_memory_ok(const MoriCopyKernelArgs &a, int device) {
-    if (a.num_rects == 0 || a.num_buffers == 0) {
+    if (a.num_tiles == 0 || a.num_buffers == 0) {
         return true;
     }
-    if (!kernel_reaches(device, reinterpret_cast<uint64_t>(a.rects), a.num_rects * sizeof(MoriCopyKernelRect)) ||
-        !kernel_reaches(device, reinterpret_cast<uint64_t>(a.src_bases), a.num_buffers * sizeof(uint64_t)) ||
-        !kernel_reaches(device, reinterpret_cast<uint64_t>(a.dst_bases), a.num_buffers * sizeof(uint64_t))) {
+    const uint8_t *table = reinterpret_cast<const uint8_t *>(a.inline_table);
+    if (a.table != 0) {
+        if (!kernel_reaches(device, a.table, a.table_bytes)) {
+            return false;
+        }
+        table = reinterpret_cast<const uint8_t *>(a.table);
+    } else if (a.table_bytes > MORI_COPY_INLINE_TABLE_BYTES) {
         return false;
     }
-    for (uint64_t b = 0; b < a.num_buffers; b++) {
-        for (uint64_t r = 0; r < a.num_rects; r++) {
-            const MoriCopyKernelRect &rect = a.rects[r];
-            for (uint64_t i = 0; i < rect.height; i++) {
-                if (!kernel_reaches(device, a.src_bases[b] + rect.src_offset + i * rect.src_pitch, rect.width) ||
-                    !kernel_reaches(device, a.dst_bases[b] + rect.dst_offset + i * rect.dst_pitch, rect.width)) {
-                    return false;
-                }
-            }
-        }
-    }
-    return true;
+    bool ok = true;
+    mori_copy_table::for_each_rect(a, table,
+                                   [&](uint64_t src_base, uint64_t dst_base, uint64_t src_offset, uint64_t dst_offset,
+                                       uint64_t src_pitch, uint64_t dst_pitch, uint64_t width, uint64_t height) {
+                                       for (uint64_t i = 0; ok && i < height; i++) {
+                                           ok = kernel_reaches(device, src_base + src_offset + i * src_pitch, width) &&
+                                                kernel_reaches(device, dst_base + dst_offset + i * dst_pitch, width);
+                                       }
+                                   });
+    return ok;
 }
 
 void invalidate(std::vector<hipStream_t> &captures) {

