@@ -646,8 +646,9 @@ fn the_readme_names_the_static_librarys_dependencies_as_cargo_tree_lists_them() 
         .map(str::to_string)
         .collect();
     let with_hip = tree(&["--features", "hip"]);
+    let with_cuda = tree(&["--features", "cuda"]);
     let default = tree(&[]);
-    for name in default.iter().chain(&with_hip) {
+    for name in default.iter().chain(&with_hip).chain(&with_cuda) {
         assert!(
             named.contains(name),
             "cargo tree lists {name}, which README.md's sentence on the static library does not \
@@ -656,7 +657,9 @@ fn the_readme_names_the_static_librarys_dependencies_as_cargo_tree_lists_them() 
     }
     for name in &named {
         assert!(
-            with_hip.contains(name) || ["c-logging", "hip"].contains(&name.as_str()),
+            with_hip.contains(name)
+                || with_cuda.contains(name)
+                || ["c-logging", "hip", "cuda"].contains(&name.as_str()),
             "README.md names {name} as a dependency of the static library; cargo tree does not"
         );
     }
