@@ -4,9 +4,12 @@
  *
  * Conventions (every function):
  *  - Fallible functions return a MoriStatus: MORI_OK (0) or a MORI_ERR_* code. On failure
- *    mori_last_error_message() returns a message naming the offending values (per thread).
+ *    mori_last_error_message() returns a message naming the offending values (per thread),
+ *    valid until the next failing call on the thread. Successful calls and size queries leave
+ *    it alone.
  *  - Out-parameters are written only on success (except *out_len of the plan functions, which is
- *    also written on MORI_ERR_BUFFER_TOO_SMALL).
+ *    also written on MORI_ERR_BUFFER_TOO_SMALL: out = NULL with capacity = 0 is the size query,
+ *    which is not a failure).
  *  - Every pointer is checked; an array pointer is followed by its length, and (NULL, 0) is a
  *    valid empty array.
  *  - A refused call writes nothing: every input is validated before the first byte moves (only
@@ -15,7 +18,11 @@
  *  - Check mori_abi_version() == MORI_TP_ABI_VERSION at start-up.
  *
  * Link: -lmori_tp. The static libmori_tp.a also needs the system libraries Rust's standard
- * library uses (Linux: -lpthread -ldl -lm -lrt -lutil -lgcc_s); see the README for CMake.
+ * library uses (Linux: -lpthread -ldl -lm -lrt -lutil; the compiler driver adds the unwinder,
+ * libgcc_s, or libgcc_eh with -static). A shared object that links libmori_tp.a should also
+ * pass -Wl,--exclude-libs,libmori_tp.a, so that it does not export the library's symbols;
+ * CMake's mori_tp::static and pkg-config's mori_tp-static do both (see the README). C++17:
+ * mori_tp.hpp wraps this header (RAII pools and slots, exceptions or error codes, spans).
  */
 
 #ifndef MORI_TP_H
@@ -29,6 +36,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /**
  * MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
@@ -36,7 +46,7 @@
  * not allowed, so such a call is refused with MORI_ERR_GPU before anything is enqueued: capture
  * without this flag, and synchronize after launching the graph.
  */
-#define MORI_SEND_SYNCHRONIZE 1
+#define MORI_SEND_SYNCHRONIZE 1u
 
 /**
  * MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
@@ -74,7 +84,7 @@
  * per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
  * same).
  */
-#define MORI_SEND_COPY_KERNEL 2
+#define MORI_SEND_COPY_KERNEL 2u
 
 /**
  * MoriSendOptions.flags bit: the HIP backend issues one hipMemcpy2DAsync(dst + dst_offset,
@@ -84,18 +94,18 @@
  * fragmented request is far slower than one kernel launch (BENCHMARKS.md). Not together with
  * MORI_SEND_COPY_KERNEL (MORI_ERR_INVALID_ARGUMENT). The host backend ignores the flag.
  */
-#define MORI_SEND_MEMCPY2D 4
+#define MORI_SEND_MEMCPY2D 4u
 
 /**
  * MoriTpPoolInfo.flags bit: the region is locked in RAM (host memory that mlock accepted, or
  * device memory).
  */
-#define MORI_TP_POOL_LOCKED 1
+#define MORI_TP_POOL_LOCKED 1u
 
 /**
  * MoriTpPoolInfo.flags bit: the kernel accepted madvise(MADV_HUGEPAGE) for the region.
  */
-#define MORI_TP_POOL_HUGE_PAGES 2
+#define MORI_TP_POOL_HUGE_PAGES 2u
 
 /**
  * The ABI version this header describes; compare with mori_abi_version() at start-up.
@@ -105,7 +115,9 @@
 /**
  * The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
  * for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
- * names the shared library (libmori_tp.so.1).
+ * names the shared library (libmori_tp.so.1). The version macros are plain decimal numbers
+ * (int), so that they can be stringized; the enum and flag values are unsigned (`1u`),
+ * the type of the uint32_t fields that hold them.
  */
 #define MORI_TP_VERSION_MAJOR 0
 
@@ -118,6 +130,12 @@
  * See MORI_TP_VERSION_MAJOR.
  */
 #define MORI_TP_VERSION_PATCH 0
+
+/**
+ * The three version numbers in one: MAJOR * 1000000 + MINOR * 1000 + PATCH (0.1.0 is 1000,
+ * 1.2.3 would be 1002003), for one comparison (`#if MORI_TP_VERSION >= 2000`: 0.2.0 or later).
+ */
+#define MORI_TP_VERSION (((MORI_TP_VERSION_MAJOR * 1000000) + (MORI_TP_VERSION_MINOR * 1000)) + MORI_TP_VERSION_PATCH)
 
 /**
  * Status code returned by every fallible mori-tp function: MORI_OK (0) or one of the
@@ -777,8 +795,9 @@ typedef struct MoriTpLayerRange {
 
 /**
  * The caller's output array is too small (*out_len holds the entries needed), a staging
- * region holds fewer bytes than the request needs, or a staging pool has no free block for a
- * slot (mori_tp_pool_try_alloc, mori_tp_pool_alloc).
+ * region holds fewer bytes than the request needs, or a slot larger than its staging pool's
+ * capacity is asked for (no wait can grant it). A pool that is only full now answers
+ * MORI_ERR_POOL_FULL instead.
  */
 #define MORI_ERR_BUFFER_TOO_SMALL 7
 
@@ -800,73 +819,79 @@ typedef struct MoriTpLayerRange {
 #define MORI_ERR_PANIC 10
 
 /**
+ * A staging pool has no free block for the slot now (mori_tp_pool_try_alloc), or still had
+ * none when the wait ended (mori_tp_pool_alloc's timeout_ms): worth retrying once other
+ * requests free their slots. The message names the block needed, the largest free block, the
+ * live slots and their bytes, and how long the call waited. (Before this code was added, a
+ * full pool answered MORI_ERR_BUFFER_TOO_SMALL.) A slot larger than the pool is still
+ * MORI_ERR_BUFFER_TOO_SMALL: no retry can grant it.
+ */
+#define MORI_ERR_POOL_FULL 11
+
+/**
  * The two ranks share no KV head: nothing to move.
  */
-#define MORI_TP_ACTION_NOT_PAIRED 0
+#define MORI_TP_ACTION_NOT_PAIRED 0u
 
 /**
  * The prefill rank sends the heads it shares with the decode rank.
  */
-#define MORI_TP_ACTION_SEND 1
+#define MORI_TP_ACTION_SEND 1u
 
 /**
  * The ranks share heads, but another prefill rank (a replica) is their sender: nothing to move.
  */
-#define MORI_TP_ACTION_SKIP_REPLICA 2
+#define MORI_TP_ACTION_SKIP_REPLICA 2u
 
 /**
  * HIP when the library is built with it and a HIP device is present, the host otherwise.
  */
-#define MORI_BACKEND_AUTO 0
+#define MORI_BACKEND_AUTO 0u
 
 /**
  * CPU copies (memmove), synchronous. Both sides must be host memory.
  */
-#define MORI_BACKEND_HOST 1
+#define MORI_BACKEND_HOST 1u
 
 /**
  * The copy kernel or hipMemcpy2DAsync on the caller's stream (library built with the `hip`
  * feature); see MORI_SEND_COPY_KERNEL for which runs when.
  */
-#define MORI_BACKEND_HIP 2
+#define MORI_BACKEND_HIP 2u
 
 /**
  * Pages to pages: the transport copies straight between the page buffers.
  */
-#define MORI_TP_STAGING_NONE 0
+#define MORI_TP_STAGING_NONE 0u
 
 /**
  * The prefill rank packs into its staging region (mori_pack_kvcache); the transport copies
  * from it into the decode pages.
  */
-#define MORI_TP_STAGING_SRC 1
+#define MORI_TP_STAGING_SRC 1u
 
 /**
  * The transport copies from the prefill pages into a staging region on the decode rank, which
  * unpacks it (mori_unpack_kvcache).
  */
-#define MORI_TP_STAGING_DST 2
+#define MORI_TP_STAGING_DST 2u
 
 /**
  * Both ranks stage: one transport segment per buffer.
  */
-#define MORI_TP_STAGING_BOTH 3
+#define MORI_TP_STAGING_BOTH 3u
 
 /**
  * Host memory from mmap: aligned to 2 MiB, transparent huge pages requested, locked in RAM
  * (mlock) where the process may lock it, and populated before the pool is returned.
  */
-#define MORI_TP_POOL_HOST 0
+#define MORI_TP_POOL_HOST 0u
 
 /**
  * Device memory from one hipMalloc on the calling thread's current device (library built with
  * the `hip` feature).
  */
-#define MORI_TP_POOL_DEVICE 1
-
-#ifdef __cplusplus
-extern "C" {
-#endif // __cplusplus
+#define MORI_TP_POOL_DEVICE 1u
 
 /**
  * Computes the slice that prefill rank params->prefill_tp_rank must move to decode rank
@@ -933,7 +958,8 @@ MoriStatus mori_tp_slice_config(const MoriTpSliceParams *params,
  *   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
  *   MORI_ERR_OUT_OF_BOUNDS for a negative page index, or one whose byte offset overflows 64 bits;
  *   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out; with out = NULL
- *   and capacity = 0 this is the answer to a size query);
+ *   and capacity = 0 this is the answer to a size query, which is not a failure: it leaves
+ *   mori_last_error_message() as it was);
  *   MORI_ERR_PANIC on an internal error.
  */
 MoriStatus mori_tp_plan(const struct MoriTpSliceConfig *config,
@@ -1252,12 +1278,35 @@ MoriStatus mori_unpack_kvcache(const struct MoriTpSliceConfig *config,
 const char *mori_status_str(MoriStatus status);
 
 /**
+ * A static, NUL-terminated name for a MoriTpAction value, the name of its macro
+ * ("MORI_TP_ACTION_SEND", ...): for logs and messages. Values the ABI does not define get
+ * "MORI_TP_ACTION_UNKNOWN" (no macro has that name). Never NULL; do not free.
+ */
+const char *mori_tp_action_name(uint32_t action);
+
+/**
+ * A static, NUL-terminated name for a MoriTpStaging value ("MORI_TP_STAGING_NONE",
+ * "MORI_TP_STAGING_SRC", "MORI_TP_STAGING_DST", "MORI_TP_STAGING_BOTH"); other values get
+ * "MORI_TP_STAGING_UNKNOWN". Never NULL; do not free.
+ */
+const char *mori_tp_staging_name(uint32_t staging);
+
+/**
+ * A static, NUL-terminated name for a MoriBackend value ("MORI_BACKEND_AUTO",
+ * "MORI_BACKEND_HOST", "MORI_BACKEND_HIP"); other values get "MORI_BACKEND_UNKNOWN". The name
+ * says nothing of whether the backend is built in or has a device. Never NULL; do not free.
+ */
+const char *mori_backend_name(uint32_t backend);
+
+/**
  * The message of the last failing mori-tp call on this thread ("" if none has failed), for
  * example "mori_tp_slice_config: layout mismatch: decode side: bytes_per_head 128 != prefill
- * side bytes_per_head 256 (dtype or head_dim differ; ...)". Successful calls leave it alone.
- * Never NULL; owned by the library and valid until the next failing call on this thread; copy
- * it to keep it. While the thread is exiting (from a thread_local destructor that runs after
- * mori-tp's own) the message may be lost, and this returns "".
+ * side bytes_per_head 256 (dtype or head_dim differ; ...)". Successful calls leave it alone,
+ * and so do size queries (out = NULL, capacity = 0 answered with MORI_ERR_BUFFER_TOO_SMALL),
+ * which are not failures. Never NULL; owned by the library and valid until the next failing
+ * call on this thread (a size query does not end it); copy it to keep it. While the thread is
+ * exiting (from a thread_local destructor that runs after mori-tp's own) the message may be
+ * lost, and this returns "".
  */
 const char *mori_last_error_message(void);
 
@@ -1290,6 +1339,13 @@ uint32_t mori_abi_version(void);
  * most live_slots + 1 blocks, and a slot of S bytes is granted whenever free_bytes >=
  * (live_slots + 1) * S (rounded to min_slot).
  *
+ * In a program built with AddressSanitizer, a host pool's free space is poisoned: a write past
+ * a slot into free space, or into a slot after mori_tp_pool_free, is reported where it
+ * happens (a slot's granted bytes are all addressable; slots are adjacent, so a write into the
+ * next live slot is not caught). In one built with ThreadSanitizer, the pool's locks are made
+ * visible to it (__tsan_acquire, __tsan_release), so slots reused or handed between threads
+ * report no race. Both runtimes are found at run time; without them nothing changes.
+ *
  * @param[in]  options   Capacity, slot unit, memory kind. Must not be NULL.
  * @param[out] out_pool  Receives the pool's handle; written only on MORI_OK. Must not be NULL.
  *
@@ -1306,8 +1362,8 @@ MoriStatus mori_tp_pool_create(const struct MoriTpPoolOptions *options,
                                MoriTpPool *out_pool);
 
 /**
- * Takes a slot of at least size bytes without waiting: MORI_ERR_BUFFER_TOO_SMALL at once when
- * no free block can hold it now (the pool is full for this size; retry after a free, or use
+ * Takes a slot of at least size bytes without waiting: MORI_ERR_POOL_FULL at once when no
+ * free block can hold it now (the pool is full for this size; retry after a free, or use
  * mori_tp_pool_alloc to wait). The lowest free block that fits is used.
  *
  * @param[in]  pool      A live pool.
@@ -1318,9 +1374,10 @@ MoriStatus mori_tp_pool_create(const struct MoriTpPoolOptions *options,
  *   MORI_ERR_NULL_POINTER if out_slot is NULL;
  *   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool (destroyed or never created), size is
  *   0, or out_slot is misaligned;
- *   MORI_ERR_BUFFER_TOO_SMALL if the pool is full for this size (the message names the block
- *   needed, the largest free block, the live slots and their bytes), or if size exceeds the
- *   pool's capacity, which no wait can fix (the message says so);
+ *   MORI_ERR_POOL_FULL if the pool is full for this size now (the message names the block
+ *   needed, the largest free block, the live slots and their bytes): retry after a free;
+ *   MORI_ERR_BUFFER_TOO_SMALL if size exceeds the pool's capacity, which no wait or retry can
+ *   fix (the message says so);
  *   MORI_ERR_PANIC on an internal error.
  */
 MoriStatus mori_tp_pool_try_alloc(MoriTpPool pool,
@@ -1339,9 +1396,10 @@ MoriStatus mori_tp_pool_try_alloc(MoriTpPool pool,
  * @param[in]  timeout_ms  The longest wait, in milliseconds (0: like mori_tp_pool_try_alloc).
  * @param[out] out_slot    Receives the slot; written only on MORI_OK. Must not be NULL.
  *
- * @return the codes of mori_tp_pool_try_alloc; MORI_ERR_BUFFER_TOO_SMALL once the pool stayed
- *   full for timeout_ms (the message says how long it waited); MORI_ERR_INVALID_ARGUMENT also
- *   when the pool was destroyed during the wait.
+ * @return the codes of mori_tp_pool_try_alloc; MORI_ERR_POOL_FULL once the pool stayed full
+ *   for timeout_ms (the message says how long it waited; worth retrying, unlike
+ *   MORI_ERR_BUFFER_TOO_SMALL for a size above the capacity, which is refused at once);
+ *   MORI_ERR_INVALID_ARGUMENT also when the pool was destroyed during the wait.
  */
 MoriStatus mori_tp_pool_alloc(MoriTpPool pool,
                               uint64_t size,
@@ -1945,7 +2003,7 @@ MoriStatus mori_tp_pp_layers(const uint32_t *prefill_layers,
                              MoriTpLayerRange *out);
 
 #ifdef __cplusplus
-}  // extern "C"
-#endif  // __cplusplus
+}  /* extern "C" */
+#endif
 
 #endif  /* MORI_TP_H */

@@ -32,6 +32,9 @@ pub enum ErrorClass {
     BackendUnavailable,
     /// `MORI_ERR_GPU`.
     Gpu,
+    /// `MORI_ERR_POOL_FULL`: a staging pool has no free block for a slot now; worth retrying
+    /// after other slots are freed.
+    PoolFull,
 }
 
 impl ErrorClass {
@@ -47,6 +50,7 @@ impl ErrorClass {
             ErrorClass::BufferTooSmall => "buffer too small",
             ErrorClass::BackendUnavailable => "backend unavailable",
             ErrorClass::Gpu => "GPU error",
+            ErrorClass::PoolFull => "staging pool full",
         }
     }
 }
@@ -726,7 +730,7 @@ pub enum Error {
     },
     /// The pool has no free block for the slot now (after waiting `waited_ms`, if it waited).
     #[error(
-        "buffer too small: staging pool full: a slot of {size} bytes needs a free block of {block} bytes, the largest free block is {largest_free} bytes ({live_slots} live slots hold {live_bytes} of {capacity} bytes){}",
+        "staging pool full: a slot of {size} bytes needs a free block of {block} bytes, the largest free block is {largest_free} bytes ({live_slots} live slots hold {live_bytes} of {capacity} bytes){}",
         waited(.waited_ms)
     )]
     PoolFull {
@@ -874,10 +878,10 @@ impl Error {
             NullBuffer { .. } | NullStaging { .. } | GroupBuffersMissing { .. } => {
                 ErrorClass::NullPointer
             }
-            StagingTooSmall { .. }
-            | GroupsStagingTooSmall { .. }
-            | SlotLargerThanPool { .. }
-            | PoolFull { .. } => ErrorClass::BufferTooSmall,
+            StagingTooSmall { .. } | GroupsStagingTooSmall { .. } | SlotLargerThanPool { .. } => {
+                ErrorClass::BufferTooSmall
+            }
+            PoolFull { .. } => ErrorClass::PoolFull,
             BackendUnavailable { .. } => ErrorClass::BackendUnavailable,
             Gpu { .. } => ErrorClass::Gpu,
         }

@@ -761,7 +761,6 @@ fn a_too_small_plan_output_reports_the_size_needed_and_writes_nothing() {
             MORI_ERR_BUFFER_TOO_SMALL
         );
         assert_eq!(len, 3, "the size query reports the rects needed");
-        assert_message(&["needs 3 entries", "holds 0"]);
         let mut rects = [MoriCopyRect::default(); 2];
         assert_eq!(
             mori_tp_plan(
@@ -811,6 +810,40 @@ fn a_too_small_plan_output_reports_the_size_needed_and_writes_nothing() {
 }
 
 #[test]
+fn a_size_query_leaves_the_last_message_and_a_pointer_to_it_alone() {
+    let c = config();
+    let (src, dst) = ([0i32, 1], [3i32, 4]);
+    let mut refused = MoriTpSliceConfig::default();
+    let mut len = 0usize;
+    // SAFETY (whole test): valid pointers with the stated lengths; `kept` is read only while
+    // the library promises it is valid (no failing call in between).
+    unsafe {
+        let bad = MoriTpSliceParams {
+            prefill_tp_size: 3,
+            ..params()
+        };
+        assert_eq!(mori_tp_slice_config(&bad, &mut refused), MORI_ERR_TOPOLOGY);
+        let kept = mori_last_error_message();
+        let before = CStr::from_ptr(kept).to_owned();
+        assert_eq!(
+            mori_tp_plan(&c, src.as_ptr(), dst.as_ptr(), 2, null_mut(), 0, &mut len),
+            MORI_ERR_BUFFER_TOO_SMALL
+        );
+        assert_eq!(len, 1);
+        assert_eq!(mori_last_error_message(), kept, "the message was replaced");
+        assert_eq!(CStr::from_ptr(kept), before.as_c_str());
+        assert_message(&["mori_tp_slice_config: invalid topology"]);
+        // An array of capacity 0 that is not NULL is a failure, not a size query.
+        let mut rect = MoriCopyRect::default();
+        assert_eq!(
+            mori_tp_plan(&c, src.as_ptr(), dst.as_ptr(), 2, &mut rect, 0, &mut len),
+            MORI_ERR_BUFFER_TOO_SMALL
+        );
+        assert_message(&["needs 1 entries", "holds 0"]);
+    }
+}
+
+#[test]
 fn misaligned_page_arrays_are_refused() {
     let c = config();
     let storage = [0u32; 4];
@@ -834,13 +867,56 @@ fn status_names_versions_and_abi() {
     assert_eq!(name(MORI_OK), "MORI_OK");
     assert_eq!(name(MORI_ERR_SLICE_OVERFLOW), "MORI_ERR_SLICE_OVERFLOW");
     assert_eq!(name(MORI_ERR_PANIC), "MORI_ERR_PANIC");
-    assert_eq!(name(11), "MORI_ERR_UNKNOWN");
+    assert_eq!(name(11), "MORI_ERR_POOL_FULL");
+    assert_eq!(name(12), "MORI_ERR_UNKNOWN");
     assert_eq!(name(-1), "MORI_ERR_UNKNOWN");
     // SAFETY: a static NUL-terminated string.
     let version = unsafe { CStr::from_ptr(mori_version()) }.to_str().unwrap();
     assert_eq!(version, env!("CARGO_PKG_VERSION"));
     assert_eq!(mori_abi_version(), MORI_TP_ABI_VERSION);
     assert_eq!(MORI_TP_ABI_VERSION, 1);
+    let [major, minor, patch] =
+        [0, 1, 2].map(|i| version.split('.').nth(i).unwrap().parse::<u32>().unwrap());
+    assert_eq!(MORI_TP_VERSION, major * 1_000_000 + minor * 1_000 + patch);
+}
+
+/// The name of every action, staging and backend value: its macro's name; any other value gets
+/// the family's UNKNOWN name, never NULL.
+#[test]
+fn action_staging_and_backend_values_have_static_names() {
+    let text = |p: *const std::ffi::c_char| {
+        assert!(!p.is_null());
+        // SAFETY: a static NUL-terminated string.
+        unsafe { CStr::from_ptr(p) }.to_str().unwrap().to_owned()
+    };
+    for (value, expected) in [
+        (MORI_TP_ACTION_NOT_PAIRED, "MORI_TP_ACTION_NOT_PAIRED"),
+        (MORI_TP_ACTION_SEND, "MORI_TP_ACTION_SEND"),
+        (MORI_TP_ACTION_SKIP_REPLICA, "MORI_TP_ACTION_SKIP_REPLICA"),
+        (3, "MORI_TP_ACTION_UNKNOWN"),
+        (u32::MAX, "MORI_TP_ACTION_UNKNOWN"),
+    ] {
+        assert_eq!(text(mori_tp_action_name(value)), expected);
+    }
+    for (value, expected) in [
+        (MORI_TP_STAGING_NONE, "MORI_TP_STAGING_NONE"),
+        (MORI_TP_STAGING_SRC, "MORI_TP_STAGING_SRC"),
+        (MORI_TP_STAGING_DST, "MORI_TP_STAGING_DST"),
+        (MORI_TP_STAGING_BOTH, "MORI_TP_STAGING_BOTH"),
+        (4, "MORI_TP_STAGING_UNKNOWN"),
+    ] {
+        assert_eq!(text(mori_tp_staging_name(value)), expected);
+    }
+    for (value, expected) in [
+        (MORI_BACKEND_AUTO, "MORI_BACKEND_AUTO"),
+        (MORI_BACKEND_HOST, "MORI_BACKEND_HOST"),
+        (MORI_BACKEND_HIP, "MORI_BACKEND_HIP"),
+        (3, "MORI_BACKEND_UNKNOWN"),
+    ] {
+        assert_eq!(text(mori_backend_name(value)), expected);
+    }
+    // The same pointer each time: static strings, nothing to free.
+    assert_eq!(mori_tp_action_name(1), mori_tp_action_name(1));
 }
 
 #[test]

@@ -49,3 +49,87 @@ fn the_header_speaks_to_c_programmers_only() {
         );
     }
 }
+
+/// The integer macros have the C types of what holds them, so that C++ deduces one type for a
+/// field and its constant (`std::max(config.action, MORI_TP_ACTION_SEND)`): the enum values and
+/// flag bits of uint32_t fields are `Nu`, the status codes (MoriStatus is int32_t) plain `N`,
+/// and the version macros plain numbers that `#if` and stringizing take. A new macro must fall
+/// in one of these families (give a u32 constant a `u32` literal in src/ffi/types.rs).
+#[test]
+fn integer_macros_have_the_types_of_the_fields_that_hold_them() {
+    let header =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("include/mori_tp.h"))
+            .expect("read include/mori_tp.h");
+    let mut seen = 0;
+    for line in header.lines() {
+        let Some(define) = line.strip_prefix("#define MORI_") else {
+            continue;
+        };
+        let (name, value) = define.split_once(' ').unwrap_or((define, ""));
+        let name = format!("MORI_{name}");
+        if name == "MORI_TP_H" {
+            continue; // the include guard
+        }
+        let digits = |v: &str| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
+        let unsigned = value.strip_suffix('u').is_some_and(digits);
+        let ok = if [
+            "MORI_TP_ACTION_",
+            "MORI_BACKEND_",
+            "MORI_TP_STAGING_",
+            "MORI_SEND_",
+        ]
+        .iter()
+        .chain(&["MORI_TP_POOL_"])
+        .any(|family| name.starts_with(family))
+        {
+            unsigned
+        } else if name == "MORI_OK" || name.starts_with("MORI_ERR_") {
+            digits(value)
+        } else if name.starts_with("MORI_TP_VERSION") || name == "MORI_TP_ABI_VERSION" {
+            // MORI_TP_VERSION is an expression of the three others.
+            digits(value) || value.starts_with('(')
+        } else {
+            false
+        };
+        assert!(ok, "{name} is {value:?}: not of its family's type");
+        seen += 1;
+    }
+    assert!(seen > 30, "only {seen} MORI_ macros found");
+}
+
+/// The header is C89: no `//` comment anywhere (`gcc -std=c89 -pedantic` refuses one, even after
+/// `#endif`), which tests/c_api.rs also checks by compiling it.
+#[test]
+fn the_header_has_no_cpp_comments() {
+    let header =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("include/mori_tp.h"))
+            .expect("read include/mori_tp.h");
+    let mut in_comment = false;
+    for (number, line) in header.lines().enumerate() {
+        let mut rest = line;
+        loop {
+            if in_comment {
+                match rest.find("*/") {
+                    Some(end) => {
+                        rest = &rest[end + 2..];
+                        in_comment = false;
+                    }
+                    None => break,
+                }
+            } else {
+                let open = rest.find("/*");
+                let slash = rest.find("//");
+                match (open, slash) {
+                    (_, Some(s)) if open.is_none_or(|o| s < o) => {
+                        panic!("include/mori_tp.h line {}: a // comment", number + 1)
+                    }
+                    (Some(o), _) => {
+                        rest = &rest[o + 2..];
+                        in_comment = true;
+                    }
+                    _ => break,
+                }
+            }
+        }
+    }
+}

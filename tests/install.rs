@@ -1,12 +1,15 @@
 //! The install a C or C++ project consumes: the top-level CMakeLists.txt builds the library with
 //! cargo and installs it into a temporary prefix, which is then moved (the package must not
 //! depend on where it was installed). Then tests/c/CMakeLists.txt finds it with
-//! `find_package(mori_tp CONFIG REQUIRED)` and pkg-config finds it with `mori_tp.pc` and
-//! `mori_tp-static.pc`; every program is linked static and shared, and runs.
+//! `find_package(mori_tp CONFIG REQUIRED)`, or takes the checkout itself with `add_subdirectory`
+//! and with FetchContent, and pkg-config finds it with `mori_tp.pc` and `mori_tp-static.pc`;
+//! every program (C, and C++ through mori_tp.hpp) is linked static and shared, a C++ program
+//! fully static, a plugin (a shared object) links the archive and exports none of its symbols,
+//! and every program runs.
 //!
 //! With `--features hip` the install is built with `-DMORI_TP_HIP=ON`, and the static programs
-//! must link libamdhip64. Needs cmake, pkg-config, readelf, cc and c++; a missing one skips these
-//! tests, or fails them when MORI_TP_REQUIRE_TOOLS is set (CI).
+//! must link libamdhip64 (and none is fully static). Needs cmake, pkg-config, readelf, nm, cc and
+//! c++; a missing one skips these tests, or fails them when MORI_TP_REQUIRE_TOOLS is set (CI).
 
 mod common;
 
@@ -122,6 +125,7 @@ fn the_install_holds_the_header_both_libraries_the_soname_chain_and_the_package_
     let soname = format!("libmori_tp.so.{MORI_TP_ABI_VERSION}");
     let mut expected = vec![
         "include/mori_tp.h".to_string(),
+        "include/mori_tp.hpp".into(),
         "lib/cmake/mori_tp/mori_tpConfig.cmake".into(),
         "lib/cmake/mori_tp/mori_tpConfigVersion.cmake".into(),
         "lib/libmori_tp.a".into(),
@@ -134,12 +138,14 @@ fn the_install_holds_the_header_both_libraries_the_soname_chain_and_the_package_
     expected.sort();
     assert_eq!(listing(prefix), expected);
 
-    let header = std::fs::read(prefix.join("include/mori_tp.h")).unwrap();
-    let committed = std::fs::read(root().join("include/mori_tp.h")).unwrap();
-    assert!(
-        header == committed,
-        "the installed header differs from include/mori_tp.h"
-    );
+    for header in ["mori_tp.h", "mori_tp.hpp"] {
+        let installed = std::fs::read(prefix.join("include").join(header)).unwrap();
+        let committed = std::fs::read(root().join("include").join(header)).unwrap();
+        assert!(
+            installed == committed,
+            "the installed {header} differs from include/{header}"
+        );
+    }
     let dynamic = dynamic_section(&prefix.join("lib").join(&real));
     assert!(
         dynamic.contains(&format!("Library soname: [{soname}]")),
@@ -186,42 +192,161 @@ fn check_linkage(exe: &Path, shared: bool, libdir: &Path) {
     }
 }
 
+/// `readelf -d` of a fully static program: no dynamic section at all.
+fn check_fully_static(exe: &Path) {
+    let dynamic = dynamic_section(exe);
+    assert!(
+        dynamic.contains("no dynamic section"),
+        "{} is not fully static:\n{dynamic}",
+        exe.display()
+    );
+}
+
+/// The dynamic symbols a shared object defines.
+fn exported(library: &Path) -> Vec<String> {
+    run(Command::new("nm")
+        .args(["-D", "--defined-only", "--format=posix"])
+        .arg(library))
+    .lines()
+    .filter_map(|line| line.split_whitespace().next().map(String::from))
+    .collect()
+}
+
+/// Checks that the plugin (tests/c/plugin.cpp) exports its function and none of mori-tp's: no
+/// other mori_* function, no Rust symbol (legacy `...17h<hash>E` or v0 `_R` mangling).
+fn check_plugin_exports(library: &Path) {
+    let symbols = exported(library);
+    assert!(
+        symbols.iter().any(|s| s == "mori_tp_plugin_check"),
+        "{}: {symbols:?}",
+        library.display()
+    );
+    let foreign: Vec<&String> = symbols
+        .iter()
+        .filter(|s| {
+            let rust_hash =
+                s.len() > 20 && s[s.len() - 20..].starts_with("17h") && s.ends_with('E');
+            (s.starts_with("mori_") && *s != "mori_tp_plugin_check")
+                || rust_hash
+                || s.starts_with("_R")
+                || s.contains("rust_")
+        })
+        .collect();
+    assert!(
+        foreign.is_empty(),
+        "{} exports mori-tp's symbols: {foreign:?}",
+        library.display()
+    );
+}
+
+/// Configures and builds tests/c/CMakeLists.txt in `build`, getting mori-tp the way `consume`
+/// says (package, subdirectory, fetchcontent), then runs and checks every program. `libdir` is
+/// where the shared programs must find libmori_tp.so.1.
+fn build_and_run_consumer(build: &Path, consume: &str, extra: &[String], libdir: &Path) {
+    run(Command::new("cmake")
+        .arg("-S")
+        .arg(root().join("tests/c"))
+        .arg("-B")
+        .arg(build)
+        .arg(format!("-DMORI_TP_CONSUME={consume}"))
+        .args(extra)
+        .arg(format!("-DCMAKE_C_FLAGS={STRICT_C}"))
+        .arg(format!("-DCMAKE_CXX_FLAGS={STRICT_C}")));
+    run(Command::new("cmake").arg("--build").arg(build));
+    let cpp_api = "cpp_api_test.cpp: all checks passed";
+    let mut programs = vec![
+        ("abi_test_c_static", "abi_test.c: all checks passed", false),
+        ("abi_test_c_shared", "abi_test.c: all checks passed", true),
+        (
+            "abi_test_cpp_static",
+            "abi_test.cpp: all checks passed",
+            false,
+        ),
+        (
+            "abi_test_cpp_shared",
+            "abi_test.cpp: all checks passed",
+            true,
+        ),
+        ("cpp_api_test_static", cpp_api, false),
+        ("cpp_api_test_shared", cpp_api, true),
+        ("cpp_api_test_cpp20_static", cpp_api, false),
+    ];
+    let version = format!(
+        "version_check: header and library are version {VERSION}, ABI {MORI_TP_ABI_VERSION}"
+    );
+    programs.push(("version_check_static", &version, false));
+    programs.push(("version_check_shared", &version, true));
+    for (program, expected, shared) in programs {
+        let exe = build.join(program);
+        check_linkage(&exe, shared, libdir);
+        let output = run_consumer(&exe);
+        assert!(output.contains(expected), "{}:\n{output}", exe.display());
+    }
+    if !cfg!(feature = "hip") {
+        let exe = build.join("cpp_api_test_fully_static");
+        check_fully_static(&exe);
+        assert!(run_consumer(&exe).contains(cpp_api));
+    }
+    check_plugin_exports(&build.join("libmori_tp_plugin.so"));
+    let host = run_consumer(&build.join("plugin_host"));
+    assert!(host.contains("plugin_host: the plugin works"), "{host}");
+}
+
 #[test]
 fn a_cmake_project_finds_the_package_and_links_it_static_and_shared() {
     let Some(prefix) = installed_prefix() else {
         return;
     };
-    if !tools_present(&["cc", "c++"]) {
+    if !tools_present(&["cc", "c++", "nm"]) {
         return;
     }
     let build = scratch("consumer");
     std::fs::remove_dir_all(&build).unwrap();
-    run(Command::new("cmake")
-        .arg("-S")
-        .arg(root().join("tests/c"))
-        .arg("-B")
-        .arg(&build)
-        .arg(format!("-DCMAKE_PREFIX_PATH={}", prefix.display()))
-        .arg(format!("-DCMAKE_C_FLAGS={STRICT_C}"))
-        .arg(format!("-DCMAKE_CXX_FLAGS={STRICT_C}")));
-    run(Command::new("cmake").arg("--build").arg(&build));
-    let libdir = prefix.join("lib");
-    for (program, expected) in [
-        ("abi_test_c", "abi_test.c: all checks passed"),
-        ("abi_test_cpp", "abi_test.cpp: all checks passed"),
-        (
-            "version_check",
-            &format!(
-                "version_check: header and library are version {VERSION}, ABI {MORI_TP_ABI_VERSION}"
-            ),
-        ),
+    build_and_run_consumer(
+        &build,
+        "package",
+        &[format!("-DCMAKE_PREFIX_PATH={}", prefix.display())],
+        &prefix.join("lib"),
+    );
+}
+
+/// The checkout taken into a project's build, as a vendored copy (add_subdirectory) or with
+/// FetchContent: the same targets as the package, mori_tp::mori_tp among them, each built by
+/// cargo before the programs that link it. cargo reuses the install's target folder.
+#[test]
+fn a_cmake_project_adds_the_checkout_with_add_subdirectory_and_fetchcontent() {
+    let Some(_) = installed_prefix() else {
+        return;
+    };
+    if !tools_present(&["cc", "c++", "nm"]) {
+        return;
+    }
+    let hip = if cfg!(feature = "hip") { "ON" } else { "OFF" };
+    let cargo = scratch("build").join("cargo");
+    // Where each way puts the checkout's build tree.
+    for (consume, subproject) in [
+        ("subdirectory", "mori_tp"),
+        ("fetchcontent", "_deps/mori_tp-build"),
     ] {
-        for linkage in ["static", "shared"] {
-            let exe = build.join(format!("{program}_{linkage}"));
-            check_linkage(&exe, linkage == "shared", &libdir);
-            let output = run_consumer(&exe);
-            assert!(output.contains(expected), "{}:\n{output}", exe.display());
-        }
+        let build = scratch(&format!("consumer-{consume}"));
+        std::fs::remove_dir_all(&build).unwrap();
+        build_and_run_consumer(
+            &build,
+            consume,
+            &[
+                format!("-DMORI_TP_SOURCE_DIR={}", root().display()),
+                format!("-DMORI_TP_CARGO_TARGET_DIR={}", cargo.display()),
+                format!("-DMORI_TP_HIP={hip}"),
+            ],
+            &build.join(subproject).join("lib"),
+        );
+        // Taken into another project, the checkout generates no install rules of its own.
+        let rules = std::fs::read_to_string(build.join(subproject).join("cmake_install.cmake"))
+            .expect("the subproject's cmake_install.cmake");
+        assert!(
+            !rules.contains("libmori_tp"),
+            "{consume}: the added checkout installs its files:\n{rules}"
+        );
     }
 }
 
@@ -230,7 +355,7 @@ fn pkg_config_links_the_installed_libraries_static_and_shared() {
     let Some(prefix) = installed_prefix() else {
         return;
     };
-    if !tools_present(&["pkg-config", "cc"]) {
+    if !tools_present(&["pkg-config", "cc", "c++", "nm"]) {
         return;
     }
     let pkg_config = |args: &[&str]| -> String {
@@ -274,7 +399,42 @@ fn pkg_config_links_the_installed_libraries_static_and_shared() {
             let output = run_consumer(&exe);
             assert!(output.contains(&expected), "{}:\n{output}", exe.display());
         }
+        // C++ through mori_tp.hpp, as the README writes it.
+        let exe = out.join(format!("cpp_api_test-{package}"));
+        run(Command::new("c++")
+            .arg("-std=c++17")
+            .args(STRICT_C.split(' '))
+            .arg(root().join("tests/c/cpp_api_test.cpp"))
+            .args(flags.split_whitespace())
+            .arg(format!("-Wl,-rpath,{}", libdir.display()))
+            .arg("-o")
+            .arg(&exe));
+        check_linkage(&exe, shared, &libdir);
+        assert!(run_consumer(&exe).contains("cpp_api_test.cpp: all checks passed"));
     }
+
+    let flags = pkg_config(&["--cflags", "--libs", "mori_tp-static"]);
+    // Fully static: `g++ -static app.cpp $(pkg-config --cflags --libs mori_tp-static)`.
+    if !cfg!(feature = "hip") {
+        let exe = out.join("cpp_api_test-fully-static");
+        run(Command::new("c++")
+            .args(["-std=c++17", "-static"])
+            .arg(root().join("tests/c/cpp_api_test.cpp"))
+            .args(flags.split_whitespace())
+            .arg("-o")
+            .arg(&exe));
+        check_fully_static(&exe);
+        assert!(run_consumer(&exe).contains("cpp_api_test.cpp: all checks passed"));
+    }
+    // A plugin: the package's flags keep the library's symbols out of its exports.
+    let plugin = out.join("libmori_tp_plugin.so");
+    run(Command::new("c++")
+        .args(["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"])
+        .arg(root().join("tests/c/plugin.cpp"))
+        .args(flags.split_whitespace())
+        .arg("-o")
+        .arg(&plugin));
+    check_plugin_exports(&plugin);
 }
 
 #[test]
@@ -286,6 +446,11 @@ fn the_readme_shows_the_install_commands_and_the_consumer_block_these_tests_run(
         "cmake --install build --prefix",
         "pkg-config --cflags --libs mori_tp-static",
         "pkg-config --cflags --libs mori_tp",
+        "g++ -static",
+        "find_package(mori_tp 0.1 CONFIG REQUIRED)",
+        "add_subdirectory(",
+        "FetchContent_MakeAvailable(mori_tp)",
+        "mori_tp.hpp",
     ] {
         assert!(readme.contains(command), "README must show `{command}`");
     }

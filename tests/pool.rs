@@ -161,23 +161,32 @@ fn a_host_pool_hands_out_disjoint_writable_slots_inside_its_region() {
     assert_eq!(mori_tp_pool_destroy(pool), MORI_OK);
 }
 
+/// Full now, or still full after the wait: MORI_ERR_POOL_FULL (worth retrying), a code of its
+/// own; a slot the pool can never hold: MORI_ERR_BUFFER_TOO_SMALL, at once.
 #[test]
-fn a_full_pool_answers_buffer_too_small_at_once_or_after_the_timeout() {
+fn a_full_pool_answers_pool_full_at_once_or_after_the_timeout() {
+    assert_eq!(MORI_ERR_POOL_FULL, 11, "the next free status value");
+    // SAFETY: a static string.
+    let name = unsafe { CStr::from_ptr(mori_status_str(MORI_ERR_POOL_FULL)) };
+    assert_eq!(name, c"MORI_ERR_POOL_FULL");
     let pool = create(1 << 20, 64 << 10);
     let whole = try_alloc(pool, 1 << 20).unwrap();
     assert_refused(
         try_alloc(pool, 4096).unwrap_err(),
-        MORI_ERR_BUFFER_TOO_SMALL,
+        MORI_ERR_POOL_FULL,
         &[
-            "mori_tp_pool_try_alloc: buffer too small: staging pool full",
+            "mori_tp_pool_try_alloc: staging pool full",
             "a slot of 4096 bytes needs a free block of 65536 bytes",
             "1 live slots hold 1048576 of 1048576 bytes",
         ],
     );
     assert_refused(
         alloc(pool, 4096, 20).unwrap_err(),
-        MORI_ERR_BUFFER_TOO_SMALL,
-        &["mori_tp_pool_alloc", "still full after waiting"],
+        MORI_ERR_POOL_FULL,
+        &[
+            "mori_tp_pool_alloc: staging pool full",
+            "still full after waiting",
+        ],
     );
     // A slot larger than the pool is refused without waiting for the (long) timeout.
     assert_refused(
@@ -187,6 +196,11 @@ fn a_full_pool_answers_buffer_too_small_at_once_or_after_the_timeout() {
             "larger than the pool's capacity of 1048576 bytes",
             "can never be granted",
         ],
+    );
+    assert_refused(
+        try_alloc(pool, 2 << 20).unwrap_err(),
+        MORI_ERR_BUFFER_TOO_SMALL,
+        &["can never be granted"],
     );
     assert_eq!(mori_tp_pool_free(pool, whole.offset), MORI_OK);
     assert_eq!(mori_tp_pool_destroy(pool), MORI_OK);

@@ -96,6 +96,7 @@ from ._errors import (
     MoriError,
     NullPointerError,
     OutOfBoundsError,
+    PoolFullError,
     SliceOverflowError,
     TopologyError,
     error_for,
@@ -130,6 +131,7 @@ __all__ = [
     "OutOfBoundsError",
     "PageIndices",
     "PairConfig",
+    "PoolFullError",
     "PoolInfo",
     "PoolSlot",
     "RankMemory",
@@ -1241,11 +1243,12 @@ class StagingPool:
         return status, PoolSlot(out.offset, out.size, out.address or 0)
 
     def try_alloc(self, size: int) -> Optional[PoolSlot]:
-        """A slot of at least ``size`` bytes, or None at once when the pool is full for it.
-        Raises :class:`BufferTooSmallError` for a size no block can ever hold."""
+        """A slot of at least ``size`` bytes, or None at once when the pool is full for it
+        (MORI_ERR_POOL_FULL). Raises :class:`BufferTooSmallError` for a size no block can ever
+        hold."""
         size = _unsigned(size, "size", 64, "StagingPool.try_alloc")
         status, slot = self._slot(_lib.mori_tp_pool_try_alloc, size)
-        if status == _ffi.MORI_ERR_BUFFER_TOO_SMALL and 0 < size <= self.capacity:
+        if status == _ffi.MORI_ERR_POOL_FULL:
             return None
         if status != _ffi.MORI_OK:
             _raise_last(status)
@@ -1253,10 +1256,11 @@ class StagingPool:
 
     def alloc(self, size: int, timeout: float = DEFAULT_POOL_TIMEOUT) -> PoolSlot:
         """A slot of at least ``size`` bytes, waiting up to ``timeout`` seconds while the pool
-        is full (other threads' frees end the wait). Raises :class:`BufferTooSmallError` after
-        the timeout, or at once for a size no block can ever hold. ``timeout`` is a finite
-        number of seconds: no wait is unbounded (``math.inf`` is refused with
-        :class:`InvalidArgumentError`, as is one past ``uint64_t`` milliseconds)."""
+        is full (other threads' frees end the wait). Raises :class:`PoolFullError` (a
+        :class:`BufferTooSmallError`) after the timeout, and :class:`BufferTooSmallError` at
+        once for a size no block can ever hold. ``timeout`` is a finite number of seconds: no
+        wait is unbounded (``math.inf`` is refused with :class:`InvalidArgumentError`, as is one
+        past ``uint64_t`` milliseconds)."""
         where = "StagingPool.alloc"
         if not timeout >= 0 or timeout == float("inf"):
             raise InvalidArgumentError(f"{where}: timeout {timeout!r} must be a finite number "

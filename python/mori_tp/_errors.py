@@ -84,10 +84,10 @@ class OutOfBoundsError(MoriError):
 class BufferTooSmallError(MoriError):
     """MORI_ERR_BUFFER_TOO_SMALL: a staging region is smaller than the request needs
     (:func:`~mori_tp.pack_kvcache`, :func:`~mori_tp.unpack_kvcache`,
-    :func:`mori_tp.engines.plan_request`; the message names both sizes), or a
-    :class:`~mori_tp.StagingPool` has no room for a slot (``alloc`` after its timeout; a size
-    beyond the capacity). The plan functions size their outputs first, so from them it would
-    mean a bug in mori_tp; please report it."""
+    :func:`mori_tp.engines.plan_request`; the message names both sizes), or a slot larger than
+    a :class:`~mori_tp.StagingPool`'s capacity, which no wait can grant. The plan functions
+    size their outputs first, so from them it would mean a bug in mori_tp; please report it.
+    A pool that is only full now raises :class:`PoolFullError`, a subclass."""
 
     status = "MORI_ERR_BUFFER_TOO_SMALL"
     code = 7
@@ -117,6 +117,18 @@ class InternalError(MoriError):
     code = 10
 
 
+class PoolFullError(BufferTooSmallError):
+    """MORI_ERR_POOL_FULL (11): a :class:`~mori_tp.StagingPool` had no free block for the slot
+    when ``alloc``'s timeout ran out; worth retrying once other requests free their slots (the
+    message names the block needed, the largest free block and how long it waited).
+    ``try_alloc`` returns None instead. A subclass of :class:`BufferTooSmallError`, which a
+    full pool raised before this code existed, so ``except BufferTooSmallError`` still
+    catches it."""
+
+    status = "MORI_ERR_POOL_FULL"
+    code = 11
+
+
 #: The exception class of each MoriStatus failure code.
 ERROR_CLASSES: Dict[int, Type[MoriError]] = {
     cls.code: cls
@@ -131,6 +143,7 @@ ERROR_CLASSES: Dict[int, Type[MoriError]] = {
         BackendUnavailableError,
         GpuError,
         InternalError,
+        PoolFullError,
     )
 }
 

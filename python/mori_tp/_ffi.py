@@ -24,6 +24,7 @@ LIBRARY_ENV = "MORI_TP_LIBRARY"
 # Status codes (MoriStatus), REFERENCE.md section 8.
 MORI_OK = 0
 MORI_ERR_BUFFER_TOO_SMALL = 7
+MORI_ERR_POOL_FULL = 11
 
 # MoriSendOptions.flags bits.
 MORI_SEND_SYNCHRONIZE = 1
@@ -527,6 +528,9 @@ SIGNATURES = {
     "mori_last_error_message": (ctypes.c_char_p, []),
     "mori_version": (ctypes.c_char_p, []),
     "mori_abi_version": (ctypes.c_uint32, []),
+    "mori_tp_action_name": (ctypes.c_char_p, [ctypes.c_uint32]),
+    "mori_tp_staging_name": (ctypes.c_char_p, [ctypes.c_uint32]),
+    "mori_backend_name": (ctypes.c_char_p, [ctypes.c_uint32]),
 }
 
 

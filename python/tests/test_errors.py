@@ -258,18 +258,20 @@ class SendRefusalsTest(ErrorTestCase):
 
 class StatusTableTest(unittest.TestCase):
     def test_every_status_code_maps_to_the_class_the_library_names(self):
-        for code in range(1, 11):
+        for code in range(1, 12):
             cls = _errors.ERROR_CLASSES[code]
             name = mori_tp._lib.mori_status_str(code).decode()
             self.assertEqual(cls.status, name)
             error = _errors.error_for(code, f"message {code}")
             self.assertIs(type(error), cls)
             self.assertEqual((error.code, str(error)), (code, f"message {code}"))
-        self.assertEqual(len(set(_errors.ERROR_CLASSES.values())), 10)
+        self.assertEqual(len(set(_errors.ERROR_CLASSES.values())), 11)
+        self.assertEqual(mori_tp.PoolFullError.status, "MORI_ERR_POOL_FULL")
         self.assertEqual(mori_tp.GpuError.status, "MORI_ERR_GPU")
         self.assertEqual(mori_tp.InternalError.status, "MORI_ERR_PANIC")
 
     def test_an_unknown_code_is_a_plain_mori_error_with_that_code(self):
+        self.assertEqual(mori_tp._lib.mori_status_str(12), b"MORI_ERR_UNKNOWN")
         self.assertEqual(mori_tp._lib.mori_status_str(99), b"MORI_ERR_UNKNOWN")
         error = _errors.error_for(99, "from a newer library")
         self.assertIs(type(error), mori_tp.MoriError)

@@ -10,7 +10,7 @@ import unittest
 
 import mori_tp
 from layouts import tools_required
-from mori_tp import BufferTooSmallError, InvalidArgumentError, StagingPool
+from mori_tp import BufferTooSmallError, InvalidArgumentError, PoolFullError, StagingPool
 
 try:
     import numpy as np
@@ -106,10 +106,20 @@ class StagingPoolTest(unittest.TestCase):
         with StagingPool(MIB, min_slot=64 * KIB) as pool:
             whole = pool.alloc(MIB)
             self.assertIsNone(pool.try_alloc(1))
-            with self.assertRaisesRegex(BufferTooSmallError, "still full after waiting"):
+            with self.assertRaisesRegex(PoolFullError, "still full after waiting") as caught:
                 pool.alloc(1, timeout=0.02)
-            with self.assertRaisesRegex(BufferTooSmallError, "can never be granted"):
+            # MORI_ERR_POOL_FULL: its own code, still caught as a BufferTooSmallError.
+            self.assertEqual((caught.exception.code, caught.exception.status),
+                             (11, "MORI_ERR_POOL_FULL"))
+            self.assertIsInstance(caught.exception, BufferTooSmallError)
+            # A slot the pool can never hold is the other code, at once, never None.
+            with self.assertRaisesRegex(BufferTooSmallError, "can never be granted") as never:
                 pool.try_alloc(2 * MIB)
+            self.assertNotIsInstance(never.exception, PoolFullError)
+            self.assertEqual(never.exception.code, 7)
+            with self.assertRaisesRegex(BufferTooSmallError, "can never be granted") as never:
+                pool.alloc(2 * MIB, timeout=3600)
+            self.assertNotIsInstance(never.exception, PoolFullError)
             pool.free(whole)
 
     def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(self) -> None:

@@ -104,6 +104,7 @@ pub(crate) fn status_of(class: ErrorClass) -> MoriStatus {
         ErrorClass::BufferTooSmall => MORI_ERR_BUFFER_TOO_SMALL,
         ErrorClass::BackendUnavailable => MORI_ERR_BACKEND_UNAVAILABLE,
         ErrorClass::Gpu => MORI_ERR_GPU,
+        ErrorClass::PoolFull => MORI_ERR_POOL_FULL,
     }
 }
 
@@ -157,8 +158,8 @@ fn set_last_error(message: String) {
     });
 }
 
-/// This thread's last error message, as a pointer valid until the next failure on the thread;
-/// `None` while the thread is being torn down.
+/// This thread's last error message, as a pointer valid until the next failure on the thread
+/// (a size query is not one); `None` while the thread is being torn down.
 pub(crate) fn last_error_ptr() -> Option<*const std::ffi::c_char> {
     LAST_ERROR
         .try_with(|slot| slot.try_borrow().map(|message| message.as_ptr()).ok())
@@ -213,11 +214,13 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> Mor
                 ..
             }
         ) {
+            // A size query is not a failure: the last error (and a pointer the caller took to
+            // it before) stays as it was.
             log::trace!("{message} (a size query)");
         } else {
             log::debug!("{message}");
+            set_last_error(message);
         }
-        set_last_error(message);
         failure.status()
     });
     match catch_unwind(run) {
@@ -333,9 +336,48 @@ mod tests {
                 rect: None,
             }),
             Failure::Panic(String::new()),
+            Failure::Core(Error::PoolFull {
+                size: 1,
+                block: 1,
+                largest_free: 0,
+                live_slots: 1,
+                live_bytes: 1,
+                capacity: 1,
+                waited_ms: Some(5),
+            }),
         ];
         let codes: Vec<MoriStatus> = classes.iter().map(Failure::status).collect();
-        assert_eq!(codes, (1..=10).collect::<Vec<_>>());
+        assert_eq!(codes, (1..=11).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_size_query_leaves_the_last_error_and_its_pointer_alone() {
+        let status = boundary("failing", || Err(Error::ZeroKvHeads.into()));
+        assert_eq!(status, MORI_ERR_TOPOLOGY);
+        let before = last_error_ptr().expect("the thread is alive");
+        let query = boundary("sizing", || {
+            Err(Failure::BufferTooSmall {
+                needed: 3,
+                capacity: 0,
+                size_query: true,
+            })
+        });
+        assert_eq!(query, MORI_ERR_BUFFER_TOO_SMALL);
+        assert_eq!(last_error_ptr(), Some(before), "the message was replaced");
+        assert!(last_error().starts_with("failing: invalid topology"));
+        // An array that is really too small is a failure, with its message.
+        let short = boundary("short", || {
+            Err(Failure::BufferTooSmall {
+                needed: 3,
+                capacity: 1,
+                size_query: false,
+            })
+        });
+        assert_eq!(short, MORI_ERR_BUFFER_TOO_SMALL);
+        assert_eq!(
+            last_error(),
+            "short: buffer too small: the result needs 3 entries, the output array holds 1"
+        );
     }
 
     #[test]

@@ -146,7 +146,8 @@ pub unsafe extern "C" fn mori_tp_slice_config(
 ///   MORI_ERR_SLICE_OVERFLOW if the slice does not fit inside a token slot;
 ///   MORI_ERR_OUT_OF_BOUNDS for a negative page index, or one whose byte offset overflows 64 bits;
 ///   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out; with out = NULL
-///   and capacity = 0 this is the answer to a size query);
+///   and capacity = 0 this is the answer to a size query, which is not a failure: it leaves
+///   mori_last_error_message() as it was);
 ///   MORI_ERR_PANIC on an internal error.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_plan(
@@ -596,17 +597,63 @@ pub extern "C" fn mori_status_str(status: MoriStatus) -> *const c_char {
         MORI_ERR_BACKEND_UNAVAILABLE => c"MORI_ERR_BACKEND_UNAVAILABLE",
         MORI_ERR_GPU => c"MORI_ERR_GPU",
         MORI_ERR_PANIC => c"MORI_ERR_PANIC",
+        MORI_ERR_POOL_FULL => c"MORI_ERR_POOL_FULL",
         _ => c"MORI_ERR_UNKNOWN",
+    };
+    name.as_ptr()
+}
+
+/// A static, NUL-terminated name for a MoriTpAction value, the name of its macro
+/// ("MORI_TP_ACTION_SEND", ...): for logs and messages. Values the ABI does not define get
+/// "MORI_TP_ACTION_UNKNOWN" (no macro has that name). Never NULL; do not free.
+#[unsafe(no_mangle)]
+pub extern "C" fn mori_tp_action_name(action: u32) -> *const c_char {
+    let name = match action {
+        MORI_TP_ACTION_NOT_PAIRED => c"MORI_TP_ACTION_NOT_PAIRED",
+        MORI_TP_ACTION_SEND => c"MORI_TP_ACTION_SEND",
+        MORI_TP_ACTION_SKIP_REPLICA => c"MORI_TP_ACTION_SKIP_REPLICA",
+        _ => c"MORI_TP_ACTION_UNKNOWN",
+    };
+    name.as_ptr()
+}
+
+/// A static, NUL-terminated name for a MoriTpStaging value ("MORI_TP_STAGING_NONE",
+/// "MORI_TP_STAGING_SRC", "MORI_TP_STAGING_DST", "MORI_TP_STAGING_BOTH"); other values get
+/// "MORI_TP_STAGING_UNKNOWN". Never NULL; do not free.
+#[unsafe(no_mangle)]
+pub extern "C" fn mori_tp_staging_name(staging: u32) -> *const c_char {
+    let name = match staging {
+        MORI_TP_STAGING_NONE => c"MORI_TP_STAGING_NONE",
+        MORI_TP_STAGING_SRC => c"MORI_TP_STAGING_SRC",
+        MORI_TP_STAGING_DST => c"MORI_TP_STAGING_DST",
+        MORI_TP_STAGING_BOTH => c"MORI_TP_STAGING_BOTH",
+        _ => c"MORI_TP_STAGING_UNKNOWN",
+    };
+    name.as_ptr()
+}
+
+/// A static, NUL-terminated name for a MoriBackend value ("MORI_BACKEND_AUTO",
+/// "MORI_BACKEND_HOST", "MORI_BACKEND_HIP"); other values get "MORI_BACKEND_UNKNOWN". The name
+/// says nothing of whether the backend is built in or has a device. Never NULL; do not free.
+#[unsafe(no_mangle)]
+pub extern "C" fn mori_backend_name(backend: u32) -> *const c_char {
+    let name = match backend {
+        MORI_BACKEND_AUTO => c"MORI_BACKEND_AUTO",
+        MORI_BACKEND_HOST => c"MORI_BACKEND_HOST",
+        MORI_BACKEND_HIP => c"MORI_BACKEND_HIP",
+        _ => c"MORI_BACKEND_UNKNOWN",
     };
     name.as_ptr()
 }
 
 /// The message of the last failing mori-tp call on this thread ("" if none has failed), for
 /// example "mori_tp_slice_config: layout mismatch: decode side: bytes_per_head 128 != prefill
-/// side bytes_per_head 256 (dtype or head_dim differ; ...)". Successful calls leave it alone.
-/// Never NULL; owned by the library and valid until the next failing call on this thread; copy
-/// it to keep it. While the thread is exiting (from a thread_local destructor that runs after
-/// mori-tp's own) the message may be lost, and this returns "".
+/// side bytes_per_head 256 (dtype or head_dim differ; ...)". Successful calls leave it alone,
+/// and so do size queries (out = NULL, capacity = 0 answered with MORI_ERR_BUFFER_TOO_SMALL),
+/// which are not failures. Never NULL; owned by the library and valid until the next failing
+/// call on this thread (a size query does not end it); copy it to keep it. While the thread is
+/// exiting (from a thread_local destructor that runs after mori-tp's own) the message may be
+/// lost, and this returns "".
 #[unsafe(no_mangle)]
 pub extern "C" fn mori_last_error_message() -> *const c_char {
     catch_unwind(last_error_ptr)

@@ -9,12 +9,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::boundary::{Failure, Result, ffi_boundary};
 use super::convert::{CEnum, check_out, try_ref};
 use super::types::*;
+use crate::pool::sanitizer::Locked;
 use crate::pool::{DEFAULT_MIN_SLOT, PoolMemoryKind, Slot, StagingPool};
 
 /// The live pools by handle.
@@ -22,11 +23,11 @@ static POOLS: Mutex<BTreeMap<u64, Arc<StagingPool>>> = Mutex::new(BTreeMap::new(
 /// The next handle; 0 is never one.
 static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
 
-fn pools() -> MutexGuard<'static, BTreeMap<u64, Arc<StagingPool>>> {
-    // The table is consistent between statements: a panic elsewhere cannot corrupt it.
-    POOLS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+/// The table, locked (told to ThreadSanitizer: the pools are made, shared and dropped by
+/// different threads under this lock). It is consistent between statements: a panic elsewhere
+/// cannot corrupt it.
+fn pools() -> Locked<'static, BTreeMap<u64, Arc<StagingPool>>> {
+    Locked::new(&POOLS)
 }
 
 /// The live pool behind `handle`.
@@ -63,6 +64,13 @@ impl From<Slot> for MoriTpSlot {
 /// on either side. So a slot wastes less than min_slot bytes, the free space is split into at
 /// most live_slots + 1 blocks, and a slot of S bytes is granted whenever free_bytes >=
 /// (live_slots + 1) * S (rounded to min_slot).
+///
+/// In a program built with AddressSanitizer, a host pool's free space is poisoned: a write past
+/// a slot into free space, or into a slot after mori_tp_pool_free, is reported where it
+/// happens (a slot's granted bytes are all addressable; slots are adjacent, so a write into the
+/// next live slot is not caught). In one built with ThreadSanitizer, the pool's locks are made
+/// visible to it (__tsan_acquire, __tsan_release), so slots reused or handed between threads
+/// report no race. Both runtimes are found at run time; without them nothing changes.
 ///
 /// @param[in]  options   Capacity, slot unit, memory kind. Must not be NULL.
 /// @param[out] out_pool  Receives the pool's handle; written only on MORI_OK. Must not be NULL.
@@ -108,8 +116,8 @@ pub unsafe extern "C" fn mori_tp_pool_create(
     }
 }
 
-/// Takes a slot of at least size bytes without waiting: MORI_ERR_BUFFER_TOO_SMALL at once when
-/// no free block can hold it now (the pool is full for this size; retry after a free, or use
+/// Takes a slot of at least size bytes without waiting: MORI_ERR_POOL_FULL at once when no
+/// free block can hold it now (the pool is full for this size; retry after a free, or use
 /// mori_tp_pool_alloc to wait). The lowest free block that fits is used.
 ///
 /// @param[in]  pool      A live pool.
@@ -120,9 +128,10 @@ pub unsafe extern "C" fn mori_tp_pool_create(
 ///   MORI_ERR_NULL_POINTER if out_slot is NULL;
 ///   MORI_ERR_INVALID_ARGUMENT if pool is not a live pool (destroyed or never created), size is
 ///   0, or out_slot is misaligned;
-///   MORI_ERR_BUFFER_TOO_SMALL if the pool is full for this size (the message names the block
-///   needed, the largest free block, the live slots and their bytes), or if size exceeds the
-///   pool's capacity, which no wait can fix (the message says so);
+///   MORI_ERR_POOL_FULL if the pool is full for this size now (the message names the block
+///   needed, the largest free block, the live slots and their bytes): retry after a free;
+///   MORI_ERR_BUFFER_TOO_SMALL if size exceeds the pool's capacity, which no wait or retry can
+///   fix (the message says so);
 ///   MORI_ERR_PANIC on an internal error.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_pool_try_alloc(
@@ -150,9 +159,10 @@ pub unsafe extern "C" fn mori_tp_pool_try_alloc(
 /// @param[in]  timeout_ms  The longest wait, in milliseconds (0: like mori_tp_pool_try_alloc).
 /// @param[out] out_slot    Receives the slot; written only on MORI_OK. Must not be NULL.
 ///
-/// @return the codes of mori_tp_pool_try_alloc; MORI_ERR_BUFFER_TOO_SMALL once the pool stayed
-///   full for timeout_ms (the message says how long it waited); MORI_ERR_INVALID_ARGUMENT also
-///   when the pool was destroyed during the wait.
+/// @return the codes of mori_tp_pool_try_alloc; MORI_ERR_POOL_FULL once the pool stayed full
+///   for timeout_ms (the message says how long it waited; worth retrying, unlike
+///   MORI_ERR_BUFFER_TOO_SMALL for a size above the capacity, which is refused at once);
+///   MORI_ERR_INVALID_ARGUMENT also when the pool was destroyed during the wait.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_pool_alloc(
     pool: MoriTpPool,

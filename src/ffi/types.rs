@@ -31,8 +31,9 @@ pub const MORI_ERR_SLICE_OVERFLOW: MoriStatus = 5;
 /// A page index is negative, or its page ends past the buffer capacity (or past 2^64 bytes).
 pub const MORI_ERR_OUT_OF_BOUNDS: MoriStatus = 6;
 /// The caller's output array is too small (*out_len holds the entries needed), a staging
-/// region holds fewer bytes than the request needs, or a staging pool has no free block for a
-/// slot (mori_tp_pool_try_alloc, mori_tp_pool_alloc).
+/// region holds fewer bytes than the request needs, or a slot larger than its staging pool's
+/// capacity is asked for (no wait can grant it). A pool that is only full now answers
+/// MORI_ERR_POOL_FULL instead.
 pub const MORI_ERR_BUFFER_TOO_SMALL: MoriStatus = 7;
 /// The requested copy backend is not built in, or it has no device.
 pub const MORI_ERR_BACKEND_UNAVAILABLE: MoriStatus = 8;
@@ -42,31 +43,38 @@ pub const MORI_ERR_GPU: MoriStatus = 9;
 /// The process's Rust panic hook (by default: a message on stderr) runs before this is returned;
 /// mori-tp installs no hook of its own.
 pub const MORI_ERR_PANIC: MoriStatus = 10;
+/// A staging pool has no free block for the slot now (mori_tp_pool_try_alloc), or still had
+/// none when the wait ended (mori_tp_pool_alloc's timeout_ms): worth retrying once other
+/// requests free their slots. The message names the block needed, the largest free block, the
+/// live slots and their bytes, and how long the call waited. (Before this code was added, a
+/// full pool answered MORI_ERR_BUFFER_TOO_SMALL.) A slot larger than the pool is still
+/// MORI_ERR_BUFFER_TOO_SMALL: no retry can grant it.
+pub const MORI_ERR_POOL_FULL: MoriStatus = 11;
 
 /// What a (prefill rank, decode rank) pair does; the type of MoriTpSliceConfig.action.
 pub type MoriTpAction = u32;
 /// The two ranks share no KV head: nothing to move.
-pub const MORI_TP_ACTION_NOT_PAIRED: MoriTpAction = 0;
+pub const MORI_TP_ACTION_NOT_PAIRED: MoriTpAction = 0u32;
 /// The prefill rank sends the heads it shares with the decode rank.
-pub const MORI_TP_ACTION_SEND: MoriTpAction = 1;
+pub const MORI_TP_ACTION_SEND: MoriTpAction = 1u32;
 /// The ranks share heads, but another prefill rank (a replica) is their sender: nothing to move.
-pub const MORI_TP_ACTION_SKIP_REPLICA: MoriTpAction = 2;
+pub const MORI_TP_ACTION_SKIP_REPLICA: MoriTpAction = 2u32;
 
 /// Which copy engine mori_send_kvcache uses; the type of MoriSendOptions.backend.
 pub type MoriBackend = u32;
 /// HIP when the library is built with it and a HIP device is present, the host otherwise.
-pub const MORI_BACKEND_AUTO: MoriBackend = 0;
+pub const MORI_BACKEND_AUTO: MoriBackend = 0u32;
 /// CPU copies (memmove), synchronous. Both sides must be host memory.
-pub const MORI_BACKEND_HOST: MoriBackend = 1;
+pub const MORI_BACKEND_HOST: MoriBackend = 1u32;
 /// The copy kernel or hipMemcpy2DAsync on the caller's stream (library built with the `hip`
 /// feature); see MORI_SEND_COPY_KERNEL for which runs when.
-pub const MORI_BACKEND_HIP: MoriBackend = 2;
+pub const MORI_BACKEND_HIP: MoriBackend = 2u32;
 
 /// MoriSendOptions.flags bit: wait (hipStreamSynchronize) for the copies before returning.
 /// Host copies are always complete on return. On a stream that is capturing a graph the wait is
 /// not allowed, so such a call is refused with MORI_ERR_GPU before anything is enqueued: capture
 /// without this flag, and synchronize after launching the graph.
-pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
+pub const MORI_SEND_SYNCHRONIZE: u32 = 1u32;
 /// MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
 /// one copy-kernel launch, plus one upload of the rect table, even where flags 0 would take the
 /// per-rect copies, and refuses (MORI_ERR_GPU, nothing written) what keeps the kernel from
@@ -101,27 +109,27 @@ pub const MORI_SEND_SYNCHRONIZE: u32 = 1;
 /// or buffer), or one that is also a source byte, may end as either copy leaves it, where the
 /// per-rect path leaves the last copy's. The host backend ignores the flag (its result is the
 /// same).
-pub const MORI_SEND_COPY_KERNEL: u32 = 2;
+pub const MORI_SEND_COPY_KERNEL: u32 = 2u32;
 /// MoriSendOptions.flags bit: the HIP backend issues one hipMemcpy2DAsync(dst + dst_offset,
 /// dst_pitch, src + src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer,
 /// rect), in buffer-then-rect order, and nothing else on the stream. Every kind of memory works
 /// (pageable host memory makes each copy synchronous), but each copy costs a runtime call, so a
 /// fragmented request is far slower than one kernel launch (BENCHMARKS.md). Not together with
 /// MORI_SEND_COPY_KERNEL (MORI_ERR_INVALID_ARGUMENT). The host backend ignores the flag.
-pub const MORI_SEND_MEMCPY2D: u32 = 4;
+pub const MORI_SEND_MEMCPY2D: u32 = 4u32;
 
 /// Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.
 pub type MoriTpStaging = u32;
 /// Pages to pages: the transport copies straight between the page buffers.
-pub const MORI_TP_STAGING_NONE: MoriTpStaging = 0;
+pub const MORI_TP_STAGING_NONE: MoriTpStaging = 0u32;
 /// The prefill rank packs into its staging region (mori_pack_kvcache); the transport copies
 /// from it into the decode pages.
-pub const MORI_TP_STAGING_SRC: MoriTpStaging = 1;
+pub const MORI_TP_STAGING_SRC: MoriTpStaging = 1u32;
 /// The transport copies from the prefill pages into a staging region on the decode rank, which
 /// unpacks it (mori_unpack_kvcache).
-pub const MORI_TP_STAGING_DST: MoriTpStaging = 2;
+pub const MORI_TP_STAGING_DST: MoriTpStaging = 2u32;
 /// Both ranks stage: one transport segment per buffer.
-pub const MORI_TP_STAGING_BOTH: MoriTpStaging = 3;
+pub const MORI_TP_STAGING_BOTH: MoriTpStaging = 3u32;
 
 /// A staging pool: a handle from mori_tp_pool_create, valid until mori_tp_pool_destroy. Handles
 /// are never reused, so a destroyed (or made-up) handle is refused with
@@ -132,28 +140,34 @@ pub type MoriTpPool = u64;
 pub type MoriTpPoolMemory = u32;
 /// Host memory from mmap: aligned to 2 MiB, transparent huge pages requested, locked in RAM
 /// (mlock) where the process may lock it, and populated before the pool is returned.
-pub const MORI_TP_POOL_HOST: MoriTpPoolMemory = 0;
+pub const MORI_TP_POOL_HOST: MoriTpPoolMemory = 0u32;
 /// Device memory from one hipMalloc on the calling thread's current device (library built with
 /// the `hip` feature).
-pub const MORI_TP_POOL_DEVICE: MoriTpPoolMemory = 1;
+pub const MORI_TP_POOL_DEVICE: MoriTpPoolMemory = 1u32;
 
 /// MoriTpPoolInfo.flags bit: the region is locked in RAM (host memory that mlock accepted, or
 /// device memory).
-pub const MORI_TP_POOL_LOCKED: u32 = 1;
+pub const MORI_TP_POOL_LOCKED: u32 = 1u32;
 /// MoriTpPoolInfo.flags bit: the kernel accepted madvise(MADV_HUGEPAGE) for the region.
-pub const MORI_TP_POOL_HUGE_PAGES: u32 = 2;
+pub const MORI_TP_POOL_HUGE_PAGES: u32 = 2u32;
 
 /// The ABI version this header describes; compare with mori_abi_version() at start-up.
 pub const MORI_TP_ABI_VERSION: u32 = 1;
 
 /// The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
 /// for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
-/// names the shared library (libmori_tp.so.1).
+/// names the shared library (libmori_tp.so.1). The version macros are plain decimal numbers
+/// (int), so that they can be stringized; the enum and flag values are unsigned (`1u`),
+/// the type of the uint32_t fields that hold them.
 pub const MORI_TP_VERSION_MAJOR: u32 = 0;
 /// See MORI_TP_VERSION_MAJOR.
 pub const MORI_TP_VERSION_MINOR: u32 = 1;
 /// See MORI_TP_VERSION_MAJOR.
 pub const MORI_TP_VERSION_PATCH: u32 = 0;
+/// The three version numbers in one: MAJOR * 1000000 + MINOR * 1000 + PATCH (0.1.0 is 1000,
+/// 1.2.3 would be 1002003), for one comparison (`#if MORI_TP_VERSION >= 2000`: 0.2.0 or later).
+pub const MORI_TP_VERSION: u32 =
+    MORI_TP_VERSION_MAJOR * 1_000_000 + MORI_TP_VERSION_MINOR * 1_000 + MORI_TP_VERSION_PATCH;
 
 /// The inputs of mori_tp_slice_config (the Rust type is [`SliceParams`]).
 /// cbindgen:ignore

@@ -11,8 +11,12 @@
 //! [`StagingPool::alloc`] waits up to a timeout for a slot to be freed (backpressure instead of
 //! failure). Misuse (a double free, an offset that starts no slot, a pool closed while slots are
 //! live) is refused with an error that names the offsets.
+//!
+//! Under a sanitizer of the program the library is linked into (see [`sanitizer`]), a host
+//! pool's free space is poisoned for AddressSanitizer, and its lock is made visible to
+//! ThreadSanitizer.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -20,6 +24,7 @@ use crate::error::{Error, Result};
 mod device;
 mod fit;
 mod host;
+pub(crate) mod sanitizer;
 
 #[cfg(test)]
 pub(crate) use device::DeviceMemory;
@@ -27,6 +32,7 @@ pub(crate) use device::DeviceMemory;
 pub(crate) use device::POOL_TAIL_BYTES;
 use fit::{Fit, Refusal};
 pub use host::HostMemory;
+use sanitizer::Locked;
 
 /// The slot unit the C API uses when the caller passes 0: a slot wastes less than this.
 pub const DEFAULT_MIN_SLOT: u64 = 64 << 10;
@@ -149,6 +155,8 @@ pub struct StagingPool<M: PoolMemory = Box<dyn PoolMemory + Send + Sync>> {
     shift: u32,
     state: Mutex<State>,
     freed: Condvar,
+    /// Host memory: its free space is poisoned for AddressSanitizer.
+    poisons: bool,
 }
 
 impl StagingPool {
@@ -172,6 +180,10 @@ impl<M: PoolMemory> StagingPool<M> {
     /// A pool over `memory`, whose length must be a multiple of `min_slot` (a power of two).
     pub fn new(memory: M, min_slot: u64) -> Result<Self> {
         check_shape(memory.size(), min_slot)?;
+        let poisons = memory.report().kind == PoolMemoryKind::Host;
+        if poisons {
+            sanitizer::poison(memory.base(), memory.size());
+        }
         Ok(StagingPool {
             shift: min_slot.trailing_zeros(),
             state: Mutex::new(State {
@@ -181,6 +193,7 @@ impl<M: PoolMemory> StagingPool<M> {
             }),
             freed: Condvar::new(),
             memory,
+            poisons,
         })
     }
 
@@ -189,11 +202,8 @@ impl<M: PoolMemory> StagingPool<M> {
         &self.memory
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // The state is consistent between statements: a panic elsewhere cannot corrupt it.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn lock(&self) -> Locked<'_, State> {
+        Locked::new(&self.state)
     }
 
     fn bytes(&self, units: u64) -> u64 {
@@ -226,11 +236,7 @@ impl<M: PoolMemory> StagingPool<M> {
                 return self.alloc_locked(&mut state, size, Some(waited));
             }
             state.waiters += 1;
-            state = self
-                .freed
-                .wait_timeout(state, left)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
+            state = state.wait_timeout(&self.freed, left);
             state.waiters -= 1;
         }
     }
@@ -244,12 +250,19 @@ impl<M: PoolMemory> StagingPool<M> {
         }
         let units = ((size - 1) >> self.shift) + 1;
         match state.fit.alloc(units) {
-            Ok(start) => Ok(Slot {
-                offset: self.bytes(start),
-                size: self.bytes(units),
-                // wrapping_add: the region may be device memory.
-                address: self.memory.base().wrapping_add(self.bytes(start) as usize),
-            }),
+            Ok(start) => {
+                let slot = Slot {
+                    offset: self.bytes(start),
+                    size: self.bytes(units),
+                    // wrapping_add: the region may be device memory.
+                    address: self.memory.base().wrapping_add(self.bytes(start) as usize),
+                };
+                if self.poisons {
+                    // Under the lock: a free of the same space cannot poison it in between.
+                    sanitizer::unpoison(slot.address, slot.size);
+                }
+                Ok(slot)
+            }
             Err(Refusal::TooLarge) => Err(Error::SlotLargerThanPool {
                 size,
                 capacity: self.memory.size(),
@@ -294,6 +307,12 @@ impl<M: PoolMemory> StagingPool<M> {
             });
         }
         let units = state.fit.free(offset >> self.shift).map_err(refused)?;
+        if self.poisons {
+            sanitizer::poison(
+                self.memory.base().wrapping_add(offset as usize),
+                self.bytes(units),
+            );
+        }
         drop(state);
         self.freed.notify_all();
         Ok(self.bytes(units))
@@ -333,6 +352,20 @@ impl<M: PoolMemory> StagingPool<M> {
         drop(state);
         self.freed.notify_all();
         Ok(())
+    }
+}
+
+impl<M: PoolMemory> Drop for StagingPool<M> {
+    fn drop(&mut self) {
+        // The last owner may be a thread that did not hold the lock last: taking it once tells
+        // ThreadSanitizer that every critical section (and what it allocated) came before the
+        // pool's memory is freed.
+        drop(self.lock());
+        if self.poisons {
+            // Before the region is unmapped (the memory field drops after this): memory mapped
+            // there later must not start poisoned.
+            sanitizer::unpoison(self.memory.base(), self.memory.size());
+        }
     }
 }
 
@@ -394,7 +427,7 @@ mod tests {
         let full = pool.try_alloc(1).unwrap_err();
         assert_eq!(
             full.to_string(),
-            "buffer too small: staging pool full: a slot of 1 bytes needs a free block of 4096 \
+            "staging pool full: a slot of 1 bytes needs a free block of 4096 \
              bytes, the largest free block is 0 bytes (1 live slots hold 65536 of 65536 bytes)"
         );
         let start = Instant::now();

@@ -57,8 +57,14 @@ pub fn built_static_library() -> PathBuf {
 }
 
 /// The system libraries a C program links next to libmori_tp.a (from
-/// `cargo rustc --lib -- --print native-static-libs`); the README lists exactly these.
-pub const STATIC_LIBS: &str = "-lpthread -ldl -lm -lrt -lutil -lgcc_s";
+/// `cargo rustc --lib -- --print native-static-libs`, less `-lgcc_s`: the compiler driver links
+/// the unwinder itself, libgcc_s, or libgcc_eh under `-static`, where `-lgcc_s` cannot link);
+/// the README lists exactly these.
+pub const STATIC_LIBS: &str = "-lpthread -ldl -lm -lrt -lutil";
+
+/// What a shared object that links libmori_tp.a adds so that it does not re-export the
+/// library's symbols (mori_tp::static and mori_tp-static.pc carry it); the README shows it.
+pub const EXCLUDE_LIBS: &str = "-Wl,--exclude-libs,libmori_tp.a";
 
 /// With the HIP backend built in (`--features hip`), a program that links libmori_tp also links
 /// libamdhip64: from the HIP install `hipconfig -p` names (what hip-sys linked against), else the
