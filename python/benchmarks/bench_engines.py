@@ -296,7 +296,8 @@ class StreamBench:
         slot_address, token = self.peer.expect(rid, 0, self.config, self.dst_pages,
                                                int(Staging.NONE), self.need)
         slot = self.pool.alloc(self.need, timeout=self.timeout)
-        message = chunk_message(rid, token, 0, [(0, self.num_buffers)], sealed=1)
+        message = chunk_message(rid, token, 0, [(0, self.num_buffers)], sealed=1,
+                                staging=Staging.NONE)
         start = time.monotonic()
         self.transport.write(self.handle, [slot.address], [slot_address], [self.need],
                              notification=message, timeout=self.timeout)
