@@ -321,6 +321,48 @@ class CalibrationTest(unittest.TestCase):
             model.observe_write("p", 16, 1 << 24, 1, truth.write_seconds(16, 1 << 24))
         self.assertAlmostEqual(model.transport_costs("p").per_segment, 30e-6, delta=1e-9)
 
+    def test_writes_and_packs_timed_alone_are_preferred_to_overlapped_ones(self):
+        """A write that ran beside a pack of the same rank is slower than the write alone,
+        and the model's pipeline shares the cores out itself: the fit takes the writes timed
+        alone once they tell the costs, and the overlapped ones only until then."""
+        truth = TransportCosts(30e-6, 2 * GB)
+        model = CostModel(copy=CopyCosts(6 * GB))
+        for segments in (16, 480, 16, 480, 16, 480):
+            model.observe_write("p", segments, 1 << 23, 1,
+                                2 * truth.write_seconds(segments, 1 << 23), alone=False)
+        overlapped = model.transport_costs("p")
+        self.assertIn("6 writes", overlapped.source)
+        self.assertAlmostEqual(overlapped.per_segment, 60e-6, delta=1e-9)
+        for segments in (16, 480, 16, 480):
+            model.observe_write("p", segments, 1 << 23, 1,
+                                truth.write_seconds(segments, 1 << 23))
+        alone = model.transport_costs("p")
+        self.assertIn("4 writes timed alone", alone.source)
+        self.assertAlmostEqual(alone.per_segment, 30e-6, delta=1e-9)
+        copies = CostModel()
+        copies.observe_copy("pack", 1 << 20, 1e-3, alone=False)
+        self.assertAlmostEqual(copies.copy_costs().pack_bytes_per_second, 1e9 * 1.048576)
+        copies.observe_copy("pack", 1 << 20, 0.5e-3)
+        self.assertAlmostEqual(copies.copy_costs().pack_bytes_per_second, 2e9 * 1.048576)
+
+    def test_a_streamer_tells_which_packs_and_writes_ran_alone(self):
+        from mori_tp.engines.streaming import _Activity
+
+        activity = _Activity()
+        write = activity.begin()
+        self.assertTrue(activity.end(write))
+        write = activity.begin()
+        pack = activity.begin()  # a pack starts while the write runs: neither was alone
+        self.assertFalse(activity.end(write))
+        self.assertFalse(activity.end(pack))
+        write = activity.begin()
+        pack = activity.begin()
+        self.assertFalse(activity.end(pack))
+        later = activity.begin()  # began after the pack ended, while the write ran
+        self.assertFalse(activity.end(write))
+        self.assertFalse(activity.end(later))
+        self.assertTrue(activity.end(activity.begin()))
+
     def test_given_costs_win_over_the_fitted_ones_for_their_peer(self):
         config, src, dst, buffers = request("tp2to8")
         model = CostModel(copy=CopyCosts(6 * GB))

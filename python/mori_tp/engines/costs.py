@@ -12,9 +12,12 @@ of every mode and chunk count from
   :func:`mori_tp.pair_segments`, one call per mode),
 - the transport's costs between this rank and the peer (:class:`TransportCosts`: seconds per
   engine call, per segment, per byte), given, or fitted to the writes this rank made to that
-  peer (every :class:`~mori_tp.engines.Streamer` write is recorded),
+  peer (every :class:`~mori_tp.engines.Streamer` write is recorded; those that ran while no
+  pack or other write of this rank did are preferred, since the model shares the cores out
+  itself),
 - the copy speed of the backend that packs and unpacks (:class:`CopyCosts`): given, or the packs
-  this rank made, or one host pack and unpack measured at first use,
+  (and unpacks, where the decode rank reports them) observed, or one host pack and unpack
+  measured at first use,
 
 and picks the cheapest. Until the transport's costs are known it answers ``staging_for``'s mode
 (the contract's rule) with :func:`~mori_tp.engines.chunk_ranges`' chunks, and spends a few of the
@@ -90,6 +93,9 @@ WINDOW = 64
 MAX_DENSITIES = 32
 #: Pack and unpack observations kept (the newest).
 COPY_WINDOW = 64
+#: A peer's costs are fitted again once this many writes came since the last fit (at once while
+#: no fit succeeded).
+REFIT_WRITES = 16
 #: The fit needs at least this many writes, whose segments per byte differ by at least
 #: DENSITY_SPREAD between the sparsest and the densest.
 MIN_WRITES = 4
@@ -400,11 +406,16 @@ class CostModel:
         self.explore = explore
         self._lock = threading.Lock()
         self._given: Dict[Any, TransportCosts] = {}
-        self._writes: Dict[Any, Dict[int, Deque[Tuple[int, int, int, float]]]] = {}
+        #: Per peer, per (density, alone): the newest writes.
+        self._writes: Dict[Any, Dict[Tuple[int, bool], Deque[Tuple[int, int, int, float]]]] = {}
         self._fitted: Dict[Any, Optional[TransportCosts]] = {}
+        #: Writes per peer since its last fit, and those timed alone.
+        self._new: Dict[Any, int] = {}
+        self._new_alone: Dict[Any, int] = {}
         self._explored: Dict[Any, int] = {}
-        self._packs: Deque[float] = deque(maxlen=COPY_WINDOW)
-        self._unpacks: Deque[float] = deque(maxlen=COPY_WINDOW)
+        #: Bytes per second of the packs and unpacks observed: [not alone, alone].
+        self._packs = (deque(maxlen=COPY_WINDOW), deque(maxlen=COPY_WINDOW))
+        self._unpacks = (deque(maxlen=COPY_WINDOW), deque(maxlen=COPY_WINDOW))
         self._measured: Optional[CopyCosts] = None
 
     # -- figures --
@@ -420,12 +431,14 @@ class CostModel:
                 self._given[peer] = costs
 
     def observe_write(self, peer: Any, segments: int, nbytes: int, calls: int,
-                      seconds: float) -> None:
+                      seconds: float, *, alone: bool = True) -> None:
         """Records one write to ``peer``: its segments, bytes, engine calls and seconds (a
-        Streamer records each chunk's)."""
+        Streamer records each chunk's). ``alone``: no pack or other write of this rank ran
+        meanwhile; the fit prefers such writes (their time is the write's own, which the
+        model's pipeline then shares out), and takes the others while those do not suffice."""
         if segments <= 0 or nbytes <= 0 or calls <= 0 or not 0 < seconds < math.inf:
             return
-        density = round(math.log2(segments / nbytes))
+        density = (round(math.log2(segments / nbytes)), bool(alone))
         with self._lock:
             windows = self._writes.setdefault(peer, {})
             window = windows.pop(density, None) or deque(maxlen=WINDOW)
@@ -433,18 +446,22 @@ class CostModel:
             windows[density] = window  # the most recently observed density last
             while len(windows) > MAX_DENSITIES:
                 del windows[next(iter(windows))]
-            self._fitted.pop(peer, None)
+            self._new[peer] = self._new.get(peer, 0) + 1
+            if alone:
+                self._new_alone[peer] = self._new_alone.get(peer, 0) + 1
 
-    def observe_copy(self, kind: str, nbytes: int, seconds: float) -> None:
+    def observe_copy(self, kind: str, nbytes: int, seconds: float, *,
+                     alone: bool = True) -> None:
         """Records one pack (``kind`` "pack") or unpack ("unpack") of ``nbytes`` staged bytes
-        that took ``seconds``."""
+        that took ``seconds``; ``alone`` as for :meth:`observe_write`."""
         if kind not in ("pack", "unpack"):
             raise InvalidArgumentError(f"observe_copy: kind {kind!r} is neither 'pack' nor "
                                        "'unpack'")
         if nbytes <= 0 or not 0 < seconds < math.inf:
             return
         with self._lock:
-            (self._packs if kind == "pack" else self._unpacks).append(nbytes / seconds)
+            (self._packs if kind == "pack" else self._unpacks)[bool(alone)].append(
+                nbytes / seconds)
 
     def observe(self, peer: Any, result: Any) -> None:
         """Records what one transport ``send`` reported (a :class:`~mori_tp.engines.SendResult`:
@@ -461,15 +478,29 @@ class CostModel:
             given = self._given.get(peer, self.transport)
             if given is not None:
                 return given
-            if peer in self._fitted:
-                return self._fitted[peer]
-            writes = [w for window in self._writes.get(peer, {}).values() for w in window]
-        fitted = _fit(writes)
+            fitted = self._fitted.get(peer)
+            new = self._new.get(peer, 0)
+            # Fitted again: while no fit succeeded, at every write; then every REFIT_WRITES
+            # writes, or at once when a fit to overlapped writes may give way to one to writes
+            # timed alone.
+            stale = fitted is None or new >= REFIT_WRITES or (
+                "alone" not in fitted.source and self._new_alone.get(peer, 0) > 0)
+            if (peer in self._fitted and not new) or not stale:
+                return fitted
+            self._new[peer] = 0
+            self._new_alone[peer] = 0
+            windows = self._writes.get(peer, {})
+            alone = [w for (_, solo), window in windows.items() if solo for w in window]
+            every = [w for window in windows.values() for w in window]
         costs = None
-        if fitted is not None:
-            per_call, per_segment, per_byte = fitted
-            costs = TransportCosts(per_segment, 1.0 / per_byte if per_byte > 0 else math.inf,
-                                   per_call, source=f"fitted to {len(writes)} writes")
+        for writes, which in ((alone, "writes timed alone"), (every, "writes")):
+            fitted = _fit(writes)
+            if fitted is not None:
+                per_call, per_segment, per_byte = fitted
+                costs = TransportCosts(per_segment,
+                                       1.0 / per_byte if per_byte > 0 else math.inf,
+                                       per_call, source=f"fitted to {len(writes)} {which}")
+                break
         with self._lock:
             self._fitted[peer] = costs
         return costs
@@ -480,7 +511,9 @@ class CostModel:
         with self._lock:
             if self.copy is not None:
                 return self.copy
-            packs, unpacks = list(self._packs), list(self._unpacks)
+            # The copies timed alone, else all.
+            packs = list(self._packs[1]) or list(self._packs[0])
+            unpacks = list(self._unpacks[1]) or list(self._unpacks[0])
             measured = self._measured
         if packs:
             pack = float(np.median(packs))
@@ -503,7 +536,14 @@ class CostModel:
         """The predicted time of a request of ``nbytes`` bytes and ``segments`` segments (all
         buffers) in mode ``staging`` and ``chunks`` chunks (the formula in the module docs)."""
         staging = Staging(staging)
-        n = chunks
+        seconds, pack, write, unpack = self._seconds(staging, chunks, segments, nbytes,
+                                                     transport, copy)
+        return Estimate(staging, chunks, segments, seconds, pack, write, unpack)
+
+    def _seconds(self, staging: Staging, n: int, segments: int, nbytes: int,
+                 transport: TransportCosts, copy: CopyCosts
+                 ) -> Tuple[float, float, float, float]:
+        """(total, pack, write with its calls, unpack) seconds: :meth:`estimate`'s figures."""
         pack = (nbytes / copy.pack_bytes_per_second + n * copy.per_call) if staging.packs \
             else 0.0
         unpack = (nbytes / copy.unpack_speed + n * copy.per_call) if staging.unpacks else 0.0
@@ -511,28 +551,27 @@ class CostModel:
         calls = n
         if self.max_segments_per_call is not None:
             calls = max(n, -(-segments // self.max_segments_per_call))
-        stages = (pack, write, unpack)
-        total = sum(stages)
-        pipelined = total / n + (n - 1) / n * max(stages)
+        total = pack + write + unpack
+        pipelined = total / n + (n - 1) / n * max(pack, write, unpack)
         host = copy.on_host
-        busy = max((pack if host else 0.0) + transport.host_cores * write,
-                   (unpack if host else 0.0) + transport.host_cores * write) / self.cores
-        seconds = min(max(pipelined, busy), total) + calls * transport.per_call \
-            + n * self.chunk_overhead
-        return Estimate(staging, n, segments, seconds, pack,
-                        write + calls * transport.per_call, unpack)
+        shared = transport.host_cores * write
+        busy = max((pack if host else 0.0) + shared,
+                   (unpack if host else 0.0) + shared) / self.cores
+        fixed = calls * transport.per_call
+        return (min(max(pipelined, busy), total) + fixed + n * self.chunk_overhead, pack,
+                write + fixed, unpack)
 
     def best_chunks(self, staging: Staging, segments: int, nbytes: int, num_buffers: int,
                     transport: TransportCosts, copy: CopyCosts) -> Estimate:
         """The mode's estimate in its cheapest chunk count (1 to ``max_chunks``, at most the
         buffers; the fewest chunks among equals)."""
-        best: Optional[Estimate] = None
+        staging = Staging(staging)
+        best, fastest = 1, math.inf
         for n in range(1, max(1, min(num_buffers, self.max_chunks)) + 1):
-            estimate = self.estimate(staging, n, segments, nbytes, transport, copy)
-            if best is None or estimate.seconds < best.seconds * (1 - 1e-9):
-                best = estimate
-        assert best is not None
-        return best
+            seconds = self._seconds(staging, n, segments, nbytes, transport, copy)[0]
+            if seconds < fastest * (1 - 1e-9):
+                best, fastest = n, seconds
+        return self.estimate(staging, best, segments, nbytes, transport, copy)
 
     def choose(self, peer: Any, config: Union[SliceConfig, PairConfig],
                request: Union[Request, Any], dst_pages: Any = None, *, num_buffers: int,

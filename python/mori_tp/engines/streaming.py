@@ -706,6 +706,28 @@ class RequestStream:
             self._streamer._untrack(threading.current_thread(), self._streamer._aborts)
 
 
+class _Activity:
+    """Which packs and writes of a streamer run at once: a pack or write that ran while no
+    other did is timed alone, the figure a cost model's stages stand for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._started = 0
+
+    def begin(self) -> Tuple[bool, int]:
+        with self._lock:
+            self._active += 1
+            self._started += 1
+            return self._active > 1, self._started
+
+    def end(self, token: Tuple[bool, int]) -> bool:
+        """Whether the pack or write that began with ``token`` ran alone."""
+        with self._lock:
+            self._active -= 1
+            return not token[0] and self._started == token[1]
+
+
 class Streamer:
     """Writes requests in chunks through one transport: a packing thread and a writing thread
     shared by every request in flight, so that packing chunk i+1 overlaps writing chunk i (the
@@ -733,6 +755,7 @@ class Streamer:
         #: chunk's write and pack are recorded in it.
         self.costs = costs if costs is not None else CostModel(
             max_segments_per_call=getattr(transport, "max_segments_per_call", None))
+        self._activity = _Activity()
         self._lock = threading.Lock()
         #: No new stream or chunk is taken (close was called).
         self._closing = False
@@ -981,13 +1004,17 @@ class Streamer:
             try:
                 if here:
                     _wait_ready(ready)
-                seconds = request.plan.pack(backend=request.backend, stream=request.stream,
-                                            buffers=ranges)
+                token = self._activity.begin()
+                try:
+                    seconds = request.plan.pack(backend=request.backend,
+                                                stream=request.stream, buffers=ranges)
+                finally:
+                    alone = self._activity.end(token)
                 request.pack_seconds += seconds
                 if seconds > 0:
                     self.costs.observe_copy(
                         "pack", sum(e - a for a, e in ranges) * request.plan.staging_len,
-                        seconds)
+                        seconds, alone=alone)
             except BaseException as error:  # noqa: B036 - reported to the caller's wait
                 request._fail(error)
                 if here and not isinstance(error, Exception):
@@ -1033,24 +1060,29 @@ class Streamer:
                                 request._sealed if last else None,
                                 staging=request.plan.staging)
         src, dst, lengths = request.plan.addresses(ranges)
+        token = self._activity.begin()
         start = time.perf_counter()
         calls = 0
-        if len(lengths):
-            calls = self.transport.write(request.peer, src, dst, lengths,
-                                         notification=message, timeout=request.timeout,
-                                         epoch=planned_epoch(request.plan),
-                                         request_id=request.request_id)
-            request.calls += calls
-        else:
-            # Nothing to move (a pair that is not SEND): the notification goes alone.
-            self._notify(request, message)
-        seconds = time.perf_counter() - start
+        try:
+            if len(lengths):
+                calls = self.transport.write(request.peer, src, dst, lengths,
+                                             notification=message, timeout=request.timeout,
+                                             epoch=planned_epoch(request.plan),
+                                             request_id=request.request_id)
+                request.calls += calls
+            else:
+                # Nothing to move (a pair that is not SEND): the notification goes alone.
+                self._notify(request, message)
+        finally:
+            seconds = time.perf_counter() - start
+            alone = self._activity.end(token)
         request.write_seconds += seconds
         request.segments += len(lengths)
         moved = int(lengths.sum())
         request.bytes += moved
         if calls:
-            self.costs.observe_write(request.peer, len(lengths), moved, calls, seconds)
+            self.costs.observe_write(request.peer, len(lengths), moved, calls, seconds,
+                                     alone=alone)
         with request._lock:
             request._written += 1
             if last:
@@ -1662,11 +1694,12 @@ class Receiver:
                 # The sender's choice (BY_SENDER), from its first chunk; checked above.
                 incoming.staging = message.staging
             try:
-                start = time.perf_counter()
-                unpack_request(incoming.config, incoming.dst_pages, memory=incoming.memory,
-                               staging=incoming.staging, backend=incoming.backend,
-                               buffers=ranges)
-                incoming.unpack_seconds += time.perf_counter() - start
+                if incoming.staging.unpacks:
+                    start = time.perf_counter()
+                    unpack_request(incoming.config, incoming.dst_pages, memory=incoming.memory,
+                                   staging=incoming.staging, backend=incoming.backend,
+                                   buffers=ranges)
+                    incoming.unpack_seconds += time.perf_counter() - start
             except Exception as error:  # noqa: BLE001 - the request fails with it
                 self._fail(incoming, error)
                 return
