@@ -345,6 +345,29 @@ class CalibrationTest(unittest.TestCase):
         copies.observe_copy("pack", 1 << 20, 0.5e-3)
         self.assertAlmostEqual(copies.copy_costs().pack_bytes_per_second, 2e9 * 1.048576)
 
+    def test_the_transports_host_cores_are_this_process_cpu_share_while_it_writes(self):
+        """A cross-memory copy keeps a core busy while it writes, TCP on loopback about a
+        quarter of one here (the rest is waiting): measured, not assumed per engine."""
+        truth = TransportCosts(30e-6, 2 * GB)
+        model = CostModel(copy=CopyCosts(6 * GB), cores=4)
+        for share, segments in zip((0.2, 0.3, 0.25, 0.9, 0.25), (16, 480, 16, 480, 16)):
+            seconds = truth.write_seconds(segments, 1 << 23)
+            model.observe_write("p", segments, 1 << 23, 1, seconds, cpu_seconds=share * seconds)
+        # Overlapped writes tell nothing about the engine's own share.
+        model.observe_write("p", 16, 1 << 23, 1, 1.0, alone=False, cpu_seconds=2.0)
+        fitted = model.transport_costs("p")
+        self.assertAlmostEqual(fitted.host_cores, 0.25)
+        self.assertIn("CPU share while it wrote alone (5 writes)", fitted.source)
+        # Never more than the cores the model gives a rank; 1 when nothing was measured.
+        model = CostModel(copy=CopyCosts(6 * GB), cores=1)
+        for segments in (16, 480, 16, 480):
+            model.observe_write("p", segments, 1 << 23, 1, 0.01, cpu_seconds=0.03)
+        self.assertEqual(model.transport_costs("p").host_cores, 1.0)
+        model = CostModel(copy=CopyCosts(6 * GB))
+        for segments in (16, 480, 16, 480):
+            model.observe_write("p", segments, 1 << 23, 1, 0.01)
+        self.assertEqual(model.transport_costs("p").host_cores, 1.0)
+
     def test_a_streamer_tells_which_packs_and_writes_ran_alone(self):
         from mori_tp.engines.streaming import _Activity
 

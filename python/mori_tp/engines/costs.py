@@ -41,8 +41,9 @@ The time of ``n`` chunks of a request of ``B`` bytes and ``S`` segments in mode 
     T(m, n)   = min(max(pipelined, busy), P + W + U) + calls * per_call + n * chunk_overhead
 
 ``pipelined`` is the pipeline of three stages on engines of their own; ``busy`` bounds it by the
-host cores those stages share (host copies take a core each, a TCP or cross-memory transport
-about one; device copies and an RDMA NIC none). Every choice, with its figures, is logged at
+host cores those stages share: a host copy takes a core, the transport ``h`` cores (this
+process's CPU share while it writes alone, measured: a cross-memory copy keeps about one busy,
+TCP less, an RDMA NIC next to none), device copies none. Every choice, with its figures, is logged at
 debug level (logger ``mori_tp.engines.costs``).
 """
 
@@ -145,7 +146,7 @@ class TransportCosts:
         speed = ("unbounded" if self.bytes_per_second == math.inf
                  else f"{self.bytes_per_second / 1e9:.2f} GB/s")
         return (f"{self.per_segment * 1e6:.2f} us/segment, {speed}, "
-                f"{self.per_call * 1e6:.0f} us/call, {self.host_cores:g} host cores "
+                f"{self.per_call * 1e6:.0f} us/call, {self.host_cores:.2f} host cores "
                 f"({self.source})")
 
 
@@ -409,6 +410,10 @@ class CostModel:
         #: Per peer, per (density, alone): the newest writes.
         self._writes: Dict[Any, Dict[Tuple[int, bool], Deque[Tuple[int, int, int, float]]]] = {}
         self._fitted: Dict[Any, Optional[TransportCosts]] = {}
+        #: Per peer: the CPU share of this process during the writes timed alone.
+        self._cpu: Dict[Any, Deque[float]] = {}
+        #: Peers whose costs were fitted to writes timed alone.
+        self._fit_alone: set = set()
         #: Writes per peer since its last fit, and those timed alone.
         self._new: Dict[Any, int] = {}
         self._new_alone: Dict[Any, int] = {}
@@ -431,13 +436,21 @@ class CostModel:
                 self._given[peer] = costs
 
     def observe_write(self, peer: Any, segments: int, nbytes: int, calls: int,
-                      seconds: float, *, alone: bool = True) -> None:
+                      seconds: float, *, alone: bool = True,
+                      cpu_seconds: Optional[float] = None) -> None:
         """Records one write to ``peer``: its segments, bytes, engine calls and seconds (a
         Streamer records each chunk's). ``alone``: no pack or other write of this rank ran
         meanwhile; the fit prefers such writes (their time is the write's own, which the
-        model's pipeline then shares out), and takes the others while those do not suffice."""
+        model's pipeline then shares out), and takes the others while those do not suffice.
+        ``cpu_seconds``: the CPU time this process spent meanwhile (all its threads: the
+        engine's own included); over the writes timed alone, its median share of the write's
+        time is the transport's ``host_cores``."""
         if segments <= 0 or nbytes <= 0 or calls <= 0 or not 0 < seconds < math.inf:
             return
+        if alone and cpu_seconds is not None and 0 <= cpu_seconds < math.inf:
+            with self._lock:
+                self._cpu.setdefault(peer, deque(maxlen=COPY_WINDOW)).append(
+                    cpu_seconds / seconds)
         density = (round(math.log2(segments / nbytes)), bool(alone))
         with self._lock:
             windows = self._writes.setdefault(peer, {})
@@ -484,7 +497,7 @@ class CostModel:
             # writes, or at once when a fit to overlapped writes may give way to one to writes
             # timed alone.
             stale = fitted is None or new >= REFIT_WRITES or (
-                "alone" not in fitted.source and self._new_alone.get(peer, 0) > 0)
+                peer not in self._fit_alone and self._new_alone.get(peer, 0) > 0)
             if (peer in self._fitted and not new) or not stale:
                 return fitted
             self._new[peer] = 0
@@ -492,17 +505,28 @@ class CostModel:
             windows = self._writes.get(peer, {})
             alone = [w for (_, solo), window in windows.items() if solo for w in window]
             every = [w for window in windows.values() for w in window]
-        costs = None
+            shares = list(self._cpu.get(peer, ()))
+        # The host cores the engine keeps busy while it writes: measured, else about one.
+        host_cores = min(float(np.median(shares)), self.cores) if shares else 1.0
+        costs, from_alone = None, False
         for writes, which in ((alone, "writes timed alone"), (every, "writes")):
-            fitted = _fit(writes)
-            if fitted is not None:
-                per_call, per_segment, per_byte = fitted
+            result = _fit(writes)
+            if result is not None:
+                per_call, per_segment, per_byte = result
+                cores = (f"; host cores: this process's CPU share while it wrote alone "
+                         f"({len(shares)} writes)" if shares else "")
                 costs = TransportCosts(per_segment,
                                        1.0 / per_byte if per_byte > 0 else math.inf,
-                                       per_call, source=f"fitted to {len(writes)} {which}")
+                                       per_call, host_cores,
+                                       source=f"fitted to {len(writes)} {which}{cores}")
+                from_alone = writes is alone
                 break
         with self._lock:
             self._fitted[peer] = costs
+            if from_alone:
+                self._fit_alone.add(peer)
+            else:
+                self._fit_alone.discard(peer)
         return costs
 
     def copy_costs(self) -> CopyCosts:

@@ -1061,6 +1061,7 @@ class Streamer:
                                 staging=request.plan.staging)
         src, dst, lengths = request.plan.addresses(ranges)
         token = self._activity.begin()
+        cpu = time.process_time()
         start = time.perf_counter()
         calls = 0
         try:
@@ -1075,6 +1076,7 @@ class Streamer:
                 self._notify(request, message)
         finally:
             seconds = time.perf_counter() - start
+            cpu = time.process_time() - cpu
             alone = self._activity.end(token)
         request.write_seconds += seconds
         request.segments += len(lengths)
@@ -1082,7 +1084,7 @@ class Streamer:
         request.bytes += moved
         if calls:
             self.costs.observe_write(request.peer, len(lengths), moved, calls, seconds,
-                                     alone=alone)
+                                     alone=alone, cpu_seconds=cpu)
         with request._lock:
             request._written += 1
             if last:
