@@ -204,6 +204,50 @@ class ChooseTest(unittest.TestCase):
             "p", config, src, dst, num_buffers=buffers, modes=[Staging.SRC])
         self.assertGreater(two.chunks, 1, two.describe())
 
+    def test_the_cores_a_rank_gets_are_measured_from_packs_beside_a_write(self):
+        """On a host whose cores are taken (other jobs, or a transport that keeps them busy),
+        a pack beside a write runs slower than alone, and a pipeline gains nothing: the model
+        measures the cores each rank gets from that slowdown."""
+        config, src, dst, buffers = request("tp2to8", tokens=16384)
+        nbytes = buffers * mori_tp.staging_len(config, len(src))
+        speed = nbytes / 5e-3
+        transport = TransportCosts(0.0, speed, 5e-6, host_cores=0.5)
+        quiet, loaded = CostModel(transport), CostModel(transport)
+        for model, beside in ((quiet, speed), (loaded, speed / 3)):
+            for _ in range(3):
+                model.observe_copy("pack", nbytes, nbytes / speed)
+                model.observe_copy("pack", nbytes, nbytes / beside, alone=False)
+        cores, source = quiet.host_cores(transport, quiet.copy_costs())
+        self.assertGreaterEqual(cores, 1.5)
+        self.assertIn("as fast as alone (3 and 3 packs)", source)
+        cores, source = loaded.host_cores(transport, loaded.copy_costs())
+        self.assertAlmostEqual(cores, 1.5 / 3)
+        self.assertIn("3.00x slower than alone", source)
+        fast = quiet.choose("p", config, src, dst, num_buffers=buffers, modes=[Staging.BOTH])
+        slow = loaded.choose("p", config, src, dst, num_buffers=buffers, modes=[Staging.BOTH])
+        self.assertGreater(fast.chunks, 1, fast.describe())
+        self.assertEqual(slow.chunks, 1, slow.describe())
+        self.assertIn("0.50 host cores per rank (measured", slow.describe())
+        # Given cores are taken as they are; device copies say nothing of the host's cores.
+        given = CostModel(transport, cores=3)
+        given.observe_copy("pack", nbytes, 1.0, alone=False)
+        self.assertEqual(given.host_cores(transport, given.copy_costs()), (3.0, "given"))
+        device = CopyCosts(speed, on_host=False)
+        self.assertEqual(loaded.host_cores(transport, device)[1], "default")
+
+    def test_the_fewest_chunks_within_the_tolerance_are_chosen(self):
+        config, src, dst, buffers = request("tp2to8", tokens=16384)
+        nbytes = buffers * mori_tp.staging_len(config, len(src))
+        speed = nbytes / 5e-3
+        costs = (TransportCosts(0.0, speed, host_cores=0), CopyCosts(speed, on_host=False))
+        exact = CostModel(*costs, chunk_overhead=0.0, tolerance=0.0)
+        loose = CostModel(*costs, chunk_overhead=0.0, tolerance=0.25)
+        # Three equal stages, free chunks: T(n) = 5 ms * (1 + 2 / n).
+        self.assertEqual(exact.choose("p", config, src, dst, num_buffers=buffers,
+                                      modes=[Staging.BOTH]).chunks, 16)
+        self.assertEqual(loose.choose("p", config, src, dst, num_buffers=buffers,
+                                      modes=[Staging.BOTH]).chunks, 5)
+
     def test_more_segments_than_one_engine_call_takes_cost_more_calls(self):
         config, src, dst, buffers = request("tp2to8")
         transport, copy = TransportCosts(0.0, 10 * GB, 1e-3), CopyCosts(10 * GB)
@@ -358,11 +402,12 @@ class CalibrationTest(unittest.TestCase):
         fitted = model.transport_costs("p")
         self.assertAlmostEqual(fitted.host_cores, 0.25)
         self.assertIn("CPU share while it wrote alone (5 writes)", fitted.source)
-        # Never more than the cores the model gives a rank; 1 when nothing was measured.
+        # Never more than the host's cores; 1 when nothing was measured.
         model = CostModel(copy=CopyCosts(6 * GB), cores=1)
         for segments in (16, 480, 16, 480):
-            model.observe_write("p", segments, 1 << 23, 1, 0.01, cpu_seconds=0.03)
-        self.assertEqual(model.transport_costs("p").host_cores, 1.0)
+            model.observe_write("p", segments, 1 << 23, 1, 0.01, cpu_seconds=0.05)
+        with mock.patch("os.cpu_count", return_value=2):
+            self.assertEqual(model.transport_costs("p").host_cores, 2.0)
         model = CostModel(copy=CopyCosts(6 * GB))
         for segments in (16, 480, 16, 480):
             model.observe_write("p", segments, 1 << 23, 1, 0.01)
@@ -490,7 +535,7 @@ class SenderChoosesTest(unittest.TestCase):
         sender, receiver_transport, peer = mooncake_pair(sides)
         receiver = Receiver(receiver_transport)
         model = CostModel(TransportCosts(0.0, 1e3, host_cores=0),
-                          CopyCosts(1e3, on_host=False), chunk_overhead=0.0)
+                          CopyCosts(1e3, on_host=False), chunk_overhead=0.0, tolerance=0.0)
         with Streamer(sender, timeout=LONG, costs=model) as streamer:
             plan = sides.plan(Staging.BOTH)
             incoming = receiver.expect("c", sides.config, sides.request.dst_pages,

@@ -43,7 +43,9 @@ The time of ``n`` chunks of a request of ``B`` bytes and ``S`` segments in mode 
 ``pipelined`` is the pipeline of three stages on engines of their own; ``busy`` bounds it by the
 host cores those stages share: a host copy takes a core, the transport ``h`` cores (this
 process's CPU share while it writes alone, measured: a cross-memory copy keeps about one busy,
-TCP less, an RDMA NIC next to none), device copies none. Every choice, with its figures, is logged at
+TCP less, an RDMA NIC next to none), device copies none. ``cores`` is what each rank gets of the
+host: measured from how much slower host packs run beside a write than alone (on a loaded host
+a pipeline gains nothing, and the model sees it), until then half the host's cores. Every choice, with its figures, is logged at
 debug level (logger ``mori_tp.engines.costs``).
 """
 
@@ -82,6 +84,10 @@ log = logging.getLogger(__name__)
 #: wake-ups (a chunk cost about 0.3 ms in all on this project's two-core machines, engine call
 #: included; BENCHMARKS.md).
 DEFAULT_CHUNK_OVERHEAD = 0.2e-3
+#: The chunk count chosen is the fewest whose estimate is within this share of the best.
+TOLERANCE = 0.03
+#: Packs of each kind (timed alone, and beside a write) needed to measure the cores.
+MIN_PACKS = 3
 #: The most chunks the model considers for one request (and never more than its buffers).
 MAX_CHUNKS = 16
 #: Requests per peer, at most, that the model spends on the allowed mode with the fewest
@@ -261,6 +267,9 @@ class Choice:
     copy: Optional[CopyCosts] = None
     #: The layout's rule (staging_for / pair_staging_for), the fallback.
     rule: Optional[Staging] = None
+    #: Host cores per rank the estimates assumed, and where that figure comes from.
+    cores: Optional[float] = None
+    cores_source: str = ""
 
     @property
     def seconds(self) -> Optional[float]:
@@ -282,6 +291,8 @@ class Choice:
             text += f"; transport {self.transport.describe()}"
         if self.copy is not None:
             text += f"; copies {self.copy.describe()}"
+        if self.cores is not None:
+            text += f"; {self.cores:.2f} host cores per rank ({self.cores_source})"
         return text
 
 
@@ -367,10 +378,15 @@ class CostModel:
             default: fitted to the writes observed.
         copy: the copy speed of the backend that packs and unpacks; default: the packs and
             unpacks observed, else one host pack and unpack measured at first use.
-        cores: host cores each rank's copies and writes share (default: half the host's cores,
-            at least 1: the two ranks of a pair may share one host, as in this project's
-            two-process runs).
+        cores: host cores each rank's copies and writes share. Default: measured, as ``(1 + h)
+            / s`` where ``s`` is how much slower the packs that ran beside a write (or another
+            pack) were than those that ran alone and ``h`` the transport's host cores (no
+            slowdown: at least ``1 + h``); half the host's cores, at least 1, until host packs
+            of both kinds were observed (the two ranks of a pair may share one host, as in this
+            project's two-process runs).
         chunk_overhead: seconds each chunk costs besides its engine call.
+        tolerance: the chunk count chosen is the fewest whose estimate is within this share of
+            the best one's (each chunk carries costs the model only estimates).
         max_chunks: the most chunks considered (never more than the request's buffers).
         max_segments_per_call: the engine's segments per call (Mooncake's transport splits
             longer lists; default: no limit), which adds calls.
@@ -382,7 +398,7 @@ class CostModel:
                  copy: Optional[CopyCosts] = None, *, cores: Optional[float] = None,
                  chunk_overhead: float = DEFAULT_CHUNK_OVERHEAD, max_chunks: int = MAX_CHUNKS,
                  max_segments_per_call: Optional[int] = None,
-                 explore: int = EXPLORE_REQUESTS) -> None:
+                 explore: int = EXPLORE_REQUESTS, tolerance: float = TOLERANCE) -> None:
         where = "CostModel"
         if transport is not None and not isinstance(transport, TransportCosts):
             raise TypeError(f"{where}: transport must be a TransportCosts")
@@ -390,8 +406,11 @@ class CostModel:
             raise TypeError(f"{where}: copy must be a CopyCosts")
         self.transport = transport
         self.copy = copy
+        #: The cores given, or the default until measured (``cores_given`` False).
+        self.cores_given = cores is not None
         self.cores = (max(1.0, (os.cpu_count() or 2) // 2) if cores is None
                       else _positive(cores, "cores", where))
+        self.tolerance = _positive(tolerance, "tolerance", where, zero=True)
         self.chunk_overhead = _positive(chunk_overhead, "chunk_overhead", where, zero=True)
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
             raise InvalidArgumentError(f"{where}: max_chunks {max_chunks!r} must be at least 1")
@@ -507,7 +526,8 @@ class CostModel:
             every = [w for window in windows.values() for w in window]
             shares = list(self._cpu.get(peer, ()))
         # The host cores the engine keeps busy while it writes: measured, else about one.
-        host_cores = min(float(np.median(shares)), self.cores) if shares else 1.0
+        host_cores = (min(float(np.median(shares)), float(os.cpu_count() or 1)) if shares
+                      else 1.0)
         costs, from_alone = None, False
         for writes, which in ((alone, "writes timed alone"), (every, "writes")):
             result = _fit(writes)
@@ -543,7 +563,8 @@ class CostModel:
             pack = float(np.median(packs))
             unpack = float(np.median(unpacks)) if unpacks else None
             return CopyCosts(pack, unpack, source=f"observed: {len(packs)} packs, "
-                                                  f"{len(unpacks)} unpacks")
+                                                  f"{len(unpacks)} unpacks (timed alone where "
+                                                  "there were such)")
         if measured is None:
             measured = CopyCosts.measure_host()
             with self._lock:
@@ -553,19 +574,41 @@ class CostModel:
                              source=f"{measured.source}; {len(unpacks)} unpacks observed")
         return measured
 
+    def host_cores(self, transport: TransportCosts, copy: CopyCosts) -> Tuple[float, str]:
+        """The host cores each rank's copies and the transport share, and where the figure
+        comes from (the constructor's ``cores``)."""
+        if self.cores_given or not copy.on_host:
+            return self.cores, "given" if self.cores_given else "default"
+        with self._lock:
+            alone, beside = list(self._packs[1]), list(self._packs[0])
+        if len(alone) < MIN_PACKS or len(beside) < MIN_PACKS:
+            return self.cores, "default"
+        slowdown = float(np.median(alone)) / float(np.median(beside))
+        demand = 1.0 + transport.host_cores
+        if slowdown <= 1.0:
+            return max(self.cores, demand), (f"measured: packs beside a write as fast as "
+                                             f"alone ({len(beside)} and {len(alone)} packs)")
+        return max(0.1, demand / slowdown), (f"measured: packs beside a write {slowdown:.2f}x "
+                                            f"slower than alone ({len(beside)} and "
+                                            f"{len(alone)} packs)")
+
     # -- estimates --
 
     def estimate(self, staging: Staging, chunks: int, segments: int, nbytes: int,
-                 transport: TransportCosts, copy: CopyCosts) -> Estimate:
+                 transport: TransportCosts, copy: CopyCosts,
+                 cores: Optional[float] = None) -> Estimate:
         """The predicted time of a request of ``nbytes`` bytes and ``segments`` segments (all
-        buffers) in mode ``staging`` and ``chunks`` chunks (the formula in the module docs)."""
+        buffers) in mode ``staging`` and ``chunks`` chunks (the formula in the module docs),
+        with ``cores`` host cores per rank (default: :meth:`host_cores`)."""
         staging = Staging(staging)
+        if cores is None:
+            cores = self.host_cores(transport, copy)[0]
         seconds, pack, write, unpack = self._seconds(staging, chunks, segments, nbytes,
-                                                     transport, copy)
+                                                     transport, copy, cores)
         return Estimate(staging, chunks, segments, seconds, pack, write, unpack)
 
     def _seconds(self, staging: Staging, n: int, segments: int, nbytes: int,
-                 transport: TransportCosts, copy: CopyCosts
+                 transport: TransportCosts, copy: CopyCosts, cores: float
                  ) -> Tuple[float, float, float, float]:
         """(total, pack, write with its calls, unpack) seconds: :meth:`estimate`'s figures."""
         pack = (nbytes / copy.pack_bytes_per_second + n * copy.per_call) if staging.packs \
@@ -580,22 +623,25 @@ class CostModel:
         host = copy.on_host
         shared = transport.host_cores * write
         busy = max((pack if host else 0.0) + shared,
-                   (unpack if host else 0.0) + shared) / self.cores
+                   (unpack if host else 0.0) + shared) / cores
         fixed = calls * transport.per_call
         return (min(max(pipelined, busy), total) + fixed + n * self.chunk_overhead, pack,
                 write + fixed, unpack)
 
     def best_chunks(self, staging: Staging, segments: int, nbytes: int, num_buffers: int,
-                    transport: TransportCosts, copy: CopyCosts) -> Estimate:
+                    transport: TransportCosts, copy: CopyCosts,
+                    cores: Optional[float] = None) -> Estimate:
         """The mode's estimate in its cheapest chunk count (1 to ``max_chunks``, at most the
-        buffers; the fewest chunks among equals)."""
+        buffers): the fewest chunks whose estimate is within ``tolerance`` of the least."""
         staging = Staging(staging)
-        best, fastest = 1, math.inf
-        for n in range(1, max(1, min(num_buffers, self.max_chunks)) + 1):
-            seconds = self._seconds(staging, n, segments, nbytes, transport, copy)[0]
-            if seconds < fastest * (1 - 1e-9):
-                best, fastest = n, seconds
-        return self.estimate(staging, best, segments, nbytes, transport, copy)
+        if cores is None:
+            cores = self.host_cores(transport, copy)[0]
+        counts = range(1, max(1, min(num_buffers, self.max_chunks)) + 1)
+        times = [self._seconds(staging, n, segments, nbytes, transport, copy, cores)[0]
+                 for n in counts]
+        least = min(times)
+        best = next(n for n, t in zip(counts, times) if t <= least * (1 + self.tolerance))
+        return self.estimate(staging, best, segments, nbytes, transport, copy, cores)
 
     def choose(self, peer: Any, config: Union[SliceConfig, PairConfig],
                request: Union[Request, Any], dst_pages: Any = None, *, num_buffers: int,
@@ -653,11 +699,12 @@ class CostModel:
             choice = Choice(pick, chunks, reason, nbytes, num_buffers, segments, rule=rule)
         else:
             copy = self.copy_costs()
+            cores, cores_source = self.host_cores(transport, copy)
             estimates = tuple(self.best_chunks(m, segments[m], nbytes, num_buffers, transport,
-                                               copy) for m in allowed)
+                                               copy, cores) for m in allowed)
             best = min(estimates, key=lambda e: (e.seconds, e.staging is not rule, e.staging))
             choice = Choice(best.staging, best.chunks, "model", nbytes, num_buffers, segments,
-                            estimates, transport, copy, rule)
+                            estimates, transport, copy, rule, cores, cores_source)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s to %s: %s", request_id or "-", peer, choice.describe())
         return choice

@@ -1308,7 +1308,7 @@ class Receiver:
         field is the request's slot, and the staging the sender uses (default
         :func:`mori_tp.staging_for`, :func:`mori_tp.pair_staging_for` for a PairConfig), or
         :data:`BY_SENDER` (``"sender"``): the sender chooses (:meth:`Streamer.choose`), and the
-        first chunk's ``staging`` word fixes the mode. Every chunk says how it was staged; one
+        ``staging`` word of the first chunk to arrive fixes the mode. Every chunk says how it was staged; one
         staged otherwise than the request's mode, or staged DST or BOTH while ``memory``'s slot
         holds less than ``num_buffers * staging_len`` bytes, fails the request before anything
         is unpacked. Offer a slot of that size to let the sender choose DST or BOTH.
