@@ -217,10 +217,10 @@ class ChooseTest(unittest.TestCase):
             for _ in range(3):
                 model.observe_copy("pack", nbytes, nbytes / speed)
                 model.observe_copy("pack", nbytes, nbytes / beside, alone=False)
-        cores, source = quiet.host_cores(transport, quiet.copy_costs())
+        cores, source = quiet.rank_cores(transport, quiet.copy_costs())
         self.assertGreaterEqual(cores, 1.5)
         self.assertIn("as fast as alone (3 and 3 packs)", source)
-        cores, source = loaded.host_cores(transport, loaded.copy_costs())
+        cores, source = loaded.rank_cores(transport, loaded.copy_costs())
         self.assertAlmostEqual(cores, 1.5 / 3)
         self.assertIn("3.00x slower than alone", source)
         fast = quiet.choose("p", config, src, dst, num_buffers=buffers, modes=[Staging.BOTH])
@@ -231,9 +231,9 @@ class ChooseTest(unittest.TestCase):
         # Given cores are taken as they are; device copies say nothing of the host's cores.
         given = CostModel(transport, cores=3)
         given.observe_copy("pack", nbytes, 1.0, alone=False)
-        self.assertEqual(given.host_cores(transport, given.copy_costs()), (3.0, "given"))
+        self.assertEqual(given.rank_cores(transport, given.copy_costs()), (3.0, "given"))
         device = CopyCosts(speed, on_host=False)
-        self.assertEqual(loaded.host_cores(transport, device)[1], "default")
+        self.assertEqual(loaded.rank_cores(transport, device)[1], "default")
 
     def test_the_fewest_chunks_within_the_tolerance_are_chosen(self):
         config, src, dst, buffers = request("tp2to8", tokens=16384)

@@ -574,7 +574,7 @@ class CostModel:
                              source=f"{measured.source}; {len(unpacks)} unpacks observed")
         return measured
 
-    def host_cores(self, transport: TransportCosts, copy: CopyCosts) -> Tuple[float, str]:
+    def rank_cores(self, transport: TransportCosts, copy: CopyCosts) -> Tuple[float, str]:
         """The host cores each rank's copies and the transport share, and where the figure
         comes from (the constructor's ``cores``)."""
         if self.cores_given or not copy.on_host:
@@ -599,10 +599,10 @@ class CostModel:
                  cores: Optional[float] = None) -> Estimate:
         """The predicted time of a request of ``nbytes`` bytes and ``segments`` segments (all
         buffers) in mode ``staging`` and ``chunks`` chunks (the formula in the module docs),
-        with ``cores`` host cores per rank (default: :meth:`host_cores`)."""
+        with ``cores`` host cores per rank (default: :meth:`rank_cores`)."""
         staging = Staging(staging)
         if cores is None:
-            cores = self.host_cores(transport, copy)[0]
+            cores = self.rank_cores(transport, copy)[0]
         seconds, pack, write, unpack = self._seconds(staging, chunks, segments, nbytes,
                                                      transport, copy, cores)
         return Estimate(staging, chunks, segments, seconds, pack, write, unpack)
@@ -635,7 +635,7 @@ class CostModel:
         buffers): the fewest chunks whose estimate is within ``tolerance`` of the least."""
         staging = Staging(staging)
         if cores is None:
-            cores = self.host_cores(transport, copy)[0]
+            cores = self.rank_cores(transport, copy)[0]
         counts = range(1, max(1, min(num_buffers, self.max_chunks)) + 1)
         times = [self._seconds(staging, n, segments, nbytes, transport, copy, cores)[0]
                  for n in counts]
@@ -699,7 +699,7 @@ class CostModel:
             choice = Choice(pick, chunks, reason, nbytes, num_buffers, segments, rule=rule)
         else:
             copy = self.copy_costs()
-            cores, cores_source = self.host_cores(transport, copy)
+            cores, cores_source = self.rank_cores(transport, copy)
             estimates = tuple(self.best_chunks(m, segments[m], nbytes, num_buffers, transport,
                                                copy, cores) for m in allowed)
             best = min(estimates, key=lambda e: (e.seconds, e.staging is not rule, e.staging))
