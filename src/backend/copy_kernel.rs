@@ -455,8 +455,8 @@ impl KernelTable {
         self.rows_per_buffer
     }
 
-    /// True when the table travels inside the kernel's argument: nothing to upload.
-    #[cfg(test)]
+    /// True when the table travels inside the kernel's argument: nothing to upload, and the
+    /// launch holds everything the kernel reads besides the caller's buffers.
     pub fn is_inline(&self) -> bool {
         self.inline
     }
@@ -465,6 +465,11 @@ impl KernelTable {
     #[cfg(test)]
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
+    }
+
+    /// Bytes of the whole table, wherever it travels.
+    pub fn table_len(&self) -> usize {
+        self.bytes.len()
     }
 
     /// Bytes to upload before the launch: 0 when the table is inside the argument.
