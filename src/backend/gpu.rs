@@ -31,14 +31,30 @@
 //! runs on the stream's device, so when the two differ the engine makes the stream's device
 //! current for the load (and for what it allocates there) and switches back.
 //!
-//! A kernel call is, in order: the capture check (a capturing stream gets the per-rect copies,
-//! whose graph nodes keep nothing of the call), the device's kernel state (loaded once; its
-//! reset sentinel checked to have survived any `hipDeviceReset`), without `hipStreamGetDevice`
-//! the stream's device checked, the buffers the kernel cannot reach refused (device memory
-//! checked once per base with `hipPointerGetAttributes`, and another device's memory against
-//! `hipDeviceCanAccessPeer`; host memory on every call), the stream's lane and an idle table
-//! buffer pair, then on the stream one `hipMemcpyAsync` of the table from the pair's pinned
-//! host memory into its device buffer and the launch, and the pair's fence (below).
+//! A kernel call is, in order: the capture check (below), the device's kernel state (loaded
+//! once; its reset sentinel checked to have survived any `hipDeviceReset`), without
+//! `hipStreamGetDevice` the stream's device checked, the buffers the kernel cannot reach refused
+//! (device memory checked once per base with `hipPointerGetAttributes`, and another device's
+//! memory against `hipDeviceCanAccessPeer`; host memory on every call), then:
+//! - a table that fits in the kernel's 4 KiB argument (`KernelTable::is_inline`) travels inside
+//!   it: the launch is the only call on the stream, with no table buffer, upload, lane or fence
+//!   (the runtime copies the argument during the call);
+//! - a bigger table takes the stream's lane and an idle table buffer pair, then on the stream
+//!   one `hipMemcpyAsync` of the table from the pair's pinned host memory into its device
+//!   buffer, the launch, and the pair's fence (below).
+//!
+//! **Graph capture of the caller's stream.** A capturing stream's work is recorded into the
+//! graph and replayed at every `hipGraphLaunch`, long after the call returned. An uploaded table
+//! would be read from its table buffer at every replay, after later calls reused the buffer, so
+//! such a call gets the per-rect copies, whose copy nodes keep nothing of the call. A launch
+//! whose table is inside its argument keeps nothing of the library's either (the function stays
+//! loaded for the process): it is captured as a kernel node that holds its own copy of the
+//! argument, where the runtime captures kernel launches ([`GpuRuntime::captures_kernel_launches`]:
+//! CUDA, and HIP from 5.3; HIP 5.2 runs `hipModuleLaunchKernel` at once and leaves it out of the
+//! graph, so there a capturing stream gets the per-rect copies). While capturing, the launch is
+//! made with the stream's device current (HIP checks a captured launch's function against the
+//! current device), and a stream whose device the runtime cannot say (no `hipStreamGetDevice`)
+//! gets the per-rect copies: the probe event below would be captured without its device check.
 //!
 //! **Table buffers and fences.** Each (device, stream) has a lane: a non-blocking stream of the
 //! library's own (the relay) and an event. After a launch on the caller's stream `S`, the engine
