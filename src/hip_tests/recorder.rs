@@ -355,7 +355,7 @@ pub struct Recorder {
     pub current: RefCell<i32>,
     /// The device every non-NULL stream belongs to.
     pub stream_home: Cell<i32>,
-    /// Whether the runtime exports hipStreamGetDevice (HIP 6.0 and later).
+    /// Whether the runtime exports hipStreamGetDevice (HIP 5.6 and later: hipamd rocm-5.6.0).
     pub has_stream_get_device: bool,
     /// Whether every non-NULL stream is capturing a graph.
     pub capturing: Cell<bool>,

@@ -1120,7 +1120,7 @@ hipError_t hipThreadExchangeStreamCaptureMode(hipStreamCaptureMode *mode) {
 }
 
 #ifndef FAKE_HIP_5_2
-// HIP 6.0 and later.
+// HIP 5.6 and later (hipamd rocm-5.6.0).
 hipError_t hipStreamGetDevice(hipStream_t stream, hipDevice_t *device) {
     if (device == nullptr) {
         return hipErrorInvalidValue;

@@ -111,7 +111,7 @@ const CAPTURE_STATUS_NONE: c_int = 0;
 /// `hipStreamNonBlocking`: the library's relay streams do not synchronize with the NULL stream.
 const STREAM_NON_BLOCKING: c_uint = 1;
 
-/// `hipStreamGetDevice(stream, &device)`: HIP 6.0 and later.
+/// `hipStreamGetDevice(stream, &device)`: HIP 5.6 and later (hipamd rocm-5.6.0).
 type StreamGetDevice = unsafe extern "C" fn(*mut c_void, *mut c_int) -> GpuStatus;
 
 /// The copy kernel's state per device, for the whole process.
