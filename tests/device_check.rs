@@ -142,9 +142,8 @@ fn code_of(source: &str) -> String {
         if rest.starts_with("//") {
             let end = rest.find('\n').unwrap_or(rest.len());
             i += end;
-        } else if rest.starts_with("/*") {
-            let end = rest[2..].find("*/").map_or(rest.len(), |e| e + 4);
-            i += end;
+        } else if let Some(body) = rest.strip_prefix("/*") {
+            i += body.find("*/").map_or(rest.len(), |e| e + 4);
             out.push(' ');
         } else if bytes[i] == b'"' || bytes[i] == b'\'' {
             let quote = bytes[i];
