@@ -1714,6 +1714,39 @@ fn an_inline_table_is_one_launch_with_no_upload_allocation_or_event() {
     assert_eq!(f.dst.ranks[3], want);
 }
 
+/// A table too big for the kernel's argument keeps the table buffer path: the lane, the pair,
+/// one upload of the table's bytes from pinned memory, the launch with the pair's device address
+/// in its argument, and the fence, exactly as `expected_kernel_calls` lists them.
+#[test]
+fn an_uploaded_table_is_one_upload_one_launch_and_the_fence() {
+    if cpu_kernel_or_skip("an_uploaded_table_is_one_upload_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
+    let stream = without_provenance_mut(0x0b1e_0000);
+    let options = kernel_options(true, stream);
+    let config = slice_config(&f.params(1)).unwrap();
+    let (src_pages, dst_pages) = (f.src_pages.clone(), f.dst_pages.clone());
+    let plan = Plan::new(&config, &src_pages, &dst_pages).unwrap();
+    let src: Vec<*const u8> = f.src.ranks[1].iter().map(|b| b.as_ptr()).collect();
+    let dst: Vec<*mut u8> = f.dst.ranks[3].iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let (result, calls) = kernel_fixture_run(&mut f, &options, |r| r);
+    assert_eq!(result.unwrap().copies, 4 * UPLOADED_PAGES);
+    assert_eq!(
+        calls,
+        expected_kernel_calls(&plan, &src, &dst, &options, handed(&calls))
+    );
+    let Some(Call::Launch(launch)) = calls.iter().find(|c| matches!(c, Call::Launch(_))) else {
+        unreachable!("a launch");
+    };
+    assert_eq!(launch.args.table as usize, handed(&calls).table);
+    assert!(calls.iter().any(
+        |c| matches!(c, Call::MemcpyHostToDevice { size, .. } if *size == launch.args.table_bytes as usize)
+    ));
+    assert_eq!(f.dst.ranks[3], want);
+}
+
 /// An uploaded table on a capturing stream gets the per-rect copies: a captured upload would
 /// keep reading the table buffer at every replay, long after this call reused it, while copy
 /// nodes keep nothing of the call. With MORI_SEND_COPY_KERNEL too.
