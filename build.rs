@@ -93,6 +93,9 @@ fn build_copy_kernel() {
     }
     let bundle = out.join("copy_kernel.hsaco");
     let output = Command::new(&hipcc)
+        // AMD code objects, whatever else is installed: with nvcc on PATH hipcc would target
+        // NVIDIA unless told.
+        .env("HIP_PLATFORM", "amd")
         .args([
             "--genco",
             "-O3",
@@ -191,6 +194,7 @@ fn probe_archs(hipcc: &str, out: &Path) -> Vec<String> {
             let object = out.join(format!("probe-{arch}.hsaco"));
             std::thread::spawn(move || {
                 Command::new(hipcc)
+                    .env("HIP_PLATFORM", "amd")
                     .args(["--genco", &format!("--offload-arch={arch}")])
                     .arg(&probe)
                     .arg("-o")
@@ -297,6 +301,9 @@ fn build_copy_kernel_ptx() {
             "-Wall",
             "-Wextra",
             "-Werror",
+            // -nocudainc -nocudalib use nothing of an installed CUDA toolkit, so a toolkit
+            // newer than this clang knows is no reason to stop.
+            "-Wno-unknown-cuda-version",
             "-S",
         ])
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.hip"))

@@ -73,7 +73,7 @@ void on_device(int device, const F &f) {
     HIP_OK(hipSetDevice(current));
 }
 
-// Whether the HIP runtime this program runs on has hipStreamGetDevice (HIP 6 and later; HIP 5.2
+// Whether the HIP runtime this program runs on has hipStreamGetDevice (HIP 5.6 and later; HIP 5.2
 // lacks it), looked up as libmori_tp looks it up: in the library that hipGetDevice comes from
 // (libamdhip64, or a stand-in preloaded in its place). Without it, the library takes a copy-kernel
 // call's stream to be the current device's and refuses a stream of another device (README, "The

@@ -25,6 +25,8 @@
 #else
 #error "copy_kernel.hip builds with hipcc, clang -x cuda, nvcc, or a C++ compiler with MORI_COPY_KERNEL_CPU"
 #endif
+// uint64_t and friends: hip_runtime.h brings them, CUDA's headers need not.
+#include <stdint.h>
 
 #define MORI_DEVICE __device__ __forceinline__
 

@@ -12,7 +12,10 @@
 #      was built with the CUDA backend;
 #   2. build: hip/device_test.cpp and hip/bench.cpp with nvcc through hip/cuda/hip/hip_runtime.h
 #      (the HIP names as CUDA's), linked against the library; hip/lane_count.cpp (the kernel's
-#      source on the CPU shim, for bench's lane column) with the host C++ compiler;
+#      source on the CPU shim, for bench's lane column) with the host C++ compiler. This step
+#      was compile-checked, without a GPU, on 2026-12-04 with Debian bookworm's nvcc 11.8.89
+#      (nvidia-cuda-toolkit, host compiler gcc 11), as was hip/copy_kernel.hip as CUDA for
+#      sm_90 and the library's embedded PTX with that toolkit's ptxas -arch=sm_90;
 #   3. device_test: every path byte-exact on the GPU (send per rect and with the kernel, pack and
 #      unpack, the pair functions NHD <-> HND with pages of 16 and 64 and a partial last page,
 #      groups, a device staging pool, two streams, pinned and registered host memory, two GPUs
@@ -248,8 +251,10 @@ build_programs() {
   local common=(-x cu -std=c++17 -O2 -I"$root/include" -I"$root/hip/cuda" -I"$root/hip" -Xcompiler -Wall)
   local link=(-L"$build/lib" -lmori_tp -Xlinker -rpath -Xlinker "$build/lib")
   "${nvcc[@]}" "${common[@]}" "$root/hip/device_test.cpp" "${link[@]}" -o "$build/device_test" || return 1
-  "${nvcc[@]}" "${common[@]}" "$root/hip/bench.cpp" -x none "$build/lane_count.o" "${link[@]}" \
-    -o "$build/bench" || return 1
+  # bench links lane_count.o too: compiled first, then linked without -x cu (which would apply to
+  # the object as well; nvcc has no `-x none`).
+  "${nvcc[@]}" "${common[@]}" -c "$root/hip/bench.cpp" -o "$build/bench.o" || return 1
+  "${nvcc[@]}" "$build/bench.o" "$build/lane_count.o" "${link[@]}" -o "$build/bench" || return 1
 }
 
 # A GPU program: exit 77 (no CUDA device) is a failure here, since this check is for a GPU.

@@ -51,21 +51,29 @@ extern "C" {
 
 /**
  * MoriSendOptions.flags bit: the HIP backend runs the whole call (every buffer, every rect) as
- * one copy-kernel launch, plus one upload of the rect table, even where flags 0 would take the
- * per-rect copies, and refuses (MORI_ERR_GPU, nothing written) what keeps the kernel from
+ * one copy-kernel launch, even where flags 0 would take the per-rect copies, and refuses
+ * (MORI_ERR_GPU, nothing written) what keeps the kernel from
  * running: memory it cannot reach, a device without a code object. Without MORI_SEND_COPY_KERNEL
  * and MORI_SEND_MEMCPY2D (flags 0) the HIP backend launches the kernel by itself when the call
  * has at least 2 (buffer, rect) copies, the kernel loads on the stream's device, and every
  * buffer is memory a kernel there surely reaches (that device's memory, hipHostMalloc'd memory,
  * hipHostRegister'd memory at the address hipHostGetDevicePointer returns); otherwise it
- * issues the per-rect copies (MORI_SEND_MEMCPY2D). A stream that is capturing a graph gets the
- * per-rect copies with either flag, as does a call that finds every table buffer (32) or lane
- * (16 streams) of the device busy with other streams' copies.
+ * issues the per-rect copies (MORI_SEND_MEMCPY2D).
  *
- * On the stream, in order: hipMemcpyAsync of the table from pinned host memory into a device
- * buffer the library keeps per device, hipModuleLaunchKernel, then the buffer's fence:
- * hipEventRecord of an event of the library on the stream, which a stream of the library waits
- * for (hipStreamWaitEvent) before recording the buffer's own event. The library never waits
+ * The launch's argument (4 KiB) carries the call's rect table when the table fits in its 4032
+ * bytes (calls of up to a few hundred rects): then the launch is the only call on the stream.
+ * A bigger table is uploaded first, and on the stream, in order, go: hipMemcpyAsync of the
+ * table from pinned host memory into a device buffer the library keeps per device,
+ * hipModuleLaunchKernel, then the buffer's fence: hipEventRecord of an event of the library on
+ * the stream, which a stream of the library waits for (hipStreamWaitEvent) before recording the
+ * buffer's own event; a call that finds every table buffer (32) or lane (16 streams) of the
+ * device busy with other streams' copies gets the per-rect copies. On a stream that is
+ * capturing a graph, a launch whose table is inside its argument is captured as the graph's
+ * kernel node, which keeps its own copy of the argument, so a replay reads nothing of the
+ * library's (CUDA, and HIP 5.6 and later, whose runtime captures hipModuleLaunchKernel and has
+ * hipStreamGetDevice); with an uploaded table (a replay would read the table buffer after
+ * later calls reused it), and with HIP before 5.6, a capturing stream gets the per-rect copies
+ * with either flag, whose copy nodes keep nothing of the call. The library never waits
  * for another stream, never frees or synchronizes while sending, and makes its runtime calls in
  * the relaxed capture mode (hipThreadExchangeStreamCaptureMode, restored before it returns), so
  * that it never breaks another thread's graph capture. Every buffer (and a staging region) must
@@ -1007,14 +1015,17 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  * MORI_OK.
  *
  * Backends: HOST copies on the CPU and returns when done (both sides must be host memory).
- * HIP runs on options->stream either one copy-kernel launch for the whole call (plus one
- * upload of its rect table) or one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src +
+ * HIP runs on options->stream either one copy-kernel launch for the whole call (its rect table
+ * inside the kernel's argument when it fits, else uploaded before the launch) or one
+ * hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src +
  * src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer, rect):
  * MORI_SEND_COPY_KERNEL asks for the kernel, MORI_SEND_MEMCPY2D for the per-rect copies, and
  * with neither the library launches the kernel when the call has at least 2 (buffer, rect)
  * copies, the kernel loads on the stream's device and every buffer is memory it surely reaches,
- * else issues the per-rect copies (MORI_SEND_COPY_KERNEL says which memory that is). A stream
- * that is capturing a graph always gets the per-rect copies. Then hipStreamSynchronize if
+ * else issues the per-rect copies (MORI_SEND_COPY_KERNEL says which memory that is). On a
+ * stream that is capturing a graph the kernel is launched (and captured) only when its table is
+ * inside its argument and the runtime captures launches (CUDA; HIP 5.6 and later), else the
+ * per-rect copies are. Then hipStreamSynchronize if
  * MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still be running on return,
  * and the buffers must stay valid until the stream reaches them. The per-rect copies take
  * device memory, a peer device's memory (enable peer access first) or host memory on either

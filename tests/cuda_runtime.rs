@@ -268,6 +268,7 @@ fn the_cuda_backend_runs_over_a_stand_in_driver() {
         ("no_device", &driver, &[("FAKE_CUDA_DEVICES", "0")][..]),
         ("old_driver", &old_driver, &[][..]),
         ("capture", &driver, &[][..]),
+        ("inline_table", &driver, &[][..]),
         ("two_devices", &driver, &[("FAKE_CUDA_DEVICES", "2")][..]),
         ("contexts", &driver, &[][..]),
         ("host_memory", &driver, &[][..]),
@@ -547,12 +548,134 @@ mod driver {
         (status, message, dst.read())
     }
 
+    /// One-token pages of [`config_2_to_4`] an [`uploaded_send`] moves, none next to another on
+    /// either side: a table too big for the kernel's argument.
+    const UPLOADED_PAGES: usize = 600;
+
+    /// Device buffers for an [`uploaded_send`]: sources of `source` bytes, destinations of 9s.
+    fn uploaded_buffers(source: u8) -> (DeviceBuffer, DeviceBuffer) {
+        let pages = 2 * UPLOADED_PAGES;
+        (
+            DeviceBuffer::from_host(&vec![source; pages * 64]),
+            DeviceBuffer::from_host(&vec![9u8; pages * 32]),
+        )
+    }
+
+    /// What the destination of an [`uploaded_send`] from `source` bytes into 9s holds.
+    fn uploaded_result(source: u8) -> Vec<u8> {
+        let mut want = vec![9u8; 2 * UPLOADED_PAGES * 32];
+        for p in 0..UPLOADED_PAGES {
+            let page = 2 * UPLOADED_PAGES - 1 - 2 * p;
+            want[page * 32..page * 32 + 32].fill(source);
+        }
+        want
+    }
+
+    /// Sends the even source pages into the odd destination pages, from the last down, between
+    /// `src` and `dst` of [`uploaded_buffers`]: the status and the message.
+    ///
+    /// # Safety
+    /// The buffers must stay until the copies are complete.
+    unsafe fn uploaded_send(
+        src: &DeviceBuffer,
+        dst: &DeviceBuffer,
+        options: &MoriSendOptions,
+    ) -> (MoriStatus, String) {
+        let config = config_2_to_4();
+        let pages = 2 * UPLOADED_PAGES;
+        let src_pages: Vec<i32> = (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect();
+        let dst_pages: Vec<i32> = (0..UPLOADED_PAGES as i32)
+            .map(|p| pages as i32 - 1 - 2 * p)
+            .collect();
+        let (srcs, dsts) = ([src.ptr().cast_const()], [dst.ptr()]);
+        let buffers = MoriKvBuffers {
+            src: srcs.as_ptr(),
+            dst: dsts.as_ptr(),
+            num_buffers: 1,
+            src_capacity: (pages * 64) as u64,
+            dst_capacity: (pages * 32) as u64,
+        };
+        // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
+        let status = unsafe {
+            mori_send_kvcache(
+                &config,
+                &buffers,
+                src_pages.as_ptr(),
+                dst_pages.as_ptr(),
+                UPLOADED_PAGES,
+                options,
+            )
+        };
+        let message = if status == MORI_OK {
+            String::new()
+        } else {
+            last_error()
+        };
+        (status, message)
+    }
+
+    /// `fake_cuda_stat` of each of `names`.
+    fn stats<const N: usize>(names: [&CStr; N]) -> [i64; N] {
+        names.map(stat)
+    }
+
+    /// A table inside the kernel's argument: the first kernel send of the process loads the
+    /// kernel and allocates its reset sentinel (one cuMemAlloc), and nothing else of the
+    /// library's: no table buffer (cuMemAlloc, cuMemHostAlloc), no upload (cuMemcpyHtoDAsync,
+    /// not even of 0 bytes), no lane (relay stream, events). Later sends make none of those
+    /// calls either. A table too big for the argument is one upload and one launch.
+    fn inline_table() {
+        use_device(0);
+        let stream = new_stream();
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let made = || {
+            stats([
+                c"mem_allocs",
+                c"host_allocs",
+                c"htod_copies",
+                c"events_created",
+                c"streams_created",
+                c"kernel_launches",
+            ])
+        };
+        let kernel = options(
+            MORI_BACKEND_CUDA,
+            MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+            stream,
+        );
+        for send in 0..3 {
+            let before = made();
+            // SAFETY: device buffers of the stated sizes; the options synchronize.
+            let (status, message) =
+                unsafe { send_pages_0_1_3(&[src.ptr().cast_const()], &[dst.ptr()], &kernel) };
+            assert_eq!(status, MORI_OK, "{message}");
+            let after = made();
+            let delta: Vec<i64> = before.iter().zip(&after).map(|(b, a)| a - b).collect();
+            let sentinel = i64::from(send == 0);
+            assert_eq!(delta, [sentinel, 0, 0, 0, 0, 1], "send {send}");
+            assert_eq!(dst.read(), small_send_result(7), "send {send}");
+        }
+        let (big_src, big_dst) = uploaded_buffers(7);
+        let [uploads, launches] = stats([c"htod_copies", c"kernel_launches"]);
+        // SAFETY: buffers of an uploaded send; the options synchronize.
+        let (status, message) = unsafe { uploaded_send(&big_src, &big_dst, &kernel) };
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(big_dst.read(), uploaded_result(7));
+        assert_eq!(
+            stats([c"htod_copies", c"kernel_launches"]),
+            [uploads + 1, launches + 1],
+            "one table upload, one launch"
+        );
+    }
+
     pub(super) fn scenario(name: &str) {
         match name {
             "bytes" => bytes(),
             "no_device" => no_device(),
             "old_driver" => old_driver(),
             "capture" => capture(),
+            "inline_table" => inline_table(),
             "two_devices" => two_devices(),
             "contexts" => contexts(),
             "host_memory" => host_memory(),
@@ -919,8 +1042,9 @@ mod driver {
             unsafe { (cu().mem_alloc)(&mut p, 64) }
         });
         assert_eq!((refused, ended), (900, 901), "the stand-in's capture rule");
-        // The library's first kernel call (module load, table buffers, relay stream) while
-        // another thread captures.
+        // The library's first kernel calls while another thread captures: the module load and
+        // reset sentinel (a table inside the argument), then a table buffer pair, a relay
+        // stream and events (an uploaded table).
         // (The test's own buffers are allocated first: its thread is in the global mode.)
         let stream = new_stream();
         let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
@@ -948,6 +1072,39 @@ mod driver {
             1,
             "the first kernel call ran during the capture"
         );
+        let (big_src, big_dst) = uploaded_buffers(7);
+        let (big_src_at, big_dst_at) = (big_src.ptr() as usize, big_dst.ptr() as usize);
+        let made = stats([c"host_allocs", c"streams_created"]);
+        let (sent, ended) = with_capture_elsewhere(move || {
+            let kernel = options(
+                MORI_BACKEND_CUDA,
+                MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+                handle as Stream,
+            );
+            let (src, dst) = (
+                DeviceBuffer {
+                    pointer: big_src_at as u64,
+                    len: 0,
+                },
+                DeviceBuffer {
+                    pointer: big_dst_at as u64,
+                    len: 0,
+                },
+            );
+            // SAFETY: buffers of an uploaded send (only their addresses are taken here, and
+            // they are not freed: forgotten below); the options synchronize.
+            let sent = unsafe { uploaded_send(&src, &dst, &kernel) };
+            std::mem::forget((src, dst));
+            sent
+        });
+        assert_eq!((sent.0, ended), (MORI_OK, 0), "{}", sent.1);
+        assert_eq!(big_dst.read(), uploaded_result(7));
+        assert_eq!(
+            stats([c"host_allocs", c"streams_created"]),
+            [made[0] + 1, made[1] + 2],
+            "a table buffer pair and a relay stream made during the capture (and the capturing \
+             thread's own stream)"
+        );
         // Synchronize on a capturing stream: refused before anything is enqueued.
         let capturing = new_stream_with(1);
         let src = DeviceBuffer::from_host(&[5u8; 4 * 64]);
@@ -972,8 +1129,19 @@ mod driver {
                 assert!(message.contains(part), "{message:?} lacks {part:?}");
             }
         }
-        // Without synchronize: the per-rect copies are captured, and replay.
-        let launches = stat(c"kernel_launches");
+        // Without synchronize: a table inside the kernel's argument is captured as the launch
+        // (a kernel node holding its own copy of the argument), with no upload; a table too
+        // big for the argument gets the per-rect copies (a captured upload would be replayed
+        // from a table buffer later calls reuse). Both replay with what the sources hold then.
+        let counts = || {
+            stats([
+                c"captured_launches",
+                c"memcpy2d_calls",
+                c"kernel_launches",
+                c"htod_copies",
+            ])
+        };
+        let before = counts();
         // SAFETY: device buffers of the stated sizes.
         let (status, message) = unsafe {
             send_pages_0_1_3(
@@ -983,44 +1151,100 @@ mod driver {
             )
         };
         assert_eq!(status, MORI_OK, "{message}");
+        let (big_src, big_dst) = uploaded_buffers(5);
+        // SAFETY: buffers of an uploaded send, alive until the graph has run.
+        let (status, message) = unsafe {
+            uploaded_send(
+                &big_src,
+                &big_dst,
+                &options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, capturing),
+            )
+        };
+        assert_eq!(status, MORI_OK, "{message}");
         assert_eq!(dst.read(), vec![9u8; 4 * 32], "captured, not run");
+        let captured = counts();
+        let delta = |a: [i64; 4], b: [i64; 4]| [b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3] - a[3]];
+        assert_eq!(
+            delta(before, captured),
+            [1, UPLOADED_PAGES as i64, 0, 0],
+            "one launch and the big table's per-rect copies captured; nothing run or uploaded"
+        );
         let mut graph = null_mut();
         let mut exec = null_mut();
         // SAFETY: the capture begun above; a live stream.
         unsafe {
             assert_eq!((cu().end_capture)(capturing, &mut graph), 0);
             assert_eq!((cu().instantiate)(&mut exec, graph, 0), 0);
-            assert_eq!((cu().graph_launch)(exec, stream), 0);
-            assert_eq!((cu().stream_synchronize)(stream), 0);
         }
-        assert_eq!(
-            dst.read(),
-            small_send_result(5),
-            "the graph replays the copies"
-        );
-        assert_eq!(
-            stat(c"kernel_launches"),
-            launches,
-            "a capturing stream gets no kernel"
-        );
-        // Issue 35, same thread: kernel sends on S, then S captures (relaxed), then a kernel
-        // send on T.
+        for source in [5u8, 6] {
+            // The graph reads the sources the capture named: write them in place.
+            // SAFETY: both allocations hold that many bytes.
+            unsafe {
+                assert_eq!(
+                    (cu().memcpy_htod)(src.pointer, [source; 4 * 64].as_ptr().cast(), 4 * 64),
+                    0
+                );
+                let big = vec![source; 2 * UPLOADED_PAGES * 64];
+                assert_eq!(
+                    (cu().memcpy_htod)(big_src.pointer, big.as_ptr().cast(), big.len()),
+                    0
+                );
+            }
+            let replayed = counts();
+            // SAFETY: the instance above; a live stream.
+            unsafe {
+                assert_eq!((cu().graph_launch)(exec, stream), 0);
+                assert_eq!((cu().stream_synchronize)(stream), 0);
+            }
+            assert_eq!(
+                dst.read(),
+                small_send_result(source),
+                "the graph replays the launch"
+            );
+            assert_eq!(big_dst.read(), uploaded_result(source), "and the copies");
+            assert_eq!(
+                delta(replayed, counts()),
+                [0, 0, 1, 0],
+                "the kernel runs once per replay"
+            );
+        }
+        // Issue 35, same thread: kernel sends of uploaded tables (each fenced with events on
+        // its stream) on S, then S captures (relaxed), then such a kernel send on T.
         let s = new_stream_with(1);
         let t = new_stream();
+        let (big_src, big_dst) = uploaded_buffers(7);
         for _ in 0..4 {
-            let (status, message, _) =
-                small_device_send(&options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, s));
+            // SAFETY: buffers of an uploaded send; S is synchronized below.
+            let (status, message) = unsafe {
+                uploaded_send(
+                    &big_src,
+                    &big_dst,
+                    &options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, s),
+                )
+            };
             assert_eq!(status, MORI_OK, "{message}");
         }
         // SAFETY: a live stream.
+        assert_eq!(unsafe { (cu().stream_synchronize)(s) }, 0);
+        // SAFETY: a live stream.
         assert_eq!(unsafe { (cu().begin_capture)(s, 2) }, 0);
-        let (status, message, after) =
-            small_device_send(&options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, t));
-        assert_eq!(
-            (status, after),
-            (MORI_OK, small_send_result(7)),
-            "{message}"
-        );
+        let (t_src, t_dst) = uploaded_buffers(7);
+        let uploads = stat(c"htod_copies");
+        // SAFETY: buffers of an uploaded send; the options synchronize.
+        let (status, message) = unsafe {
+            uploaded_send(
+                &t_src,
+                &t_dst,
+                &options(
+                    MORI_BACKEND_CUDA,
+                    MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+                    t,
+                ),
+            )
+        };
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(t_dst.read(), uploaded_result(7));
+        assert_eq!(stat(c"htod_copies"), uploads + 1, "T's table was uploaded");
         let mut graph = null_mut();
         // SAFETY: the capture begun above.
         assert_eq!(unsafe { (cu().end_capture)(s, &mut graph) }, 0);

@@ -131,3 +131,100 @@ fn the_device_check_fails_when_a_step_fails() {
     assert_eq!(status, 1, "{text}");
     assert!(text.contains("budget is spent"), "{text}");
 }
+
+/// The code of a C or C++ source: comments, string and character literals blanked out.
+fn code_of(source: &str) -> String {
+    let bytes = source.as_bytes();
+    let mut out = String::with_capacity(source.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let rest = &source[i..];
+        if rest.starts_with("//") {
+            let end = rest.find('\n').unwrap_or(rest.len());
+            i += end;
+        } else if let Some(body) = rest.strip_prefix("/*") {
+            i += body.find("*/").map_or(rest.len(), |e| e + 4);
+            out.push(' ');
+        } else if bytes[i] == b'"' || bytes[i] == b'\'' {
+            let quote = bytes[i];
+            i += 1;
+            while i < bytes.len() && bytes[i] != quote {
+                i += if bytes[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+            out.push_str("\"\"");
+        } else {
+            let c = rest.chars().next().expect("a char");
+            out.push(c);
+            i += c.len_utf8();
+        }
+    }
+    out
+}
+
+/// The identifiers of `code` that are HIP's: `hip` followed by a capital letter, or `HIP_`.
+fn hip_names(code: &str) -> std::collections::BTreeSet<String> {
+    code.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|word| {
+            word.starts_with("HIP_")
+                || word
+                    .strip_prefix("hip")
+                    .and_then(|rest| rest.chars().next())
+                    .is_some_and(|c| c.is_ascii_uppercase())
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// The names `code` `#define`s.
+fn defined(code: &str) -> std::collections::BTreeSet<String> {
+    code.lines()
+        .filter_map(|line| line.trim_start().strip_prefix("#define"))
+        .filter_map(|rest| {
+            rest.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .find(|w| !w.is_empty())
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// hip/device-check.sh builds hip/device_test.cpp and hip/bench.cpp with nvcc through
+/// hip/cuda/hip/hip_runtime.h, which maps each HIP name they use to the CUDA runtime's. Every HIP
+/// identifier in the code (comments and strings left out) of those programs, of the headers they
+/// share and of the kernel is one that header defines, or one the programs define themselves
+/// (nvcc itself is too heavy for CI; the build was compile-checked with nvcc 11.8, README).
+#[test]
+fn the_cuda_name_header_covers_every_hip_name_the_nvcc_programs_use() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let read = |path: &str| {
+        std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    let header = defined(&code_of(&read("hip/cuda/hip/hip_runtime.h")));
+    assert!(header.contains("hipMemcpy2DAsync"), "{header:?}");
+    let files = [
+        "hip/device_test.cpp",
+        "hip/bench.cpp",
+        "hip/common.hpp",
+        "hip/testkit.hpp",
+        "hip/copy_kernel.hip",
+    ];
+    let codes: Vec<(&str, String)> = files.iter().map(|f| (*f, code_of(&read(f)))).collect();
+    let own: std::collections::BTreeSet<String> =
+        codes.iter().flat_map(|(_, code)| defined(code)).collect();
+    let mut missing = Vec::new();
+    for (file, code) in &codes {
+        for name in hip_names(code) {
+            if !header.contains(&name) && !own.contains(&name) {
+                missing.push(format!("{name} ({file})"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "hip/cuda/hip/hip_runtime.h lacks: {}",
+        missing.join(", ")
+    );
+    // The scan sees the names: the programs use dozens of them.
+    let used: usize = codes.iter().map(|(_, code)| hip_names(code).len()).sum();
+    assert!(used > 30, "{used} HIP names found");
+}

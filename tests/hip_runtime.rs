@@ -349,6 +349,9 @@ fn the_kernel_path_handles_other_devices_capture_refusing_allocators_resets_and_
         ("multi_gpu", &fake, &[("FAKE_HIP_DEVICES", "2")][..]),
         ("multi_gpu_5_2", &fake_5_2, &[("FAKE_HIP_DEVICES", "2")][..]),
         ("capture", &fake, &[][..]),
+        ("capture_uploaded", &fake, &[][..]),
+        ("capture_5_2", &fake_5_2, &[][..]),
+        ("inline_table", &fake, &[][..]),
         (
             "allocator",
             &fake,
@@ -798,6 +801,9 @@ mod device {
             "multi_gpu" => multi_gpu(),
             "multi_gpu_5_2" => multi_gpu_without_stream_get_device(),
             "capture" => capture(),
+            "capture_uploaded" => capture_uploaded(),
+            "capture_5_2" => capture_on_hip_5_2(),
+            "inline_table" => inline_table(),
             "allocator" => allocator(),
             "reset" => reset(),
             "host_memory" => host_memory(),
@@ -1196,8 +1202,66 @@ mod device {
         unsafe { hipStreamDestroy(stream) };
     }
 
+    /// Captures `send` (which must enqueue on `stream` and return MORI_OK) into a graph, then
+    /// replays it once for each of the source bytes 5 and 6 written into `src` before the
+    /// replay, checking that `dst` then holds `want(source)`. Returns the stand-in's
+    /// `captured_launches`, `memcpy2d_calls` and `kernel_launches` of the capture and of the
+    /// replays.
+    fn capture_and_replay(
+        stream: *mut c_void,
+        src: &DeviceBuffer,
+        dst: &DeviceBuffer,
+        send: impl FnOnce() -> (MoriStatus, String),
+        want: impl Fn(u8) -> Vec<u8>,
+    ) -> ([i64; 3], [i64; 3]) {
+        let counts = || {
+            [
+                stat("captured_launches"),
+                stat("memcpy2d_calls"),
+                stat("kernel_launches"),
+            ]
+        };
+        let (mut graph, mut exec) = (null_mut(), null_mut());
+        let before = counts();
+        // SAFETY: live stream; the graph and its instance are destroyed below.
+        unsafe {
+            assert_eq!(hipStreamBeginCapture(stream, CAPTURE_GLOBAL), 0);
+            let (status, message) = send();
+            assert_eq!(status, MORI_OK, "{message}");
+            assert_eq!(hipStreamEndCapture(stream, &mut graph), 0);
+            assert_eq!(
+                hipGraphInstantiate(&mut exec, graph, null_mut(), null_mut(), 0),
+                0
+            );
+        }
+        let captured = counts();
+        let launches = stat("graph_launches");
+        for source in [5u8, 6] {
+            src.write(&vec![source; src.len]);
+            // SAFETY: the instance and stream above.
+            unsafe {
+                assert_eq!(hipGraphLaunch(exec, stream), 0, "the graph replays");
+                assert_eq!(hipStreamSynchronize(stream), 0);
+            }
+            let mut after = vec![0u8; dst.len];
+            dst.to_host(&mut after);
+            assert!(after == want(source), "replay of source bytes {source}");
+        }
+        assert_eq!(stat("graph_launches"), launches + 2);
+        let replayed = counts();
+        // SAFETY: made above, destroyed once.
+        unsafe {
+            hipGraphExecDestroy(exec);
+            hipGraphDestroy(graph);
+        }
+        let delta = |a: [i64; 3], b: [i64; 3]| [b[0] - a[0], b[1] - a[1], b[2] - a[2]];
+        (delta(before, captured), delta(captured, replayed))
+    }
+
     /// Issue 24.3: a send with MORI_SEND_COPY_KERNEL captured into a graph copies, at every
-    /// replay, what the source holds then: the capture holds only copies of caller memory.
+    /// replay, what the source holds then: the capture holds only copies of caller memory. Its
+    /// table is inside the kernel's argument, so the graph holds the kernel launch itself (one
+    /// kernel node, with its own copy of the argument), run once per replay.
     fn capture() {
         let stream = stream_on(0);
         let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
@@ -1208,43 +1272,204 @@ mod device {
             flags: MORI_SEND_COPY_KERNEL,
             stream,
         };
-        let (mut graph, mut exec) = (null_mut(), null_mut());
-        // SAFETY: live stream and device buffers, alive until the graph has run; the graph and
-        // its instance are destroyed below.
-        unsafe {
-            assert_eq!(hipStreamBeginCapture(stream, CAPTURE_GLOBAL), 0);
+        let uploads = stat("memcpy_async_calls");
+        let (captured, replayed) = capture_and_replay(
+            stream,
+            &src,
+            &dst,
+            // SAFETY: live stream and device buffers, alive until the graph has run.
+            || unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) },
+            small_send_result,
+        );
+        assert_eq!(captured, [1, 0, 0], "one launch captured, nothing run");
+        assert_eq!(replayed, [0, 0, 2], "the kernel runs at each replay");
+        assert_eq!(stat("memcpy_async_calls"), uploads, "no table upload");
+        assert_eq!(stat("uncaptured_launches"), 0);
+        // SAFETY: created above.
+        unsafe { hipStreamDestroy(stream) };
+    }
+
+    /// [`UPLOADED_PAGES`] one-token pages of [`config_2_to_4`], none next to another on either
+    /// side: a table too big for the kernel's argument. Source pages are the even ones of
+    /// `2 * UPLOADED_PAGES`, destination pages the odd ones, from the last down.
+    const UPLOADED_PAGES: usize = 600;
+
+    /// What the destination of an [`UPLOADED_PAGES`] send of source bytes `source` into bytes 9
+    /// holds: the second half (heads 6 and 7) of each source token in its destination page.
+    fn uploaded_result(source: u8) -> Vec<u8> {
+        let mut want = vec![9u8; 2 * UPLOADED_PAGES * 32];
+        for p in 0..UPLOADED_PAGES {
+            let page = 2 * UPLOADED_PAGES - 1 - 2 * p;
+            want[page * 32..page * 32 + 32].fill(source);
+        }
+        want
+    }
+
+    /// Sends [`UPLOADED_PAGES`] pages of one buffer pair with `options`.
+    ///
+    /// # Safety
+    /// `src` and `dst` must be device buffers of `2 * UPLOADED_PAGES` pages (64 and 32 bytes).
+    unsafe fn send_uploaded(
+        src: &DeviceBuffer,
+        dst: &DeviceBuffer,
+        options: &MoriSendOptions,
+    ) -> (MoriStatus, String) {
+        let config = config_2_to_4();
+        let pages = 2 * UPLOADED_PAGES;
+        let src_pages: Vec<i32> = (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect();
+        let dst_pages: Vec<i32> = (0..UPLOADED_PAGES as i32)
+            .map(|p| pages as i32 - 1 - 2 * p)
+            .collect();
+        let (srcs, dsts) = ([src.pointer.cast_const()], [dst.pointer]);
+        let buffers = MoriKvBuffers {
+            src: srcs.as_ptr(),
+            dst: dsts.as_ptr(),
+            num_buffers: 1,
+            src_capacity: (pages * 64) as u64,
+            dst_capacity: (pages * 32) as u64,
+        };
+        // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
+        let status = unsafe {
+            mori_send_kvcache(
+                &config,
+                &buffers,
+                src_pages.as_ptr(),
+                dst_pages.as_ptr(),
+                UPLOADED_PAGES,
+                options,
+            )
+        };
+        let message = if status == MORI_OK {
+            String::new()
+        } else {
+            last_error()
+        };
+        (status, message)
+    }
+
+    /// A table too big for the kernel's argument is uploaded before the launch; on a capturing
+    /// stream that upload would be replayed from a table buffer later calls reuse, so the
+    /// capture gets the per-rect copies, also with MORI_SEND_COPY_KERNEL. Outside a capture the
+    /// same send is one upload and one launch.
+    fn capture_uploaded() {
+        let stream = stream_on(0);
+        let pages = 2 * UPLOADED_PAGES;
+        let src = DeviceBuffer::from_host(&vec![7u8; pages * 64]);
+        let dst = DeviceBuffer::from_host(&vec![9u8; pages * 32]);
+        let options = MoriSendOptions {
+            backend: MORI_BACKEND_HIP,
+            flags: MORI_SEND_COPY_KERNEL,
+            stream,
+        };
+        let uploads = stat("memcpy_async_calls");
+        let (captured, replayed) = capture_and_replay(
+            stream,
+            &src,
+            &dst,
+            // SAFETY: device buffers of that many pages, alive until the graph has run.
+            || unsafe { send_uploaded(&src, &dst, &options) },
+            uploaded_result,
+        );
+        let copies = UPLOADED_PAGES as i64;
+        assert_eq!(captured, [0, copies, 0], "per-rect copies captured");
+        assert_eq!(replayed, [0, 0, 0], "no kernel in the graph");
+        assert_eq!(stat("memcpy_async_calls"), uploads, "no upload captured");
+        // Not capturing: one upload of the table, one launch.
+        let launches = stat("kernel_launches");
+        dst.write(&vec![9u8; pages * 32]);
+        let sync = MoriSendOptions {
+            flags: MORI_SEND_COPY_KERNEL | MORI_SEND_SYNCHRONIZE,
+            ..options
+        };
+        // SAFETY: as above; the options synchronize.
+        let (status, message) = unsafe { send_uploaded(&src, &dst, &sync) };
+        assert_eq!(status, MORI_OK, "{message}");
+        let mut after = vec![0u8; pages * 32];
+        dst.to_host(&mut after);
+        assert!(after == uploaded_result(6));
+        assert_eq!(stat("memcpy_async_calls"), uploads + 1, "one table upload");
+        assert_eq!(stat("kernel_launches"), launches + 1);
+        // SAFETY: created above.
+        unsafe { hipStreamDestroy(stream) };
+    }
+
+    /// HIP 5.2 runs hipModuleLaunchKernel on a capturing stream at once and leaves it out of
+    /// the graph (a replay would copy nothing): there even a table inside the argument gets the
+    /// per-rect copies on a capturing stream, and no launch escapes the capture.
+    fn capture_on_hip_5_2() {
+        let stream = current_device_stream();
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let options = MoriSendOptions {
+            backend: MORI_BACKEND_HIP,
+            flags: MORI_SEND_COPY_KERNEL,
+            stream,
+        };
+        let (captured, replayed) = capture_and_replay(
+            stream,
+            &src,
+            &dst,
+            // SAFETY: live stream and device buffers, alive until the graph has run.
+            || unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) },
+            small_send_result,
+        );
+        assert_eq!(captured, [0, 2, 0], "two per-rect copies captured");
+        assert_eq!(replayed, [0, 0, 0]);
+        assert_eq!(
+            stat("uncaptured_launches"),
+            0,
+            "no launch ran outside the graph"
+        );
+        // SAFETY: created above.
+        unsafe { hipStreamDestroy(stream) };
+    }
+
+    /// A stream of the current device (HIP 5.2 cannot say a stream's device).
+    fn current_device_stream() -> *mut c_void {
+        stream_on(current_device())
+    }
+
+    /// A table inside the kernel's argument: the first kernel send of the process loads the
+    /// kernel and allocates its reset sentinel (one hipMalloc), and nothing else of the
+    /// library's: no table buffer (hipMalloc, hipHostMalloc), no upload (hipMemcpyAsync), no
+    /// lane (relay stream, events). Later sends make none of those calls either.
+    fn inline_table() {
+        let stream = stream_on(0);
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let options = MoriSendOptions {
+            backend: MORI_BACKEND_HIP,
+            flags: MORI_SEND_COPY_KERNEL | MORI_SEND_SYNCHRONIZE,
+            stream,
+        };
+        let made = || {
+            [
+                "device_mallocs",
+                "host_mallocs",
+                "memcpy_async_calls",
+                "events_created",
+                "streams_created",
+                "kernel_launches",
+            ]
+            .map(stat)
+        };
+        for send in 0..3 {
+            let before = made();
+            dst.write(&[9u8; 4 * 32]);
+            // SAFETY: device buffers of the stated sizes; the options synchronize.
             let (status, message) =
-                send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options);
+                unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) };
             assert_eq!(status, MORI_OK, "{message}");
-            assert_eq!(hipStreamEndCapture(stream, &mut graph), 0);
-            assert_eq!(
-                hipGraphInstantiate(&mut exec, graph, null_mut(), null_mut(), 0),
-                0
-            );
+            let after = made();
+            let delta: Vec<i64> = before.iter().zip(&after).map(|(b, a)| a - b).collect();
+            let sentinel = i64::from(send == 0);
+            assert_eq!(delta, [sentinel, 0, 0, 0, 0, 1], "send {send}");
+            let mut got = vec![0u8; 4 * 32];
+            dst.to_host(&mut got);
+            assert_eq!(got, small_send_result(7), "send {send}");
         }
-        let launches = stat("graph_launches");
-        for source in [5u8, 6] {
-            src.write(&[source; 4 * 64]);
-            // SAFETY: the instance and stream above.
-            unsafe {
-                assert_eq!(hipGraphLaunch(exec, stream), 0, "the graph replays");
-                assert_eq!(hipStreamSynchronize(stream), 0);
-            }
-            let mut after = vec![0u8; 4 * 32];
-            dst.to_host(&mut after);
-            assert_eq!(
-                after,
-                small_send_result(source),
-                "replay of source bytes {source}"
-            );
-        }
-        assert_eq!(stat("graph_launches"), launches + 2);
-        // SAFETY: made above, destroyed once.
-        unsafe {
-            hipGraphExecDestroy(exec);
-            hipGraphDestroy(graph);
-            hipStreamDestroy(stream);
-        }
+        // SAFETY: created above.
+        unsafe { hipStreamDestroy(stream) };
     }
 
     /// Issue 24.2: the kernel path never uses hipMallocAsync (refused here, as some ROCm
@@ -1484,14 +1709,17 @@ mod device {
         unsafe { hipStreamDestroy(stream) };
     }
 
-    /// Issue 35.1, one thread: kernel sends on S, then S captures a graph (relaxed mode), gets a
-    /// send (the per-rect copies), and a kernel send on T follows. Nothing the library does on T
+    /// Issue 35.1, one thread: kernel sends of uploaded tables on S, then S captures a graph
+    /// (relaxed mode), gets a send (the per-rect copies), and kernel sends on T follow. Nothing the library does on T
     /// touches an event last recorded on S (which would invalidate S's capture), and S's graph
     /// replays the copies.
     fn capture_same_thread() {
         let (s, t) = (stream_on(0), stream_on(0));
-        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
-        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        // Tables too big for the kernel's argument: each kernel send takes a table buffer pair
+        // and fences it with events on its stream.
+        let pages = 2 * UPLOADED_PAGES;
+        let src = DeviceBuffer::from_host(&vec![7u8; pages * 64]);
+        let dst = DeviceBuffer::from_host(&vec![9u8; pages * 32]);
         let send = |stream| {
             let options = MoriSendOptions {
                 backend: MORI_BACKEND_HIP,
@@ -1499,8 +1727,7 @@ mod device {
                 stream,
             };
             // SAFETY: device buffers alive until both streams are synchronized below.
-            let (status, message) =
-                unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) };
+            let (status, message) = unsafe { send_uploaded(&src, &dst, &options) };
             assert_eq!(status, MORI_OK, "{message}");
         };
         for _ in 0..4 {
@@ -1524,7 +1751,7 @@ mod device {
                 hipGraphInstantiate(&mut exec, graph, null_mut(), null_mut(), 0),
                 0
             );
-            dst.write(&[9u8; 4 * 32]);
+            dst.write(&vec![9u8; pages * 32]);
             assert_eq!(hipGraphLaunch(exec, s), 0);
             assert_eq!(hipStreamSynchronize(s), 0);
             assert_eq!(hipStreamSynchronize(t), 0);
@@ -1535,9 +1762,9 @@ mod device {
             "T's sends ran the kernel"
         );
         assert_eq!(stat("invalidated_captures"), 0);
-        let mut after = vec![0u8; 4 * 32];
+        let mut after = vec![0u8; pages * 32];
         dst.to_host(&mut after);
-        assert_eq!(after, small_send_result(7), "the replayed copies");
+        assert!(after == uploaded_result(7), "the replayed copies");
         // SAFETY: made above, destroyed once.
         unsafe {
             hipGraphExecDestroy(exec);

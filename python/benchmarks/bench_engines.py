@@ -21,6 +21,14 @@ one segment per token per buffer, as connectors build them), HND pages to pages 
 (``hnd-direct``), and NHD with pair_staging_for's staging (``nhd-staged``), interleaved in rounds
 the same way, each verified byte for byte against mori_send_kvcache_pair of its own layout.
 
+The staged suite (``--suites staged``) also moves each request in the mode and chunk count the
+streamer's cost model chooses (``Streamer.choose``, the decode process expecting it with
+``staging=BY_SENDER``): the model learns the transport's costs from the suite's own writes and
+the decode process's unpacks, and the "chosen" column shows what it chose and how fast that ran,
+"chosen vs best fixed" the time of the row's best fixed method (named: the highest median
+fraction of the contiguous write) over the chosen one's, within a round (median over the rounds;
+0.95 or more: within 5% of the best fixed mode).
+
 Then load (``--suites soak``): python/tests/engine_load.py's mix of requests (five layouts,
 four sizes, every staging mode, pipelined or layer by layer) sent back to back from 1, 4 and 16
 lanes (``--soak-lanes``) through one transport pair for ``--soak-seconds`` each, every byte
@@ -31,6 +39,7 @@ the decode process has the request), and both processes' RSS at the start and th
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import platform
 import statistics
@@ -45,7 +54,14 @@ import numpy as np
 import mori_tp
 from mori_tp import Staging
 from mori_tp.demo import BOTH, LAYOUTS, METHODS, Demo, Row, Setup, first_sender, fragmented_pages
-from mori_tp.engines import KvMemory, RequestPlan, Streamer, chunk_ranges, plan_request
+from mori_tp.engines import (
+    BY_SENDER,
+    KvMemory,
+    RequestPlan,
+    Streamer,
+    chunk_ranges,
+    plan_request,
+)
 from mori_tp.engines.loopback import (
     ENGINES,
     StreamPeer,
@@ -234,6 +250,9 @@ class StreamBench:
             self.expected = [digest(w) for w in want]
             self._ids = 0
             self._tokens: Dict[str, str] = {}
+            #: What the cost model chose for each chosen() request, and how long choose took.
+            self.choices: List[Any] = []
+            self.choose_seconds: List[float] = []
             self._lock = threading.Lock()
             # First use of the engine, the pools and the pages: paid once per process.
             self.contiguous()
@@ -280,6 +299,10 @@ class StreamBench:
         if report.error:
             raise AssertionError(f"{self.engine}: {rid} failed on the decode side: "
                                  f"{report.error}")
+        if report.unpack_seconds > 0:
+            # The decode process's unpack speed, for the cost model (a connector whose decode
+            # rank reports it does the same; otherwise the model takes the pack's).
+            self.streamer.costs.observe_copy("unpack", self.need, report.unpack_seconds)
         return report.finished_at
 
     def verify(self, what: str) -> None:
@@ -296,7 +319,8 @@ class StreamBench:
         slot_address, token = self.peer.expect(rid, 0, self.config, self.dst_pages,
                                                int(Staging.NONE), self.need)
         slot = self.pool.alloc(self.need, timeout=self.timeout)
-        message = chunk_message(rid, token, 0, [(0, self.num_buffers)], sealed=1)
+        message = chunk_message(rid, token, 0, [(0, self.num_buffers)], sealed=1,
+                                staging=Staging.NONE)
         start = time.monotonic()
         self.transport.write(self.handle, [slot.address], [slot_address], [self.need],
                              notification=message, timeout=self.timeout)
@@ -394,6 +418,35 @@ class StreamBench:
             "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         }
 
+    def chosen(self, verify: bool = False) -> float:
+        """One request in the mode and chunk count the streamer's cost model chooses: the
+        decode process expects it with staging=BY_SENDER and a slot for the modes that
+        unpack; the choice (untimed, as the plan is) goes into ``self.choices``."""
+        if verify:
+            self.peer.reset()
+        rid = self._id("chosen")
+        slot_address, self._tokens[rid] = self.peer.expect(rid, 0, self.config, self.dst_pages,
+                                                           BY_SENDER, self.need)
+        remote = replace(self.remote, staging=slot_address, staging_capacity=self.need)
+        start = time.perf_counter()
+        choice = self.streamer.choose(self.handle, self.config, self.src_pages, self.dst_pages,
+                                      remote=remote, request_id=rid)
+        self.choose_seconds.append(time.perf_counter() - start)
+        self.choices.append(choice)
+        local, slot = self.local, None
+        if choice.staging.packs:
+            slot = self.pool.alloc(self.need, timeout=self.timeout)
+            local = replace(local, staging=slot.address, staging_capacity=slot.size)
+        plan = plan_request(self.config, self.src_pages, self.dst_pages, local=local,
+                            remote=remote, staging=choice.staging)
+        start = time.monotonic()
+        self.streamer.send(self.handle, plan, rid, chunks=choice.chunks,
+                           token=self._tokens[rid])
+        seconds = self.finish(rid, slot) - start
+        if verify:
+            self.verify(f"chosen {choice.staging.name} in {choice.chunks} chunks")
+        return seconds
+
 
 def _best(runs: int, measure: Callable[[], float]) -> float:
     """The fastest of ``runs`` runs: the one least disturbed by other work on the machine."""
@@ -413,6 +466,24 @@ def _median(rows: List[Dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def _choices(picks: List[Any]) -> str:
+    """The cost model's most frequent choice, "MODE/chunks", and how often it chose otherwise."""
+    counts = collections.Counter(f"{c.staging.name}/{c.chunks}" for c in picks)
+    (top, n), *others = counts.most_common()
+    if not others:
+        return top
+    return f"{top} ({n} of {len(picks)}; " + ", ".join(f"{k}: {v}" for k, v in others) + ")"
+
+
+def _versus_best_fixed(rows: List[Dict[str, float]]) -> str:
+    """The best fixed method of the row (the highest median fraction of the contiguous write),
+    and the median over the rounds of its time over the chosen one's within a round (1: as
+    fast as the best; 0.95: 5% slower)."""
+    fixed = [k for k in rows[0] if k not in ("contiguous", "chosen")]
+    best = max(fixed, key=lambda k: statistics.median(r["contiguous"] / r[k] for r in rows))
+    return f"{statistics.median(r[best] / r['chosen'] for r in rows):.2f} ({best})"
+
+
 def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
     """Staged (sequential and pipelined) against one contiguous write of the same bytes."""
     lines = []
@@ -422,6 +493,7 @@ def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
             bench = StreamBench(engine, setup)
             chosen = mori_tp.staging_for(bench.config)
             auto = len(chunk_ranges(bench.num_buffers, bench.need // bench.num_buffers))
+            picks: List[Any] = []
             try:
                 def one_round() -> Dict[str, float]:
                     runs = args.staged_runs
@@ -433,6 +505,11 @@ def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
                     row["pipelined"] = _best(runs, lambda: bench.pipelined(chosen, None))
                     row["pipelined BOTH"] = _best(runs,
                                                   lambda: bench.pipelined(Staging.BOTH, None))
+                    # The cost model's choice: it learnt the transport from the runs above.
+                    bench.chosen(verify=True)
+                    measured = len(bench.choices)
+                    row["chosen"] = _best(runs, bench.chosen)
+                    picks.extend(bench.choices[measured:])
                     for chunks in args.chunks:
                         row[f"BOTH {chunks}"] = _best(
                             runs, lambda: bench.pipelined(Staging.BOTH, chunks))
@@ -441,6 +518,10 @@ def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
                 rows = _rounds(args.rounds, args.budget, one_round)
             finally:
                 bench.close()
+            print(f"{engine} {layout} {tokens}: Streamer.choose took "
+                  f"{statistics.median(bench.choose_seconds) * 1e3:.2f} ms (median of "
+                  f"{len(bench.choose_seconds)}); last choice: {bench.choices[-1].describe()}",
+                  file=sys.stderr, flush=True)
             ratio = {k: statistics.median(r["contiguous"] / r[k] for r in rows)
                      for k in rows[0] if k != "contiguous"}
             ms = {k: _median(rows, k) * 1e3 for k in rows[0]}
@@ -449,7 +530,9 @@ def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
                     f"{ms['sequential']:.1f} ({ratio['sequential']:.2f}) | "
                     f"{ms['sequential BOTH']:.1f} ({ratio['sequential BOTH']:.2f}) | "
                     f"{ms['pipelined']:.1f} ({ratio['pipelined']:.2f}) | "
-                    f"{ms['pipelined BOTH']:.1f} ({ratio['pipelined BOTH']:.2f}) | " +
+                    f"{ms['pipelined BOTH']:.1f} ({ratio['pipelined BOTH']:.2f}) | "
+                    f"{_choices(picks)}: {ms['chosen']:.1f} ({ratio['chosen']:.2f}) | "
+                    f"{_versus_best_fixed(rows)} | " +
                     ", ".join(f"{c}: {ratio[f'BOTH {c}']:.2f}" for c in args.chunks) +
                     f" | {len(rows)} |")
             print(line, file=sys.stderr, flush=True)
@@ -594,8 +677,9 @@ def main() -> int:
         "staged": ("Staged against one contiguous write (ms; in brackets contiguous / staged, "
                    "the fraction of the engine's own limit)",
                    "| engine | layout | tokens | bytes | staging_for | auto chunks | contiguous "
-                   "| sequential | sequential BOTH | pipelined | pipelined BOTH | BOTH, n chunks "
-                   "| rounds |\n|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
+                   "| sequential | sequential BOTH | pipelined | pipelined BOTH | chosen "
+                   "| chosen vs best fixed | BOTH, n chunks | rounds |\n"
+                   "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
                    staged_suite),
         "streaming": ("Streamed by layer against whole after compute: ms from the end of the last "
                       "layer's compute until decode has the request",

@@ -15,7 +15,11 @@ outside the slices included:
   and a message without the request's token is ignored and recorded;
 - refusals: an expect the child refuses keeps no staging slot;
 - strangers: a completion forged under this process's name without the request's token ends
-  nothing and changes no byte; over NIXL the child cannot read this process's memory.
+  nothing and changes no byte; over NIXL the child cannot read this process's memory;
+- chosen by cost: the prefill rank chooses each request's staging mode and chunk count
+  (Streamer.choose), the decode child takes it from the notifications (staging=BY_SENDER):
+  costs set so that each of the four modes is the cheapest, then costs the streamer learns
+  from this engine's own writes.
 
     python3 python/tests/engine_streaming.py mooncake|nixl
 
@@ -46,7 +50,16 @@ from engine_loopback import (
 from engine_loopback import Prefill as PlainPrefill
 from layouts import Layout
 from mori_tp import Action, Staging
-from mori_tp.engines import KvMemory, Streamer, new_token, plan_request
+from mori_tp.engines import (
+    BY_SENDER,
+    CopyCosts,
+    CostModel,
+    KvMemory,
+    Streamer,
+    TransportCosts,
+    new_token,
+    plan_request,
+)
 from mori_tp.engines.loopback import PeerError, Placement, StreamPeer, driver, run_program
 from mori_tp.engines.streaming import chunk_message
 
@@ -268,10 +281,12 @@ class Run:
         token = self.tokens[rid]
         src, dst, lengths = plan.addresses([(0, 1)])
         self.transport.write(self.remote, src, dst, lengths,
-                             notification=chunk_message(rid, token, 0, [(0, 1)]),
+                             notification=chunk_message(rid, token, 0, [(0, 1)],
+                                                        staging=Staging.NONE),
                              timeout=STEP_TIMEOUT)
         carrier = int(dst[0])
-        self.transport.notify(self.remote, chunk_message(rid, token, 0, [(0, 1)]),
+        self.transport.notify(self.remote, chunk_message(rid, token, 0, [(0, 1)],
+                                                         staging=Staging.NONE),
                               carrier=carrier)
         report = self.peer.ended(rid)
         if not report.error or "chunk 0 arrived twice" not in report.error:
@@ -282,8 +297,10 @@ class Run:
                                     timeout=2.0)
         # A stranger's messages (without the token) change nothing ...
         self.transport.notify(self.remote, chunk_message(rid, "f" * 32, 0, [(0, BUFFERS)],
-                                                         sealed=1), carrier=carrier)
-        self.transport.notify(self.remote, chunk_message(rid, token, 0, [(0, 1)], sealed=2),
+                                                         sealed=1, staging=Staging.NONE),
+                              carrier=carrier)
+        self.transport.notify(self.remote, chunk_message(rid, token, 0, [(0, 1)], sealed=2,
+                                                         staging=Staging.NONE),
                               carrier=carrier)
         report = self.peer.ended(rid)
         if not report.error or "chunks [1]" not in report.error:
@@ -359,7 +376,8 @@ class Run:
         p, d = pairs[0]
         rid = self.request_id("victim")
         plan, slot = self.plan(layout, p, d, Staging.DST, rid)
-        self.forge(chunk_message(rid, new_token(), 0, [(0, BUFFERS)], sealed=1))
+        self.forge(chunk_message(rid, new_token(), 0, [(0, BUFFERS)], sealed=1,
+                                 staging=Staging.DST))
         try:
             report = self.peer.ended(rid, timeout=2.0)
             raise Failure(f"{self.engine}: a stranger's message ended request {rid}: {report}")
@@ -386,6 +404,82 @@ class Run:
               f"token, ignored and recorded, the request then completed, every byte; a "
               f"one-sided read of this process's memory by the decode child: {outcome}")
 
+    def plan_chosen(self, streamer: Streamer, layout: Layout, p: int, d: int, rid: str):
+        """What a connector does per request when the sender chooses the staging: the decode
+        child expects it with staging=BY_SENDER and a slot for the modes that unpack; this
+        rank chooses with the streamer's cost model, takes its own slot if the mode packs,
+        and plans."""
+        config = layout.config(p, d)
+        need = BUFFERS * mori_tp.staging_len(config, len(REQUEST.src_pages))
+        remote_slot, self.tokens[rid] = self.peer.expect(rid, d, config, REQUEST.dst_pages,
+                                                         BY_SENDER, need)
+        remote = replace(self.peer.memories[d], staging=remote_slot, staging_capacity=need)
+        choice = streamer.choose(self.remote, config, REQUEST.src_pages, REQUEST.dst_pages,
+                                 remote=remote, request_id=rid)
+        local = self.prefill.memories[p]
+        slot = None
+        if choice.staging.packs:
+            slot = self.prefill.pool.alloc(need, timeout=STEP_TIMEOUT)
+            local = replace(local, staging=slot.address, staging_capacity=slot.size)
+        return plan_request(config, REQUEST.src_pages, REQUEST.dst_pages, local=local,
+                            remote=remote, staging=choice.staging), slot, choice
+
+    def chosen(self) -> int:
+        """Each request's mode and chunks chosen by cost, byte for byte in the mode chosen:
+        first with costs set so that each of the four modes is the cheapest for its layout,
+        then with the costs the streamer learns from this engine's writes."""
+        moved = 0
+        cases = (
+            # (layout, transport, copies, the mode they make the cheapest)
+            ("tp2to8", TransportCosts(0.0, 1e10), CopyCosts(1e3), Staging.NONE),
+            ("tp2to8", TransportCosts(1e-3, 1e10), CopyCosts(1e11, 1e3), Staging.SRC),
+            ("tp8to2", TransportCosts(1e-3, 1e10), CopyCosts(1e3, 1e11), Staging.DST),
+            ("tp8to2", TransportCosts(1e-3, 1e10), CopyCosts(1e11), Staging.BOTH),
+        )
+        for seed, (name, transport, copy, want) in enumerate(cases, 20):
+            layout = LAYOUTS[name]
+            want_digests = self.expected(layout, seed)
+            self.peer.reset()
+            with Streamer(self.transport, timeout=STEP_TIMEOUT,
+                          costs=CostModel(transport, copy)) as streamer:
+                for p, d in sending_pairs(layout):
+                    rid = self.request_id(f"chosen-{want.name.lower()}")
+                    plan, slot, choice = self.plan_chosen(streamer, layout, p, d, rid)
+                    if choice.staging is not want:
+                        raise Failure(f"{rid}: the model chose {choice.describe()}, expected "
+                                      f"{want.name}")
+                    streamer.send(self.remote, plan, rid, chunks=choice.chunks,
+                                  token=self.tokens[rid])
+                    self.finish(rid, slot)
+                    moved += 1
+            self.check(layout, want_digests, f"chosen {want.name} on {name}")
+        print(f"  chosen by cost: costs set for each of NONE, SRC, DST, BOTH, each chosen and "
+              "taken from the notifications by the decode child, every byte")
+        # Costs learnt from this engine: staging_for's mode and the mode with the fewest
+        # segments in turn, then the model's choice.
+        layout = LAYOUTS["tp2to8"]
+        want_digests = self.expected(layout, 30)
+        picks: List[str] = []
+        with Streamer(self.transport, timeout=STEP_TIMEOUT) as streamer:
+            for round_ in range(2):
+                self.peer.reset()
+                for p, d in sending_pairs(layout):
+                    rid = self.request_id("learnt")
+                    plan, slot, choice = self.plan_chosen(streamer, layout, p, d, rid)
+                    picks.append(f"{choice.staging.name}/{choice.chunks} ({choice.reason})")
+                    streamer.send(self.remote, plan, rid, chunks=choice.chunks,
+                                  token=self.tokens[rid])
+                    self.finish(rid, slot)
+                    moved += 1
+                self.check(layout, want_digests, f"learnt costs, round {round_}")
+            learnt = streamer.costs.transport_costs(self.remote)
+        if learnt is None or not any(p.endswith("(model)") for p in picks):
+            raise Failure(f"{self.engine}: the streamer learnt no costs from its writes: "
+                          f"{picks}")
+        print(f"  chosen by learnt costs ({learnt.describe()}): {', '.join(picks)}; every "
+              "byte")
+        return moved
+
     def close(self) -> None:
         self.streamer.close()
         self.peer.close()
@@ -405,6 +499,7 @@ def main(engine: str) -> int:
         run.violations()
         run.refusals()
         run.strangers()
+        moved += run.chosen()
     except Failure as failure:
         print(f"FAILED: {failure}")
         return 1

@@ -441,14 +441,15 @@ class NotificationsTest(unittest.TestCase):
         from engine_fakes import TransferNotify
 
         receiver.engine.inbox.extend([
-            TransferNotify("prefill:1", chunk_message("R", "0" * 32, 0, [(0, 1)]).decode()),
+            TransferNotify("prefill:1", chunk_message("R", "0" * 32, 0, [(0, 1)],
+                                                      staging=Staging.NONE).decode()),
             TransferNotify("other", "caf\u00e9 5\u20ac"),
             Unconvertible(),
             TransferNotify("prefill:1", "after"),
         ])
         got = receiver.poll_notifications()
         self.assertEqual(got, [
-            ("prefill:1", chunk_message("R", "0" * 32, 0, [(0, 1)])),
+            ("prefill:1", chunk_message("R", "0" * 32, 0, [(0, 1)], staging=Staging.NONE)),
             ("other", "caf\u00e9 5\u20ac".encode("utf-8")),
             ("someone", b""),
             ("prefill:1", b"after"),
@@ -579,7 +580,8 @@ class ReceiverBoundsTest(unittest.TestCase):
         plan.pack(backend="host")
         src, dst, lengths = plan.addresses([(0, 2)])
         sender.write(peer, src, dst, lengths,
-                     notification=chunk_message("half-1", incoming.token, 0, [(0, 2)]))
+                     notification=chunk_message("half-1", incoming.token, 0, [(0, 2)],
+                                                staging=Staging.BOTH))
         start = time.monotonic()
         with self.assertRaises(TransferTimeoutError) as caught:
             receiver.wait(incoming, timeout=LONG)
@@ -598,7 +600,7 @@ class ReceiverBoundsTest(unittest.TestCase):
         sides = src_sides()
         sender, receiver_transport, peer, _ = nixl_pair(sides)
         receiver = Receiver(receiver_transport, early_timeout=SHORT)
-        sender.notify(peer, b"mori-tp/2 ghost " + new_token().encode() +
+        sender.notify(peer, b"mori-tp/3 ghost " + new_token().encode() +
                       b" abort ended the sender gave up")
         receiver.poll()
         self.assertIn("ghost", receiver._early)

@@ -43,9 +43,10 @@ LONG = 30.0
 
 
 def forged(rid: str, rest: str, token: str = "f" * 32) -> List[bytes]:
-    """A stranger's message for ``rid``: as version 1 had it (no token), and as version 2
-    with a guessed token."""
-    return [f"mori-tp/1 {rid} {rest}".encode(), f"mori-tp/2 {rid} {token} {rest}".encode()]
+    """A stranger's message for ``rid``: as version 1 had it (no token), as version 2 (no
+    staging mode) and as version 3, both with a guessed token."""
+    return [f"mori-tp/1 {rid} {rest}".encode(), f"mori-tp/2 {rid} {token} {rest}".encode(),
+            f"mori-tp/3 {rid} {token} {rest}".encode()]
 
 
 @needs_numpy
@@ -54,12 +55,27 @@ class FormatTest(unittest.TestCase):
         token = new_token()
         self.assertRegex(token, "^[0-9a-f]{32}$")
         self.assertEqual(len({new_token() for _ in range(1000)}), 1000)
-        message = parse_message(chunk_message("r-1", token, 3, [(0, 2), (4, 6)], sealed=4))
+        raw = chunk_message("r-1", token, 3, [(0, 2), (4, 6)], sealed=4, staging=Staging.DST)
+        self.assertEqual(raw, f"mori-tp/3 r-1 {token} chunk 3 0-2,4-6 staging DST sealed 4"
+                         .encode())
+        message = parse_message(raw)
         self.assertEqual((message.request_id, message.token, message.kind, message.index,
-                          message.ranges, message.sealed),
-                         ("r-1", token, "chunk", 3, ((0, 2), (4, 6)), 4))
+                          message.ranges, message.sealed, message.staging),
+                         ("r-1", token, "chunk", 3, ((0, 2), (4, 6)), 4, Staging.DST))
+        for mode in Staging:
+            self.assertIs(parse_message(chunk_message("r", token, 0, [(0, 1)], staging=int(mode)))
+                          .staging, mode)
+        with self.assertRaisesRegex(InvalidArgumentError, "staging 7 is not a Staging"):
+            chunk_message("r", token, 0, [(0, 1)], staging=7)
+        # Version 2 had no staging word: a version-3 receiver takes it for another version.
+        self.assertEqual(parse_message(f"mori-tp/2 r {token} chunk 0 0-1".encode()).kind,
+                         "version")
+        for bad in ("chunk 0 0-1", "chunk 0 0-1 staging both", "chunk 0 0-1 staging ALL",
+                    "chunk 0 0-1 sealed 1 staging SRC", "chunk 0 0-1 staging"):
+            self.assertEqual(parse_message(f"mori-tp/3 r {token} {bad}".encode()).kind,
+                             "malformed", bad)
         self.assertEqual(seal_message("r-1", token, 4),
-                         f"mori-tp/2 r-1 {token} sealed 4".encode())
+                         f"mori-tp/3 r-1 {token} sealed 4".encode())
         aborted = parse_message(abort_message("r-1", token, "pack\nfailed: é", busy=True))
         self.assertEqual((aborted.kind, aborted.busy, aborted.reason),
                          ("abort", True, "pack failed: ?"))
@@ -102,22 +118,25 @@ class FormatTest(unittest.TestCase):
         for _ in range(3000):
             words = [rng.choice(["chunk", "sealed", "abort", "-1", "0", "12", "0-3", "3-0",
                                  "1-2,2-3", "ended", "busy", "+1", "1_0", "\xff", "", " ",
-                                 "99999999999", "0x1", "1--2"])
-                     for _ in range(rng.randint(0, 6))]
-            raw = f"mori-tp/2 r {token} {' '.join(words)}".encode("utf-8", "replace")
+                                 "99999999999", "0x1", "1--2", "staging", "BOTH", "NONE",
+                                 "none"])
+                     for _ in range(rng.randint(0, 8))]
+            raw = f"mori-tp/3 r {token} {' '.join(words)}".encode("utf-8", "replace")
             message = parse_message(raw)
             self.assertIsNotNone(message)
             if message.kind == "chunk":
                 self.assertGreaterEqual(message.index, 0)
                 self.assertTrue(all(a >= 0 and b >= 0 for a, b in message.ranges))
-        self.assertEqual(parse_message(b"mori-tp/2 r t chunk -1 0-4 sealed 1").kind,
+                self.assertIsInstance(message.staging, Staging)
+        self.assertEqual(parse_message(b"mori-tp/3 r t chunk -1 0-4 staging SRC sealed 1").kind,
                          "malformed")
-        huge = b"mori-tp/2 r " + token.encode() + b" chunk 0 " + b"0-1," * MAX_MESSAGE_BYTES
+        huge = b"mori-tp/3 r " + token.encode() + b" chunk 0 " + b"0-1," * MAX_MESSAGE_BYTES
         message = parse_message(huge)
         self.assertEqual((message.kind, message.request_id, message.token),
                          ("oversized", "r", token))
         with self.assertRaisesRegex(InvalidArgumentError, "more than the protocol's 65536"):
-            chunk_message("r", token, 0, [(2 * b, 2 * b + 1) for b in range(20000)])
+            chunk_message("r", token, 0, [(2 * b, 2 * b + 1) for b in range(20000)],
+                          staging=Staging.BOTH)
 
 
 @needs_numpy
@@ -150,10 +169,10 @@ class BindingTest(unittest.TestCase):
             d[:] = i  # B's pages start as they were; the slot still holds A's staged bytes
         b = expect(receiver, sides, "req-B", Staging.DST, token=new_token())
         c = expect(receiver, sides, "req-C", Staging.DST, token=new_token())
-        stranger(forged("req-B", f"chunk 0 0-{BUFFERS} sealed 1")
+        stranger(forged("req-B", f"chunk 0 0-{BUFFERS} staging DST sealed 1")
                  + forged("req-C", "abort ended bye") + forged("req-C", "abort bye")
                  + forged("req-D", "abort ended pre-poisoned") + forged("req-D", "abort x")
-                 + forged("req-E", f"chunk 0 0-{BUFFERS} sealed 1")
+                 + forged("req-E", f"chunk 0 0-{BUFFERS} staging DST sealed 1")
                  + forged("req-A", "sealed 1"))
         receiver.poll()
         d = expect(receiver, sides, "req-D", Staging.DST, token=new_token())
@@ -191,7 +210,8 @@ class BindingTest(unittest.TestCase):
         receiver = Receiver(inbox)
         incoming = expect(receiver, sides, "bound", Staging.SRC, peer="prefill-0")
         self.assertEqual(incoming.peer, "prefill-0")
-        whole = chunk_message("bound", incoming.token, 0, [(0, BUFFERS)], sealed=1)
+        whole = chunk_message("bound", incoming.token, 0, [(0, BUFFERS)], sealed=1,
+                              staging=Staging.SRC)
         inbox.queue.append(("prefill-1", whole))
         receiver.poll()
         self.assertFalse(incoming.done.is_set())
@@ -208,10 +228,10 @@ class BindingTest(unittest.TestCase):
         inbox = Inbox()
         receiver = Receiver(inbox)
         for rid, rest, why in (
-                ("neg", f"chunk -1 0-{BUFFERS} sealed 1", "malformed"),
-                ("big", f"chunk {BUFFERS} 0-{BUFFERS}", "outside the chunks"),
-                ("past", f"chunk 1 0-{BUFFERS} sealed 1", "sealed with 1 chunks, but chunks "
-                                                          "[1] arrived")):
+                ("neg", f"chunk -1 0-{BUFFERS} staging SRC sealed 1", "malformed"),
+                ("big", f"chunk {BUFFERS} 0-{BUFFERS} staging SRC", "outside the chunks"),
+                ("past", f"chunk 1 0-{BUFFERS} staging SRC sealed 1",
+                 "sealed with 1 chunks, but chunks [1] arrived")):
             incoming = expect(receiver, sides, rid, Staging.SRC)
             inbox.queue.extend(("p", m) for m in forged(rid, rest, incoming.token))
             receiver.poll()
@@ -248,14 +268,17 @@ class BoundsTest(unittest.TestCase):
         inbox = Inbox()
         receiver = Receiver(inbox)
         many = ",".join([f"0-{BUFFERS}"] * 12000)
-        cases = (("many", f"chunk 0 {many}", "chunk 0 has 12000 buffer ranges (1 to 12)"),
-                 ("overlap", "chunk 0 0-6,3-9", "(0, 6) and (3, 9), which overlap"),
-                 ("again", "chunk 0 0-6", "carries buffers [0, 1, 2, 3, 4, 5] that already"),
-                 ("wide", "chunk 0 " + ",".join(["0-1"] * 20000), "oversized"))
+        cases = (("many", f"chunk 0 {many} staging SRC",
+                  "chunk 0 has 12000 buffer ranges (1 to 12)"),
+                 ("overlap", "chunk 0 0-6,3-9 staging SRC", "(0, 6) and (3, 9), which overlap"),
+                 ("again", "chunk 0 0-6 staging SRC",
+                  "carries buffers [0, 1, 2, 3, 4, 5] that already"),
+                 ("wide", "chunk 0 " + ",".join(["0-1"] * 20000) + " staging SRC", "oversized"))
         for rid, rest, why in cases:
             incoming = expect(receiver, sides, rid, Staging.SRC)
             if rid == "again":
-                inbox.queue.append(("p", chunk_message(rid, incoming.token, 1, [(0, 6)])))
+                inbox.queue.append(("p", chunk_message(rid, incoming.token, 1, [(0, 6)],
+                                                       staging=Staging.SRC)))
             inbox.queue.extend(("p", m) for m in forged(rid, rest, incoming.token))
             receiver.poll()
             self.assertTrue(incoming.done.is_set(), rid)
@@ -280,9 +303,10 @@ class BoundsTest(unittest.TestCase):
             return real(raw)
 
         inbox.queue.extend([("attacker", b"mori-tp/1 attacker chunk 0 0-1"),
-                            ("attacker", b"mori-tp/2 attacker x chunk 0 0-1"),
+                            ("attacker", b"mori-tp/3 attacker x chunk 0 0-1 staging SRC"),
                             ("prefill", chunk_message("bystander", sides.token, 0,
-                                                      [(0, BUFFERS)], sealed=1))])
+                                                      [(0, BUFFERS)], sealed=1,
+                                                      staging=Staging.SRC))])
         with mock.patch.object(streaming, "parse_message", parse):
             receiver.poll()
         self.assertTrue(bystander.complete)

@@ -418,7 +418,8 @@ class ReceiverTest(unittest.TestCase):
             return str(caught.exception)
 
         def chunk(rid, index, ranges, sealed=None):
-            return lambda token: chunk_message(rid, token, index, ranges, sealed)
+            return lambda token: chunk_message(rid, token, index, ranges, sealed,
+                                               staging=Staging.NONE)
 
         def seal(rid, count):
             return lambda token: seal_message(rid, token, count)
@@ -850,7 +851,8 @@ class ReceiverLifeTest(unittest.TestCase):
             for n in range(300):
                 incoming = expect(receiver, sides, f"r{n}", Staging.SRC)
                 inbox.queue.append(("p", chunk_message(f"r{n}", sides.token, 0,
-                                                       [(0, BUFFERS)], sealed=1)))
+                                                       [(0, BUFFERS)], sealed=1,
+                                                       staging=Staging.SRC)))
                 self.assertTrue(receiver.wait(incoming, LONG).complete)
             self.assertEqual(len(receiver._incoming), 0)
             self.assertLessEqual(len(receiver._recent), 50)
@@ -859,7 +861,8 @@ class ReceiverLifeTest(unittest.TestCase):
             self.assertEqual(len(receiver.others), 10)
             self.assertEqual(receiver.others_dropped, 90)
             self.assertEqual(list(receiver.others)[-1], ("p", b"another user's 99"))
-            inbox.queue.extend(("p", chunk_message(f"nobody-{i}", sides.token, 0, [(0, 1)]))
+            inbox.queue.extend(("p", chunk_message(f"nobody-{i}", sides.token, 0, [(0, 1)],
+                                                   staging=Staging.SRC))
                                for i in range(40))
             receiver.poll()
             self.assertEqual(receiver._early_count, 5)

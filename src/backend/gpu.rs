@@ -31,14 +31,30 @@
 //! runs on the stream's device, so when the two differ the engine makes the stream's device
 //! current for the load (and for what it allocates there) and switches back.
 //!
-//! A kernel call is, in order: the capture check (a capturing stream gets the per-rect copies,
-//! whose graph nodes keep nothing of the call), the device's kernel state (loaded once; its
-//! reset sentinel checked to have survived any `hipDeviceReset`), without `hipStreamGetDevice`
-//! the stream's device checked, the buffers the kernel cannot reach refused (device memory
-//! checked once per base with `hipPointerGetAttributes`, and another device's memory against
-//! `hipDeviceCanAccessPeer`; host memory on every call), the stream's lane and an idle table
-//! buffer pair, then on the stream one `hipMemcpyAsync` of the table from the pair's pinned
-//! host memory into its device buffer and the launch, and the pair's fence (below).
+//! A kernel call is, in order: the capture check (below), the device's kernel state (loaded
+//! once; its reset sentinel checked to have survived any `hipDeviceReset`), without
+//! `hipStreamGetDevice` the stream's device checked, the buffers the kernel cannot reach refused
+//! (device memory checked once per base with `hipPointerGetAttributes`, and another device's
+//! memory against `hipDeviceCanAccessPeer`; host memory on every call), then:
+//! - a table that fits in the kernel's 4 KiB argument (`KernelTable::is_inline`) travels inside
+//!   it: the launch is the only call on the stream, with no table buffer, upload, lane or fence
+//!   (the runtime copies the argument during the call);
+//! - a bigger table takes the stream's lane and an idle table buffer pair, then on the stream
+//!   one `hipMemcpyAsync` of the table from the pair's pinned host memory into its device
+//!   buffer, the launch, and the pair's fence (below).
+//!
+//! **Graph capture of the caller's stream.** A capturing stream's work is recorded into the
+//! graph and replayed at every `hipGraphLaunch`, long after the call returned. An uploaded table
+//! would be read from its table buffer at every replay, after later calls reused the buffer, so
+//! such a call gets the per-rect copies, whose copy nodes keep nothing of the call. A launch
+//! whose table is inside its argument keeps nothing of the library's either (the function stays
+//! loaded for the process): it is captured as a kernel node that holds its own copy of the
+//! argument, where the runtime captures kernel launches ([`GpuRuntime::captures_kernel_launches`]:
+//! CUDA, and HIP from 5.3; HIP 5.2 runs `hipModuleLaunchKernel` at once and leaves it out of the
+//! graph, so there a capturing stream gets the per-rect copies). While capturing, the launch is
+//! made with the stream's device current (HIP checks a captured launch's function against the
+//! current device), and a stream whose device the runtime cannot say (no `hipStreamGetDevice`)
+//! gets the per-rect copies: the probe event below would be captured without its device check.
 //!
 //! **Table buffers and fences.** Each (device, stream) has a lane: a non-blocking stream of the
 //! library's own (the relay) and an event. After a launch on the caller's stream `S`, the engine
@@ -581,6 +597,18 @@ pub trait GpuRuntime {
     /// `launch.function` must be the copy kernel on the stream's device, and every address the
     /// table behind `launch.args` names must stay valid until the stream has run the kernel.
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus>;
+
+    /// Whether [`GpuRuntime::launch_kernel`] on a stream that is capturing a graph adds a kernel
+    /// node to that graph which holds its own copy of the launch's argument, so that every
+    /// replay runs the kernel with the argument of the captured call and nothing of the
+    /// library's. The CUDA driver captures every `cuLaunchKernel` so (a kernel node owns its
+    /// argument values: `cuGraphKernelNodeGetParams`). HIP captures `hipModuleLaunchKernel` from
+    /// 5.3 on, copying the `extra` argument buffer into the node (hipamd `rocm-5.3.0`,
+    /// `capturehipModuleLaunchKernel` in src/hip_graph.cpp, `hipGraphKernelNode::copyParams`
+    /// in src/hip_graph_internal.hpp; clr keeps both); HIP 5.2 has no capture path there and
+    /// runs the kernel at once, outside the graph. When false, a capturing stream gets the
+    /// per-rect copies.
+    fn captures_kernel_launches(&self) -> bool;
 }
 
 /// "hipErrorNoDevice (100)": the runtime's name for a status and its number, which stays
@@ -1739,9 +1767,10 @@ impl<R: GpuRuntime> GpuEngine<R> {
         fenced
     }
 
-    /// The whole job as one kernel launch on the stream's device, or as per-rect copies while
-    /// the stream is capturing a graph (and, without `MORI_SEND_COPY_KERNEL`, wherever the
-    /// kernel cannot surely run); then the wait when asked.
+    /// The whole job as one kernel launch on the stream's device, or as per-rect copies where
+    /// the launch could not be replayed from a graph (a capturing stream, when the table must be
+    /// uploaded or the runtime does not capture kernel launches) and, without
+    /// `MORI_SEND_COPY_KERNEL`, wherever the kernel cannot surely run; then the wait when asked.
     ///
     /// # Safety
     /// As for [`CopyEngine::run`]; with [`CopyPath::Kernel`], every buffer must also be memory
@@ -1750,7 +1779,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
     /// asked.
     unsafe fn run_kernel(&self, job: &CopyJob<'_>, capturing: Option<bool>) -> Result<()> {
         let table = KernelTable::new(job)?;
-        let (grid_x, grid_y) = table.grid();
+        let (grid_x, _) = table.grid();
         if grid_x == 0 {
             return self.finish();
         }
@@ -1768,10 +1797,33 @@ impl<R: GpuRuntime> GpuEngine<R> {
         };
         if capturing {
             // A captured upload would keep reading the table buffer at every replay, long after
-            // this call reused it; copy nodes keep nothing of the call.
-            return per_rect("the stream is capturing a graph");
+            // this call reused it; copy nodes keep nothing of the call. A launch whose table is
+            // inside its argument keeps nothing of the library's either, where the runtime copies
+            // the argument into the graph's node.
+            if !table.is_inline() {
+                return per_rect(&format!(
+                    "the stream is capturing a graph, and the table ({} bytes) does not fit in \
+                     the kernel's argument",
+                    table.table_len()
+                ));
+            }
+            if !self.runtime.captures_kernel_launches() {
+                return per_rect(
+                    "the stream is capturing a graph, and this runtime does not capture kernel \
+                     launches (HIP before 5.3)",
+                );
+            }
         }
         let at = self.launch_device()?;
+        if capturing && at.assumed {
+            // The stream's device cannot be confirmed: an event recorded on a capturing stream
+            // is captured before the runtime's check of its device (hipEventRecord_common,
+            // hipamd src/hip_event.cpp), so the probe would pass for any stream.
+            return per_rect(
+                "the stream is capturing a graph, and this runtime cannot say which device the \
+                 stream belongs to",
+            );
+        }
         let kernel = match self.device_kernel(at)? {
             Kernel::Ready(kernel) => kernel,
             Kernel::Unloadable(error) if !self.kernel_required() => {
@@ -1794,6 +1846,12 @@ impl<R: GpuRuntime> GpuEngine<R> {
             drop(state);
             return per_rect("a buffer is memory the kernel may not reach");
         }
+        if table.is_inline() {
+            let function = state.function;
+            drop(state);
+            // SAFETY: as the caller guarantees.
+            return unsafe { self.launch_inline(&table, function, at, capturing) };
+        }
         let bytes = table.byte_len();
         let (mut state, plan) = self.plan_launch(&kernel, state, at, bytes)?;
         let (lane, slot) = match plan {
@@ -1807,13 +1865,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
         // SAFETY: the pair's pinned buffer holds `capacity >= bytes` bytes, and nothing reads it
         // (it is idle, and reserved to this call while the state is locked).
         table.write_to(unsafe { std::slice::from_raw_parts_mut(pair.host as *mut u8, bytes) });
-        let launch = KernelLaunch {
-            function: state.function as *mut c_void,
-            grid: (grid_x, grid_y),
-            block: BLOCK_THREADS,
-            stream: self.stream,
-            args: table.args(pair.device as u64),
-        };
+        let launch = self.launch_of(&table, state.function, pair.device as u64);
         // SAFETY: both buffers hold `bytes` bytes and stay untouched until the pair's fence,
         // recorded below, has passed.
         unsafe {
@@ -1840,24 +1892,75 @@ impl<R: GpuRuntime> GpuEngine<R> {
         // Fenced even when the launch failed: the upload may still be reading the pair.
         let fenced = self.fence(&mut state, lane, slot);
         drop(state);
-        launched
-            .or_gpu(&self.runtime, self.api().launch_kernel, || {
-                let note = format!(
-                    " ({} buffers x {} rects, {} rows per buffer)",
-                    table.num_buffers(),
-                    table.num_rects(),
-                    table.rows_per_buffer()
-                );
-                Context::args(format!(
-                    "(mori_copy_kernel, grid ({}, {}, 1), block ({}, 1, 1), stream {:p}) on \
-                     device {}",
-                    launch.grid.0, launch.grid.1, launch.block, launch.stream, at.device
-                ))
-                .note(note)
-            })
+        self.launched(launched, &launch, &table, at)
             .and(fenced)
             .map_err(|error| self.also_finish(error))?;
         self.finish()
+    }
+
+    /// The launch of `function` (the copy kernel on the stream's device) for `table`, whose
+    /// uploaded bytes are at device address `uploaded` (unused for a table inside the argument).
+    fn launch_of(&self, table: &KernelTable, function: usize, uploaded: u64) -> KernelLaunch {
+        KernelLaunch {
+            function: function as *mut c_void,
+            grid: table.grid(),
+            block: BLOCK_THREADS,
+            stream: self.stream,
+            args: table.args(uploaded),
+        }
+    }
+
+    /// A table inside the kernel's argument: the launch alone, with no table buffer, upload,
+    /// lane or fence (the runtime copies the argument during the call, or into the graph's node
+    /// while the stream captures), then the wait when asked. While capturing, the stream's
+    /// device is current for the launch: HIP checks a captured launch's function against the
+    /// current device (`ihipGraphAddKernelNode`).
+    ///
+    /// # Safety
+    /// As for [`GpuEngine::run_kernel`]; `function` is the copy kernel loaded on `at.device`.
+    unsafe fn launch_inline(
+        &self,
+        table: &KernelTable,
+        function: usize,
+        at: LaunchDevice,
+        capturing: bool,
+    ) -> Result<()> {
+        let launch = self.launch_of(table, function, 0);
+        // SAFETY: the function was loaded on the stream's device; the argument holds the whole
+        // table, and the caller vouches for the buffers.
+        let launch_here = || unsafe { self.runtime.launch_kernel(&launch) };
+        let launched = if capturing && at.device != at.current {
+            self.on_device(at, || Ok(launch_here()))
+                .map_err(|error| self.also_finish(error))?
+        } else {
+            launch_here()
+        };
+        self.launched(launched, &launch, table, at)
+            .map_err(|error| self.also_finish(error))?;
+        self.finish()
+    }
+
+    /// A launch's status as the crate's result, naming the grid, stream and table on failure.
+    fn launched(
+        &self,
+        launched: Result<(), GpuStatus>,
+        launch: &KernelLaunch,
+        table: &KernelTable,
+        at: LaunchDevice,
+    ) -> Result<()> {
+        launched.or_gpu(&self.runtime, self.api().launch_kernel, || {
+            let note = format!(
+                " ({} buffers x {} rects, {} rows per buffer)",
+                table.num_buffers(),
+                table.num_rects(),
+                table.rows_per_buffer()
+            );
+            Context::args(format!(
+                "(mori_copy_kernel, grid ({}, {}, 1), block ({}, 1, 1), stream {:p}) on device {}",
+                launch.grid.0, launch.grid.1, launch.block, launch.stream, at.device
+            ))
+            .note(note)
+        })
     }
 }
 

@@ -206,14 +206,17 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
 /// MORI_OK.
 ///
 /// Backends: HOST copies on the CPU and returns when done (both sides must be host memory).
-/// HIP runs on options->stream either one copy-kernel launch for the whole call (plus one
-/// upload of its rect table) or one hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src +
+/// HIP runs on options->stream either one copy-kernel launch for the whole call (its rect table
+/// inside the kernel's argument when it fits, else uploaded before the launch) or one
+/// hipMemcpy2DAsync(dst + dst_offset, dst_pitch, src +
 /// src_offset, src_pitch, width, height, hipMemcpyDefault, stream) per (buffer, rect):
 /// MORI_SEND_COPY_KERNEL asks for the kernel, MORI_SEND_MEMCPY2D for the per-rect copies, and
 /// with neither the library launches the kernel when the call has at least 2 (buffer, rect)
 /// copies, the kernel loads on the stream's device and every buffer is memory it surely reaches,
-/// else issues the per-rect copies (MORI_SEND_COPY_KERNEL says which memory that is). A stream
-/// that is capturing a graph always gets the per-rect copies. Then hipStreamSynchronize if
+/// else issues the per-rect copies (MORI_SEND_COPY_KERNEL says which memory that is). On a
+/// stream that is capturing a graph the kernel is launched (and captured) only when its table is
+/// inside its argument and the runtime captures launches (CUDA; HIP 5.6 and later), else the
+/// per-rect copies are. Then hipStreamSynchronize if
 /// MORI_SEND_SYNCHRONIZE is set; without that flag the copies may still be running on return,
 /// and the buffers must stay valid until the stream reaches them. The per-rect copies take
 /// device memory, a peer device's memory (enable peer access first) or host memory on either

@@ -203,13 +203,18 @@ fn a_run_contiguous_on_both_sides_is_one_hip_copy_per_buffer() {
 }
 
 /// Llama-style pair (8 heads of 256 bytes, prefill TP 2 -> decode TP 4, ranks 1 -> 3) with a
-/// request of three runs, over four buffers.
+/// request of three runs, over four buffers: a table that travels inside the kernel's argument.
+/// [`Fixture::uploaded`] has one whose table must be uploaded.
 struct Fixture {
     src: SideBuffers,
     dst: SideBuffers,
     src_pages: Vec<i32>,
     dst_pages: Vec<i32>,
+    page_size: u32,
 }
+
+/// Pages of [`Fixture::uploaded`]'s request: each its own rect.
+const UPLOADED_PAGES: usize = 550;
 
 impl Fixture {
     fn new() -> Self {
@@ -218,7 +223,30 @@ impl Fixture {
             dst: SideBuffers::sentinel(8, 4, 4, 256, 10, 4),
             src_pages: vec![0, 1, 5, 9, 10],
             dst_pages: vec![7, 8, 2, 0, 1],
+            page_size: 4,
         }
+    }
+
+    /// The same pair with one-token pages and a request of [`UPLOADED_PAGES`] pages none of
+    /// which is next to another on either side: 550 rects, whose table (more than
+    /// `INLINE_TABLE_BYTES`) is uploaded into a table buffer pair before the launch.
+    fn uploaded() -> Self {
+        let capacity = 2 * UPLOADED_PAGES;
+        let f = Fixture {
+            src: SideBuffers::identified(8, 2, 1, 256, capacity, 4),
+            dst: SideBuffers::sentinel(8, 4, 1, 256, capacity, 4),
+            src_pages: (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect(),
+            dst_pages: (0..UPLOADED_PAGES as i32)
+                .map(|p| capacity as i32 - 1 - 2 * p)
+                .collect(),
+            page_size: 1,
+        };
+        let config = slice_config(&f.params(1)).unwrap();
+        let plan = Plan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
+        let bases = [(0x1000u64, 0x2000u64); 4];
+        let table = KernelTable::build(plan.rects(), &bases).expect("a table");
+        assert!(!table.is_inline(), "the fixture's table is uploaded");
+        f
     }
 
     fn params(&self, prefill_rank: u32) -> SliceParams {
@@ -228,7 +256,7 @@ impl Fixture {
             decode_tp_size: 4,
             decode_tp_rank: 3,
             total_kv_heads: 8,
-            page_size: 4,
+            page_size: self.page_size,
             src_item_len: self.src.item_len() as u64,
             dst_item_len: self.dst.item_len() as u64,
         }
@@ -520,11 +548,11 @@ fn fence_calls(stream: *mut c_void, mark: usize, relay: usize, done: usize) -> [
 /// The calls a kernel send on a fresh runtime must make: the device check; the relaxed capture
 /// mode; for a caller's stream the capture check; hipGetDevice (and the stream's device); the
 /// load on that device and its reset sentinel (its size read back); each buffer base checked
-/// once; the stream's lane (an event and a relay stream); the first table buffer pair and its
-/// event; then on the stream one upload of the table's `byte_len` bytes from the pinned buffer
-/// (0 when the table travels inside the kernel's argument) and one launch with the table's
-/// argument and grid; the fence; hipStreamSynchronize only if asked; the thread's capture mode
-/// back.
+/// once; then, for a table inside the kernel's argument, the launch alone; for an uploaded one,
+/// the stream's lane (an event and a relay stream), the first table buffer pair and its event,
+/// on the stream one upload of the table's `byte_len` bytes from the pinned buffer and one
+/// launch with the table's argument and grid, and the fence; hipStreamSynchronize only if
+/// asked; the thread's capture mode back.
 fn expected_kernel_calls(
     plan: &Walk<'_>,
     src: &[*const u8],
@@ -569,6 +597,29 @@ fn expected_kernel_calls(
             }
         }
     }
+    // The table the engine must launch with (src/backend/copy_kernel.rs checks its bytes
+    // against the C++ builder and the kernel): inside the argument when it fits, else uploaded
+    // (byte_len bytes).
+    let bases: Vec<(u64, u64)> = src
+        .iter()
+        .zip(dst)
+        .map(|(&s, &d)| (s as u64, d as u64))
+        .collect();
+    let table = KernelTable::build(rects.iter().copied(), &bases).expect("a table");
+    if table.is_inline() {
+        calls.push(Call::Launch(KernelLaunch {
+            function: function_handle(0),
+            grid: table.grid(),
+            block: 256,
+            stream,
+            args: table.args(0),
+        }));
+        if options.synchronize {
+            calls.push(Call::Synchronize(stream));
+        }
+        calls.push(RESTORED);
+        return calls;
+    }
     calls.push(Call::EventCreate {
         returned: handed.mark,
     });
@@ -578,15 +629,6 @@ fn expected_kernel_calls(
     calls.push(Call::EventCreate {
         returned: handed.done,
     });
-    // The table the engine must launch with (src/backend/copy_kernel.rs checks its bytes
-    // against the C++ builder and the kernel): its upload is byte_len bytes, none when it
-    // travels inside the argument.
-    let bases: Vec<(u64, u64)> = src
-        .iter()
-        .zip(dst)
-        .map(|(&s, &d)| (s as u64, d as u64))
-        .collect();
-    let table = KernelTable::build(rects.iter().copied(), &bases).expect("a table");
     let size = table.byte_len();
     let capacity = size.max(MIN_TABLE_BYTES).next_power_of_two();
     calls.push(Call::Malloc {
@@ -1025,8 +1067,13 @@ fn pack_unpack_pair(config: &SliceConfig, src: &[Vec<u8>], dst: &[Vec<u8>], requ
         .iter()
         .filter(|c| matches!(c, Call::MemcpyHostToDevice { .. }))
         .count();
+    // One upload per launch whose table is not inside its argument.
+    let uploaded = calls
+        .iter()
+        .filter(|c| matches!(c, Call::Launch(l) if l.args.table != 0))
+        .count();
     let sends = usize::from(staging_len > 0);
-    assert_eq!((launches, uploads), (sends, sends), "{calls:?}");
+    assert_eq!((launches, uploads), (sends, uploaded), "{calls:?}");
 
     // Kernel: unpack.
     let mut out = dst.to_vec();
@@ -1128,7 +1175,11 @@ fn kernel_fixture_run(
 
 /// What the fixture's decode rank 3 holds after one host send of pair (1, 3).
 fn fixture_sent_by_host() -> Vec<Vec<u8>> {
-    let mut f = Fixture::new();
+    fixture_sent_by_host_of(Fixture::new())
+}
+
+/// What `f`'s decode rank 3 holds after one host send of pair (1, 3).
+fn fixture_sent_by_host_of(mut f: Fixture) -> Vec<Vec<u8>> {
     let config = slice_config(&f.params(1)).unwrap();
     let plan = Plan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
     let src: Vec<&[u8]> = f.src.ranks[1].iter().map(Vec::as_slice).collect();
@@ -1182,7 +1233,7 @@ fn a_failing_launch_is_a_gpu_error_that_still_fences_the_table_and_waits_when_as
     if cpu_kernel_or_skip("a_failing_launch_...").is_none() {
         return;
     }
-    let mut f = Fixture::new();
+    let mut f = Fixture::uploaded();
     let initial = f.dst.ranks[3].clone();
     let stream = without_provenance_mut(0xabc000);
     let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, stream), |r| {
@@ -1194,8 +1245,8 @@ fn a_failing_launch_is_a_gpu_error_that_still_fences_the_table_and_waits_when_as
     for part in [
         "hipModuleLaunchKernel(mori_copy_kernel, grid (",
         "block (256, 1, 1), stream 0xabc000",
-        "returned hipErrorUnknown (98)",
-        "(4 buffers x 3 rects, 20 rows per buffer)",
+        "returned hipErrorInvalidDeviceFunction (98)",
+        "(4 buffers x 550 rects, 550 rows per buffer)",
     ] {
         assert!(message.contains(part), "{message:?} lacks {part:?}");
     }
@@ -1214,6 +1265,47 @@ fn a_failing_launch_is_a_gpu_error_that_still_fences_the_table_and_waits_when_as
             "hipEventRecord",
             "hipStreamWaitEvent",
             "hipEventRecord",
+            "hipStreamSynchronize",
+            "hipThreadExchangeStreamCaptureMode",
+        ]
+    );
+    assert_eq!(f.dst.ranks[3], initial, "a failed launch writes nothing");
+}
+
+/// A table inside the kernel's argument has no table buffer to fence: a failed launch is
+/// followed by the wait when asked and the thread's capture mode, nothing else.
+#[test]
+fn a_failing_launch_of_an_inline_table_is_a_gpu_error_and_waits_when_asked() {
+    if cpu_kernel_or_skip("a_failing_launch_of_an_inline_table_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let initial = f.dst.ranks[3].clone();
+    let stream = without_provenance_mut(0xabc000);
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(true, stream), |r| {
+        r.fail_call
+            .set(Some(("hipModuleLaunchKernel", GpuStatus(98))));
+        r
+    });
+    let message = gpu_message(result);
+    for part in [
+        "hipModuleLaunchKernel(mori_copy_kernel, grid (",
+        "block (256, 1, 1), stream 0xabc000",
+        "returned hipErrorInvalidDeviceFunction (98)",
+        "(4 buffers x 3 rects, 20 rows per buffer)",
+    ] {
+        assert!(message.contains(part), "{message:?} lacks {part:?}");
+    }
+    let n = names(&calls);
+    let launch = n
+        .iter()
+        .position(|c| *c == "hipModuleLaunchKernel")
+        .unwrap();
+    assert_eq!(
+        n[launch - 1..],
+        [
+            "hipPointerGetAttributes",
+            "hipModuleLaunchKernel",
             "hipStreamSynchronize",
             "hipThreadExchangeStreamCaptureMode",
         ]
@@ -1253,7 +1345,8 @@ fn each_failing_kernel_path_call_is_named_and_issues_nothing_after_it_but_its_cl
         ("hipEventRecord", &[mode][..]),
         ("hipStreamWaitEvent", &[mode][..]),
     ] {
-        let mut f = Fixture::new();
+        // The uploaded table's call makes every one of those calls.
+        let mut f = Fixture::uploaded();
         let initial = f.dst.ranks[3].clone();
         let stream = without_provenance_mut(0x5700_0000);
         let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
@@ -1291,6 +1384,33 @@ fn each_failing_kernel_path_call_is_named_and_issues_nothing_after_it_but_its_cl
         assert_eq!(&names[at + 1..], then, "{call}: {names:?}");
         if !["hipEventRecord", "hipStreamWaitEvent"].contains(&call) {
             assert_eq!(f.dst.ranks[3], initial, "{call}: nothing launched");
+        }
+    }
+    // A table inside the kernel's argument: the calls up to the launch fail as above; the
+    // table buffer pair's, the lane's and the fence's are never made.
+    for call in [
+        "hipEventCreateWithFlags",
+        "hipStreamCreateWithFlags",
+        "hipHostMalloc",
+        "hipMemcpyAsync",
+        "hipEventRecord",
+        "hipStreamWaitEvent",
+        "hipModuleLaunchKernel",
+    ] {
+        let mut f = Fixture::new();
+        let stream = without_provenance_mut(0x5700_0000);
+        let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
+            r.fail_call.set(Some((call, GpuStatus(123_456))));
+            r
+        });
+        let names = names(&calls);
+        if call == "hipModuleLaunchKernel" {
+            let (failed, ..) = gpu_error(result);
+            assert_eq!(failed, call);
+            assert_eq!(names.last(), Some(&mode), "{names:?}");
+        } else {
+            result.unwrap_or_else(|e| panic!("{call} is not made for an inline table: {e}"));
+            assert!(!names.contains(&call), "{call}: {names:?}");
         }
     }
 }
@@ -1401,8 +1521,8 @@ fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there(
     if cpu_kernel_or_skip("a_stream_on_another_device_...").is_none() {
         return;
     }
-    let want = fixture_sent_by_host();
-    let mut f = Fixture::new();
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
     let stream = without_provenance_mut(0xde71_0000);
     let runs = kernel_fixture_sends(
         &mut f,
@@ -1530,9 +1650,137 @@ fn without_hip_stream_get_device_a_stream_on_another_device_is_refused_before_an
     assert_eq!(f.dst.ranks[3], want);
 }
 
+/// The calls of a kernel call whose table is inside the argument, on `stream` of the current
+/// device 0 with hipStreamGetDevice, of the fixture's four buffer pairs, on a fresh recorder.
+fn inline_call_names() -> Vec<&'static str> {
+    let mut expected = vec![
+        "hipGetDeviceCount",
+        "hipThreadExchangeStreamCaptureMode",
+        "hipStreamIsCapturing",
+        "hipGetDevice",
+        "hipStreamGetDevice",
+        "hipModuleLoadData",
+        "hipModuleGetFunction",
+        "hipMalloc",
+        "hipMemGetAddressRange",
+    ];
+    expected.extend(["hipPointerGetAttributes"; 8]);
+    expected.extend([
+        "hipModuleLaunchKernel",
+        "hipThreadExchangeStreamCaptureMode",
+    ]);
+    expected
+}
+
+/// A table inside the kernel's argument needs nothing but the launch: no table buffer pair, no
+/// upload, no lane (relay stream and event), no fence; the reset sentinel is the one
+/// allocation. The launch's argument holds the table (its address is 0).
 #[test]
-fn a_capturing_stream_gets_per_rect_copies_whose_graph_nodes_keep_nothing_of_the_call() {
-    if cpu_kernel_or_skip("a_capturing_stream_...").is_none() {
+fn an_inline_table_is_one_launch_with_no_upload_allocation_or_event() {
+    if cpu_kernel_or_skip("an_inline_table_is_one_launch_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let stream = without_provenance_mut(0x1a1e_0000);
+    let runs = kernel_fixture_sends(&mut f, &kernel_options(false, stream), |r| r, 3, |_, _| {});
+    let (result, calls) = &runs[0];
+    assert_eq!(result.as_ref().map(|r| r.copies), Ok(12));
+    assert_eq!(names(calls), inline_call_names(), "{calls:?}");
+    let Some(Call::Launch(launch)) = calls.iter().find(|c| matches!(c, Call::Launch(_))) else {
+        unreachable!("a launch");
+    };
+    assert_eq!(
+        launch.args.table, 0,
+        "the table travels inside the argument"
+    );
+    assert!(launch.args.table_bytes > 0);
+    // Later calls: the capture check, the device, the reset check, the launch.
+    for (result, calls) in &runs[1..] {
+        assert!(result.is_ok(), "{result:?}");
+        assert_eq!(
+            names(calls),
+            [
+                "hipThreadExchangeStreamCaptureMode",
+                "hipStreamIsCapturing",
+                "hipGetDevice",
+                "hipStreamGetDevice",
+                "hipMemGetAddressRange",
+                "hipModuleLaunchKernel",
+                "hipThreadExchangeStreamCaptureMode",
+            ]
+        );
+    }
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+/// A table too big for the kernel's argument keeps the table buffer path: the lane, the pair,
+/// one upload of the table's bytes from pinned memory, the launch with the pair's device address
+/// in its argument, and the fence, exactly as `expected_kernel_calls` lists them.
+#[test]
+fn an_uploaded_table_is_one_upload_one_launch_and_the_fence() {
+    if cpu_kernel_or_skip("an_uploaded_table_is_one_upload_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
+    let stream = without_provenance_mut(0x0b1e_0000);
+    let options = kernel_options(true, stream);
+    let config = slice_config(&f.params(1)).unwrap();
+    let (src_pages, dst_pages) = (f.src_pages.clone(), f.dst_pages.clone());
+    let plan = Plan::new(&config, &src_pages, &dst_pages).unwrap();
+    let src: Vec<*const u8> = f.src.ranks[1].iter().map(|b| b.as_ptr()).collect();
+    let dst: Vec<*mut u8> = f.dst.ranks[3].iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let (result, calls) = kernel_fixture_run(&mut f, &options, |r| r);
+    assert_eq!(result.unwrap().copies, 4 * UPLOADED_PAGES);
+    assert_eq!(
+        calls,
+        expected_kernel_calls(&plan, &src, &dst, &options, handed(&calls))
+    );
+    let Some(Call::Launch(launch)) = calls.iter().find(|c| matches!(c, Call::Launch(_))) else {
+        unreachable!("a launch");
+    };
+    assert_eq!(launch.args.table as usize, handed(&calls).table);
+    assert!(calls.iter().any(
+        |c| matches!(c, Call::MemcpyHostToDevice { size, .. } if *size == launch.args.table_bytes as usize)
+    ));
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+/// An uploaded table on a capturing stream gets the per-rect copies: a captured upload would
+/// keep reading the table buffer at every replay, long after this call reused it, while copy
+/// nodes keep nothing of the call. With MORI_SEND_COPY_KERNEL too.
+#[test]
+fn a_capturing_stream_with_an_uploaded_table_gets_per_rect_copies() {
+    if cpu_kernel_or_skip("a_capturing_stream_with_an_uploaded_table_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
+    let stream = without_provenance_mut(0xca97_0000);
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
+        r.capturing.set(true);
+        r
+    });
+    let copies = 4 * UPLOADED_PAGES;
+    assert_eq!(result.unwrap().copies, copies);
+    let mut expected = vec![
+        "hipGetDeviceCount",
+        "hipThreadExchangeStreamCaptureMode",
+        "hipStreamIsCapturing",
+    ];
+    expected.extend(vec!["hipMemcpy2DAsync"; copies]);
+    expected.push("hipThreadExchangeStreamCaptureMode");
+    assert_eq!(names(&calls), expected, "no table, no upload, no launch");
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+/// A table inside the kernel's argument on a capturing stream gets the kernel: the launch is
+/// the graph's kernel node, which holds its own copy of the argument (HIP 5.3 and later, and
+/// CUDA), and nothing of the library's is read at a replay.
+#[test]
+fn a_capturing_stream_with_an_inline_table_gets_the_launch_alone() {
+    if cpu_kernel_or_skip("a_capturing_stream_with_an_inline_table_...").is_none() {
         return;
     }
     let want = fixture_sent_by_host();
@@ -1543,6 +1791,29 @@ fn a_capturing_stream_gets_per_rect_copies_whose_graph_nodes_keep_nothing_of_the
         r
     });
     assert_eq!(result.unwrap().copies, 12);
+    assert_eq!(names(&calls), inline_call_names(), "{calls:?}");
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+/// HIP 5.2 runs hipModuleLaunchKernel on a capturing stream at once and leaves it out of the
+/// graph: there, a capturing stream gets the per-rect copies whatever the table (the recorder
+/// panics at a launch a capture would lose).
+#[test]
+fn a_runtime_that_does_not_capture_launches_gets_per_rect_copies_while_capturing() {
+    if cpu_kernel_or_skip("a_runtime_that_does_not_capture_launches_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let stream = without_provenance_mut(0xca97_0000);
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
+        r.capturing.set(true);
+        Recorder {
+            captures_launches: false,
+            ..r
+        }
+    });
+    assert_eq!(result.unwrap().copies, 12);
     let mut expected = vec![
         "hipGetDeviceCount",
         "hipThreadExchangeStreamCaptureMode",
@@ -1550,8 +1821,68 @@ fn a_capturing_stream_gets_per_rect_copies_whose_graph_nodes_keep_nothing_of_the
     ];
     expected.extend(["hipMemcpy2DAsync"; 12]);
     expected.push("hipThreadExchangeStreamCaptureMode");
-    assert_eq!(names(&calls), expected, "no table, no upload, no launch");
+    assert_eq!(names(&calls), expected);
     assert_eq!(f.dst.ranks[3], want);
+}
+
+/// On a capturing stream of device 1 with device 0 current, the launch is made with device 1
+/// current (HIP checks a captured launch's function against the current device, and refuses
+/// a function of another device's module), and device 0 is current again after it.
+#[test]
+fn a_capturing_stream_on_another_device_gets_the_launch_with_its_device_current() {
+    if cpu_kernel_or_skip("a_capturing_stream_on_another_device_...").is_none() {
+        return;
+    }
+    let want = fixture_sent_by_host();
+    let mut f = Fixture::new();
+    let stream = without_provenance_mut(0xca97_0000);
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
+        r.capturing.set(true);
+        stream_on_device_1(r)
+    });
+    assert_eq!(result.unwrap().copies, 12, "{calls:?}");
+    let launch = calls
+        .iter()
+        .position(|c| matches!(c, Call::Launch(_)))
+        .expect("a launch");
+    assert_eq!(
+        calls[launch - 1..launch + 2],
+        [Call::SetDevice(1), calls[launch], Call::SetDevice(0)]
+    );
+    assert_eq!(current_during(&calls, 0)[launch], 1);
+    assert_eq!(calls.last(), Some(&RESTORED));
+    assert_eq!(f.dst.ranks[3], want);
+}
+
+/// Without hipStreamGetDevice (HIP 5.2 to 5.5) the stream's device is confirmed by recording an
+/// event of the current device on it, which a capturing stream captures without that check: a
+/// capturing stream gets the per-rect copies, even one of the current device.
+#[test]
+fn without_hip_stream_get_device_a_capturing_stream_gets_per_rect_copies() {
+    if cpu_kernel_or_skip("without_hip_stream_get_device_a_capturing_stream_...").is_none() {
+        return;
+    }
+    for home in [0, 1] {
+        let want = fixture_sent_by_host();
+        let mut f = Fixture::new();
+        let stream = without_provenance_mut(0xca97_0000);
+        let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| {
+            r.capturing.set(true);
+            r.stream_home.set(home);
+            Recorder {
+                has_stream_get_device: false,
+                devices: Ok(2),
+                ..r
+            }
+        });
+        assert_eq!(result.as_ref().map(|r| r.copies), Ok(12), "{calls:?}");
+        let n = names(&calls);
+        for never in ["hipEventRecord", "hipModuleLaunchKernel"] {
+            assert!(!n.contains(&never), "stream of device {home}: {n:?}");
+        }
+        assert_eq!(n.iter().filter(|c| **c == "hipMemcpy2DAsync").count(), 12);
+        assert_eq!(f.dst.ranks[3], want);
+    }
 }
 
 /// The recorder keeps clr's rule: while another thread captures in the global mode, hipMalloc,
@@ -1668,7 +1999,7 @@ fn a_kernel_send_on_one_stream_leaves_another_streams_capture_alone() {
     if cpu_kernel_or_skip("a_kernel_send_on_one_stream_leaves_...").is_none() {
         return;
     }
-    let mut f = Fixture::new();
+    let mut f = Fixture::uploaded();
     let (s, t) = (0x5200_0000usize, 0x7200_0000usize);
     let mut sends = vec![kernel_options(false, without_provenance_mut(s)); 5];
     sends.extend([kernel_options(false, without_provenance_mut(t)); MAX_TABLE_SLOTS + 2]);
@@ -1820,8 +2151,8 @@ fn a_table_buffer_pair_is_reused_once_its_fence_on_the_relay_has_passed_without_
     if cpu_kernel_or_skip("a_table_buffer_pair_is_reused_...").is_none() {
         return;
     }
-    let want = fixture_sent_by_host();
-    let mut f = Fixture::new();
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
     let stream = without_provenance_mut(0x7ab1_0000);
     let runs = kernel_fixture_sends(&mut f, &kernel_options(false, stream), |r| r, 4, |_, _| {});
     let first = handed(&runs[0].1);
@@ -1865,8 +2196,8 @@ fn a_blocked_stream_never_makes_a_call_on_another_stream_wait() {
     if cpu_kernel_or_skip("a_blocked_stream_never_makes_...").is_none() {
         return;
     }
-    let want = fixture_sent_by_host();
-    let mut f = Fixture::new();
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
     let (s, t) = (0x5000_0000usize, 0x7000_0000usize);
     // One send on S behind its wait, then many on T, then S runs again and sends.
     let mut sends = vec![kernel_options(false, without_provenance_mut(s))];
@@ -1914,8 +2245,8 @@ fn a_new_stream_takes_over_an_idle_lane_or_gets_the_per_rect_copies() {
     if cpu_kernel_or_skip("a_new_stream_takes_over_an_idle_lane_...").is_none() {
         return;
     }
-    let want = fixture_sent_by_host();
-    let mut f = Fixture::new();
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
     let stream = |n: usize| without_provenance_mut::<c_void>(0x6000_0000 + 0x1000 * n);
     let mut sends: Vec<SendOptions> = (0..MAX_LANES)
         .map(|n| kernel_options(false, stream(n)))
@@ -1976,7 +2307,7 @@ fn past_every_pair_a_call_waits_only_for_its_own_stream() {
     if cpu_kernel_or_skip("past_every_pair_a_call_waits_...").is_none() {
         return;
     }
-    let mut f = Fixture::new();
+    let mut f = Fixture::uploaded();
     let (s, t) = (0x5100_0000usize, 0x7100_0000usize);
     let mut sends = vec![kernel_options(false, without_provenance_mut(s)); MAX_TABLE_SLOTS + 1];
     sends.push(kernel_options(false, without_provenance_mut(t)));
@@ -2021,7 +2352,8 @@ fn past_every_pair_a_call_waits_only_for_its_own_stream() {
         "the caller's mode comes back"
     );
     let (result, calls) = &runs[MAX_TABLE_SLOTS + 1];
-    assert_eq!(result.as_ref().map(|r| r.copies), Ok(12), "{result:?}");
+    let copies = 4 * UPLOADED_PAGES;
+    assert_eq!(result.as_ref().map(|r| r.copies), Ok(copies), "{result:?}");
     let n = names(calls);
     assert!(
         !n.contains(&"hipEventSynchronize") && !n.contains(&"hipModuleLaunchKernel"),
@@ -2029,7 +2361,7 @@ fn past_every_pair_a_call_waits_only_for_its_own_stream() {
     );
     assert_eq!(
         n.iter().filter(|c| **c == "hipMemcpy2DAsync").count(),
-        12,
+        copies,
         "{n:?}"
     );
 }
@@ -2045,8 +2377,8 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     }
     // One 16-byte head, TP 1 -> 1, page size 1: a page of every other slot is one rect, so
     // 9000 pages make a table of 16 bytes of bases, one 48-byte run and 9000 8-byte rect
-    // entries (72064 bytes), past the first pair's 65536 bytes. Four pages fit in the kernel's
-    // argument: nothing to upload, but a pair all the same.
+    // entries (72064 bytes), past the first pair's 65536 bytes. 600 pages (4864 bytes) are
+    // past the kernel's argument too, but within that first pair.
     let config = slice_config(&SliceParams {
         prefill_tp_size: 1,
         prefill_tp_rank: 0,
@@ -2059,7 +2391,7 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     })
     .unwrap();
     let pages = |n: i32| -> Vec<i32> { (0..n).map(|i| 2 * i).collect() };
-    let (small, big) = (pages(4), pages(9000));
+    let (small, big) = (pages(600), pages(9000));
     let bigger = (16 + 48 + 8 * 9000usize).next_power_of_two();
     let src: Vec<u8> = (0..34_000 * 16).map(|i| i as u8).collect();
     let mut dst = vec![0u8; 34_000 * 16];
@@ -2288,8 +2620,8 @@ fn after_a_device_reset_an_allocation_at_the_old_sentinels_address_is_left_alone
     if cpu_kernel_or_skip("after_a_device_reset_an_allocation_...").is_none() {
         return;
     }
-    let want = fixture_sent_by_host();
-    let mut f = Fixture::new();
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
     let reused = std::cell::Cell::new(0usize);
     // Between the two sends the device is reset and the caller's next allocation (64 KiB, a
     // size callers ask for) gets the address of the kernel's reset sentinel.

@@ -40,6 +40,8 @@ use crate::backend::gpu::{
 
 /// `hipErrorInvalidMemcpyDirection` (hip/hip_runtime_api.h).
 pub const INVALID_MEMCPY_DIRECTION: GpuStatus = GpuStatus(21);
+/// `hipErrorInvalidDeviceFunction`.
+pub const INVALID_DEVICE_FUNCTION: GpuStatus = GpuStatus(98);
 /// `hipErrorInvalidHandle` (`hipErrorInvalidResourceHandle` is the same value).
 pub const INVALID_RESOURCE_HANDLE: GpuStatus = GpuStatus(400);
 /// `hipErrorIllegalAddress`.
@@ -353,10 +355,13 @@ pub struct Recorder {
     pub current: RefCell<i32>,
     /// The device every non-NULL stream belongs to.
     pub stream_home: Cell<i32>,
-    /// Whether the runtime exports hipStreamGetDevice (HIP 6.0 and later).
+    /// Whether the runtime exports hipStreamGetDevice (HIP 5.6 and later: hipamd rocm-5.6.0).
     pub has_stream_get_device: bool,
     /// Whether every non-NULL stream is capturing a graph.
     pub capturing: Cell<bool>,
+    /// Whether a kernel launch on a capturing stream is captured (HIP 5.3 and later); HIP 5.2
+    /// would run it at once and leave it out of the graph, which the recorder refuses to do.
+    pub captures_launches: bool,
     /// Streams capturing a graph, each (besides every stream with `capturing`).
     pub captures: RefCell<Vec<usize>>,
     /// Captures invalidated by a call the runtime refused or answered with
@@ -408,6 +413,7 @@ impl Recorder {
             stream_home: Cell::new(0),
             has_stream_get_device: true,
             capturing: Cell::new(false),
+            captures_launches: true,
             captures: RefCell::new(Vec::new()),
             invalidated: RefCell::new(Vec::new()),
             global_capture_elsewhere: Cell::new(false),
@@ -818,6 +824,7 @@ impl GpuRuntime for Recorder {
             100 => "hipErrorNoDevice",
             101 => "hipErrorInvalidDevice",
             209 => "hipErrorNoBinaryForGpu",
+            98 => "hipErrorInvalidDeviceFunction",
             400 => "hipErrorInvalidHandle",
             500 => "hipErrorNotFound",
             700 => "hipErrorIllegalAddress",
@@ -931,13 +938,15 @@ impl GpuRuntime for Recorder {
         stream: *mut c_void,
     ) -> Result<(), GpuStatus> {
         self.record(Call::EventRecord { event, stream })?;
-        // An event records only on a stream of its own device.
+        // An event records only on a stream of its own device; on a capturing stream the
+        // record is captured before that check (hipEventRecord_common, STREAM_CAPTURE first).
+        let captured = self.stream_captures(stream as usize);
         match self
             .events
             .borrow()
             .get((event as usize).wrapping_sub(0xe7e0_0001))
         {
-            Some(&device) if device == self.stream_device_of(stream) => {}
+            Some(&device) if captured || device == self.stream_device_of(stream) => {}
             _ => return Err(INVALID_RESOURCE_HANDLE),
         }
         // clr: the event remembers the stream of its last record (hip_event.cpp).
@@ -1041,6 +1050,10 @@ impl GpuRuntime for Recorder {
         Ok(())
     }
 
+    fn captures_kernel_launches(&self) -> bool {
+        self.captures_launches
+    }
+
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus> {
         self.record(Call::Launch(*launch))?;
         let device = self.stream_device_of(launch.stream);
@@ -1054,6 +1067,18 @@ impl GpuRuntime for Recorder {
         // clr: the function has no kernel for the stream's device.
         if modules[n].device != device {
             return Err(GpuStatus::ERROR_INVALID_DEVICE);
+        }
+        if self.stream_captures(launch.stream as usize) {
+            assert!(
+                self.captures_launches,
+                "a kernel launch on a capturing stream of a runtime that runs it at once and \
+                 leaves it out of the graph (HIP 5.2)"
+            );
+            // ihipGraphAddKernelNode checks a captured launch's function against the current
+            // device: hipErrorInvalidDeviceFunction.
+            if modules[n].device != *self.current.borrow() {
+                return Err(INVALID_DEVICE_FUNCTION);
+            }
         }
         // hipErrorInvalidConfiguration.
         if launch.grid.0 == 0 || launch.grid.1 == 0 || launch.block > BLOCK_THREADS {

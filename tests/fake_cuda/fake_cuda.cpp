@@ -59,7 +59,11 @@
 //   - cuStreamEndCapture of an invalidated capture returns CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
 //     and no graph ("Invalidation"); cuStreamIsCapturing then says
 //     CU_STREAM_CAPTURE_STATUS_INVALIDATED until the capture is ended;
-//   - cuGraphLaunch replays the captured work on a stream.
+//   - cuGraphLaunch replays the captured work on a stream;
+//   - a cuLaunchKernel on a capturing stream becomes a kernel node that owns a copy of its
+//     argument values, taken at the call ("the argument values it points to, are owned by the
+//     node", cuGraphKernelNodeGetParams), so every replay runs with the captured call's argument;
+//     what the argument points to (a table in device memory) is read at the replay.
 // - streams that wait: cuStreamWaitValue32(stream, flag, value) makes the stream's later work
 //   wait until *flag >= value. The work still runs at once (this is not a GPU), but what reports
 //   completion waits for it: cuEventQuery of an event recorded behind such a wait (directly,
@@ -576,13 +580,19 @@ extern "C" {
 
 // How often something happened in this process: "module_loads", "kernel_launches" (kernels
 // run), "memcpy2d_calls" (cuMemcpy2DAsync calls accepted), "graph_launches",
-// "invalidated_captures", "hangs", "primary_retains", "context_pushes"; -1 for an unknown name.
+// "invalidated_captures", "hangs", "primary_retains", "context_pushes"; "htod_copies",
+// "mem_allocs", "host_allocs", "events_created", "streams_created" (calls of
+// cuMemcpyHtoDAsync, cuMemAlloc, cuMemHostAlloc, cuEventCreate and cuStreamCreate that
+// succeeded, 0-byte copies included); "captured_launches" (cuLaunchKernel calls recorded into a
+// graph); -1 for an unknown name.
 long fake_cuda_stat(const char *name) {
     Guard guard(lock);
     auto it = stats.find(name);
     if (it != stats.end()) return it->second;
-    for (const char *known : {"module_loads", "kernel_launches", "memcpy2d_calls", "graph_launches",
-                              "invalidated_captures", "hangs", "primary_retains", "context_pushes"}) {
+    for (const char *known :
+         {"module_loads", "kernel_launches", "memcpy2d_calls", "graph_launches", "invalidated_captures", "hangs",
+          "primary_retains", "context_pushes", "htod_copies", "mem_allocs", "host_allocs", "events_created",
+          "streams_created", "captured_launches"}) {
         if (std::strcmp(known, name) == 0) return 0;
     }
     return -1;
@@ -770,6 +780,7 @@ CUresult cuStreamCreate(CUstream *stream, unsigned flags) {
     NEED_CONTEXT;
     if (stream == nullptr || (flags & ~STREAM_NON_BLOCKING) != 0) return CUDA_ERROR_INVALID_VALUE;
     *stream = new_stream(current(), flags == STREAM_NON_BLOCKING, false);
+    count("streams_created");
     return CUDA_SUCCESS;
 }
 
@@ -909,6 +920,7 @@ CUresult cuEventCreate(CUevent *event, unsigned) {
     NEED_CONTEXT;
     if (event == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *event = new Event{current(), nullptr, nullptr, {}};
+    count("events_created");
     return CUDA_SUCCESS;
 }
 
@@ -1002,6 +1014,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *pointer, size_t size) {
     Guard guard(lock);
     device_memory[reinterpret_cast<uintptr_t>(p)] = Allocation{size, current()};
     *pointer = reinterpret_cast<CUdeviceptr>(p);
+    stats["mem_allocs"]++;
     return CUDA_SUCCESS;
 }
 
@@ -1036,6 +1049,7 @@ CUresult cuMemHostAlloc(void **pointer, size_t size, unsigned) {
     Guard guard(lock);
     pinned_memory[reinterpret_cast<uintptr_t>(p)] = size;
     *pointer = p;
+    stats["host_allocs"]++;
     return CUDA_SUCCESS;
 }
 
@@ -1145,6 +1159,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t size, CUs
     if (s->destroyed) return CUDA_ERROR_INVALID_HANDLE;
     if (device_allocation(static_cast<uintptr_t>(dst), size) == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (implicit_capture(s)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    count("htod_copies");
     return run_or_capture(s, [=] {
         std::memcpy(reinterpret_cast<void *>(dst), src, size);
         return CUDA_SUCCESS;
@@ -1228,6 +1243,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned grid_x, unsigned grid_y, unsigned
     if (implicit_capture(s)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
     const int device = s->ctx->device;
     const MoriDim3 grid{grid_x, grid_y, grid_z}, block{block_x, block_y, block_z};
+    if (s->capture != nullptr) count("captured_launches");
+    // `args` is a copy made now: a captured launch keeps it in the graph's node.
     return run_or_capture(s, [=] {
         if (!table_reachable(args, device)) return CUDA_ERROR_ILLEGAL_ADDRESS;
         uint64_t seed;

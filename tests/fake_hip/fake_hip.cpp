@@ -18,10 +18,22 @@
 //   hipErrorInvalidValue, as in HIP 5), and hipMemGetAddressRange of device memory;
 // - graph capture: work on a capturing stream is recorded and runs at hipGraphLaunch. A graph that
 //   captured an upload from pageable host memory refuses to launch (hipErrorIllegalAddress): the
-//   runtime would read that memory at every replay, long after its owner may have freed it;
+//   runtime would read that memory at every replay, long after its owner may have freed it. A
+//   captured hipModuleLaunchKernel copies its argument buffer into the graph's kernel node at the
+//   call (hipamd rocm-5.3.0 src/hip_graph.cpp, capturehipModuleLaunchKernel, and
+//   src/hip_graph_internal.hpp, hipGraphKernelNode::copyParams, which copies `extra`'s buffer),
+//   so a replay runs it with the captured call's argument; the node's function is checked
+//   against the current device (ihipGraphAddKernelNode validates it on ihipGetDevice()), and a
+//   function of another device's module is refused (hipErrorInvalidDeviceFunction: a GPU runtime
+//   finds no kernel of that device there). HIP 5.2 (-DFAKE_HIP_5_2) has no capture path in
+//   hipModuleLaunchKernel (its libamdhip64 never asks the stream's capture status there): the
+//   kernel runs at once and the graph never holds it (counted in "uncaptured_launches").
+//   hipEventRecord on a capturing stream is captured before the event's device is checked
+//   (hipEventRecord_common: STREAM_CAPTURE comes first);
 // - hipDeviceReset, which frees the device's memory, invalidates its modules and destroys its
 //   streams (clr hipamd/src/hip_device.cpp, Device::Reset: destroyAllStreams);
-// - HIP 5.2 without hipStreamGetDevice (built with -DFAKE_HIP_5_2), and HIP 6 with it.
+// - HIP 5.2 without hipStreamGetDevice (built with -DFAKE_HIP_5_2), and HIP 6 with it;
+//   hipRuntimeGetVersion reports 5.2.21153 (Debian bookworm's libamdhip64) or 6.0.32830.
 //
 // Graph capture across threads, as clr (ROCm/clr, hipamd/src) rules it:
 // - each thread has a capture mode, Global unless hipThreadExchangeStreamCaptureMode changed it
@@ -561,16 +573,23 @@ extern "C" {
 // pageable host memory, which HIP performs synchronously), "module_loads", "graph_launches";
 // "kernel_launches" (kernels run), "memcpy2d_calls" (hipMemcpy2DAsync calls accepted);
 // "invalidated_captures" (graph captures a call invalidated), "hangs" (waits a GPU would never
-// end), "bad_frees" (hipFree of memory that is not, or no longer, allocated); -1 for an unknown
-// name.
+// end), "bad_frees" (hipFree of memory that is not, or no longer, allocated);
+// "memcpy_async_calls", "device_mallocs", "host_mallocs", "events_created", "streams_created"
+// (calls of hipMemcpyAsync, hipMalloc, hipHostMalloc, hipEventCreate(WithFlags) and
+// hipStreamCreate(WithFlags) that succeeded); "captured_launches" (hipModuleLaunchKernel calls
+// recorded into a graph), "uncaptured_launches" (HIP 5.2: run at once on a capturing stream);
+// -1 for an unknown name.
 long fake_hip_stat(const char *name) {
     Guard guard(lock);
     auto it = stats.find(name);
     if (it != stats.end()) {
         return it->second;
     }
-    const std::string known[] = {"pageable_async_copies", "module_loads", "graph_launches", "kernel_launches",
-                                 "memcpy2d_calls", "invalidated_captures", "hangs", "bad_frees"};
+    const std::string known[] = {"pageable_async_copies", "module_loads",       "graph_launches",
+                                 "kernel_launches",       "memcpy2d_calls",     "invalidated_captures",
+                                 "hangs",                 "bad_frees",          "memcpy_async_calls",
+                                 "device_mallocs",        "host_mallocs",       "events_created",
+                                 "streams_created",       "captured_launches",  "uncaptured_launches"};
     for (const std::string &k : known) {
         if (k == name) {
             return 0;
@@ -585,6 +604,19 @@ hipError_t hipGetDeviceCount(int *count) {
     }
     *count = device_count();
     return devices_present() ? hipSuccess : hipErrorNoDevice;
+}
+
+// HIP_VERSION (major * 10000000 + minor * 100000 + patch) of the runtime this stands in for.
+hipError_t hipRuntimeGetVersion(int *version) {
+    if (version == nullptr) {
+        return hipErrorInvalidValue;
+    }
+#ifdef FAKE_HIP_5_2
+    *version = 50221153;
+#else
+    *version = 60032830;
+#endif
+    return hipSuccess;
 }
 
 hipError_t hipGetDevice(int *device) {
@@ -718,6 +750,7 @@ hipError_t hipMalloc(void **ptr, size_t size) {
     }
     Guard guard(lock);
     device_memory[reinterpret_cast<uintptr_t>(*ptr)] = Allocation{size, current_device};
+    stats["device_mallocs"]++;
     return hipSuccess;
 }
 
@@ -770,6 +803,7 @@ hipError_t hipHostMalloc(void **ptr, size_t size, unsigned int) {
     }
     Guard guard(lock);
     pinned_memory[reinterpret_cast<uintptr_t>(*ptr)] = size;
+    stats["host_mallocs"]++;
     return hipSuccess;
 }
 
@@ -961,7 +995,14 @@ hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int grid_x, unsigned 
     }
     auto *kernel = f->kernel;
     const MoriDim3 grid{grid_x, grid_y, grid_z}, block{block_x, block_y, block_z};
-    return run_or_capture(stream, [=] {
+    const bool capturing = stream != nullptr && stream->capture != nullptr;
+#ifndef FAKE_HIP_5_2
+    if (capturing && f->module->device != current_device) {
+        return hipErrorInvalidDeviceFunction;
+    }
+#endif
+    // `args` is a copy made now: a captured launch keeps it in the graph's node.
+    auto work = [=] {
         if (!kernel_memory_ok(args, device)) {
             return hipErrorIllegalAddress;
         }
@@ -973,7 +1014,17 @@ hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int grid_x, unsigned 
         mori_cpu_launch(kernel, grid, block, args, seed);
         count("kernel_launches");
         return hipSuccess;
-    });
+    };
+    if (capturing) {
+#ifdef FAKE_HIP_5_2
+        // No capture path: the kernel runs now, outside the graph.
+        count("uncaptured_launches");
+        return work();
+#else
+        count("captured_launches");
+#endif
+    }
+    return run_or_capture(stream, work);
 }
 
 hipError_t hipMemset(void *dst, int value, size_t size) {
@@ -992,6 +1043,7 @@ hipError_t hipMemcpyAsync(void *dst, const void *src, size_t size, hipMemcpyKind
     if (dead(stream)) {
         return hipErrorContextIsDestroyed;
     }
+    count("memcpy_async_calls");
     const bool from_pageable = !in_device_memory(src, 1) && pageable(src, size);
     if (from_pageable) {
         count("pageable_async_copies");
@@ -1029,6 +1081,7 @@ hipError_t hipStreamCreateWithFlags(hipStream_t *stream, unsigned int flags) {
     *stream = new ihipStream_t{current_device, nullptr, flags == hipStreamNonBlocking, false, false, {}};
     Guard guard(lock);
     streams.push_back(*stream);
+    stats["streams_created"]++;
     return hipSuccess;
 }
 
@@ -1067,7 +1120,7 @@ hipError_t hipThreadExchangeStreamCaptureMode(hipStreamCaptureMode *mode) {
 }
 
 #ifndef FAKE_HIP_5_2
-// HIP 6.0 and later.
+// HIP 5.6 and later (hipamd rocm-5.6.0).
 hipError_t hipStreamGetDevice(hipStream_t stream, hipDevice_t *device) {
     if (device == nullptr) {
         return hipErrorInvalidValue;
@@ -1187,6 +1240,7 @@ hipError_t hipEventCreateWithFlags(hipEvent_t *event, unsigned) {
         return hipErrorInvalidValue;
     }
     *event = new ihipEvent_t{std::chrono::steady_clock::now(), current_device, nullptr, {}};
+    count("events_created");
     return hipSuccess;
 }
 
@@ -1207,9 +1261,11 @@ hipError_t hipEventRecord(hipEvent_t event, hipStream_t stream) {
         return hipErrorContextIsDestroyed;
     }
     Guard guard(lock);
-    // clr sets the event's stream before it checks the device (hipEventRecord_common).
+    // clr sets the event's stream before it checks the device (hipEventRecord_common), and a
+    // capturing stream's record is captured before that check.
     event->recorded_on = stream;
-    if (event->device != stream_device(stream)) {
+    const bool captured = stream != nullptr && stream->capture != nullptr;
+    if (!captured && event->device != stream_device(stream)) {
         return hipErrorInvalidHandle;
     }
     event->at = std::chrono::steady_clock::now();

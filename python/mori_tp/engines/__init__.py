@@ -28,6 +28,10 @@ staging region of each rank. The decode rank sends its :class:`KvMemory` (``to_d
 engine address to the prefill rank at handshake, as connectors already do for buffer pointers.
 Both ranks derive the staging mode from the pair's config (:func:`mori_tp.staging_for`, or
 :func:`mori_tp.pair_staging_for`) unless the connector chooses another and tells the receiver.
+:class:`CostModel` (:mod:`mori_tp.engines.costs`) chooses each request's mode and chunk count
+from the plan's segment counts, the transport's measured costs and the copy speed; with a
+:class:`Streamer` the chosen mode travels in every notification, and the decode rank's
+``Receiver.expect(..., staging=BY_SENDER)`` takes it from there.
 
 :class:`Streamer` and :class:`Receiver` (:mod:`mori_tp.engines.streaming`) move a request in
 chunks of buffers instead, so that packing, writing and unpacking overlap, or layer by layer as
@@ -78,8 +82,12 @@ from .faults import (  # noqa: E402
 from .protocol import check_token  # noqa: E402
 
 __all__ = [
+    "BY_SENDER",
     "DEFAULT_TIMEOUT",
     "BufferRanges",
+    "Choice",
+    "CopyCosts",
+    "CostModel",
     "GroupsPlan",
     "Incoming",
     "KvMemory",
@@ -93,6 +101,7 @@ __all__ = [
     "SendResult",
     "PeerLostError",
     "StaleRegistrationError",
+    "TransportCosts",
     "TransferError",
     "TransferTimeoutError",
     "new_epoch",
@@ -479,7 +488,9 @@ def _staging(value: Any, where: str) -> Staging:
 
 
 # The engine-neutral chunked transfers; imported last, as they build on the names above.
+from .costs import Choice, CopyCosts, CostModel, TransportCosts  # noqa: E402
 from .streaming import (  # noqa: E402
+    BY_SENDER,
     DEFAULT_TIMEOUT,
     Incoming,
     Receiver,

@@ -618,13 +618,15 @@ class StreamPeer:
         self.call("connect", sender)
 
     def expect(self, request_id: str, rank: int, config: mori_tp.SliceConfig,
-               dst_pages: Sequence[int], staging: int, slot_bytes: int,
+               dst_pages: Sequence[int], staging: Union[int, str], slot_bytes: int,
                timeout: Optional[float] = None,
                buffers: Optional[Sequence[int]] = None) -> Tuple[int, str]:
         """Has the child allocate a slot of ``slot_bytes`` (waiting while its pool is full:
-        backpressure) and expect the request; returns the slot's address (0 without one) and
-        the request's token, what a decode rank sends the prefill rank. ``buffers``: the
-        rank's buffers the request moves, in the request's order (default all)."""
+        backpressure) and expect the request with ``staging`` (a Staging value, or
+        ``BY_SENDER``: the sender chooses, and a slot of ``slot_bytes`` lets it choose DST or
+        BOTH); returns the slot's address (0 without one) and the request's token, what
+        a decode rank sends the prefill rank. ``buffers``: the rank's buffers the request
+        moves, in the request's order (default all)."""
         wait = self.timeout if timeout is None else timeout
         slot, token = self.call("expect", request_id, rank, config, tuple(dst_pages), staging,
                                 slot_bytes, wait, None if buffers is None else tuple(buffers),
@@ -712,8 +714,9 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
     #: The parent's name on the engine: every request is bound to it (connect).
     sender: Optional[str] = None
 
-    def expect(rid: str, rank: int, config: Any, dst_pages: Sequence[int], staging: int,
-               slot_bytes: int, wait: float, chosen: Optional[Sequence[int]]
+    def expect(rid: str, rank: int, config: Any, dst_pages: Sequence[int],
+               staging: Union[int, str], slot_bytes: int, wait: float,
+               chosen: Optional[Sequence[int]]
                ) -> Tuple[int, str]:
         """A connector's part: a slot, then the request expected; the slot goes back when the
         request has settled (on_done), or at once if expect refuses it."""

@@ -2,11 +2,11 @@
 :class:`~mori_tp.engines.Receiver` reads (REFERENCE.md section 13): their text, their bounds,
 and the per-request token that binds every message to the request it was written for.
 
-Format, version 2, ASCII words separated by one space::
+Format, version 3, ASCII words separated by one space::
 
-    mori-tp/2 <request> <token> chunk <index> <b0>-<b1>[,<b0>-<b1>...] [sealed <count>]
-    mori-tp/2 <request> <token> sealed <count>
-    mori-tp/2 <request> <token> abort <ended|busy> <reason>
+    mori-tp/3 <request> <token> chunk <index> <b0>-<b1>[,...] staging <mode> [sealed <count>]
+    mori-tp/3 <request> <token> sealed <count>
+    mori-tp/3 <request> <token> abort <ended|busy> <reason>
 
 ``<request>`` is the request id (1-200 printable ASCII characters, no space); ``<token>`` is the
 request's token: an unguessable string (default 32 hex digits, 128 random bits from
@@ -17,8 +17,13 @@ a message comes from the process that holds the request's plan. ``<index>`` and 
 decimal numbers without sign or leading zero. ``abort ended`` says that every write of the
 stream has returned (completed, or cancelled by the engine); ``abort busy`` that an engine may
 still move bytes of it (a transfer it could not cancel), so the decode rank keeps the slot.
+``<mode>`` is how the sender staged the chunk: ``NONE``, ``SRC``, ``DST`` or ``BOTH`` (the
+:class:`~mori_tp.Staging` names), which says whether the decode rank unpacks it and from where;
+the sender may choose it per request (:mod:`mori_tp.engines.costs`), and the decode rank checks it
+against what it allowed.
 
-Version 1 (no token) is refused by a version-2 receiver, which records it as a violation.
+Versions 1 (no token) and 2 (no staging mode) are refused by a version-3 receiver, which
+records them as violations.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
-from mori_tp import InvalidArgumentError
+from mori_tp import InvalidArgumentError, Staging
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -43,7 +48,7 @@ __all__ = [
     "seal_message",
 ]
 
-PROTOCOL = "mori-tp/2"
+PROTOCOL = "mori-tp/3"
 #: The longest notification of this protocol, in bytes: a sender refuses to build a longer one
 #: (a chunk of more buffer ranges than fit), and a receiver refuses a longer one unparsed.
 #: 64 KiB holds a chunk of about 5000 separate ranges.
@@ -55,6 +60,7 @@ _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
 _NUMBER = re.compile(r"0|[1-9][0-9]{0,9}")
 _RANGE = re.compile(r"(0|[1-9][0-9]{0,9})-(0|[1-9][0-9]{0,9})")
+_MODES = {mode.name: mode for mode in Staging}
 
 
 def new_token() -> str:
@@ -99,9 +105,16 @@ def _bounded(text: str, where: str) -> bytes:
 
 
 def chunk_message(request_id: str, token: str, index: int, ranges: Sequence[Tuple[int, int]],
-                  sealed: Optional[int] = None) -> bytes:
+                  sealed: Optional[int] = None, *, staging: Any) -> bytes:
+    """Chunk ``index`` of the request, holding buffer ``ranges``, staged as ``staging`` (a
+    :class:`~mori_tp.Staging` or its value); with the chunk count when ``sealed``."""
+    try:
+        mode = Staging(staging)
+    except ValueError:
+        raise InvalidArgumentError(f"request {request_id}, chunk {index}: staging {staging!r} "
+                                   "is not a Staging (0 NONE, 1 SRC, 2 DST, 3 BOTH)") from None
     text = (f"{PROTOCOL} {request_id} {token} chunk {index} "
-            + ",".join(f"{a}-{b}" for a, b in ranges))
+            + ",".join(f"{a}-{b}" for a, b in ranges) + f" staging {mode.name}")
     if sealed is not None:
         text += f" sealed {sealed}"
     return _bounded(text, f"request {request_id}, chunk {index}")
@@ -136,6 +149,8 @@ class Message:
     ranges: Tuple[Tuple[int, int], ...] = ()
     sealed: Optional[int] = None
     reason: str = ""
+    #: How the sender staged a chunk (its ``staging`` word).
+    staging: Optional[Staging] = None
     #: An abort whose sender's engine may still move bytes of the request.
     busy: bool = False
 
@@ -171,7 +186,8 @@ def parse_message(message: bytes) -> Optional[Message]:
     if len(words) < 4:
         return Message(request_id, token, "malformed", reason=_preview(message))
     kind = words[3]
-    if kind == "chunk" and len(words) in (6, 8) and _NUMBER.fullmatch(words[4]):
+    if kind == "chunk" and len(words) in (8, 10) and _NUMBER.fullmatch(words[4]) \
+            and words[6] == "staging" and words[7] in _MODES:
         parts = words[5].split(",")
         ranges = []
         for part in parts:
@@ -180,11 +196,13 @@ def parse_message(message: bytes) -> Optional[Message]:
                 break
             ranges.append((int(matched.group(1)), int(matched.group(2))))
         else:
-            if len(words) == 6:
-                return Message(request_id, token, kind, int(words[4]), tuple(ranges))
-            if words[6] == "sealed" and _NUMBER.fullmatch(words[7]):
+            mode = _MODES[words[7]]
+            if len(words) == 8:
                 return Message(request_id, token, kind, int(words[4]), tuple(ranges),
-                               int(words[7]))
+                               staging=mode)
+            if words[8] == "sealed" and _NUMBER.fullmatch(words[9]):
+                return Message(request_id, token, kind, int(words[4]), tuple(ranges),
+                               int(words[9]), staging=mode)
     elif kind == "sealed" and len(words) == 5 and _NUMBER.fullmatch(words[4]):
         return Message(request_id, token, kind, sealed=int(words[4]))
     elif kind == "abort" and len(words) >= 5 and words[4] in ("ended", "busy"):

@@ -31,9 +31,9 @@ Prefill rank (:class:`Streamer`, one per transport)::
     result = stream.wait()
 
 Protocol (:mod:`mori_tp.engines.protocol`, REFERENCE.md section 13): after each chunk's data a
-notification ``mori-tp/2 <request> <token> chunk <index> <ranges>``, with `` sealed <count>``
-appended to the last one when the sender has sealed by then, else a separate ``... sealed
-<count>``; ``... abort ended|busy <reason>`` when the sender fails, sent only once every write
+notification ``mori-tp/3 <request> <token> chunk <index> <ranges> staging <mode>``, with
+`` sealed <count>`` appended to the last one when the sender has sealed by then, else a separate
+``... sealed <count>``; ``... abort ended|busy <reason>`` when the sender fails, sent only once every write
 of the stream has returned. The receiver takes a message only from the request's token holder
 (and the bound peer, when given), unpacks each chunk as it arrives (staging DST or BOTH), and
 completes the request once it is sealed, every chunk below the count has arrived and every
@@ -42,6 +42,15 @@ overlapping ranges, a malformed message from the token holder) fails the request
 that names it; a message without the token changes nothing and is recorded in
 :attr:`Receiver.violations`. A request that makes no progress for ``timeout`` seconds (default
 :data:`DEFAULT_TIMEOUT`) fails naming what is missing. Nothing waits forever.
+
+Staging mode and chunks by cost (:mod:`mori_tp.engines.costs`): the prefill rank asks
+``streamer.choose(peer, config, src_pages, dst_pages, remote=remote)`` and the decode rank
+expects the request with ``staging=BY_SENDER``, offering a slot for the modes that unpack::
+
+    choice = streamer.choose(peer, config, src_pages, dst_pages, remote=remote)
+    plan = plan_request(config, src_pages, dst_pages, local=local, remote=remote,
+                        staging=choice.staging, token=token)
+    streamer.send(peer, plan, "req-19", chunks=choice.chunks, token=token)
 
 Chunk size (:func:`chunk_ranges`): ``min(num_buffers, cap, bytes // MIN_CHUNK_BYTES)``
 chunks (at least 1) of whole buffers, as even as buffers allow, where ``cap`` is half the host's
@@ -96,6 +105,7 @@ from . import (
     buffer_indices,
     unpack_request,
 )
+from .costs import Choice, CostModel
 from .faults import TransferTimeoutError, about, planned_epoch
 from .protocol import (  # noqa: F401 - chunk_message, seal_message: also from here
     PROTOCOL,
@@ -110,6 +120,7 @@ from .protocol import (  # noqa: F401 - chunk_message, seal_message: also from h
 )
 
 __all__ = [
+    "BY_SENDER",
     "DEFAULT_TIMEOUT",
     "MAX_AUTO_CHUNKS",
     "MIN_CHUNK_BYTES",
@@ -135,6 +146,10 @@ MIN_CHUNK_BYTES = 4 << 20
 #: cores of their own (on two cores 2 chunks were best in half the cases measured on 2026-12-01,
 #: 4 and 16 in none; REFERENCE.md section 13).
 MAX_AUTO_CHUNKS = 8
+
+#: ``Receiver.expect(..., staging=BY_SENDER)``: the sender chooses the request's staging mode
+#: (:meth:`Streamer.choose`), and each chunk says which it is.
+BY_SENDER = "sender"
 
 #: What a Receiver keeps, at most: violations (the newest; ``violation_count`` counts all),
 #: other users' notifications (entries and bytes), messages for requests not expected yet
@@ -411,7 +426,8 @@ class RequestStream:
         ranges = _merged(indices)
         # The longest this chunk's notification can be: refused here, not by the receiver.
         width = self.plan.num_buffers
-        chunk_message(self.request_id, self.token, width, ranges, sealed=width)
+        chunk_message(self.request_id, self.token, width, ranges, sealed=width,
+                      staging=self.plan.staging)
         with self._lock:
             if self._error is not None:
                 raise TransferError(f"request {self.request_id} failed: {self._error}") \
@@ -691,6 +707,28 @@ class RequestStream:
             self._streamer._untrack(threading.current_thread(), self._streamer._aborts)
 
 
+class _Activity:
+    """Which packs and writes of a streamer run at once: a pack or write that ran while no
+    other did is timed alone, the figure a cost model's stages stand for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._started = 0
+
+    def begin(self) -> Tuple[bool, int]:
+        with self._lock:
+            self._active += 1
+            self._started += 1
+            return self._active > 1, self._started
+
+    def end(self, token: Tuple[bool, int]) -> bool:
+        """Whether the pack or write that began with ``token`` ran alone."""
+        with self._lock:
+            self._active -= 1
+            return not token[0] and self._started == token[1]
+
+
 class Streamer:
     """Writes requests in chunks through one transport: a packing thread and a writing thread
     shared by every request in flight, so that packing chunk i+1 overlaps writing chunk i (the
@@ -701,11 +739,24 @@ class Streamer:
     ``notify(peer, message, carrier=...)`` and, on the receiving side, ``poll_notifications()``:
     :class:`~mori_tp.engines.mooncake.MooncakeTransport` and
     :class:`~mori_tp.engines.nixl.NixlTransport` have them.
+
+    Each request's staging mode and chunk count can be chosen by cost (:meth:`choose`, with
+    the streamer's :class:`~mori_tp.engines.costs.CostModel`, which learns the transport's costs
+    from every write the streamer makes); the decode rank then expects the request with
+    ``staging=BY_SENDER``.
     """
 
-    def __init__(self, transport: Any, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, transport: Any, *, timeout: float = DEFAULT_TIMEOUT,
+                 costs: Optional[CostModel] = None) -> None:
         self.transport = transport
         self.timeout = _check_timeout(timeout, "timeout", "Streamer")
+        if costs is not None and not isinstance(costs, CostModel):
+            raise TypeError("Streamer: costs must be a mori_tp.engines.costs.CostModel")
+        #: The cost model that :meth:`choose` and :meth:`send`'s default chunk count use; every
+        #: chunk's write and pack are recorded in it.
+        self.costs = costs if costs is not None else CostModel(
+            max_segments_per_call=getattr(transport, "max_segments_per_call", None))
+        self._activity = _Activity()
         self._lock = threading.Lock()
         #: No new stream or chunk is taken (close was called).
         self._closing = False
@@ -783,16 +834,36 @@ class Streamer:
             raise
         return request
 
+    def choose(self, peer: Any, config: Union[SliceConfig, PairConfig], request: Any,
+               dst_pages: Any = None, *, remote: KvMemory, modes: Optional[Sequence[Any]] = None,
+               request_id: Optional[str] = None) -> Choice:
+        """The staging mode and chunk count for one request to ``peer``, by the streamer's cost
+        model (:meth:`CostModel.choose <mori_tp.engines.costs.CostModel.choose>`): call it
+        before taking this rank's staging slot (needed when ``choice.staging.packs``) and
+        planning with ``plan_request(..., staging=choice.staging)``; then
+        ``send(..., chunks=choice.chunks)``. ``remote``: the decode rank's memory for the
+        request, whose ``staging_capacity`` is the slot it offered (DST and BOTH are chosen only
+        when it holds the request); the decode rank must expect the request with
+        ``staging=BY_SENDER``. ``modes``: the modes allowed (default all four)."""
+        return self.costs.choose(peer, config, request, dst_pages,
+                                 num_buffers=len(remote.buffers),
+                                 remote_staging=remote.staging_capacity, modes=modes,
+                                 request_id=request_id)
+
     def send(self, peer: Any, plan: RequestPlan, request_id: str, *,
              token: Optional[str] = None, chunks: Optional[int] = None, backend: str = "auto",
              stream: Optional[int] = None, timeout: Optional[float] = None,
              release: Optional[Callable[[], None]] = None) -> SendResult:
-        """One whole request, pipelined: its buffers in :func:`chunk_ranges` chunks, submitted
-        at once and sealed; returns when every chunk is written (``token`` and ``release`` as
-        for :meth:`open`). Raises the stream's error: the pack's or the engine's own
-        exception, not a wrapper; ``release`` runs in every case (also when ``chunks`` is
-        refused)."""
+        """One whole request, pipelined: its buffers in ``chunks`` chunks (default: the cost
+        model's count for the plan's mode once it knows the transport's costs to ``peer``, else
+        :func:`chunk_ranges`' rule), submitted at once and sealed; returns when every chunk is
+        written (``token`` and ``release`` as for :meth:`open`). Raises the stream's error: the
+        pack's or the engine's own exception, not a wrapper; ``release`` runs in every case
+        (also when ``chunks`` is refused)."""
         try:
+            if chunks is None and plan.num_buffers:
+                chunks = self.costs.chunks_for(peer, plan.staging, plan.segments, plan.bytes,
+                                               plan.num_buffers)
             ranges = chunk_ranges(plan.num_buffers, plan.bytes_per_buffer, chunks)
         except BaseException as error:
             _run_release(release, error)
@@ -934,8 +1005,17 @@ class Streamer:
             try:
                 if here:
                     _wait_ready(ready)
-                request.pack_seconds += request.plan.pack(
-                    backend=request.backend, stream=request.stream, buffers=ranges)
+                token = self._activity.begin()
+                try:
+                    seconds = request.plan.pack(backend=request.backend,
+                                                stream=request.stream, buffers=ranges)
+                finally:
+                    alone = self._activity.end(token)
+                request.pack_seconds += seconds
+                if seconds > 0:
+                    self.costs.observe_copy(
+                        "pack", sum(e - a for a, e in ranges) * request.plan.staging_len,
+                        seconds, alone=alone)
             except BaseException as error:  # noqa: B036 - reported to the caller's wait
                 request._fail(error)
                 if here and not isinstance(error, Exception):
@@ -978,21 +1058,34 @@ class Streamer:
             if last:
                 request._seal = "riding"
         message = chunk_message(request.request_id, request.token, index, ranges,
-                                request._sealed if last else None)
+                                request._sealed if last else None,
+                                staging=request.plan.staging)
         src, dst, lengths = request.plan.addresses(ranges)
+        token = self._activity.begin()
+        cpu = time.process_time()
         start = time.perf_counter()
-        if len(lengths):
-            request.calls += self.transport.write(request.peer, src, dst, lengths,
-                                                  notification=message,
-                                                  timeout=request.timeout,
-                                                  epoch=planned_epoch(request.plan),
-                                                  request_id=request.request_id)
-        else:
-            # Nothing to move (a pair that is not SEND): the notification goes alone.
-            self._notify(request, message)
-        request.write_seconds += time.perf_counter() - start
+        calls = 0
+        try:
+            if len(lengths):
+                calls = self.transport.write(request.peer, src, dst, lengths,
+                                             notification=message, timeout=request.timeout,
+                                             epoch=planned_epoch(request.plan),
+                                             request_id=request.request_id)
+                request.calls += calls
+            else:
+                # Nothing to move (a pair that is not SEND): the notification goes alone.
+                self._notify(request, message)
+        finally:
+            seconds = time.perf_counter() - start
+            cpu = time.process_time() - cpu
+            alone = self._activity.end(token)
+        request.write_seconds += seconds
         request.segments += len(lengths)
-        request.bytes += int(lengths.sum())
+        moved = int(lengths.sum())
+        request.bytes += moved
+        if calls:
+            self.costs.observe_write(request.peer, len(lengths), moved, calls, seconds,
+                                     alone=alone, cpu_seconds=cpu)
         with request._lock:
             request._written += 1
             if last:
@@ -1039,7 +1132,9 @@ class Incoming:
     config: Union[SliceConfig, PairConfig]
     dst_pages: Any
     memory: KvMemory
-    staging: Staging
+    #: The request's staging mode; None while the sender chooses it (``BY_SENDER``) and no
+    #: chunk has said which yet.
+    staging: Optional[Staging]
     num_buffers: int
     backend: str
     timeout: float
@@ -1076,6 +1171,11 @@ class Incoming:
     settled: threading.Event = field(default_factory=threading.Event)
     #: Why the request never settles: the sender's engine may still write into its memory.
     kept: Optional[str] = None
+    #: Whether the sender chooses the staging mode (``expect(staging=BY_SENDER)``).
+    by_sender: bool = False
+    #: Bytes of staging slot a mode that unpacks needs on this rank: ``num_buffers *
+    #: staging_len``.
+    staging_need: int = 0
 
     @property
     def complete(self) -> bool:
@@ -1095,10 +1195,10 @@ class Incoming:
         """What of the request reached its buffers, in words: the chunks whose notification
         arrived (unpacked, when staged); nothing else was unpacked."""
         landed = sorted(self.buffers_ready)
+        if not landed or self.staging is None:
+            return "no chunk arrived, nothing was unpacked"
         where = ("unpacked into the page buffers" if self.staging.unpacks
                  else "written in place")
-        if not landed:
-            return "no chunk arrived, nothing was unpacked"
         return (f"buffers {_listed(landed)} ({len(self.chunks)} chunks) arrived and were "
                 f"{where}; no other data was unpacked")
 
@@ -1199,7 +1299,7 @@ class Receiver:
 
     def expect(self, request_id: str, config: Union[SliceConfig, PairConfig],
                dst_pages: Any, *, memory: KvMemory, num_buffers: Optional[int] = None,
-               staging: Optional[Union[Staging, int]] = None, backend: str = "auto",
+               staging: Optional[Union[Staging, int, str]] = None, backend: str = "auto",
                timeout: float = DEFAULT_TIMEOUT, peer: Any = None,
                token: Optional[str] = None,
                on_chunk: Optional[Callable[[Incoming, Tuple[Tuple[int, int], ...]], None]] = None,
@@ -1207,7 +1307,12 @@ class Receiver:
         """Registers a request: its pair's config (a SliceConfig with its destination pages,
         or a PairConfig with its :class:`~mori_tp.Request`), this rank's memory whose staging
         field is the request's slot, and the staging the sender uses (default
-        :func:`mori_tp.staging_for`, :func:`mori_tp.pair_staging_for` for a PairConfig).
+        :func:`mori_tp.staging_for`, :func:`mori_tp.pair_staging_for` for a PairConfig), or
+        :data:`BY_SENDER` (``"sender"``): the sender chooses (:meth:`Streamer.choose`), and the
+        ``staging`` word of the first chunk to arrive fixes the mode. Every chunk says how it was staged; one
+        staged otherwise than the request's mode, or staged DST or BOTH while ``memory``'s slot
+        holds less than ``num_buffers * staging_len`` bytes, fails the request before anything
+        is unpacked. Offer a slot of that size to let the sender choose DST or BOTH.
 
         ``token``: the request's token (default: a new one, :func:`new_token`); send
         ``incoming.token`` to the prefill rank with the slot and pages. ``peer``: the sender's
@@ -1234,16 +1339,21 @@ class Receiver:
         chosen = token if token is not None else new_token()
         check_token(chosen, where)
         timeout = _check_timeout(timeout, "timeout", where)
+        by_sender = isinstance(staging, str) and staging == BY_SENDER
         if staging is None:
             staging = (mori_tp.pair_staging_for(config) if isinstance(config, PairConfig)
                        else mori_tp.staging_for(config))
-        mode = _staging(staging, where)
+        mode = None if by_sender else _staging(staging, where)
         count = len(memory.buffers) if num_buffers is None else num_buffers
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise InvalidArgumentError(f"{where}: request {request_id}: num_buffers {count!r} "
                                        "must be at least 1")
+        length = (mori_tp.pair_staging_len(config, dst_pages.num_tokens)
+                  if isinstance(config, PairConfig) else mori_tp.staging_len(config,
+                                                                             len(dst_pages)))
         incoming = Incoming(request_id, config, dst_pages, memory, mode, count, backend,
-                            timeout, chosen, on_chunk, on_done, sender=peer, peer=peer)
+                            timeout, chosen, on_chunk, on_done, sender=peer, peer=peer,
+                            by_sender=by_sender, staging_need=count * length)
         with self._lock:
             live = self._incoming.get(request_id)
             if live is not None:
@@ -1583,12 +1693,16 @@ class Receiver:
             return
         if kind == "chunk":
             ranges = message.ranges
+            if incoming.staging is None:
+                # The sender's choice (BY_SENDER), from its first chunk; checked above.
+                incoming.staging = message.staging
             try:
-                start = time.perf_counter()
-                unpack_request(incoming.config, incoming.dst_pages, memory=incoming.memory,
-                               staging=incoming.staging, backend=incoming.backend,
-                               buffers=ranges)
-                incoming.unpack_seconds += time.perf_counter() - start
+                if incoming.staging.unpacks:
+                    start = time.perf_counter()
+                    unpack_request(incoming.config, incoming.dst_pages, memory=incoming.memory,
+                                   staging=incoming.staging, backend=incoming.backend,
+                                   buffers=ranges)
+                    incoming.unpack_seconds += time.perf_counter() - start
             except Exception as error:  # noqa: BLE001 - the request fails with it
                 self._fail(incoming, error)
                 return
@@ -1626,6 +1740,19 @@ class Receiver:
         if count is not None and index >= count:
             beyond = sorted(c for c in incoming.chunks | {index} if c >= count)
             return f"sealed with {count} chunks, but chunks {_listed(beyond)} arrived"
+        mode = message.staging
+        if mode is None:
+            return f"chunk {index} does not say how it was staged"
+        if incoming.staging is not None and mode is not incoming.staging:
+            expected = ("the sender's earlier chunks were staged" if incoming.by_sender
+                        else "the request was expected with")
+            return (f"chunk {index} was staged {mode.name} by its sender, but {expected} "
+                    f"{incoming.staging.name}")
+        capacity = incoming.memory.staging_capacity
+        if mode.unpacks and capacity < incoming.staging_need:
+            return (f"chunk {index} is staged {mode.name}, which unpacks from a staging slot "
+                    f"of {incoming.staging_need} bytes ({n} buffers x "
+                    f"{incoming.staging_need // n}); the request's slot holds {capacity}")
         ranges = message.ranges
         if not 1 <= len(ranges) <= n:
             return f"chunk {index} has {len(ranges)} buffer ranges (1 to {n})"

@@ -732,6 +732,13 @@ impl GpuRuntime for LibCuda {
         })
     }
 
+    fn captures_kernel_launches(&self) -> bool {
+        // Every driver with stream capture (CUDA 10 on) records cuLaunchKernel on a capturing
+        // stream as a kernel node that owns its argument values (cuGraphKernelNodeGetParams:
+        // "the argument values it points to, are owned by the node").
+        true
+    }
+
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> std::result::Result<(), GpuStatus> {
         // The argument struct is the kernel's whole argument buffer, passed through `extra` with
         // the driver's markers. The driver copies it during the call.

@@ -32,6 +32,7 @@ struct PointerAttributes {
 // at run time (`optional`).
 unsafe extern "C" {
     fn hipGetDeviceCount(count: *mut c_int) -> GpuStatus;
+    fn hipRuntimeGetVersion(version: *mut c_int) -> GpuStatus;
     fn hipGetDevice(device: *mut c_int) -> GpuStatus;
     fn hipSetDevice(device: c_int) -> GpuStatus;
     fn hipThreadExchangeStreamCaptureMode(mode: *mut c_int) -> GpuStatus;
@@ -110,7 +111,7 @@ const CAPTURE_STATUS_NONE: c_int = 0;
 /// `hipStreamNonBlocking`: the library's relay streams do not synchronize with the NULL stream.
 const STREAM_NON_BLOCKING: c_uint = 1;
 
-/// `hipStreamGetDevice(stream, &device)`: HIP 6.0 and later.
+/// `hipStreamGetDevice(stream, &device)`: HIP 5.6 and later (hipamd rocm-5.6.0).
 type StreamGetDevice = unsafe extern "C" fn(*mut c_void, *mut c_int) -> GpuStatus;
 
 /// The copy kernel's state per device, for the whole process.
@@ -144,6 +145,11 @@ fn stream_get_device() -> Option<StreamGetDevice> {
     // SAFETY: the address of hipStreamGetDevice, whose C signature is StreamGetDevice.
     Some(unsafe { std::mem::transmute::<usize, StreamGetDevice>(address) })
 }
+
+/// The first `HIP_VERSION` (major * 10000000 + minor * 100000 + patch, as hipRuntimeGetVersion
+/// returns it) whose hipModuleLaunchKernel is captured into a graph: 5.3 (hipamd rocm-5.3.0,
+/// `STREAM_CAPTURE(hipModuleLaunchKernel, ...)` in src/hip_module.cpp).
+pub const FIRST_CAPTURING_HIP_VERSION: i32 = 50_300_000;
 
 /// An out-pointer call's result: the value on success, else the status.
 fn out<T>(status: GpuStatus, value: T) -> Result<T, GpuStatus> {
@@ -380,6 +386,17 @@ impl GpuRuntime for LibHip {
     ) -> Result<(), GpuStatus> {
         // SAFETY: forwarded from the caller, as the trait documents.
         unsafe { hipMemcpyAsync(dst, src, size, HIP_MEMCPY_HOST_TO_DEVICE, stream) }.result()
+    }
+
+    fn captures_kernel_launches(&self) -> bool {
+        static CAPTURES: OnceLock<bool> = OnceLock::new();
+        *CAPTURES.get_or_init(|| {
+            let mut version: c_int = 0;
+            // SAFETY: a valid out-pointer.
+            let status = unsafe { hipRuntimeGetVersion(&mut version) };
+            // A runtime that cannot say is taken to be one that does not capture.
+            status == GpuStatus::SUCCESS && version >= FIRST_CAPTURING_HIP_VERSION
+        })
     }
 
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus> {
