@@ -209,12 +209,27 @@ fn rate(threads: usize, per_thread: usize) -> f64 {
     (threads * per_thread) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Arrivals per row of the fragmentation table, and alloc/free pairs per rate measurement:
+/// `--quick` (benches/regenerate's check that the command works) takes a tenth.
+fn sizes() -> (usize, usize) {
+    if std::env::args().any(|a| a == "--quick") {
+        (10_000, 20_000)
+    } else {
+        (100_000, 200_000)
+    }
+}
+
 fn main() {
     const UNIT: u64 = 64 << 10;
-    const ARRIVALS: usize = 100_000;
-    println!("Fragmentation under the mix ({ARRIVALS} arrivals per row, min_slot 64 KiB):\n");
+    let (arrivals, pairs) = sizes();
+    // benches/regenerate pastes what follows this line into BENCHMARKS.md.
+    println!("== results ==\n");
     println!(
-        "| pool | allocator | grants | refusals | refused by fragmentation | pool full at a refusal: median / 10th percentile | granted / requested bytes |"
+        "Fragmentation under the mix ({arrivals} arrivals per row, 64 KiB units; \"refused while \
+         free\": refusals where the free bytes would have held the request):\n"
+    );
+    println!(
+        "| pool | allocator | grants | refusals | refused while free | pool full at a refusal: median / 10th percentile | granted / requested bytes |"
     );
     println!("|---|---|---:|---:|---:|---|---:|");
     for capacity in [1u64 << 30, 4 << 30, 16 << 30] {
@@ -222,7 +237,7 @@ fn main() {
         let pool = StagingPool::new(Unbacked(capacity), UNIT).expect("a valid shape");
         let best_fit = mix(
             units,
-            ARRIVALS,
+            arrivals,
             0x5EED,
             UNIT,
             |n| pool.try_alloc(n * UNIT).ok().map(|slot| slot.offset / UNIT),
@@ -233,7 +248,7 @@ fn main() {
         let buddy = std::cell::RefCell::new(Buddy::new(units));
         let buddy = mix(
             units,
-            ARRIVALS,
+            arrivals,
             0x5EED,
             UNIT,
             |n| buddy.borrow_mut().alloc(n),
@@ -253,10 +268,16 @@ fn main() {
             );
         }
     }
-    println!("\nalloc + free pairs per second (slots of 64 KiB to 4 MiB, 1 GiB pool):\n");
-    println!("| threads | pairs/s |");
+    println!(
+        "\nalloc + free pairs (slots of 64 KiB to 4 MiB, 1 GiB pool, one mutex; {pairs} pairs \
+         per row):\n"
+    );
+    println!("| threads | million pairs/s |");
     println!("|---:|---:|");
     for threads in [1, 4] {
-        println!("| {threads} | {:.0} |", rate(threads, 200_000 / threads));
+        println!(
+            "| {threads} | {:.2} |",
+            rate(threads, pairs / threads) / 1e6
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! mori-tp against today's per-token approach and against memcpy, measured side by side in one
-//! run. `cargo bench --bench transfer` runs everything and ends with a table of ratios;
-//! BENCHMARKS.md explains the numbers and records the latest ones.
+//! run. `cargo bench --bench transfer` runs everything (`-- '^plan/'` one group) and ends, after
+//! a line `== results ==`, with Markdown tables of ratios computed from this run's estimates
+//! only; `benches/regenerate` pastes them into BENCHMARKS.md, which explains them.
 //!
 //! Everything goes through the C ABI a runtime would call (`mori_tp::ffi`).
 
@@ -728,17 +729,39 @@ fn mean_ns(group: &str, function: &str) -> Option<f64> {
     json["mean"]["point_estimate"].as_f64()
 }
 
+/// Prints a Markdown table (a header and rows of cells) if it has rows: benchmarks that did not
+/// run now leave their table out.
+fn print_table(title: &str, header: &[&str], right: &[bool], rows: &[Vec<String>]) {
+    if rows.is_empty() {
+        return;
+    }
+    println!("\n{title}\n");
+    println!("| {} |", header.join(" | "));
+    let rule: Vec<&str> = right
+        .iter()
+        .map(|&r| if r { "---:" } else { "---" })
+        .collect();
+    println!("|{}|", rule.join("|"));
+    for row in rows {
+        println!("| {} |", row.join(" | "));
+    }
+}
+
+/// "32k, page 16, fragmented": a plan case as the tables name it.
+fn case_label(tokens: usize, page_size: u32, fragmented: bool) -> String {
+    let layout = if fragmented {
+        "fragmented"
+    } else {
+        "contiguous"
+    };
+    format!("{}k, page {page_size}, {layout}", tokens / 1024)
+}
+
 /// The pair generator's time over section 4's on the same requests.
 fn print_pair_ratios() {
-    println!(
-        "\n{:<46} {:>10} {:>22} {:>22}",
-        "pair segments (section-4 layouts)",
-        "segments",
-        "pair time / plan time",
-        "pair_plan / plan time"
-    );
-    for (tokens, page_size, fragmented) in PLAN_CASES {
-        for (shape, decode_tp) in PAIR_SHAPES {
+    let mut rows = Vec::new();
+    for (shape, decode_tp) in PAIR_SHAPES {
+        for (tokens, page_size, fragmented) in PLAN_CASES {
             let name = plan_case_name(tokens, page_size, fragmented);
             let group = format!("pair/{shape}/{name}");
             let (Some(plan), Some(pair)) = (
@@ -757,19 +780,30 @@ fn print_pair_ratios() {
             plan_segments(&config, &src, &dst, &mut out);
             let rects = mean_ns(&group, "mori_tp_pair_plan")
                 .map_or("-".to_string(), |t| format!("{:.2}", t / plan));
-            println!(
-                "{:<46} {:>10} {:>22.2} {:>22}",
-                format!("{shape}/{name}"),
-                out.len(),
-                pair / plan,
-                rects
-            );
+            rows.push(vec![
+                format!("{shape} (TP 4 -> {decode_tp})"),
+                case_label(tokens, page_size, fragmented),
+                out.len().to_string(),
+                format!("{:.2}", pair / plan),
+                rects,
+            ]);
         }
     }
-    println!(
-        "\n{:<46} {:>14} {:>22}",
-        "pair plan, two pages (gapped)", "time (us)", "time / time at 2M tokens"
+    print_table(
+        "`mori_tp_pair_segments` and `mori_tp_pair_plan` against `mori_tp_plan_segments`, same \
+         requests (time of the pair function / time of the section-4 function; the target, for \
+         `mori_tp_pair_segments`: 1.25 or less):",
+        &[
+            "shape",
+            "request",
+            "segments",
+            "pair time / plan time",
+            "pair_plan time / plan time",
+        ],
+        &[false, false, true, true, true],
+        &rows,
     );
+    let mut rows = Vec::new();
     for (name, _) in GAPPED_CASES {
         let base = mean_ns(
             &format!("pair_gapped/{name}/{}M_tokens", GAPPED_TOKENS[0] >> 20),
@@ -780,34 +814,44 @@ fn print_pair_ratios() {
             let (Some(t), Some(base)) = (mean_ns(&group, "mori_tp_pair_plan"), base) else {
                 continue;
             };
-            println!("{group:<46} {:>14.2} {:>22.2}", t / 1e3, t / base);
+            rows.push(vec![
+                name.to_string(),
+                format!("2^{}", tokens.trailing_zeros()),
+                format!("{:.2}", t / 1e3),
+                format!("{:.2}", t / base),
+            ]);
         }
     }
+    print_table(
+        &format!(
+            "`mori_tp_pair_plan` on two pages per side whose plan is a few rects (the time must \
+             not grow with the tokens; \"time / first\": over the time at 2^{} tokens):",
+            GAPPED_TOKENS[0].trailing_zeros()
+        ),
+        &["case", "tokens", "time (us)", "time / first"],
+        &[false, true, true, true],
+        &rows,
+    );
 }
 
-/// Segment counts (exact) and plan times (measured) of the staged layouts.
+/// Segment counts (exact) and plan times (measured) of the staged layouts, and the host pack and
+/// unpack against a per-row loop.
 fn print_staging_ratios() {
-    println!(
-        "\n{:<14} {:>8} {:>10} {:>10} {:>10} {:>12} {:>14} {:>14}",
-        "staging",
-        "mode",
-        "per-token",
-        "direct",
-        "staged",
-        "fewer than",
-        "per-token t /",
-        "direct t /"
-    );
-    println!(
-        "{:<14} {:>8} {:>10} {:>10} {:>10} {:>12} {:>14} {:>14}",
-        "", "", "segments", "segments", "segments", "per-token", "staged t", "staged t"
-    );
     let Request {
         src_pages: src,
         dst_pages: dst,
         ..
     } = request(STAGING_TOKENS / 16, true);
+    let mut rows = Vec::new();
     for (name, heads, prefill_tp, decode_tp) in STAGING_LAYOUTS {
+        let group = format!("staging_plan/{name}");
+        let (Some(per_token_time), Some(direct_time), Some(staged_time)) = (
+            mean_ns(&group, "per_token"),
+            mean_ns(&group, "direct_segments"),
+            mean_ns(&group, "staged_segments"),
+        ) else {
+            continue;
+        };
         let config = staging_config(heads, prefill_tp, decode_tp);
         let staging = staging_for(&config);
         let mut out = Vec::with_capacity(STAGING_TOKENS);
@@ -816,65 +860,99 @@ fn print_staging_ratios() {
         plan_transfer(&config, staging, &src, &dst, &mut out);
         let staged = out.len();
         let per_token = per_token_plan(&config, &src, &dst).len();
-        let group = format!("staging_plan/{name}");
-        let times = (
-            mean_ns(&group, "per_token"),
-            mean_ns(&group, "direct_segments"),
-            mean_ns(&group, "staged_segments"),
-        );
-        let (per_token_time, direct_time) = match times {
-            (Some(t), Some(d), Some(s)) => (format!("{:.1}", t / s), format!("{:.2}", d / s)),
-            _ => ("-".into(), "-".into()),
-        };
-        let mode = ["none", "src", "dst", "both"][staging as usize];
-        println!(
-            "{name:<14} {mode:>8} {per_token:>10} {direct:>10} {staged:>10} {:>12.1} {per_token_time:>14} \
-             {direct_time:>14}",
-            per_token as f64 / staged as f64
-        );
+        let mode = ["NONE", "SRC", "DST", "BOTH"][staging as usize];
+        rows.push(vec![
+            format!("{name} ({heads} heads)"),
+            mode.to_string(),
+            per_token.to_string(),
+            direct.to_string(),
+            staged.to_string(),
+            format!("{:.0}x", per_token as f64 / staged as f64),
+            format!("{:.2}", per_token_time / staged_time),
+            format!("{:.2}", direct_time / staged_time),
+        ]);
     }
-    println!(
-        "\n{:<28} {:>10} {:>22}",
-        "host pack/unpack", "mori GB/s", "per-row loop t / mori t"
+    print_table(
+        &format!(
+            "Staged segment lists ({STAGING_TOKENS} tokens in runs of 1-16 pages of 16, 256-byte \
+             heads, the first sending pair; counts exact, times measured):"
+        ),
+        &[
+            "layout",
+            "`staging_for`",
+            "per-token segments",
+            "direct segments",
+            "staged segments",
+            "per-token / staged segments",
+            "per-token time / staged time",
+            "direct time / staged time",
+        ],
+        &[false, false, true, true, true, true, true, true],
+        &rows,
     );
-    for shape in ["pack", "unpack"] {
-        for width in PACK_WIDTHS {
+    let mut rows = Vec::new();
+    for width in PACK_WIDTHS {
+        let mut row = vec![format!("{} B", width)];
+        for shape in ["pack", "unpack"] {
             let group = format!("staging_copy/{shape}/width{width}");
-            let (Some(mori), Some(rows)) =
-                (mean_ns(&group, "mori"), mean_ns(&group, "per_row_loop"))
-            else {
-                continue;
-            };
-            println!(
-                "{:<28} {:>10.2} {:>22.2}",
-                format!("{shape}, {width} B rows"),
-                COPY_BYTES as f64 / mori,
-                rows / mori
-            );
+            match (mean_ns(&group, "mori"), mean_ns(&group, "per_row_loop")) {
+                (Some(mori), Some(looped)) => {
+                    row.push(format!("{:.1}", COPY_BYTES as f64 / mori));
+                    row.push(format!("{:.2}", looped / mori));
+                }
+                _ => row.extend(["-".to_string(), "-".to_string()]),
+            }
+        }
+        if row.iter().skip(1).any(|cell| cell != "-") {
+            rows.push(row);
         }
     }
+    print_table(
+        &format!(
+            "Host pack and unpack, {COPY_BUFFERS} buffers, 64 MiB per call (\"vs loop\": the per-row \
+             loop's time / ours; above 1 is faster than the loop):"
+        ),
+        &[
+            "rows",
+            "pack GB/s",
+            "pack vs loop",
+            "unpack GB/s",
+            "unpack vs loop",
+        ],
+        &[false, true, true, true, true],
+        &rows,
+    );
 }
 
+/// Calls of `mori_tp_slice_config` per iteration of `bench_slice_config`: every rank pair of
+/// its six layouts.
+const SLICE_CONFIG_CALLS: u64 = 8 * 2 + 16 * 4 + 2 * 8 + 8 * 16 + 6 * 4 + 6 * 4;
+
 fn print_ratios() {
-    println!("\n== ratios measured in this run (benchmarks not run now are left out) ==");
     if let Some(t) = mean_ns("slice_config", "mix_of_layouts") {
-        let calls = 8 * 2 + 16 * 4 + 2 * 8 + 8 * 16 + 6 * 4 + 6 * 4;
-        println!(
-            "slice_config: {:.1} ns per call ({:.1} M calls/s)",
-            t / calls as f64,
-            calls as f64 / t * 1e3
+        print_table(
+            "`mori_tp_slice_config` over every rank pair of six layouts (GQA, MLA, both sides \
+             replicated, a non-integer ratio), validation included:",
+            &["calls per iteration", "ns per call", "M calls/s"],
+            &[true, true, true],
+            &[vec![
+                SLICE_CONFIG_CALLS.to_string(),
+                format!("{:.1}", t / SLICE_CONFIG_CALLS as f64),
+                format!("{:.1}", SLICE_CONFIG_CALLS as f64 / t * 1e3),
+            ]],
         );
     }
-    println!(
-        "\n{:<32} {:>10} {:>10} {:>10} {:>12} {:>12}",
-        "plan", "rects", "per-token", "fewer x", "per-token/", "per-token/"
-    );
-    println!(
-        "{:<32} {:>10} {:>10} {:>10} {:>12} {:>12}",
-        "", "", "entries", "", "plan time", "segs time"
-    );
+    let mut rows = Vec::new();
     for (tokens, page_size, fragmented) in PLAN_CASES {
         let name = plan_case_name(tokens, page_size, fragmented);
+        let group = format!("plan/{name}");
+        let (Some(rect), Some(segs), Some(tok)) = (
+            mean_ns(&group, "mori_tp_plan"),
+            mean_ns(&group, "mori_tp_plan_segments"),
+            mean_ns(&group, "per_token"),
+        ) else {
+            continue;
+        };
         let config = llama70b_config(page_size);
         let Request {
             src_pages: src,
@@ -884,26 +962,34 @@ fn print_ratios() {
         let mut rects = Vec::with_capacity(src.len());
         plan_rects(&config, &src, &dst, &mut rects);
         let per_token = per_token_plan(&config, &src, &dst).len();
-        let group = format!("plan/{name}");
-        let (Some(rect), Some(segs), Some(tok)) = (
-            mean_ns(&group, "mori_tp_plan"),
-            mean_ns(&group, "mori_tp_plan_segments"),
-            mean_ns(&group, "per_token"),
-        ) else {
-            continue;
-        };
-        println!(
-            "{name:<32} {:>10} {per_token:>10} {:>10.1} {:>12.1} {:>12.2}",
-            rects.len(),
-            per_token as f64 / rects.len() as f64,
-            tok / rect,
-            tok / segs
-        );
+        rows.push(vec![
+            case_label(tokens, page_size, fragmented),
+            rects.len().to_string(),
+            per_token.to_string(),
+            if per_token % rects.len() == 0 {
+                format!("{}x", per_token / rects.len())
+            } else {
+                format!("{:.1}x", per_token as f64 / rects.len() as f64)
+            },
+            format!("{:.2}", tok / rect),
+            format!("{:.2}", tok / segs),
+        ]);
     }
-    println!(
-        "\n{:<28} {:>10} {:>14} {:>22}",
-        "host copy", "send GB/s", "send / memcpy", "per-token time / send"
+    print_table(
+        "Plans for Llama-3.1-70B's KV (8 heads x 256 B) from prefill TP 4 to decode TP 8 (counts \
+         exact, times measured; above 1: faster than the per-token list):",
+        &[
+            "request",
+            "rects",
+            "per-token entries",
+            "per-token entries / rects",
+            "per-token time / `mori_tp_plan`",
+            "per-token time / `mori_tp_plan_segments`",
+        ],
+        &[false, true, true, true, true, true],
+        &rows,
     );
+    let mut rows = Vec::new();
     for (shape, _, _) in SHAPES {
         for width in WIDTHS {
             let group = format!("copy/{shape}/width{width}");
@@ -914,15 +1000,28 @@ fn print_ratios() {
             ) else {
                 continue;
             };
-            println!(
-                "{:<28} {:>10.2} {:>14.2} {:>22.2}",
-                format!("{shape}, {width} B rows"),
-                COPY_BYTES as f64 / send,
-                memcpy / send,
-                per_token / send
-            );
+            rows.push(vec![
+                format!("{shape}, {width} B"),
+                format!("{:.1}", COPY_BYTES as f64 / send),
+                format!("{:.2}", memcpy / send),
+                format!("{:.2}", per_token / send),
+            ]);
         }
     }
+    print_table(
+        &format!(
+            "Host sends, {COPY_BUFFERS} buffers, 64 MiB per call, fragmented pages (above 1: \
+             faster than the other):"
+        ),
+        &[
+            "shape, row width",
+            "send GB/s",
+            "memcpy time / send time",
+            "per-token copies time / send time",
+        ],
+        &[false, true, true, true],
+        &rows,
+    );
 }
 
 /// `rounds` calls of each plan function on the pair comparison's requests (and of
@@ -1016,6 +1115,8 @@ fn main() {
     bench_staging_plans(&mut c);
     bench_pack_unpack(&mut c);
     c.final_summary();
+    // benches/regenerate pastes what follows this line into BENCHMARKS.md.
+    println!("\n== results ==");
     print_ratios();
     print_pair_ratios();
     print_staging_ratios();

@@ -1386,7 +1386,9 @@ MoriStatus mori_tp_pool_create(const struct MoriTpPoolOptions *options,
 /**
  * Takes a slot of at least size bytes without waiting: MORI_ERR_POOL_FULL at once when no
  * free block can hold it now (the pool is full for this size; retry after a free, or use
- * mori_tp_pool_alloc to wait). The lowest free block that fits is used.
+ * mori_tp_pool_alloc to wait). The slot is the front of the smallest free block that holds it,
+ * the lowest such block among equals (best fit, as mori_tp_pool_create says): with free units
+ * [0, 8) and [9, 11), a 2-unit slot starts at unit 9.
  *
  * @param[in]  pool      A live pool.
  * @param[in]  size      Bytes needed (> 0), e.g. num_buffers * mori_tp_staging_len.

@@ -480,3 +480,29 @@ fn threads_share_one_pool_with_backpressure_and_no_slot_shared() {
     assert_eq!(info(pool).live_slots, 0);
     assert_eq!(mori_tp_pool_destroy(pool), MORI_OK);
 }
+
+#[test]
+fn try_alloc_takes_the_smallest_free_block_that_fits_not_the_lowest() {
+    // mori_tp_pool_try_alloc's documentation: with free units [0, 8) and [9, 11), a 2-unit slot
+    // starts at unit 9 (best fit), not at unit 0 (the lowest block that fits).
+    let unit = 64u64 << 10;
+    let pool = create(16 * unit, unit);
+    let a = try_alloc(pool, 8 * unit).unwrap();
+    let b = try_alloc(pool, unit).unwrap();
+    let c = try_alloc(pool, 2 * unit).unwrap();
+    let d = try_alloc(pool, 5 * unit).unwrap();
+    assert_eq!(
+        [a.offset, b.offset, c.offset, d.offset],
+        [0, 8 * unit, 9 * unit, 11 * unit]
+    );
+    assert_eq!(mori_tp_pool_free(pool, a.offset), MORI_OK);
+    assert_eq!(mori_tp_pool_free(pool, c.offset), MORI_OK);
+    let slot = try_alloc(pool, 2 * unit).unwrap();
+    assert_eq!(slot.offset, 9 * unit, "the 2-unit hole is the best fit");
+    let e = try_alloc(pool, 6 * unit).unwrap();
+    assert_eq!(e.offset, 0, "the one free block left that holds 6 units");
+    for live in [b, d, slot, e] {
+        assert_eq!(mori_tp_pool_free(pool, live.offset), MORI_OK);
+    }
+    assert_eq!(mori_tp_pool_destroy(pool), MORI_OK);
+}

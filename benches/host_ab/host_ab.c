@@ -286,6 +286,19 @@ static double now_s(void) {
 
 static uint8_t *evict_buffer;
 
+/* Rounds (cold and warm each count) kept for the summary of each case. */
+#define MAX_SAMPLES 256
+
+/*
+ * The ratios of every round, for the summary: per case, each library's loop time / its time,
+ * and the last library's (this tree's, as run.sh orders them) against each earlier one.
+ */
+static double vs_loop[sizeof SHAPES / sizeof SHAPES[0]][MAX_IMPLS][MAX_SAMPLES];
+static double vs_earlier[sizeof SHAPES / sizeof SHAPES[0]][MAX_IMPLS][MAX_SAMPLES];
+static int num_vs_loop[sizeof SHAPES / sizeof SHAPES[0]][MAX_IMPLS];
+static int num_vs_earlier[sizeof SHAPES / sizeof SHAPES[0]][MAX_IMPLS];
+static unsigned row_bytes[sizeof SHAPES / sizeof SHAPES[0]];
+
 /* Reads EVICT_BYTES, so that the caches hold clean lines of nothing the next call touches. */
 static void evict(void) {
   volatile uint8_t sink;
@@ -312,7 +325,7 @@ static double median(double *v, int n) {
  * after an untimed one of the same implementation, in the caches that call left behind (a
  * request whose bytes were just written, or a benchmark loop).
  */
-static void round_of(struct request *q, const struct lib *libs, int num_libs, int reps,
+static void round_of(size_t s, struct request *q, const struct lib *libs, int num_libs, int reps,
                      int round, int warm) {
   int n = num_libs + 1;
   double times[MAX_IMPLS + 1][MAX_REPS], med[MAX_IMPLS + 1];
@@ -344,6 +357,54 @@ static void round_of(struct request *q, const struct lib *libs, int num_libs, in
   }
   printf("\n");
   fflush(stdout);
+  row_bytes[s] = (unsigned)q->config.heads_bytes_per_token_to_send;
+  for (int i = 1; i < n; i++) {
+    if (has[i] && num_vs_loop[s][i - 1] < MAX_SAMPLES)
+      vs_loop[s][i - 1][num_vs_loop[s][i - 1]++] = med[0] / med[i];
+    if (i < num_libs && has[i] && has[num_libs] && num_vs_earlier[s][i - 1] < MAX_SAMPLES)
+      vs_earlier[s][i - 1][num_vs_earlier[s][i - 1]++] = med[i] / med[num_libs];
+  }
+}
+
+/* "1.06 (0.99-1.15)": the median of a case's ratios over its rounds, then the lowest and
+ * highest; "-" when none were measured (a library without that function). */
+static void print_cell(double *v, int n) {
+  if (n == 0) {
+    printf(" - |");
+    return;
+  }
+  double m = median(v, n); /* sorts v */
+  printf(" %.2f (%.2f-%.2f) |", m, v[0], v[n - 1]);
+}
+
+/*
+ * A Markdown table of every case measured: benches/regenerate pastes what follows the line
+ * "== results ==" into BENCHMARKS.md.
+ */
+static void print_summary(const struct lib *libs, int num_libs, int rounds, int reps,
+                          int cache_modes) {
+  printf("\n== results ==\n\n");
+  printf("%d tokens in runs of 1-%d pages of %d, %d buffers starting %zu B past a page, %d KV heads "
+         "of %u B; each round times every implementation %d times (the first of each repetition "
+         "rotating, thread CPU time) and takes the medians; %d rounds, each %s. A cell is the median "
+         "over the rounds of the ratio within each round, then the lowest and highest round; "
+         "\"A / B\" is B's time over A's (above 1: A is faster).\n\n",
+         TOKENS, 16, PAGE, BUFFERS, base_offset, HEADS, (unsigned)head_bytes, reps, rounds,
+         cache_modes == 2 ? "cold and warm" : cache_modes == 0 ? "cold" : "warm");
+  printf("| case | rows |");
+  for (int i = 0; i < num_libs; i++) printf(" %s / loop |", libs[i].label);
+  for (int i = 0; i + 1 < num_libs; i++)
+    printf(" %s / %s |", libs[num_libs - 1].label, libs[i].label);
+  printf("\n|---|---:|");
+  for (int i = 0; i < 2 * num_libs - 1; i++) printf("---:|");
+  printf("\n");
+  for (size_t s = 0; s < NUM_SHAPES; s++) {
+    if (num_vs_loop[s][num_libs - 1] == 0) continue;
+    printf("| %s | %u B |", SHAPES[s].name, row_bytes[s]);
+    for (int i = 0; i < num_libs; i++) print_cell(vs_loop[s][i], num_vs_loop[s][i]);
+    for (int i = 0; i + 1 < num_libs; i++) print_cell(vs_earlier[s][i], num_vs_earlier[s][i]);
+    printf("\n");
+  }
 }
 
 static void open_lib(struct lib *lib, char *arg) {
@@ -412,10 +473,12 @@ int main(int argc, char **argv) {
         }
       }
       for (int warm = 0; warm < 2; warm++)
-        if (warm ? cache != COLD : cache != WARM) round_of(q, libs, num_libs, reps, round, warm);
+        if (warm ? cache != COLD : cache != WARM)
+          round_of(s, q, libs, num_libs, reps, round, warm);
       release(q);
     }
   }
+  print_summary(libs, num_libs, rounds, reps, cache == BOTH ? 2 : cache == WARM ? 1 : 0);
   free(q);
   free(evict_buffer);
   return 0;

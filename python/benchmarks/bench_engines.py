@@ -535,7 +535,7 @@ def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
                     f"{_versus_best_fixed(rows)} | " +
                     ", ".join(f"{c}: {ratio[f'BOTH {c}']:.2f}" for c in args.chunks) +
                     f" | {len(rows)} |")
-            print(line, flush=True)
+            print(line, file=sys.stderr, flush=True)
             lines.append(line)
     return lines
 
@@ -570,7 +570,7 @@ def streaming_suite(args: argparse.Namespace, engine: str) -> List[str]:
                 f"| {staging.name} | {_median(rows, 'layer') * 1e3:.1f} | "
                 f"{_median(rows, 'whole') * 1e3:.1f} | {_median(rows, 'streamed') * 1e3:.1f} | "
                 f"{per_layer:.2f} | {gain:.1f}x | {len(rows)} |")
-        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
         lines.append(line)
     return lines
 
@@ -587,7 +587,7 @@ def inflight_suite(args: argparse.Namespace, engine: str) -> List[str]:
             line = (f"| {engine} | {layout} | {tokens} | {concurrency} | {args.requests} | "
                     f"{result['requests_per_s']:.0f} | {result['gb_per_s']:.2f} | "
                     f"{result['p50'] * 1e3:.1f} | {result['p99'] * 1e3:.1f} |")
-            print(line, flush=True)
+            print(line, file=sys.stderr, flush=True)
             lines.append(line)
     finally:
         bench.close()
@@ -623,10 +623,14 @@ def soak_suite(args: argparse.Namespace, engine: str) -> List[str]:
                 f"{stats.percentile(0.5) * 1e3:.1f} | {stats.percentile(0.99) * 1e3:.1f} | "
                 f"{stats.percentile(0.999) * 1e3:.1f} | "
                 + " | ".join(f"{a / 1024:.0f} -> {b / 1024:.0f}" for a, b in rss) + " |")
-        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
         lines.append(line)
     return lines
 
+
+#: benches/regenerate pastes what follows this line (each suite prints it before its table) into
+#: BENCHMARKS.md; everything else goes to stderr.
+RESULTS = "== results =="
 
 SUITES = ("methods", "layouts", "staged", "streaming", "inflight", "soak")
 
@@ -662,7 +666,8 @@ def main() -> int:
                              "bytes of every lane are checked at the end either way)")
     args = parser.parse_args()
     print(f"mori-tp {mori_tp.library_version()} ({mori_tp.library_path}), "
-          f"Python {platform.python_version()}, {platform.machine()}", flush=True)
+          f"Python {platform.python_version()}, {platform.machine()}", file=sys.stderr,
+          flush=True)
     if "methods" in args.suites:
         methods_suite(args)
     engines = [e for e in args.engines if not engine_available(e)]
@@ -701,7 +706,7 @@ def main() -> int:
         lines = []
         for engine in engines:
             lines += run(args, engine)
-        print(f"\n{title}\n\n{header}")
+        print(f"{RESULTS}\n\n{title}:\n\n{header}")
         print("\n".join(lines), flush=True)
     return 0
 
@@ -712,7 +717,7 @@ def methods_suite(args: argparse.Namespace) -> None:
     for engine in args.engines:
         problem = engine_available(engine)
         if problem:
-            print(f"skipping {engine}: {problem}")
+            print(f"skipping {engine}: {problem}", file=sys.stderr)
             continue
         for layout in args.layouts:
             for tokens in args.tokens:
@@ -726,19 +731,23 @@ def methods_suite(args: argparse.Namespace) -> None:
                 print(f"{engine:8} {layout:8} {tokens:6} tokens, {len(measured)} rounds: " +
                       ", ".join(f"{m} {measured[0][m].segments} segs "
                                 f"{median_ms(measured, m):.1f} ms" for m in METHODS),
-                      flush=True)
-    print()
-    print("| engine | layout | tokens | staging | segments per-token / direct / staged | "
+                      file=sys.stderr, flush=True)
+    print(f"{RESULTS}\n")
+    print(f"One request, {args.layers} layers ({2 * args.layers} buffers), page size 16, 256-byte "
+          "heads, fragmented pages; times are medians over the rounds, \"A vs B\" the median "
+          "over the rounds of B's time / A's time within a round (above 1: A is faster):\n")
+    print("| engine | layout | tokens | moved | staging | segments per-token / direct / staged | "
           "median time per-token / direct / staged (ms) | staged vs per-token | "
           "staged vs direct | fewer segments | BOTH: segments, time (ms), vs staged | rounds |")
-    print("|---|---|---:|---|---|---|---:|---:|---:|---|---:|")
+    print("|---|---|---:|---:|---|---|---|---:|---:|---:|---|---:|")
     misses = []
     for engine, layout, tokens, measured in results:
         first = measured[0]
         speedup = median_ratio(measured, "per-token", "staged")
         versus_direct = median_ratio(measured, "direct", "staged")
         fewer = first["per-token"].segments / first["staged"].segments
-        print(f"| {engine} | {layout} | {tokens} | {first['staged'].staging} | "
+        print(f"| {engine} | {layout} | {tokens} | {first['per-token'].bytes / MIB:.0f} MiB | "
+              f"{first['staged'].staging} | "
               f"{first['per-token'].segments} / {first['direct'].segments} / "
               f"{first['staged'].segments} | {median_ms(measured, 'per-token'):.1f} / "
               f"{median_ms(measured, 'direct'):.1f} / {median_ms(measured, 'staged'):.1f} | "
@@ -755,7 +764,9 @@ def methods_suite(args: argparse.Namespace) -> None:
             misses.append(f"{engine} {layout} {tokens}: staged slower than direct "
                           f"({versus_direct:.2f}x)")
     print()
-    print("targets: " + ("all met" if not misses else "MISSED:\n  " + "\n  ".join(misses)))
+    print("Targets (staged at least 10x faster than per-token lists on tp2to8 and tp8to2, with at "
+          "least 20x fewer segments; staged never slower than direct): "
+          + ("all met." if not misses else "MISSED:\n\n- " + "\n- ".join(misses)))
 
 
 def layouts(args: argparse.Namespace, engines: List[str]) -> None:
@@ -775,8 +786,11 @@ def layouts(args: argparse.Namespace, engines: List[str]) -> None:
             print(f"{engine:8} {case:15} {args.layout_tokens:6} tokens, {len(measured)} rounds: "
                   + ", ".join(f"{m} {measured[0][m].segments} segs "
                               f"{median_ms(measured, m):.1f} ms" for m in LAYOUT_METHODS),
-                  flush=True)
-    print()
+                  file=sys.stderr, flush=True)
+    print(f"{RESULTS}\n")
+    print(f"One request of {args.layout_tokens} tokens, {args.layers} layers, 256-byte heads, "
+          "fragmented pages, NHD or HND on both sides; times are medians over the rounds, "
+          "\"A vs B\" the median over the rounds of B's time / A's time within a round:\n")
     print("| engine | case | nhd-staged staging | segments per-token / hnd-direct / nhd-staged | "
           "median time per-token / hnd-direct / nhd-staged (ms) | hnd-direct vs per-token | "
           "nhd-staged vs per-token | nhd-staged vs hnd-direct | rounds |")

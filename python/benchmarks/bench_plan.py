@@ -13,9 +13,14 @@ Run from the repository root (numpy is needed here, never by the package itself)
 
     cargo build --release
     python3 -m pip install numpy
-    PYTHONPATH=python python3 python/benchmarks/bench_plan.py
+    PYTHONPATH=python python3 python/benchmarks/bench_plan.py [--quick]
+
+Progress goes to stderr; stdout ends with a line ``== results ==`` and a Markdown table, which
+``benches/regenerate`` pastes into BENCHMARKS.md.
 """
 
+import argparse
+import sys
 import time
 from typing import Callable, List, Tuple
 
@@ -85,15 +90,19 @@ def best_of(fn: Callable[[], object], seconds: float = 0.3) -> float:
 
 
 def main() -> None:
-    print(f"mori_tp {mori_tp.library_version()} from {mori_tp.library_path}, numpy {np.__version__}")
-    print("Llama-3.1-70B KV (8 heads x 128 x bf16), prefill TP 4 -> decode TP 8, one layer buffer")
-    print("times: fastest of repeated runs; x: numpy per-token lists time / this time\n")
-    header = (f"{'case':<27} {'entries':>7} {'rects':>6} | {'numpy arr':>9} {'numpy lst':>9} | "
-              f"{'segs arr':>15} {'rects arr':>15} | {'segs lst':>15} {'rects lst':>15}")
-    print(header)
-    print("-" * len(header))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=0.3,
+                        help="time each measurement repeats for (the fastest call counts)")
+    parser.add_argument("--quick", action="store_true",
+                        help="32k tokens only, 0.02 s per measurement: checks that it runs")
+    args = parser.parse_args()
+    seconds = 0.02 if args.quick else args.seconds
+    token_counts = (32 * 1024,) if args.quick else (32 * 1024, 128 * 1024)
+    print(f"mori_tp {mori_tp.library_version()} from {mori_tp.library_path}, "
+          f"numpy {np.__version__}", file=sys.stderr)
+    rows = []
     worst_array = float("inf")
-    for tokens in (32 * 1024, 128 * 1024):
+    for tokens in token_counts:
         for page_size in (1, 16):
             for fragmented in (False, True):
                 c = config(page_size)
@@ -104,23 +113,34 @@ def main() -> None:
                 assert all(np.array_equal(a, b) for a, b in zip(ours, theirs))
                 rects = len(mori_tp.plan(c, src, dst, as_arrays=True))
 
-                t_np = best_of(lambda: numpy_per_token(c, src, dst))
-                t_np_list = best_of(lambda: numpy_per_token_lists(c, src, dst))
-                t_segs_arr = best_of(lambda: mori_tp.plan_segments(c, src, dst, as_arrays=True))
-                t_rects_arr = best_of(lambda: mori_tp.plan(c, src, dst, as_arrays=True))
-                t_segs_list = best_of(lambda: mori_tp.plan_segments(c, src, dst))
-                t_rects_list = best_of(lambda: mori_tp.plan(c, src, dst))
+                t_np = best_of(lambda: numpy_per_token(c, src, dst), seconds)
+                t_np_list = best_of(lambda: numpy_per_token_lists(c, src, dst), seconds)
+                t_segs_arr = best_of(lambda: mori_tp.plan_segments(c, src, dst, as_arrays=True),
+                                     seconds)
+                t_rects_arr = best_of(lambda: mori_tp.plan(c, src, dst, as_arrays=True), seconds)
+                t_segs_list = best_of(lambda: mori_tp.plan_segments(c, src, dst), seconds)
                 worst_array = min(worst_array, t_np_list / t_segs_arr, t_np_list / t_rects_arr)
 
                 def cell(t: float) -> str:
-                    return f"{t * 1e6:7.0f}us {t_np_list / t:5.1f}x"
+                    return f"{t * 1e6:.0f} us, {t_np_list / t:.1f}x"
 
-                name = f"{tokens // 1024}k tok, page {page_size}, {'frag' if fragmented else 'contig'}"
-                print(f"{name:<27} {len(theirs[0]):>7} {rects:>6} | {t_np * 1e6:7.0f}us "
-                      f"{t_np_list * 1e6:7.0f}us | {cell(t_segs_arr)} {cell(t_rects_arr)} | "
-                      f"{cell(t_segs_list)} {cell(t_rects_list)}")
-    print(f"\narray output vs numpy per-token lists: at least {worst_array:.1f}x faster in every case "
-          "(target: 10x)")
+                name = (f"{tokens // 1024}k, page {page_size}, "
+                        f"{'fragmented' if fragmented else 'contiguous'}")
+                rows.append(f"| {name} | {len(theirs[0])} | {rects} | {t_np_list * 1e6:.0f} us | "
+                            f"{cell(t_np)} | {cell(t_segs_arr)} | {cell(t_rects_arr)} | "
+                            f"{cell(t_segs_list)} |")
+                print(rows[-1], file=sys.stderr, flush=True)
+    # benches/regenerate pastes what follows this line into BENCHMARKS.md.
+    print("== results ==\n")
+    print("Llama-3.1-70B KV (8 heads x 128 x bf16), prefill TP 4 -> decode TP 8, one layer "
+          "buffer; times: the fastest of repeated calls; x: the numpy per-token construction "
+          "ending in lists, divided by the time shown (above 1: faster than it):\n")
+    print("| request | segments | rects | numpy per-token, lists | numpy per-token, arrays | "
+          "`plan_segments(as_arrays=True)` | `plan(as_arrays=True)` | `plan_segments` lists |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+    print(f"\nArray output against numpy per-token lists: {worst_array:.1f}x or more in every "
+          "case (target: 10x).")
 
 
 if __name__ == "__main__":

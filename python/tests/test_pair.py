@@ -286,6 +286,26 @@ class TransferTest(unittest.TestCase):
         self.assertEqual(sum(sizes), 6 * 16 * 8)
         self.assertIs(mori_tp.pair_staging_for(pair.config), Staging.NONE)
 
+    def test_pair_staging_for_follows_the_documented_rule_for_full_sides_in_two_orders(self):
+        # python/README.md and REFERENCE.md section 11: both sides hold exactly the moved heads
+        # (8 heads, TP 4 -> 4: two per rank), but in different orders or with different page
+        # sizes head-major: the prefill side is full, so DST; in one order and page size: NONE.
+        nhd, hnd = mori_tp.Layout.nhd, mori_tp.Layout.hnd
+        cases = [
+            ("NHD into HND", nhd(8, 4, 1, 16, 256), hnd(8, 4, 1, 16, 256), Staging.DST),
+            ("HND 16 into HND 64", hnd(8, 4, 1, 16, 256), hnd(8, 4, 1, 64, 256), Staging.DST),
+            ("HND into NHD", hnd(8, 4, 1, 16, 256), nhd(8, 4, 1, 16, 256), Staging.DST),
+            ("NHD into NHD", nhd(8, 4, 1, 16, 256), nhd(8, 4, 1, 64, 256), Staging.NONE),
+            ("HND into HND", hnd(8, 4, 1, 16, 256), hnd(8, 4, 1, 16, 256), Staging.NONE),
+            # Prefill TP 2 holds four heads, two of them moved: only the decode side is full.
+            ("NHD TP 2 into HND TP 4", nhd(8, 2, 0, 16, 256), hnd(8, 4, 1, 16, 256), Staging.SRC),
+        ]
+        for what, prefill, decode, want in cases:
+            config = mori_tp.pair_config(prefill, decode)
+            self.assertIs(config.action, Action.SEND, what)
+            self.assertEqual(config.num_heads, 2, what)
+            self.assertIs(mori_tp.pair_staging_for(config), want, what)
+
     def test_hnd_into_nhd_at_one_tp_takes_a_rect_per_page_and_head(self):
         # 8 KV heads at TP 4 on both sides (2 heads per rank), pages of 16 that never touch,
         # 4096 tokens: every order gives a segment per (token, head). Token-major order groups

@@ -23,8 +23,8 @@ const STREAMING_MIN_UNALIGNED_ROW: u64 = 256;
 /// written with streaming stores in a streaming call: a contiguous rect (one long block), or rows
 /// that leave gaps in the destination and either lie on whole 64-byte lines or are at least
 /// [`STREAMING_MIN_UNALIGNED_ROW`] wide. Rows back to back in the destination (a pack, a strided
-/// source) are written plainly. Measured side by side (BENCHMARKS.md, "Host copy A/B"), against a
-/// per-row `memcpy` loop: streaming ran 1.3-2.5x into rows with gaps on whole lines from 64 B up;
+/// source) are written plainly. Measured side by side on 2026-12-01 (benches/host_ab; BENCHMARKS.md
+/// has the latest run), against a per-row `memcpy` loop: streaming ran 1.3-2.5x into rows with gaps on whole lines from 64 B up;
 /// into other rows with gaps level with plain copies at 256 B (0.9-1.25x), 1.4-2.1x from 512 B,
 /// but 0.24-0.84x below 256 B (their partial lines are flushed half-written); into rows back to
 /// back 0.7-1.0x, where plain copies ran at 1.0-1.2x.
@@ -129,7 +129,7 @@ mod streaming {
     pub(super) type Copy = unsafe fn(src: *const u8, dst: *mut u8, len: usize);
 
     /// The widest streaming copy this CPU has: 32-byte stores with AVX (10-15% faster than
-    /// 16-byte ones on whole blocks, BENCHMARKS.md), else SSE2's 16-byte stores.
+    /// 16-byte ones on whole blocks, benches/host_ab on 2026-12-01), else SSE2's 16-byte stores.
     pub(super) fn best() -> Copy {
         if std::is_x86_feature_detected!("avx") {
             copy_avx

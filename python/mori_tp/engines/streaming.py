@@ -57,8 +57,8 @@ chunks (at least 1) of whole buffers, as even as buffers allow, where ``cap`` is
 cores, at least 2 and at most ``MAX_AUTO_CHUNKS``: 2 chunks from 8 MiB up on two cores. With
 ``n`` chunks the stages that are not the bottleneck are hidden but for about ``1/n`` of their
 time, and each chunk costs one engine call, one notification and two thread wake-ups (about
-0.3 ms measured here); REFERENCE.md section 13 and BENCHMARKS.md give the measurement behind
-the constants.
+0.3 ms, measured on 2026-12-01); REFERENCE.md section 13 gives the measurement behind the
+constants, and BENCHMARKS.md's ``engines-staged`` table the latest run.
 """
 
 from __future__ import annotations
@@ -139,11 +139,12 @@ __all__ = [
 #: request's memory is held before its ``on_done`` (a write of its sender may still land).
 DEFAULT_TIMEOUT = 60.0
 #: No automatic chunk is smaller than this: each chunk costs about 0.3 ms here (an engine call,
-#: a notification, two thread wake-ups), which smaller chunks do not win back (BENCHMARKS.md).
+#: a notification, two thread wake-ups), which smaller chunks do not win back (measured on
+#: 2026-12-01; REFERENCE.md section 13).
 MIN_CHUNK_BYTES = 4 << 20
 #: At most this many automatic chunks, and at most half the host's cores: overlapped stages need
-#: cores of their own (on two cores 2 chunks were best in half the measured cases, 4 and 16 in
-#: none; BENCHMARKS.md).
+#: cores of their own (on two cores 2 chunks were best in half the cases measured on 2026-12-01,
+#: 4 and 16 in none; REFERENCE.md section 13).
 MAX_AUTO_CHUNKS = 8
 
 #: ``Receiver.expect(..., staging=BY_SENDER)``: the sender chooses the request's staging mode
