@@ -757,7 +757,8 @@ fn case_label(tokens: usize, page_size: u32, fragmented: bool) -> String {
     format!("{}k, page {page_size}, {layout}", tokens / 1024)
 }
 
-/// The pair generator's time over section 4's on the same requests.
+/// The pair generator's time over the slice-config generator's (REFERENCE.md section 5) on the
+/// same requests.
 fn print_pair_ratios() {
     let mut rows = Vec::new();
     for (shape, decode_tp) in PAIR_SHAPES {

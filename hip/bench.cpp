@@ -78,7 +78,9 @@ constexpr uint64_t kCallBudget = 2000000;
 
 struct Shape {
     const char *name;
-    bool pair;  // through the pair API (any layout); else section 4 (NHD, one page size)
+    // Through the pair API (any layout); else the slice-config API (REFERENCE.md sections 4-6:
+    // NHD, one page size).
+    bool pair;
     char src_kind, dst_kind;  // 'n' NHD, 'h' HND
     uint32_t prefill_tp, decode_tp, src_page, dst_page;
     uint64_t run;  // pages per run; 0: all pages contiguous

@@ -225,7 +225,7 @@ pub enum Error {
         bytes_per_token: u64,
     },
 
-    // ---- a layout and a pair of layouts (section 7) ----
+    // ---- a layout and a pair of layouts (REFERENCE.md section 11) ----
     /// A layout's page size or head bytes is 0.
     #[error("invalid argument: {side}: layout {field} is 0")]
     ZeroLayoutField {

@@ -7,8 +7,8 @@
 //! with the fewest rects among those with the fewest segments, ties to the first) and that
 //! every rect's rows lie inside the buffers at true, non-negative pitches, the composition law
 //! in all four staging modes and the staging region's own layout, and the agreement with
-//! sections 4 and 5 on their layouts. Also: layouts whose strides reach the top of the 64-bit
-//! range (planned in this test build, which checks integer overflow), and that the work a plan
+//! REFERENCE.md sections 4-6 on their layouts. Also: layouts whose strides reach the top of the
+//! 64-bit range (planned in this test build, which checks integer overflow), and that the work a plan
 //! does grows with its pages and entries, not with its tokens.
 
 mod common;
@@ -1011,7 +1011,7 @@ fn head_major_pages_holding_exactly_the_moved_heads_are_one_segment_per_run() {
     assert!(segments.iter().all(|s| s.length == 2 * 16 * 256));
 }
 
-// ---- agreement with sections 4 and 5 --------------------------------------------------------
+// ---- agreement with REFERENCE.md sections 4-6 ---------------------------------------------------
 
 fn section4_config(
     h: u32,
@@ -1138,7 +1138,7 @@ fn on_section_4_layouts_the_pair_functions_agree_with_sections_4_and_5() {
                         "{what}: {} pair rects, {needed} section-4 rects",
                         rects.len()
                     );
-                    // The same bytes move: the pair send equals section 4's.
+                    // The same bytes move: the pair send equals the slice-config send's.
                     let src: Vec<Vec<u8>> = (0..2).map(|b| pattern(b, case.src_len)).collect();
                     let initial: Vec<Vec<u8>> =
                         (0..2).map(|b| pattern(b + 9, case.dst_len)).collect();
@@ -1170,7 +1170,7 @@ fn on_section_4_layouts_the_pair_functions_agree_with_sections_4_and_5() {
                     assert_eq!(status, MORI_OK);
                     assert!(
                         pair_dst == dst4,
-                        "{what}: the pair send differs from section 4's"
+                        "{what}: the pair send differs from the slice-config send's"
                     );
                     check_region_agreement(&config, &c4, &case, &src, &initial, &what);
                 }

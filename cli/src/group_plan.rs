@@ -1,5 +1,5 @@
 //! `plan --config` for a model of several groups: for every group and part, which prefill rank
-//! sends which units to each decode rank (the library's section-3 topology and its section-7
+//! sends which units to each decode rank (the library's topology (REFERENCE.md section 3) and its
 //! pair config of both ranks' layouts), and the bytes each pair and each decode rank moves per
 //! token and per request.
 //!
@@ -129,8 +129,8 @@ pub fn window_tokens(tokens: u32, window: u32, prefill_page: u32, decode_page: u
 }
 
 impl GroupsPlan {
-    /// Checks every part's units against both TP sizes: by section 3 (the library), and for the
-    /// parts engines split only evenly, `units % tp == 0`. Every problem is reported. A conv
+    /// Checks every part's units against both TP sizes: by REFERENCE.md section 3 (the library),
+    /// and for the parts engines split only evenly, `units % tp == 0`. Every problem is reported. A conv
     /// state keeps `kernel - 1 + num_spec` time steps.
     pub fn new(
         facts: &ModelFacts,

@@ -55,7 +55,7 @@ pub struct Paging {
 }
 
 impl Paging {
-    /// Token-major pages of `page_size` slots: the layout of sections 2-6 of the C API.
+    /// Token-major pages of `page_size` slots: the layout of REFERENCE.md sections 2-6.
     #[cfg(test)]
     pub fn nhd(page_size: u32) -> Paging {
         Paging {
@@ -270,7 +270,7 @@ impl Layout {
         }
     }
 
-    /// True for the one layout of sections 2-6 of the C API: token-major pages of one size on
+    /// True for the one layout of REFERENCE.md sections 2-6: token-major pages of one size on
     /// both sides, where the plan reads as it always has.
     pub fn is_classic(&self) -> bool {
         self.prefill_paging.order == PageOrder::Nhd && self.prefill_paging == self.decode_paging

@@ -87,7 +87,7 @@ LAYOUT_CASES: Dict[str, Tuple[str, int, int]] = {
 def rounds(demo: Demo, count: int, staged_runs: int, budget: float,
            methods: Sequence[str] = (*METHODS, BOTH)) -> List[Dict[str, Row]]:
     """``count`` rounds (fewer past ``budget`` seconds) of every method, interleaved; the
-    per-token lists and the direct plan of section 4 run once a round, the others (cheap)
+    per-token lists and the direct plan of REFERENCE.md section 5 run once a round, the others (cheap)
     ``staged_runs`` times, the fastest counting."""
     out: List[Dict[str, Row]] = []
     start = time.monotonic()

@@ -110,8 +110,8 @@ def dtype_bytes(text: str) -> int:
 
 @dataclass(frozen=True)
 class Part:
-    """Units of one group that TP ranks shard as they shard KV heads (section 3), or hold whole
-    when there is one unit."""
+    """Units of one group that TP ranks shard as they shard KV heads (REFERENCE.md section 3),
+    or hold whole when there is one unit."""
 
     #: ``kv``, ``latent``, ``index_k``, ``x``, ``B``, ``C``, ``q``, ``k``, ``v``, ``state``.
     name: str
@@ -547,7 +547,7 @@ def read_config(path: Union[str, "os.PathLike[str]"]) -> ModelFacts:
     return from_config(config, name)
 
 
-# --- ownership (section 3), for the units each pair shares ---------------------------------
+# --- ownership (REFERENCE.md section 3), for the units each pair shares -----------------------
 
 
 def _owned(units: int, tp: int, rank: int) -> Tuple[int, int]:
@@ -661,8 +661,8 @@ def conv_state_layouts(group: Group, tp_size: int, tp_rank: int, orientation: st
 
     With one group (``n_groups == 1``) every rank holds B and C whole (vLLM's
     ``extra_groups_for_head_shards``), and per channel each decode rank must still take them
-    from exactly one prefill rank: the one section 3 names for a unit held whole, prefill rank
-    ``d * P / D``. A rank's layouts alone cannot say which, so such a model takes
+    from exactly one prefill rank: the one REFERENCE.md section 3 names for a unit held whole,
+    prefill rank ``d * P / D``. A rank's layouts alone cannot say which, so such a model takes
     ``prefill_tp=P`` (the prefill engine's TP size) on both sides with ``per_channel=True``:
     decode rank ``d`` then pairs only with prefill rank ``d * P / D`` for B and C.
 
@@ -854,7 +854,7 @@ def plan(facts: ModelFacts, prefill_tp: int, decode_tp: int, tokens: int,
         ValueError: a TP size the engines cannot split a part by (the message names it), a
             dtype mori-tp does not know, ``ssm_dtype`` and ``mamba_ssm_cache_dtype`` that
             disagree, a negative ``num_spec``.
-        mori_tp.TopologyError: a TP size that does not fit a part's units (section 3).
+        mori_tp.TopologyError: a TP size that does not fit a part's units (REFERENCE.md section 3).
     """
     if ssm_dtype is not None and mamba_ssm_cache_dtype is not None and \
             _given(ssm_dtype) != _given(mamba_ssm_cache_dtype):

@@ -252,8 +252,8 @@ class PlanTest(unittest.TestCase):
         facts = models.from_config(DEEPSEEK_V32)
         indexer = next(g for g in models.plan(facts, 4, 2, 10) if g["name"] == "indexer")
         for d in range(2):
-            # Section 3 with H = 1: decode rank d's one sender is prefill rank d * P / D; the
-            # other prefill ranks skip, condensed into runs of consecutive ranks.
+            # REFERENCE.md section 3 with H = 1: decode rank d's one sender is prefill rank
+            # d * P / D; the other prefill ranks skip, condensed into runs of consecutive ranks.
             pairs = [p for p in indexer["pairs"] if p["decode_rank"] == d]
             self.assertEqual([p["prefill_rank"] for p in pairs], [d * 4 // 2])
             self.assertEqual(pairs[0]["parts"][0]["action"], "send")
@@ -624,7 +624,7 @@ G1_PAIRS = ((1, 2), (2, 4), (1, 4), (4, 1), (4, 2), (8, 2), (2, 8), (2, 2))
 class OneGroupTest(unittest.TestCase):
     """n_groups = 1: B and C are held whole by every rank (vLLM's
     extra_groups_for_head_shards), and each decode rank must receive them whole from exactly one
-    prefill rank: section 3's sender for a unit held whole, d * P / D."""
+    prefill rank: REFERENCE.md section 3's sender for a unit held whole, d * P / D."""
 
     def test_the_three_families_read_one_group_held_whole(self):
         for name, config in SMALL_G1.items():
@@ -655,7 +655,8 @@ class OneGroupTest(unittest.TestCase):
                                     "channels held whole by every rank.*prefill_tp="):
             models.conv_state_layouts(conv, 2, 1, "ds", "bf16", slot_stride=1 << 12,
                                       per_channel=True)
-        # Whole units of a group per rank need no prefill TP: the pairing is section 3's.
+        # Whole units of a group per rank need no prefill TP: the pairing is REFERENCE.md
+        # section 3's.
         models.conv_state_layouts(conv, 2, 1, "ds", "bf16", slot_stride=1 << 12)
         with self.assertRaisesRegex(ValueError, "prefill_tp must be a positive int"):
             models.conv_state_layouts(conv, 2, 1, "ds", "bf16", slot_stride=1 << 12,

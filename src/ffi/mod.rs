@@ -679,10 +679,11 @@ pub extern "C" fn mori_abi_version() -> u32 {
     MORI_TP_ABI_VERSION
 }
 
-// Section 7 of the header (any page layout), after the functions above.
+// The pair functions (any page layout, REFERENCE.md section 11), after the functions above.
 mod pair;
 pub use pair::*;
 
-// Requests of several groups and pipeline layer maps, after section 7 (which they build on).
+// Requests of several groups and pipeline layer maps, after the pair functions (which they build
+// on).
 mod groups;
 pub use groups::*;

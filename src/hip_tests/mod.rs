@@ -2967,10 +2967,10 @@ fn a_request_of_groups_runs_one_kernel_launch_per_group_that_moves_bytes() {
     );
 }
 
-// ---- any page layout (section 7) through both HIP paths --------------------------------------
+// ---- any page layout (REFERENCE.md section 11) through both HIP paths ---------------------------
 
-/// A pair of section-7 layouts and a request over them, with the pages each side's buffers
-/// hold.
+/// A pair of layouts (REFERENCE.md section 11) and a request over them, with the pages each
+/// side's buffers hold.
 struct LayoutCase {
     name: &'static str,
     src: crate::Layout,

@@ -165,9 +165,9 @@ fn highest_page(side: Side, pages: &[i32]) -> Result<Option<i32>> {
 /// How a plan makes its rects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum RectShape {
-    /// The walk's rows, joined: one rect per run of pages (section 4).
+    /// The walk's rows, joined: one rect per run of pages (REFERENCE.md section 5).
     Rows,
-    /// Grown greedily from the segments (section 7).
+    /// Grown greedily from the segments (REFERENCE.md section 11).
     Greedy,
 }
 
@@ -341,7 +341,7 @@ impl<'a> Walk<'a> {
     }
 }
 
-// ---- section 4: one page size, token-major pages -------------------------------------------
+// ---- REFERENCE.md sections 4-6: one page size, token-major pages --------------------------------
 
 /// A section-4 plan: a slice config and its page pairs, direct or with staged sides.
 #[derive(Clone, Debug)]
@@ -684,7 +684,7 @@ pub fn plan_transfer(
     Plan::transfer(config, staging, src_pages, dst_pages)?.segments()
 }
 
-// ---- section 7: any layout, page sizes that differ, partial pages --------------------------
+// ---- REFERENCE.md section 11: any layout, page sizes that differ, partial pages -----------------
 
 /// A pair plan (REFERENCE.md section 11): a pair config and a request, between page buffers, or
 /// with staged sides read or written as their staging regions.

@@ -377,7 +377,7 @@ impl Piece {
 impl<'a> Geometry<'a> {
     /// The token-major walk as one row of tokens per page, when that is what it is: both sides
     /// change page together (one page size) and hold a token's moved heads back to back on
-    /// every page. The common case (section 4, and any two token-major layouts of one page
+    /// every page. The common case (REFERENCE.md section 4's configs, and any two token-major layouts of one page
     /// size) then runs as one tight pass over the pages.
     fn page_rows(&self) -> Option<PageRows<'_, 'a>> {
         let adjacent = |side: &SideGeom<'_>| {

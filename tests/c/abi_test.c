@@ -3,7 +3,7 @@
  * layouts and constants of the ABI, a full heterogeneous-TP transfer between host buffers checked
  * byte for byte, directly and staged (pack, transport segments, unpack), the plan functions with
  * their size query, one call for each refusal class, and every function of the layout API
- * (section 7): an HND prefill at TP 8 into an NHD decode at TP 2 with a larger page and a partial
+ * (REFERENCE.md section 11): an HND prefill at TP 8 into an NHD decode at TP 2 with a larger page and a partial
  * last page, direct and staged, checked byte for byte against a loop over every element; and a
  * staging pool (slots, full, misuse, a destroyed handle); and a request of several groups (HND
  * KV pages, a per-token record every rank holds whole, two parts of one state slot) planned,

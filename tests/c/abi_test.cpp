@@ -2,7 +2,7 @@
 // replicate the KV heads with a non-integer TP ratio (2 KV heads, prefill TP 6, decode TP 4),
 // checked byte for byte, directly and through each of the four staging modes, the plan size
 // query, one call per refusal class the way a C++ runtime would wrap the C API, failing calls
-// made from thread_local destructors while threads exit, and the layout API (section 7): an NHD
+// made from thread_local destructors while threads exit, and the layout API (REFERENCE.md section 11): an NHD
 // prefill at TP 2 with page 64 into HND decode ranks at TP 8 with page 16, every pair, every
 // staging mode, partial last pages; and a request of several groups (a sliding window of HND
 // pages and the x, B and C parts of a Mamba2 conv state slot) moved as one and checked against

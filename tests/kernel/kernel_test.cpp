@@ -394,7 +394,7 @@ void fragmented_shape_keeps_every_lane_busy() {
     }
 }
 
-// Any page layout (section 7): every pair of two layouts with the pair plan's rects, whose
+// Any page layout (REFERENCE.md section 11): every pair of two layouts with the pair plan's rects, whose
 // pitches are the advances of head-major or padded pages rather than token slots, through every
 // launch shape, against mori_send_kvcache_pair on the host backend.
 struct LayoutPair {
