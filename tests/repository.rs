@@ -77,3 +77,52 @@ fn every_document_the_repository_names_is_in_it_and_nothing_points_outside() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// Where a source file cites a numbered section, the section is REFERENCE.md's: the repository
+/// ships no other numbered document, so a bare number (once the seventh section of a contract
+/// users never see, for what REFERENCE.md numbers 11) sends a reader to the wrong place.
+/// "section-4" is REFERENCE.md's own name for the one-page-size, token-major configs.
+#[test]
+fn every_section_a_source_file_cites_is_one_of_reference_md() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    text_files(root, &mut files);
+    let mut problems = Vec::new();
+    for file in files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e != "md"))
+    {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        let shown = file.strip_prefix(root).unwrap_or(file).display();
+        for word in ["section ", "sections ", "Section ", "Sections ", "§"] {
+            for (at, _) in text.match_indices(word) {
+                let rest = &text[at + word.len()..];
+                if !rest.trim_start().starts_with(|c: char| c.is_ascii_digit())
+                    || text[..at].ends_with(|c: char| c.is_ascii_alphanumeric())
+                {
+                    continue;
+                }
+                let from = text[..at]
+                    .char_indices()
+                    .rev()
+                    .nth(59)
+                    .map_or(0, |(i, _)| i);
+                if !text[from..at].contains("REFERENCE") {
+                    let line = text[..at].matches('\n').count() + 1;
+                    let cited: String = rest.chars().take(12).collect();
+                    problems.push(format!(
+                        "{shown}:{line}: \"{word}{cited}\" names no document"
+                    ));
+                }
+            }
+        }
+        if text.contains(concat!("CONTRACT", ".md")) || text.contains(concat!("CONTRACT", "'s")) {
+            problems.push(format!(
+                "{shown} cites a contract the repository does not ship"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

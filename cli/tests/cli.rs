@@ -1464,7 +1464,7 @@ fn head_major_pages_of_an_8_kv_head_model_from_tp_8_to_tp_2_as_vllm_on_rocm_keep
     ];
     let plan = plan_json(&deployment);
     check_pairs_against_the_library(&plan, ["hnd", "hnd"]);
-    // By hand (CONTRACT's HND strides, 256-byte heads): a prefill rank holds 1 head, so a page
+    // By hand (the HND strides of REFERENCE.md section 11, 256-byte heads): a prefill rank holds 1 head, so a page
     // is 16 slots x 256 B = 4096 B; a decode rank holds 4 heads, each a 4096-byte block of a
     // 16384-byte page.
     assert_eq!(plan["page_size"], 16);
