@@ -10,93 +10,11 @@
 
 mod common;
 
-use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::ptr::null_mut;
 
 use mori_tp::ffi::*;
-
-fn last_error() -> String {
-    // SAFETY: the library returns a valid NUL-terminated string, never NULL.
-    unsafe { CStr::from_ptr(mori_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-/// 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token pages: decode rank 3
-/// holds heads 6 and 7, the second half of each 64-byte prefill token.
-fn config_2_to_4() -> MoriTpSliceConfig {
-    let params = MoriTpSliceParams {
-        prefill_tp_size: 2,
-        prefill_tp_rank: 1,
-        decode_tp_size: 4,
-        decode_tp_rank: 3,
-        total_kv_heads: 8,
-        page_size: 1,
-        src_item_len: 64,
-        dst_item_len: 32,
-    };
-    let mut config = MoriTpSliceConfig::default();
-    // SAFETY: valid pointers.
-    assert_eq!(
-        unsafe { mori_tp_slice_config(&params, &mut config) },
-        MORI_OK
-    );
-    config
-}
-
-/// One send of pages 0, 1 and 3 of `config_2_to_4` between `src` (4 * 64 bytes each) and `dst`
-/// (4 * 32 bytes each) with `options`: the status and the message.
-///
-/// # Safety
-/// The buffers must hold that many bytes where the backend reaches them, until the copies are
-/// complete.
-unsafe fn send_pages_0_1_3(
-    src: &[*const std::ffi::c_void],
-    dst: &[*mut std::ffi::c_void],
-    options: &MoriSendOptions,
-) -> (MoriStatus, String) {
-    let config = config_2_to_4();
-    let buffers = MoriKvBuffers {
-        src: src.as_ptr(),
-        dst: dst.as_ptr(),
-        num_buffers: src.len(),
-        src_capacity: 4 * 64,
-        dst_capacity: 4 * 32,
-    };
-    let pages = [0, 1, 3];
-    // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
-    let status = unsafe {
-        mori_send_kvcache(
-            &config,
-            &buffers,
-            pages.as_ptr(),
-            pages.as_ptr(),
-            3,
-            options,
-        )
-    };
-    let message = if status == MORI_OK {
-        String::new()
-    } else {
-        last_error()
-    };
-    (status, message)
-}
-
-/// A small send between host buffers: the status, the message and whether the destination is
-/// unchanged.
-fn small_host_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
-    let src = [vec![7u8; 4 * 64], vec![8u8; 4 * 64]];
-    let mut dst = [vec![9u8; 4 * 32], vec![9u8; 4 * 32]];
-    let srcs = [src[0].as_ptr().cast(), src[1].as_ptr().cast()];
-    let [d0, d1] = &mut dst;
-    let dsts = [d0.as_mut_ptr().cast(), d1.as_mut_ptr().cast()];
-    // SAFETY: host buffers of the stated sizes; the copies are complete on return or refused.
-    let (status, message) = unsafe { send_pages_0_1_3(&srcs, &dsts, options) };
-    (status, message, dst.iter().flatten().all(|&b| b == 9))
-}
 
 /// Whether the library could load a CUDA driver in this process (a real one, on a machine with
 /// an NVIDIA driver).
@@ -134,7 +52,7 @@ fn without_the_feature_or_a_driver_cuda_is_refused_and_auto_copies_on_the_host()
             flags,
             stream: null_mut(),
         };
-        let (status, message, unchanged) = small_host_send(&cuda);
+        let (status, message, unchanged) = crate::common::small_send(&cuda);
         assert_eq!(status, MORI_ERR_BACKEND_UNAVAILABLE, "{message}");
         assert!(unchanged, "a refused call writes nothing");
         let why = if cfg!(feature = "cuda") {
@@ -154,7 +72,7 @@ fn without_the_feature_or_a_driver_cuda_is_refused_and_auto_copies_on_the_host()
             flags: 0,
             stream: null_mut(),
         };
-        let (status, message, unchanged) = small_host_send(&auto);
+        let (status, message, unchanged) = crate::common::small_send(&auto);
         assert_eq!((status, unchanged), (MORI_OK, false), "{message}");
     }
 }
@@ -356,7 +274,7 @@ mod driver {
                     !handle.is_null(),
                     "the child finds the stand-in libcuda.so.1"
                 );
-                let get = |name: &CStr| {
+                let get = |name: &std::ffi::CStr| {
                     let symbol = libc::dlsym(handle, name.as_ptr());
                     assert!(!symbol.is_null(), "the stand-in exports {name:?}");
                     symbol
@@ -393,7 +311,7 @@ mod driver {
     }
 
     /// `fake_cuda_stat(name)`.
-    fn stat(name: &CStr) -> i64 {
+    fn stat(name: &std::ffi::CStr) -> i64 {
         // SAFETY: a NUL-terminated name.
         let value = unsafe { (cu().stat)(name.as_ptr()) };
         assert!(value >= 0, "fake_cuda_stat does not count {name:?}");
@@ -508,7 +426,7 @@ mod driver {
                     &options,
                 )
             };
-            assert_eq!(status, MORI_OK, "{}", last_error());
+            assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
             for (host, device) in dst.iter_mut().zip(&dst_dev) {
                 host.copy_from_slice(&device.read());
             }
@@ -539,8 +457,9 @@ mod driver {
         let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
         let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
         // SAFETY: device buffers of the stated sizes.
-        let (status, message) =
-            unsafe { send_pages_0_1_3(&[src.ptr().cast_const()], &[dst.ptr()], options) };
+        let (status, message) = unsafe {
+            crate::common::send_pages_0_1_3(&[src.ptr().cast_const()], &[dst.ptr()], options)
+        };
         if status == MORI_OK && options.flags & MORI_SEND_SYNCHRONIZE == 0 {
             // SAFETY: the caller's stream.
             assert_eq!(unsafe { (cu().stream_synchronize)(options.stream) }, 0);
@@ -581,7 +500,7 @@ mod driver {
         dst: &DeviceBuffer,
         options: &MoriSendOptions,
     ) -> (MoriStatus, String) {
-        let config = config_2_to_4();
+        let config = crate::common::config_2_to_4();
         let pages = 2 * UPLOADED_PAGES;
         let src_pages: Vec<i32> = (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect();
         let dst_pages: Vec<i32> = (0..UPLOADED_PAGES as i32)
@@ -609,13 +528,13 @@ mod driver {
         let message = if status == MORI_OK {
             String::new()
         } else {
-            last_error()
+            crate::common::last_error()
         };
         (status, message)
     }
 
     /// `fake_cuda_stat` of each of `names`.
-    fn stats<const N: usize>(names: [&CStr; N]) -> [i64; N] {
+    fn stats<const N: usize>(names: [&std::ffi::CStr; N]) -> [i64; N] {
         names.map(stat)
     }
 
@@ -647,8 +566,9 @@ mod driver {
         for send in 0..3 {
             let before = made();
             // SAFETY: device buffers of the stated sizes; the options synchronize.
-            let (status, message) =
-                unsafe { send_pages_0_1_3(&[src.ptr().cast_const()], &[dst.ptr()], &kernel) };
+            let (status, message) = unsafe {
+                crate::common::send_pages_0_1_3(&[src.ptr().cast_const()], &[dst.ptr()], &kernel)
+            };
             assert_eq!(status, MORI_OK, "{message}");
             let after = made();
             let delta: Vec<i64> = before.iter().zip(&after).map(|(b, a)| a - b).collect();
@@ -773,8 +693,9 @@ mod driver {
             null_mut(),
         );
         // SAFETY: device buffers of the stated sizes.
-        let (status, message) =
-            unsafe { send_pages_0_1_3(&[src.ptr().cast_const()], &[dst.ptr()], &sync) };
+        let (status, message) = unsafe {
+            crate::common::send_pages_0_1_3(&[src.ptr().cast_const()], &[dst.ptr()], &sync)
+        };
         assert!(current_context().is_null());
         // SAFETY: a retained primary context, for the read and the frees.
         assert_eq!(unsafe { (cu().ctx_set_current)(ctx) }, 0);
@@ -789,7 +710,7 @@ mod driver {
     /// a host send leaves; the same through a slot of a device pool, whose memory is the
     /// driver's device memory.
     fn pack_unpack_and_pool() {
-        let config = config_2_to_4();
+        let config = crate::common::config_2_to_4();
         let pages = [0i32, 1, 3];
         let mut staging_len = 0;
         // SAFETY: valid pointers.
@@ -812,7 +733,7 @@ mod driver {
             unsafe { mori_tp_pool_create(&pool_options, &mut pool) },
             MORI_OK,
             "{}",
-            last_error()
+            crate::common::last_error()
         );
         let mut info = std::mem::MaybeUninit::<MoriTpPoolInfo>::uninit();
         // SAFETY: valid pointers; the info is written on success.
@@ -850,7 +771,7 @@ mod driver {
                     ),
                     MORI_OK,
                     "{what}: {}",
-                    last_error()
+                    crate::common::last_error()
                 );
                 assert_eq!(
                     mori_unpack_kvcache(
@@ -866,7 +787,7 @@ mod driver {
                     ),
                     MORI_OK,
                     "{what}: {}",
-                    last_error()
+                    crate::common::last_error()
                 );
             }
             let mut want = vec![9u8; 4 * 32];
@@ -874,7 +795,7 @@ mod driver {
             let host = options(MORI_BACKEND_HOST, 0, null_mut());
             // SAFETY: host buffers of the stated sizes.
             let (status, message) = unsafe {
-                send_pages_0_1_3(
+                crate::common::send_pages_0_1_3(
                     &[src_host.as_ptr().cast()],
                     &[host_dst.as_mut_ptr().cast()],
                     &host,
@@ -959,7 +880,7 @@ mod driver {
                     mori_send_kvcache_pair(&config, &dev_kv, &request, &cuda),
                     MORI_OK,
                     "{}",
-                    last_error()
+                    crate::common::last_error()
                 );
             }
             for (b, device) in dev_dst.iter().enumerate() {
@@ -976,7 +897,7 @@ mod driver {
     /// device pool refused.
     fn no_device() {
         assert!(!mori_tp::backend::cuda_device_present());
-        let (status, message, unchanged) = small_host_send(&options(
+        let (status, message, unchanged) = crate::common::small_send(&options(
             MORI_BACKEND_CUDA,
             MORI_SEND_SYNCHRONIZE,
             null_mut(),
@@ -992,7 +913,7 @@ mod driver {
         assert!(unchanged);
         if !mori_tp::backend::hip_device_present() {
             let (status, message, unchanged) =
-                small_host_send(&options(MORI_BACKEND_AUTO, 0, null_mut()));
+                crate::common::small_send(&options(MORI_BACKEND_AUTO, 0, null_mut()));
             assert_eq!((status, unchanged), (MORI_OK, false), "{message}");
         }
         let mut pool = 0;
@@ -1006,16 +927,16 @@ mod driver {
         let status = unsafe { mori_tp_pool_create(&device, &mut pool) };
         assert_eq!(status, MORI_ERR_BACKEND_UNAVAILABLE);
         assert!(
-            last_error().contains("CUDA_ERROR_NO_DEVICE"),
+            crate::common::last_error().contains("CUDA_ERROR_NO_DEVICE"),
             "{}",
-            last_error()
+            crate::common::last_error()
         );
     }
 
     /// A driver without a function the library uses is refused by name, not a panic.
     fn old_driver() {
         let (status, message, unchanged) =
-            small_host_send(&options(MORI_BACKEND_CUDA, 0, null_mut()));
+            crate::common::small_send(&options(MORI_BACKEND_CUDA, 0, null_mut()));
         assert_eq!(status, MORI_ERR_BACKEND_UNAVAILABLE, "{message}");
         assert!(
             message.contains(
@@ -1058,7 +979,7 @@ mod driver {
             );
             // SAFETY: device buffers of the stated sizes; the options synchronize.
             unsafe {
-                send_pages_0_1_3(
+                crate::common::send_pages_0_1_3(
                     &[src_at as *const c_void],
                     &[dst_at as *mut c_void],
                     &kernel,
@@ -1113,7 +1034,7 @@ mod driver {
         assert_eq!(unsafe { (cu().begin_capture)(capturing, 2) }, 0);
         for flags in [MORI_SEND_COPY_KERNEL, 0] {
             let (status, message) = unsafe {
-                send_pages_0_1_3(
+                crate::common::send_pages_0_1_3(
                     &[src.ptr().cast_const()],
                     &[dst.ptr()],
                     &options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE | flags, capturing),
@@ -1144,7 +1065,7 @@ mod driver {
         let before = counts();
         // SAFETY: device buffers of the stated sizes.
         let (status, message) = unsafe {
-            send_pages_0_1_3(
+            crate::common::send_pages_0_1_3(
                 &[src.ptr().cast_const()],
                 &[dst.ptr()],
                 &options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, capturing),
@@ -1296,7 +1217,7 @@ mod driver {
         assert_eq!(unsafe { (cu().ctx_set_current)(zero) }, 0);
         for flags in [MORI_SEND_COPY_KERNEL, MORI_SEND_MEMCPY2D, 0] {
             let (status, message) = unsafe {
-                send_pages_0_1_3(
+                crate::common::send_pages_0_1_3(
                     &[src.ptr().cast_const()],
                     &[dst.ptr()],
                     &options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE | flags, stream),
@@ -1308,7 +1229,7 @@ mod driver {
         // SAFETY: leaves the thread without a current context, then sends.
         assert_eq!(unsafe { (cu().ctx_set_current)(null_mut()) }, 0);
         let (status, message) = unsafe {
-            send_pages_0_1_3(
+            crate::common::send_pages_0_1_3(
                 &[src.ptr().cast_const()],
                 &[dst.ptr()],
                 &options(
@@ -1335,7 +1256,7 @@ mod driver {
         let launches = stat(c"kernel_launches");
         for flags in [0, MORI_SEND_COPY_KERNEL] {
             let (status, message) = unsafe {
-                send_pages_0_1_3(
+                crate::common::send_pages_0_1_3(
                     &[far.ptr().cast_const()],
                     &[dst.ptr()],
                     &options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE | flags, stream),
@@ -1362,7 +1283,7 @@ mod driver {
         assert_eq!(unsafe { (cu().ctx_create)(&mut own, 0, 0) }, 0);
         let stream = new_stream();
         let (status, message) = unsafe {
-            send_pages_0_1_3(
+            crate::common::send_pages_0_1_3(
                 &[src.ptr().cast_const()],
                 &[dst.ptr()],
                 &options(
@@ -1383,7 +1304,7 @@ mod driver {
         }
         assert_eq!(dst.read(), vec![9u8; 4 * 32], "refused before anything ran");
         let (status, message) = unsafe {
-            send_pages_0_1_3(
+            crate::common::send_pages_0_1_3(
                 &[src.ptr().cast_const()],
                 &[dst.ptr()],
                 &options(
@@ -1408,7 +1329,7 @@ mod driver {
             MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
             null_mut(),
         );
-        let (status, message, unchanged) = small_host_send(&kernel);
+        let (status, message, unchanged) = crate::common::small_send(&kernel);
         assert_eq!(status, MORI_ERR_GPU, "{message}");
         for part in [
             "cuPointerGetAttributes(source buffer 0, ",
@@ -1420,7 +1341,7 @@ mod driver {
         }
         assert!(unchanged);
         let launches = stat(c"kernel_launches");
-        let (status, message, unchanged) = small_host_send(&options(
+        let (status, message, unchanged) = crate::common::small_send(&options(
             MORI_BACKEND_CUDA,
             MORI_SEND_SYNCHRONIZE,
             null_mut(),
@@ -1441,8 +1362,9 @@ mod driver {
             std::ptr::write_bytes(pinned_src.cast::<u8>(), 4, 4 * 64);
             std::ptr::write_bytes(pinned_dst.cast::<u8>(), 9, 4 * 32);
         }
-        let (status, message) =
-            unsafe { send_pages_0_1_3(&[pinned_src.cast_const()], &[pinned_dst], &kernel) };
+        let (status, message) = unsafe {
+            crate::common::send_pages_0_1_3(&[pinned_src.cast_const()], &[pinned_dst], &kernel)
+        };
         assert_eq!(status, MORI_OK, "{message}");
         // SAFETY: the pinned block of 4 * 32 bytes.
         let after = unsafe { std::slice::from_raw_parts(pinned_dst.cast::<u8>(), 4 * 32) };
@@ -1461,7 +1383,11 @@ mod driver {
             );
         }
         let (status, message) = unsafe {
-            send_pages_0_1_3(&[src.as_ptr().cast()], &[dst.as_mut_ptr().cast()], &kernel)
+            crate::common::send_pages_0_1_3(
+                &[src.as_ptr().cast()],
+                &[dst.as_mut_ptr().cast()],
+                &kernel,
+            )
         };
         assert_eq!(status, MORI_OK, "{message}");
         assert_eq!(dst, small_send_result(3));

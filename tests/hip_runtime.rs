@@ -8,22 +8,12 @@
 
 mod common;
 
-use std::ffi::CStr;
 use std::process::Command;
 use std::ptr::null_mut;
 
-use common::{Sender, fragmented_request, odd_deployments, transfer};
+use common::{Sender, fragmented_request, odd_deployments, required, transfer};
 use mori_tp::backend::hip_device_present;
 use mori_tp::ffi::*;
-
-use common::required;
-
-fn last_error() -> String {
-    // SAFETY: the library returns a valid NUL-terminated string, never NULL.
-    unsafe { CStr::from_ptr(mori_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
 
 /// A sender that goes through mori_send_kvcache with `options` and must return MORI_OK.
 fn ffi_sender(options: Option<MoriSendOptions>) -> Box<Sender<'static>> {
@@ -53,7 +43,7 @@ fn ffi_sender(options: Option<MoriSendOptions>) -> Box<Sender<'static>> {
                 options_ptr,
             )
         };
-        assert_eq!(status, MORI_OK, "{}", last_error());
+        assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
         None
     })
 }
@@ -83,80 +73,6 @@ fn ci_that_requires_hip_gets_a_build_with_the_hip_backend() {
     eprintln!("note: built without the `hip` feature; the HIP runtime is not linked");
 }
 
-/// 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token pages.
-fn config_2_to_4() -> MoriTpSliceConfig {
-    let params = MoriTpSliceParams {
-        prefill_tp_size: 2,
-        prefill_tp_rank: 1,
-        decode_tp_size: 4,
-        decode_tp_rank: 3,
-        total_kv_heads: 8,
-        page_size: 1,
-        src_item_len: 64,
-        dst_item_len: 32,
-    };
-    let mut config = MoriTpSliceConfig::default();
-    // SAFETY: valid pointers.
-    assert_eq!(
-        unsafe { mori_tp_slice_config(&params, &mut config) },
-        MORI_OK
-    );
-    config
-}
-
-/// One small send: 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token
-/// pages 0, 1, 3 (two rects), between source buffers of 4 * 64 bytes and destination buffers of
-/// 4 * 32 bytes, with `options`. Returns the status and the message (if it failed).
-///
-/// # Safety
-/// `src` and `dst` must hold that many bytes each, where the backend of `options` reaches them,
-/// until the copies are complete (on return, or refused, unless the stream runs them later).
-unsafe fn send_pages_0_1_3(
-    src: &[*const std::ffi::c_void],
-    dst: &[*mut std::ffi::c_void],
-    options: &MoriSendOptions,
-) -> (MoriStatus, String) {
-    let config = config_2_to_4();
-    let buffers = MoriKvBuffers {
-        src: src.as_ptr(),
-        dst: dst.as_ptr(),
-        num_buffers: src.len(),
-        src_capacity: 4 * 64,
-        dst_capacity: 4 * 32,
-    };
-    let pages = [0, 1, 3];
-    // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
-    let status = unsafe {
-        mori_send_kvcache(
-            &config,
-            &buffers,
-            pages.as_ptr(),
-            pages.as_ptr(),
-            3,
-            options,
-        )
-    };
-    let message = if status == MORI_OK {
-        String::new()
-    } else {
-        last_error()
-    };
-    (status, message)
-}
-
-/// [`send_pages_0_1_3`] over host memory, two buffers. Returns the status, the message (if it
-/// failed) and whether every destination byte is still what it was.
-fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
-    let src = [vec![7u8; 4 * 64], vec![8u8; 4 * 64]];
-    let mut dst = [vec![9u8; 4 * 32], vec![9u8; 4 * 32]];
-    let srcs = [src[0].as_ptr().cast(), src[1].as_ptr().cast()];
-    let [d0, d1] = &mut dst;
-    let dsts = [d0.as_mut_ptr().cast(), d1.as_mut_ptr().cast()];
-    // SAFETY: host buffers of the stated sizes; the copies are complete on return or refused.
-    let (status, message) = unsafe { send_pages_0_1_3(&srcs, &dsts, options) };
-    (status, message, dst.iter().flatten().all(|&b| b == 9))
-}
-
 #[test]
 fn requesting_hip_without_a_device_is_backend_unavailable_and_writes_nothing() {
     if hip_device_present() {
@@ -173,7 +89,7 @@ fn requesting_hip_without_a_device_is_backend_unavailable_and_writes_nothing() {
             flags,
             stream: null_mut(),
         };
-        let (status, message, unchanged) = small_send(&options);
+        let (status, message, unchanged) = crate::common::small_send(&options);
         assert_eq!(status, MORI_ERR_BACKEND_UNAVAILABLE, "{message}");
         assert!(
             message.starts_with("mori_send_kvcache: backend unavailable: "),
@@ -417,7 +333,7 @@ fn fake_runtime_child() {
     match std::env::var("FAKE_HIP_COPY_STATUS") {
         Ok(code) => {
             // Every hipMemcpy2DAsync fails with `code`: the first copy's failure is reported.
-            let (status, message, unchanged) = small_send(&sync);
+            let (status, message, unchanged) = crate::common::small_send(&sync);
             assert_eq!(status, MORI_ERR_GPU, "{message}");
             for part in [
                 "mori_send_kvcache: GPU error: hipMemcpy2DAsync(",
@@ -429,7 +345,7 @@ fn fake_runtime_child() {
             assert!(unchanged, "the failing copy wrote nothing");
         }
         Err(_) => {
-            let (status, message, unchanged) = small_send(&sync);
+            let (status, message, unchanged) = crate::common::small_send(&sync);
             assert_eq!((status, unchanged), (MORI_OK, false), "{message}");
             // AUTO chose HIP: it takes a stream, which the host backend refuses.
             #[cfg(feature = "hip")]
@@ -439,7 +355,7 @@ fn fake_runtime_child() {
                     flags: MORI_SEND_SYNCHRONIZE,
                     stream: device::stream_on(0),
                 };
-                let (status, message, _) = small_send(&auto);
+                let (status, message, _) = crate::common::small_send(&auto);
                 assert_eq!(status, MORI_OK, "{message}");
             }
             // Every byte, through libamdhip64's entry points.
@@ -740,7 +656,7 @@ mod device {
                     &options,
                 )
             };
-            assert_eq!(status, MORI_OK, "{}", last_error());
+            assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
             for (copy, host) in dst_copies.iter().zip(dst.iter_mut()) {
                 copy.read(host);
             }
@@ -760,8 +676,9 @@ mod device {
         let src = Mirror::new(memory, &[7u8; 4 * 64]);
         let dst = Mirror::new(memory, &[9u8; 4 * 32]);
         // SAFETY: buffers of the stated sizes; the options synchronize.
-        let (status, message) =
-            unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) };
+        let (status, message) = unsafe {
+            crate::common::send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options)
+        };
         let mut after = vec![0u8; 4 * 32];
         dst.read(&mut after);
         (status, message, after)
@@ -836,7 +753,7 @@ mod device {
         };
         // SAFETY: a valid out-pointer.
         let status = unsafe { make(heads, tp, rank, page_size, bytes, &mut out) };
-        assert_eq!(status, MORI_OK, "{}", last_error());
+        assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
         out
     }
 
@@ -888,7 +805,7 @@ mod device {
             let mut config: MoriTpPairConfig = unsafe { std::mem::zeroed() };
             // SAFETY: valid pointers.
             let status = unsafe { mori_tp_pair_config(&prefill, &decode, &mut config) };
-            assert_eq!(status, MORI_OK, "{name}: {}", last_error());
+            assert_eq!(status, MORI_OK, "{name}: {}", crate::common::last_error());
             // Pages in a rotated order with a break, so runs of pages and jumps both occur.
             let pages = |page_size: u32, capacity: usize| -> Vec<i32> {
                 let mut all: Vec<i32> = (0..capacity as i32).collect();
@@ -916,7 +833,7 @@ mod device {
             let mut staging_len = 0u64;
             // SAFETY: valid pointers.
             let status = unsafe { mori_tp_pair_staging_len(&config, tokens, &mut staging_len) };
-            assert_eq!(status, MORI_OK, "{}", last_error());
+            assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
             let region_len = staging_len as usize * BUFFERS;
             assert!(region_len > 0);
 
@@ -936,7 +853,12 @@ mod device {
             };
             // SAFETY: live buffers of the stated capacities; the host backend is synchronous.
             let status = unsafe { mori_send_kvcache_pair(&config, &buffers, &request, &host) };
-            assert_eq!(status, MORI_OK, "{name}: host send: {}", last_error());
+            assert_eq!(
+                status,
+                MORI_OK,
+                "{name}: host send: {}",
+                crate::common::last_error()
+            );
             assert_ne!(want_sent, initial, "{name}: the pair moves bytes");
             let region_in = patterned(region_len, 0x33);
             let mut want_packed = Vec::new();
@@ -960,7 +882,7 @@ mod device {
                     status,
                     MORI_OK,
                     "{name}: host pack {mode}: {}",
-                    last_error()
+                    crate::common::last_error()
                 );
                 want_packed.push((mode, region));
             }
@@ -987,7 +909,7 @@ mod device {
                     status,
                     MORI_OK,
                     "{name}: host unpack {mode}: {}",
-                    last_error()
+                    crate::common::last_error()
                 );
                 want_unpacked.push((mode, out));
             }
@@ -1021,7 +943,12 @@ mod device {
                 };
                 // SAFETY: device buffers of the stated capacities; the options synchronize.
                 let status = unsafe { mori_send_kvcache_pair(&config, &buffers, &request, &hip) };
-                assert_eq!(status, MORI_OK, "{name}: {path} send: {}", last_error());
+                assert_eq!(
+                    status,
+                    MORI_OK,
+                    "{name}: {path} send: {}",
+                    crate::common::last_error()
+                );
                 let mut got = initial.clone();
                 for (copy, out) in dst_dev.iter().zip(&mut got) {
                     copy.read(out);
@@ -1051,7 +978,7 @@ mod device {
                         status,
                         MORI_OK,
                         "{name}: {path} pack {mode}: {}",
-                        last_error()
+                        crate::common::last_error()
                     );
                     let mut got = vec![0u8; region_len];
                     region.read(&mut got);
@@ -1087,7 +1014,7 @@ mod device {
                         status,
                         MORI_OK,
                         "{name}: {path} unpack {mode}: {}",
-                        last_error()
+                        crate::common::last_error()
                     );
                     let mut got = initial.clone();
                     for (copy, out) in dst_dev.iter().zip(&mut got) {
@@ -1278,7 +1205,13 @@ mod device {
             &src,
             &dst,
             // SAFETY: live stream and device buffers, alive until the graph has run.
-            || unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) },
+            || unsafe {
+                crate::common::send_pages_0_1_3(
+                    &[src.pointer.cast_const()],
+                    &[dst.pointer],
+                    &options,
+                )
+            },
             small_send_result,
         );
         assert_eq!(captured, [1, 0, 0], "one launch captured, nothing run");
@@ -1314,7 +1247,7 @@ mod device {
         dst: &DeviceBuffer,
         options: &MoriSendOptions,
     ) -> (MoriStatus, String) {
-        let config = config_2_to_4();
+        let config = crate::common::config_2_to_4();
         let pages = 2 * UPLOADED_PAGES;
         let src_pages: Vec<i32> = (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect();
         let dst_pages: Vec<i32> = (0..UPLOADED_PAGES as i32)
@@ -1342,7 +1275,7 @@ mod device {
         let message = if status == MORI_OK {
             String::new()
         } else {
-            last_error()
+            crate::common::last_error()
         };
         (status, message)
     }
@@ -1410,7 +1343,13 @@ mod device {
             &src,
             &dst,
             // SAFETY: live stream and device buffers, alive until the graph has run.
-            || unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) },
+            || unsafe {
+                crate::common::send_pages_0_1_3(
+                    &[src.pointer.cast_const()],
+                    &[dst.pointer],
+                    &options,
+                )
+            },
             small_send_result,
         );
         assert_eq!(captured, [0, 2, 0], "two per-rect copies captured");
@@ -1457,8 +1396,13 @@ mod device {
             let before = made();
             dst.write(&[9u8; 4 * 32]);
             // SAFETY: device buffers of the stated sizes; the options synchronize.
-            let (status, message) =
-                unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) };
+            let (status, message) = unsafe {
+                crate::common::send_pages_0_1_3(
+                    &[src.pointer.cast_const()],
+                    &[dst.pointer],
+                    &options,
+                )
+            };
             assert_eq!(status, MORI_OK, "{message}");
             let after = made();
             let delta: Vec<i64> = before.iter().zip(&after).map(|(b, a)| a - b).collect();
@@ -1481,7 +1425,7 @@ mod device {
         let send = || {
             // SAFETY: device buffers of the stated sizes; the options synchronize.
             let (status, message) = unsafe {
-                send_pages_0_1_3(
+                crate::common::send_pages_0_1_3(
                     &[src.pointer.cast_const()],
                     &[dst.pointer],
                     &kernel_options(),
@@ -1658,8 +1602,13 @@ mod device {
             };
             // SAFETY: device buffers of the stated sizes, alive until the stream has run the
             // copies (it is synchronized before they are dropped).
-            let (status, message) =
-                unsafe { send_pages_0_1_3(&[src.pointer.cast_const()], &[dst.pointer], &options) };
+            let (status, message) = unsafe {
+                crate::common::send_pages_0_1_3(
+                    &[src.pointer.cast_const()],
+                    &[dst.pointer],
+                    &options,
+                )
+            };
             assert_eq!(status, MORI_OK, "flags {flags:#x}: {message}");
         };
         let sync = MORI_SEND_SYNCHRONIZE;
@@ -1794,7 +1743,7 @@ mod device {
             };
             // SAFETY: device buffers alive until the streams are synchronized below.
             let (status, message) = unsafe {
-                send_pages_0_1_3(
+                crate::common::send_pages_0_1_3(
                     &[small_src.pointer.cast_const()],
                     &[small_dst.pointer],
                     &options,
@@ -1850,7 +1799,7 @@ mod device {
                     &options,
                 )
             };
-            assert_eq!(status, MORI_OK, "{}", last_error());
+            assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
         }
         // SAFETY: T's own work does not wait for S.
         assert_eq!(unsafe { hipStreamSynchronize(t) }, 0);
@@ -1932,7 +1881,7 @@ mod device {
         // One page: one rect of one buffer, one copy.
         let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
         let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
-        let config = config_2_to_4();
+        let config = crate::common::config_2_to_4();
         let buffers = MoriKvBuffers {
             src: &src.pointer.cast_const(),
             dst: &dst.pointer,
@@ -1943,7 +1892,7 @@ mod device {
         let before = count();
         // SAFETY: device buffers of the stated capacities; the options synchronize.
         let status = unsafe { mori_send_kvcache(&config, &buffers, &2, &1, 1, &sync(0)) };
-        assert_eq!(status, MORI_OK, "{}", last_error());
+        assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
         assert_eq!(
             count(),
             (before.0, before.1 + 1),
@@ -1972,7 +1921,7 @@ mod device {
                 staging_len,
                 &sync(0),
             );
-            assert_eq!(status, MORI_OK, "{}", last_error());
+            assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
             let status = mori_unpack_kvcache(
                 &config,
                 region.pointer,
@@ -1984,7 +1933,7 @@ mod device {
                 3,
                 &sync(0),
             );
-            assert_eq!(status, MORI_OK, "{}", last_error());
+            assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
         }
         assert_eq!(
             count(),
@@ -2061,7 +2010,7 @@ mod device {
         // Pageable host memory is not memory a kernel reaches: a GPU would fault and abort the
         // process, so the library asks the runtime about each buffer first and refuses it,
         // writing nothing (the stand-in, like HIP 5, does not know pageable memory).
-        let (status, message, unchanged) = small_send(&kernel_options());
+        let (status, message, unchanged) = crate::common::small_send(&kernel_options());
         assert_eq!(status, MORI_ERR_GPU, "{message}");
         assert!(
             message.contains("hipPointerGetAttributes(source buffer 0, ")
@@ -2171,7 +2120,7 @@ mod device {
                         &host,
                     )
                 };
-                assert_eq!(status, MORI_OK, "{}", last_error());
+                assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
             }
 
             let src_dev: Vec<DeviceBuffer> = src.ranks[p as usize]
@@ -2199,7 +2148,7 @@ mod device {
                     &kernel_options(),
                 )
             };
-            assert_eq!(status, MORI_OK, "{}", last_error());
+            assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
             // SAFETY: as above.
             let status = unsafe {
                 mori_unpack_kvcache(
@@ -2214,7 +2163,7 @@ mod device {
                     &kernel_options(),
                 )
             };
-            assert_eq!(status, MORI_OK, "{}", last_error());
+            assert_eq!(status, MORI_OK, "{}", crate::common::last_error());
             for (device, want) in dst_dev.iter().zip(&want) {
                 let mut got = vec![0u8; want.len()];
                 device.to_host(&mut got);

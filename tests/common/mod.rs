@@ -580,3 +580,92 @@ fn build_fake_hip_variant(name: &str, defines: &[&str]) -> Result<PathBuf, Strin
     std::fs::rename(&partial, &library).map_err(|e| format!("rename: {e}"))?;
     Ok(library)
 }
+
+// ---- one small send through the C ABI, for the GPU runtime tests ----------------------------
+
+use mori_tp::ffi::{
+    MORI_OK, MoriKvBuffers, MoriSendOptions, MoriStatus, MoriTpSliceConfig, MoriTpSliceParams,
+    mori_send_kvcache, mori_tp_slice_config,
+};
+
+/// The calling thread's last error message.
+pub fn last_error() -> String {
+    // SAFETY: the library returns a valid NUL-terminated string, never NULL.
+    unsafe { std::ffi::CStr::from_ptr(mori_tp::ffi::mori_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token pages.
+pub fn config_2_to_4() -> MoriTpSliceConfig {
+    let params = MoriTpSliceParams {
+        prefill_tp_size: 2,
+        prefill_tp_rank: 1,
+        decode_tp_size: 4,
+        decode_tp_rank: 3,
+        total_kv_heads: 8,
+        page_size: 1,
+        src_item_len: 64,
+        dst_item_len: 32,
+    };
+    let mut config = MoriTpSliceConfig::default();
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { mori_tp_slice_config(&params, &mut config) },
+        MORI_OK
+    );
+    config
+}
+
+/// One small send: 8 heads of 16 bytes, prefill TP 2 -> decode TP 4, pair (1, 3), one-token
+/// pages 0, 1, 3 (two rects), between source buffers of 4 * 64 bytes and destination buffers of
+/// 4 * 32 bytes, with `options`. Returns the status and the message (if it failed).
+///
+/// # Safety
+/// `src` and `dst` must hold that many bytes each, where the backend of `options` reaches them,
+/// until the copies are complete (on return, or refused, unless the stream runs them later).
+pub unsafe fn send_pages_0_1_3(
+    src: &[*const std::ffi::c_void],
+    dst: &[*mut std::ffi::c_void],
+    options: &MoriSendOptions,
+) -> (MoriStatus, String) {
+    let config = config_2_to_4();
+    let buffers = MoriKvBuffers {
+        src: src.as_ptr(),
+        dst: dst.as_ptr(),
+        num_buffers: src.len(),
+        src_capacity: 4 * 64,
+        dst_capacity: 4 * 32,
+    };
+    let pages = [0, 1, 3];
+    // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
+    let status = unsafe {
+        mori_send_kvcache(
+            &config,
+            &buffers,
+            pages.as_ptr(),
+            pages.as_ptr(),
+            3,
+            options,
+        )
+    };
+    let message = if status == MORI_OK {
+        String::new()
+    } else {
+        last_error()
+    };
+    (status, message)
+}
+
+/// [`send_pages_0_1_3`] over host memory, two buffers. Returns the status, the message (if it
+/// failed) and whether every destination byte is still what it was.
+pub fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
+    let src = [vec![7u8; 4 * 64], vec![8u8; 4 * 64]];
+    let mut dst = [vec![9u8; 4 * 32], vec![9u8; 4 * 32]];
+    let srcs = [src[0].as_ptr().cast(), src[1].as_ptr().cast()];
+    let [d0, d1] = &mut dst;
+    let dsts = [d0.as_mut_ptr().cast(), d1.as_mut_ptr().cast()];
+    // SAFETY: host buffers of the stated sizes; the copies are complete on return or refused.
+    let (status, message) = unsafe { send_pages_0_1_3(&srcs, &dsts, options) };
+    (status, message, dst.iter().flatten().all(|&b| b == 9))
+}
