@@ -38,7 +38,7 @@ const NOT_MEASURED: &[(&str, &str, &str)] = &[
     ),
     (
         "REFERENCE.md",
-        "within 3% of the least",
+        "within 10% of the least",
         "the cost model's tolerance, a parameter (`tolerance`)",
     ),
     (

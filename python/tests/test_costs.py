@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import unittest
 from dataclasses import replace
 from typing import Any, Dict, Tuple
@@ -228,6 +229,10 @@ class ChooseTest(unittest.TestCase):
         self.assertGreater(fast.chunks, 1, fast.describe())
         self.assertEqual(slow.chunks, 1, slow.describe())
         self.assertIn("0.50 host cores per rank (measured", slow.describe())
+        # A transport that keeps more cores busy than the host has: never more than the host's.
+        greedy = TransportCosts(0.0, speed, 5e-6, host_cores=4.0 * (os.cpu_count() or 1))
+        cores, source = quiet.rank_cores(greedy, quiet.copy_costs())
+        self.assertEqual(cores, float(os.cpu_count() or 1), source)
         # Given cores are taken as they are; device copies say nothing of the host's cores.
         given = CostModel(transport, cores=3)
         given.observe_copy("pack", nbytes, 1.0, alone=False)
