@@ -27,7 +27,11 @@ streamer's cost model chooses (``Streamer.choose``, the decode process expecting
 the decode process's unpacks, and the "chosen" column shows what it chose and how fast that ran,
 "chosen vs best fixed" the time of the row's best fixed method (named: the highest median
 fraction of the contiguous write) over the chosen one's, within a round (median over the rounds;
-0.95 or more: within 5% of the best fixed mode).
+0.95 or more: within 5%), and "chosen vs fixed modes" the same against the faster of the two
+fixed rules issue 32 measured (staging_for's mode and BOTH, each pipelined in the automatic chunk
+count). Each fixed method runs once, untimed, before the
+rounds (the model's first requests); within a round every method runs once in turn,
+``--staged-runs`` times over, in an order shuffled each round (the same seed every run).
 
 Then load (``--suites soak``): python/tests/engine_load.py's mix of requests (five layouts,
 four sizes, every staging mode, pipelined or layer by layer) sent back to back from 1, 4 and 16
@@ -40,8 +44,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import platform
+import random
 import statistics
 import sys
 import threading
@@ -475,11 +481,13 @@ def _choices(picks: List[Any]) -> str:
     return f"{top} ({n} of {len(picks)}; " + ", ".join(f"{k}: {v}" for k, v in others) + ")"
 
 
-def _versus_best_fixed(rows: List[Dict[str, float]]) -> str:
-    """The best fixed method of the row (the highest median fraction of the contiguous write),
-    and the median over the rounds of its time over the chosen one's within a round (1: as
-    fast as the best; 0.95: 5% slower)."""
-    fixed = [k for k in rows[0] if k not in ("contiguous", "chosen")]
+def _versus_best_fixed(rows: List[Dict[str, float]],
+                       fixed: Optional[Sequence[str]] = None) -> str:
+    """The best fixed method of the row (the highest median fraction of the contiguous write;
+    among ``fixed``, default every method but the chosen), and the median over the rounds of
+    its time over the chosen one's within a round (1: as fast as the best; 0.95: 5% slower)."""
+    if fixed is None:
+        fixed = [k for k in rows[0] if k not in ("contiguous", "chosen")]
     best = max(fixed, key=lambda k: statistics.median(r["contiguous"] / r[k] for r in rows))
     return f"{statistics.median(r[best] / r['chosen'] for r in rows):.2f} ({best})"
 
@@ -494,26 +502,45 @@ def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
             chosen = mori_tp.staging_for(bench.config)
             auto = len(chunk_ranges(bench.num_buffers, bench.need // bench.num_buffers))
             picks: List[Any] = []
+
+            def chosen_run() -> float:
+                made = len(bench.choices)
+                seconds = bench.chosen()
+                picks.extend(bench.choices[made:])
+                return seconds
+
+            methods: List[Tuple[str, Callable[[], float]]] = [
+                ("contiguous", bench.contiguous),
+                ("sequential", lambda: bench.pipelined(chosen, 1)),
+                ("sequential BOTH", lambda: bench.pipelined(Staging.BOTH, 1)),
+                ("pipelined", lambda: bench.pipelined(chosen, None)),
+                ("pipelined BOTH", lambda: bench.pipelined(Staging.BOTH, None)),
+                ("chosen", chosen_run),
+                *((f"BOTH {c}", lambda c=c: bench.pipelined(Staging.BOTH, c))
+                  for c in args.chunks),
+            ]
+            order, shuffler = list(range(len(methods))), random.Random(1)
             try:
+                # Each fixed method once, untimed: the cost model learns the transport from
+                # these first requests, as it would from a deployment's.
+                for name, measure in methods:
+                    if name != "chosen":
+                        measure()
+
                 def one_round() -> Dict[str, float]:
-                    runs = args.staged_runs
                     bench.pipelined(chosen, None, verify=True)
                     bench.pipelined(Staging.BOTH, None, verify=True)
-                    row = {"contiguous": _best(runs, bench.contiguous)}
-                    row["sequential"] = _best(runs, lambda: bench.pipelined(chosen, 1))
-                    row["sequential BOTH"] = _best(runs, lambda: bench.pipelined(Staging.BOTH, 1))
-                    row["pipelined"] = _best(runs, lambda: bench.pipelined(chosen, None))
-                    row["pipelined BOTH"] = _best(runs,
-                                                  lambda: bench.pipelined(Staging.BOTH, None))
-                    # The cost model's choice: it learnt the transport from the runs above.
                     bench.chosen(verify=True)
-                    measured = len(bench.choices)
-                    row["chosen"] = _best(runs, bench.chosen)
-                    picks.extend(bench.choices[measured:])
-                    for chunks in args.chunks:
-                        row[f"BOTH {chunks}"] = _best(
-                            runs, lambda: bench.pipelined(Staging.BOTH, chunks))
-                    return row
+                    # Every method once in turn, --staged-runs times over (the fastest run
+                    # counts), in an order shuffled each round: no method keeps the place after
+                    # another, whose warm caches or idle cores it would inherit.
+                    shuffler.shuffle(order)
+                    best = {name: math.inf for name, _ in methods}
+                    for _ in range(args.staged_runs):
+                        for i in order:
+                            name, measure = methods[i]
+                            best[name] = min(best[name], measure())
+                    return best
 
                 rows = _rounds(args.rounds, args.budget, one_round)
             finally:
@@ -532,7 +559,8 @@ def staged_suite(args: argparse.Namespace, engine: str) -> List[str]:
                     f"{ms['pipelined']:.1f} ({ratio['pipelined']:.2f}) | "
                     f"{ms['pipelined BOTH']:.1f} ({ratio['pipelined BOTH']:.2f}) | "
                     f"{_choices(picks)}: {ms['chosen']:.1f} ({ratio['chosen']:.2f}) | "
-                    f"{_versus_best_fixed(rows)} | " +
+                    f"{_versus_best_fixed(rows)} | "
+                    f"{_versus_best_fixed(rows, ('pipelined', 'pipelined BOTH'))} | " +
                     ", ".join(f"{c}: {ratio[f'BOTH {c}']:.2f}" for c in args.chunks) +
                     f" | {len(rows)} |")
             print(line, file=sys.stderr, flush=True)
@@ -678,8 +706,8 @@ def main() -> int:
                    "the fraction of the engine's own limit)",
                    "| engine | layout | tokens | bytes | staging_for | auto chunks | contiguous "
                    "| sequential | sequential BOTH | pipelined | pipelined BOTH | chosen "
-                   "| chosen vs best fixed | BOTH, n chunks | rounds |\n"
-                   "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+                   "| chosen vs best fixed | chosen vs fixed modes | BOTH, n chunks | rounds |\n"
+                   "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
                    staged_suite),
         "streaming": ("Streamed by layer against whole after compute: ms from the end of the last "
                       "layer's compute until decode has the request",
