@@ -467,31 +467,9 @@ mod driver {
         (status, message, dst.read())
     }
 
-    /// One-token pages of [`config_2_to_4`] an [`uploaded_send`] moves, none next to another on
-    /// either side: a table too big for the kernel's argument.
-    const UPLOADED_PAGES: usize = 600;
+    use common::{UPLOADED_PAGES, uploaded_result};
 
-    /// Device buffers for an [`uploaded_send`]: sources of `source` bytes, destinations of 9s.
-    fn uploaded_buffers(source: u8) -> (DeviceBuffer, DeviceBuffer) {
-        let pages = 2 * UPLOADED_PAGES;
-        (
-            DeviceBuffer::from_host(&vec![source; pages * 64]),
-            DeviceBuffer::from_host(&vec![9u8; pages * 32]),
-        )
-    }
-
-    /// What the destination of an [`uploaded_send`] from `source` bytes into 9s holds.
-    fn uploaded_result(source: u8) -> Vec<u8> {
-        let mut want = vec![9u8; 2 * UPLOADED_PAGES * 32];
-        for p in 0..UPLOADED_PAGES {
-            let page = 2 * UPLOADED_PAGES - 1 - 2 * p;
-            want[page * 32..page * 32 + 32].fill(source);
-        }
-        want
-    }
-
-    /// Sends the even source pages into the odd destination pages, from the last down, between
-    /// `src` and `dst` of [`uploaded_buffers`]: the status and the message.
+    /// [`common::send_uploaded`] between `src` and `dst` of [`uploaded_buffers`].
     ///
     /// # Safety
     /// The buffers must stay until the copies are complete.
@@ -500,37 +478,17 @@ mod driver {
         dst: &DeviceBuffer,
         options: &MoriSendOptions,
     ) -> (MoriStatus, String) {
-        let config = crate::common::config_2_to_4();
+        // SAFETY: device buffers of the sizes send_uploaded needs; kept as the caller guarantees.
+        unsafe { common::send_uploaded(src.ptr().cast_const(), dst.ptr(), options) }
+    }
+
+    /// Device buffers for an [`uploaded_send`]: sources of `source` bytes, destinations of 9s.
+    fn uploaded_buffers(source: u8) -> (DeviceBuffer, DeviceBuffer) {
         let pages = 2 * UPLOADED_PAGES;
-        let src_pages: Vec<i32> = (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect();
-        let dst_pages: Vec<i32> = (0..UPLOADED_PAGES as i32)
-            .map(|p| pages as i32 - 1 - 2 * p)
-            .collect();
-        let (srcs, dsts) = ([src.ptr().cast_const()], [dst.ptr()]);
-        let buffers = MoriKvBuffers {
-            src: srcs.as_ptr(),
-            dst: dsts.as_ptr(),
-            num_buffers: 1,
-            src_capacity: (pages * 64) as u64,
-            dst_capacity: (pages * 32) as u64,
-        };
-        // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
-        let status = unsafe {
-            mori_send_kvcache(
-                &config,
-                &buffers,
-                src_pages.as_ptr(),
-                dst_pages.as_ptr(),
-                UPLOADED_PAGES,
-                options,
-            )
-        };
-        let message = if status == MORI_OK {
-            String::new()
-        } else {
-            crate::common::last_error()
-        };
-        (status, message)
+        (
+            DeviceBuffer::from_host(&vec![source; pages * 64]),
+            DeviceBuffer::from_host(&vec![9u8; pages * 32]),
+        )
     }
 
     /// `fake_cuda_stat` of each of `names`.

@@ -1222,62 +1222,20 @@ mod device {
         unsafe { hipStreamDestroy(stream) };
     }
 
-    /// [`UPLOADED_PAGES`] one-token pages of [`config_2_to_4`], none next to another on either
-    /// side: a table too big for the kernel's argument. Source pages are the even ones of
-    /// `2 * UPLOADED_PAGES`, destination pages the odd ones, from the last down.
-    const UPLOADED_PAGES: usize = 600;
+    use crate::common::{UPLOADED_PAGES, uploaded_result};
 
-    /// What the destination of an [`UPLOADED_PAGES`] send of source bytes `source` into bytes 9
-    /// holds: the second half (heads 6 and 7) of each source token in its destination page.
-    fn uploaded_result(source: u8) -> Vec<u8> {
-        let mut want = vec![9u8; 2 * UPLOADED_PAGES * 32];
-        for p in 0..UPLOADED_PAGES {
-            let page = 2 * UPLOADED_PAGES - 1 - 2 * p;
-            want[page * 32..page * 32 + 32].fill(source);
-        }
-        want
-    }
-
-    /// Sends [`UPLOADED_PAGES`] pages of one buffer pair with `options`.
+    /// [`crate::common::send_uploaded`] between two device buffers of `2 * UPLOADED_PAGES`
+    /// pages (64 and 32 bytes).
     ///
     /// # Safety
-    /// `src` and `dst` must be device buffers of `2 * UPLOADED_PAGES` pages (64 and 32 bytes).
+    /// The buffers must stay until the copies are complete.
     unsafe fn send_uploaded(
         src: &DeviceBuffer,
         dst: &DeviceBuffer,
         options: &MoriSendOptions,
     ) -> (MoriStatus, String) {
-        let config = crate::common::config_2_to_4();
-        let pages = 2 * UPLOADED_PAGES;
-        let src_pages: Vec<i32> = (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect();
-        let dst_pages: Vec<i32> = (0..UPLOADED_PAGES as i32)
-            .map(|p| pages as i32 - 1 - 2 * p)
-            .collect();
-        let (srcs, dsts) = ([src.pointer.cast_const()], [dst.pointer]);
-        let buffers = MoriKvBuffers {
-            src: srcs.as_ptr(),
-            dst: dsts.as_ptr(),
-            num_buffers: 1,
-            src_capacity: (pages * 64) as u64,
-            dst_capacity: (pages * 32) as u64,
-        };
-        // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
-        let status = unsafe {
-            mori_send_kvcache(
-                &config,
-                &buffers,
-                src_pages.as_ptr(),
-                dst_pages.as_ptr(),
-                UPLOADED_PAGES,
-                options,
-            )
-        };
-        let message = if status == MORI_OK {
-            String::new()
-        } else {
-            crate::common::last_error()
-        };
-        (status, message)
+        // SAFETY: as the caller guarantees.
+        unsafe { crate::common::send_uploaded(src.pointer.cast_const(), dst.pointer, options) }
     }
 
     /// A table too big for the kernel's argument is uploaded before the launch; on a capturing

@@ -669,3 +669,62 @@ pub fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
     let (status, message) = unsafe { send_pages_0_1_3(&srcs, &dsts, options) };
     (status, message, dst.iter().flatten().all(|&b| b == 9))
 }
+
+/// One-token pages of [`config_2_to_4`] that [`send_uploaded`] moves, none next to another on
+/// either side: a rect table too big for the kernel's argument, so a GPU backend uploads it.
+pub const UPLOADED_PAGES: usize = 600;
+
+/// What the destination of a [`send_uploaded`] from source bytes `source` into bytes 9 holds: the
+/// second half (heads 6 and 7) of each source token in its destination page.
+pub fn uploaded_result(source: u8) -> Vec<u8> {
+    let mut want = vec![9u8; 2 * UPLOADED_PAGES * 32];
+    for p in 0..UPLOADED_PAGES {
+        let page = 2 * UPLOADED_PAGES - 1 - 2 * p;
+        want[page * 32..page * 32 + 32].fill(source);
+    }
+    want
+}
+
+/// Sends the even source pages of `2 * UPLOADED_PAGES` into the odd destination pages, from the
+/// last down, one buffer pair with `options`: the status and the message (if it failed).
+///
+/// # Safety
+/// `src` and `dst` must hold `2 * UPLOADED_PAGES` pages (64 and 32 bytes each) where the backend
+/// of `options` reaches them, until the copies are complete.
+pub unsafe fn send_uploaded(
+    src: *const std::ffi::c_void,
+    dst: *mut std::ffi::c_void,
+    options: &MoriSendOptions,
+) -> (MoriStatus, String) {
+    let config = config_2_to_4();
+    let pages = 2 * UPLOADED_PAGES;
+    let src_pages: Vec<i32> = (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect();
+    let dst_pages: Vec<i32> = (0..UPLOADED_PAGES as i32)
+        .map(|p| pages as i32 - 1 - 2 * p)
+        .collect();
+    let (srcs, dsts) = ([src], [dst]);
+    let buffers = MoriKvBuffers {
+        src: srcs.as_ptr(),
+        dst: dsts.as_ptr(),
+        num_buffers: 1,
+        src_capacity: (pages * 64) as u64,
+        dst_capacity: (pages * 32) as u64,
+    };
+    // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
+    let status = unsafe {
+        mori_send_kvcache(
+            &config,
+            &buffers,
+            src_pages.as_ptr(),
+            dst_pages.as_ptr(),
+            UPLOADED_PAGES,
+            options,
+        )
+    };
+    let message = if status == MORI_OK {
+        String::new()
+    } else {
+        last_error()
+    };
+    (status, message)
+}
