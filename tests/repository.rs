@@ -158,7 +158,11 @@ fn tracked_files(root: &Path) -> Vec<PathBuf> {
                     walk(root, &path, out);
                 }
             } else {
-                out.push(path.strip_prefix(root).expect("under the root").to_path_buf());
+                out.push(
+                    path.strip_prefix(root)
+                        .expect("under the root")
+                        .to_path_buf(),
+                );
             }
         }
     }
@@ -328,11 +332,17 @@ fn every_path_a_cargo_manifest_names_exists_and_each_package_lists_what_it_ships
     let mut problems = Vec::new();
     for manifest in MANIFESTS {
         let text = std::fs::read_to_string(root.join(manifest)).expect("a manifest");
-        let dir = root.join(manifest).parent().expect("a folder").to_path_buf();
+        let dir = root
+            .join(manifest)
+            .parent()
+            .expect("a folder")
+            .to_path_buf();
         let paths = manifest_paths(&text);
         for (key, path) in &paths {
             if !include_matches(&dir, path) {
-                problems.push(format!("{manifest}: {key} names {path}, which does not exist"));
+                problems.push(format!(
+                    "{manifest}: {key} names {path}, which does not exist"
+                ));
             }
         }
         let publishable = !text.contains("publish = false");
@@ -365,7 +375,14 @@ fn the_library_crate_ships_what_its_build_reads_and_nothing_of_the_checkouts_too
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let list = |package: &str| -> Vec<String> {
         let output = std::process::Command::new(&cargo)
-            .args(["package", "--list", "--allow-dirty", "--offline", "-p", package])
+            .args([
+                "package",
+                "--list",
+                "--allow-dirty",
+                "--offline",
+                "-p",
+                package,
+            ])
             .current_dir(root)
             .output()
             .expect("run cargo package --list");
