@@ -368,6 +368,22 @@ fn pkg_config_links_the_installed_libraries_static_and_shared() {
     assert_eq!(pkg_config(&["--modversion", "mori_tp"]), VERSION);
     assert_eq!(pkg_config(&["--modversion", "mori_tp-static"]), VERSION);
     let libdir = PathBuf::from(pkg_config(&["--variable=libdir", "mori_tp"]));
+    // The paths pkg-config prints are clean: each folder once, no empty component ("//").
+    for package in ["mori_tp", "mori_tp-static"] {
+        for query in [
+            "--variable=prefix",
+            "--variable=libdir",
+            "--variable=includedir",
+            "--cflags",
+            "--libs",
+        ] {
+            let printed = pkg_config(&[query, package]);
+            assert!(
+                !printed.contains("//"),
+                "{package} {query} prints an empty path component: {printed}"
+            );
+        }
+    }
     assert_eq!(
         libdir.canonicalize().unwrap(),
         prefix.join("lib").canonicalize().unwrap(),
