@@ -192,7 +192,8 @@ fn defined(code: &str) -> std::collections::BTreeSet<String> {
 /// hip/cuda/hip/hip_runtime.h, which maps each HIP name they use to the CUDA runtime's. Every HIP
 /// identifier in the code (comments and strings left out) of those programs, of the headers they
 /// share and of the kernel is one that header defines, or one the programs define themselves
-/// (nvcc itself is too heavy for CI; the build was compile-checked with nvcc 11.8, README).
+/// (nvcc itself is too heavy for CI; the build was compile-checked with nvcc 11.8:
+/// docs/src/guides/build-nvidia.md#the-device-check).
 #[test]
 fn the_cuda_name_header_covers_every_hip_name_the_nvcc_programs_use() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
