@@ -174,6 +174,20 @@ fn every_runnable_snippet_of_the_documents_runs_and_prints_what_is_shown() {
             "README.md must show a `{language} runnable` example"
         );
     }
+    // A code block a reader might copy either runs here or says it is a sketch.
+    for (document, text) in common::user_documents() {
+        for block in common::fenced_blocks(&document, &text) {
+            if ["c", "cpp", "python", "rust"].contains(&block.language.as_str()) {
+                assert!(
+                    block.has("runnable") || block.has("sketch"),
+                    "{document}:{}: a `{}` block must be `runnable` (a test runs it) or say it \
+                     is a `sketch`",
+                    block.line,
+                    block.language
+                );
+            }
+        }
+    }
     if Command::new("python3").arg("--version").output().is_err() {
         skip_missing(
             "every_runnable_snippet_of_the_documents_runs_and_prints_what_is_shown",
