@@ -76,8 +76,9 @@ void on_device(int device, const F &f) {
 // Whether the HIP runtime this program runs on has hipStreamGetDevice (HIP 5.6 and later; HIP 5.2
 // lacks it), looked up as libmori_tp looks it up: in the library that hipGetDevice comes from
 // (libamdhip64, or a stand-in preloaded in its place). Without it, the library takes a copy-kernel
-// call's stream to be the current device's and refuses a stream of another device (README, "The
-// HIP backend"), so the programs make the stream's device current for such calls.
+// call's stream to be the current device's and refuses a stream of another device
+// (docs/src/concepts/hip-backend.md), so the programs make the stream's device current for such
+// calls.
 inline bool runtime_has_stream_get_device() {
 #ifdef MORI_TP_DEVICE_BACKEND_CUDA
     return true;  // the CUDA backend asks the driver for the stream's context (cuStreamGetCtx)

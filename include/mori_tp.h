@@ -21,7 +21,7 @@
  * library uses (Linux: -lpthread -ldl -lm -lrt -lutil; the compiler driver adds the unwinder,
  * libgcc_s, or libgcc_eh with -static). A shared object that links libmori_tp.a should also
  * pass -Wl,--exclude-libs,libmori_tp.a, so that it does not export the library's symbols;
- * CMake's mori_tp::static and pkg-config's mori_tp-static do both (see the README). C++17:
+ * CMake's mori_tp::static and pkg-config's mori_tp-static do both (docs/src/guides/link-c.md). C++17:
  * mori_tp.hpp wraps this header (RAII pools and slots, exceptions or error codes, spans).
  */
 
@@ -1035,7 +1035,8 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  * device and graph-capture mode are left as they were (the library makes the stream's device
  * current only while it loads the kernel or allocates for it there, and runs its own runtime
  * calls in the relaxed capture mode). D2D copies are fastest when width, pitches and offsets
- * are multiples of 16 bytes (see the README for real models). AUTO is HIP when the library is
+ * are multiples of 16 bytes (docs/src/concepts/alignment.md for real
+ * models). AUTO is HIP when the library is
  * built with it and a device is present (the device count is read once per process), else
  * HOST.
  *

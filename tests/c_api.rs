@@ -1,6 +1,6 @@
 //! The header and the libraries from C and C++: the header compiles alone as C89, C99 and C++17
 //! with every warning an error; tests/c/abi_test.c and abi_test.cpp link the static and the
-//! shared library with the README's flags, also under AddressSanitizer; tests/c/cpp_api_test.cpp
+//! shared library with the flags docs/src/guides/link-c.md shows, also under AddressSanitizer; tests/c/cpp_api_test.cpp
 //! (include/mori_tp.hpp) from C++17 and C++20, static, shared and fully static, without
 //! exceptions, under AddressSanitizer with UndefinedBehaviorSanitizer and under
 //! ThreadSanitizer; a pool's free space poisoned for AddressSanitizer; a shared object that links
@@ -21,7 +21,7 @@ use common::{EXCLUDE_LIBS, STATIC_LIBS, hip_link, root, run, scratch};
 
 use mori_tp::ffi::MORI_TP_ABI_VERSION;
 
-/// How the README links the shared library.
+/// How docs/src/guides/link-c.md links the shared library.
 const SHARED_LINK: &str = "-lmori_tp -Wl,-rpath,";
 const STRICT: &[&str] = &["-Wall", "-Wextra", "-Werror", "-pedantic"];
 
@@ -407,20 +407,23 @@ fn a_shared_object_that_links_the_archive_exports_none_of_its_symbols() {
     run_program(&host, "plugin_host: the plugin works");
 }
 
+/// The page that shows how to link from C and C++.
+const LINK_C: &str = "docs/src/guides/link-c.md";
+
 #[test]
-fn the_readme_shows_the_linking_that_these_tests_run() {
-    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+fn the_linking_page_shows_the_linking_that_these_tests_run() {
+    let page = std::fs::read_to_string(root().join(LINK_C)).expect(LINK_C);
     assert!(
-        readme.contains(STATIC_LIBS),
-        "README must list the static link flags {STATIC_LIBS:?}"
+        page.contains(STATIC_LIBS),
+        "{LINK_C} must list the static link flags {STATIC_LIBS:?}"
     );
     assert!(
-        readme.contains(SHARED_LINK),
-        "README must show the shared link {SHARED_LINK:?}"
+        page.contains(SHARED_LINK),
+        "{LINK_C} must show the shared link {SHARED_LINK:?}"
     );
     assert!(
-        readme.contains(EXCLUDE_LIBS),
-        "README must show {EXCLUDE_LIBS:?} for shared objects"
+        page.contains(EXCLUDE_LIBS),
+        "{LINK_C} must show {EXCLUDE_LIBS:?} for shared objects"
     );
 }
 

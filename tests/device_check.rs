@@ -192,7 +192,8 @@ fn defined(code: &str) -> std::collections::BTreeSet<String> {
 /// hip/cuda/hip/hip_runtime.h, which maps each HIP name they use to the CUDA runtime's. Every HIP
 /// identifier in the code (comments and strings left out) of those programs, of the headers they
 /// share and of the kernel is one that header defines, or one the programs define themselves
-/// (nvcc itself is too heavy for CI; the build was compile-checked with nvcc 11.8, README).
+/// (nvcc itself is too heavy for CI; the build was compile-checked with nvcc 11.8:
+/// docs/src/guides/build-nvidia.md#the-device-check).
 #[test]
 fn the_cuda_name_header_covers_every_hip_name_the_nvcc_programs_use() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -227,4 +228,32 @@ fn the_cuda_name_header_covers_every_hip_name_the_nvcc_programs_use() {
     // The scan sees the names: the programs use dozens of them.
     let used: usize = codes.iter().map(|(_, code)| hip_names(code).len()).sum();
     assert!(used > 30, "{used} HIP names found");
+}
+
+/// What docs/src/guides/build-nvidia.md#the-device-check says of the dry run holds: it needs no
+/// GPU, nvcc or sanitizer, but a library built with `--features cuda` (a dry run over a library
+/// without the CUDA backend fails, as the test above shows; it once said "anywhere").
+#[test]
+fn the_device_check_page_says_what_the_dry_run_needs() {
+    let page = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/src/guides/build-nvidia.md"),
+    )
+    .expect("the NVIDIA page");
+    let flat = page.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains(
+            "The dry run needs no GPU, `nvcc` or sanitizer, but it does need the library built \
+             with `--features cuda`"
+        ),
+        "{flat}"
+    );
+    assert!(!flat.contains("# anywhere"), "{flat}");
+    if !cfg!(feature = "cuda") {
+        let (status, text, _) = dry_run("needs-cuda", &[]);
+        assert_eq!(status, 1, "{text}");
+        assert!(
+            text.contains("built without --features cuda"),
+            "the refusal names the feature the page names: {text}"
+        );
+    }
 }

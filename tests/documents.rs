@@ -1,7 +1,12 @@
 //! The documents tell the truth about what can be checked without a measurement: measured
 //! figures are BENCHMARKS.md's (which `benches/regenerate` writes), the module order of
-//! REFERENCE.md section 10 and README.md is the import order of `src/`, and README.md names the
-//! static library's dependencies as `cargo tree` lists them.
+//! REFERENCE.md section 10 and of docs/src/design/source-layout.md is the import order of
+//! `src/`, and docs/src/guides/link-c.md names the static library's dependencies as `cargo tree`
+//! lists them. And the docs/ book holds together: SUMMARY.md links every page and every page it
+//! links exists, each page asks one question in its title, every link between documents (and
+//! every `docs/src/<page>.md#<anchor>` the sources cite) lands on a page and a heading that exist,
+//! the test map names every test file, README.md stays a short page, and no user document talks
+//! about how the project itself is run.
 
 mod common;
 
@@ -20,8 +25,21 @@ fn read(path: &str) -> String {
 // ---------------------------------------------------------------------------------------------
 // Measured figures
 
-/// The user documents whose measured figures must come from BENCHMARKS.md.
+/// The user documents whose measured figures must come from BENCHMARKS.md: these, and every
+/// page of the docs/ book.
 const DOCUMENTS: [&str; 3] = ["README.md", "REFERENCE.md", "python/README.md"];
+
+/// DOCUMENTS and the book's pages, as (path, text).
+fn all_documents() -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> =
+        DOCUMENTS.iter().map(|d| (d.to_string(), read(d))).collect();
+    out.extend(
+        common::user_documents()
+            .into_iter()
+            .filter(|(path, _)| path != "README.md"),
+    );
+    out
+}
 
 /// Figures that are not measurements, each with the reason: (document, text around the figure,
 /// why). Each entry must still match, so that the list cannot outlive its text.
@@ -250,8 +268,8 @@ fn has_date(text: &str) -> bool {
 fn measured_figures_in_the_documents_sit_next_to_a_benchmarks_md_reference() {
     let mut problems = Vec::new();
     let mut used = vec![false; NOT_MEASURED.len()];
-    for document in DOCUMENTS {
-        let text = read(document);
+    for (document, text) in all_documents() {
+        let document = document.as_str();
         for figure in document_figures(&text) {
             if figure.block.contains("BENCHMARKS.md") && has_date(&figure.block) {
                 continue;
@@ -519,12 +537,14 @@ fn reference_order() -> Vec<String> {
         .collect()
 }
 
-/// README.md's list of `src/`, in order: the `x.rs` and `x/` of its paragraph.
+/// The page on the source's list of `src/`, in order: the `x.rs` and `x/` of its paragraph.
+const SOURCE_LAYOUT: &str = "docs/src/design/source-layout.md";
+
 fn readme_order() -> Vec<String> {
-    let readme = read("README.md");
+    let readme = read(SOURCE_LAYOUT);
     let start = readme
         .find("`src/` reads top-down")
-        .expect("README.md's paragraph on src/");
+        .expect("the source-layout page's paragraph on src/");
     let paragraph = &readme[start..];
     let paragraph = &paragraph[..paragraph.find("\n\n").unwrap_or(paragraph.len())];
     paragraph
@@ -570,7 +590,7 @@ fn reference_and_readme_list_the_modules_in_an_order_the_imports_respect() {
     assert_eq!(
         readme_order(),
         order,
-        "README.md's list of src/ must follow REFERENCE.md section 10"
+        "{SOURCE_LAYOUT}'s list of src/ must follow REFERENCE.md section 10"
     );
 }
 
@@ -606,8 +626,11 @@ fn the_import_graph_sees_groups_reexports_and_skips_tests() {
 // ---------------------------------------------------------------------------------------------
 // The static library's dependencies
 
+/// The page on linking from C and C++.
+const LINK_C: &str = "docs/src/guides/link-c.md";
+
 #[test]
-fn the_readme_names_the_static_librarys_dependencies_as_cargo_tree_lists_them() {
+fn the_linking_page_names_the_static_librarys_dependencies_as_cargo_tree_lists_them() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let tree = |features: &[&str]| -> BTreeSet<String> {
         let output = Command::new(&cargo)
@@ -639,10 +662,10 @@ fn the_readme_names_the_static_librarys_dependencies_as_cargo_tree_lists_them() 
             .map(str::to_string)
             .collect()
     };
-    let readme = read("README.md");
+    let readme = read(LINK_C);
     let start = readme
         .find("The static library contains only mori-tp")
-        .expect("README.md's sentence on the static library");
+        .expect("the linking page's sentence on the static library");
     let paragraph = &readme[start..];
     let paragraph = &paragraph[..paragraph.find("\n\n").unwrap_or(paragraph.len())];
     let named: BTreeSet<String> = paragraph
@@ -661,7 +684,7 @@ fn the_readme_names_the_static_librarys_dependencies_as_cargo_tree_lists_them() 
     for name in default.iter().chain(&with_hip).chain(&with_cuda) {
         assert!(
             named.contains(name),
-            "cargo tree lists {name}, which README.md's sentence on the static library does not \
+            "cargo tree lists {name}, which {LINK_C}'s sentence on the static library does not \
              name: {paragraph}"
         );
     }
@@ -670,7 +693,7 @@ fn the_readme_names_the_static_librarys_dependencies_as_cargo_tree_lists_them() 
             with_hip.contains(name)
                 || with_cuda.contains(name)
                 || ["c-logging", "hip", "cuda"].contains(&name.as_str()),
-            "README.md names {name} as a dependency of the static library; cargo tree does not"
+            "{LINK_C} names {name} as a dependency of the static library; cargo tree does not"
         );
     }
 }
@@ -701,5 +724,497 @@ fn benchmarks_md_holds_tables_that_benches_regenerate_wrote() {
         "benches/regenerate --check:\n{}{}",
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The docs/ book
+
+/// The anchor a heading gets (GitHub's and mdBook's rule): lower case, spaces as hyphens, every
+/// other character but letters, digits, `-` and `_` dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The anchors of a Markdown document: one per heading outside fenced blocks.
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && line.starts_with('#') {
+            out.insert(anchor(line.trim_start_matches('#')));
+        }
+    }
+    out
+}
+
+/// The relative Markdown links of a document, outside fenced blocks and code spans: the targets
+/// of `[text](target)` that are not URLs.
+fn relative_links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        // Code spans hold code, not links.
+        let prose: String = line
+            .split('`')
+            .enumerate()
+            .filter(|(k, _)| k % 2 == 0)
+            .map(|(_, part)| part)
+            .collect::<Vec<_>>()
+            .join(" ");
+        for (at, _) in prose.match_indices("](") {
+            let rest = &prose[at + 2..];
+            let Some(end) = rest.find(')') else { continue };
+            let target = &rest[..end];
+            if !target.contains("://") && !target.starts_with("mailto:") {
+                out.push(target.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Where a link `target` of the document at `from` lands: (file relative to the root, anchor).
+fn resolve(from: &str, target: &str) -> (String, Option<String>) {
+    let (path, fragment) = match target.split_once('#') {
+        Some((path, fragment)) => (path, Some(fragment.to_string())),
+        None => (target, None),
+    };
+    if path.is_empty() {
+        return (from.to_string(), fragment);
+    }
+    let mut parts: Vec<&str> = from.split('/').collect();
+    parts.pop();
+    for part in path.split('/') {
+        match part {
+            "." => {}
+            ".." => {
+                parts.pop();
+            }
+            part => parts.push(part),
+        }
+    }
+    (parts.join("/"), fragment)
+}
+
+/// SUMMARY.md's links, in order.
+fn summary_pages() -> Vec<String> {
+    relative_links(&read("docs/src/SUMMARY.md"))
+        .into_iter()
+        .map(|target| resolve("docs/src/SUMMARY.md", &target).0)
+        .collect()
+}
+
+/// The book is an mdBook: docs/book.toml, docs/src/SUMMARY.md linking every page once, and
+/// every page it links exists. Each page's title (its one `# ` heading) is the question it
+/// answers, so it ends with a question mark.
+#[test]
+fn the_books_summary_links_every_page_once_and_every_page_asks_one_question() {
+    let book = read("docs/book.toml");
+    assert!(
+        book.contains("[book]") && book.contains("src = \"src\""),
+        "docs/book.toml must be an mdBook's: {book}"
+    );
+    let linked = summary_pages();
+    let mut problems = Vec::new();
+    let mut seen = BTreeSet::new();
+    for page in &linked {
+        if !seen.insert(page.clone()) {
+            problems.push(format!("SUMMARY.md links {page} twice"));
+        }
+        if !root().join(page).is_file() {
+            problems.push(format!("SUMMARY.md links {page}, which does not exist"));
+        }
+    }
+    for (page, text) in common::user_documents() {
+        if page == "README.md" || page == "docs/src/SUMMARY.md" {
+            continue;
+        }
+        if !seen.contains(&page) {
+            problems.push(format!(
+                "{page} is a page of the book that SUMMARY.md does not link"
+            ));
+        }
+        let mut fenced = false;
+        let titles: Vec<&str> = text
+            .lines()
+            .filter(|l| {
+                fenced ^= l.starts_with("```");
+                !fenced && l.starts_with("# ")
+            })
+            .collect();
+        match titles.as_slice() {
+            [title] if title.trim_end().ends_with('?') => {}
+            _ => problems.push(format!(
+                "{page} must have one title, the question it answers: {titles:?}"
+            )),
+        }
+    }
+    assert!(
+        linked.len() >= 20,
+        "SUMMARY.md links only {} pages",
+        linked.len()
+    );
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Every relative link of README.md, the book, python/README.md and REFERENCE.md lands on a file
+/// that exists and, with an anchor, on a heading of that file.
+#[test]
+fn every_link_between_the_documents_lands_on_a_page_and_a_heading() {
+    let mut documents = common::user_documents();
+    for extra in ["python/README.md", "REFERENCE.md", "BENCHMARKS.md"] {
+        documents.push((extra.to_string(), read(extra)));
+    }
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for (document, text) in &documents {
+        for target in relative_links(text) {
+            let (file, fragment) = resolve(document, &target);
+            checked += 1;
+            let path = root().join(&file);
+            if !path.exists() {
+                problems.push(format!("{document} links {target}: {file} does not exist"));
+                continue;
+            }
+            if let Some(fragment) = fragment {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                if !anchors(&text).contains(&fragment) {
+                    problems.push(format!(
+                        "{document} links {target}: {file} has no heading #{fragment}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(checked > 30, "only {checked} links found");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert_eq!(anchor("The device check"), "the-device-check");
+    assert_eq!(anchor(" C++: mori_tp.hpp"), "c-mori_tphpp");
+    assert_eq!(
+        resolve("docs/src/guides/cli.md", "../design/test-map.md#beside"),
+        ("docs/src/design/test-map.md".into(), Some("beside".into()))
+    );
+    assert_eq!(
+        relative_links("see [a](x.md#y), `[b](no.md)` and [c](https://e.org)"),
+        ["x.md#y"]
+    );
+}
+
+/// Text files of the checkout that code lives in (sources, build files, scripts, tests).
+fn source_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read a checkout directory") {
+        let path = entry.expect("a directory entry").path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if path.is_dir() {
+            if !matches!(name, "target" | ".git" | "build" | "__pycache__")
+                && !name.starts_with('.')
+                || name == ".ci"
+            {
+                source_files(&path, out);
+            }
+        } else if [
+            "rs", "md", "py", "h", "hpp", "c", "cpp", "hip", "toml", "txt", "sh", "in",
+        ]
+        .iter()
+        .any(|ext| name.ends_with(&format!(".{ext}")))
+            || name == "run"
+        {
+            out.push(path);
+        }
+    }
+}
+
+/// Where code cites a page of the book, it names it by path and anchor
+/// (`docs/src/guides/build-nvidia.md#the-device-check`), and both exist; no source cites a
+/// section of README.md by its title any more (README.md is a short page whose sections moved
+/// into the book).
+#[test]
+fn every_page_the_sources_cite_exists_with_its_heading() {
+    let mut files = Vec::new();
+    source_files(&root(), &mut files);
+    let mut problems = Vec::new();
+    let mut cited = 0;
+    for file in &files {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        let shown = file
+            .strip_prefix(root())
+            .unwrap_or(file)
+            .display()
+            .to_string();
+        for (at, _) in text.match_indices("docs/src/") {
+            let rest = &text[at..];
+            let end = rest
+                .find(|c: char| !(c.is_alphanumeric() || "/._-#".contains(c)))
+                .unwrap_or(rest.len());
+            let citation = rest[..end].trim_end_matches('.');
+            let (page, fragment) = match citation.split_once('#') {
+                Some((page, fragment)) => (page, Some(fragment)),
+                None => (citation, None),
+            };
+            if !page.ends_with(".md") {
+                continue; // the folder itself (docs/src/)
+            }
+            cited += 1;
+            let Ok(target) = std::fs::read_to_string(root().join(page)) else {
+                problems.push(format!("{shown} cites {citation}: {page} does not exist"));
+                continue;
+            };
+            if let Some(fragment) = fragment
+                && !anchors(&target).contains(fragment)
+            {
+                problems.push(format!(
+                    "{shown} cites {citation}: {page} has no such heading"
+                ));
+            }
+        }
+        // Spelled in halves, so that this list does not match itself.
+        for stale in [
+            concat!("README", ", \""),
+            concat!("README", ".md (\""),
+            concat!("README", ".md, \""),
+            concat!("of ", "README.md)"),
+            concat!("see the ", "README)"),
+            concat!("see the ", "README for"),
+        ] {
+            // python/README.md and cli/configs/README.md keep their sections.
+            let cited = text.match_indices(stale).any(|(at, _)| {
+                !text[..at].ends_with("python/") && !text[..at].ends_with("configs/")
+            });
+            if cited {
+                problems.push(format!(
+                    "{shown} cites a section of README.md ({stale:?}): cite the book's page by \
+                     path and anchor"
+                ));
+            }
+        }
+    }
+    assert!(cited >= 5, "only {cited} citations of the book found");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Words about how the project itself is run (its issue tracker, its sessions, its development
+/// machine) have no place in a user document: a benchmark names the machine it ran on, not the
+/// process that ran it. Each pattern, case-insensitive.
+const PROCESS_WORDS: &[&str] = &[
+    "issue 1",
+    "issue 2",
+    "issue 3",
+    "issue 4",
+    "issue 5",
+    "issue 6",
+    "issue 7",
+    "issue 8",
+    "issue 9",
+    "issues 1",
+    "issues 2",
+    "issues 3",
+    "issues 4",
+    "issues 5",
+    "issues 6",
+    "issues 7",
+    "issues 8",
+    "issues 9",
+    "issue #",
+    "no session",
+    "a session",
+    "the session",
+    "session of",
+    "development vm",
+    "development machine",
+    "the helper",
+    "a helper",
+];
+
+#[test]
+fn no_user_document_talks_about_how_the_project_is_run() {
+    let mut documents = common::user_documents();
+    for extra in ["python/README.md", "BENCHMARKS.md", "cli/configs/README.md"] {
+        documents.push((extra.to_string(), read(extra)));
+    }
+    let mut problems = Vec::new();
+    for (document, text) in &documents {
+        let flat = text
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+            .to_lowercase();
+        for word in PROCESS_WORDS {
+            if let Some(at) = flat.find(word) {
+                let from = flat[..at]
+                    .char_indices()
+                    .rev()
+                    .nth(40)
+                    .map_or(0, |(i, _)| i);
+                let context: String = flat[from..].chars().take(100).collect();
+                problems.push(format!("{document}: {word:?} in \"...{context}...\""));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// docs/src/design/test-map.md names every test file (tests/*.rs, the programs and stand-ins the
+/// tests build, cli/tests/*.rs, python/tests/*.py), and every file it names exists.
+#[test]
+fn the_test_map_names_every_test_file_and_only_files_that_exist() {
+    let map = read("docs/src/design/test-map.md");
+    let named: BTreeSet<String> = map
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|code| {
+            ["tests/", "cli/tests/", "python/tests/"]
+                .iter()
+                .any(|dir| code.starts_with(dir))
+                && code.contains('.')
+                && !code.contains(' ')
+        })
+        .map(str::to_string)
+        .collect();
+    let mut problems = Vec::new();
+    for file in &named {
+        if !root().join(file).is_file() {
+            problems.push(format!("the test map names {file}, which does not exist"));
+        }
+    }
+    for dir in [
+        "tests",
+        "tests/c",
+        "tests/kernel",
+        "tests/fake_hip",
+        "tests/fake_cuda",
+        "cli/tests",
+        "python/tests",
+    ] {
+        for entry in std::fs::read_dir(root().join(dir)).expect("a test folder") {
+            let path = entry.expect("an entry").path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if path.is_file() && !name.ends_with(".pyc") && name != "__init__.py" {
+                let file = format!("{dir}/{name}");
+                if !named.contains(&file) {
+                    problems.push(format!("the test map does not name {file}"));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// README.md stays a short page (about 150 lines): what it is, the two commands, install, one
+/// example per language, links. The two commands are there, and what `cargo run --release`
+/// runs is the CLI's default: the `mori-tp` binary (the root package has none) simulating the
+/// deployment the README names.
+#[test]
+fn the_readme_is_a_short_page_with_the_two_commands() {
+    let readme = read("README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 180,
+        "README.md has {lines} lines: about 150 is the aim; move the rest into the book"
+    );
+    for needed in [
+        "cargo run --release",
+        "cargo test",
+        "package registries",
+        "docs/src/SUMMARY.md",
+    ] {
+        assert!(readme.contains(needed), "README.md must say {needed:?}");
+    }
+    let main = read("cli/src/main.rs");
+    for word in [
+        "\"qwen2.5-7b\"",
+        "\"--prefill-tp\",\n    \"2\"",
+        "\"--decode-tp\",\n    \"8\"",
+    ] {
+        assert!(
+            main.contains(word),
+            "the CLI's default deployment changed ({word}): update README.md's `cargo run` line"
+        );
+    }
+    assert!(
+        readme.contains("Qwen2.5-7B from prefill TP 2 to decode TP 8"),
+        "README.md must name the deployment `cargo run --release` simulates"
+    );
+    // The root package has no binary, so `cargo run` runs the only one of the default members.
+    let root_manifest = read("Cargo.toml");
+    assert!(!root_manifest.contains("[[bin]]") && !root().join("src/main.rs").exists());
+    assert!(read("cli/Cargo.toml").contains("name = \"mori-tp\""));
+}
+
+// ---------------------------------------------------------------------------------------------
+// BENCHMARKS.md's account of a full run
+
+/// BENCHMARKS.md says how long a full `benches/regenerate` run took, from the headers of the
+/// run of one commit: from the first header's start to the last one's start plus its minutes.
+#[test]
+fn the_full_run_time_benchmarks_md_states_is_what_its_headers_give() {
+    let text = read("BENCHMARKS.md");
+    let sentence_at = text
+        .find("A full run of commit ")
+        .expect("BENCHMARKS.md's sentence on a full run");
+    let sentence = &text[sentence_at..];
+    let words: Vec<&str> = sentence.split_whitespace().take(12).collect();
+    // "A full run of commit <c> took <N> minutes ..."
+    let commit = words[5];
+    let claimed: f64 = words[7].parse().expect("a number of minutes");
+    assert_eq!(words[8].trim_end_matches(','), "minutes", "{words:?}");
+    let minute_of = |stamp: &str| -> f64 {
+        let (h, m) = stamp.split_once(':').expect("HH:MM");
+        h.parse::<f64>().unwrap() * 60.0 + m.parse::<f64>().unwrap()
+    };
+    let mut spans = Vec::new();
+    for line in text.lines().filter(|l| l.starts_with("Measured ")) {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        // "Measured DATE HH:MM UTC on commit C; ... Command (`benches/regenerate NAME`, M min)"
+        if parts.get(6).map(|p| p.trim_end_matches(';')) != Some(commit) {
+            continue;
+        }
+        let Some(command) = line.find("Command (`") else {
+            continue;
+        };
+        let Some(at) = line[command..].find("`, ").map(|k| command + k) else {
+            continue;
+        };
+        let minutes: f64 = line[at + 3..]
+            .split_whitespace()
+            .next()
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0.0);
+        let start = minute_of(parts[2]);
+        spans.push((start, start + minutes));
+    }
+    assert!(
+        spans.len() >= 10,
+        "BENCHMARKS.md's claim names commit {commit}, whose run left {} headers: re-measure the \
+         full run and say so",
+        spans.len()
+    );
+    let first = spans.iter().map(|s| s.0).fold(f64::MAX, f64::min);
+    let last = spans.iter().map(|s| s.1).fold(0.0, f64::max);
+    let took = last - first;
+    assert!(
+        (took - claimed).abs() <= 1.0,
+        "the headers of commit {commit} span {took:.1} minutes; BENCHMARKS.md says {claimed}"
     );
 }

@@ -74,7 +74,7 @@ fn installed_prefix() -> Option<&'static Path> {
             std::fs::remove_dir_all(dir).expect("clear the previous install");
         }
         let hip = if cfg!(feature = "hip") { "ON" } else { "OFF" };
-        // The README's three commands, with a scratch prefix.
+        // The three commands of docs/src/guides/link-c.md, with a scratch prefix.
         run(Command::new("cmake")
             .arg("-S")
             .arg(root())
@@ -368,6 +368,22 @@ fn pkg_config_links_the_installed_libraries_static_and_shared() {
     assert_eq!(pkg_config(&["--modversion", "mori_tp"]), VERSION);
     assert_eq!(pkg_config(&["--modversion", "mori_tp-static"]), VERSION);
     let libdir = PathBuf::from(pkg_config(&["--variable=libdir", "mori_tp"]));
+    // The paths pkg-config prints are clean: each folder once, no empty component ("//").
+    for package in ["mori_tp", "mori_tp-static"] {
+        for query in [
+            "--variable=prefix",
+            "--variable=libdir",
+            "--variable=includedir",
+            "--cflags",
+            "--libs",
+        ] {
+            let printed = pkg_config(&[query, package]);
+            assert!(
+                !printed.contains("//"),
+                "{package} {query} prints an empty path component: {printed}"
+            );
+        }
+    }
     assert_eq!(
         libdir.canonicalize().unwrap(),
         prefix.join("lib").canonicalize().unwrap(),
@@ -399,7 +415,7 @@ fn pkg_config_links_the_installed_libraries_static_and_shared() {
             let output = run_consumer(&exe);
             assert!(output.contains(&expected), "{}:\n{output}", exe.display());
         }
-        // C++ through mori_tp.hpp, as the README writes it.
+        // C++ through mori_tp.hpp, as docs/src/guides/cpp.md writes it.
         let exe = out.join(format!("cpp_api_test-{package}"));
         run(Command::new("c++")
             .arg("-std=c++17")
@@ -438,8 +454,9 @@ fn pkg_config_links_the_installed_libraries_static_and_shared() {
 }
 
 #[test]
-fn the_readme_shows_the_install_commands_and_the_consumer_block_these_tests_run() {
-    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+fn the_linking_page_shows_the_install_commands_and_the_consumer_block_these_tests_run() {
+    const LINK_C: &str = "docs/src/guides/link-c.md";
+    let readme = std::fs::read_to_string(root().join(LINK_C)).expect(LINK_C);
     for command in [
         "cmake -S . -B build",
         "cmake --build build",
@@ -452,7 +469,7 @@ fn the_readme_shows_the_install_commands_and_the_consumer_block_these_tests_run(
         "FetchContent_MakeAvailable(mori_tp)",
         "mori_tp.hpp",
     ] {
-        assert!(readme.contains(command), "README must show `{command}`");
+        assert!(readme.contains(command), "{LINK_C} must show `{command}`");
     }
     let cmake = std::fs::read_to_string(root().join("tests/c/CMakeLists.txt")).expect("CMakeLists");
     let start = cmake.find("# >>> use mori-tp").expect("start marker");
@@ -460,6 +477,6 @@ fn the_readme_shows_the_install_commands_and_the_consumer_block_these_tests_run(
     let block = cmake[start..end].trim_end();
     assert!(
         readme.contains(block),
-        "README must show tests/c/CMakeLists.txt's block verbatim:\n{block}"
+        "{LINK_C} must show tests/c/CMakeLists.txt's block verbatim:\n{block}"
     );
 }

@@ -1,38 +1,41 @@
-//! The README's worked example (vLLM's head-major layout on ROCm, 8 KV heads, prefill TP 8 ->
-//! decode TP 2) as a C program: the `c` block under its heading is compiled against the header
-//! and the static library this test run built, run, and must print exactly the `text` block
-//! that follows it. Its numbers are also checked against the contract's formulas, restated
-//! here, so that the README shows what the library returns and what the contract promises.
+//! The documents' snippets run as written. Every fenced block of README.md and the docs/ book
+//! whose info string says `runnable` is run as a reader would: C (`c runnable`) is compiled
+//! with every warning an error against the header and the static library this test run built,
+//! C++ (`cpp runnable`) likewise under C++17, Python (`python runnable`) runs against the shared
+//! library and the package in python/, and each must exit 0 and print exactly the `text output`
+//! block that follows it, where there is one. (`sh runnable` blocks are `mori-tp` commands:
+//! cli/tests/readme.rs runs them against the built binary.) Each runs in a scratch folder, so
+//! nothing is written into the checkout.
 //!
-//! Needs `cc`.
+//! The worked example of docs/src/guides/c-head-major.md is also checked against the contract's
+//! formulas, restated here, so that the page shows what the library returns and what the
+//! contract promises.
+//!
+//! Needs `cc`, `c++` and `python3`.
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{STATIC_LIBS, built_static_library, hip_link, root, run, scratch};
+use common::{
+    Fenced, STATIC_LIBS, built_static_library, hip_link, root, run, runnable_snippets, scratch,
+    skip_missing,
+};
 
-const HEADING: &str = "### Worked example: vLLM's head-major layout on ROCm";
+/// The page of the worked example, and the heading of its program.
+const WORKED_EXAMPLE: &str = "docs/src/guides/c-head-major.md";
 
-/// The first fenced block of kind `fence` after `from` in `text`, and where it ends.
-fn block<'a>(text: &'a str, from: usize, fence: &str) -> (&'a str, usize) {
-    let open = format!("```{fence}\n");
-    let start = from
-        + text[from..]
-            .find(&open)
-            .unwrap_or_else(|| panic!("no ```{fence} block after the heading"))
-        + open.len();
-    let end = start + text[start..].find("```").expect("the block ends");
-    (&text[start..end], end + 3)
-}
-
-/// The program and the output the README shows for it.
+/// The worked example's program and the output the page shows for it.
 fn example() -> (String, String) {
-    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
-    let at = readme.find(HEADING).expect("the worked example's heading");
-    let (program, end) = block(&readme, at, "c");
-    let (output, _) = block(&readme, end, "text");
-    (program.to_string(), output.to_string())
+    let (block, output) = runnable_snippets()
+        .into_iter()
+        .find(|(block, _)| block.document == WORKED_EXAMPLE && block.language == "c")
+        .expect("the worked example's `c runnable` block");
+    (
+        block.text,
+        output.expect("the worked example's `text output` block"),
+    )
 }
 
 /// What the contract says the example prints: prefill rank 5 of TP 8 and decode rank 1 of TP 2,
@@ -80,28 +83,138 @@ fn by_the_contract() -> String {
 }
 
 #[test]
-fn the_readmes_worked_example_prints_what_the_readme_shows_and_the_contract_says() {
-    let (program, shown) = example();
+fn the_worked_example_prints_what_its_page_shows_and_the_contract_says() {
+    let (_, shown) = example();
     assert_eq!(
         shown,
         by_the_contract(),
-        "the README's numbers against the contract"
+        "{WORKED_EXAMPLE}'s numbers against the contract"
     );
-    let dir = scratch(&["readme-example"]);
-    let source = dir.join("example.c");
-    std::fs::write(&source, &program).expect("write the program");
-    let exe = dir.join("example");
-    let mut compile = Command::new("cc");
-    compile
-        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I"])
-        .arg(root().join("include"))
-        .arg(&source)
-        .arg(built_static_library())
-        .args(STATIC_LIBS.split(' '))
-        .args(hip_link())
-        .arg("-o")
-        .arg(&exe);
-    run(&mut compile);
-    let printed = run(&mut Command::new(&exe));
-    assert_eq!(printed, shown, "the program printed something else");
+    // The program itself runs with the other snippets, below.
+}
+
+/// The shared library this test run built (target/<profile>/deps, else target/<profile>).
+fn built_shared_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let deps = exe.parent().expect("target/<profile>/deps");
+    [deps, deps.parent().expect("target/<profile>")]
+        .iter()
+        .map(|dir| dir.join("libmori_tp.so"))
+        .find(|path| path.is_file())
+        .expect("cargo builds libmori_tp.so with the library (crate-type cdylib)")
+}
+
+/// Runs one snippet in `dir` and returns what it printed on stdout; fails with its output when
+/// it does not build or exits non-zero.
+fn run_snippet(block: &Fenced, dir: &Path) -> String {
+    let (source, compiler, standard) = match block.language.as_str() {
+        "c" => ("snippet.c", "cc", "-std=c99"),
+        "cpp" => ("snippet.cpp", "c++", "-std=c++17"),
+        "python" => ("snippet.py", "python3", ""),
+        other => panic!(
+            "{}:{}: a `{other} runnable` block, which no test runs (c, cpp, python here; sh in \
+             cli/tests/readme.rs)",
+            block.document, block.line
+        ),
+    };
+    let file = dir.join(source);
+    std::fs::write(&file, &block.text).expect("write the snippet");
+    let mut program = if block.language == "python" {
+        let mut command = Command::new("python3");
+        command
+            .arg(&file)
+            .env("PYTHONPATH", root().join("python"))
+            .env("MORI_TP_LIBRARY", built_shared_library())
+            .env("PYTHONDONTWRITEBYTECODE", "1");
+        command
+    } else {
+        let exe = dir.join("snippet");
+        let mut compile = Command::new(compiler);
+        compile
+            .args([standard, "-Wall", "-Wextra", "-Werror", "-pedantic", "-I"])
+            .arg(root().join("include"))
+            .arg(&file)
+            .arg(built_static_library())
+            .args(STATIC_LIBS.split(' '))
+            .args(hip_link())
+            .arg("-o")
+            .arg(&exe);
+        run(&mut compile);
+        Command::new(&exe)
+    };
+    let output = program.current_dir(dir).output().unwrap_or_else(|e| {
+        panic!(
+            "cannot run the snippet of {}:{}: {e}",
+            block.document, block.line
+        )
+    });
+    assert!(
+        output.status.success(),
+        "the snippet of {}:{} failed ({}):\n{}{}",
+        block.document,
+        block.line,
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[test]
+fn every_runnable_snippet_of_the_documents_runs_and_prints_what_is_shown() {
+    let snippets: Vec<(Fenced, Option<String>)> = runnable_snippets()
+        .into_iter()
+        .filter(|(block, _)| block.language != "sh")
+        .collect();
+    for language in ["c", "cpp", "python"] {
+        assert!(
+            snippets
+                .iter()
+                .any(|(b, _)| b.document == "README.md" && b.language == language),
+            "README.md must show a `{language} runnable` example"
+        );
+    }
+    // A code block a reader might copy either runs here or says it is a sketch.
+    for (document, text) in common::user_documents() {
+        for block in common::fenced_blocks(&document, &text) {
+            if ["c", "cpp", "python", "rust"].contains(&block.language.as_str()) {
+                assert!(
+                    block.has("runnable") || block.has("sketch"),
+                    "{document}:{}: a `{}` block must be `runnable` (a test runs it) or say it \
+                     is a `sketch`",
+                    block.line,
+                    block.language
+                );
+            }
+        }
+    }
+    if Command::new("python3").arg("--version").output().is_err() {
+        skip_missing(
+            "every_runnable_snippet_of_the_documents_runs_and_prints_what_is_shown",
+            "MORI_TP_REQUIRE_TOOLS",
+            "python3 is not installed: the Python snippets cannot run",
+        );
+        return;
+    }
+    for (k, (block, shown)) in snippets.iter().enumerate() {
+        let dir = scratch(&["snippets", &k.to_string()]);
+        let printed = run_snippet(block, &dir);
+        if let Some(shown) = shown {
+            assert_eq!(
+                &printed, shown,
+                "the snippet of {}:{} printed something else than the page shows",
+                block.document, block.line
+            );
+        }
+        let left: Vec<_> = std::fs::read_dir(root())
+            .expect("the root")
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("snippet"))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "a snippet wrote {left:?} into the checkout"
+        );
+    }
 }

@@ -38,6 +38,17 @@ pub fn read_config(path: &Path) -> Result<Model, String> {
 /// For a `--config` path that does not exist: the preset or the shipped config it may have
 /// meant (a Hugging Face id given as a path).
 fn missing_config_tip(name: &str) -> String {
+    if let Some(found) = other_case(Path::new(name)) {
+        let found = found.display();
+        return format!(
+            ". {found} exists: paths are case-sensitive, so give --config {found}{}",
+            if found.to_string().contains("cli/configs/") {
+                " (the config mori-tp ships)"
+            } else {
+                ""
+            }
+        );
+    }
     if let Ok(choice) = crate::model::parse_model(name) {
         return format!(
             ". {name} is a built-in model: use --model {} (or give the path of its config.json \
@@ -54,6 +65,43 @@ fn missing_config_tip(name: &str) -> String {
                   with --model (`mori-tp presets` lists them)"
             .into(),
     }
+}
+
+/// The existing path that `path` names in another case (`cli/configs/Llama-3.1-8B` for
+/// `cli/configs/llama-3.1-8b`), found one component at a time; `None` when there is none, or
+/// more than one, or the path exists as given.
+fn other_case(path: &Path) -> Option<std::path::PathBuf> {
+    use std::path::Component;
+    if path.exists() {
+        return None;
+    }
+    let mut found = std::path::PathBuf::new();
+    for component in path.components() {
+        let Component::Normal(name) = component else {
+            found.push(component);
+            continue;
+        };
+        let here = if found.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            &found
+        };
+        if here.join(name).exists() {
+            found.push(name);
+            continue;
+        }
+        let wanted = name.to_str()?;
+        let mut matches = std::fs::read_dir(here)
+            .ok()?
+            .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+            .filter(|entry| entry.eq_ignore_ascii_case(wanted));
+        let only = matches.next()?;
+        if matches.next().is_some() {
+            return None;
+        }
+        found.push(only);
+    }
+    found.exists().then_some(found)
 }
 
 /// Reads the KV-cache shape from the text of a Hugging Face `config.json`.

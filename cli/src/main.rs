@@ -28,11 +28,19 @@ use crate::dtype::{DTYPE_SPELLINGS, Dtype, DtypeArg, parse_dtype};
 use crate::facts::SsmDefault;
 use crate::group_plan::StateDtypes;
 use crate::layout::{Layout, LayoutError, MAX_TP_SIZE, PageOrder, Paging};
-use crate::model::{Attention, Model, ModelChoice, PRESETS, parse_model, preset_by_name};
+use crate::model::{Attention, Model, ModelChoice, PRESETS, parse_model};
 use crate::simulate::BackendArg;
 
-/// The deployment `mori-tp` (and every command) uses when told nothing else.
-const DEFAULT_MODEL: &str = "qwen2.5-7b";
+/// The deployment `mori-tp` without a command simulates (`cargo run --release`). `plan` and
+/// `simulate` assume nothing: they need the model and both TP sizes.
+const DEFAULT_DEPLOYMENT: [&str; 6] = [
+    "--model",
+    "qwen2.5-7b",
+    "--prefill-tp",
+    "2",
+    "--decode-tp",
+    "8",
+];
 
 const ABOUT: &str = "Check, explain and simulate moving an LLM's KV cache between a prefill \
                      engine and a decode engine that use different tensor-parallel sizes";
@@ -56,7 +64,8 @@ Examples:
   mori-tp                                          simulate the default deployment
   mori-tp presets                                  list the built-in models
   mori-tp plan --model llama-3.1-70b --prefill-tp 16 --decode-tp 4
-  mori-tp plan --model meta-llama/Llama-3.1-8B-Instruct --prefill-tp 2 --decode-tp 8 --svg l.svg
+  mori-tp plan --model meta-llama/Llama-3.1-8B-Instruct --prefill-tp 2 --decode-tp 8 \
+      --svg /tmp/layout.svg
   mori-tp plan --config path/to/model-dir --prefill-tp 8 --decode-tp 2 --json
   mori-tp plan --config cli/configs/nemotron-h-8b-base-8k --prefill-tp 2 --decode-tp 4
   mori-tp plan --config cli/configs/qwen3-next-80b-a3b --prefill-tp 2 --decode-tp 4 \
@@ -64,6 +73,9 @@ Examples:
   mori-tp simulate --model deepseek-v3 --prefill-tp 8 --decode-tp 4 --page-size 64
   mori-tp simulate --model llama-3.1-8b --prefill-tp 8 --decode-tp 2 --prefill-layout hnd \
       --decode-layout nhd --prefill-page-size 16 --decode-page-size 64 --tokens 1000
+
+`plan` and `simulate` need the model (--model, --config or --kv-heads with --head-dim) and both
+TP sizes (--prefill-tp, --decode-tp): they check the deployment you describe, never a default.
 
 Exit status: 0 success; 1 simulate found a wrong byte (or a copy failed); 2 bad usage or an
 unreadable config.json; 3 the layout cannot work (the message names the values and the nearest
@@ -182,7 +194,7 @@ fn count(
 struct DeploymentArgs {
     /// Built-in model, by preset name or Hugging Face id, in any case
     /// (meta-llama/Llama-3.1-70B-Instruct is llama-3.1-70b); `mori-tp presets` lists them
-    /// [default: qwen2.5-7b unless --config or --kv-heads is given]
+    /// (one of --model, --config or --kv-heads is required)
     #[arg(
         long,
         value_name = "NAME",
@@ -326,7 +338,8 @@ struct DeploymentArgs {
     )]
     decode_page_size: Option<u32>,
 
-    /// Page layout of the prefill engine, in any case (vLLM writes HND)
+    /// Page layout of the prefill engine, in any case: nhd or hnd, as that engine keeps its
+    /// pages (SGLang: nhd; vLLM: nhd with FlashAttention on CUDA, hnd with NIXL and on ROCm)
     #[arg(
         long,
         value_name = "LAYOUT",
@@ -337,7 +350,7 @@ struct DeploymentArgs {
     )]
     prefill_layout: PageOrder,
 
-    /// Page layout of the decode engine, in any case
+    /// Page layout of the decode engine, in any case: nhd or hnd, as that engine keeps its pages
     #[arg(
         long,
         value_name = "LAYOUT",
@@ -348,27 +361,25 @@ struct DeploymentArgs {
     )]
     decode_layout: PageOrder,
 
-    /// Tensor-parallel size of the prefill engine (the sender), at most 1024
+    /// Tensor-parallel size of the prefill engine (the sender), 1 to 1024 (required)
     #[arg(
         long,
         value_name = "P",
-        default_value_t = 2,
         allow_negative_numbers = true,
         value_parser = count("a TP size", MAX_TP_SIZE),
         help_heading = "Layout"
     )]
-    prefill_tp: u32,
+    prefill_tp: Option<u32>,
 
-    /// Tensor-parallel size of the decode engine (the receiver), at most 1024
+    /// Tensor-parallel size of the decode engine (the receiver), 1 to 1024 (required)
     #[arg(
         long,
         value_name = "D",
-        default_value_t = 8,
         allow_negative_numbers = true,
         value_parser = count("a TP size", MAX_TP_SIZE),
         help_heading = "Layout"
     )]
-    decode_tp: u32,
+    decode_tp: Option<u32>,
 
     /// Tokens in one request; the last page of a side may be partly used (its slots after the
     /// request's tokens are never written)
@@ -460,6 +471,36 @@ fn fraction(text: &str) -> Result<f64, String> {
         Ok(f) => Err(format!("{f} is outside 0 to 1: it is a chance")),
         Err(_) => Err(format!("`{text}` is not a number from 0 to 1")),
     }
+}
+
+/// What `plan` and `simulate` were not told: the model, a TP size. They assume none of them (a
+/// plan of a deployment nobody described would look like an answer), so each missing one is
+/// named, with the flags that give it.
+fn missing_deployment(args: &DeploymentArgs) -> Option<String> {
+    let mut missing = Vec::new();
+    if args.model.is_none() && args.config.is_none() && args.kv_heads.is_none() {
+        missing.push(
+            "the model (--model NAME, a preset or Hugging Face id that `mori-tp presets` lists; \
+             --config PATH, a config.json or model directory; or --kv-heads N --head-dim N)"
+                .to_string(),
+        );
+    }
+    for (value, flag, engine) in [
+        (args.prefill_tp, "--prefill-tp P", "prefill"),
+        (args.decode_tp, "--decode-tp D", "decode"),
+    ] {
+        if value.is_none() {
+            missing.push(format!(
+                "{flag} (the {engine} engine's tensor-parallel size)"
+            ));
+        }
+    }
+    (!missing.is_empty()).then(|| {
+        format!(
+            "give {}: mori-tp assumes no model and no TP size",
+            missing.join(", and ")
+        )
+    })
 }
 
 /// A failure and the exit status it maps to.
@@ -626,9 +667,7 @@ impl DeploymentArgs {
             }
             choice.preset.into()
         } else {
-            preset_by_name(DEFAULT_MODEL)
-                .expect("the default is a preset")
-                .into()
+            return Err(Failure::Usage(missing_deployment(self).unwrap_or_default()));
         };
         if let Some(layers) = self.layers {
             match &mut model.facts {
@@ -801,14 +840,17 @@ impl DeploymentArgs {
             page_size: self.page_size("decode-page-size", self.decode_page_size)?,
         };
         let model = self.model(notes)?;
+        if let Some(message) = missing_deployment(self) {
+            return Err(Failure::Usage(message));
+        }
         let dtype = self.dtype(&model, notes)?;
         Ok(Layout::new(
             model,
             dtype,
             prefill,
             decode,
-            self.prefill_tp,
-            self.decode_tp,
+            self.prefill_tp.expect("checked by missing_deployment"),
+            self.decode_tp.expect("checked by missing_deployment"),
         )?)
     }
 }
@@ -975,9 +1017,13 @@ fn main() -> ExitCode {
     let command = match Cli::try_parse() {
         Ok(cli) => cli.command.unwrap_or_else(|| {
             // No command: the default simulation, with every default of `simulate`.
-            Cli::parse_from(["mori-tp", "simulate"])
-                .command
-                .expect("simulate parses")
+            Cli::parse_from(
+                ["mori-tp", "simulate"]
+                    .into_iter()
+                    .chain(DEFAULT_DEPLOYMENT),
+            )
+            .command
+            .expect("simulate parses")
         }),
         Err(error) => {
             let usage = !matches!(

@@ -781,12 +781,21 @@ pub fn run(layout: &Layout, options: &Options) -> Result<(String, bool), SimErro
         out += &labelled(
             "verified:",
             &format!(
-                "all {} decode bytes, twice: after the direct copies and after the staged path \
-                 (pack, segments, unpack). Each decode rank's slots of the request's tokens hold \
-                 exactly the source bytes of the heads it owns, every other byte (other pages, \
-                 slots after the last token) still holds the sentinel, and bytes moved = bytes \
-                 owned, so no head was sent twice.",
+                "all {} decode bytes of the {} simulated layers{}, twice: after the direct \
+                 copies and after the staged path (pack, segments, unpack). Each decode rank's \
+                 slots of the request's tokens hold exactly the source bytes of the heads it \
+                 owns, every other byte (other pages, slots after the last token) still holds \
+                 the sentinel, and bytes moved = bytes owned, so no head was sent twice.",
                 grouped(v.bytes_checked),
+                sim.layers,
+                if sim.layers < layout.model.layers {
+                    format!(
+                        " ({} of {}: every layer moves the same way; --layers-limit {} for all)",
+                        sim.layers, layout.model.layers, layout.model.layers
+                    )
+                } else {
+                    String::new()
+                },
             ),
         );
         out += "OK\n";

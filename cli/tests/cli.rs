@@ -346,7 +346,16 @@ fn a_gqa_config_json_plans_like_the_preset_it_describes() {
             "num_hidden_layers": 32, "intermediate_size": 14336, "torch_dtype": "bfloat16"}"#,
     );
     let path = path.to_str().unwrap();
-    let from_config = json_of(&["plan", "--json", "--config", path, "--prefill-tp", "4"]);
+    let from_config = json_of(&[
+        "plan",
+        "--decode-tp",
+        "8",
+        "--json",
+        "--config",
+        path,
+        "--prefill-tp",
+        "4",
+    ]);
     let model = &from_config["model"];
     assert_eq!(
         (&model["kv_heads"], &model["head_dim"], &model["layers"]),
@@ -355,6 +364,8 @@ fn a_gqa_config_json_plans_like_the_preset_it_describes() {
     assert_eq!(model["attention"], "GQA");
     let from_preset = json_of(&[
         "plan",
+        "--decode-tp",
+        "8",
         "--json",
         "--model",
         "llama-3.1-8b",
@@ -453,7 +464,15 @@ fn a_glm_config_json_uses_query_groups_and_kv_channels() {
         assert_eq!(pair["src_head_slice_offset"], (d / 2) * 256);
         assert_eq!(pair["heads_bytes_per_token_to_send"], 256);
     }
-    let refused = mori_tp(&["plan", "--config", path, "--prefill-tp", "3"]);
+    let refused = mori_tp(&[
+        "plan",
+        "--decode-tp",
+        "8",
+        "--config",
+        path,
+        "--prefill-tp",
+        "3",
+    ]);
     assert_eq!(code(&refused), 3);
     assert!(
         stderr(&refused).contains("tp_size 3 and total_kv_heads 2"),
@@ -504,6 +523,8 @@ fn an_invalid_layout_exits_3_naming_the_values_and_the_nearest_valid_sizes() {
     // A model described by hand is checked the same way.
     let out = mori_tp(&[
         "plan",
+        "--prefill-tp",
+        "2",
         "--kv-heads",
         "6",
         "--head-dim",
@@ -967,6 +988,8 @@ fn the_svg_picture_is_refused_past_its_limit_without_writing_a_file() {
     std::fs::remove_file(&file).unwrap();
     let out = mori_tp(&[
         "plan",
+        "--decode-tp",
+        "8",
         "--model",
         "llama-3.1-8b",
         "--prefill-tp",
@@ -986,7 +1009,16 @@ fn the_svg_picture_is_refused_past_its_limit_without_writing_a_file() {
 #[test]
 fn model_names_are_read_as_people_type_them() {
     let plan_of = |model: &str| {
-        let out = mori_tp(&["plan", "--json", "--model", model]);
+        let out = mori_tp(&[
+            "plan",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
+            "--json",
+            "--model",
+            model,
+        ]);
         (code(&out), stdout(&out), stderr(&out))
     };
     for (typed, preset) in [
@@ -1046,7 +1078,16 @@ fn config_takes_a_model_directory_and_its_torch_dtype() {
     )
     .unwrap();
     let dir_text = dir.to_str().unwrap();
-    let from_dir = json_of(&["plan", "--json", "--config", dir_text]);
+    let from_dir = json_of(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--json",
+        "--config",
+        dir_text,
+    ]);
     assert_eq!(from_dir["model"]["kv_heads"], 4);
     // No --dtype with a config is auto: the config's torch_dtype, as serving engines do.
     assert_eq!(from_dir["model"]["dtype"], "fp16");
@@ -1054,6 +1095,10 @@ fn config_takes_a_model_directory_and_its_torch_dtype() {
     let file = dir.join("config.json");
     let from_file = json_of(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--json",
         "--config",
         file.to_str().unwrap(),
@@ -1064,14 +1109,31 @@ fn config_takes_a_model_directory_and_its_torch_dtype() {
     assert_eq!(from_file["model"]["dtype"], "fp16");
     // A named dtype wins over the config's.
     let fp8 = json_of(&[
-        "plan", "--json", "--config", dir_text, "--dtype", "fp8_e4m3",
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--json",
+        "--config",
+        dir_text,
+        "--dtype",
+        "fp8_e4m3",
     ]);
     assert_eq!(fp8["model"]["bytes_per_head"], 128);
 
     let empty =
         PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mori-tp-cli-tests/empty-model-dir");
     std::fs::create_dir_all(&empty).unwrap();
-    let out = mori_tp(&["plan", "--config", empty.to_str().unwrap()]);
+    let out = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--config",
+        empty.to_str().unwrap(),
+    ]);
     assert_eq!(code(&out), 2);
     assert!(
         stderr(&out).contains("empty-model-dir is a directory without a config.json"),
@@ -1097,6 +1159,10 @@ fn dtypes_are_taken_in_the_spellings_of_serving_engines() {
     ] {
         let plan = json_of(&[
             "plan",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
             "--json",
             "--model",
             "qwen2.5-7b",
@@ -1107,7 +1173,17 @@ fn dtypes_are_taken_in_the_spellings_of_serving_engines() {
         assert_eq!(plan["model"]["dtype"], shown, "{spelling}");
     }
     // auto needs a config to read the dtype from.
-    let out = mori_tp(&["plan", "--model", "qwen2.5-7b", "--dtype", "auto"]);
+    let out = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--model",
+        "qwen2.5-7b",
+        "--dtype",
+        "auto",
+    ]);
     assert_eq!(code(&out), 2);
     assert!(stderr(&out).contains("--dtype bf16"), "{}", stderr(&out));
     let out = mori_tp(&["plan", "--dtype", "int3"]);
@@ -1145,7 +1221,18 @@ fn negative_and_other_bad_numbers_get_a_message_about_the_value() {
 
 #[test]
 fn a_hand_described_model_is_checked_and_its_assumptions_said() {
-    let out = mori_tp(&["plan", "--kv-heads", "8", "--head-dim", "64", "--mla"]);
+    let out = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "64",
+        "--mla",
+    ]);
     assert_eq!(code(&out), 2);
     assert!(
         stderr(&out).contains("--kv-heads must be 1, not 8"),
@@ -1154,6 +1241,10 @@ fn a_hand_described_model_is_checked_and_its_assumptions_said() {
     );
     let mla = json_of(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--json",
         "--kv-heads",
         "1",
@@ -1165,11 +1256,25 @@ fn a_hand_described_model_is_checked_and_its_assumptions_said() {
     ]);
     assert_eq!(mla["model"]["buffers_per_layer"], 1);
 
-    let out = mori_tp(&["plan", "--kv-heads", "8", "--head-dim", "64"]);
+    let out = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "64",
+    ]);
     assert_eq!(code(&out), 0);
     assert!(stderr(&out).contains("assumes 1 layer"), "{}", stderr(&out));
     let out = mori_tp(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--kv-heads",
         "8",
         "--head-dim",
@@ -1185,7 +1290,7 @@ fn a_hand_described_model_is_checked_and_its_assumptions_said() {
 fn huge_tp_sizes_are_refused_at_once_and_the_limit_runs_in_bounded_output() {
     for size in ["65536", "4294967295", "1025"] {
         for side in ["--prefill-tp", "--decode-tp"] {
-            let out = mori_tp(&["plan", side, size]);
+            let out = mori_tp(&["plan", "--model", "qwen2.5-7b", side, size]);
             assert_eq!(code(&out), 2, "{side} {size}");
             assert!(stderr(&out).contains("from 1 to 1024"), "{}", stderr(&out));
             assert!(stdout(&out).is_empty());
@@ -1265,6 +1370,12 @@ fn json_plans_report_errors_as_json_on_stdout_with_the_exit_status() {
 fn the_hip_backend_runs_or_fails_with_the_librarys_message() {
     let out = mori_tp(&[
         "simulate",
+        "--model",
+        "qwen2.5-7b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--backend",
         "hip",
         "--tokens",
@@ -1290,9 +1401,22 @@ fn the_hip_backend_runs_or_fails_with_the_librarys_message() {
 
 // ---- page layouts and page sizes per side, partial last pages -------------------------------
 
-/// `plan --json` with `args` after the command.
+/// `plan --json` with `args` after the command; the page-layout tests plan qwen2.5-7b from
+/// prefill TP 2 to decode TP 8 where `args` names no model or TP size (`plan` itself assumes
+/// none: `the_model_and_both_tp_sizes_are_required` in new_user.rs).
 fn plan_json(args: &[&str]) -> Value {
     let mut all = vec!["plan", "--json"];
+    if !args
+        .iter()
+        .any(|a| ["--model", "--config", "--kv-heads"].contains(a))
+    {
+        all.extend(["--model", "qwen2.5-7b"]);
+    }
+    for (flag, size) in [("--prefill-tp", "2"), ("--decode-tp", "8")] {
+        if !args.contains(&flag) {
+            all.extend([flag, size]);
+        }
+    }
     all.extend_from_slice(args);
     json_of(&all)
 }
@@ -1638,7 +1762,19 @@ fn a_partial_last_page_is_said_in_text_and_json() {
     // The text wraps at 100 columns; compare its words.
     let words = |text: String| text.split_whitespace().collect::<Vec<_>>().join(" ");
     let text = |tokens: &str| {
-        let out = mori_tp(&["plan", "--page-size", "16", "--tokens", tokens]);
+        let out = mori_tp(&[
+            "plan",
+            "--model",
+            "qwen2.5-7b",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
+            "--page-size",
+            "16",
+            "--tokens",
+            tokens,
+        ]);
         assert_eq!(code(&out), 0, "{}", stderr(&out));
         words(stdout(&out))
     };
@@ -1671,6 +1807,12 @@ fn a_partial_last_page_is_said_in_text_and_json() {
     assert_eq!(both["partial_last_page"], false);
     let text = words(stdout(&mori_tp(&[
         "plan",
+        "--model",
+        "qwen2.5-7b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--prefill-page-size",
         "16",
         "--decode-page-size",
@@ -1701,7 +1843,19 @@ fn page_size_sets_both_sides_and_a_contradicting_side_flag_is_refused() {
     assert_eq!(plan["decode_page_size"], 8);
     for command in ["plan", "simulate"] {
         for (flag, value) in [("--prefill-page-size", "64"), ("--decode-page-size", "8")] {
-            let out = mori_tp(&[command, "--page-size", "16", flag, value]);
+            let out = mori_tp(&[
+                command,
+                "--model",
+                "qwen2.5-7b",
+                "--prefill-tp",
+                "2",
+                "--decode-tp",
+                "8",
+                "--page-size",
+                "16",
+                flag,
+                value,
+            ]);
             assert_eq!(code(&out), 2, "{command} {flag}");
             assert!(stdout(&out).is_empty());
             let err = stderr(&out);
@@ -1715,6 +1869,12 @@ fn page_size_sets_both_sides_and_a_contradicting_side_flag_is_refused() {
     }
     let out = mori_tp(&[
         "plan",
+        "--model",
+        "qwen2.5-7b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--json",
         "--page-size",
         "16",
@@ -1761,6 +1921,10 @@ fn a_layout_that_cannot_work_exits_3_with_the_librarys_numbers() {
         // A head-major page whose size overflows 64 bits: the library names the factors.
         let out = mori_tp(&[
             command,
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
             "--kv-heads",
             "1",
             "--head-dim",
@@ -1788,6 +1952,8 @@ fn a_layout_that_cannot_work_exits_3_with_the_librarys_numbers() {
             "llama-3.1-8b",
             "--prefill-tp",
             "3",
+            "--decode-tp",
+            "8",
             "--prefill-layout",
             "hnd",
             "--decode-page-size",

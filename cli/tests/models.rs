@@ -272,7 +272,16 @@ fn python_and_the_cli_derive_the_same_groups_for_every_shipped_config() {
     let families: BTreeSet<String> = configs
         .iter()
         .map(|c| {
-            json_of(&["plan", "--config", &format!("cli/configs/{c}"), "--json"])["model"]["family"]
+            json_of(&[
+                "plan",
+                "--prefill-tp",
+                "2",
+                "--decode-tp",
+                "8",
+                "--config",
+                &format!("cli/configs/{c}"),
+                "--json",
+            ])["model"]["family"]
                 .as_str()
                 .unwrap()
                 .to_string()
@@ -547,6 +556,10 @@ fn ssm_dtype_and_the_fp8_latent_change_only_the_bytes_they_name() {
         "plan",
         "--config",
         "cli/configs/qwen3-next-80b-a3b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--json",
     ];
     let bf16 = json_of(&base);
@@ -563,6 +576,10 @@ fn ssm_dtype_and_the_fp8_latent_change_only_the_bytes_they_name() {
     // DeepSeek V3.2 with an fp8 cache: a 656-byte latent, the classic plan's head bytes too.
     let fp8 = json_of(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--config",
         "cli/configs/deepseek-v3.2",
         "--dtype",
@@ -724,6 +741,10 @@ fn tp_sizes_the_engines_cannot_split_a_part_by_are_refused_with_the_numbers() {
     // --layers would contradict the groups' own layers.
     let out = mori_tp(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--config",
         "cli/configs/qwen3-next-80b-a3b",
         "--layers",
@@ -824,6 +845,10 @@ fn the_svg_of_a_hybrid_model_draws_a_panel_per_unit_count() {
     let _ = std::fs::remove_file(&file);
     json_of(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--config",
         "cli/configs/gpt-oss-20b",
         "--json",
@@ -930,6 +955,10 @@ fn an_fp8_kv_cache_leaves_the_conv_and_ssm_states_in_their_own_dtypes() {
     // Qwen3-Next (no Nemotron-H hook): both states in the model's bf16 under an fp8 cache.
     let qwen = json_of(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--config",
         "cli/configs/qwen3-next-80b-a3b",
         "--dtype",
@@ -991,6 +1020,10 @@ fn speculative_tokens_lengthen_the_conv_state_and_nothing_else() {
     }
     let out = mori_tp(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--config",
         "cli/configs/qwen3-next-80b-a3b",
         "--num-speculative-tokens",
@@ -1008,6 +1041,10 @@ fn speculative_tokens_lengthen_the_conv_state_and_nothing_else() {
     // A model without a conv state says the flag changes nothing.
     let out = mori_tp(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--config",
         "cli/configs/gpt-oss-20b",
         "--num-speculative-tokens",

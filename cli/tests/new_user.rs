@@ -268,7 +268,18 @@ fn hybrid_svg_panels_name_the_model_and_their_units_and_svg_dash_is_stdout() {
         );
     }
     // With --json, stdout is taken: refused.
-    let out = mori_tp(&["plan", "--json", "--svg", "-"]);
+    let out = mori_tp(&[
+        "plan",
+        "--model",
+        "qwen2.5-7b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--json",
+        "--svg",
+        "-",
+    ]);
     assert_eq!(code(&out), 2);
     assert!(stderr(&out).contains("--svg -"), "{}", stderr(&out));
 }
@@ -332,7 +343,15 @@ fn a_closed_stdout_or_stderr_keeps_the_documented_exit_status() {
         // Notes go to stderr; the plan itself is fine.
         assert_eq!(
             with_closed(
-                &["plan", "--config", "cli/configs/nemotron-h-8b-base-8k"],
+                &[
+                    "plan",
+                    "--prefill-tp",
+                    "2",
+                    "--decode-tp",
+                    "8",
+                    "--config",
+                    "cli/configs/nemotron-h-8b-base-8k"
+                ],
                 false,
                 true
             ),
@@ -346,7 +365,19 @@ fn a_closed_stdout_or_stderr_keeps_the_documented_exit_status() {
             2
         );
         assert_eq!(
-            with_closed(&["plan", "--config", "/no/such"], false, true),
+            with_closed(
+                &[
+                    "plan",
+                    "--prefill-tp",
+                    "2",
+                    "--decode-tp",
+                    "8",
+                    "--config",
+                    "/no/such"
+                ],
+                false,
+                true
+            ),
             2
         );
     }
@@ -376,6 +407,12 @@ fn page_layouts_are_taken_in_any_case() {
     let plan = |layout: &str| {
         json_of(&[
             "plan",
+            "--model",
+            "qwen2.5-7b",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
             "--prefill-layout",
             layout,
             "--decode-layout",
@@ -420,7 +457,19 @@ fn hybrid_simulate_says_what_it_moves_and_blames_the_right_flag() {
     assert!(text.ends_with("OK"));
     assert!(stderr(&out).contains("`plan` lists every group"));
 
-    let out = mori_tp(&["simulate", "--page-size", "100000000", "--tokens", "10"]);
+    let out = mori_tp(&[
+        "simulate",
+        "--model",
+        "qwen2.5-7b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--page-size",
+        "100000000",
+        "--tokens",
+        "10",
+    ]);
     assert_eq!(code(&out), 2);
     let message = flat(&stderr(&out));
     assert!(message.contains("the page size is the cause"), "{message}");
@@ -433,6 +482,10 @@ fn hybrid_simulate_says_what_it_moves_and_blames_the_right_flag() {
     // Where the request itself is too large, the request is what is named.
     let out = mori_tp(&[
         "simulate",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--model",
         "llama-3.1-70b",
         "--tokens",
@@ -516,7 +569,15 @@ fn unknown_model_tips_name_the_shipped_configs_and_presets() {
         ("nvidia/Nemotron-H-8B-Base-8K", "nemotron-h-8b-base-8k"),
         ("openai/gpt-oss-20b", "gpt-oss-20b"),
     ] {
-        let out = mori_tp(&["plan", "--model", typed]);
+        let out = mori_tp(&[
+            "plan",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
+            "--model",
+            typed,
+        ]);
         assert_eq!(code(&out), 2, "{typed}");
         let message = flat(&stderr(&out));
         assert!(
@@ -526,14 +587,38 @@ fn unknown_model_tips_name_the_shipped_configs_and_presets() {
         // The tip is the config, not a preset of another shape.
         assert!(!message.contains("Closest:"), "{typed}: {message}");
         // And the tip works.
-        let tip = mori_tp(&["plan", "--config", &format!("cli/configs/{config}")]);
+        let tip = mori_tp(&[
+            "plan",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
+            "--config",
+            &format!("cli/configs/{config}"),
+        ]);
         assert_eq!(code(&tip), 0, "{config}");
     }
-    let out = mori_tp(&["plan", "--config", "meta-llama/Llama-3.1-8B-Instruct"]);
+    let out = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--config",
+        "meta-llama/Llama-3.1-8B-Instruct",
+    ]);
     assert_eq!(code(&out), 2);
     let message = flat(&stderr(&out));
     assert!(message.contains("--model llama-3.1-8b"), "{message}");
-    let out = mori_tp(&["plan", "--config", "Qwen/Qwen3-Next-80B-A3B-Instruct"]);
+    let out = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--config",
+        "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    ]);
     assert!(flat(&stderr(&out)).contains("--config cli/configs/qwen3-next-80b-a3b"));
     // The list of shipped configs the tips use is the directory's.
     let presets = stdout(&mori_tp(&["presets"]));
@@ -555,14 +640,40 @@ fn unknown_model_tips_name_the_shipped_configs_and_presets() {
 /// 11. `--mla` with a model that knows its attention gives advice that works.
 #[test]
 fn mla_advice_works_when_followed() {
-    let out = mori_tp(&["plan", "--model", "llama-3.1-8b", "--mla"]);
+    let out = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--model",
+        "llama-3.1-8b",
+        "--mla",
+    ]);
     assert_eq!(code(&out), 2);
     let message = flat(&stderr(&out));
     assert!(message.contains("leave out --mla"), "{message}");
     assert!(!message.contains("required"), "{message}");
-    let followed = mori_tp(&["plan", "--model", "llama-3.1-8b"]);
+    let followed = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--model",
+        "llama-3.1-8b",
+    ]);
     assert_eq!(code(&followed), 0);
-    let out = mori_tp(&["plan", "--config", "cli/configs/deepseek-v3.2", "--mla"]);
+    let out = mori_tp(&[
+        "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--config",
+        "cli/configs/deepseek-v3.2",
+        "--mla",
+    ]);
     assert_eq!(code(&out), 2);
     assert!(flat(&stderr(&out)).contains("leave out --mla"));
     // Alone, it says what to add; adding it works.
@@ -575,6 +686,10 @@ fn mla_advice_works_when_followed() {
     );
     let followed = mori_tp(&[
         "plan",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
         "--mla",
         "--kv-heads",
         "1",
@@ -584,4 +699,244 @@ fn mla_advice_works_when_followed() {
         "61",
     ]);
     assert_eq!(code(&followed), 0, "{}", stderr(&followed));
+}
+
+// ---- what a new user following the README tripped on ------------------------------------------
+
+/// `plan` and `simulate` check the deployment they are told about: a missing model or TP size is
+/// refused (status 2, nothing on stdout, the missing flags named) instead of filled in from a
+/// default (it once planned decode TP 8 for `--prefill-tp 2` alone, and qwen2.5-7b without a
+/// model). `mori-tp` without a command still simulates its example and says which it is.
+#[test]
+fn the_model_and_both_tp_sizes_are_required() {
+    for command in ["plan", "simulate"] {
+        for (args, named, not_named) in [
+            (
+                vec!["--model", "llama-3.1-8b", "--prefill-tp", "2"],
+                vec!["--decode-tp D"],
+                vec!["--model NAME", "--prefill-tp P"],
+            ),
+            (
+                vec!["--prefill-tp", "2", "--decode-tp", "8"],
+                vec!["--model NAME", "--config PATH", "--kv-heads N"],
+                vec!["--prefill-tp P", "--decode-tp D"],
+            ),
+            (
+                vec!["--config", "cli/configs/llama-3.1-8b", "--decode-tp", "8"],
+                vec!["--prefill-tp P"],
+                vec!["--model NAME", "--decode-tp D"],
+            ),
+            (
+                vec![],
+                vec!["--model NAME", "--prefill-tp P", "--decode-tp D"],
+                vec![],
+            ),
+        ] {
+            let mut all = vec![command];
+            all.extend(&args);
+            let out = mori_tp(&all);
+            let err = flat(&stderr(&out));
+            assert_eq!(code(&out), 2, "{all:?}: {err}");
+            assert!(stdout(&out).is_empty(), "{all:?}: {}", stdout(&out));
+            assert!(err.contains("assumes no model and no TP size"), "{err}");
+            for flag in named {
+                assert!(err.contains(flag), "{all:?} must name {flag}: {err}");
+            }
+            for flag in not_named {
+                assert!(
+                    !err.contains(flag),
+                    "{all:?} names {flag}, which was given: {err}"
+                );
+            }
+        }
+    }
+    // With --json the refusal is the documented JSON error.
+    let out = mori_tp(&[
+        "plan",
+        "--json",
+        "--model",
+        "llama-3.1-8b",
+        "--prefill-tp",
+        "2",
+    ]);
+    assert_eq!(code(&out), 2);
+    let error: Value = serde_json::from_slice(&out.stdout).expect("a JSON error");
+    assert_eq!(error["error"]["kind"], "usage");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--decode-tp"),
+        "{error}"
+    );
+    // Given in full, the same deployment plans as asked: decode TP 2, not a default.
+    let plan = json_of(&[
+        "plan",
+        "--json",
+        "--model",
+        "llama-3.1-8b",
+        "--prefill-tp",
+        "8",
+        "--decode-tp",
+        "2",
+    ]);
+    assert_eq!(
+        (plan["prefill_tp"].clone(), plan["decode_tp"].clone()),
+        (8.into(), 2.into())
+    );
+    // The example `mori-tp` runs (`cargo run --release`) names its deployment first.
+    let out = mori_tp(&["--help"]);
+    assert!(
+        flat(&stdout(&out)).contains(
+            "need the model (--model, --config or --kv-heads with --head-dim) and both TP sizes"
+        ),
+        "{}",
+        stdout(&out)
+    );
+}
+
+#[test]
+fn the_bare_command_simulates_its_named_example_and_says_what_it_verified() {
+    let out = mori_tp(&[]);
+    let text = stdout(&out);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(
+        text.starts_with(
+            "Simulating one request of qwen2.5-7b from prefill TP 2 to decode TP 8, in host memory"
+        ),
+        "{text}"
+    );
+    // It checks every decode byte of the layers it simulates, and says that those are 4 of the
+    // model's 28 (qwen2.5-7b's num_hidden_layers), not all of them.
+    let flat = flat(&text);
+    assert!(
+        flat.contains("decode bytes of the 4 simulated layers (4 of 28: every layer moves the same way; --layers-limit 28 for all)"),
+        "{flat}"
+    );
+}
+
+/// Both page-layout flags say what each value is and which engine keeps it, and neither says
+/// something the values contradict (the prefill one said "vLLM writes HND" above a list that
+/// gives vLLM's FlashAttention layout as nhd, the default).
+#[test]
+fn the_page_layout_help_names_both_values_without_contradicting_them() {
+    let help = stdout(&mori_tp(&["plan", "--help"]));
+    for flag in ["--prefill-layout <LAYOUT>", "--decode-layout <LAYOUT>"] {
+        let at = help
+            .find(flag)
+            .unwrap_or_else(|| panic!("{flag} in {help}"));
+        let rest = &help[at + flag.len()..];
+        let entry = flat(&rest[..rest.find("\n      --").unwrap_or(rest.len())]);
+        for needed in [
+            "nhd or hnd",
+            "- nhd: Token-major",
+            "- hnd: Head-major",
+            "[default: nhd]",
+        ] {
+            assert!(entry.contains(needed), "{flag}: {needed:?} in {entry}");
+        }
+        assert!(!entry.contains("vLLM writes HND"), "{flag}: {entry}");
+    }
+    let prefill = flat(&help[help.find("--prefill-layout <LAYOUT>").unwrap()..]);
+    assert!(
+        prefill.contains("vLLM: nhd with FlashAttention on CUDA, hnd with NIXL and on ROCm"),
+        "{prefill}"
+    );
+}
+
+/// A `--config` path in the wrong case names the existing one (the shipped directory), instead
+/// of advising a preset.
+#[test]
+fn a_wrong_case_config_path_points_to_the_shipped_directory() {
+    for (typed, meant) in [
+        ("cli/configs/Llama-3.1-8B", "cli/configs/llama-3.1-8b"),
+        (
+            "CLI/Configs/LLAMA-3.1-8B/Config.json",
+            "cli/configs/llama-3.1-8b/config.json",
+        ),
+        (
+            "cli/configs/Qwen3-Next-80B-A3B",
+            "cli/configs/qwen3-next-80b-a3b",
+        ),
+    ] {
+        let out = mori_tp(&[
+            "plan",
+            "--config",
+            typed,
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
+        ]);
+        let err = flat(&stderr(&out));
+        assert_eq!(code(&out), 2, "{typed}: {err}");
+        assert!(
+            err.contains(&format!(
+                "{meant} exists: paths are case-sensitive, so give --config {meant} (the config \
+                 mori-tp ships)"
+            )),
+            "{typed}: {err}"
+        );
+        // Followed, the advice works.
+        json_of(&[
+            "plan",
+            "--json",
+            "--config",
+            meant,
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
+        ]);
+    }
+    // A path that matches nothing in any case still gets the general advice.
+    let err = flat(&stderr(&mori_tp(&[
+        "plan",
+        "--config",
+        "cli/configs/no-such-model",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+    ])));
+    assert!(!err.contains("exists"), "{err}");
+}
+
+/// Only the TP sizes are capped (at 1024); a page size is any whole number, so the help and the
+/// documents say so and plan takes one past 1024.
+#[test]
+fn only_the_tp_sizes_are_capped_at_1024() {
+    let help = flat(&stdout(&mori_tp(&["plan", "--help"])));
+    assert!(help.contains("--prefill-tp <P> Tensor-parallel size of the prefill engine (the sender), 1 to 1024 (required)"), "{help}");
+    assert!(
+        help.contains("--page-size <TOKENS> Tokens per KV-cache page, both engines [default: 1]"),
+        "{help}"
+    );
+    let plan = json_of(&[
+        "plan",
+        "--json",
+        "--model",
+        "llama-3.1-8b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "8",
+        "--page-size",
+        "4096",
+        "--tokens",
+        "10000",
+    ]);
+    assert_eq!(plan["prefill_page_size"], 4096);
+    assert_eq!(plan["prefill_pages"], 3);
+    let out = mori_tp(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--prefill-tp",
+        "1025",
+        "--decode-tp",
+        "8",
+    ]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("from 1 to 1024"), "{}", stderr(&out));
 }

@@ -226,7 +226,8 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
 /// device and graph-capture mode are left as they were (the library makes the stream's device
 /// current only while it loads the kernel or allocates for it there, and runs its own runtime
 /// calls in the relaxed capture mode). D2D copies are fastest when width, pitches and offsets
-/// are multiples of 16 bytes (see the README for real models). AUTO is HIP when the library is
+/// are multiples of 16 bytes (docs/src/concepts/alignment.md for real
+/// models). AUTO is HIP when the library is
 /// built with it and a device is present (the device count is read once per process), else
 /// HOST.
 ///

@@ -59,11 +59,11 @@ pub fn built_static_library() -> PathBuf {
 /// The system libraries a C program links next to libmori_tp.a (from
 /// `cargo rustc --lib -- --print native-static-libs`, less `-lgcc_s`: the compiler driver links
 /// the unwinder itself, libgcc_s, or libgcc_eh under `-static`, where `-lgcc_s` cannot link);
-/// the README lists exactly these.
+/// docs/src/guides/link-c.md lists exactly these.
 pub const STATIC_LIBS: &str = "-lpthread -ldl -lm -lrt -lutil";
 
 /// What a shared object that links libmori_tp.a adds so that it does not re-export the
-/// library's symbols (mori_tp::static and mori_tp-static.pc carry it); the README shows it.
+/// library's symbols (mori_tp::static and mori_tp-static.pc carry it); docs/src/guides/link-c.md shows it.
 pub const EXCLUDE_LIBS: &str = "-Wl,--exclude-libs,libmori_tp.a";
 
 /// With the HIP backend built in (`--features hip`), a program that links libmori_tp also links
@@ -727,4 +727,113 @@ pub unsafe fn send_uploaded(
         last_error()
     };
     (status, message)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The user documents: README.md and the docs/ book
+
+/// README.md and every page of the docs/ book (docs/src/**/*.md), as (path relative to the
+/// repository root, text), README.md first and the pages in path order.
+pub fn user_documents() -> Vec<(String, String)> {
+    fn pages(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("read docs/src") {
+            let path = entry.expect("an entry").path();
+            if path.is_dir() {
+                pages(&path, out);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    pages(&root().join("docs/src"), &mut files);
+    files.sort();
+    let mut out = vec![(
+        "README.md".to_string(),
+        std::fs::read_to_string(root().join("README.md")).expect("README.md"),
+    )];
+    for file in files {
+        let shown = file
+            .strip_prefix(root())
+            .expect("under the root")
+            .display()
+            .to_string();
+        out.push((
+            shown,
+            std::fs::read_to_string(&file).expect("a page of the book"),
+        ));
+    }
+    out
+}
+
+/// One fenced block of a Markdown document.
+#[derive(Debug, Clone)]
+pub struct Fenced {
+    /// The document's path, for messages.
+    pub document: String,
+    /// The line of the opening fence (1-based).
+    pub line: usize,
+    /// The info string's first word (`c`, `cpp`, `python`, `sh`, `text`, ...).
+    pub language: String,
+    /// The info string's further words (`runnable`, `output`).
+    pub marks: Vec<String>,
+    pub text: String,
+}
+
+impl Fenced {
+    pub fn has(&self, mark: &str) -> bool {
+        self.marks.iter().any(|m| m == mark)
+    }
+}
+
+/// The fenced blocks of a document, in order.
+pub fn fenced_blocks(document: &str, text: &str) -> Vec<Fenced> {
+    let mut out = Vec::new();
+    let mut open: Option<Fenced> = None;
+    for (i, line) in text.lines().enumerate() {
+        match (&mut open, line.strip_prefix("```")) {
+            (None, Some(info)) => {
+                let mut words = info.split_whitespace().map(str::to_string);
+                open = Some(Fenced {
+                    document: document.to_string(),
+                    line: i + 1,
+                    language: words.next().unwrap_or_default(),
+                    marks: words.collect(),
+                    text: String::new(),
+                });
+            }
+            (Some(_), Some(_)) => out.extend(open.take()),
+            (Some(block), None) => {
+                block.text.push_str(line);
+                block.text.push('\n');
+            }
+            (None, None) => {}
+        }
+    }
+    out
+}
+
+/// The `runnable` blocks of every user document, each with the `text output` block that follows
+/// it directly (only blank lines between), if any: what it must print.
+pub fn runnable_snippets() -> Vec<(Fenced, Option<String>)> {
+    let mut out = Vec::new();
+    for (document, text) in user_documents() {
+        let blocks = fenced_blocks(&document, &text);
+        let lines: Vec<&str> = text.lines().collect();
+        for (k, block) in blocks.iter().enumerate() {
+            if !block.has("runnable") {
+                continue;
+            }
+            let end = block.line + block.text.lines().count(); // the closing fence, 0-based
+            let output = blocks.get(k + 1).filter(|next| {
+                next.language == "text"
+                    && next.has("output")
+                    && lines[end + 1..next.line - 1]
+                        .iter()
+                        .all(|l| l.trim().is_empty())
+            });
+            out.push((block.clone(), output.map(|o| o.text.clone())));
+        }
+    }
+    out
 }
