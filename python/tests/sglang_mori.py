@@ -195,8 +195,8 @@ def targets(conn, prefill_tp, decode_tp, d):
 def move(np, conn, mori_conn, heads, prefill_tp, decode_tp):
     """Every decode rank pulls from the prefill ranks SGLang maps it to; each of them runs
     MoriKVManager.send_kvcache into the fake engine. Returns (wrong bytes, bytes written more
-    than once, [exceptions raised], write calls)."""
-    wrong = duplicated = calls = 0
+    than once, [exceptions raised], write calls, (prefill, decode) pairs run)."""
+    wrong = duplicated = calls = pairs = 0
     errors = []
     for d in range(decode_tp):
         expected = expected_buffers(np, d, decode_tp, heads)
@@ -226,10 +226,11 @@ def move(np, conn, mori_conn, heads, prefill_tp, decode_tp):
             except Exception as error:  # noqa: BLE001 - recorded and checked by the caller
                 errors.append(error)
             calls += engine.calls
+            pairs += 1
         for desc, e in zip(dst, expected):
             wrong += int(np.count_nonzero(desc.buf != e))
             duplicated += int(np.count_nonzero(desc.writes > 1))
-    return wrong, duplicated, errors, calls
+    return wrong, duplicated, errors, calls, pairs
 
 
 def refusal(heads, prefill_tp, decode_tp):
@@ -309,7 +310,7 @@ def main() -> int:
     # 1. SGLang alone.
     wrong, duplicated, raised = set(), set(), []
     for layout in all_layouts:
-        w, dup, errors, _ = move(np, conn, mori_conn, *layout)
+        w, dup, errors, _, _ = move(np, conn, mori_conn, *layout)
         raised += [(layout, e) for e in errors]
         if w:
             wrong.add(layout)
@@ -347,10 +348,10 @@ def main() -> int:
     bad = []
     refused = set()
     for layout in all_layouts:
-        w, dup, errors, calls = move(np, conn, mori_conn, *layout)
+        w, dup, errors, calls, pairs = move(np, conn, mori_conn, *layout)
         if layout in ratio:
             expected = refusal(*layout)
-            if (errors and all(type(e) is mori_tp.TopologyError and e.code == 3
+            if (len(errors) == pairs and all(type(e) is mori_tp.TopologyError and e.code == 3
                                and str(e) == expected for e in errors)
                     and calls == 0):
                 refused.add(layout)
@@ -365,7 +366,7 @@ def main() -> int:
           not bad, bad[:5])
 
     # The head-slice helper against mori-tp's pairs, on every pair of every valid-ratio layout.
-    mismatched = []
+    mismatched, changed = [], []
     for h, p_tp, d_tp in all_layouts:
         if (h, p_tp, d_tp) in ratio:
             continue
@@ -382,8 +383,12 @@ def main() -> int:
                 want = original_helper(p_tp, d_tp, p, d, h)
             if got != want:
                 mismatched.append(((h, p_tp, d_tp, p, d), got, want))
+            if got != original_helper(p_tp, d_tp, p, d, h):
+                changed.append(((h, p_tp, d_tp, p, d), got, original_helper(p_tp, d_tp, p, d, h)))
     check("the replaced compute_head_slice_params gives mori-tp's heads for every SEND pair",
           not mismatched, mismatched[:5])
+    check("where one TP size divides the other it agrees with SGLang 0.5.23's helper, which "
+          "the Mooncake and NIXL backends also call", not changed, changed[:5])
     try:
         staging_buffer.compute_head_slice_params(6, 4, 0, 0, 2)
         check("compute_head_slice_params refuses prefill TP 6 -> decode TP 4", False, "no error")
