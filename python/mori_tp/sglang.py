@@ -33,8 +33,8 @@ It replaces three functions (``HookType.REPLACE``, and ``AROUND`` for the helper
   unchanged (the mori path does not call it once the slice config is replaced).
 
 Refusals, before anything moves, as :class:`mori_tp.MoriError` subclasses whose message names
-the values (SGLang's ``MoriKVManager._transfer_worker`` catches an exception from
-``send_kvcache`` and fails the request with it in the reason):
+the values (SGLang's ``MoriKVManager._transfer_worker`` catches it, marks the request failed and
+sends the decode rank the reason ``transfer worker raised: TopologyError("...")``):
 
 - :class:`mori_tp.TopologyError`: prefill and decode attention-TP sizes where neither divides
   the other (prefill TP 6, decode TP 4). mori-tp itself pairs such layouts (REFERENCE.md

@@ -31,8 +31,12 @@ sentinel, so a wrong, missing, stray or repeated write is seen.
    ``sglang.srt.plugins.load_plugins()``, which applies its ``HookRegistry`` hooks.
 3. With it: the 20 layouts whose TP sizes divide neither way (the 13, and 7 that SGLang gets
    right by the accident of H = 1) are refused with mori_tp.TopologyError and its message, and
-   write nothing; every other layout gets every byte right and each exactly once; SGLang's
-   head-slice helper agrees with mori-tp's pairs.
+   write nothing; every other layout gets every byte right and each exactly once. Through
+   SGLang's prefill transfer worker (MoriKVManager._transfer_worker, with only its ZMQ status
+   push to decode recorded instead of sent), a refused request fails with mori-tp's exception
+   and message as the reason decode is told, and a valid one succeeds byte-exact. SGLang's
+   head-slice helper agrees with mori-tp's pairs, and with SGLang's own wherever one TP size
+   divides the other.
 """
 
 from __future__ import annotations
@@ -81,6 +85,13 @@ class _Status:
         return ""
 
 
+class _StatusCode:
+    """mori.io.StatusCode, the values SGLang compares wait_all's result with."""
+
+    SUCCESS = 0
+    IN_PROGRESS = 1
+
+
 class _MemoryDesc:
     """mori.io.MemoryDesc: one registered buffer (a numpy uint8 array) and a write count per
     byte."""
@@ -93,11 +104,15 @@ class _MemoryDesc:
 
 
 class _Engine:
-    """mori.io.IOEngine: batch_write applies each write to the registered buffers."""
+    """mori.io.IOEngine: batch_write applies each write to the registered buffers at once, so
+    wait_all has nothing to wait for."""
 
     def __init__(self):
         self.uid = 0
         self.calls = 0
+
+    def wait_all(self, statuses, timeout_ms=None) -> int:
+        return _StatusCode.SUCCESS
 
     def allocate_transfer_uid(self) -> int:
         self.uid += 1
@@ -127,9 +142,10 @@ def install_fake_mori() -> None:
     cpp.TransferStatus = _Status
     io = types.ModuleType("mori.io")
     for name in ("BackendType", "EngineDesc", "IOEngineConfig", "MemoryLocationType",
-                 "PollCqMode", "RdmaBackendConfig", "StatusCode"):
+                 "PollCqMode", "RdmaBackendConfig"):
         setattr(io, name, type(name, (), {}))
     io.IOEngine = _Engine
+    io.StatusCode = _StatusCode
     io.MemoryDesc = _MemoryDesc
     package = types.ModuleType("mori")
     package.__path__ = []
@@ -231,6 +247,57 @@ def move(np, conn, mori_conn, heads, prefill_tp, decode_tp):
             wrong += int(np.count_nonzero(desc.buf != e))
             duplicated += int(np.count_nonzero(desc.writes > 1))
     return wrong, duplicated, errors, calls, pairs
+
+
+def through_transfer_worker(np, mori_conn, heads, prefill_tp, decode_tp, p, d):
+    """One request chunk through SGLang's MoriKVManager._transfer_worker (the prefill rank's
+    worker loop: _process_transfer_chunk, _submit_kv_transfer, send_kvcache, then
+    conclude_transfer), with the room's state set as a bootstrap would. Only the ZMQ push of the
+    request's status to the decode rank (send_kv_status_message) is replaced, on this instance,
+    by a recorder. Returns (statuses pushed, the decode buffers, the room's final status)."""
+    import queue
+    import threading
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    room = 7
+    manager = object.__new__(mori_conn.MoriKVManager)
+    manager.attn_tp_size = prefill_tp
+    manager.is_mla_backend = manager.is_hybrid_mla_backend = False
+    manager.kv_args = NS(page_size=PS, kv_item_lens=[item_len(p, prefill_tp, heads)] * (2 * LAYERS),
+                         total_kv_head_num=heads, kv_head_num=len(heads_of(p, prefill_tp, heads)),
+                         engine_rank=p, prefill_start_layer=0, kv_layer_ids=[])
+    manager.kv_mem_descs = [_MemoryDesc(b) for b in source_buffers(np, p, prefill_tp, heads)]
+    manager.engine = _Engine()
+    manager._submission_local = mori_conn._SubmissionLocal()
+    manager.disaggregation_mode = DisaggregationMode.PREFILL
+    manager.enable_deferred_decode_kv_release = False
+    manager.request_status = {room: KVPoll.WaitingForInput}
+    manager.transfer_lock, manager.failure_lock = threading.Lock(), threading.Lock()
+    manager.failure_records = {}
+    manager.deferred_bootstrap = None
+    manager._transfer_timeout_ms, manager._wait_poll_ms = 10000, 10
+    dst = [_MemoryDesc(np.full(e.size, SENTINEL, np.uint8))
+           for e in expected_buffers(np, d, decode_tp, heads)]
+    manager.decode_kv_args_table = {"decode": mori_conn.KVArgsRegisterInfo(
+        endpoint="127.0.0.1", dst_port=1, engine_desc=NS(key="decode"), dst_kv_mem_descs=dst,
+        dst_aux_mem_descs=[], dst_state_mem_descs=[], gpu_id=0, decode_tp_size=decode_tp,
+        decode_tp_rank=d, dst_kv_item_len=item_len(d, decode_tp, heads), dst_state_item_lens=[],
+        dst_state_dim_per_tensor=[])}
+    manager.transfer_infos = {room: {"decode": NS(
+        engine_key="decode", is_dummy=False, dst_kv_indices=np.array(DST_PAGES, np.int32),
+        endpoint="127.0.0.1", dst_port=1)}}
+    pushed = []
+    manager.send_kv_status_message = lambda **message: pushed.append(message)
+    chunk = NS(room=room, prefill_kv_indices=np.array(SRC_PAGES, np.int32),
+               index_slice=slice(0, len(SRC_PAGES)), is_last_chunk=True, prefill_aux_index=None,
+               state_indices=None, num_kv_tokens=None, wait_event=None)
+    work = queue.Queue()
+    work.put(chunk)
+    work.put(None)  # the worker's stop sentinel
+    manager._transfer_worker(work)
+    return pushed, dst, manager.request_status[room]
 
 
 def refusal(heads, prefill_tp, decode_tp):
@@ -364,6 +431,29 @@ def main() -> int:
           SGLANG_WRONG <= refused, sorted(ratio - refused))
     check("with the plugin every other layout gets every byte right, each written once",
           not bad, bad[:5])
+
+    # What the decode rank is told, through SGLang's prefill transfer worker.
+    import logging
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    logging.getLogger(mori_conn.__name__).disabled = True  # the worker logs the traceback
+    pushed, dst, status = through_transfer_worker(np, mori_conn, 2, 6, 4, 0, 0)
+    check("through SGLang's transfer worker, prefill TP 6 -> decode TP 4 fails the request with "
+          "mori-tp's exception and message as the reason the decode rank gets, writing nothing",
+          status == KVPoll.Failed and len(pushed) == 1
+          and pushed[0]["status"] == KVPoll.Failed
+          and pushed[0]["failure_reason"] == f"transfer worker raised: "
+          f"TopologyError({refusal(2, 6, 4)!r})"
+          and all((desc.buf == SENTINEL).all() for desc in dst), (status, pushed))
+    logging.getLogger(mori_conn.__name__).disabled = False
+    pushed, dst, status = through_transfer_worker(np, mori_conn, 4, 2, 8, 0, 3)
+    expected = expected_buffers(np, 3, 8, 4)
+    check("through SGLang's transfer worker, prefill rank 0 of TP 2 -> decode rank 3 of TP 8 "
+          "(4 heads) succeeds byte-exact",
+          status == KVPoll.Success and [m["status"] for m in pushed] == [KVPoll.Success]
+          and all((desc.buf == e).all() and desc.writes.max() == 1
+                  for desc, e in zip(dst, expected)), (status, pushed))
 
     # The head-slice helper against mori-tp's pairs, on every pair of every valid-ratio layout.
     mismatched, changed = [], []
