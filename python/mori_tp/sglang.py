@@ -78,8 +78,9 @@ HELPER = "sglang.srt.disaggregation.common.staging_buffer"
 
 
 def _refuse_ratio(where: str, prefill_tp: int, decode_tp: int) -> None:
-    """Raises TopologyError when neither TP size divides the other (SGLang's rank mapping)."""
-    if prefill_tp % decode_tp == 0 or decode_tp % prefill_tp == 0:
+    """Raises TopologyError when neither TP size divides the other (SGLang's rank mapping). A
+    size of 0 is left to mori_tp.slice_config, which refuses it (InvalidArgumentError)."""
+    if prefill_tp <= 0 or decode_tp <= 0 or prefill_tp % decode_tp == 0 or decode_tp % prefill_tp == 0:
         return
     big, small = max(prefill_tp, decode_tp), min(prefill_tp, decode_tp)
     raise mori_tp.TopologyError(
