@@ -1,4 +1,4 @@
-//! Simulates one request of a deployment today's stacks get wrong, Qwen2.5-7B (4 KV heads,
+//! Simulates one request of a deployment older SGLang releases get wrong, Qwen2.5-7B (4 KV heads,
 //! head_dim 128, bf16) with prefill TP 2 and decode TP 8, in host memory, through the Rust API,
 //! and verifies every decode byte.
 //!

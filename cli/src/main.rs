@@ -56,7 +56,7 @@ receive exactly the heads it owns, from the right prefill rank, at the right byt
 every token of every layer. mori-tp computes that, refuses layouts that cannot work, and copies
 the bytes with one strided 2D copy per run of pages.
 
-With no command, mori-tp runs `simulate` on a deployment that today's serving stacks get wrong:
+With no command, mori-tp runs `simulate` on a deployment that older SGLang releases get wrong:
 qwen2.5-7b (4 KV heads) with prefill TP 2 and decode TP 8.";
 
 const AFTER_HELP: &str = "\

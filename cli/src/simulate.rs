@@ -593,7 +593,7 @@ fn layout_note(layout: &Layout) -> Option<String> {
     if decode.replication() > 1 && prefill.replication() == 1 {
         Some(format!(
             "decode TP {} exceeds the {heads} KV heads while prefill TP {} does not: the layout in \
-             which today's stacks send decode ranks the wrong heads",
+             which older SGLang releases send decode ranks the wrong heads",
             decode.tp_size(),
             prefill.tp_size()
         ))
