@@ -45,6 +45,9 @@ pub const ARGS_BYTES: usize = 4096;
 pub const INLINE_TABLE_BYTES: usize = 4032;
 /// Bytes of one run entry.
 pub const RUN_BYTES: usize = 48;
+/// Narrowest piece cut into a head, a 16-byte-unit body and a tail when its rows are equally
+/// misaligned on both sides.
+pub const SPLIT_MIN_WIDTH: u64 = 128;
 /// `args.flags`: rect offsets are two u64 rather than two u32.
 pub const WIDE_OFFSETS: u32 = 1;
 
@@ -149,8 +152,13 @@ pub fn col_chunks(units: u32) -> u32 {
 /// Buffers per block for `tiles` tiles of `buffers` buffers (`mori_copy_buffers_per_block`):
 /// `clamp(tiles * buffers / TARGET_BLOCKS, 1, min(buffers, MAX_BUFFERS_PER_BLOCK))`.
 pub fn buffers_per_block(tiles: u64, buffers: u64) -> u32 {
+    buffers_per_block_for(tiles, buffers, TARGET_BLOCKS)
+}
+
+/// Buffers per block on about `target` blocks (`mori_copy_buffers_per_block_for`).
+pub fn buffers_per_block_for(tiles: u64, buffers: u64, target: u64) -> u32 {
     let most = buffers.min(MAX_BUFFERS_PER_BLOCK);
-    (tiles.saturating_mul(buffers) / TARGET_BLOCKS)
+    (tiles.saturating_mul(buffers) / target.max(1))
         .min(most)
         .max(1) as u32
 }
@@ -163,6 +171,41 @@ pub fn grid(args: &KernelArgs) -> (u32, u32) {
     let x = args.num_tiles.min(MAX_GRID_X);
     let y = groups.min(u64::from(MAX_GRID_Y)) as u32;
     if x == 0 || y == 0 { (0, 0) } else { (x, y) }
+}
+
+/// The launch geometry within `max_blocks` blocks (`mori_copy_fit`; 0: no limit beyond the
+/// caps): may raise `args.buffers_per_block` (a limit below [`TARGET_BLOCKS`] aims the buffer
+/// groups at it), then cuts grid y to the limit when it alone reaches it (grid x = 1), else
+/// grid x to `limit / grid y`. `x * y <= max_blocks` always holds, and the kernel strides over
+/// the rest, so the bytes do not depend on the limit.
+pub fn fit(args: &mut KernelArgs, max_blocks: u32) -> (u32, u32) {
+    if max_blocks != 0 && u64::from(max_blocks) < TARGET_BLOCKS {
+        args.buffers_per_block = buffers_per_block_for(
+            u64::from(args.num_tiles),
+            u64::from(args.num_buffers),
+            u64::from(max_blocks),
+        );
+    }
+    let (x, y) = grid(args);
+    if max_blocks == 0 || x == 0 || u64::from(x) * u64::from(y) <= u64::from(max_blocks) {
+        return (x, y);
+    }
+    if y >= max_blocks {
+        (1, max_blocks)
+    } else {
+        (max_blocks / y, y)
+    }
+}
+
+/// The most blocks a launch uses: the caller's budget and the device's resident blocks (the
+/// persistent grid), the smaller of those given (0: no limit from that side).
+pub fn block_limit(budget: u32, resident: Option<u32>) -> u32 {
+    match (budget, resident.filter(|&r| r != 0)) {
+        (0, None) => 0,
+        (0, Some(r)) => r,
+        (b, None) => b,
+        (b, Some(r)) => b.min(r),
+    }
 }
 
 /// One piece of a rect, as the table keeps it (step 1 of the builder).
@@ -221,9 +264,14 @@ impl KernelTable {
         let base_bits = bases.iter().fold(0u64, |bits, &(s, d)| bits | s | d);
 
         // 1. Pieces: no empty rects, rows of at most MAX_WIDTH bytes, at most MAX_RUN_ROWS rows,
-        //    pitches 0 for one row, and each piece's unit.
+        //    pitches 0 for one row, and each piece's unit. A piece whose unit is below 16 bytes,
+        //    at least SPLIT_MIN_WIDTH wide, with every base and both pitches 16-byte aligned and
+        //    its source and destination rows equally misaligned, becomes a head (to the next
+        //    16-byte boundary), a body of 16-byte units and a tail; the bodies stay in order,
+        //    the heads and tails follow every other piece.
         let (mut job_rects, mut rows_per_buffer) = (0usize, 0u64);
         let mut pieces = Vec::new();
+        let mut edges = Vec::new();
         for r in rects {
             job_rects += 1;
             rows_per_buffer = rows_per_buffer.saturating_add(r.height);
@@ -249,21 +297,47 @@ impl KernelTable {
                         .wrapping_add(row.wrapping_mul(r.dst_pitch))
                         .wrapping_add(col);
                     let width = (r.width - col).min(MAX_WIDTH);
-                    let bits = base_bits | width | src | dst | src_pitch | dst_pitch;
-                    pieces.push(Piece {
-                        src,
-                        dst,
-                        src_pitch,
-                        dst_pitch,
-                        width,
-                        height,
-                        unit_shift: bits.trailing_zeros().min(4),
-                    });
+                    let piece = |src: u64, dst: u64, width: u64| {
+                        let bits = base_bits | width | src | dst | src_pitch | dst_pitch;
+                        Piece {
+                            src,
+                            dst,
+                            src_pitch,
+                            dst_pitch,
+                            width,
+                            height,
+                            unit_shift: bits.trailing_zeros().min(4),
+                        }
+                    };
+                    let whole = piece(src, dst, width);
+                    let head = (16 - src % 16) % 16;
+                    if whole.unit_shift < 4
+                        && width >= SPLIT_MIN_WIDTH
+                        && base_bits % 16 == 0
+                        && (src_pitch | dst_pitch) % 16 == 0
+                        && src % 16 == dst % 16
+                    {
+                        // Head, 16-byte body, tail: the body in the main list, the edges after
+                        // every piece (so that the bodies of like rects still form one run).
+                        let body = (width - head) & !15;
+                        pieces.push(piece(src + head, dst + head, body));
+                        if head > 0 {
+                            edges.push(piece(src, dst, head));
+                        }
+                        let tail = width - head - body;
+                        if tail > 0 {
+                            let at = head + body;
+                            edges.push(piece(src + at, dst + at, tail));
+                        }
+                    } else {
+                        pieces.push(whole);
+                    }
                     col += MAX_WIDTH;
                 }
                 row += MAX_RUN_ROWS;
             }
         }
+        pieces.extend(edges);
 
         // 2. Runs: a piece joins the run before it when it has the run's width and unit and
         //    one height divides the other at most MAX_RUN_SPLIT times: the taller side is cut
@@ -492,9 +566,18 @@ impl KernelTable {
         }
     }
 
-    /// The launch's grid (x over tiles, y over buffer groups); `(0, 0)`: nothing to launch.
+    /// The launch's grid (x over tiles, y over buffer groups) with no block limit; `(0, 0)`:
+    /// nothing to launch.
     pub fn grid(&self) -> (u32, u32) {
         grid(&self.args)
+    }
+
+    /// The kernel's argument and grid for a launch of at most `max_blocks` blocks (0: no limit;
+    /// see [`fit`]), with the uploaded table at `table` (ignored when inline).
+    pub fn launch(&self, table: u64, max_blocks: u32) -> (KernelArgs, (u32, u32)) {
+        let mut args = self.args(table);
+        let grid = fit(&mut args, max_blocks);
+        (args, grid)
     }
 }
 
@@ -594,6 +677,24 @@ pub const ARCHS: &str = env!("MORI_TP_HIP_KERNEL_ARCHS");
 #[cfg(feature = "cuda")]
 pub(crate) static COPY_KERNEL_PTX: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.ptx"));
+
+/// The kernel as SASS (cubins from `ptxas` at build time, when build.rs found one) for each
+/// `(name, compute capability * 10)`: empty where the build had no ptxas, and then the driver
+/// JIT-compiles [`COPY_KERNEL_PTX`] at first use. `LibCuda` loads the cubin of the device's
+/// major version with the highest minor version not above the device's.
+#[cfg(feature = "cuda")]
+pub(crate) static COPY_KERNEL_CUBINS: [(&str, u32, &[u8]); 2] = [
+    (
+        "sm_90 SASS",
+        90,
+        include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.sm_90.cubin")),
+    ),
+    (
+        "sm_100 SASS",
+        100,
+        include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.sm_100.cubin")),
+    ),
+];
 
 /// The virtual architecture [`COPY_KERNEL_PTX`] targets (`sm_70` unless the build set
 /// `MORI_TP_PTX_ARCH`).
@@ -1056,6 +1157,7 @@ mod tests {
             ("MORI_COPY_ARGS_BYTES", ARGS_BYTES as u64),
             ("MORI_COPY_INLINE_TABLE_BYTES", INLINE_TABLE_BYTES as u64),
             ("MORI_COPY_RUN_BYTES", RUN_BYTES as u64),
+            ("MORI_COPY_SPLIT_MIN_WIDTH", SPLIT_MIN_WIDTH),
             ("MORI_COPY_WIDE_OFFSETS", u64::from(WIDE_OFFSETS)),
         ] {
             assert_eq!(define(name), value, "{name}");

@@ -48,6 +48,7 @@ fn options(synchronize: bool, stream: *mut c_void) -> SendOptions {
         backend: Backend::Hip,
         synchronize,
         path: CopyPath::Memcpy2d,
+        max_blocks: 0,
         stream,
     }
 }
