@@ -1018,7 +1018,8 @@ mod tests {
         assert_eq!(unit(&[rect(0, 0, 512, 256, 256, 4)], &aligned), 4);
         assert_eq!(unit(&[rect(0, 0, 72, 72, 72, 4)], &aligned), 3);
         assert_eq!(unit(&[rect(4, 0, 512, 256, 256, 4)], &aligned), 2);
-        assert_eq!(unit(&[rect(0, 0, 510, 256, 256, 4)], &aligned), 1);
+        // Below SPLIT_MIN_WIDTH an odd width keeps the whole row in its narrow unit.
+        assert_eq!(unit(&[rect(0, 0, 126, 256, 256, 4)], &aligned), 1);
         assert_eq!(unit(&[rect(0, 0, 256, 256, 3, 4)], &aligned), 0);
         // A one-row rect ignores its pitches; a misaligned base of any buffer lowers the unit.
         assert_eq!(unit(&[rect(0, 0, 3, 5, 256, 1)], &aligned), 4);
@@ -1029,6 +1030,144 @@ mod tests {
             ),
             3
         );
+    }
+
+    /// (unit, width, rows) of each run of a table.
+    fn run_shapes(table: &KernelTable) -> Vec<(u32, u64, u32)> {
+        let args = table.args(0);
+        (0..args.num_runs as usize)
+            .map(|i| {
+                let at = args.runs_at as usize + RUN_BYTES * i;
+                let word = |o: usize| {
+                    u32::from_le_bytes(table.bytes()[at + o..at + o + 4].try_into().unwrap())
+                };
+                let (units, unit) = (word(28), word(44));
+                (unit, u64::from(units) << unit, word(20))
+            })
+            .collect()
+    }
+
+    /// Rows equally misaligned on both sides, or of an odd width, move in 16-byte units but
+    /// for a head and a tail strip; the bodies of like rects stay one run, the strips follow.
+    #[test]
+    fn equally_misaligned_rows_and_odd_widths_move_in_16_byte_units_but_for_their_edges() {
+        let aligned = [(1 << 20, 1 << 21), (1 << 22, 1 << 23)];
+        // One-row rects at offsets 4 mod 16, 1000 bytes: heads of 12, bodies of 976, tails of
+        // 12; page-size-1 rects of one shape stay one run of bodies.
+        let rows: Vec<CopyRect> = (0..40u64)
+            .map(|i| rect(4 + 2048 * i, 4 + 4096 * i, 0, 0, 1000, 1))
+            .collect();
+        let table = round_trip(&rows, &aligned);
+        assert_eq!(
+            run_shapes(&table),
+            [(4, 976, 40), (2, 12, 80)],
+            "bodies, then heads and tails (12 bytes each: one run of 4-byte units)"
+        );
+        // A tall rect of an odd width, pitches aligned: body and tail strips.
+        let table = round_trip(&[rect(0, 0, 512, 1024, 510, 8)], &aligned);
+        assert_eq!(run_shapes(&table), [(4, 496, 8), (1, 14, 8)]);
+        // Different misalignment on the two sides, a misaligned pitch, a misaligned base, or a
+        // row narrower than SPLIT_MIN_WIDTH: no split (the whole row in its common unit).
+        for (rects, bases, unit) in [
+            (vec![rect(4, 8, 0, 0, 1000, 1)], &aligned[..], 2),
+            (vec![rect(0, 0, 1000, 1024, 512, 3)], &aligned[..], 3),
+            (vec![rect(0, 0, 0, 0, 1000, 1)], &[(1 << 20, 3)][..], 0),
+            (vec![rect(4, 4, 0, 0, 124, 1)], &aligned[..], 2),
+        ] {
+            let table = round_trip(&rects, bases);
+            assert_eq!(run_shapes(&table).len(), 1, "{rects:?}");
+            assert_eq!(run_shapes(&table)[0].0, unit, "{rects:?}");
+        }
+        // Odd sizes and offsets of every residue, seeded: always exactly the rects' bytes.
+        let mut rng = mori_tp_testkit::Rng::new(45);
+        for _ in 0..200 {
+            let off = rng.range(0, 16);
+            let rects: Vec<CopyRect> = (0..rng.range(0, 12))
+                .map(|i| {
+                    let width = rng.range(1, 700);
+                    let height = rng.range(0, 5);
+                    let pitch = (width + 15) / 16 * 16 * rng.range(1, 3);
+                    rect(off + (i << 16), off + (i << 17), pitch, pitch, width, height)
+                })
+                .collect();
+            round_trip(&rects, &aligned);
+        }
+    }
+
+    /// A table of exactly INLINE_TABLE_BYTES travels in the argument; the next size a table
+    /// can have (tables grow by 8 bytes) is uploaded.
+    #[test]
+    fn a_table_at_exactly_the_inline_limit_is_inline_and_one_entry_more_is_uploaded() {
+        // 16 bytes of bases, one 48-byte run, 8 bytes per one-row rect: 496 rects is 4032.
+        let rows = |n: u64| -> Vec<CopyRect> {
+            (0..n)
+                .map(|i| rect(512 * i, 1024 * i, 0, 0, 256, 1))
+                .collect()
+        };
+        let bases = [(1 << 30, 1 << 31)];
+        let at = round_trip(&rows(496), &bases);
+        assert_eq!((at.table_len(), at.is_inline()), (INLINE_TABLE_BYTES, true));
+        assert_eq!(at.byte_len(), 0, "nothing to upload");
+        let over = round_trip(&rows(497), &bases);
+        assert_eq!(
+            (over.table_len(), over.is_inline()),
+            (INLINE_TABLE_BYTES + 8, false)
+        );
+        assert_eq!(over.byte_len(), INLINE_TABLE_BYTES + 8);
+    }
+
+    #[test]
+    fn the_launch_geometry_never_exceeds_the_block_limit() {
+        assert_eq!(block_limit(0, None), 0);
+        assert_eq!(block_limit(0, Some(264)), 264);
+        assert_eq!(block_limit(4, Some(264)), 4);
+        assert_eq!(block_limit(1000, Some(264)), 264);
+        assert_eq!(block_limit(7, None), 7);
+        assert_eq!(block_limit(7, Some(0)), 7);
+        let args = |tiles, buffers| {
+            let mut a = KernelArgs {
+                num_tiles: tiles,
+                num_buffers: buffers,
+                ..KernelArgs::default()
+            };
+            a.buffers_per_block = buffers_per_block(u64::from(tiles), u64::from(buffers));
+            a
+        };
+        // No limit: the table's own geometry.
+        let mut a = args(64, 64);
+        assert_eq!(fit(&mut a, 0), (64, 32));
+        assert_eq!(a.buffers_per_block, 2);
+        // A budget of 4: 16 buffers a block, 4 groups, one column of blocks.
+        let mut a = args(64, 64);
+        assert_eq!(fit(&mut a, 4), (1, 4));
+        assert_eq!(a.buffers_per_block, 16);
+        // A budget of 1: one block does everything.
+        let mut a = args(64, 64);
+        assert_eq!(fit(&mut a, 1), (1, 1));
+        // The persistent grid of an H100-like device (132 SMs x 2 blocks): 15 buffers a block
+        // (64 x 64 / 264), 5 groups, 52 columns.
+        let mut a = args(64, 64);
+        assert_eq!(fit(&mut a, 264), (52, 5));
+        assert_eq!(a.buffers_per_block, 15);
+        // A limit above what the table asks for changes nothing.
+        let mut a = args(5, 3);
+        assert_eq!(fit(&mut a, 70_000), (5, 1));
+        // Seeded: x * y <= limit, and never 0 while there is something to copy.
+        let mut rng = mori_tp_testkit::Rng::new(8);
+        for _ in 0..2000 {
+            let mut a = args(rng.range(0, 5000) as u32, rng.range(0, 200) as u32);
+            let limit = rng.range(0, 3000) as u32;
+            let (x, y) = fit(&mut a, limit);
+            if a.num_tiles == 0 || a.num_buffers == 0 {
+                assert_eq!((x, y), (0, 0));
+                continue;
+            }
+            assert!(x >= 1 && y >= 1);
+            if limit != 0 {
+                assert!(u64::from(x) * u64::from(y) <= u64::from(limit));
+            }
+            assert!(a.buffers_per_block >= 1 && a.buffers_per_block <= 16);
+        }
     }
 
     #[test]
