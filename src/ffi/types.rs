@@ -137,7 +137,7 @@ pub const MORI_SEND_MEMCPY2D: u32 = 4u32;
 /// may launch (0: no budget). Set it as `flags |= blocks << MORI_SEND_MAX_BLOCKS_SHIFT` with
 /// 1 <= blocks <= 65535 (MORI_SEND_MAX_BLOCKS_LIMIT). A pack or unpack that overlaps compute (an
 /// attention kernel on another stream) then occupies at most that many blocks, of
-/// MORI_COPY_BLOCK_THREADS (256) threads each, and leaves the other SMs or CUs to the compute;
+/// 256 threads each, and leaves the other SMs or CUs to the compute;
 /// the kernel strides over the rest, so the bytes are the same for any budget. Without a budget
 /// the grid is the persistent one: at most the blocks the device runs at once (its SM or CU
 /// count times the kernel's occupancy, asked once per device with
