@@ -1151,7 +1151,7 @@ mod tests {
         assert_eq!(a.buffers_per_block, 15);
         // A limit above what the table asks for changes nothing.
         let mut a = args(5, 3);
-        assert_eq!(fit(&mut a, 70_000), (5, 1));
+        assert_eq!(fit(&mut a, 70_000), (5, 3));
         // Seeded: x * y <= limit, and never 0 while there is something to copy.
         let mut rng = mori_tp_testkit::Rng::new(8);
         for _ in 0..2000 {
