@@ -738,6 +738,43 @@ mod tests {
         assert!(text.contains("ld.global.v4.u32") && text.contains("st.global.v4.u32"));
     }
 
+    /// The cubins build.rs embedded: ELF images of the kernel for their compute capability, or
+    /// empty where the build had no ptxas, which MORI_TP_REQUIRE_TOOLS=1 (CI, which installs
+    /// PyPI's nvidia-cuda-nvcc-cu12) makes a failure.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_embedded_cubins_are_the_kernel_for_sm_90_and_sm_100_when_ptxas_was_present() {
+        use std::io::Write;
+        let required = std::env::var_os("MORI_TP_REQUIRE_TOOLS").is_some_and(|v| v == "1");
+        for (name, sm, image) in COPY_KERNEL_CUBINS {
+            if image.is_empty() {
+                assert!(
+                    !required,
+                    "{name}: no cubin embedded, and MORI_TP_REQUIRE_TOOLS=1 (set MORI_TP_PTXAS \
+                     to a ptxas, e.g. from pip install nvidia-cuda-nvcc-cu12)"
+                );
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "skipped the {name} cubin check: built without ptxas"
+                );
+                continue;
+            }
+            assert!(image.starts_with(b"\x7fELF"), "{name}: not an ELF image");
+            let kernel = KERNEL_NAME.to_bytes();
+            assert!(
+                image.windows(kernel.len()).any(|w| w == kernel),
+                "{name}: no {KERNEL_NAME:?} in the cubin"
+            );
+            // The ELF header's e_flags (offset 48) hold the SM number in their low byte (cubins
+            // of CUDA 12.x; from CUDA 12.8, sm_100's too).
+            let flags = u32::from_le_bytes(image[48..52].try_into().unwrap());
+            assert!(
+                flags & 0xff == sm || (flags >> 8) & 0xff == sm,
+                "{name}: e_flags {flags:#x} name another SM"
+            );
+        }
+    }
+
     /// `ptxas`: `MORI_TP_PTXAS`, else on PATH, else in a CUDA toolkit's usual places; None
     /// without one.
     #[cfg(feature = "cuda")]
@@ -779,7 +816,7 @@ mod tests {
         let source = dir.join("copy_kernel.ptx");
         // The text without its NUL (ptxas reads a file).
         std::fs::write(&source, &COPY_KERNEL_PTX[..COPY_KERNEL_PTX.len() - 1]).expect("write");
-        for arch in ["sm_90", PTX_ARCH] {
+        for arch in ["sm_90", "sm_100", PTX_ARCH] {
             let cubin = dir.join(format!("copy_kernel.{arch}.cubin"));
             let output = std::process::Command::new(&ptxas)
                 .args([&format!("-arch={arch}"), "-v", "-o"])
