@@ -355,13 +355,17 @@ fn build_cubins(out: &Path, ptx: &Path) {
             dirs.push(Path::new(&cuda).join("bin"));
         }
         dirs.push("/usr/local/cuda/bin".into());
-        dirs.into_iter().map(|d| d.join("ptxas")).find(|p| p.is_file())
+        dirs.into_iter()
+            .map(|d| d.join("ptxas"))
+            .find(|p| p.is_file())
     });
     for arch in SASS_ARCHS {
         let cubin = out.join(format!("copy_kernel.{arch}.cubin"));
         let _ = fs::remove_file(&cubin);
         let built = match &ptxas {
-            None => Err("no ptxas (set MORI_TP_PTXAS, or pip install nvidia-cuda-nvcc-cu12)".into()),
+            None => {
+                Err("no ptxas (set MORI_TP_PTXAS, or pip install nvidia-cuda-nvcc-cu12)".into())
+            }
             Some(ptxas) => Command::new(ptxas)
                 .args([&format!("-arch={arch}"), "-O3", "-o"])
                 .arg(&cubin)

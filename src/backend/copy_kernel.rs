@@ -696,6 +696,19 @@ pub(crate) static COPY_KERNEL_CUBINS: [(&str, u32, &[u8]); 2] = [
     ),
 ];
 
+/// The cubin of `cubins` (name, compute capability * 10, image) for a device of compute
+/// capability `cc` (* 10): of the device's major version, the highest minor version not above
+/// the device's (SASS runs on GPUs of its major version and a minor version at least its own);
+/// empty images (no ptxas at build time) never. None: load the PTX.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn pick_cubin<'a>(cc: u32, cubins: &[(&'a str, u32, &'a [u8])]) -> Option<(&'a str, &'a [u8])> {
+    cubins
+        .iter()
+        .filter(|(_, sm, image)| !image.is_empty() && sm / 10 == cc / 10 && *sm <= cc)
+        .max_by_key(|(_, sm, _)| *sm)
+        .map(|&(name, _, image)| (name, image))
+}
+
 /// The virtual architecture [`COPY_KERNEL_PTX`] targets (`sm_70` unless the build set
 /// `MORI_TP_PTX_ARCH`).
 #[cfg(feature = "cuda")]
@@ -908,6 +921,23 @@ mod tests {
         let got = segments(decoded.iter().map(|t| (t.src_base, t.dst_base, t.rect)));
         assert_eq!(got, want, "{rects:?}");
         table
+    }
+
+    #[test]
+    fn a_device_gets_the_cubin_of_its_major_version_not_above_its_minor_or_none() {
+        let (a, b, c): (&[u8], &[u8], &[u8]) = (b"90", b"100", b"103");
+        let cubins = [("sm_90", 90, a), ("sm_100", 100, b), ("sm_103", 103, c)];
+        assert_eq!(pick_cubin(90, &cubins), Some(("sm_90", a)));
+        assert_eq!(pick_cubin(100, &cubins), Some(("sm_100", b)));
+        assert_eq!(pick_cubin(101, &cubins), Some(("sm_100", b)));
+        assert_eq!(pick_cubin(103, &cubins), Some(("sm_103", c)));
+        // Another major version (sm_80, sm_120), or a cubin newer than the device: the PTX.
+        assert_eq!(pick_cubin(80, &cubins), None);
+        assert_eq!(pick_cubin(120, &cubins), None);
+        assert_eq!(pick_cubin(89, &cubins), None);
+        // A build without ptxas embeds empty cubins: never picked.
+        let empty: [(&str, u32, &[u8]); 2] = [("sm_90", 90, b""), ("sm_100", 100, b"")];
+        assert_eq!(pick_cubin(90, &empty), None);
     }
 
     #[test]
@@ -1124,7 +1154,14 @@ mod tests {
                     let width = rng.range(1, 700);
                     let height = rng.range(0, 5);
                     let pitch = (width + 15) / 16 * 16 * rng.range(1, 3);
-                    rect(off + (i << 16), off + (i << 17), pitch, pitch, width, height)
+                    rect(
+                        off + (i << 16),
+                        off + (i << 17),
+                        pitch,
+                        pitch,
+                        width,
+                        height,
+                    )
                 })
                 .collect();
             round_trip(&rects, &aligned);

@@ -3348,13 +3348,20 @@ fn layout_pack_unpack_through_hip(
 /// blocks, for an inline and an uploaded table, and the bytes stay the host engine's.
 #[test]
 fn a_block_budget_and_the_persistent_grid_bound_every_launch_and_the_bytes_stay_right() {
-    if cpu_kernel_or_skip("a_block_budget_and_the_persistent_grid_bound_every_launch_...").is_none() {
+    if cpu_kernel_or_skip("a_block_budget_and_the_persistent_grid_bound_every_launch_...").is_none()
+    {
         return;
     }
     for uploaded in [false, true] {
         for resident in [None, Some(6)] {
             for budget in [0, 1, 2, 3, 5, 64, 70_000] {
-                let make = || if uploaded { Fixture::uploaded() } else { Fixture::new() };
+                let make = || {
+                    if uploaded {
+                        Fixture::uploaded()
+                    } else {
+                        Fixture::new()
+                    }
+                };
                 let want = fixture_sent_by_host_of(make());
                 let mut f = make();
                 let options = SendOptions {
@@ -3376,7 +3383,10 @@ fn a_block_budget_and_the_persistent_grid_bound_every_launch_and_the_bytes_stay_
                 let (x, y) = launches[0].grid;
                 let limit = crate::backend::copy_kernel::block_limit(budget, resident);
                 if limit != 0 {
-                    assert!(u64::from(x) * u64::from(y) <= u64::from(limit), "{what}: grid ({x}, {y})");
+                    assert!(
+                        u64::from(x) * u64::from(y) <= u64::from(limit),
+                        "{what}: grid ({x}, {y})"
+                    );
                 }
                 assert!(x >= 1 && y >= 1, "{what}");
                 if budget == 1 {

@@ -40,7 +40,7 @@ use std::sync::{Mutex, OnceLock};
 use cudarc::driver::sys as cu;
 
 use super::super::copy_kernel::{
-    BLOCK_THREADS, COPY_KERNEL_CUBINS, COPY_KERNEL_PTX, KernelArgs, PTX_ARCH,
+    BLOCK_THREADS, COPY_KERNEL_CUBINS, COPY_KERNEL_PTX, KernelArgs, PTX_ARCH, pick_cubin,
 };
 use super::{
     Api, CUDA_API, CaptureMode, GpuRuntime, GpuStatus, KernelCache, KernelImage, KernelLaunch,
@@ -315,12 +315,7 @@ impl LibCuda {
         use cu::CUdevice_attribute_enum as A;
         let major = self.attribute_here(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = self.attribute_here(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let cc = u32::try_from(major * 10 + minor).ok()?;
-        COPY_KERNEL_CUBINS
-            .iter()
-            .filter(|(_, sm, image)| !image.is_empty() && sm / 10 == cc / 10 && *sm <= cc)
-            .max_by_key(|(_, sm, _)| *sm)
-            .map(|&(name, _, image)| (name, image))
+        pick_cubin(u32::try_from(major * 10 + minor).ok()?, &COPY_KERNEL_CUBINS)
     }
 
     /// The calling thread's current context (NULL: none).

@@ -176,7 +176,9 @@ unsafe fn resident_blocks(function: *mut c_void) -> Option<u32> {
         (occupancy(&mut blocks, function, BLOCK_THREADS as c_int, 0) == GpuStatus::SUCCESS)
             .then_some(())?;
     }
-    let resident = u32::try_from(units).ok()?.checked_mul(u32::try_from(blocks).ok()?)?;
+    let resident = u32::try_from(units)
+        .ok()?
+        .checked_mul(u32::try_from(blocks).ok()?)?;
     (resident > 0).then_some(resident)
 }
 
