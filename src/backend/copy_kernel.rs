@@ -1153,7 +1153,7 @@ mod tests {
                 .map(|i| {
                     let width = rng.range(1, 700);
                     let height = rng.range(0, 5);
-                    let pitch = (width + 15) / 16 * 16 * rng.range(1, 3);
+                    let pitch = width.div_ceil(16) * 16 * rng.range(1, 3);
                     rect(
                         off + (i << 16),
                         off + (i << 17),

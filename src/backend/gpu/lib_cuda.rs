@@ -224,7 +224,7 @@ fn loaded() -> std::result::Result<&'static Loaded, String> {
             // SAFETY: the library cudarc loaded as the CUDA driver; only addresses are read.
             let symbol = |name: &[u8]| unsafe { library.get::<*mut c_void>(name) }.ok().map(|s| *s);
             // SAFETY: the driver's symbols, whose signatures `driver!` declares.
-            let driver = unsafe { Driver::load(&symbol) }.map_err(|missing| {
+            let driver = unsafe { Driver::load(symbol) }.map_err(|missing| {
                 format!(
                     "the CUDA driver lacks {} (mori-tp needs a driver of CUDA 11.4 or later)",
                     missing.join(", ")
@@ -233,7 +233,7 @@ fn loaded() -> std::result::Result<&'static Loaded, String> {
             // SAFETY: cuInit takes flags 0.
             let init = unsafe { (driver.init)(0) }.result();
             // SAFETY: as above.
-            let optional = unsafe { Optional::load(&symbol) };
+            let optional = unsafe { Optional::load(symbol) };
             Ok(Loaded {
                 driver,
                 optional,
