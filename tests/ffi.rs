@@ -490,7 +490,10 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
         );
     }
     // Those sends moved the page; the refusals below start from the initial bytes again.
-    assert!(f.dst != f.initial, "a budget on the host backend moved nothing");
+    assert!(
+        f.dst != f.initial,
+        "a budget on the host backend moved nothing"
+    );
     let initial = f.initial.clone();
     f.dst.clone_from(&initial);
     let mut fake_stream = 0u8;
