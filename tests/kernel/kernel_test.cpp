@@ -607,6 +607,9 @@ int main() {
                     for (const Launch &how : kLaunches) {
                         // Many buffers: the formula grid only (the others add nothing there).
                         if (many && how.grid_x != 0) continue;
+                        // Block limits: on the first two misalignments (the grid, not the
+                        // alignment, is what they change), to keep the run short.
+                        if (how.max_blocks != 0 && &misalign - kMisalign >= 2) continue;
                         const std::string label = std::string(layout.name) + ", page size " +
                                                   std::to_string(page_size) + (shape == 0 ? ", fragmented" : ", contiguous") +
                                                   ", misaligned by (" + std::to_string(misalign[0]) + ", " +
