@@ -842,6 +842,15 @@ mod tests {
                 String::from_utf8_lossy(&output.stdout),
                 String::from_utf8_lossy(&output.stderr)
             );
+            // sm_100 needs ptxas 12.8 or later: an older one does not know the name.
+            if arch == "sm_100" && !output.status.success() && text.contains("not defined") {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "skipped sm_100 in the_embedded_ptx_assembles_...: {} predates it",
+                    ptxas.display()
+                );
+                continue;
+            }
             assert!(
                 output.status.success(),
                 "{} -arch={arch} refused the PTX:\n{text}",
