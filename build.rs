@@ -330,6 +330,72 @@ fn build_copy_kernel_ptx() {
     text.push(0);
     fs::write(out.join("copy_kernel.ptx"), &text).expect("write the PTX");
     println!("cargo:rustc-env=MORI_TP_PTX_ARCH={arch}");
+    build_cubins(&out, &ptx);
+}
+
+/// The GPUs the kernel is embedded as SASS for, beside the PTX, when `ptxas` is at hand: H100 /
+/// H200 (sm_90) and B200 / GB200 (sm_100).
+const SASS_ARCHS: [&str; 2] = ["sm_90", "sm_100"];
+
+/// Assembles the PTX at `ptx` with `ptxas` for every arch of [`SASS_ARCHS`] into
+/// `$OUT_DIR/copy_kernel.<arch>.cubin`, so that a GPU of that compute capability loads SASS and
+/// needs no JIT at first use. `MORI_TP_PTXAS` names ptxas (default: on PATH, in
+/// `$CUDA_HOME/bin`, `/usr/local/cuda/bin`); PyPI's `nvidia-cuda-nvcc-cu12` wheel ships one
+/// (`nvidia/cuda_nvcc/bin/ptxas`). Without ptxas, or for an arch it does not know, the cubin is
+/// empty and the driver JIT-compiles the PTX (a warning says so).
+fn build_cubins(out: &Path, ptx: &Path) {
+    for var in ["MORI_TP_PTXAS", "CUDA_HOME"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let ptxas = env::var_os("MORI_TP_PTXAS").map(PathBuf::from).or_else(|| {
+        let mut dirs: Vec<PathBuf> = env::var_os("PATH")
+            .map(|p| env::split_paths(&p).collect())
+            .unwrap_or_default();
+        if let Some(cuda) = env::var_os("CUDA_HOME") {
+            dirs.push(Path::new(&cuda).join("bin"));
+        }
+        dirs.push("/usr/local/cuda/bin".into());
+        dirs.into_iter()
+            .map(|d| d.join("ptxas"))
+            .find(|p| p.is_file())
+    });
+    for arch in SASS_ARCHS {
+        let cubin = out.join(format!("copy_kernel.{arch}.cubin"));
+        let _ = fs::remove_file(&cubin);
+        let built = match &ptxas {
+            None => {
+                Err("no ptxas (set MORI_TP_PTXAS, or pip install nvidia-cuda-nvcc-cu12)".into())
+            }
+            Some(ptxas) => Command::new(ptxas)
+                .args([&format!("-arch={arch}"), "-O3", "-o"])
+                .arg(&cubin)
+                .arg(ptx)
+                .output()
+                .map_err(|e| format!("{} did not run: {e}", ptxas.display()))
+                .and_then(|o| {
+                    if o.status.success() {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "{} -arch={arch} failed: {}",
+                            ptxas.display(),
+                            String::from_utf8_lossy(&o.stderr).trim()
+                        ))
+                    }
+                }),
+        };
+        match built.and_then(|()| fs::read(&cubin).map_err(|e| e.to_string())) {
+            Ok(image) if image.starts_with(b"\x7fELF") => {}
+            Ok(_) => panic!("{} is not an ELF cubin", cubin.display()),
+            Err(why) => {
+                println!(
+                    "cargo:warning=the copy kernel is embedded without {arch} SASS ({why}); the \
+                     driver JIT-compiles the PTX at first use"
+                );
+                fs::write(&cubin, b"").expect("write an empty cubin");
+            }
+        }
+    }
 }
 
 /// `$MORI_TP_CLANG`, else the first clang that runs: `clang`, `clang-21` .. `clang-14` on PATH,

@@ -456,6 +456,129 @@ bool run_case(const Shape &s, uint64_t tokens, const Settings &set, const Placem
     return true;
 }
 
+// The kernel at the memory limit (issue 45, REFERENCE.md section 7): mori_pack_kvcache with
+// MORI_SEND_COPY_KERNEL of rows of 128, 256 and 512 B (one rect of all tokens per buffer: NHD,
+// prefill TP 2 -> decode TP 8, one head of that size out of four, pages of 16, contiguous) and
+// of one-row rects (page size 1, runs of one page), each against one hipMemcpyAsync of the same
+// bytes in the same run (gpu_us, gated, medians); then the SM-budget curve: the 256 B rows with
+// MORI_SEND_MAX_BLOCKS of 1, 2, 4, ... blocks up to the SM count, and none. Prints Markdown
+// tables for BENCHMARKS.md. Every shape's first and last staged buffer is checked against the
+// host backend's pack of the same source bytes. Returns false when a byte differs.
+bool limit_suite(const Settings &set, hipStream_t stream, int sms, bool quick) {
+    struct LimitShape {
+        const char *name;
+        uint64_t width;
+        uint32_t page;
+        uint64_t run;  // 0: contiguous pages
+        double target;
+    };
+    const LimitShape shapes[] = {
+        {"rows of 128 B", 128, 16, 0, 0.9},
+        {"rows of 256 B", 256, 16, 0, 0.9},
+        {"rows of 512 B", 512, 16, 0, 0.9},
+        {"one-row rects of 128 B", 128, 1, 1, 0.7},
+        {"one-row rects of 256 B", 256, 1, 1, 0.7},
+        {"one-row rects of 512 B", 512, 1, 1, 0.7},
+    };
+    const uint64_t tokens = set.tokens.front();
+    const uint32_t nb = set.buffers;
+    const bool gated = set.gated > 0;
+    std::printf("bench: the kernel at the memory limit: pack with MORI_SEND_COPY_KERNEL, %" PRIu64
+                " tokens x %u buffers, against one hipMemcpyAsync of the same bytes (%s)\n",
+                tokens, nb, gated ? "gpu_us: medians of gated calls" : "no gated timing: stream_us");
+    std::printf("| shape | MiB | rects/buffer | memcpy us | kernel us | ratio | target |\n|---|---|---|---|---|---|---|\n");
+    bool ok = true;
+    std::vector<uint32_t> budgets;
+    for (uint32_t b = 1; b < static_cast<uint32_t>(sms); b *= 2) budgets.push_back(b);
+    budgets.push_back(static_cast<uint32_t>(sms));
+    budgets.push_back(0);
+    struct Curve {
+        uint32_t budget;
+        float ms;
+    };
+    std::vector<Curve> curve;
+    float curve_memcpy = 0;
+    uint64_t curve_bytes = 0;
+    for (const LimitShape &shape : shapes) {
+        const uint64_t src_bpt = 4 * shape.width, dst_bpt = shape.width;
+        const MoriTpSliceParams params = {2, 0, 8, 0, 8, shape.page, shape.page * src_bpt, shape.page * dst_bpt};
+        MoriTpSliceConfig config{};
+        MORI_OK_OR_DIE(mori_tp_slice_config(&params, &config));
+        const uint64_t n = tokens / shape.page;
+        const mori_testkit::Pages p =
+            shape.run == 0 ? mori_testkit::contiguous(n) : mori_testkit::fixed_runs(7 + shape.width, n, shape.run);
+        size_t rects = 0;
+        const MoriStatus q = mori_tp_plan(&config, p.src.data(), p.dst.data(), n, nullptr, 0, &rects);
+        if (q != MORI_OK && q != MORI_ERR_BUFFER_TOO_SMALL) MORI_OK_OR_DIE(q);
+        uint64_t staging_len = 0;
+        MORI_OK_OR_DIE(mori_tp_staging_len(&config, n, &staging_len));
+        const uint64_t bytes = staging_len * nb;
+        Buffers src(nb, p.src_capacity_pages * shape.page * src_bpt, 0, 0);
+        for (uint32_t b = 0; b < nb; b++) {
+            std::vector<uint8_t> fill(src.capacity);
+            for (uint64_t i = 0; i < fill.size(); i++) fill[i] = static_cast<uint8_t>(i * 7 + b * 13 + shape.width);
+            HIP_OK(hipMemcpy(src.pointers[b], fill.data(), fill.size(), hipMemcpyHostToDevice));
+        }
+        Buffers staging(1, bytes, 0, 0), flat_src(1, bytes, 4, 0), flat_dst(1, bytes, 5, 0);
+        const auto timed = [&](const auto &body) {
+            if (gated) {
+                bool flagged = false;
+                return gated_ms(0, stream, set.gated, body, &flagged);
+            }
+            return stream_ms(0, stream, set.warmup, set.iterations, body);
+        };
+        const float memcpy_ms = timed([&] {
+            HIP_OK(hipMemcpyAsync(flat_dst.pointers[0], flat_src.pointers[0], bytes, hipMemcpyDefault, stream));
+        });
+        const auto pack = [&](uint32_t budget) {
+            const MoriSendOptions options = {kBackend, MORI_SEND_COPY_KERNEL | (budget << MORI_SEND_MAX_BLOCKS_SHIFT),
+                                             stream};
+            return [&config, &src, &p, &staging, n, nb, bytes, options] {
+                MORI_OK_OR_DIE(mori_pack_kvcache(&config, src.pointers.data(), nb, src.capacity, p.src.data(), n,
+                                                 staging.pointers[0], bytes, &options));
+            };
+        };
+        const float kernel_ms = timed(pack(0));
+        std::printf("| %s | %.1f | %zu | %.1f | %.1f | %.2f | %.1f |\n", shape.name,
+                    static_cast<double>(bytes) / 1048576.0, rects, 1000.0 * memcpy_ms, 1000.0 * kernel_ms,
+                    memcpy_ms / kernel_ms, shape.target);
+        // The bytes: the first and the last buffer against the host backend's pack.
+        HIP_OK(hipStreamSynchronize(stream));
+        HIP_OK(hipMemset(staging.pointers[0], 0x5A, bytes));
+        pack(quick ? 1 : 0)();
+        HIP_OK(hipStreamSynchronize(stream));
+        for (uint32_t b : {0u, nb - 1}) {
+            std::vector<uint8_t> host_src(src.capacity), want(staging_len), got(staging_len);
+            HIP_OK(hipMemcpy(host_src.data(), src.pointers[b], src.capacity, hipMemcpyDeviceToHost));
+            HIP_OK(hipMemcpy(got.data(), static_cast<uint8_t *>(staging.pointers[0]) + b * staging_len, staging_len,
+                             hipMemcpyDeviceToHost));
+            const void *one[1] = {host_src.data()};
+            const MoriSendOptions host = {MORI_BACKEND_HOST, 0, nullptr};
+            MORI_OK_OR_DIE(mori_pack_kvcache(&config, one, 1, src.capacity, p.src.data(), n, want.data(), staging_len,
+                                             &host));
+            if (want != got) {
+                std::fprintf(stderr, "bench: %s: buffer %u of the kernel's pack differs from the host's\n", shape.name, b);
+                ok = false;
+            }
+        }
+        if (shape.width == 256 && shape.run == 0) {
+            curve_memcpy = memcpy_ms;
+            curve_bytes = bytes;
+            for (uint32_t budget : budgets) curve.push_back({budget, timed(pack(budget))});
+        }
+    }
+    std::printf("bench: the SM budget (MORI_SEND_MAX_BLOCKS), rows of 256 B, %d SMs: memcpy %.1f us\n", sms,
+                1000.0 * curve_memcpy);
+    std::printf("| blocks | kernel us | GB/s | share of memcpy |\n|---|---|---|---|\n");
+    for (const Curve &c : curve) {
+        char name[16];
+        std::snprintf(name, sizeof name, "%u", c.budget);
+        std::printf("| %s | %.1f | %.1f | %.2f |\n", c.budget == 0 ? "none" : name, 1000.0 * c.ms,
+                    static_cast<double>(curve_bytes) / (1e6 * c.ms), curve_memcpy / c.ms);
+    }
+    return ok;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -501,6 +624,7 @@ int main(int argc, char **argv) {
             ok &= run_case(shape, tokens, settings, kLocal, stream);
         }
     }
+    ok &= limit_suite(settings, stream, props.multiProcessorCount > 0 ? props.multiProcessorCount : 4, quick);
     HIP_OK(hipStreamDestroy(stream));
 
     // The one-row and the contiguous shape with the memory elsewhere.

@@ -48,8 +48,9 @@
  * and size = sizeof args (MORI_COPY_ARGS_BYTES): the struct is the whole kernel-argument buffer.
  * (`extra` rather than kernelParams because HIP 5.2's header still says kernelParams is not
  * implemented.) Grid x = min(num_tiles, MORI_COPY_MAX_GRID_X), grid y = min(ceil(num_buffers /
- * buffers_per_block), MORI_COPY_MAX_GRID_Y); the kernel strides over the rest, and any grid or
- * smaller block copies the same bytes.
+ * buffers_per_block), MORI_COPY_MAX_GRID_Y), then within the launch's block limit
+ * (mori_copy_fit, below: the persistent grid and the caller's SM budget); the kernel strides over
+ * the rest, and any grid or smaller block copies the same bytes.
  *
  * Requirements: every row of every (buffer, rect) is device-accessible memory (device memory, a
  * peer's with peer access enabled, or host memory mapped into the device, such as
@@ -97,6 +98,12 @@
 #define MORI_COPY_INLINE_TABLE_BYTES 4032u
 /* Bytes of one run entry. */
 #define MORI_COPY_RUN_BYTES 48u
+/* A piece at least this wide whose unit is below 16 bytes, with every buffer base and both
+ * pitches 16-byte aligned and its source and destination rows equally misaligned, is cut into a
+ * head (up to the next 16-byte boundary), a body of 16-byte units and a tail; the bodies keep
+ * their order, the heads and tails follow every other piece (so like rects' bodies still form
+ * one run). An unaligned offset or odd width then costs one narrow strip, not the whole row. */
+#define MORI_COPY_SPLIT_MIN_WIDTH 128u
 
 /* args.flags: rect offsets are two uint64 (16 bytes per rect) rather than two uint32. */
 #define MORI_COPY_WIDE_OFFSETS 1u
@@ -142,16 +149,21 @@ static inline uint32_t mori_copy_col_chunks(uint32_t units) {
     return units <= MORI_COPY_TILE_UNITS ? 1u : (units + MORI_COPY_TILE_UNITS - 1) / MORI_COPY_TILE_UNITS;
 }
 
-/* Buffers per block for `tiles` tiles of `buffers` buffers: about MORI_COPY_TARGET_BLOCKS
- * blocks, each copying its tile for at least one and at most MORI_COPY_MAX_BUFFERS_PER_BLOCK
- * buffers: clamp(tiles * buffers / MORI_COPY_TARGET_BLOCKS, 1, min(buffers, 16)). */
-static inline uint32_t mori_copy_buffers_per_block(uint64_t tiles, uint64_t buffers) {
-    uint64_t per = tiles * buffers / MORI_COPY_TARGET_BLOCKS;
+/* Buffers per block for `tiles` tiles of `buffers` buffers on about `target` blocks (>= 1): each
+ * block copies its tile for at least one and at most MORI_COPY_MAX_BUFFERS_PER_BLOCK buffers:
+ * clamp(tiles * buffers / target, 1, min(buffers, 16)). */
+static inline uint32_t mori_copy_buffers_per_block_for(uint64_t tiles, uint64_t buffers, uint64_t target) {
+    uint64_t per = tiles * buffers / (target == 0 ? 1 : target);
     uint64_t most = buffers < MORI_COPY_MAX_BUFFERS_PER_BLOCK ? buffers : MORI_COPY_MAX_BUFFERS_PER_BLOCK;
     if (per > most) {
         per = most;
     }
     return (uint32_t)(per < 1 ? 1 : per);
+}
+
+/* The builder's buffers per block: about MORI_COPY_TARGET_BLOCKS blocks. */
+static inline uint32_t mori_copy_buffers_per_block(uint64_t tiles, uint64_t buffers) {
+    return mori_copy_buffers_per_block_for(tiles, buffers, MORI_COPY_TARGET_BLOCKS);
 }
 
 /* The grid for these args: x over tiles, y over buffer groups, within the caps. Nothing to copy
@@ -163,6 +175,31 @@ static inline void mori_copy_grid(const MoriCopyKernelArgs *args, uint32_t *grid
     *grid_y = (uint32_t)(groups > MORI_COPY_MAX_GRID_Y ? MORI_COPY_MAX_GRID_Y : groups);
     if (*grid_x == 0 || *grid_y == 0) {
         *grid_x = *grid_y = 0;
+    }
+}
+
+/* THE LAUNCH GEOMETRY. The grid of a launch of at most `max_blocks` blocks (0: no limit beyond
+ * the caps above), which may change args->buffers_per_block: the persistent grid (max_blocks =
+ * the blocks the device runs at once, its SM or CU count times the kernel's occupancy, computed
+ * once per device) and the caller's SM budget (MORI_SEND_MAX_BLOCKS) both come here, the
+ * smaller of the two. With a limit below MORI_COPY_TARGET_BLOCKS, buffers per block aim at
+ * max_blocks blocks instead (so a small grid takes more buffers per block, and each block's
+ * software-pipelined buffer loop is longer); then, when grid x * grid y still exceeds the limit,
+ * grid y (buffer groups) is cut to the limit if it alone reaches it (grid x = 1), else grid x to
+ * limit / grid y. The kernel strides over every tile and buffer group beyond the grid, so the
+ * bytes are the same for any limit; grid x * grid y <= max_blocks always holds. */
+static inline void mori_copy_fit(MoriCopyKernelArgs *args, uint32_t max_blocks, uint32_t *grid_x, uint32_t *grid_y) {
+    if (max_blocks != 0 && max_blocks < MORI_COPY_TARGET_BLOCKS) {
+        args->buffers_per_block = mori_copy_buffers_per_block_for(args->num_tiles, args->num_buffers, max_blocks);
+    }
+    mori_copy_grid(args, grid_x, grid_y);
+    if (max_blocks != 0 && *grid_x != 0 && (uint64_t)*grid_x * *grid_y > max_blocks) {
+        if (*grid_y >= max_blocks) {
+            *grid_y = max_blocks;
+            *grid_x = 1;
+        } else {
+            *grid_x = max_blocks / *grid_y;
+        }
     }
 }
 

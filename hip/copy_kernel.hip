@@ -83,11 +83,14 @@ typedef uint32_t MoriU128 __attribute__((vector_size(16)));
 #define MORI_UNROLL
 #endif
 
-// Buffers whose loads a thread issues before their stores: MORI_COPY_SLOTS_PER_THREAD units of
-// each. Kernel-internal (the host's table and grid do not depend on it), so a target may set its
-// own after profiling; both start at 2 (8 loads of 16 bytes in flight per thread).
+// Buffers one step of a thread's buffer loop moves: MORI_COPY_SLOTS_PER_THREAD units of each. The
+// loop is software-pipelined: the loads of step n + 1 are issued before the stores of step n,
+// so a thread always has a step's loads in flight while it stores (2 x 4 units of 16 bytes per
+// thread at the default of 1, the registers of the unpipelined 2-buffer step it replaces).
+// Kernel-internal (the host's table and grid do not depend on it), so a target may set its own
+// after profiling.
 #ifndef MORI_COPY_BUFFERS_IN_FLIGHT
-#define MORI_COPY_BUFFERS_IN_FLIGHT 2
+#define MORI_COPY_BUFFERS_IN_FLIGHT 1
 #endif
 
 // The kernel's argument is 4 KiB of table read with per-thread indices. nvcc 11.7+ can leave it
@@ -190,39 +193,68 @@ MORI_DEVICE Slots tile_slots(const MoriCopyKernelArgs &a, const Run &run, uint32
     return s;
 }
 
-// Moves the slots' units of buffers [b, end): MORI_COPY_BUFFERS_IN_FLIGHT buffers at a time, all
-// their loads before their stores.
+// The loads of one step: units of buffers [b, b + kBuffers) that lie before `end`.
+template <bool kInline, class T>
+MORI_DEVICE void load_step(const MoriCopyKernelArgs &a, const Slots &s, uint32_t b, uint32_t end,
+                           T (&v)[MORI_COPY_BUFFERS_IN_FLIGHT][kSlots]) {
+    constexpr uint32_t kBuffers = MORI_COPY_BUFFERS_IN_FLIGHT;
+    MORI_UNROLL
+    for (uint32_t j = 0; j < kBuffers; j++) {
+        if (b + j < end) {
+            const uint64_t src = table_u64<kInline>(a, 8 * (b + j));
+            MORI_UNROLL
+            for (uint32_t k = 0; k < kSlots; k++) {
+                if (k < s.count) {
+                    v[j][k] = mori_load<T>(src + s.src[k]);
+                }
+            }
+        }
+    }
+}
+
+// The stores of one step.
+template <bool kInline, class T>
+MORI_DEVICE void store_step(const MoriCopyKernelArgs &a, const Slots &s, uint32_t b, uint32_t end,
+                            const T (&v)[MORI_COPY_BUFFERS_IN_FLIGHT][kSlots]) {
+    constexpr uint32_t kBuffers = MORI_COPY_BUFFERS_IN_FLIGHT;
+    MORI_UNROLL
+    for (uint32_t j = 0; j < kBuffers; j++) {
+        if (b + j < end) {
+            const uint64_t dst = table_u64<kInline>(a, 8 * (a.num_buffers + b + j));
+            MORI_UNROLL
+            for (uint32_t k = 0; k < kSlots; k++) {
+                if (k < s.count) {
+                    mori_store<T>(dst + s.dst[k], v[j][k]);
+                }
+            }
+        }
+    }
+}
+
+// Moves the slots' units of buffers [b, end), MORI_COPY_BUFFERS_IN_FLIGHT buffers a step,
+// software-pipelined: the next step's loads go out before this step's stores.
 template <bool kInline, class T>
 MORI_DEVICE void copy_slots(const MoriCopyKernelArgs &a, const Slots &s, uint32_t b, uint32_t end) {
     constexpr uint32_t kBuffers = MORI_COPY_BUFFERS_IN_FLIGHT;
-    for (; b < end; b += kBuffers) {
-        uint64_t src[kBuffers], dst[kBuffers];
-        T v[kBuffers][kSlots] = {};
-        MORI_UNROLL
-        for (uint32_t j = 0; j < kBuffers; j++) {
-            // A group's last step may hold fewer buffers (those past `end` move nothing).
-            const uint32_t at = min_u32(b + j, end - 1);
-            src[j] = table_u64<kInline>(a, 8 * at);
-            dst[j] = table_u64<kInline>(a, 8 * (a.num_buffers + at));
+    // Two register sets in turn (no copies between them): a step's loads go into one while the
+    // other's stores go out.
+    T even[kBuffers][kSlots] = {};
+    T odd[kBuffers][kSlots] = {};
+    load_step<kInline, T>(a, s, b, end, even);
+    while (b < end) {
+        if (b + kBuffers < end) {
+            load_step<kInline, T>(a, s, b + kBuffers, end, odd);
         }
-        MORI_UNROLL
-        for (uint32_t j = 0; j < kBuffers; j++) {
-            MORI_UNROLL
-            for (uint32_t k = 0; k < kSlots; k++) {
-                if (k < s.count && b + j < end) {
-                    v[j][k] = mori_load<T>(src[j] + s.src[k]);
-                }
-            }
+        store_step<kInline, T>(a, s, b, end, even);
+        b += kBuffers;
+        if (b >= end) {
+            break;
         }
-        MORI_UNROLL
-        for (uint32_t j = 0; j < kBuffers; j++) {
-            MORI_UNROLL
-            for (uint32_t k = 0; k < kSlots; k++) {
-                if (k < s.count && b + j < end) {
-                    mori_store<T>(dst[j] + s.dst[k], v[j][k]);
-                }
-            }
+        if (b + kBuffers < end) {
+            load_step<kInline, T>(a, s, b + kBuffers, end, even);
         }
+        store_step<kInline, T>(a, s, b, end, odd);
+        b += kBuffers;
     }
 }
 
@@ -277,7 +309,17 @@ MORI_DEVICE void copy_blocks(const MoriCopyKernelArgs &args) {
 
 }  // namespace mori_copy
 
-extern "C" __global__ void __launch_bounds__(MORI_COPY_BLOCK_THREADS)
+// Blocks per SM the compiler keeps the registers for (launch bounds' second argument). At 2,
+// ptxas 12.9 -v gives 96 registers on sm_70 and 88 on sm_80, sm_90 and sm_100, with no spills on
+// any; at 3 (80 registers) sm_70 spills 12 bytes, and without the hint sm_100's ptxas picks 64
+// registers and spills 12 bytes. 2 blocks of 256 threads per SM, each thread with two steps of
+// 4 x 16 bytes in flight, is 64 KiB of loads in flight per SM. REFERENCE.md section 7 records
+// the counts and the command.
+#ifndef MORI_COPY_MIN_BLOCKS_PER_SM
+#define MORI_COPY_MIN_BLOCKS_PER_SM 2
+#endif
+
+extern "C" __global__ void __launch_bounds__(MORI_COPY_BLOCK_THREADS, MORI_COPY_MIN_BLOCKS_PER_SM)
     mori_copy_kernel(MORI_GRID_CONSTANT const MoriCopyKernelArgs args) {
     if (args.num_tiles == 0 || args.num_buffers == 0 || args.buffers_per_block == 0 || threadIdx.y != 0 ||
         threadIdx.z != 0) {

@@ -92,8 +92,10 @@ bool build(const R *rects, size_t num_rects, const uint64_t *src_bases, const ui
     for (size_t b = 0; b < num_buffers; b++) bases |= src_bases[b] | dst_bases[b];
 
     // 1. Pieces: no empty rects, rows of at most MORI_COPY_MAX_WIDTH bytes, at most
-    //    MORI_COPY_MAX_RUN_ROWS rows, pitches 0 for one row, and each piece's unit.
-    std::vector<Piece> pieces;
+    //    MORI_COPY_MAX_RUN_ROWS rows, pitches 0 for one row, and each piece's unit; a piece
+    //    equally misaligned on both sides is cut into head, 16-byte body and tail
+    //    (MORI_COPY_SPLIT_MIN_WIDTH), the heads and tails after every other piece.
+    std::vector<Piece> pieces, edges;
     for (size_t i = 0; i < num_rects; i++) {
         const R &r = rects[i];
         if (r.width == 0 || r.height == 0) continue;
@@ -107,12 +109,31 @@ bool build(const R *rects, size_t num_rects, const uint64_t *src_bases, const ui
                 p.dst_pitch = height == 1 ? 0 : r.dst_pitch;
                 p.width = r.width - col < MORI_COPY_MAX_WIDTH ? r.width - col : MORI_COPY_MAX_WIDTH;
                 p.height = height;
-                const uint32_t shift = trailing_zeros(bases | p.width | p.src | p.dst | p.src_pitch | p.dst_pitch);
-                p.unit_shift = shift < 4 ? shift : 4;
-                pieces.push_back(p);
+                auto with = [&](uint64_t src, uint64_t dst, uint64_t width) {
+                    Piece q = p;
+                    q.src = src;
+                    q.dst = dst;
+                    q.width = width;
+                    const uint32_t shift = trailing_zeros(bases | width | src | dst | q.src_pitch | q.dst_pitch);
+                    q.unit_shift = shift < 4 ? shift : 4;
+                    return q;
+                };
+                const Piece whole = with(p.src, p.dst, p.width);
+                const uint64_t head = (16 - p.src % 16) % 16;
+                if (whole.unit_shift < 4 && p.width >= MORI_COPY_SPLIT_MIN_WIDTH && bases % 16 == 0 &&
+                    (p.src_pitch | p.dst_pitch) % 16 == 0 && p.src % 16 == p.dst % 16) {
+                    const uint64_t body = (p.width - head) & ~uint64_t{15};
+                    const uint64_t tail = p.width - head - body;
+                    pieces.push_back(with(p.src + head, p.dst + head, body));
+                    if (head > 0) edges.push_back(with(p.src, p.dst, head));
+                    if (tail > 0) edges.push_back(with(p.src + head + body, p.dst + head + body, tail));
+                } else {
+                    pieces.push_back(whole);
+                }
             }
         }
     }
+    pieces.insert(pieces.end(), edges.begin(), edges.end());
 
     // 2. Runs: a piece joins the run before it when it has the run's width and unit and one
     //    height divides the other at most MORI_COPY_MAX_RUN_SPLIT times: the taller side is cut

@@ -154,8 +154,14 @@ class Test {
     void run() {
         std::printf("%s, %s, %zu pages: %u buffers, %" PRIu64 " bytes per head\n", l_.name, where_.name,
                     pages_.src.size(), buffers_, bph_);
-        for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
-            const std::string name = path == MORI_SEND_MEMCPY2D ? kPerRect : "one copy-kernel launch";
+        // The per-rect copies, the kernel, and the kernel on a budget of one block (the SM
+        // budget, MORI_SEND_MAX_BLOCKS: the whole call strided over by a single block).
+        const uint32_t one_block = static_cast<uint32_t>(MORI_SEND_COPY_KERNEL) | (1u << MORI_SEND_MAX_BLOCKS_SHIFT);
+        for (const uint32_t path :
+             {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL), one_block}) {
+            const std::string name = path == MORI_SEND_MEMCPY2D      ? kPerRect
+                                     : path == MORI_SEND_COPY_KERNEL ? "one copy-kernel launch"
+                                                                     : "one copy-kernel launch on a budget of 1 block";
             fill();
             direct(path);
             verify(dst_, ("direct, " + name).c_str());

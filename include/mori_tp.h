@@ -106,6 +106,33 @@ extern "C" {
 #define MORI_SEND_MEMCPY2D 4u
 
 /**
+ * MoriSendOptions.flags bits 16-31: the SM budget, the most blocks of the copy kernel one call
+ * may launch (0: no budget). Set it as `flags |= blocks << MORI_SEND_MAX_BLOCKS_SHIFT` with
+ * 1 <= blocks <= 65535 (MORI_SEND_MAX_BLOCKS_LIMIT). A pack or unpack that overlaps compute (an
+ * attention kernel on another stream) then occupies at most that many blocks, of
+ * 256 threads each, and leaves the other SMs or CUs to the compute;
+ * the kernel strides over the rest, so the bytes are the same for any budget. Without a budget
+ * the grid is the persistent one: at most the blocks the device runs at once (its SM or CU
+ * count times the kernel's occupancy, asked once per device with
+ * cuOccupancyMaxActiveBlocksPerMultiprocessor or hipModuleOccupancyMaxActiveBlocksPerMultiprocessor);
+ * a budget above that changes nothing. The budget bounds the copy kernel only: with
+ * MORI_SEND_MEMCPY2D it is refused (MORI_ERR_INVALID_ARGUMENT, the runtime's per-rect copies use
+ * copy engines or blit kernels it cannot bound); where flags 0 takes the per-rect copies it does
+ * not apply. The host backend ignores it.
+ */
+#define MORI_SEND_MAX_BLOCKS_SHIFT 16u
+
+/**
+ * The bits of MoriSendOptions.flags that hold the block budget (see MORI_SEND_MAX_BLOCKS_SHIFT).
+ */
+#define MORI_SEND_MAX_BLOCKS_MASK 4294901760u
+
+/**
+ * The largest block budget the flags hold.
+ */
+#define MORI_SEND_MAX_BLOCKS_LIMIT 65535u
+
+/**
  * MoriTpPoolInfo.flags bit: the region is locked in RAM (host memory that mlock accepted, or
  * device memory).
  */
@@ -243,8 +270,9 @@ typedef struct MoriSendOptions {
   uint32_t backend;
   /**
    * Zero or more of MORI_SEND_SYNCHRONIZE, MORI_SEND_COPY_KERNEL and MORI_SEND_MEMCPY2D (not
-   * both of the last two); other bits are refused. 0 lets the HIP backend choose its copy path
-   * (see MORI_SEND_COPY_KERNEL).
+   * both of the last two), and a block budget in bits 16-31 (MORI_SEND_MAX_BLOCKS_SHIFT);
+   * other bits are refused. 0 lets the HIP backend choose its copy path (see
+   * MORI_SEND_COPY_KERNEL).
    */
   uint32_t flags;
   /**

@@ -340,6 +340,25 @@ inline result<void> same_count(const char *function, std::size_t src, std::size_
 }
 }  // namespace detail
 
+/// The MoriSendOptions.flags bits of an SM budget: at most `blocks` blocks of the copy kernel per
+/// call (MORI_SEND_MAX_BLOCKS_SHIFT; 0: no budget). OR them into the flags:
+/// `MoriSendOptions{MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL | mori_tp::max_blocks(8), stream}`.
+/// More than MORI_SEND_MAX_BLOCKS_LIMIT (65535) blocks do not fit the flags:
+/// MORI_ERR_INVALID_ARGUMENT (the std::nothrow form) or mori_tp::error.
+inline result<std::uint32_t> max_blocks(std::nothrow_t, std::uint32_t blocks) {
+    if (blocks > MORI_SEND_MAX_BLOCKS_LIMIT) {
+        return failure{MORI_ERR_INVALID_ARGUMENT,
+                       "mori_tp::max_blocks: invalid argument: a budget of " + std::to_string(blocks) +
+                           " blocks is above MORI_SEND_MAX_BLOCKS_LIMIT (" +
+                           std::to_string(MORI_SEND_MAX_BLOCKS_LIMIT) + ")"};
+    }
+    return std::uint32_t{blocks << MORI_SEND_MAX_BLOCKS_SHIFT};
+}
+
+#if MORI_TP_HPP_EXCEPTIONS
+inline std::uint32_t max_blocks(std::uint32_t blocks) { return max_blocks(std::nothrow, blocks).value(); }
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Versions and names
 

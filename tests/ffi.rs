@@ -444,6 +444,58 @@ fn unknown_enum_values_and_flag_bits_are_invalid_arguments() {
         "options.flags 0x6 sets both MORI_SEND_COPY_KERNEL (0x2) and MORI_SEND_MEMCPY2D",
     ]);
     assert_eq!(MORI_SEND_MEMCPY2D, 4);
+    // The SM budget (bits 16-31) bounds the kernel: refused with the per-rect copies, naming
+    // the flags and the budget; bits just below it are still unknown.
+    let budget_memcpy = MoriSendOptions {
+        backend: MORI_BACKEND_HOST,
+        flags: MORI_SEND_MEMCPY2D | (5 << MORI_SEND_MAX_BLOCKS_SHIFT),
+        stream: null_mut(),
+    };
+    assert_eq!(
+        f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&budget_memcpy)),
+        MORI_ERR_INVALID_ARGUMENT
+    );
+    assert_message(&[
+        "options.flags 0x50004 sets a block budget of 5",
+        "MORI_SEND_MEMCPY2D (0x4)",
+    ]);
+    let below = MoriSendOptions {
+        backend: MORI_BACKEND_HOST,
+        flags: 0x8000 | (1 << MORI_SEND_MAX_BLOCKS_SHIFT),
+        stream: null_mut(),
+    };
+    assert_eq!(
+        f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&below)),
+        MORI_ERR_INVALID_ARGUMENT
+    );
+    assert_message(&["options.flags 0x18000 has unknown bits 0x8000"]);
+    assert_eq!(
+        (
+            MORI_SEND_MAX_BLOCKS_MASK,
+            MORI_SEND_MAX_BLOCKS_LIMIT << MORI_SEND_MAX_BLOCKS_SHIFT
+        ),
+        (0xffff_0000, 0xffff_0000)
+    );
+    // The host backend ignores a budget (1 block, or the largest), as it ignores the path flags.
+    for blocks in [1, MORI_SEND_MAX_BLOCKS_LIMIT] {
+        let budget = MoriSendOptions {
+            backend: MORI_BACKEND_HOST,
+            flags: MORI_SEND_COPY_KERNEL | (blocks << MORI_SEND_MAX_BLOCKS_SHIFT),
+            stream: null_mut(),
+        };
+        assert_eq!(
+            f.send_with(&c, &[0], &[0], src_cap, dst_cap, Some(&budget)),
+            MORI_OK,
+            "budget {blocks}"
+        );
+    }
+    // Those sends moved the page; the refusals below start from the initial bytes again.
+    assert!(
+        f.dst != f.initial,
+        "a budget on the host backend moved nothing"
+    );
+    let initial = f.initial.clone();
+    f.dst.clone_from(&initial);
     let mut fake_stream = 0u8;
     let stream = MoriSendOptions {
         backend: MORI_BACKEND_HOST,

@@ -675,6 +675,7 @@ def _copy_call(
     stream: Any,
     synchronize: bool,
     copy_kernel: Optional[bool],
+    max_blocks: Optional[int],
     operands: Sequence[Tuple[str, Any, bool, bool]],
     extra: Sequence[Tuple[str, "_tensors.Buffer"]] = (),
 ) -> Tuple[List["_tensors.Operand"], _ffi.MoriSendOptions]:
@@ -688,6 +689,15 @@ def _copy_call(
         raise TypeError(f"{where}: copy_kernel must be None, True or False, not {copy_kernel!r}")
     path = {None: 0, True: _ffi.MORI_SEND_COPY_KERNEL, False: _ffi.MORI_SEND_MEMCPY2D}
     flags = (_ffi.MORI_SEND_SYNCHRONIZE if synchronize else 0) | path[copy_kernel]
+    if max_blocks is not None:
+        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int):
+            raise TypeError(f"{where}: max_blocks must be None or an int, not {max_blocks!r}")
+        if not 1 <= max_blocks <= _ffi.MORI_SEND_MAX_BLOCKS_LIMIT:
+            raise InvalidArgumentError(
+                f"{where}: max_blocks {max_blocks} is outside "
+                f"1..{_ffi.MORI_SEND_MAX_BLOCKS_LIMIT} (the most copy-kernel blocks one call may "
+                "use; None for no budget)")
+        flags |= max_blocks << _ffi.MORI_SEND_MAX_BLOCKS_SHIFT
     return resolved, _ffi.MoriSendOptions(_BACKENDS[name], flags, chosen)
 
 
@@ -746,6 +756,7 @@ def send_kvcache(
     stream: StreamLike = None,
     synchronize: bool = False,
     copy_kernel: Optional[bool] = None,
+    max_blocks: Optional[int] = None,
 ) -> None:
     """Copies one request's slice: every rect of the plan, from each ``src_ptrs[i]`` to
     ``dst_ptrs[i]``.
@@ -786,6 +797,11 @@ def send_kvcache(
             (REFERENCE.md section 7 says when). True (MORI_SEND_COPY_KERNEL): the kernel, and
             every buffer must then be memory the GPU can address. False (MORI_SEND_MEMCPY2D):
             one 2D memcpy per (buffer, rect). Host copies ignore it.
+        max_blocks: the SM budget, the most copy-kernel blocks (of 256 threads) the call may
+            launch, 1 to 65535 (MORI_SEND_MAX_BLOCKS): a pack that overlaps attention then
+            leaves the other SMs to it. None (the default): the persistent grid, at most the
+            blocks the device runs at once. Bounds the kernel only: refused together with
+            ``copy_kernel=False``; host copies ignore it.
 
     Raises:
         NullPointerError: a buffer address is 0.
@@ -803,7 +819,7 @@ def send_kvcache(
     where = "send_kvcache"
     c_config = _c_config(config, where)
     (src_op, dst_op), options = _copy_call(
-        where, backend, stream, synchronize, copy_kernel,
+        where, backend, stream, synchronize, copy_kernel, max_blocks,
         [("src_ptrs", src_ptrs, False, False), ("dst_ptrs", dst_ptrs, True, False)])
     buffers, _arrays = _kv_buffers(src_op, dst_op, src_capacity, dst_capacity, where)
     src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
@@ -1002,6 +1018,7 @@ def pack_kvcache(
     stream: StreamLike = None,
     synchronize: bool = False,
     copy_kernel: Optional[bool] = None,
+    max_blocks: Optional[int] = None,
 ) -> None:
     """Prefill side of a staged transfer (SRC or BOTH): copies the slice of every token of
     every buffer into the staging region, buffer ``b`` at ``b * staging_len(config,
@@ -1033,7 +1050,7 @@ def pack_kvcache(
     where = "pack_kvcache"
     c_config = _c_config(config, where)
     (src_op, region_op), options = _copy_call(
-        where, backend, stream, synchronize, copy_kernel,
+        where, backend, stream, synchronize, copy_kernel, max_blocks,
         [("src_ptrs", src_ptrs, False, False), ("staging", staging, True, True)])
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(src_op)
@@ -1065,6 +1082,7 @@ def unpack_kvcache(
     stream: StreamLike = None,
     synchronize: bool = False,
     copy_kernel: Optional[bool] = None,
+    max_blocks: Optional[int] = None,
 ) -> None:
     """Decode side of a staged transfer (DST or BOTH): copies the staging region into the
     slice of every token of every buffer, once the transport has filled the region.
@@ -1092,7 +1110,7 @@ def unpack_kvcache(
     where = "unpack_kvcache"
     c_config = _c_config(config, where)
     (region_op, dst_op), options = _copy_call(
-        where, backend, stream, synchronize, copy_kernel,
+        where, backend, stream, synchronize, copy_kernel, max_blocks,
         [("staging", staging, False, True), ("dst_ptrs", dst_ptrs, True, False)])
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(dst_op)

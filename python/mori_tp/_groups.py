@@ -298,7 +298,8 @@ def _tensors_of(groups: Sequence[Group]) -> List[Tuple[str, Any]]:
 
 def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
                         stream: StreamLike = None, synchronize: bool = False,
-                        copy_kernel: Optional[bool] = None) -> None:
+                        copy_kernel: Optional[bool] = None,
+                        max_blocks: Optional[int] = None) -> None:
     """Copies every group of a request page to page (whatever its staging mode), as
     :func:`send_kvcache_pair` copies a pair: every group needs ``src_ptrs`` and ``dst_ptrs``.
     Everything is checked before the first byte moves: a call that raises wrote nothing.
@@ -309,7 +310,7 @@ def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
     """
     where = "send_kvcache_groups"
     array, _keep = _c_groups(groups, where)
-    _, options = _copy_call(where, backend, stream, synchronize, copy_kernel, [],
+    _, options = _copy_call(where, backend, stream, synchronize, copy_kernel, max_blocks, [],
                             _tensors_of(groups))
     status = _lib.mori_send_kvcache_groups(array, len(groups), ctypes.byref(options))
     if status != _ffi.MORI_OK:
@@ -319,7 +320,8 @@ def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
 def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                         staging_capacity: Optional[int] = None, backend: str = "auto",
                         stream: StreamLike = None, synchronize: bool = False,
-                        copy_kernel: Optional[bool] = None) -> None:
+                        copy_kernel: Optional[bool] = None,
+                        max_blocks: Optional[int] = None) -> None:
     """Prefill side of a staged request of groups: packs every group whose staging is SRC or
     BOTH into its part of ``staging`` (the request's region: an address, or a writable
     C-contiguous numpy array or device tensor), as :func:`pack_kvcache_pair` packs a pair.
@@ -333,7 +335,8 @@ def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
     where = "pack_kvcache_groups"
     array, _keep = _c_groups(groups, where)
     (region_op,), options = _copy_call(where, backend, stream, synchronize, copy_kernel,
-                                       [("staging", staging, True, True)], _tensors_of(groups))
+                                       max_blocks, [("staging", staging, True, True)],
+                                       _tensors_of(groups))
     region, capacity = _region(region_op, staging_capacity, where)
     status = _lib.mori_pack_kvcache_groups(array, len(groups), region, capacity,
                                            ctypes.byref(options))
@@ -344,7 +347,8 @@ def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
 def unpack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                           staging_capacity: Optional[int] = None, backend: str = "auto",
                           stream: StreamLike = None, synchronize: bool = False,
-                          copy_kernel: Optional[bool] = None) -> None:
+                          copy_kernel: Optional[bool] = None,
+                          max_blocks: Optional[int] = None) -> None:
     """Decode side of a staged request of groups: once every segment has landed, unpacks every
     group whose staging is DST or BOTH from its part of ``staging`` onto its pages, as
     :func:`unpack_kvcache_pair` unpacks a pair. Groups that stage nothing here are checked and
@@ -356,7 +360,7 @@ def unpack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
     where = "unpack_kvcache_groups"
     array, _keep = _c_groups(groups, where)
     (region_op,), options = _copy_call(where, backend, stream, synchronize, copy_kernel,
-                                       [("staging", staging, False, True)],
+                                       max_blocks, [("staging", staging, False, True)],
                                        _tensors_of(groups))
     region, capacity = _region(region_op, staging_capacity, where)
     status = _lib.mori_unpack_kvcache_groups(array, len(groups), region, capacity,

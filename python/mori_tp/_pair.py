@@ -431,6 +431,7 @@ def send_kvcache_pair(
     stream: StreamLike = None,
     synchronize: bool = False,
     copy_kernel: Optional[bool] = None,
+    max_blocks: Optional[int] = None,
 ) -> None:
     """Copies one request between any two layouts: for every buffer, every token below
     ``request.num_tokens`` and every moved head, the prefill rank's bytes of that head land on
@@ -454,7 +455,7 @@ def send_kvcache_pair(
     where = "send_kvcache_pair"
     c_config, c_request = _c_pair(config, where), _c_request(request, where)
     (src_op, dst_op), options = _copy_call(
-        where, backend, stream, synchronize, copy_kernel,
+        where, backend, stream, synchronize, copy_kernel, max_blocks,
         [("src_ptrs", src_ptrs, False, False), ("dst_ptrs", dst_ptrs, True, False)])
     buffers, _arrays = _kv_buffers(src_op, dst_op, src_capacity, dst_capacity, where)
     status = _lib.mori_send_kvcache_pair(ctypes.byref(c_config), ctypes.byref(buffers),
@@ -476,6 +477,7 @@ def pack_kvcache_pair(
     stream: StreamLike = None,
     synchronize: bool = False,
     copy_kernel: Optional[bool] = None,
+    max_blocks: Optional[int] = None,
 ) -> None:
     """Prefill side of a staged pair transfer (SRC or BOTH): copies the moved heads of every
     token of every buffer into the staging region, buffer ``b`` at ``b *
@@ -507,7 +509,7 @@ def pack_kvcache_pair(
     c_config, c_request = _c_pair(config, where), _c_request(request, where)
     mode = _unsigned(staging_mode, "staging_mode", 32, where)
     (src_op, region_op), options = _copy_call(
-        where, backend, stream, synchronize, copy_kernel,
+        where, backend, stream, synchronize, copy_kernel, max_blocks,
         [("src_ptrs", src_ptrs, False, False), ("staging", staging, True, True)])
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(src_op)
@@ -534,6 +536,7 @@ def unpack_kvcache_pair(
     stream: StreamLike = None,
     synchronize: bool = False,
     copy_kernel: Optional[bool] = None,
+    max_blocks: Optional[int] = None,
 ) -> None:
     """Decode side of a staged pair transfer (DST or BOTH): copies the staging region onto the
     moved heads of every token of every buffer, once the transport has written every segment
@@ -559,7 +562,7 @@ def unpack_kvcache_pair(
     c_config, c_request = _c_pair(config, where), _c_request(request, where)
     mode = _unsigned(staging_mode, "staging_mode", 32, where)
     (region_op, dst_op), options = _copy_call(
-        where, backend, stream, synchronize, copy_kernel,
+        where, backend, stream, synchronize, copy_kernel, max_blocks,
         [("staging", staging, False, True), ("dst_ptrs", dst_ptrs, True, False)])
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(dst_op)

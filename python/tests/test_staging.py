@@ -261,6 +261,23 @@ class RefusalsTest(unittest.TestCase):
                              backend="host", copy_kernel=True)
         self.assertEqual([bytes(x) for x in dst], pair.sent())
 
+    def test_an_sm_budget_reaches_the_library_and_is_refused_with_the_per_rect_copies(self):
+        # The host backend ignores a budget (same bytes); with copy_kernel=False the library
+        # refuses it, naming the flags and the budget.
+        pair = self.pair
+        dst = pair.fresh_destinations()
+        mori_tp.send_kvcache(pair.config, pair.src_ptrs(), [ctypes.addressof(x) for x in dst],
+                             src_capacity=pair.src_len, dst_capacity=pair.dst_len,
+                             src_pages=self.request.src_pages, dst_pages=self.request.dst_pages,
+                             backend="host", copy_kernel=True, max_blocks=4)
+        self.assertEqual([bytes(x) for x in dst], pair.sent())
+        self.assertRefused(mori_tp.InvalidArgumentError,
+                           ["block budget of 4", "MORI_SEND_MEMCPY2D"], mori_tp.send_kvcache, pair.config, pair.src_ptrs(),
+                           [ctypes.addressof(x) for x in dst], src_capacity=pair.src_len,
+                           dst_capacity=pair.dst_len, src_pages=self.request.src_pages,
+                           dst_pages=self.request.dst_pages, backend="host", copy_kernel=False,
+                           max_blocks=4)
+
     def test_an_unknown_staging_value_is_an_invalid_argument(self):
         self.assertRefused(mori_tp.InvalidArgumentError, ["staging 4"], mori_tp.plan_transfer,
                            self.pair.config, 4, self.request.src_pages, self.request.dst_pages)

@@ -703,6 +703,24 @@ class WhatReachesTheCallTest(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "copy_kernel must be None, True or False"):
             self.send(src, dst, backend="cuda", copy_kernel=1)
 
+    def test_max_blocks_is_the_sm_budget_in_the_flags_high_bits(self):
+        a, b = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+        src, dst = [FakeDLPack(a, device=(CUDA, 0))], [FakeDLPack(b, device=(CUDA, 0))]
+        ffi = mori_tp._ffi
+        for blocks in [None, 1, 8, ffi.MORI_SEND_MAX_BLOCKS_LIMIT]:
+            with self.subTest(max_blocks=blocks):
+                _, options = self.send(src, dst, backend="cuda", copy_kernel=True,
+                                       max_blocks=blocks)
+                budget = (blocks or 0) << ffi.MORI_SEND_MAX_BLOCKS_SHIFT
+                self.assertEqual(options[1], ffi.MORI_SEND_COPY_KERNEL | budget)
+        for bad in [0, -1, ffi.MORI_SEND_MAX_BLOCKS_LIMIT + 1]:
+            with self.subTest(max_blocks=bad):
+                with self.assertRaisesRegex(mori_tp.InvalidArgumentError,
+                                            f"max_blocks {bad} is outside 1..65535"):
+                    self.send(src, dst, backend="cuda", max_blocks=bad)
+        with self.assertRaisesRegex(TypeError, "max_blocks must be None or an int"):
+            self.send(src, dst, backend="cuda", max_blocks=2.0)
+
     def test_stream_wins_over_the_interfaces_and_is_told_to_every_producer(self):
         a = np.zeros(4096, np.uint8)
         for stream, handle in [(0xABC0, 0xABC0), (TorchStream(0xABC8), 0xABC8),

@@ -45,6 +45,9 @@ pub const ARGS_BYTES: usize = 4096;
 pub const INLINE_TABLE_BYTES: usize = 4032;
 /// Bytes of one run entry.
 pub const RUN_BYTES: usize = 48;
+/// Narrowest piece cut into a head, a 16-byte-unit body and a tail when its rows are equally
+/// misaligned on both sides.
+pub const SPLIT_MIN_WIDTH: u64 = 128;
 /// `args.flags`: rect offsets are two u64 rather than two u32.
 pub const WIDE_OFFSETS: u32 = 1;
 
@@ -149,8 +152,13 @@ pub fn col_chunks(units: u32) -> u32 {
 /// Buffers per block for `tiles` tiles of `buffers` buffers (`mori_copy_buffers_per_block`):
 /// `clamp(tiles * buffers / TARGET_BLOCKS, 1, min(buffers, MAX_BUFFERS_PER_BLOCK))`.
 pub fn buffers_per_block(tiles: u64, buffers: u64) -> u32 {
+    buffers_per_block_for(tiles, buffers, TARGET_BLOCKS)
+}
+
+/// Buffers per block on about `target` blocks (`mori_copy_buffers_per_block_for`).
+pub fn buffers_per_block_for(tiles: u64, buffers: u64, target: u64) -> u32 {
     let most = buffers.min(MAX_BUFFERS_PER_BLOCK);
-    (tiles.saturating_mul(buffers) / TARGET_BLOCKS)
+    (tiles.saturating_mul(buffers) / target.max(1))
         .min(most)
         .max(1) as u32
 }
@@ -163,6 +171,41 @@ pub fn grid(args: &KernelArgs) -> (u32, u32) {
     let x = args.num_tiles.min(MAX_GRID_X);
     let y = groups.min(u64::from(MAX_GRID_Y)) as u32;
     if x == 0 || y == 0 { (0, 0) } else { (x, y) }
+}
+
+/// The launch geometry within `max_blocks` blocks (`mori_copy_fit`; 0: no limit beyond the
+/// caps): may raise `args.buffers_per_block` (a limit below [`TARGET_BLOCKS`] aims the buffer
+/// groups at it), then cuts grid y to the limit when it alone reaches it (grid x = 1), else
+/// grid x to `limit / grid y`. `x * y <= max_blocks` always holds, and the kernel strides over
+/// the rest, so the bytes do not depend on the limit.
+pub fn fit(args: &mut KernelArgs, max_blocks: u32) -> (u32, u32) {
+    if max_blocks != 0 && u64::from(max_blocks) < TARGET_BLOCKS {
+        args.buffers_per_block = buffers_per_block_for(
+            u64::from(args.num_tiles),
+            u64::from(args.num_buffers),
+            u64::from(max_blocks),
+        );
+    }
+    let (x, y) = grid(args);
+    if max_blocks == 0 || x == 0 || u64::from(x) * u64::from(y) <= u64::from(max_blocks) {
+        return (x, y);
+    }
+    if y >= max_blocks {
+        (1, max_blocks)
+    } else {
+        (max_blocks / y, y)
+    }
+}
+
+/// The most blocks a launch uses: the caller's budget and the device's resident blocks (the
+/// persistent grid), the smaller of those given (0: no limit from that side).
+pub fn block_limit(budget: u32, resident: Option<u32>) -> u32 {
+    match (budget, resident.filter(|&r| r != 0)) {
+        (0, None) => 0,
+        (0, Some(r)) => r,
+        (b, None) => b,
+        (b, Some(r)) => b.min(r),
+    }
 }
 
 /// One piece of a rect, as the table keeps it (step 1 of the builder).
@@ -221,9 +264,14 @@ impl KernelTable {
         let base_bits = bases.iter().fold(0u64, |bits, &(s, d)| bits | s | d);
 
         // 1. Pieces: no empty rects, rows of at most MAX_WIDTH bytes, at most MAX_RUN_ROWS rows,
-        //    pitches 0 for one row, and each piece's unit.
+        //    pitches 0 for one row, and each piece's unit. A piece whose unit is below 16 bytes,
+        //    at least SPLIT_MIN_WIDTH wide, with every base and both pitches 16-byte aligned and
+        //    its source and destination rows equally misaligned, becomes a head (to the next
+        //    16-byte boundary), a body of 16-byte units and a tail; the bodies stay in order,
+        //    the heads and tails follow every other piece.
         let (mut job_rects, mut rows_per_buffer) = (0usize, 0u64);
         let mut pieces = Vec::new();
+        let mut edges = Vec::new();
         for r in rects {
             job_rects += 1;
             rows_per_buffer = rows_per_buffer.saturating_add(r.height);
@@ -249,21 +297,47 @@ impl KernelTable {
                         .wrapping_add(row.wrapping_mul(r.dst_pitch))
                         .wrapping_add(col);
                     let width = (r.width - col).min(MAX_WIDTH);
-                    let bits = base_bits | width | src | dst | src_pitch | dst_pitch;
-                    pieces.push(Piece {
-                        src,
-                        dst,
-                        src_pitch,
-                        dst_pitch,
-                        width,
-                        height,
-                        unit_shift: bits.trailing_zeros().min(4),
-                    });
+                    let piece = |src: u64, dst: u64, width: u64| {
+                        let bits = base_bits | width | src | dst | src_pitch | dst_pitch;
+                        Piece {
+                            src,
+                            dst,
+                            src_pitch,
+                            dst_pitch,
+                            width,
+                            height,
+                            unit_shift: bits.trailing_zeros().min(4),
+                        }
+                    };
+                    let whole = piece(src, dst, width);
+                    let head = (16 - src % 16) % 16;
+                    if whole.unit_shift < 4
+                        && width >= SPLIT_MIN_WIDTH
+                        && base_bits % 16 == 0
+                        && (src_pitch | dst_pitch) % 16 == 0
+                        && src % 16 == dst % 16
+                    {
+                        // Head, 16-byte body, tail: the body in the main list, the edges after
+                        // every piece (so that the bodies of like rects still form one run).
+                        let body = (width - head) & !15;
+                        pieces.push(piece(src + head, dst + head, body));
+                        if head > 0 {
+                            edges.push(piece(src, dst, head));
+                        }
+                        let tail = width - head - body;
+                        if tail > 0 {
+                            let at = head + body;
+                            edges.push(piece(src + at, dst + at, tail));
+                        }
+                    } else {
+                        pieces.push(whole);
+                    }
                     col += MAX_WIDTH;
                 }
                 row += MAX_RUN_ROWS;
             }
         }
+        pieces.extend(edges);
 
         // 2. Runs: a piece joins the run before it when it has the run's width and unit and
         //    one height divides the other at most MAX_RUN_SPLIT times: the taller side is cut
@@ -492,9 +566,18 @@ impl KernelTable {
         }
     }
 
-    /// The launch's grid (x over tiles, y over buffer groups); `(0, 0)`: nothing to launch.
+    /// The launch's grid (x over tiles, y over buffer groups) with no block limit; `(0, 0)`:
+    /// nothing to launch.
     pub fn grid(&self) -> (u32, u32) {
         grid(&self.args)
+    }
+
+    /// The kernel's argument and grid for a launch of at most `max_blocks` blocks (0: no limit;
+    /// see [`fit`]), with the uploaded table at `table` (ignored when inline).
+    pub fn launch(&self, table: u64, max_blocks: u32) -> (KernelArgs, (u32, u32)) {
+        let mut args = self.args(table);
+        let grid = fit(&mut args, max_blocks);
+        (args, grid)
     }
 }
 
@@ -595,6 +678,37 @@ pub const ARCHS: &str = env!("MORI_TP_HIP_KERNEL_ARCHS");
 pub(crate) static COPY_KERNEL_PTX: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.ptx"));
 
+/// The kernel as SASS (cubins from `ptxas` at build time, when build.rs found one) for each
+/// `(name, compute capability * 10)`: empty where the build had no ptxas, and then the driver
+/// JIT-compiles [`COPY_KERNEL_PTX`] at first use. `LibCuda` loads the cubin of the device's
+/// major version with the highest minor version not above the device's.
+#[cfg(feature = "cuda")]
+pub(crate) static COPY_KERNEL_CUBINS: [(&str, u32, &[u8]); 2] = [
+    (
+        "sm_90 SASS",
+        90,
+        include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.sm_90.cubin")),
+    ),
+    (
+        "sm_100 SASS",
+        100,
+        include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.sm_100.cubin")),
+    ),
+];
+
+/// The cubin of `cubins` (name, compute capability * 10, image) for a device of compute
+/// capability `cc` (* 10): of the device's major version, the highest minor version not above
+/// the device's (SASS runs on GPUs of its major version and a minor version at least its own);
+/// empty images (no ptxas at build time) never. None: load the PTX.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn pick_cubin<'a>(cc: u32, cubins: &[(&'a str, u32, &'a [u8])]) -> Option<(&'a str, &'a [u8])> {
+    cubins
+        .iter()
+        .filter(|(_, sm, image)| !image.is_empty() && sm / 10 == cc / 10 && *sm <= cc)
+        .max_by_key(|(_, sm, _)| *sm)
+        .map(|&(name, _, image)| (name, image))
+}
+
 /// The virtual architecture [`COPY_KERNEL_PTX`] targets (`sm_70` unless the build set
 /// `MORI_TP_PTX_ARCH`).
 #[cfg(feature = "cuda")]
@@ -635,6 +749,43 @@ mod tests {
             "the argument is copied to local memory"
         );
         assert!(text.contains("ld.global.v4.u32") && text.contains("st.global.v4.u32"));
+    }
+
+    /// The cubins build.rs embedded: ELF images of the kernel for their compute capability, or
+    /// empty where the build had no ptxas, which MORI_TP_REQUIRE_TOOLS=1 (CI, which installs
+    /// PyPI's nvidia-cuda-nvcc-cu12) makes a failure.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_embedded_cubins_are_the_kernel_for_sm_90_and_sm_100_when_ptxas_was_present() {
+        use std::io::Write;
+        let required = std::env::var_os("MORI_TP_REQUIRE_TOOLS").is_some_and(|v| v == "1");
+        for (name, sm, image) in COPY_KERNEL_CUBINS {
+            if image.is_empty() {
+                assert!(
+                    !required,
+                    "{name}: no cubin embedded, and MORI_TP_REQUIRE_TOOLS=1 (set MORI_TP_PTXAS \
+                     to a ptxas, e.g. from pip install nvidia-cuda-nvcc-cu12)"
+                );
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "skipped the {name} cubin check: built without ptxas"
+                );
+                continue;
+            }
+            assert!(image.starts_with(b"\x7fELF"), "{name}: not an ELF image");
+            let kernel = KERNEL_NAME.to_bytes();
+            assert!(
+                image.windows(kernel.len()).any(|w| w == kernel),
+                "{name}: no {KERNEL_NAME:?} in the cubin"
+            );
+            // The ELF header's e_flags (offset 48) hold the SM number in their low byte (cubins
+            // of CUDA 12.x; from CUDA 12.8, sm_100's too).
+            let flags = u32::from_le_bytes(image[48..52].try_into().unwrap());
+            assert!(
+                flags & 0xff == sm || (flags >> 8) & 0xff == sm,
+                "{name}: e_flags {flags:#x} name another SM"
+            );
+        }
     }
 
     /// `ptxas`: `MORI_TP_PTXAS`, else on PATH, else in a CUDA toolkit's usual places; None
@@ -678,7 +829,7 @@ mod tests {
         let source = dir.join("copy_kernel.ptx");
         // The text without its NUL (ptxas reads a file).
         std::fs::write(&source, &COPY_KERNEL_PTX[..COPY_KERNEL_PTX.len() - 1]).expect("write");
-        for arch in ["sm_90", PTX_ARCH] {
+        for arch in ["sm_90", "sm_100", PTX_ARCH] {
             let cubin = dir.join(format!("copy_kernel.{arch}.cubin"));
             let output = std::process::Command::new(&ptxas)
                 .args([&format!("-arch={arch}"), "-v", "-o"])
@@ -691,6 +842,15 @@ mod tests {
                 String::from_utf8_lossy(&output.stdout),
                 String::from_utf8_lossy(&output.stderr)
             );
+            // sm_100 needs ptxas 12.8 or later: an older one does not know the name.
+            if arch == "sm_100" && !output.status.success() && text.contains("not defined") {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "skipped sm_100 in the_embedded_ptx_assembles_...: {} predates it",
+                    ptxas.display()
+                );
+                continue;
+            }
             assert!(
                 output.status.success(),
                 "{} -arch={arch} refused the PTX:\n{text}",
@@ -770,6 +930,23 @@ mod tests {
         let got = segments(decoded.iter().map(|t| (t.src_base, t.dst_base, t.rect)));
         assert_eq!(got, want, "{rects:?}");
         table
+    }
+
+    #[test]
+    fn a_device_gets_the_cubin_of_its_major_version_not_above_its_minor_or_none() {
+        let (a, b, c): (&[u8], &[u8], &[u8]) = (b"90", b"100", b"103");
+        let cubins = [("sm_90", 90, a), ("sm_100", 100, b), ("sm_103", 103, c)];
+        assert_eq!(pick_cubin(90, &cubins), Some(("sm_90", a)));
+        assert_eq!(pick_cubin(100, &cubins), Some(("sm_100", b)));
+        assert_eq!(pick_cubin(101, &cubins), Some(("sm_100", b)));
+        assert_eq!(pick_cubin(103, &cubins), Some(("sm_103", c)));
+        // Another major version (sm_80, sm_120), or a cubin newer than the device: the PTX.
+        assert_eq!(pick_cubin(80, &cubins), None);
+        assert_eq!(pick_cubin(120, &cubins), None);
+        assert_eq!(pick_cubin(89, &cubins), None);
+        // A build without ptxas embeds empty cubins: never picked.
+        let empty: [(&str, u32, &[u8]); 2] = [("sm_90", 90, b""), ("sm_100", 100, b"")];
+        assert_eq!(pick_cubin(90, &empty), None);
     }
 
     #[test]
@@ -917,7 +1094,8 @@ mod tests {
         assert_eq!(unit(&[rect(0, 0, 512, 256, 256, 4)], &aligned), 4);
         assert_eq!(unit(&[rect(0, 0, 72, 72, 72, 4)], &aligned), 3);
         assert_eq!(unit(&[rect(4, 0, 512, 256, 256, 4)], &aligned), 2);
-        assert_eq!(unit(&[rect(0, 0, 510, 256, 256, 4)], &aligned), 1);
+        // Below SPLIT_MIN_WIDTH an odd width keeps the whole row in its narrow unit.
+        assert_eq!(unit(&[rect(0, 0, 126, 256, 256, 4)], &aligned), 1);
         assert_eq!(unit(&[rect(0, 0, 256, 256, 3, 4)], &aligned), 0);
         // A one-row rect ignores its pitches; a misaligned base of any buffer lowers the unit.
         assert_eq!(unit(&[rect(0, 0, 3, 5, 256, 1)], &aligned), 4);
@@ -928,6 +1106,151 @@ mod tests {
             ),
             3
         );
+    }
+
+    /// (unit, width, rows) of each run of a table.
+    fn run_shapes(table: &KernelTable) -> Vec<(u32, u64, u32)> {
+        let args = table.args(0);
+        (0..args.num_runs as usize)
+            .map(|i| {
+                let at = args.runs_at as usize + RUN_BYTES * i;
+                let word = |o: usize| {
+                    u32::from_le_bytes(table.bytes()[at + o..at + o + 4].try_into().unwrap())
+                };
+                let (units, unit) = (word(28), word(44));
+                (unit, u64::from(units) << unit, word(20))
+            })
+            .collect()
+    }
+
+    /// Rows equally misaligned on both sides, or of an odd width, move in 16-byte units but
+    /// for a head and a tail strip; the bodies of like rects stay one run, the strips follow.
+    #[test]
+    fn equally_misaligned_rows_and_odd_widths_move_in_16_byte_units_but_for_their_edges() {
+        let aligned = [(1 << 20, 1 << 21), (1 << 22, 1 << 23)];
+        // One-row rects at offsets 4 mod 16, 1000 bytes: heads of 12, bodies of 976, tails of
+        // 12; page-size-1 rects of one shape stay one run of bodies.
+        let rows: Vec<CopyRect> = (0..40u64)
+            .map(|i| rect(4 + 2048 * i, 4 + 4096 * i, 0, 0, 1000, 1))
+            .collect();
+        let table = round_trip(&rows, &aligned);
+        assert_eq!(
+            run_shapes(&table),
+            [(4, 976, 40), (2, 12, 80)],
+            "bodies, then heads and tails (12 bytes each: one run of 4-byte units)"
+        );
+        // A tall rect of an odd width, pitches aligned: body and tail strips.
+        let table = round_trip(&[rect(0, 0, 512, 1024, 510, 8)], &aligned);
+        assert_eq!(run_shapes(&table), [(4, 496, 8), (1, 14, 8)]);
+        // Different misalignment on the two sides, a misaligned pitch, a misaligned base, or a
+        // row narrower than SPLIT_MIN_WIDTH: no split (the whole row in its common unit).
+        for (rects, bases, unit) in [
+            (vec![rect(4, 8, 0, 0, 1000, 1)], &aligned[..], 2),
+            (vec![rect(0, 0, 1000, 1024, 512, 3)], &aligned[..], 3),
+            (vec![rect(0, 0, 0, 0, 1000, 1)], &[(1 << 20, 3)][..], 0),
+            (vec![rect(4, 4, 0, 0, 124, 1)], &aligned[..], 2),
+        ] {
+            let table = round_trip(&rects, bases);
+            assert_eq!(run_shapes(&table).len(), 1, "{rects:?}");
+            assert_eq!(run_shapes(&table)[0].0, unit, "{rects:?}");
+        }
+        // Odd sizes and offsets of every residue, seeded: always exactly the rects' bytes.
+        let mut rng = mori_tp_testkit::Rng::new(45);
+        for _ in 0..200 {
+            let off = rng.range(0, 16);
+            let rects: Vec<CopyRect> = (0..rng.range(0, 12))
+                .map(|i| {
+                    let width = rng.range(1, 700);
+                    let height = rng.range(0, 5);
+                    let pitch = width.div_ceil(16) * 16 * rng.range(1, 3);
+                    rect(
+                        off + (i << 16),
+                        off + (i << 17),
+                        pitch,
+                        pitch,
+                        width,
+                        height,
+                    )
+                })
+                .collect();
+            round_trip(&rects, &aligned);
+        }
+    }
+
+    /// A table of exactly INLINE_TABLE_BYTES travels in the argument; the next size a table
+    /// can have (tables grow by 8 bytes) is uploaded.
+    #[test]
+    fn a_table_at_exactly_the_inline_limit_is_inline_and_one_entry_more_is_uploaded() {
+        // 16 bytes of bases, one 48-byte run, 8 bytes per one-row rect: 496 rects is 4032.
+        let rows = |n: u64| -> Vec<CopyRect> {
+            (0..n)
+                .map(|i| rect(512 * i, 1024 * i, 0, 0, 256, 1))
+                .collect()
+        };
+        let bases = [(1 << 30, 1 << 31)];
+        let at = round_trip(&rows(496), &bases);
+        assert_eq!((at.table_len(), at.is_inline()), (INLINE_TABLE_BYTES, true));
+        assert_eq!(at.byte_len(), 0, "nothing to upload");
+        let over = round_trip(&rows(497), &bases);
+        assert_eq!(
+            (over.table_len(), over.is_inline()),
+            (INLINE_TABLE_BYTES + 8, false)
+        );
+        assert_eq!(over.byte_len(), INLINE_TABLE_BYTES + 8);
+    }
+
+    #[test]
+    fn the_launch_geometry_never_exceeds_the_block_limit() {
+        assert_eq!(block_limit(0, None), 0);
+        assert_eq!(block_limit(0, Some(264)), 264);
+        assert_eq!(block_limit(4, Some(264)), 4);
+        assert_eq!(block_limit(1000, Some(264)), 264);
+        assert_eq!(block_limit(7, None), 7);
+        assert_eq!(block_limit(7, Some(0)), 7);
+        let args = |tiles, buffers| {
+            let mut a = KernelArgs {
+                num_tiles: tiles,
+                num_buffers: buffers,
+                ..KernelArgs::default()
+            };
+            a.buffers_per_block = buffers_per_block(u64::from(tiles), u64::from(buffers));
+            a
+        };
+        // No limit: the table's own geometry.
+        let mut a = args(64, 64);
+        assert_eq!(fit(&mut a, 0), (64, 32));
+        assert_eq!(a.buffers_per_block, 2);
+        // A budget of 4: 16 buffers a block, 4 groups, one column of blocks.
+        let mut a = args(64, 64);
+        assert_eq!(fit(&mut a, 4), (1, 4));
+        assert_eq!(a.buffers_per_block, 16);
+        // A budget of 1: one block does everything.
+        let mut a = args(64, 64);
+        assert_eq!(fit(&mut a, 1), (1, 1));
+        // The persistent grid of an H100-like device (132 SMs x 2 blocks): 15 buffers a block
+        // (64 x 64 / 264), 5 groups, 52 columns.
+        let mut a = args(64, 64);
+        assert_eq!(fit(&mut a, 264), (52, 5));
+        assert_eq!(a.buffers_per_block, 15);
+        // A limit above what the table asks for changes nothing.
+        let mut a = args(5, 3);
+        assert_eq!(fit(&mut a, 70_000), (5, 3));
+        // Seeded: x * y <= limit, and never 0 while there is something to copy.
+        let mut rng = mori_tp_testkit::Rng::new(8);
+        for _ in 0..2000 {
+            let mut a = args(rng.range(0, 5000) as u32, rng.range(0, 200) as u32);
+            let limit = rng.range(0, 3000) as u32;
+            let (x, y) = fit(&mut a, limit);
+            if a.num_tiles == 0 || a.num_buffers == 0 {
+                assert_eq!((x, y), (0, 0));
+                continue;
+            }
+            assert!(x >= 1 && y >= 1);
+            if limit != 0 {
+                assert!(u64::from(x) * u64::from(y) <= u64::from(limit));
+            }
+            assert!(a.buffers_per_block >= 1 && a.buffers_per_block <= 16);
+        }
     }
 
     #[test]
@@ -1056,6 +1379,7 @@ mod tests {
             ("MORI_COPY_ARGS_BYTES", ARGS_BYTES as u64),
             ("MORI_COPY_INLINE_TABLE_BYTES", INLINE_TABLE_BYTES as u64),
             ("MORI_COPY_RUN_BYTES", RUN_BYTES as u64),
+            ("MORI_COPY_SPLIT_MIN_WIDTH", SPLIT_MIN_WIDTH),
             ("MORI_COPY_WIDE_OFFSETS", u64::from(WIDE_OFFSETS)),
         ] {
             assert_eq!(define(name), value, "{name}");

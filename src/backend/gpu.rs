@@ -80,7 +80,7 @@ use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::copy_kernel::{BLOCK_THREADS, KERNEL_NAME, KernelArgs, KernelTable};
+use super::copy_kernel::{BLOCK_THREADS, KERNEL_NAME, KernelArgs, KernelTable, block_limit};
 use super::{CopyEngine, CopyJob, CopyPath, SendOptions};
 use crate::error::{Error, Result};
 
@@ -609,6 +609,20 @@ pub trait GpuRuntime {
     /// runs the kernel at once, outside the graph. When false, a capturing stream gets the
     /// per-rect copies.
     fn captures_kernel_launches(&self) -> bool;
+
+    /// The blocks of the copy kernel (`function`, loaded on the current device, blocks of
+    /// [`BLOCK_THREADS`] threads) the current device runs at once: its multiprocessor count
+    /// times `cuOccupancyMaxActiveBlocksPerMultiprocessor` (HIP:
+    /// `hipModuleOccupancyMaxActiveBlocksPerMultiprocessor`), the persistent grid's size. Asked
+    /// once per device, when the kernel loads; None where the runtime cannot say (then only the
+    /// caller's budget limits the grid).
+    ///
+    /// # Safety
+    /// `function` must be the copy kernel, loaded on the current device.
+    unsafe fn resident_blocks(&self, function: *mut c_void) -> Option<u32> {
+        let _ = function;
+        None
+    }
 }
 
 /// "hipErrorNoDevice (100)": the runtime's name for a status and its number, which stays
@@ -844,6 +858,9 @@ pub struct DeviceKernel {
     /// An event of this device, recorded on a caller's stream to check that the stream belongs
     /// to the device where the runtime cannot say (no `hipStreamGetDevice`); made on first use.
     probe: Option<usize>,
+    /// The blocks the device runs at once ([`GpuRuntime::resident_blocks`]): the persistent
+    /// grid's limit.
+    resident: Option<u32>,
 }
 
 /// Base addresses remembered as reachable per device before the set starts over.
@@ -963,6 +980,7 @@ pub struct GpuEngine<R: GpuRuntime> {
     stream: *mut c_void,
     synchronize: bool,
     path: CopyPath,
+    max_blocks: u32,
 }
 
 impl<R: GpuRuntime> GpuEngine<R> {
@@ -976,6 +994,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
             stream: options.stream,
             synchronize: options.synchronize,
             path: options.path,
+            max_blocks: options.max_blocks,
         })
     }
 
@@ -992,6 +1011,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
         self.stream = options.stream;
         self.synchronize = options.synchronize;
         self.path = options.path;
+        self.max_blocks = options.max_blocks;
     }
 
     /// The names of the runtime's calls, for messages.
@@ -1212,6 +1232,8 @@ impl<R: GpuRuntime> GpuEngine<R> {
         match function {
             Ok(function) => Ok(DeviceKernel {
                 function: function as usize,
+                // SAFETY: the function just looked up, on the current device.
+                resident: unsafe { self.runtime.resident_blocks(function) },
                 sentinel: None,
                 slots: Vec::new(),
                 lanes: Vec::new(),
@@ -1846,11 +1868,12 @@ impl<R: GpuRuntime> GpuEngine<R> {
             drop(state);
             return per_rect("a buffer is memory the kernel may not reach");
         }
+        let limit = block_limit(self.max_blocks, state.resident);
         if table.is_inline() {
             let function = state.function;
             drop(state);
             // SAFETY: as the caller guarantees.
-            return unsafe { self.launch_inline(&table, function, at, capturing) };
+            return unsafe { self.launch_inline(&table, function, limit, at, capturing) };
         }
         let bytes = table.byte_len();
         let (mut state, plan) = self.plan_launch(&kernel, state, at, bytes)?;
@@ -1865,7 +1888,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
         // SAFETY: the pair's pinned buffer holds `capacity >= bytes` bytes, and nothing reads it
         // (it is idle, and reserved to this call while the state is locked).
         table.write_to(unsafe { std::slice::from_raw_parts_mut(pair.host as *mut u8, bytes) });
-        let launch = self.launch_of(&table, state.function, pair.device as u64);
+        let launch = self.launch_of(&table, state.function, pair.device as u64, limit);
         // SAFETY: both buffers hold `bytes` bytes and stay untouched until the pair's fence,
         // recorded below, has passed.
         unsafe {
@@ -1899,14 +1922,23 @@ impl<R: GpuRuntime> GpuEngine<R> {
     }
 
     /// The launch of `function` (the copy kernel on the stream's device) for `table`, whose
-    /// uploaded bytes are at device address `uploaded` (unused for a table inside the argument).
-    fn launch_of(&self, table: &KernelTable, function: usize, uploaded: u64) -> KernelLaunch {
+    /// uploaded bytes are at device address `uploaded` (unused for a table inside the argument),
+    /// on at most `limit` blocks (0: no limit; the budget and the persistent grid, see
+    /// [`block_limit`]).
+    fn launch_of(
+        &self,
+        table: &KernelTable,
+        function: usize,
+        uploaded: u64,
+        limit: u32,
+    ) -> KernelLaunch {
+        let (args, grid) = table.launch(uploaded, limit);
         KernelLaunch {
             function: function as *mut c_void,
-            grid: table.grid(),
+            grid,
             block: BLOCK_THREADS,
             stream: self.stream,
-            args: table.args(uploaded),
+            args,
         }
     }
 
@@ -1922,10 +1954,11 @@ impl<R: GpuRuntime> GpuEngine<R> {
         &self,
         table: &KernelTable,
         function: usize,
+        limit: u32,
         at: LaunchDevice,
         capturing: bool,
     ) -> Result<()> {
-        let launch = self.launch_of(table, function, 0);
+        let launch = self.launch_of(table, function, 0, limit);
         // SAFETY: the function was loaded on the stream's device; the argument holds the whole
         // table, and the caller vouches for the buffers.
         let launch_here = || unsafe { self.runtime.launch_kernel(&launch) };

@@ -90,6 +90,7 @@ pub fn open_host_copies(backend: Backend) -> Result<Box<dyn HostCopies>> {
         backend: resolved,
         synchronize: true,
         path: CopyPath::Memcpy2d,
+        max_blocks: 0,
         stream: std::ptr::null_mut(),
     };
     Ok(Box::new(Synchronized(open_gpu(resolved, &options)?)))
@@ -141,6 +142,10 @@ pub struct SendOptions {
     /// HIP: the copy kernel, one `hipMemcpy2DAsync` per (buffer, rect), or the engine's choice.
     /// The host engine ignores it.
     pub path: CopyPath,
+    /// The SM budget: the most blocks one launch of the copy kernel may use (0: no budget, the
+    /// persistent grid of the device's resident blocks). The per-rect copies and the host engine
+    /// ignore it (the C ABI refuses it together with `MORI_SEND_MEMCPY2D`).
+    pub max_blocks: u32,
     /// `hipStream_t` for HIP; must be NULL for the host backend.
     pub stream: *mut c_void,
 }
@@ -151,6 +156,7 @@ impl Default for SendOptions {
             backend: Backend::Auto,
             synchronize: false,
             path: CopyPath::Auto,
+            max_blocks: 0,
             stream: std::ptr::null_mut(),
         }
     }

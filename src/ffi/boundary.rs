@@ -41,10 +41,18 @@ pub(crate) enum Failure {
     /// A flags field has bits the ABI does not define.
     #[error(
         "invalid argument: options.flags {flags:#x} has unknown bits {unknown:#x} (only \
-         MORI_SEND_SYNCHRONIZE = 0x1, MORI_SEND_COPY_KERNEL = 0x2 and MORI_SEND_MEMCPY2D = 0x4 \
-         are defined)"
+         MORI_SEND_SYNCHRONIZE = 0x1, MORI_SEND_COPY_KERNEL = 0x2, MORI_SEND_MEMCPY2D = 0x4 and \
+         the block budget in bits 16-31, MORI_SEND_MAX_BLOCKS_MASK = 0xffff0000, are defined)"
     )]
     UnknownFlags { flags: u32, unknown: u32 },
+    /// A block budget (MORI_SEND_MAX_BLOCKS) with the per-rect copies, which it cannot bound.
+    #[error(
+        "invalid argument: options.flags {flags:#x} sets a block budget of {blocks} \
+         (MORI_SEND_MAX_BLOCKS, bits 16-31) together with MORI_SEND_MEMCPY2D (0x4): the budget \
+         bounds the copy kernel's grid, and the per-rect copies run on the runtime's own copy \
+         engines or blit kernels, which it cannot bound; drop one of them"
+    )]
+    BudgetWithMemcpy2d { flags: u32, blocks: u32 },
     /// A flags field asks for two copy paths at once.
     #[error(
         "invalid argument: options.flags {flags:#x} sets both MORI_SEND_COPY_KERNEL (0x2) and \
@@ -131,6 +139,7 @@ impl Failure {
             | Failure::UnknownValue { .. }
             | Failure::UnknownFlags { .. }
             | Failure::ConflictingFlags { .. }
+            | Failure::BudgetWithMemcpy2d { .. }
             | Failure::UnknownPool(_) => ErrorClass::InvalidArgument,
             Failure::BufferTooSmall { .. } => ErrorClass::BufferTooSmall,
             Failure::Panic(_) => return None,
@@ -394,6 +403,10 @@ mod tests {
                 unknown: 8,
             },
             Failure::ConflictingFlags { flags: 6 },
+            Failure::BudgetWithMemcpy2d {
+                flags: 0x40004,
+                blocks: 4,
+            },
             Failure::BufferTooSmall {
                 needed: 2,
                 capacity: 1,

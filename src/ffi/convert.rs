@@ -351,7 +351,10 @@ pub(crate) unsafe fn options_from_raw(options: *const MoriSendOptions) -> Result
     // SAFETY: non-NULL, valid per the caller; misalignment is refused.
     let o = unsafe { try_ref(options, "options") }?;
     let backend = Backend::from_c(o.backend, "options.backend")?;
-    let known = MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL | MORI_SEND_MEMCPY2D;
+    let known = MORI_SEND_SYNCHRONIZE
+        | MORI_SEND_COPY_KERNEL
+        | MORI_SEND_MEMCPY2D
+        | MORI_SEND_MAX_BLOCKS_MASK;
     if o.flags & !known != 0 {
         return Err(Failure::UnknownFlags {
             flags: o.flags,
@@ -367,10 +370,18 @@ pub(crate) unsafe fn options_from_raw(options: *const MoriSendOptions) -> Result
         (false, true) => CopyPath::Memcpy2d,
         (true, true) => return Err(Failure::ConflictingFlags { flags: o.flags }),
     };
+    let max_blocks = (o.flags & MORI_SEND_MAX_BLOCKS_MASK) >> MORI_SEND_MAX_BLOCKS_SHIFT;
+    if max_blocks != 0 && path == CopyPath::Memcpy2d {
+        return Err(Failure::BudgetWithMemcpy2d {
+            flags: o.flags,
+            blocks: max_blocks,
+        });
+    }
     Ok(SendOptions {
         backend,
         synchronize: o.flags & MORI_SEND_SYNCHRONIZE != 0,
         path,
+        max_blocks,
         stream: o.stream,
     })
 }

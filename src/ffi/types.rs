@@ -133,6 +133,25 @@ pub const MORI_SEND_COPY_KERNEL: u32 = 2u32;
 /// MORI_SEND_COPY_KERNEL (MORI_ERR_INVALID_ARGUMENT). The host backend ignores the flag.
 pub const MORI_SEND_MEMCPY2D: u32 = 4u32;
 
+/// MoriSendOptions.flags bits 16-31: the SM budget, the most blocks of the copy kernel one call
+/// may launch (0: no budget). Set it as `flags |= blocks << MORI_SEND_MAX_BLOCKS_SHIFT` with
+/// 1 <= blocks <= 65535 (MORI_SEND_MAX_BLOCKS_LIMIT). A pack or unpack that overlaps compute (an
+/// attention kernel on another stream) then occupies at most that many blocks, of
+/// 256 threads each, and leaves the other SMs or CUs to the compute;
+/// the kernel strides over the rest, so the bytes are the same for any budget. Without a budget
+/// the grid is the persistent one: at most the blocks the device runs at once (its SM or CU
+/// count times the kernel's occupancy, asked once per device with
+/// cuOccupancyMaxActiveBlocksPerMultiprocessor or hipModuleOccupancyMaxActiveBlocksPerMultiprocessor);
+/// a budget above that changes nothing. The budget bounds the copy kernel only: with
+/// MORI_SEND_MEMCPY2D it is refused (MORI_ERR_INVALID_ARGUMENT, the runtime's per-rect copies use
+/// copy engines or blit kernels it cannot bound); where flags 0 takes the per-rect copies it does
+/// not apply. The host backend ignores it.
+pub const MORI_SEND_MAX_BLOCKS_SHIFT: u32 = 16u32;
+/// The bits of MoriSendOptions.flags that hold the block budget (see MORI_SEND_MAX_BLOCKS_SHIFT).
+pub const MORI_SEND_MAX_BLOCKS_MASK: u32 = 0xFFFF_0000u32;
+/// The largest block budget the flags hold.
+pub const MORI_SEND_MAX_BLOCKS_LIMIT: u32 = 65535u32;
+
 /// Which sides of a transfer go through a staging region; see mori_tp_plan_transfer.
 pub type MoriTpStaging = u32;
 /// Pages to pages: the transport copies straight between the page buffers.
@@ -256,8 +275,9 @@ pub struct MoriSendOptions {
     /// A MoriBackend: MORI_BACKEND_AUTO, MORI_BACKEND_HOST, MORI_BACKEND_HIP or MORI_BACKEND_CUDA.
     pub backend: u32,
     /// Zero or more of MORI_SEND_SYNCHRONIZE, MORI_SEND_COPY_KERNEL and MORI_SEND_MEMCPY2D (not
-    /// both of the last two); other bits are refused. 0 lets the HIP backend choose its copy path
-    /// (see MORI_SEND_COPY_KERNEL).
+    /// both of the last two), and a block budget in bits 16-31 (MORI_SEND_MAX_BLOCKS_SHIFT);
+    /// other bits are refused. 0 lets the HIP backend choose its copy path (see
+    /// MORI_SEND_COPY_KERNEL).
     pub flags: u32,
     /// hipStream_t for the HIP backend, cudaStream_t (CUstream) for the CUDA backend; NULL = the
     /// null stream. Must be NULL for the host backend (including when AUTO falls back to the

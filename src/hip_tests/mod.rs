@@ -48,6 +48,7 @@ fn options(synchronize: bool, stream: *mut c_void) -> SendOptions {
         backend: Backend::Hip,
         synchronize,
         path: CopyPath::Memcpy2d,
+        max_blocks: 0,
         stream,
     }
 }
@@ -3339,5 +3340,60 @@ fn layout_pack_unpack_through_hip(
             &got_ptrs,
             &calls,
         );
+    }
+}
+
+/// The SM budget and the persistent grid: every launch stays within the smaller of the caller's
+/// budget (1, a few blocks, more than the device runs at once, none) and the device's resident
+/// blocks, for an inline and an uploaded table, and the bytes stay the host engine's.
+#[test]
+fn a_block_budget_and_the_persistent_grid_bound_every_launch_and_the_bytes_stay_right() {
+    if cpu_kernel_or_skip("a_block_budget_and_the_persistent_grid_bound_every_launch_...").is_none()
+    {
+        return;
+    }
+    for uploaded in [false, true] {
+        for resident in [None, Some(6)] {
+            for budget in [0, 1, 2, 3, 5, 64, 70_000] {
+                let make = || {
+                    if uploaded {
+                        Fixture::uploaded()
+                    } else {
+                        Fixture::new()
+                    }
+                };
+                let want = fixture_sent_by_host_of(make());
+                let mut f = make();
+                let options = SendOptions {
+                    max_blocks: budget,
+                    ..kernel_options(true, null_mut())
+                };
+                let (result, calls) =
+                    kernel_fixture_run(&mut f, &options, |r| Recorder { resident, ..r });
+                let what = format!("uploaded {uploaded}, resident {resident:?}, budget {budget}");
+                result.unwrap_or_else(|e| panic!("{what}: {e}"));
+                let launches: Vec<KernelLaunch> = calls
+                    .iter()
+                    .filter_map(|c| match c {
+                        Call::Launch(l) => Some(*l),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(launches.len(), 1, "{what}");
+                let (x, y) = launches[0].grid;
+                let limit = crate::backend::copy_kernel::block_limit(budget, resident);
+                if limit != 0 {
+                    assert!(
+                        u64::from(x) * u64::from(y) <= u64::from(limit),
+                        "{what}: grid ({x}, {y})"
+                    );
+                }
+                assert!(x >= 1 && y >= 1, "{what}");
+                if budget == 1 {
+                    assert_eq!((x, y), (1, 1), "{what}");
+                }
+                assert_eq!(f.dst.ranks[3], want, "{what}: bytes");
+            }
+        }
     }
 }

@@ -362,6 +362,9 @@ pub struct Recorder {
     /// Whether a kernel launch on a capturing stream is captured (HIP 5.3 and later); HIP 5.2
     /// would run it at once and leave it out of the graph, which the recorder refuses to do.
     pub captures_launches: bool,
+    /// What `resident_blocks` answers (the device's SM count times the kernel's occupancy);
+    /// None: the runtime cannot say.
+    pub resident: Option<u32>,
     /// Streams capturing a graph, each (besides every stream with `capturing`).
     pub captures: RefCell<Vec<usize>>,
     /// Captures invalidated by a call the runtime refused or answered with
@@ -414,6 +417,7 @@ impl Recorder {
             has_stream_get_device: true,
             capturing: Cell::new(false),
             captures_launches: true,
+            resident: None,
             captures: RefCell::new(Vec::new()),
             invalidated: RefCell::new(Vec::new()),
             global_capture_elsewhere: Cell::new(false),
@@ -1052,6 +1056,10 @@ impl GpuRuntime for Recorder {
 
     fn captures_kernel_launches(&self) -> bool {
         self.captures_launches
+    }
+
+    unsafe fn resident_blocks(&self, _function: *mut c_void) -> Option<u32> {
+        self.resident
     }
 
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus> {

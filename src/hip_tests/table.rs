@@ -233,6 +233,34 @@ fn the_cpp_and_the_rust_builder_make_the_same_table() {
             .collect();
         cases.push((rects, bases));
     }
+    // 16-byte-aligned bases and rows equally misaligned on both sides, of widths around the
+    // split's minimum: heads, bodies and tails (MORI_COPY_SPLIT_MIN_WIDTH).
+    for _ in 0..150 {
+        let residue = rng.range(0, 16);
+        let width = rng.range(100, 800);
+        let pitch = width.div_ceil(16) * 16 + 16 * rng.range(0, 3);
+        let rects = (0..rng.range(0, 20))
+            .map(|i| {
+                let same = rng.range(0, 3) != 0;
+                rect(
+                    (i << 14) + if same { residue } else { rng.range(0, 16) },
+                    (i << 15) + residue,
+                    if rng.range(0, 5) == 0 {
+                        pitch + 8
+                    } else {
+                        pitch
+                    },
+                    pitch,
+                    if same { width } else { rng.range(1, 800) },
+                    rng.range(0, 6),
+                )
+            })
+            .collect();
+        let bases = (0..rng.range(1, 9))
+            .map(|_| (rng.range(1, 1 << 36) << 4, rng.range(1, 1 << 36) << 4))
+            .collect();
+        cases.push((rects, bases));
+    }
     for (n, (rects, bases)) in cases.iter().enumerate() {
         let rust = KernelTable::build(rects.iter().copied(), bases).expect("a table");
         let (args, bytes, grid, fits) =

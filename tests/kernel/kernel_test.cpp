@@ -134,17 +134,21 @@ struct Launch {
     uint32_t grid_x, grid_y;     // 0: the header's formula
     uint32_t buffers_per_block;  // 0: the builder's
     uint32_t block;              // threads per block; 0: MORI_COPY_BLOCK_THREADS
+    uint32_t max_blocks;         // a block limit through mori_copy_fit (the SM budget); 0: none
 };
 
 // The builder's launch, then the table in memory, small grids, other buffer groups and smaller
 // blocks (several passes per tile): the kernel must not depend on them.
 const Launch kLaunches[] = {
-    {"formula", false, 0, 0, 0, 0},
-    {"table in memory", true, 0, 0, 0, 0},
-    {"one block", false, 1, 1, 0, 0},
-    {"grid 3x2, 1 buffer per block", true, 3, 2, 1, 0},
-    {"grid 2x3, 3 buffers per block, 100 threads", false, 2, 3, 3, 100},
-    {"64 threads, 5 buffers per block", true, 0, 0, 5, 64},
+    {"formula", false, 0, 0, 0, 0, 0},
+    {"table in memory", true, 0, 0, 0, 0, 0},
+    {"one block", false, 1, 1, 0, 0, 0},
+    {"grid 3x2, 1 buffer per block", true, 3, 2, 1, 0, 0},
+    {"grid 2x3, 3 buffers per block, 100 threads", false, 2, 3, 3, 100, 0},
+    {"64 threads, 5 buffers per block", true, 0, 0, 5, 64, 0},
+    {"budget of 1 block", false, 0, 0, 0, 0, 1},
+    {"budget of 3 blocks, table in memory", true, 0, 0, 0, 0, 3},
+    {"budget of 70000 blocks (more than any device runs)", false, 0, 0, 0, 0, 70000},
 };
 
 void launch(const Table &table, const Launch &how, uint64_t seed) {
@@ -155,7 +159,15 @@ void launch(const Table &table, const Launch &how, uint64_t seed) {
     }
     if (how.buffers_per_block != 0) args.buffers_per_block = how.buffers_per_block;
     uint32_t grid_x = 0, grid_y = 0;
-    mori_copy_grid(&args, &grid_x, &grid_y);
+    if (how.max_blocks != 0) {
+        mori_copy_fit(&args, how.max_blocks, &grid_x, &grid_y);
+        if (uint64_t{grid_x} * grid_y > how.max_blocks) {
+            fail(std::string(how.name) + ": grid " + std::to_string(grid_x) + " x " + std::to_string(grid_y) +
+                 " exceeds the limit");
+        }
+    } else {
+        mori_copy_grid(&args, &grid_x, &grid_y);
+    }
     if (grid_x == 0) return;  // nothing to copy: no launch
     if (how.grid_x != 0) grid_x = how.grid_x;
     if (how.grid_y != 0) grid_y = how.grid_y;
@@ -306,6 +318,66 @@ void unusual_tables() {
     }
 }
 
+// 16-byte-aligned buffers (as a GPU allocator gives): rows equally misaligned on both sides (every
+// residue of 16) and odd widths, which the builder cuts into head, 16-byte body and tail; zero
+// rects; tables of exactly MORI_COPY_INLINE_TABLE_BYTES and one entry more. Every launch shape,
+// every byte against memcpy.
+void aligned_edges() {
+    constexpr size_t kBytes = 1 << 20;
+    std::vector<uint64_t> src_words(kBytes / 8 + 2), dst_words(kBytes / 8 + 2);
+    uint8_t *src = reinterpret_cast<uint8_t *>((reinterpret_cast<uintptr_t>(src_words.data()) + 15) & ~uintptr_t{15});
+    uint8_t *dst = reinterpret_cast<uint8_t *>((reinterpret_cast<uintptr_t>(dst_words.data()) + 15) & ~uintptr_t{15});
+    for (size_t i = 0; i < kBytes; i++) src[i] = static_cast<uint8_t>(i * 13 + 7);
+    struct Shape {
+        const char *name;
+        std::vector<MoriCopyRect> rects;
+        int32_t inline_table;  // -1: either
+        uint32_t min_16_byte_runs;
+    };
+    std::vector<Shape> shapes;
+    for (uint64_t residue = 0; residue < 16; residue++) {
+        Shape one{"one-row rects equally misaligned", {}, -1, 1};
+        for (uint64_t i = 0; i < 24; i++) {
+            one.rects.push_back({residue + 4096 * i, residue + 8192 * i + 2048, 0, 0, 128 + 37 * i, 1});
+        }
+        shapes.push_back(one);
+        Shape tall{"tall rect of an odd width, misaligned offset", {{residue, 512 + residue, 1024, 2048, 1000 - residue, 33}},
+                   -1, 1};
+        shapes.push_back(tall);
+    }
+    shapes.push_back({"zero rects", {{0, 0, 16, 16, 0, 5}, {64, 64, 16, 16, 16, 0}}, -1, 0});
+    Shape at_limit{"table of exactly the inline limit", {}, 1, 1}, over{"one entry over the inline limit", {}, 0, 1};
+    for (uint64_t i = 0; i < 496; i++) at_limit.rects.push_back({512 * i, 1024 * i, 0, 0, 256, 1});
+    over.rects = at_limit.rects;
+    over.rects.push_back({512 * 496, 1024 * 496, 0, 0, 256, 1});
+    shapes.push_back(at_limit);
+    shapes.push_back(over);
+    uint64_t seed = 99;
+    for (const Shape &shape : shapes) {
+        std::vector<uint8_t> want(kBytes, 0xEE);
+        for (const MoriCopyRect &r : shape.rects) {
+            for (uint64_t i = 0; i < r.height; i++) {
+                std::memcpy(&want[r.dst_offset + i * r.dst_pitch], &src[r.src_offset + i * r.src_pitch], r.width);
+            }
+        }
+        const Table t = make_table(shape.rects, {src}, {dst});
+        if (shape.inline_table >= 0 && t.built.inline_table != (shape.inline_table == 1)) {
+            fail(std::string(shape.name) + ": a table of " + std::to_string(t.built.bytes.size()) + " bytes, inline " +
+                 std::to_string(t.built.inline_table));
+        }
+        uint32_t wide_runs = 0;
+        for (uint32_t r = 0; r < t.built.args.num_runs; r++) {
+            wide_runs += mori_copy_table::detail::get_u32(t.built.bytes.data(), t.built.args.runs_at + 48 * r + 44) == 4;
+        }
+        if (wide_runs < shape.min_16_byte_runs) fail(std::string(shape.name) + ": no run of 16-byte units");
+        for (const Launch &how : kLaunches) {
+            std::memset(dst, 0xEE, kBytes);
+            launch(t, how, seed++);
+            if (std::memcmp(dst, want.data(), kBytes) != 0) fail(std::string(shape.name) + ", " + how.name);
+        }
+    }
+}
+
 // The builder's choices on the shapes (4096 tokens, 256-byte heads, 64 buffers): the
 // table fits in the argument for contiguous pages and for 256 rects of 16 rows, each shape is
 // one run, tiles of 16 KiB, about MORI_COPY_TARGET_BLOCKS blocks.
@@ -364,6 +436,20 @@ void table_rules() {
     args.num_tiles = 0;
     mori_copy_grid(&args, &x, &y);
     if (x != 0 || y != 0) fail("no tiles, no launch");
+    // The launch geometry within a block limit (src/backend/copy_kernel.rs tests the same
+    // numbers): 64 tiles x 64 buffers on 264 blocks (132 SMs x 2), on 4, on 1, and no limit.
+    const uint32_t limits[][4] = {{264, 52, 5, 15}, {4, 1, 4, 16}, {1, 1, 1, 16}, {0, 64, 32, 2}};
+    for (const auto &l : limits) {
+        MoriCopyKernelArgs a{};
+        a.num_tiles = 64;
+        a.num_buffers = 64;
+        a.buffers_per_block = mori_copy_buffers_per_block(64, 64);
+        mori_copy_fit(&a, l[0], &x, &y);
+        if (x != l[1] || y != l[2] || a.buffers_per_block != l[3]) {
+            fail("launch geometry within " + std::to_string(l[0]) + " blocks: grid " + std::to_string(x) + " x " +
+                 std::to_string(y) + ", " + std::to_string(a.buffers_per_block) + " buffers per block");
+        }
+    }
 }
 
 // The fragmented shape (page size 1, runs of one page, one 256-byte head per decode rank): every
@@ -507,6 +593,7 @@ int main() {
     table_rules();
     fragmented_shape_keeps_every_lane_busy();
     unusual_tables();
+    aligned_edges();
     int cases = 0;
     uint64_t seed = 1;
     for (const Layout &layout : kLayouts) {
@@ -520,6 +607,9 @@ int main() {
                     for (const Launch &how : kLaunches) {
                         // Many buffers: the formula grid only (the others add nothing there).
                         if (many && how.grid_x != 0) continue;
+                        // Block limits: on the first two misalignments (the grid, not the
+                        // alignment, is what they change), to keep the run short.
+                        if (how.max_blocks != 0 && &misalign - kMisalign >= 2) continue;
                         const std::string label = std::string(layout.name) + ", page size " +
                                                   std::to_string(page_size) + (shape == 0 ? ", fragmented" : ", contiguous") +
                                                   ", misaligned by (" + std::to_string(misalign[0]) + ", " +

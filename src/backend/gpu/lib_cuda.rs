@@ -39,7 +39,9 @@ use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys as cu;
 
-use super::super::copy_kernel::{COPY_KERNEL_PTX, KernelArgs, PTX_ARCH};
+use super::super::copy_kernel::{
+    BLOCK_THREADS, COPY_KERNEL_CUBINS, COPY_KERNEL_PTX, KernelArgs, PTX_ARCH, pick_cubin,
+};
 use super::{
     Api, CUDA_API, CaptureMode, GpuRuntime, GpuStatus, KernelCache, KernelImage, KernelLaunch,
     Memcpy2dAsync, PointerInfo, lock,
@@ -167,9 +169,38 @@ driver! {
     );
 }
 
+/// `cuDeviceGetAttribute(&value, attribute, device)`.
+type DeviceGetAttribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> GpuStatus;
+/// `cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, function, block, dynamic_shared)`.
+type Occupancy = unsafe extern "C" fn(*mut c_int, *mut c_void, c_int, usize) -> GpuStatus;
+
+/// Driver functions the engine uses when present (for the persistent grid and the choice of a
+/// cubin; without them the grid is the table's and the image the PTX).
+struct Optional {
+    device_get_attribute: Option<DeviceGetAttribute>,
+    occupancy: Option<Occupancy>,
+}
+
+impl Optional {
+    /// # Safety
+    /// `symbol` must find the CUDA driver's functions.
+    unsafe fn load(symbol: impl Fn(&[u8]) -> Option<*mut c_void>) -> Optional {
+        let find = |name: &[u8]| symbol(name).filter(|a| !a.is_null());
+        Optional {
+            // SAFETY: the driver's functions of these names, whose C signatures these are.
+            device_get_attribute: find(b"cuDeviceGetAttribute\0")
+                .map(|a| unsafe { std::mem::transmute::<*mut c_void, DeviceGetAttribute>(a) }),
+            // SAFETY: as above.
+            occupancy: find(b"cuOccupancyMaxActiveBlocksPerMultiprocessor\0")
+                .map(|a| unsafe { std::mem::transmute::<*mut c_void, Occupancy>(a) }),
+        }
+    }
+}
+
 /// The loaded driver and what `cuInit(0)` returned.
 struct Loaded {
     driver: Driver,
+    optional: Optional,
     init: std::result::Result<(), GpuStatus>,
 }
 
@@ -201,7 +232,13 @@ fn loaded() -> std::result::Result<&'static Loaded, String> {
             })?;
             // SAFETY: cuInit takes flags 0.
             let init = unsafe { (driver.init)(0) }.result();
-            Ok(Loaded { driver, init })
+            // SAFETY: as above.
+            let optional = unsafe { Optional::load(symbol) };
+            Ok(Loaded {
+                driver,
+                optional,
+                init,
+            })
         })
         .as_ref()
         .map_err(Clone::clone)
@@ -254,6 +291,31 @@ impl LibCuda {
 
     fn driver(&self) -> &'static Driver {
         &self.loaded.driver
+    }
+
+    /// `cuDeviceGetAttribute(attribute)` of the current device; None where the driver lacks it
+    /// or fails.
+    fn attribute_here(&self, attribute: cu::CUdevice_attribute_enum) -> Option<i32> {
+        let get = self.loaded.optional.device_get_attribute?;
+        let (mut handle, mut value): (c_int, c_int) = (0, 0);
+        // SAFETY: valid out-pointers; a bad ordinal or attribute is refused with a status.
+        unsafe {
+            (self.driver().device_get)(&mut handle, self.current_device().ok()?)
+                .result()
+                .ok()?;
+            get(&mut value, attribute as c_int, handle).result().ok()?;
+        }
+        Some(value)
+    }
+
+    /// The embedded cubin (SASS) for the current device's compute capability: the one of the
+    /// same major version and the highest minor version not above the device's (SASS runs on
+    /// GPUs of its major version and a minor version at least its own); None without one.
+    fn cubin_here(&self) -> Option<(&'static str, &'static [u8])> {
+        use cu::CUdevice_attribute_enum as A;
+        let major = self.attribute_here(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = self.attribute_here(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        pick_cubin(u32::try_from(major * 10 + minor).ok()?, &COPY_KERNEL_CUBINS)
     }
 
     /// The calling thread's current context (NULL: none).
@@ -552,10 +614,34 @@ impl GpuRuntime for LibCuda {
     }
 
     fn kernel_image(&self) -> KernelImage {
+        // SASS for this GPU when the build embedded one (no JIT at first use), else the PTX.
+        if let Some((targets, bytes)) = self.cubin_here() {
+            return KernelImage { bytes, targets };
+        }
         KernelImage {
             bytes: COPY_KERNEL_PTX,
             targets: PTX_ARCH,
         }
+    }
+
+    unsafe fn resident_blocks(&self, function: *mut c_void) -> Option<u32> {
+        let occupancy = self.loaded.optional.occupancy?;
+        let units = self.attribute_here(
+            cu::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?;
+        let mut blocks: c_int = 0;
+        self.in_context(self.here().ok()?, || {
+            // SAFETY: a valid out-pointer; the function as the caller guarantees.
+            out(
+                unsafe { occupancy(&mut blocks, function, BLOCK_THREADS as c_int, 0) },
+                (),
+            )
+        })
+        .ok()?;
+        let resident = u32::try_from(units)
+            .ok()?
+            .checked_mul(u32::try_from(blocks).ok()?)?;
+        (resident > 0).then_some(resident)
     }
 
     fn kernel_cache(&self) -> &KernelCache {
@@ -571,13 +657,26 @@ impl GpuRuntime for LibCuda {
             terminated = [image, &[0]].concat();
             &terminated
         };
-        self.in_context(self.here()?, || {
+        let loaded = self.in_context(self.here()?, || {
             let mut module = null_mut();
-            // SAFETY: a valid out-pointer; NUL-terminated PTX.
+            // SAFETY: a valid out-pointer; NUL-terminated PTX, or a cubin.
             let status =
                 unsafe { (self.driver().module_load_data)(&mut module, image.as_ptr().cast()) };
             out(status, module)
-        })
+        });
+        match loaded {
+            // A cubin the driver refuses: the PTX, which it compiles for the GPU.
+            Err(status) if image.starts_with(b"\x7fELF") => {
+                log::warn!(
+                    "mori-tp: cuModuleLoadData of the copy kernel's cubin returned {}; loading \
+                     its PTX instead",
+                    self.error_name(status)
+                );
+                // SAFETY: the embedded PTX, NUL-terminated text.
+                unsafe { self.module_load_data(COPY_KERNEL_PTX) }
+            }
+            loaded => loaded,
+        }
     }
 
     unsafe fn module_get_function(

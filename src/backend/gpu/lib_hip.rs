@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 // Only the link directive of hip-sys (libamdhip64) is used; its bindings return a Rust enum.
 use hip_sys as _;
 
-use super::super::copy_kernel::{ARCHS, IMAGE, KernelArgs};
+use super::super::copy_kernel::{ARCHS, BLOCK_THREADS, IMAGE, KernelArgs};
 use super::{
     Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_HOST_TO_DEVICE, KernelCache,
     KernelImage, KernelLaunch, Memcpy2dAsync, PointerInfo,
@@ -136,6 +136,50 @@ fn optional(name: &CStr) -> Option<*mut c_void> {
         let symbol = libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr());
         (!symbol.is_null()).then_some(symbol)
     }
+}
+
+/// `hipDeviceAttributeMultiprocessorCount` (hip/hip_runtime_api.h of HIP 5.2: the 64th entry of
+/// the CUDA-compatible block that starts at 0, an order clr keeps).
+const ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 63;
+
+/// `hipModuleOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, function, block, 0)`.
+type Occupancy = unsafe extern "C" fn(*mut c_int, *mut c_void, c_int, usize) -> GpuStatus;
+/// `hipDeviceGetAttribute(&value, attribute, device)`.
+type DeviceAttribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> GpuStatus;
+
+/// The copy kernel's resident blocks on the current device: CUs times the occupancy at
+/// [`BLOCK_THREADS`] threads a block; None where the runtime lacks either call or fails it.
+///
+/// # Safety
+/// `function` must be the copy kernel, loaded on the current device.
+unsafe fn resident_blocks(function: *mut c_void) -> Option<u32> {
+    static FUNCTIONS: OnceLock<Option<(usize, usize)>> = OnceLock::new();
+    let (occupancy, attribute) = (*FUNCTIONS.get_or_init(|| {
+        Some((
+            optional(c"hipModuleOccupancyMaxActiveBlocksPerMultiprocessor")? as usize,
+            optional(c"hipDeviceGetAttribute")? as usize,
+        ))
+    }))?;
+    // SAFETY: the addresses of those two functions, whose C signatures these are.
+    let (occupancy, attribute) = unsafe {
+        (
+            std::mem::transmute::<usize, Occupancy>(occupancy),
+            std::mem::transmute::<usize, DeviceAttribute>(attribute),
+        )
+    };
+    let (mut device, mut units, mut blocks) = (0, 0, 0);
+    // SAFETY: valid out-pointers; the function is the caller's, on the current device.
+    unsafe {
+        (hipGetDevice(&mut device) == GpuStatus::SUCCESS).then_some(())?;
+        (attribute(&mut units, ATTRIBUTE_MULTIPROCESSOR_COUNT, device) == GpuStatus::SUCCESS)
+            .then_some(())?;
+        (occupancy(&mut blocks, function, BLOCK_THREADS as c_int, 0) == GpuStatus::SUCCESS)
+            .then_some(())?;
+    }
+    let resident = u32::try_from(units)
+        .ok()?
+        .checked_mul(u32::try_from(blocks).ok()?)?;
+    (resident > 0).then_some(resident)
 }
 
 /// `hipStreamGetDevice`, looked up once.
@@ -397,6 +441,11 @@ impl GpuRuntime for LibHip {
             // A runtime that cannot say is taken to be one that does not capture.
             status == GpuStatus::SUCCESS && version >= FIRST_CAPTURING_HIP_VERSION
         })
+    }
+
+    unsafe fn resident_blocks(&self, function: *mut c_void) -> Option<u32> {
+        // SAFETY: forwarded from the caller.
+        unsafe { resident_blocks(function) }
     }
 
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus> {
