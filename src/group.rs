@@ -26,7 +26,7 @@ use std::borrow::Cow;
 use crate::backend::{CopyEngine, CopyJob, KvBuffers, SendReport, check_capacity_fits};
 use crate::error::{Error, Result, checked_product, checked_usize};
 use crate::layout::{PairConfig, Request};
-use crate::plan::{OutputSlot, PairPlan, Segment};
+use crate::plan::{OutputEntry, PairPlan, Segment};
 use crate::send::check_no_overlap;
 use crate::types::{Side, Staging};
 
@@ -281,7 +281,7 @@ impl<'a> GroupsPlan<'a> {
     ///
     /// # Panics
     /// If `out` is shorter than [`GroupsPlan::num_segments`].
-    pub fn fill_segments<T, S: OutputSlot<T>>(
+    pub fn fill_segments<T, S: OutputEntry<T>>(
         &self,
         out: &mut [S],
         convert: impl Fn(Segment) -> T,

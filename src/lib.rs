@@ -68,7 +68,7 @@ pub use group::{
 pub use layout::{Layout, Nesting, PairConfig, Request, ValidLayout, pair_config};
 pub use pipeline::{LayerRange, shared_layers};
 pub use plan::{
-    CopyRect, PairPlan, Plan, RankMemory, Segment, Walk, check_pair_transfer, check_transfer,
+    CopyRect, PairPlan, RankMemory, Segment, SlicePlan, Walk, check_pair_transfer, check_transfer,
     pair_plan, pair_segments, pair_staging_for, plan, plan_segments, plan_transfer, staging_for,
     staging_len,
 };

@@ -204,8 +204,8 @@ StreamLike = Optional[Any]
 
 
 def library_version() -> str:
-    """The loaded library's version (``mori_version()``), e.g. ``"0.1.0"``."""
-    return _lib.mori_version().decode()
+    """The loaded library's version (``mori_tp_version()``), e.g. ``"0.1.0"``."""
+    return _lib.mori_tp_version().decode()
 
 
 __version__: str = library_version()
@@ -224,7 +224,7 @@ class Action(enum.IntEnum):
 
 def _raise_last(status: int) -> NoReturn:
     """Raises the exception for a failing status with this thread's last library message."""
-    message = _lib.mori_last_error_message().decode("utf-8", "replace")
+    message = _lib.mori_tp_last_error_message().decode("utf-8", "replace")
     raise error_for(status, message)
 
 
@@ -497,7 +497,7 @@ def _fill(call: Callable[[Optional[int], int, Any], int],
 def _plan_into(function: Any, config: SliceConfig, src_pages: PageIndices,
                dst_pages: PageIndices, allocate: Any, where: str,
                upper_bound: Optional[Callable[[int], int]] = None) -> Tuple[Any, int]:
-    """:func:`_fill` for a section-4 plan function of ``(config, src, dst, num_pages, ...)``;
+    """:func:`_fill` for a uniform plan function of ``(config, src, dst, num_pages, ...)``;
     ``upper_bound(num_pages)`` bounds its entries."""
     c_config = _c_config(config, where)
     src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
@@ -807,7 +807,7 @@ def send_kvcache(
         [("src_ptrs", src_ptrs, False, False), ("dst_ptrs", dst_ptrs, True, False)])
     buffers, _arrays = _kv_buffers(src_op, dst_op, src_capacity, dst_capacity, where)
     src, dst, num_pages, _owners = _page_pairs(src_pages, dst_pages, where)
-    status = _lib.mori_send_kvcache(
+    status = _lib.mori_tp_kvcache_send(
         ctypes.byref(c_config),
         ctypes.byref(buffers),
         src,
@@ -1038,7 +1038,7 @@ def pack_kvcache(
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(src_op)
     pages, num_pages, _owner = _pages_arg(src_pages, f"{where}: src_pages")
-    status = _lib.mori_pack_kvcache(
+    status = _lib.mori_tp_kvcache_pack(
         ctypes.byref(c_config),
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)),
         len(pointers),
@@ -1097,7 +1097,7 @@ def unpack_kvcache(
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(dst_op)
     pages, num_pages, _owner = _pages_arg(dst_pages, f"{where}: dst_pages")
-    status = _lib.mori_unpack_kvcache(
+    status = _lib.mori_tp_kvcache_unpack(
         ctypes.byref(c_config),
         region,
         capacity,

@@ -311,7 +311,7 @@ def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
     array, _keep = _c_groups(groups, where)
     _, options = _copy_call(where, backend, stream, synchronize, copy_kernel, [],
                             _tensors_of(groups))
-    status = _lib.mori_send_kvcache_groups(array, len(groups), ctypes.byref(options))
+    status = _lib.mori_tp_groups_send(array, len(groups), ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)
 
@@ -335,7 +335,7 @@ def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
     (region_op,), options = _copy_call(where, backend, stream, synchronize, copy_kernel,
                                        [("staging", staging, True, True)], _tensors_of(groups))
     region, capacity = _region(region_op, staging_capacity, where)
-    status = _lib.mori_pack_kvcache_groups(array, len(groups), region, capacity,
+    status = _lib.mori_tp_groups_pack(array, len(groups), region, capacity,
                                            ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)
@@ -359,7 +359,7 @@ def unpack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                                        [("staging", staging, False, True)],
                                        _tensors_of(groups))
     region, capacity = _region(region_op, staging_capacity, where)
-    status = _lib.mori_unpack_kvcache_groups(array, len(groups), region, capacity,
+    status = _lib.mori_tp_groups_unpack(array, len(groups), region, capacity,
                                              ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)

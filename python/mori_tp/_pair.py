@@ -457,7 +457,7 @@ def send_kvcache_pair(
         where, backend, stream, synchronize, copy_kernel,
         [("src_ptrs", src_ptrs, False, False), ("dst_ptrs", dst_ptrs, True, False)])
     buffers, _arrays = _kv_buffers(src_op, dst_op, src_capacity, dst_capacity, where)
-    status = _lib.mori_send_kvcache_pair(ctypes.byref(c_config), ctypes.byref(buffers),
+    status = _lib.mori_tp_pair_send(ctypes.byref(c_config), ctypes.byref(buffers),
                                          ctypes.byref(c_request), ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)
@@ -511,7 +511,7 @@ def pack_kvcache_pair(
         [("src_ptrs", src_ptrs, False, False), ("staging", staging, True, True)])
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(src_op)
-    status = _lib.mori_pack_kvcache_pair(
+    status = _lib.mori_tp_pair_pack(
         ctypes.byref(c_config), mode,
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)), len(pointers),
         _capacity(src_op, src_capacity, "src_capacity", where), ctypes.byref(c_request),
@@ -563,7 +563,7 @@ def unpack_kvcache_pair(
         [("staging", staging, False, True), ("dst_ptrs", dst_ptrs, True, False)])
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(dst_op)
-    status = _lib.mori_unpack_kvcache_pair(
+    status = _lib.mori_tp_pair_unpack(
         ctypes.byref(c_config), mode, region, capacity,
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)), len(pointers),
         _capacity(dst_op, dst_capacity, "dst_capacity", where), ctypes.byref(c_request),

@@ -134,7 +134,7 @@ class SendArgumentsTest(unittest.TestCase):
             return 0
 
         fake_lib = mock.Mock(wraps=mori_tp._lib)
-        fake_lib.mori_send_kvcache = fake_send
+        fake_lib.mori_tp_kvcache_send = fake_send
         layout = Layout(heads=8, p_tp=2, d_tp=4, page_size=4, bytes_per_head=8)
         with mock.patch.object(mori_tp, "_lib", fake_lib):
             mori_tp.send_kvcache(

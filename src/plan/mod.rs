@@ -4,7 +4,7 @@
 //! One generator serves both families of the C ABI. A plan walks a request's elements (one head
 //! of one token each) between two *sides*, each a page buffer described by a layout, or a dense
 //! staging region; see [`walk`](self) for how the walk stays proportional to pages. The
-//! section-4 functions (one page size, token-major pages, whole pages) are the case where both
+//! uniform functions (one page size, token-major pages, whole pages) are the case where both
 //! sides are token-major and share a page size, and keep their results exactly: their rects
 //! are the walk's own rows, one per maximal run of pages. Pair plans (any layout, REFERENCE.md
 //! section 11) take their segments in the order, among those the reference lists, with the fewest
@@ -92,18 +92,18 @@ pub struct Segment {
 /// An entry of an output array that [`Walk::fill_segments`] writes: a plain value, or an
 /// uninitialised slot of caller memory (a C array, a numpy `empty` buffer, spare `Vec`
 /// capacity), which must only ever be written.
-pub trait OutputSlot<T> {
+pub trait OutputEntry<T> {
     /// Stores `value`.
     fn put(&mut self, value: T);
 }
 
-impl<T> OutputSlot<T> for T {
+impl<T> OutputEntry<T> for T {
     fn put(&mut self, value: T) {
         *self = value;
     }
 }
 
-impl<T> OutputSlot<T> for MaybeUninit<T> {
+impl<T> OutputEntry<T> for MaybeUninit<T> {
     fn put(&mut self, value: T) {
         self.write(value);
     }
@@ -300,7 +300,7 @@ impl<'a> Walk<'a> {
     ///
     /// # Panics
     /// If `out` is shorter than [`Walk::num_segments`].
-    pub fn fill_segments<T, S: OutputSlot<T>>(
+    pub fn fill_segments<T, S: OutputEntry<T>>(
         &self,
         out: &mut [S],
         convert: impl Fn(Segment) -> T,
@@ -343,15 +343,15 @@ impl<'a> Walk<'a> {
 
 // ---- REFERENCE.md sections 4-6: one page size, token-major pages --------------------------------
 
-/// A section-4 plan: a slice config and its page pairs, direct or with staged sides.
+/// A uniform plan: a slice config and its page pairs, direct or with staged sides.
 #[derive(Clone, Debug)]
-pub struct Plan<'a> {
+pub struct SlicePlan<'a> {
     walk: Walk<'a>,
     config: ValidConfig,
     num_pages: usize,
 }
 
-impl<'a> Deref for Plan<'a> {
+impl<'a> Deref for SlicePlan<'a> {
     type Target = Walk<'a>;
 
     fn deref(&self) -> &Walk<'a> {
@@ -364,7 +364,7 @@ fn reach(highest: u64, page_stride: u64, base: u64) -> u64 {
     highest.saturating_mul(page_stride).saturating_add(base)
 }
 
-/// A section-4 side: token-major pages of `item_len` bytes, the slice at `slice_offset`;
+/// A uniform side: token-major pages of `item_len` bytes, the slice at `slice_offset`;
 /// `highest` is the highest page index.
 fn slice_side(
     pages: &[i32],
@@ -432,15 +432,15 @@ fn region(
     }
 }
 
-impl<'a> Plan<'a> {
+impl<'a> SlicePlan<'a> {
     /// The direct plan: source page `src_pages[i]` to destination page `dst_pages[i]`.
     pub fn new(config: impl IntoValid, src_pages: &'a [i32], dst_pages: &'a [i32]) -> Result<Self> {
-        Plan::transfer(config, Staging::None, src_pages, dst_pages)
+        SlicePlan::transfer(config, Staging::None, src_pages, dst_pages)
     }
 
     /// The transport plan of a staged transfer: each side that `staging` stages is read or
     /// written as a dense staging region instead of through its page list. Both page lists are
-    /// validated all the same, and [`Staging::None`] is [`Plan::new`].
+    /// validated all the same, and [`Staging::None`] is [`SlicePlan::new`].
     pub fn transfer(
         config: impl IntoValid,
         staging: Staging,
@@ -456,7 +456,7 @@ impl<'a> Plan<'a> {
         }
         let src_max = highest_page(Side::Prefill, src_pages)?;
         let dst_max = highest_page(Side::Decode, dst_pages)?;
-        Plan::build(
+        SlicePlan::build(
             config,
             [
                 (src_pages, src_max, staging.stages_src()),
@@ -469,14 +469,14 @@ impl<'a> Plan<'a> {
     pub fn pack(config: impl IntoValid, src_pages: &'a [i32]) -> Result<Self> {
         let config = config.into_valid()?;
         let max = highest_page(Side::Prefill, src_pages)?;
-        Plan::build(config, [(src_pages, max, false), (src_pages, max, true)])
+        SlicePlan::build(config, [(src_pages, max, false), (src_pages, max, true)])
     }
 
     /// The unpack plan of the decode rank: its dense staging region into destination pages.
     pub fn unpack(config: impl IntoValid, dst_pages: &'a [i32]) -> Result<Self> {
         let config = config.into_valid()?;
         let max = highest_page(Side::Decode, dst_pages)?;
-        Plan::build(config, [(dst_pages, max, true), (dst_pages, max, false)])
+        SlicePlan::build(config, [(dst_pages, max, true), (dst_pages, max, false)])
     }
 
     /// The plan between two sides, each (its page list, its highest page, staged).
@@ -581,7 +581,7 @@ impl<'a> Plan<'a> {
                 heads,
                 head_bytes: hb,
             },
-            // Token-major is the order with the fewest segments for section-4 sides (REFERENCE.md
+            // Token-major is the order with the fewest segments for uniform sides (REFERENCE.md
             // section 11's agreement), so no other is counted.
             order: Order::TokenMajor,
             ties: Ties::one(Order::TokenMajor),
@@ -593,7 +593,7 @@ impl<'a> Plan<'a> {
             segments: OnceCell::new(),
             rects: OnceCell::new(),
         };
-        Ok(Plan {
+        Ok(SlicePlan {
             walk,
             config,
             num_pages,
@@ -623,7 +623,9 @@ impl<'a> Plan<'a> {
 
 /// The rects of a request, collected.
 pub fn plan(config: impl IntoValid, src_pages: &[i32], dst_pages: &[i32]) -> Result<Vec<CopyRect>> {
-    Ok(Plan::new(config, src_pages, dst_pages)?.rects().collect())
+    Ok(SlicePlan::new(config, src_pages, dst_pages)?
+        .rects()
+        .collect())
 }
 
 /// The segments of a request, collected.
@@ -632,7 +634,7 @@ pub fn plan_segments(
     src_pages: &[i32],
     dst_pages: &[i32],
 ) -> Result<Vec<Segment>> {
-    Plan::new(config, src_pages, dst_pages)?.segments()
+    SlicePlan::new(config, src_pages, dst_pages)?.segments()
 }
 
 /// The staging that minimises transport segments without a copy that merges nothing: stage each
@@ -681,7 +683,7 @@ pub fn plan_transfer(
     src_pages: &[i32],
     dst_pages: &[i32],
 ) -> Result<Vec<Segment>> {
-    Plan::transfer(config, staging, src_pages, dst_pages)?.segments()
+    SlicePlan::transfer(config, staging, src_pages, dst_pages)?.segments()
 }
 
 // ---- REFERENCE.md section 11: any layout, page sizes that differ, partial pages -----------------
@@ -929,7 +931,7 @@ fn head_major_orders(tokens: u64, page_sizes: [u64; 2]) -> ([Order; 3], usize) {
 /// What the layouts prove is not counted: with one head every order walks the same elements
 /// in the same order, and a head-major order whose floor ([`Geometry::head_major_floor`]) is
 /// above token-major's ceiling ([`Geometry::token_major_ceiling`]), or above the fewest
-/// segments counted so far, has more segments than the best order. On section-4 layouts (NHD
+/// segments counted so far, has more segments than the best order. On uniform layouts (NHD
 /// pages on both sides, one page size) with `n >= 2` moved heads, token-major has at most `N`
 /// segments and head-major in chunks of `G` at least `n * (N - ceil(N / G)) + 1`, which is more
 /// for every `G` of 3 or more and `N >= 2` (and for `G = 2` unless `n = 2` and `N` is odd):
@@ -1127,7 +1129,7 @@ pub fn check_transfer(
     prefill: &RankMemory,
     decode: &RankMemory,
 ) -> Result<()> {
-    let plan = Plan::new(config, src_pages, dst_pages)?;
+    let plan = SlicePlan::new(config, src_pages, dst_pages)?;
     check_memory(&plan, staging, prefill, decode)
 }
 
