@@ -10,7 +10,7 @@ two layouts, a :class:`Request` of its own pages (for a state slot: the slot ind
 mode and its buffers. A list of groups is one request: one segment list, one staging region per
 side, one send, pack or unpack.
 
-``mori_tp`` imports this module last and re-exports every public name; use them from
+Built on ``_core`` and ``_pair``; ``mori_tp`` re-exports every public name: use them from
 ``mori_tp``. The library checks everything and names the group in every refusal; Python checks
 only what ctypes would otherwise get wrong silently (an int that does not fit its C type, a
 pointer list whose length is not the group's buffer count).
@@ -23,7 +23,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from . import (
+from ._core import (
     BufferLike,
     InvalidArgumentError,
     Staging,

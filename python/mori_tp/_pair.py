@@ -1,9 +1,9 @@
 """Any page layout, page sizes that differ, partial pages: :class:`Layout`, :class:`PairConfig`,
 :class:`Request` and the functions over them (``mori_tp_layout_*``, ``mori_tp_pair_*``,
-``mori_tp_check_pair_transfer`` and ``mori_*_kvcache_pair`` in ``include/mori_tp.h``).
+``mori_tp_check_pair_transfer`` in ``include/mori_tp.h``).
 
-``mori_tp`` imports this module once its own helpers exist and re-exports every public name;
-use them from ``mori_tp``. Everything the library checks is left to it, so that each refusal
+Built on the helpers of ``_core``; ``mori_tp`` re-exports every public name: use them from
+``mori_tp``. Everything the library checks is left to it, so that each refusal
 carries the library's message; Python checks only what ctypes would otherwise get wrong
 silently (an int that does not fit its C type, a page index outside int32).
 """
@@ -14,7 +14,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
-from . import (
+from ._core import (
     Action,
     BufferLike,
     CopyRect,

@@ -286,7 +286,7 @@ def capture(function: str, call: Callable[[], None]) -> List[Tuple[Any, ...]]:
     fake_lib = mock.Mock(wraps=mori_tp._lib)
     setattr(fake_lib, function, fake)
     # The pair and group modules hold their own reference to the library.
-    with mock.patch.object(mori_tp, "_lib", fake_lib), \
+    with mock.patch.object(mori_tp._core, "_lib", fake_lib), \
             mock.patch.object(mori_tp._pair, "_lib", fake_lib), \
             mock.patch.object(mori_tp._groups, "_lib", fake_lib):
         call()
