@@ -64,7 +64,8 @@ copies issued before it may have landed.
 """
 
 # This file only re-exports: the code lives in the modules below, which import one another
-# one way (_ffi, _errors and _tensors below _core, _core below _pair, _pair below _groups).
+# one way (_ffi, _errors and _tensors below _core; _core below _pool and _pair; _pair below
+# _groups).
 from __future__ import annotations
 
 from . import _ffi, _tensors
@@ -96,8 +97,6 @@ from ._core import (
     plan_segments,
     plan_transfer,
     PoolFullError,
-    PoolInfo,
-    PoolSlot,
     RankMemory,
     send_kvcache,
     slice_config,
@@ -106,12 +105,12 @@ from ._core import (
     Staging,
     staging_for,
     staging_len,
-    StagingPool,
     StagingRegion,
     StreamLike,
     TopologyError,
     unpack_kvcache,
 )
+from ._pool import PoolInfo, PoolSlot, StagingPool
 from ._pair import (
     check_pair_transfer,
     Layout,
