@@ -213,7 +213,7 @@ fn bench_plans(c: &mut Criterion) {
     }
 }
 
-/// The section-4 configs of the pair comparison: Llama-3.1-70B's 8 KV heads of 256 bytes from
+/// The uniform configs of the pair comparison: Llama-3.1-70B's 8 KV heads of 256 bytes from
 /// prefill TP 4 to decode TP `decode_tp` (8: a head out of every two, a segment per token; 4:
 /// whole tokens, a segment per run of pages), as a slice config and as the NHD pair config that
 /// describes the same ranks.
@@ -265,7 +265,7 @@ fn pair_plan(pair: &MoriTpPairConfig, request: &MoriTpRequest, out: &mut Vec<Mor
 /// The shapes of the pair comparison: (name, decode TP).
 const PAIR_SHAPES: [(&str, u32); 2] = [("per_token", 8), ("whole_token", 4)];
 
-/// mori_tp_pair_segments against mori_tp_plan_segments on the same section-4 requests: the
+/// mori_tp_pair_segments against mori_tp_plan_segments on the same uniform requests: the
 /// general generator (every order counted, the fewest chosen) must stay within 1.25x.
 fn bench_pair_segments(c: &mut Criterion) {
     for (tokens, page_size, fragmented) in PLAN_CASES {
@@ -462,7 +462,7 @@ fn bench_host_copies(c: &mut Criterion) {
                 b.iter(|| {
                     // SAFETY: every buffer holds every page of the request.
                     let status = unsafe {
-                        mori_send_kvcache(
+                        mori_tp_kvcache_send(
                             &config,
                             &buffers,
                             src_pages.as_ptr(),
@@ -643,7 +643,7 @@ fn bench_pack_unpack(c: &mut Criterion) {
                     // SAFETY: every buffer holds every page; the region holds every buffer.
                     let status = unsafe {
                         if shape == "pack" {
-                            mori_pack_kvcache(
+                            mori_tp_kvcache_pack(
                                 &config,
                                 paged_ptrs.as_ptr().cast(),
                                 COPY_BUFFERS,
@@ -655,7 +655,7 @@ fn bench_pack_unpack(c: &mut Criterion) {
                                 &host,
                             )
                         } else {
-                            mori_unpack_kvcache(
+                            mori_tp_kvcache_unpack(
                                 &config,
                                 staging.as_ptr().cast(),
                                 staging.len() as u64,
@@ -792,7 +792,7 @@ fn print_pair_ratios() {
     }
     print_table(
         "`mori_tp_pair_segments` and `mori_tp_pair_plan` against `mori_tp_plan_segments`, same \
-         requests (time of the pair function / time of the section-4 function; the target, for \
+         requests (time of the pair function / time of the uniform function; the target, for \
          `mori_tp_pair_segments`: 1.25 or less):",
         &[
             "shape",

@@ -4,7 +4,7 @@
 //!
 //! Run: `cargo run --release --example simulate`
 
-use mori_tp::{Action, Plan, SliceParams, send_host, slice_config};
+use mori_tp::{Action, SliceParams, SlicePlan, send_host, slice_config};
 
 const HEADS: u32 = 4;
 const HEAD_BYTES: usize = 128 * 2;
@@ -84,7 +84,7 @@ fn main() {
                     config.heads_bytes_per_token_to_send
                 );
             }
-            let plan = Plan::new(&config, &src_pages, &dst_pages).expect("valid pages");
+            let plan = SlicePlan::new(&config, &src_pages, &dst_pages).expect("valid pages");
             let s: Vec<&[u8]> = src[p as usize].iter().map(Vec::as_slice).collect();
             let mut t: Vec<&mut [u8]> = dst[d as usize].iter_mut().map(Vec::as_mut_slice).collect();
             let report = send_host(&plan, &s, &mut t).expect("in-bounds request");

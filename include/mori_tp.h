@@ -4,7 +4,7 @@
  *
  * Conventions (every function):
  *  - Fallible functions return a MoriStatus: MORI_OK (0) or a MORI_ERR_* code. On failure
- *    mori_last_error_message() returns a message naming the offending values (per thread),
+ *    mori_tp_last_error_message() returns a message naming the offending values (per thread),
  *    valid until the next failing call on the thread. Successful calls and size queries leave
  *    it alone.
  *  - Out-parameters are written only on success (except *out_len of the plan functions, which is
@@ -15,7 +15,7 @@
  *  - A refused call writes nothing: every input is validated before the first byte moves (only
  *    MORI_ERR_GPU, a runtime failure mid-transfer, can follow copies that already landed).
  *  - All functions are thread-safe and may be called concurrently on disjoint buffers.
- *  - Check mori_abi_version() == MORI_TP_ABI_VERSION at start-up.
+ *  - Check mori_tp_abi_version() == MORI_TP_ABI_VERSION at start-up.
  *
  * Link: -lmori_tp. The static libmori_tp.a also needs the system libraries Rust's standard
  * library uses (Linux: -lpthread -ldl -lm -lrt -lutil; the compiler driver adds the unwinder,
@@ -144,12 +144,12 @@ extern "C" {
 #define MORI_TP_POOL_HUGE_PAGES 2u
 
 /**
- * The ABI version this header describes; compare with mori_abi_version() at start-up.
+ * The ABI version this header describes; compare with mori_tp_abi_version() at start-up.
  */
 #define MORI_TP_ABI_VERSION 1
 
 /**
- * The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
+ * The library version this header comes from, MAJOR.MINOR.PATCH as mori_tp_version() spells it:
  * for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
  * names the shared library (libmori_tp.so.1). The version macros are plain decimal numbers
  * (int), so that they can be stringized; the enum and flag values are unsigned (`1u`),
@@ -260,7 +260,7 @@ typedef struct MoriKvBuffers {
 } MoriKvBuffers;
 
 /**
- * How mori_send_kvcache, mori_pack_kvcache and mori_unpack_kvcache run. Pass NULL for the
+ * How mori_tp_kvcache_send, mori_tp_kvcache_pack and mori_tp_kvcache_unpack run. Pass NULL for the
  * defaults: AUTO backend, no flags, NULL stream.
  */
 typedef struct MoriSendOptions {
@@ -527,8 +527,8 @@ typedef struct MoriTpRequest {
  * One group of a request of several groups: one kind of state a sequence carries between a
  * prefill rank and a decode rank (the full-attention KV of some layers, the sliding-window KV
  * of others, a per-token record, a scale buffer, one part of a per-request state slot), with
- * its own pair config, pages, staging mode and buffers. The mori_tp_groups_* and
- * *_kvcache_groups functions take an array of them and treat it as one request.
+ * its own pair config, pages, staging mode and buffers. The mori_tp_groups_*
+ * functions take an array of them and treat it as one request.
  *
  * A state slot is a group of one page per side: request.src_pages and request.dst_pages are
  * the slot index, the layouts' page_stride is the slot stride and their offset is where this
@@ -569,9 +569,9 @@ typedef struct MoriTpGroup {
   struct MoriTpRequest request;
   /**
    * The group's num_buffers buffers on each rank and their capacities. The pointer arrays
-   * are read only by the functions that copy through them: mori_send_kvcache_groups reads
-   * src and dst; mori_pack_kvcache_groups reads src of each group whose staging is SRC or
-   * BOTH; mori_unpack_kvcache_groups reads dst of each group whose staging is DST or BOTH.
+   * are read only by the functions that copy through them: mori_tp_groups_send reads
+   * src and dst; mori_tp_groups_pack reads src of each group whose staging is SRC or
+   * BOTH; mori_tp_groups_unpack reads dst of each group whose staging is DST or BOTH.
    * Elsewhere they may be NULL. Groups may share buffers (the parts of one state slot, or
    * a KV page and its scales): each group writes only its own elements.
    */
@@ -584,7 +584,7 @@ typedef struct MoriTpGroup {
 typedef uint32_t MoriTpAction;
 
 /**
- * Which copy engine mori_send_kvcache uses; the type of MoriSendOptions.backend.
+ * Which copy engine mori_tp_kvcache_send uses; the type of MoriSendOptions.backend.
  */
 typedef uint32_t MoriBackend;
 
@@ -912,14 +912,14 @@ typedef struct MoriTpLayerRange {
 #define MORI_TP_STAGING_NONE 0u
 
 /**
- * The prefill rank packs into its staging region (mori_pack_kvcache); the transport copies
+ * The prefill rank packs into its staging region (mori_tp_kvcache_pack); the transport copies
  * from it into the decode pages.
  */
 #define MORI_TP_STAGING_SRC 1u
 
 /**
  * The transport copies from the prefill pages into a staging region on the decode rank, which
- * unpacks it (mori_unpack_kvcache).
+ * unpacks it (mori_tp_kvcache_unpack).
  */
 #define MORI_TP_STAGING_DST 2u
 
@@ -970,7 +970,7 @@ typedef struct MoriTpLayerRange {
  *   is not a multiple of the heads per rank, or the two sides' bytes per head differ (dtype or
  *   head_dim mismatch);
  *   MORI_ERR_PANIC on an internal error.
- *   On failure mori_last_error_message() names the offending values.
+ *   On failure mori_tp_last_error_message() names the offending values.
  */
 MoriStatus mori_tp_slice_config(const MoriTpSliceParams *params,
                                 struct MoriTpSliceConfig *out);
@@ -1006,7 +1006,7 @@ MoriStatus mori_tp_slice_config(const MoriTpSliceParams *params,
  *   MORI_ERR_OUT_OF_BOUNDS for a negative page index, or one whose byte offset overflows 64 bits;
  *   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out; with out = NULL
  *   and capacity = 0 this is the answer to a size query, which is not a failure: it leaves
- *   mori_last_error_message() as it was);
+ *   mori_tp_last_error_message() as it was);
  *   MORI_ERR_PANIC on an internal error.
  */
 MoriStatus mori_tp_plan(const struct MoriTpSliceConfig *config,
@@ -1095,12 +1095,12 @@ MoriStatus mori_tp_plan_segments(const struct MoriTpSliceConfig *config,
  *   before the call returns);
  *   MORI_ERR_PANIC on an internal error.
  */
-MoriStatus mori_send_kvcache(const struct MoriTpSliceConfig *config,
-                             const struct MoriKvBuffers *buffers,
-                             const int32_t *src_pages,
-                             const int32_t *dst_pages,
-                             size_t num_pages,
-                             const struct MoriSendOptions *options);
+MoriStatus mori_tp_kvcache_send(const struct MoriTpSliceConfig *config,
+                                const struct MoriKvBuffers *buffers,
+                                const int32_t *src_pages,
+                                const int32_t *dst_pages,
+                                size_t num_pages,
+                                const struct MoriSendOptions *options);
 
 /**
  * The staging that minimises transport segments for a pair, without a copy that merges
@@ -1162,9 +1162,9 @@ MoriStatus mori_tp_staging_len(const struct MoriTpSliceConfig *config,
  * per maximal run of the other side's pages when that side's token slot equals the slice (else
  * one per token); BOTH one segment of staging_len.
  *
- * The full sequence, which leaves every decode byte exactly as one mori_send_kvcache does:
- * the prefill rank calls mori_pack_kvcache if the prefill side is staged (SRC, BOTH); the
- * transport copies every segment for every buffer; the decode rank calls mori_unpack_kvcache if
+ * The full sequence, which leaves every decode byte exactly as one mori_tp_kvcache_send does:
+ * the prefill rank calls mori_tp_kvcache_pack if the prefill side is staged (SRC, BOTH); the
+ * transport copies every segment for every buffer; the decode rank calls mori_tp_kvcache_unpack if
  * the decode side is staged (DST, BOTH) once the transfer has completed.
  *
  * @param[in]  config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
@@ -1245,7 +1245,7 @@ MoriStatus mori_tp_check_transfer(const struct MoriTpSliceConfig *config,
  * overflow, NULL pointers, overlap of the staging region with a source buffer) is validated
  * before a backend is opened and before the first byte moves: a refused call writes nothing.
  * A config that is not SEND passes the same checks, then moves nothing and returns MORI_OK.
- * Backends, stream and flags as for mori_send_kvcache (the HIP backend: one copy-kernel launch,
+ * Backends, stream and flags as for mori_tp_kvcache_send (the HIP backend: one copy-kernel launch,
  * or one hipMemcpy2DAsync per (buffer, rect), as the flags and the call choose).
  *
  * @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
@@ -1274,17 +1274,17 @@ MoriStatus mori_tp_check_transfer(const struct MoriTpSliceConfig *config,
  *   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past src_capacity;
  *   MORI_ERR_BUFFER_TOO_SMALL if staging_capacity < num_buffers * staging_len (the message
  *   names both);
- *   MORI_ERR_BACKEND_UNAVAILABLE, MORI_ERR_GPU, MORI_ERR_PANIC as for mori_send_kvcache.
+ *   MORI_ERR_BACKEND_UNAVAILABLE, MORI_ERR_GPU, MORI_ERR_PANIC as for mori_tp_kvcache_send.
  */
-MoriStatus mori_pack_kvcache(const struct MoriTpSliceConfig *config,
-                             const void *const *src,
-                             size_t num_buffers,
-                             uint64_t src_capacity,
-                             const int32_t *src_pages,
-                             size_t num_pages,
-                             void *staging,
-                             uint64_t staging_capacity,
-                             const struct MoriSendOptions *options);
+MoriStatus mori_tp_kvcache_pack(const struct MoriTpSliceConfig *config,
+                                const void *const *src,
+                                size_t num_buffers,
+                                uint64_t src_capacity,
+                                const int32_t *src_pages,
+                                size_t num_pages,
+                                void *staging,
+                                uint64_t staging_capacity,
+                                const struct MoriSendOptions *options);
 
 /**
  * Decode side of a staged transfer: copies the staging region into the slice of every token of
@@ -1292,7 +1292,7 @@ MoriStatus mori_pack_kvcache(const struct MoriTpSliceConfig *config,
  * mori_tp_plan_transfer with MORI_TP_STAGING_DST or MORI_TP_STAGING_BOTH). Buffer b's slices
  * are read from staging + b * staging_len, token by token in request order.
  *
- * Validation, refusals, backends, stream and flags as for mori_pack_kvcache, with the roles
+ * Validation, refusals, backends, stream and flags as for mori_tp_kvcache_pack, with the roles
  * swapped: dst_pages are checked against dst_capacity, and the staging region must not overlap
  * a dst buffer.
  *
@@ -1310,23 +1310,23 @@ MoriStatus mori_pack_kvcache(const struct MoriTpSliceConfig *config,
  * @param[in]  num_pages         Number of pages (the request's page pairs).
  * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
  *
- * @return the codes of mori_pack_kvcache, with dst in place of src.
+ * @return the codes of mori_tp_kvcache_pack, with dst in place of src.
  */
-MoriStatus mori_unpack_kvcache(const struct MoriTpSliceConfig *config,
-                               const void *staging,
-                               uint64_t staging_capacity,
-                               void *const *dst,
-                               size_t num_buffers,
-                               uint64_t dst_capacity,
-                               const int32_t *dst_pages,
-                               size_t num_pages,
-                               const struct MoriSendOptions *options);
+MoriStatus mori_tp_kvcache_unpack(const struct MoriTpSliceConfig *config,
+                                  const void *staging,
+                                  uint64_t staging_capacity,
+                                  void *const *dst,
+                                  size_t num_buffers,
+                                  uint64_t dst_capacity,
+                                  const int32_t *dst_pages,
+                                  size_t num_pages,
+                                  const struct MoriSendOptions *options);
 
 /**
  * A static, NUL-terminated name for a status code ("MORI_OK", "MORI_ERR_TOPOLOGY", ...);
  * unknown codes get "MORI_ERR_UNKNOWN". Never NULL; do not free.
  */
-const char *mori_status_str(MoriStatus status);
+const char *mori_tp_status_name(MoriStatus status);
 
 /**
  * A static, NUL-terminated name for a MoriTpAction value, the name of its macro
@@ -1347,7 +1347,7 @@ const char *mori_tp_staging_name(uint32_t staging);
  * "MORI_BACKEND_HOST", "MORI_BACKEND_HIP", "MORI_BACKEND_CUDA"); other values get "MORI_BACKEND_UNKNOWN". The name
  * says nothing of whether the backend is built in or has a device. Never NULL; do not free.
  */
-const char *mori_backend_name(uint32_t backend);
+const char *mori_tp_backend_name(uint32_t backend);
 
 /**
  * The message of the last failing mori-tp call on this thread ("" if none has failed), for
@@ -1359,18 +1359,18 @@ const char *mori_backend_name(uint32_t backend);
  * exiting (from a thread_local destructor that runs after mori-tp's own) the message may be
  * lost, and this returns "".
  */
-const char *mori_last_error_message(void);
+const char *mori_tp_last_error_message(void);
 
 /**
  * The library version ("0.1.0"), a static NUL-terminated string. Never NULL; do not free.
  */
-const char *mori_version(void);
+const char *mori_tp_version(void);
 
 /**
  * MORI_TP_ABI_VERSION of the library actually loaded; a program should refuse to run if it
  * differs from the MORI_TP_ABI_VERSION it was compiled against.
  */
-uint32_t mori_abi_version(void);
+uint32_t mori_tp_abi_version(void);
 
 /**
  * Creates a staging pool: one region of options->capacity bytes, carved into slots per
@@ -1646,7 +1646,7 @@ MoriStatus mori_tp_pair_segments(const struct MoriTpPairConfig *config,
  * rects are fewer hipMemcpy2DAsync calls and a smaller copy-kernel table. HND pages of 16 into
  * NHD pages of 16 at one TP size with 2 heads per rank: 512 rects for 4096 tokens, where
  * token-major order would give 4096.) So a plan never has more rects than the request has
- * segments, and on section-4 layouts never more than mori_tp_plan (it may join runs of pages
+ * segments, and on uniform layouts never more than mori_tp_plan (it may join runs of pages
  * whose offsets advance evenly). Building it costs time in the request's pages and the rects
  * it returns, not in its tokens.
  *
@@ -1668,7 +1668,7 @@ MoriStatus mori_tp_pair_plan(const struct MoriTpPairConfig *config,
  * token_stride == head_bytes, and n == 1 or head_stride == page_size * head_bytes.
  * Not SEND: NONE. Both sides full token-major, or both full head-major with one page size:
  * NONE. Otherwise the prefill side full in some order: DST; else the decode side full in some
- * order: SRC; else BOTH. On section-4 layouts this is mori_tp_staging_for's answer.
+ * order: SRC; else BOTH. On uniform layouts this is mori_tp_staging_for's answer.
  *
  * @param[in]  config       A pair config (derived again from its layouts). Must not be NULL.
  * @param[out] out_staging  Receives a MoriTpStaging; written only on MORI_OK. Must not be NULL.
@@ -1704,7 +1704,7 @@ MoriStatus mori_tp_pair_staging_len(const struct MoriTpPairConfig *config,
 
 /**
  * Checks one pair transfer against the memory both ranks registered, before a transfer engine
- * gets its segments, as mori_tp_check_transfer does for section-4 configs: the config and
+ * gets its segments, as mori_tp_check_transfer does for uniform configs: the config and
  * request as mori_tp_pair_segments checks them; both ranks have the same number of buffers;
  * every page (staged side or not) ends within its side's capacity (p * page_stride + extent);
  * each staged side's staging_capacity holds num_buffers * staging_len bytes.
@@ -1734,7 +1734,7 @@ MoriStatus mori_tp_check_pair_transfer(const struct MoriTpPairConfig *config,
  * token k land on decode local head dst_first_local + j of token k; no other destination byte
  * changes (in particular not the slots after num_tokens in a partial last page).
  *
- * Validation, backends, stream and flags are those of mori_send_kvcache: everything (config,
+ * Validation, backends, stream and flags are those of mori_tp_kvcache_send: everything (config,
  * request, every page against its capacity, overflow, NULLs, options) is checked before a
  * backend is opened and before the first byte moves, so a refused call writes nothing; the
  * HIP backend launches the copy kernel once for the whole call, or issues one hipMemcpy2DAsync
@@ -1748,15 +1748,15 @@ MoriStatus mori_tp_check_pair_transfer(const struct MoriTpPairConfig *config,
  * @param[in] options   Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
  *
  * @return MORI_OK; the codes of mori_tp_pair_segments (but MORI_ERR_BUFFER_TOO_SMALL) and of
- *   mori_send_kvcache (an entry of buffers->src / dst NULL, a capacity beyond the address
+ *   mori_tp_kvcache_send (an entry of buffers->src / dst NULL, a capacity beyond the address
  *   space, an unknown backend or flag, a stream with the host backend,
  *   MORI_ERR_OUT_OF_BOUNDS for a page past its capacity, MORI_ERR_BACKEND_UNAVAILABLE,
  *   MORI_ERR_GPU).
  */
-MoriStatus mori_send_kvcache_pair(const struct MoriTpPairConfig *config,
-                                  const struct MoriKvBuffers *buffers,
-                                  const struct MoriTpRequest *request,
-                                  const struct MoriSendOptions *options);
+MoriStatus mori_tp_pair_send(const struct MoriTpPairConfig *config,
+                             const struct MoriKvBuffers *buffers,
+                             const struct MoriTpRequest *request,
+                             const struct MoriSendOptions *options);
 
 /**
  * Prefill side of a staged pair transfer: copies the moved heads of every token of every
@@ -1765,7 +1765,7 @@ MoriStatus mori_send_kvcache_pair(const struct MoriTpPairConfig *config,
  * copies the segments of mori_tp_pair_segments with the same mode.
  *
  * staging_mode fixes the region's order, so both ranks pass the mode of the request: SRC or
- * BOTH (any other value is MORI_ERR_INVALID_ARGUMENT). Everything else as mori_pack_kvcache:
+ * BOTH (any other value is MORI_ERR_INVALID_ARGUMENT). Everything else as mori_tp_kvcache_pack:
  * validation before the first byte moves, staging_capacity >= num_buffers * staging_len
  * (MORI_ERR_BUFFER_TOO_SMALL naming both), no overlap between the region and a src buffer,
  * backends, stream and flags.
@@ -1782,19 +1782,19 @@ MoriStatus mori_send_kvcache_pair(const struct MoriTpPairConfig *config,
  * @param[in]  staging_capacity  Bytes in the staging region.
  * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
  *
- * @return the codes of mori_pack_kvcache and of mori_tp_pair_segments (but its
+ * @return the codes of mori_tp_kvcache_pack and of mori_tp_pair_segments (but its
  *   MORI_ERR_BUFFER_TOO_SMALL for an output array), and MORI_ERR_INVALID_ARGUMENT for a
  *   staging_mode other than SRC or BOTH.
  */
-MoriStatus mori_pack_kvcache_pair(const struct MoriTpPairConfig *config,
-                                  uint32_t staging_mode,
-                                  const void *const *src,
-                                  size_t num_buffers,
-                                  uint64_t src_capacity,
-                                  const struct MoriTpRequest *request,
-                                  void *staging,
-                                  uint64_t staging_capacity,
-                                  const struct MoriSendOptions *options);
+MoriStatus mori_tp_pair_pack(const struct MoriTpPairConfig *config,
+                             uint32_t staging_mode,
+                             const void *const *src,
+                             size_t num_buffers,
+                             uint64_t src_capacity,
+                             const struct MoriTpRequest *request,
+                             void *staging,
+                             uint64_t staging_capacity,
+                             const struct MoriSendOptions *options);
 
 /**
  * Decode side of a staged pair transfer: copies the staging region (buffer b at staging +
@@ -1804,7 +1804,7 @@ MoriStatus mori_pack_kvcache_pair(const struct MoriTpPairConfig *config,
  *
  * staging_mode: MORI_TP_STAGING_DST or MORI_TP_STAGING_BOTH (any other value is
  * MORI_ERR_INVALID_ARGUMENT). Validation, refusals, backends, stream and flags as for
- * mori_pack_kvcache_pair with the roles swapped: decode pages are checked against
+ * mori_tp_pair_pack with the roles swapped: decode pages are checked against
  * dst_capacity, and the region must not overlap a dst buffer.
  *
  * @param[in]  config            A pair config (derived again from its layouts). Must not be
@@ -1819,17 +1819,17 @@ MoriStatus mori_pack_kvcache_pair(const struct MoriTpPairConfig *config,
  * @param[in]  request           The request (both page lists are checked). Must not be NULL.
  * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
  *
- * @return the codes of mori_pack_kvcache_pair, with dst in place of src.
+ * @return the codes of mori_tp_pair_pack, with dst in place of src.
  */
-MoriStatus mori_unpack_kvcache_pair(const struct MoriTpPairConfig *config,
-                                    uint32_t staging_mode,
-                                    const void *staging,
-                                    uint64_t staging_capacity,
-                                    void *const *dst,
-                                    size_t num_buffers,
-                                    uint64_t dst_capacity,
-                                    const struct MoriTpRequest *request,
-                                    const struct MoriSendOptions *options);
+MoriStatus mori_tp_pair_unpack(const struct MoriTpPairConfig *config,
+                               uint32_t staging_mode,
+                               const void *staging,
+                               uint64_t staging_capacity,
+                               void *const *dst,
+                               size_t num_buffers,
+                               uint64_t dst_capacity,
+                               const struct MoriTpRequest *request,
+                               const struct MoriSendOptions *options);
 
 /**
  * Validates a request of several groups and says where each group sits in it: its range in
@@ -1938,10 +1938,10 @@ MoriStatus mori_tp_check_groups_transfer(const struct MoriTpGroup *groups,
 
 /**
  * Copies every group of a request page to page, whatever its staging mode: for each group,
- * what mori_send_kvcache_pair moves for its config, buffers and request. Every group (config,
+ * what mori_tp_pair_send moves for its config, buffers and request. Every group (config,
  * request, first_token, buffers against pages, NULLs, options) is checked before the first
  * byte moves, so a refused call writes nothing; then the groups are copied in order, each as
- * mori_send_kvcache_pair copies a pair (one kernel launch per group that moves bytes, or per
+ * mori_tp_pair_send copies a pair (one kernel launch per group that moves bytes, or per
  * (buffer, rect) hipMemcpy2DAsync, as the flags and each group choose; MORI_SEND_SYNCHRONIZE
  * waits before the call returns).
  *
@@ -1951,27 +1951,27 @@ MoriStatus mori_tp_check_groups_transfer(const struct MoriTpGroup *groups,
  * @param[in] num_groups  Groups in the request.
  * @param[in] options     Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
  *
- * @return MORI_OK; the codes of mori_tp_groups_info and of mori_send_kvcache_pair (a
+ * @return MORI_OK; the codes of mori_tp_groups_info and of mori_tp_pair_send (a
  *   group's buffer array NULL with num_buffers > 0 or an entry NULL: MORI_ERR_NULL_POINTER;
  *   a page past its capacity: MORI_ERR_OUT_OF_BOUNDS; MORI_ERR_BACKEND_UNAVAILABLE;
  *   MORI_ERR_GPU), each naming the group.
  */
-MoriStatus mori_send_kvcache_groups(const struct MoriTpGroup *groups,
-                                    size_t num_groups,
-                                    const struct MoriSendOptions *options);
+MoriStatus mori_tp_groups_send(const struct MoriTpGroup *groups,
+                               size_t num_groups,
+                               const struct MoriSendOptions *options);
 
 /**
  * Prefill side of a staged request of several groups: packs every group whose staging is
  * SRC or BOTH into its part of the request's staging region (group g's buffer b at
  * src_staging_offset + b * staging_len, see mori_tp_groups_info), in the region order of the
- * group's mode, as mori_pack_kvcache_pair packs a pair. Groups that stage nothing on this side
+ * group's mode, as mori_tp_pair_pack packs a pair. Groups that stage nothing on this side
  * are validated and skipped; their pointer arrays are not read. Call it before the transport
  * writes the segments of mori_tp_groups_segments.
  *
  * Everything is checked before the first byte moves: every group; staging_capacity >=
  * total->src_staging_bytes (MORI_ERR_BUFFER_TOO_SMALL naming both); the region's used bytes
  * overlap no packed group's source buffer; backends, stream and flags as for
- * mori_pack_kvcache_pair (with the kernel, one launch per packed group).
+ * mori_tp_pair_pack (with the kernel, one launch per packed group).
  *
  * @param[in]  groups            num_groups groups; buffers.src of each packed group holds
  *                               buffers.num_buffers non-NULL pointers. NULL only if
@@ -1982,23 +1982,23 @@ MoriStatus mori_send_kvcache_groups(const struct MoriTpGroup *groups,
  * @param[in]  staging_capacity  Bytes of the region.
  * @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
  *
- * @return MORI_OK; the codes of mori_tp_groups_info and of mori_pack_kvcache_pair, each
+ * @return MORI_OK; the codes of mori_tp_groups_info and of mori_tp_pair_pack, each
  *   naming the group it concerns.
  */
-MoriStatus mori_pack_kvcache_groups(const struct MoriTpGroup *groups,
-                                    size_t num_groups,
-                                    void *staging,
-                                    uint64_t staging_capacity,
-                                    const struct MoriSendOptions *options);
+MoriStatus mori_tp_groups_pack(const struct MoriTpGroup *groups,
+                               size_t num_groups,
+                               void *staging,
+                               uint64_t staging_capacity,
+                               const struct MoriSendOptions *options);
 
 /**
  * Decode side of a staged request of several groups: once the transport has written every
  * segment of mori_tp_groups_segments, unpacks every group whose staging is DST or BOTH from
  * its part of the request's staging region (group g's buffer b at dst_staging_offset + b *
- * staging_len) onto its pages, as mori_unpack_kvcache_pair unpacks a pair. Groups that stage
+ * staging_len) onto its pages, as mori_tp_pair_unpack unpacks a pair. Groups that stage
  * nothing on this side are validated and skipped; their pointer arrays are not read.
  *
- * Checks, backends and flags as for mori_pack_kvcache_groups with the roles swapped:
+ * Checks, backends and flags as for mori_tp_groups_pack with the roles swapped:
  * staging_capacity >= total->dst_staging_bytes, no overlap with an unpacked group's
  * destination buffer.
  *
@@ -2011,13 +2011,13 @@ MoriStatus mori_pack_kvcache_groups(const struct MoriTpGroup *groups,
  * @param[in] staging_capacity  Bytes of the region.
  * @param[in] options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
  *
- * @return the codes of mori_pack_kvcache_groups, with dst in place of src.
+ * @return the codes of mori_tp_groups_pack, with dst in place of src.
  */
-MoriStatus mori_unpack_kvcache_groups(const struct MoriTpGroup *groups,
-                                      size_t num_groups,
-                                      const void *staging,
-                                      uint64_t staging_capacity,
-                                      const struct MoriSendOptions *options);
+MoriStatus mori_tp_groups_unpack(const struct MoriTpGroup *groups,
+                                 size_t num_groups,
+                                 const void *staging,
+                                 uint64_t staging_capacity,
+                                 const struct MoriSendOptions *options);
 
 /**
  * The layers a prefill pipeline stage and a decode pipeline stage share, when the two engines
@@ -2054,6 +2054,135 @@ MoriStatus mori_tp_pp_layers(const uint32_t *prefill_layers,
                              uint32_t prefill_stage,
                              uint32_t decode_stage,
                              MoriTpLayerRange *out);
+
+/**
+ * Alias of mori_tp_kvcache_send (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_send_kvcache.
+ */
+MoriStatus mori_send_kvcache(const struct MoriTpSliceConfig *config,
+                             const struct MoriKvBuffers *buffers,
+                             const int32_t *src_pages,
+                             const int32_t *dst_pages,
+                             size_t num_pages,
+                             const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_kvcache_pack (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_pack_kvcache.
+ */
+MoriStatus mori_pack_kvcache(const struct MoriTpSliceConfig *config,
+                             const void *const *src,
+                             size_t num_buffers,
+                             uint64_t src_capacity,
+                             const int32_t *src_pages,
+                             size_t num_pages,
+                             void *staging,
+                             uint64_t staging_capacity,
+                             const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_kvcache_unpack (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_unpack_kvcache.
+ */
+MoriStatus mori_unpack_kvcache(const struct MoriTpSliceConfig *config,
+                               const void *staging,
+                               uint64_t staging_capacity,
+                               void *const *dst,
+                               size_t num_buffers,
+                               uint64_t dst_capacity,
+                               const int32_t *dst_pages,
+                               size_t num_pages,
+                               const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_pair_send (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_send_kvcache_pair.
+ */
+MoriStatus mori_send_kvcache_pair(const struct MoriTpPairConfig *config,
+                                  const struct MoriKvBuffers *buffers,
+                                  const struct MoriTpRequest *request,
+                                  const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_pair_pack (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_pack_kvcache_pair.
+ */
+MoriStatus mori_pack_kvcache_pair(const struct MoriTpPairConfig *config,
+                                  uint32_t staging_mode,
+                                  const void *const *src,
+                                  size_t num_buffers,
+                                  uint64_t src_capacity,
+                                  const struct MoriTpRequest *request,
+                                  void *staging,
+                                  uint64_t staging_capacity,
+                                  const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_pair_unpack (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_unpack_kvcache_pair.
+ */
+MoriStatus mori_unpack_kvcache_pair(const struct MoriTpPairConfig *config,
+                                    uint32_t staging_mode,
+                                    const void *staging,
+                                    uint64_t staging_capacity,
+                                    void *const *dst,
+                                    size_t num_buffers,
+                                    uint64_t dst_capacity,
+                                    const struct MoriTpRequest *request,
+                                    const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_groups_send (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_send_kvcache_groups.
+ */
+MoriStatus mori_send_kvcache_groups(const struct MoriTpGroup *groups,
+                                    size_t num_groups,
+                                    const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_groups_pack (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_pack_kvcache_groups.
+ */
+MoriStatus mori_pack_kvcache_groups(const struct MoriTpGroup *groups,
+                                    size_t num_groups,
+                                    void *staging,
+                                    uint64_t staging_capacity,
+                                    const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_groups_unpack (its name before the mori_tp_ prefix): the same
+ * parameters, return codes and behaviour; its messages name mori_unpack_kvcache_groups.
+ */
+MoriStatus mori_unpack_kvcache_groups(const struct MoriTpGroup *groups,
+                                      size_t num_groups,
+                                      const void *staging,
+                                      uint64_t staging_capacity,
+                                      const struct MoriSendOptions *options);
+
+/**
+ * Alias of mori_tp_status_name (its name before the mori_tp_ prefix): the same result.
+ */
+const char *mori_status_str(MoriStatus status);
+
+/**
+ * Alias of mori_tp_backend_name (its name before the mori_tp_ prefix): the same result.
+ */
+const char *mori_backend_name(uint32_t backend);
+
+/**
+ * Alias of mori_tp_last_error_message (its name before the mori_tp_ prefix): the same result.
+ */
+const char *mori_last_error_message(void);
+
+/**
+ * Alias of mori_tp_version (its name before the mori_tp_ prefix): the same result.
+ */
+const char *mori_version(void);
+
+/**
+ * Alias of mori_tp_abi_version (its name before the mori_tp_ prefix): the same result.
+ */
+uint32_t mori_abi_version(void);
 
 #ifdef __cplusplus
 }  /* extern "C" */

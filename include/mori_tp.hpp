@@ -150,7 +150,7 @@ namespace detail {
 class category_impl final : public std::error_category {
 public:
     const char *name() const noexcept override { return "mori_tp"; }
-    std::string message(int status) const override { return mori_status_str(status); }
+    std::string message(int status) const override { return mori_tp_status_name(status); }
     /// MORI_ERR_NULL_POINTER and MORI_ERR_INVALID_ARGUMENT compare equal to
     /// std::errc::invalid_argument, MORI_ERR_POOL_FULL to std::errc::resource_unavailable_try_again.
     std::error_condition default_error_condition(int status) const noexcept override {
@@ -168,7 +168,7 @@ public:
 }  // namespace detail
 
 /// The std::error_category of MoriStatus codes: name() "mori_tp", message() the code's name
-/// (mori_status_str).
+/// (mori_tp_status_name).
 inline const std::error_category &category() noexcept {
     // Never destroyed, so that error codes stay usable from static destructors.
     alignas(detail::category_impl) static unsigned char storage[sizeof(detail::category_impl)];
@@ -180,7 +180,7 @@ inline std::error_code make_error_code(errc code) noexcept {
     return {static_cast<int>(code), category()};
 }
 
-/// A failing call: its status and the library's message (mori_last_error_message(), copied
+/// A failing call: its status and the library's message (mori_tp_last_error_message(), copied
 /// when the call failed).
 struct failure {
     MoriStatus status = MORI_OK;
@@ -218,13 +218,13 @@ namespace detail {
 #if MORI_TP_HPP_EXCEPTIONS
     throw error(f.status, f.message);
 #else
-    std::fprintf(stderr, "mori_tp: %s: %s\n", mori_status_str(f.status), f.message.c_str());
+    std::fprintf(stderr, "mori_tp: %s: %s\n", mori_tp_status_name(f.status), f.message.c_str());
     std::abort();
 #endif
 }
 
 /// The failure of a call that just returned `status`, with this thread's message.
-inline failure fail(MoriStatus status) { return failure{status, mori_last_error_message()}; }
+inline failure fail(MoriStatus status) { return failure{status, mori_tp_last_error_message()}; }
 }  // namespace detail
 
 /// The outcome of a std::nothrow call: a T, or the failure. Like C++23's std::expected:
@@ -362,14 +362,14 @@ inline std::uint32_t max_blocks(std::uint32_t blocks) { return max_blocks(std::n
 // ---------------------------------------------------------------------------------------------
 // Versions and names
 
-/// mori_version(): the library's version, "MAJOR.MINOR.PATCH".
-inline std::string_view version() noexcept { return mori_version(); }
-/// mori_abi_version(): the loaded library's ABI version.
-inline std::uint32_t abi_version() noexcept { return mori_abi_version(); }
+/// mori_tp_version(): the library's version, "MAJOR.MINOR.PATCH".
+inline std::string_view version() noexcept { return mori_tp_version(); }
+/// mori_tp_abi_version(): the loaded library's ABI version.
+inline std::uint32_t abi_version() noexcept { return mori_tp_abi_version(); }
 /// Whether the loaded library has the ABI this header was written for (check at start-up).
-inline bool abi_compatible() noexcept { return mori_abi_version() == MORI_TP_ABI_VERSION; }
-/// mori_status_str: "MORI_OK", "MORI_ERR_POOL_FULL", ... ("MORI_ERR_UNKNOWN" otherwise).
-inline std::string_view status_name(MoriStatus status) noexcept { return mori_status_str(status); }
+inline bool abi_compatible() noexcept { return mori_tp_abi_version() == MORI_TP_ABI_VERSION; }
+/// mori_tp_status_name: "MORI_OK", "MORI_ERR_POOL_FULL", ... ("MORI_ERR_UNKNOWN" otherwise).
+inline std::string_view status_name(MoriStatus status) noexcept { return mori_tp_status_name(status); }
 /// mori_tp_action_name: "MORI_TP_ACTION_SEND", ... ("MORI_TP_ACTION_UNKNOWN" otherwise).
 inline std::string_view action_name(MoriTpAction action) noexcept {
     return mori_tp_action_name(action);
@@ -378,12 +378,12 @@ inline std::string_view action_name(MoriTpAction action) noexcept {
 inline std::string_view staging_name(MoriTpStaging staging) noexcept {
     return mori_tp_staging_name(staging);
 }
-/// mori_backend_name: "MORI_BACKEND_HIP", ... ("MORI_BACKEND_UNKNOWN" otherwise).
+/// mori_tp_backend_name: "MORI_BACKEND_HIP", ... ("MORI_BACKEND_UNKNOWN" otherwise).
 inline std::string_view backend_name(MoriBackend backend) noexcept {
-    return mori_backend_name(backend);
+    return mori_tp_backend_name(backend);
 }
-/// mori_last_error_message(), copied.
-inline std::string last_error_message() { return mori_last_error_message(); }
+/// mori_tp_last_error_message(), copied.
+inline std::string last_error_message() { return mori_tp_last_error_message(); }
 
 // ---------------------------------------------------------------------------------------------
 // One pair, pages of mori_tp_slice_config's layout (REFERENCE.md sections 3 to 6)
@@ -441,7 +441,7 @@ inline std::vector<MoriSegment> plan_segments(const MoriTpSliceConfig &config,
 }
 #endif
 
-/// mori_send_kvcache: src[i] -> dst[i] for every buffer; src and dst must have the same length.
+/// mori_tp_kvcache_send: src[i] -> dst[i] for every buffer; src and dst must have the same length.
 inline result<void> send_kvcache(std::nothrow_t, const MoriTpSliceConfig &config,
                                  span<const void *const> src, std::uint64_t src_capacity,
                                  span<void *const> dst, std::uint64_t dst_capacity,
@@ -454,7 +454,7 @@ inline result<void> send_kvcache(std::nothrow_t, const MoriTpSliceConfig &config
                        "mori_tp::send_kvcache: invalid argument: " + std::to_string(src_pages.size()) +
                            " source pages, " + std::to_string(dst_pages.size()) + " destination pages"};
     const MoriKvBuffers buffers{src.data(), dst.data(), src.size(), src_capacity, dst_capacity};
-    return detail::check(mori_send_kvcache(&config, &buffers, src_pages.data(), dst_pages.data(),
+    return detail::check(mori_tp_kvcache_send(&config, &buffers, src_pages.data(), dst_pages.data(),
                                            src_pages.size(), &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
@@ -533,12 +533,12 @@ inline void check_transfer(const MoriTpSliceConfig &config, MoriTpStaging stagin
 }
 #endif
 
-/// mori_pack_kvcache: the prefill side's slices into a staging region (a slot's bytes()).
+/// mori_tp_kvcache_pack: the prefill side's slices into a staging region (a slot's bytes()).
 inline result<void> pack_kvcache(std::nothrow_t, const MoriTpSliceConfig &config,
                                  span<const void *const> src, std::uint64_t src_capacity,
                                  span<const std::int32_t> src_pages, span<std::byte> staging,
                                  const MoriSendOptions &options = MoriSendOptions{}) {
-    return detail::check(mori_pack_kvcache(&config, src.data(), src.size(), src_capacity, src_pages.data(),
+    return detail::check(mori_tp_kvcache_pack(&config, src.data(), src.size(), src_capacity, src_pages.data(),
                                            src_pages.size(), staging.data(), staging.size(), &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
@@ -549,12 +549,12 @@ inline void pack_kvcache(const MoriTpSliceConfig &config, span<const void *const
 }
 #endif
 
-/// mori_unpack_kvcache: a staging region onto the decode side's pages.
+/// mori_tp_kvcache_unpack: a staging region onto the decode side's pages.
 inline result<void> unpack_kvcache(std::nothrow_t, const MoriTpSliceConfig &config,
                                    span<const std::byte> staging, span<void *const> dst,
                                    std::uint64_t dst_capacity, span<const std::int32_t> dst_pages,
                                    const MoriSendOptions &options = MoriSendOptions{}) {
-    return detail::check(mori_unpack_kvcache(&config, staging.data(), staging.size(), dst.data(), dst.size(),
+    return detail::check(mori_tp_kvcache_unpack(&config, staging.data(), staging.size(), dst.data(), dst.size(),
                                              dst_capacity, dst_pages.data(), dst_pages.size(), &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
@@ -684,7 +684,7 @@ inline void check_pair_transfer(const MoriTpPairConfig &config, const MoriTpRequ
 }
 #endif
 
-/// mori_send_kvcache_pair: src[i] -> dst[i] for every buffer.
+/// mori_tp_pair_send: src[i] -> dst[i] for every buffer.
 inline result<void> send_kvcache_pair(std::nothrow_t, const MoriTpPairConfig &config,
                                       span<const void *const> src, std::uint64_t src_capacity,
                                       span<void *const> dst, std::uint64_t dst_capacity,
@@ -693,7 +693,7 @@ inline result<void> send_kvcache_pair(std::nothrow_t, const MoriTpPairConfig &co
     if (auto counts = detail::same_count("mori_tp::send_kvcache_pair", src.size(), dst.size()); !counts)
         return counts;
     const MoriKvBuffers buffers{src.data(), dst.data(), src.size(), src_capacity, dst_capacity};
-    return detail::check(mori_send_kvcache_pair(&config, &buffers, &request, &options));
+    return detail::check(mori_tp_pair_send(&config, &buffers, &request, &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
 inline void send_kvcache_pair(const MoriTpPairConfig &config, span<const void *const> src,
@@ -703,13 +703,13 @@ inline void send_kvcache_pair(const MoriTpPairConfig &config, span<const void *c
 }
 #endif
 
-/// mori_pack_kvcache_pair.
+/// mori_tp_pair_pack.
 inline result<void> pack_kvcache_pair(std::nothrow_t, const MoriTpPairConfig &config,
                                       MoriTpStaging staging_mode, span<const void *const> src,
                                       std::uint64_t src_capacity, const MoriTpRequest &request,
                                       span<std::byte> staging,
                                       const MoriSendOptions &options = MoriSendOptions{}) {
-    return detail::check(mori_pack_kvcache_pair(&config, staging_mode, src.data(), src.size(), src_capacity,
+    return detail::check(mori_tp_pair_pack(&config, staging_mode, src.data(), src.size(), src_capacity,
                                                 &request, staging.data(), staging.size(), &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
@@ -721,13 +721,13 @@ inline void pack_kvcache_pair(const MoriTpPairConfig &config, MoriTpStaging stag
 }
 #endif
 
-/// mori_unpack_kvcache_pair.
+/// mori_tp_pair_unpack.
 inline result<void> unpack_kvcache_pair(std::nothrow_t, const MoriTpPairConfig &config,
                                         MoriTpStaging staging_mode, span<const std::byte> staging,
                                         span<void *const> dst, std::uint64_t dst_capacity,
                                         const MoriTpRequest &request,
                                         const MoriSendOptions &options = MoriSendOptions{}) {
-    return detail::check(mori_unpack_kvcache_pair(&config, staging_mode, staging.data(), staging.size(),
+    return detail::check(mori_tp_pair_unpack(&config, staging_mode, staging.data(), staging.size(),
                                                   dst.data(), dst.size(), dst_capacity, &request, &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
@@ -790,10 +790,10 @@ inline void check_groups_transfer(span<const MoriTpGroup> groups, std::uint64_t 
 }
 #endif
 
-/// mori_send_kvcache_groups.
+/// mori_tp_groups_send.
 inline result<void> send_kvcache_groups(std::nothrow_t, span<const MoriTpGroup> groups,
                                         const MoriSendOptions &options = MoriSendOptions{}) {
-    return detail::check(mori_send_kvcache_groups(groups.data(), groups.size(), &options));
+    return detail::check(mori_tp_groups_send(groups.data(), groups.size(), &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
 inline void send_kvcache_groups(span<const MoriTpGroup> groups,
@@ -802,12 +802,12 @@ inline void send_kvcache_groups(span<const MoriTpGroup> groups,
 }
 #endif
 
-/// mori_pack_kvcache_groups.
+/// mori_tp_groups_pack.
 inline result<void> pack_kvcache_groups(std::nothrow_t, span<const MoriTpGroup> groups,
                                         span<std::byte> staging,
                                         const MoriSendOptions &options = MoriSendOptions{}) {
     return detail::check(
-        mori_pack_kvcache_groups(groups.data(), groups.size(), staging.data(), staging.size(), &options));
+        mori_tp_groups_pack(groups.data(), groups.size(), staging.data(), staging.size(), &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
 inline void pack_kvcache_groups(span<const MoriTpGroup> groups, span<std::byte> staging,
@@ -816,12 +816,12 @@ inline void pack_kvcache_groups(span<const MoriTpGroup> groups, span<std::byte> 
 }
 #endif
 
-/// mori_unpack_kvcache_groups.
+/// mori_tp_groups_unpack.
 inline result<void> unpack_kvcache_groups(std::nothrow_t, span<const MoriTpGroup> groups,
                                           span<const std::byte> staging,
                                           const MoriSendOptions &options = MoriSendOptions{}) {
     return detail::check(
-        mori_unpack_kvcache_groups(groups.data(), groups.size(), staging.data(), staging.size(), &options));
+        mori_tp_groups_unpack(groups.data(), groups.size(), staging.data(), staging.size(), &options));
 }
 #if MORI_TP_HPP_EXCEPTIONS
 inline void unpack_kvcache_groups(span<const MoriTpGroup> groups, span<const std::byte> staging,

@@ -541,7 +541,7 @@ pub enum Error {
         staging_len: u64,
     },
     /// The staging region overlaps a page buffer.
-    #[error("invalid argument: the staging region [{staging:#x}, +{staging_bytes}) overlaps {} buffer {index} [{buffer:#x}, +{capacity}) (staging must be separate memory)", .side.pick("source", "destination"))]
+    #[error("invalid argument: the staging region [{staging:#x}, +{staging_bytes}) overlaps {} buffer {index} [{buffer:#x}, +{capacity}) (staging must be separate memory)", .side.buffer_role())]
     StagingOverlapsBuffer {
         /// Which engine's buffer.
         side: Side,

@@ -26,7 +26,7 @@ use std::borrow::Cow;
 use crate::backend::{CopyEngine, CopyJob, KvBuffers, SendReport, check_capacity_fits};
 use crate::error::{Error, Result, checked_product, checked_usize};
 use crate::layout::{PairConfig, Request};
-use crate::plan::{OutputSlot, PairPlan, Segment};
+use crate::plan::{OutputEntry, PairPlan, Segment};
 use crate::send::check_no_overlap;
 use crate::types::{Side, Staging};
 
@@ -101,6 +101,16 @@ pub struct GroupInfo {
     pub dst_staging_offset: u64,
 }
 
+impl GroupInfo {
+    /// Where its region starts in `side`'s staging region (a C struct: one field per side).
+    pub fn staging_offset(&self, side: Side) -> u64 {
+        match side {
+            Side::Prefill => self.src_staging_offset,
+            Side::Decode => self.dst_staging_offset,
+        }
+    }
+}
+
 /// What a whole request of groups needs (`MoriTpGroupsTotal`). 40 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -116,6 +126,16 @@ pub struct GroupsTotal {
     pub src_staging_bytes: u64,
     /// The same on the decode rank (groups whose staging is DST or BOTH).
     pub dst_staging_bytes: u64,
+}
+
+impl GroupsTotal {
+    /// Bytes of `side`'s staging region for the request (a C struct: one field per side).
+    pub fn staging_bytes(&self, side: Side) -> u64 {
+        match side {
+            Side::Prefill => self.src_staging_bytes,
+            Side::Decode => self.dst_staging_bytes,
+        }
+    }
 }
 
 /// The validated plan of a request of groups: each group's transfer plan (with its staging),
@@ -281,7 +301,7 @@ impl<'a> GroupsPlan<'a> {
     ///
     /// # Panics
     /// If `out` is shorter than [`GroupsPlan::num_segments`].
-    pub fn fill_segments<T, S: OutputSlot<T>>(
+    pub fn fill_segments<T, S: OutputEntry<T>>(
         &self,
         out: &mut [S],
         convert: impl Fn(Segment) -> T,
@@ -309,12 +329,15 @@ impl<'a> GroupsPlan<'a> {
         src_staging_capacity: u64,
         dst_staging_capacity: u64,
     ) -> Result<()> {
-        for (index, group) in self.groups.iter().enumerate() {
+        for (index, (group, plan)) in self.groups.iter().zip(&self.plans).enumerate() {
+            // The pages' bounds as the plan checked them: its request, staged sides or not.
             for (side, capacity) in [
                 (Side::Prefill, group.buffers.src_capacity),
                 (Side::Decode, group.buffers.dst_capacity),
             ] {
-                check_pages_fit(group, side, capacity).map_err(|e| e.in_group(index))?;
+                plan.request()
+                    .check_capacity(side, capacity)
+                    .map_err(|e| e.in_group(index))?;
             }
         }
         for (side, needed, capacity) in [
@@ -339,19 +362,6 @@ impl<'a> GroupsPlan<'a> {
         }
         Ok(())
     }
-}
-
-/// Checks the highest page of one side of a group against a buffer of `capacity` bytes.
-fn check_pages_fit(group: &Group<'_>, side: Side, capacity: u64) -> Result<()> {
-    let pages = group.request.pages(side);
-    // The plan refused negative pages already; the position names the page in a message.
-    if let Some((position, &page)) = pages.iter().enumerate().max_by_key(|&(_, &p)| p) {
-        group
-            .config
-            .side(side)
-            .check_page(page, || position, Some(capacity))?;
-    }
-    Ok(())
 }
 
 /// A side's pointers of a group, checked against its `num_buffers`.
@@ -481,7 +491,7 @@ fn check_region(
     if region.is_null() && capacity != 0 {
         return Err(Error::NullStaging { capacity });
     }
-    let needed = side.pick(plan.total.src_staging_bytes, plan.total.dst_staging_bytes);
+    let needed = plan.total.staging_bytes(side);
     if capacity < needed {
         return Err(Error::GroupsStagingTooSmall {
             side,
@@ -499,7 +509,7 @@ fn check_region(
 /// The bases of group `index`'s buffers in the region of `side`.
 fn region_bases(plan: &GroupsPlan<'_>, side: Side, index: usize, region: *mut u8) -> Vec<*mut u8> {
     let info = &plan.infos[index];
-    let offset = side.pick(info.src_staging_offset, info.dst_staging_offset);
+    let offset = info.staging_offset(side);
     // wrapping_add: the region may be device memory; every offset is below the region's
     // capacity, checked to fit in isize.
     (0..plan.groups[index].buffers.num_buffers)
@@ -548,7 +558,7 @@ fn staged_parts<'p, 'a>(
     staging_capacity: u64,
 ) -> Result<Vec<JobParts<'p, 'a>>> {
     let region = check_region(plan, side, staging, staging_capacity)?;
-    let used = side.pick(plan.total.src_staging_bytes, plan.total.dst_staging_bytes);
+    let used = plan.total.staging_bytes(side);
     let mut parts = Vec::new();
     for (index, group) in plan.groups.iter().enumerate() {
         if !group.staging.stages(side) {

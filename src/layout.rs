@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result, checked_product};
 use crate::slice::{Topology, TpSide};
-use crate::types::{Action, Side};
+use crate::types::{Action, Side, Sides};
 
 /// One rank's page layout: where each (token slot, head) of its pages lives. Each rank describes
 /// itself and the two exchange these at handshake. With L the rank's local heads (H / tp_size
@@ -322,7 +322,7 @@ impl ValidLayout {
     /// Checks page `page` at `position` of a request's list against a buffer of `capacity`
     /// bytes (`None`: no capacity known yet) and, with heads outside pages, against its head's
     /// run; returns the byte its page ends at.
-    pub(crate) fn check_page(
+    fn check_page(
         &self,
         page: i32,
         position_of: impl Fn() -> usize,
@@ -375,17 +375,42 @@ impl ValidLayout {
     }
 }
 
+/// One side of a pair config: its validated layout and where the moved heads start among its
+/// local heads and in its pages, computed once by [`pair_config`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PairSide {
+    layout: ValidLayout,
+    first_local: u32,
+    base: u64,
+}
+
+impl PairSide {
+    /// The side's layout, validated.
+    pub fn layout(&self) -> &ValidLayout {
+        &self.layout
+    }
+
+    /// Local index of the first head moved (0 unless the pair sends).
+    pub fn first_local(&self) -> u32 {
+        self.first_local
+    }
+
+    /// Byte of the first moved head in page 0: `offset + first_local * head_stride`, inside
+    /// the page's extent (which validation checked to fit).
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+}
+
 /// What a prefill rank and a decode rank agree on for a transfer (`MoriTpPairConfig`): made
-/// only by [`pair_config`] from the two layouts, so its fields always agree with them.
+/// only by [`pair_config`] from the two layouts, so its fields always agree with them. Each
+/// side's geometry is computed here, once; planning reads it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PairConfig {
     action: Action,
     first_head: u32,
     num_heads: u32,
-    src_first_local: u32,
-    dst_first_local: u32,
-    src: ValidLayout,
-    dst: ValidLayout,
+    sides: Sides<PairSide>,
 }
 
 /// The pair config of a prefill rank and a decode rank, or why their layouts cannot work
@@ -393,8 +418,8 @@ pub struct PairConfig {
 /// heads (`MORI_ERR_TOPOLOGY`) and agree on `head_bytes` (`MORI_ERR_LAYOUT_MISMATCH`: a dtype
 /// or head_dim mismatch). Page sizes and strides may differ.
 pub fn pair_config(prefill: &Layout, decode: &Layout) -> Result<PairConfig> {
-    let src = prefill.check(Side::Prefill)?;
-    let dst = decode.check(Side::Decode)?;
+    let layouts = Sides::new(prefill, decode);
+    let valid = Sides::try_from_fn(|side| layouts[side].check(side))?;
     if prefill.total_kv_heads != decode.total_kv_heads {
         return Err(Error::KvHeadsDiffer {
             prefill: prefill.total_kv_heads,
@@ -409,23 +434,28 @@ pub fn pair_config(prefill: &Layout, decode: &Layout) -> Result<PairConfig> {
     }
     let topology = Topology::new(prefill.total_kv_heads, prefill.tp_size, decode.tp_size)?;
     let pairing = topology.pairing(prefill.tp_rank, decode.tp_rank)?;
-    let mut config = PairConfig {
+    let sends = pairing.action == Action::Send;
+    let shared = if sends { pairing.shared_heads } else { 0..0 };
+    let sides = valid.map(|_, layout| {
+        let first_local = if sends {
+            shared.start - layout.owned.start
+        } else {
+            0
+        };
+        // first_local < L, and offset + (L - 1) * head_stride is inside the checked extent.
+        let base = layout.layout.offset + u64::from(first_local) * layout.layout.head_stride;
+        PairSide {
+            layout,
+            first_local,
+            base,
+        }
+    });
+    Ok(PairConfig {
         action: pairing.action,
-        first_head: 0,
-        num_heads: 0,
-        src_first_local: 0,
-        dst_first_local: 0,
-        src,
-        dst,
-    };
-    if pairing.action == Action::Send {
-        let shared = pairing.shared_heads;
-        config.first_head = shared.start;
-        config.num_heads = shared.len() as u32;
-        config.src_first_local = shared.start - config.src.owned.start;
-        config.dst_first_local = shared.start - config.dst.owned.start;
-    }
-    Ok(config)
+        first_head: shared.start,
+        num_heads: shared.len() as u32,
+        sides,
+    })
 }
 
 impl PairConfig {
@@ -449,40 +479,41 @@ impl PairConfig {
         self.num_heads
     }
 
-    /// Local index of the first head moved on the prefill rank (0 unless it sends).
-    pub fn src_first_local(&self) -> u32 {
-        self.src_first_local
-    }
-
-    /// Local index of the first head moved on the decode rank (0 unless it sends).
-    pub fn dst_first_local(&self) -> u32 {
-        self.dst_first_local
-    }
-
-    /// The prefill rank's layout, validated.
-    pub fn src(&self) -> &ValidLayout {
-        &self.src
-    }
-
-    /// The decode rank's layout, validated.
-    pub fn dst(&self) -> &ValidLayout {
-        &self.dst
+    /// Both sides.
+    pub fn sides(&self) -> &Sides<PairSide> {
+        &self.sides
     }
 
     /// One side's layout.
     pub fn side(&self, side: Side) -> &ValidLayout {
-        side.pick(&self.src, &self.dst)
+        &self.sides[side].layout
     }
 
-    /// One side's local index of the first head moved.
-    pub(crate) fn first_local(&self, side: Side) -> u32 {
-        side.pick(self.src_first_local, self.dst_first_local)
+    /// The prefill rank's layout, validated (`MoriTpPairConfig.src`).
+    pub fn src(&self) -> &ValidLayout {
+        self.side(Side::Prefill)
+    }
+
+    /// The decode rank's layout, validated (`MoriTpPairConfig.dst`).
+    pub fn dst(&self) -> &ValidLayout {
+        self.side(Side::Decode)
+    }
+
+    /// Local index of the first head moved on the prefill rank (`src_first_local`).
+    pub fn src_first_local(&self) -> u32 {
+        self.sides.prefill.first_local
+    }
+
+    /// Local index of the first head moved on the decode rank (`dst_first_local`).
+    pub fn dst_first_local(&self) -> u32 {
+        self.sides.decode.first_local
     }
 
     /// Bytes one buffer stages for `num_tokens` tokens: `N * n * head_bytes` (0 unless it
     /// sends).
     pub fn staging_len(&self, num_tokens: u64) -> Result<u64> {
-        let slice = u64::from(self.num_heads) * self.src.layout.head_bytes; // within a slot
+        // Within a slot: n heads of head_bytes.
+        let slice = u64::from(self.num_heads) * self.sides.prefill.layout.layout.head_bytes;
         checked_product("staging_len (tokens * n * head_bytes)", num_tokens, slice)
     }
 }
@@ -499,15 +530,62 @@ pub struct Request<'a> {
     pub num_tokens: u64,
 }
 
-impl Request<'_> {
+/// The highest page of one side of a checked request and the byte its page ends at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PageEnd {
+    /// The page index.
+    pub page: u32,
+    /// `page * page_stride + extent`.
+    pub end: u64,
+}
+
+/// A [`Request`] checked against a pair config ([`Request::check`]): each side's page count,
+/// its pages (none negative, none whose end overflows, none past its head's run) and its
+/// highest page, and the bytes each buffer stages. What planning needs of the pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CheckedRequest<'a> {
+    pages: Sides<&'a [i32]>,
+    num_tokens: u64,
+    highest: Sides<Option<PageEnd>>,
+    staging_len: u64,
+}
+
+/// The highest index of a page list, after refusing a negative one (the lowest position).
+pub(crate) fn highest_page(side: Side, pages: &[i32]) -> Result<Option<i32>> {
+    // No early exit and no bounds checks: the loop runs at memory speed.
+    let (ored, max) = pages
+        .iter()
+        .fold((0i32, i32::MIN), |(ored, max), &p| (ored | p, max.max(p)));
+    if ored < 0 {
+        let position = pages.iter().position(|&p| p < 0).unwrap_or(0);
+        return Err(Error::NegativePage {
+            side,
+            page: pages[position],
+            position,
+        });
+    }
+    Ok((!pages.is_empty()).then_some(max))
+}
+
+/// Position of `page` in `pages`, looked up only to name it in a message.
+pub(crate) fn position_of(pages: &[i32], page: u64) -> usize {
+    pages.iter().position(|&p| p as u64 == page).unwrap_or(0)
+}
+
+impl<'a> Request<'a> {
     /// One side's page list.
-    pub fn pages(&self, side: Side) -> &[i32] {
-        side.pick(self.src_pages, self.dst_pages)
+    pub fn pages(&self, side: Side) -> &'a [i32] {
+        match side {
+            Side::Prefill => self.src_pages,
+            Side::Decode => self.dst_pages,
+        }
     }
 
-    /// Checks that each side lists exactly `ceil(N / page_size)` pages.
-    pub(crate) fn check_counts(&self, config: &PairConfig) -> Result<()> {
-        for side in [Side::Prefill, Side::Decode] {
+    /// Checks the request against `config`, once: each side lists exactly
+    /// `ceil(N / page_size)` pages, none negative, and its highest page ends within 64 bits
+    /// (and, with heads outside pages, within its head's run); `staging_len` fits.
+    pub fn check(&self, config: &PairConfig) -> Result<CheckedRequest<'a>> {
+        for side in Side::BOTH {
             let page_size = config.side(side).layout.page_size;
             let count = self.pages(side).len();
             let expected = self.num_tokens.div_ceil(u64::from(page_size));
@@ -521,7 +599,66 @@ impl Request<'_> {
                 });
             }
         }
-        Ok(())
+        let pages = Sides::from_fn(|side| self.pages(side));
+        let highest = Sides::try_from_fn(|side| -> Result<Option<PageEnd>> {
+            let pages = pages[side];
+            let Some(max) = highest_page(side, pages)? else {
+                return Ok(None);
+            };
+            let position = || position_of(pages, max as u64);
+            let end = config.side(side).check_page(max, position, None)?;
+            Ok(Some(PageEnd {
+                page: max as u32,
+                end,
+            }))
+        })?;
+        let staging_len = if config.sends() {
+            config.staging_len(self.num_tokens)?
+        } else {
+            0
+        };
+        Ok(CheckedRequest {
+            pages,
+            num_tokens: self.num_tokens,
+            highest,
+            staging_len,
+        })
+    }
+}
+
+impl<'a> CheckedRequest<'a> {
+    /// One side's page list.
+    pub fn pages(&self, side: Side) -> &'a [i32] {
+        self.pages[side]
+    }
+
+    /// N.
+    pub fn num_tokens(&self) -> u64 {
+        self.num_tokens
+    }
+
+    /// One side's highest page and where it ends (`None`: no pages).
+    pub fn highest(&self, side: Side) -> Option<PageEnd> {
+        self.highest[side]
+    }
+
+    /// Bytes each buffer stages: `N * n * head_bytes` (0 unless the pair sends).
+    pub fn staging_len(&self) -> u64 {
+        self.staging_len
+    }
+
+    /// Checks that every page of `side` ends within a buffer of `capacity` bytes.
+    pub fn check_capacity(&self, side: Side, capacity: u64) -> Result<()> {
+        match self.highest[side] {
+            Some(PageEnd { page, end }) if end > capacity => Err(Error::PagePastCapacity {
+                side,
+                page,
+                position: position_of(self.pages[side], u64::from(page)),
+                end,
+                capacity,
+            }),
+            _ => Ok(()),
+        }
     }
 }
 

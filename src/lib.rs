@@ -4,18 +4,23 @@
 //! different tensor-parallel (TP) sizes, and gets the head arithmetic right for every valid layout.
 //!
 //! Read top-down; each module imports only the ones above it:
-//! - [`types`](mod@types): the vocabulary (which side, what a pair does, which sides are staged).
+//! - [`types`](mod@types): the vocabulary (which side, a value per side, what a pair does, which
+//!   sides are staged).
 //! - [`error`](mod@error): the one error type, a variant per refusal with its numbers.
 //! - [`slice`](mod@slice): which heads each rank owns, which prefill rank sends which head, and
 //!   the byte slice a (prefill rank, decode rank) pair moves inside each token. The math lives
 //!   here.
 //! - [`layout`](mod@layout): any page layout (token-major, head-major, strided, offset), the
-//!   pair config two ranks agree on, and requests whose page sizes differ between the sides.
+//!   pair config two ranks agree on (each side's geometry derived once), and requests whose page
+//!   sizes differ between the sides, checked once into what planning reads.
 //! - [`pipeline`](mod@pipeline): which layers a prefill and a decode pipeline stage share when
 //!   the engines split the layers differently.
 //! - [`plan`](mod@plan): a request's elements as coalesced strided copies (rects) or contiguous
 //!   segments, between two sides that are each page buffers or a dense staging region, in the
-//!   order with the fewest segments; the staging modes for RDMA engines.
+//!   order with the fewest segments; the staging modes for RDMA engines. By concern: `entries`
+//!   (rects, segments, output arrays), `uniform` and `pair` (the two families' plans), `choice`
+//!   (which order), `memory` (a transfer against both ranks' memory), `walk` and `stream` (the
+//!   one generator and its sinks).
 //! - [`backend`]: the validated job of one call and the engines that perform it (host copies,
 //!   HIP `hipMemcpy2DAsync` or one copy-kernel launch).
 //! - [`pool`]: a staging pool: one region (host memory from mmap, or device memory from HIP)
@@ -65,10 +70,13 @@ pub use group::{
     Group, GroupBuffers, GroupInfo, GroupsPlan, GroupsTotal, pack_groups, send_groups,
     unpack_groups,
 };
-pub use layout::{Layout, Nesting, PairConfig, Request, ValidLayout, pair_config};
+pub use layout::{
+    CheckedRequest, Layout, Nesting, PageEnd, PairConfig, PairSide, Request, ValidLayout,
+    pair_config,
+};
 pub use pipeline::{LayerRange, shared_layers};
 pub use plan::{
-    CopyRect, PairPlan, Plan, RankMemory, Segment, Walk, check_pair_transfer, check_transfer,
+    CopyRect, PairPlan, RankMemory, Segment, SlicePlan, Walk, check_pair_transfer, check_transfer,
     pair_plan, pair_segments, pair_staging_for, plan, plan_segments, plan_transfer, staging_for,
     staging_len,
 };
@@ -80,4 +88,4 @@ pub use send::{
 pub use slice::{
     IntoValid, Pairing, SliceConfig, SliceParams, Topology, TpSide, ValidConfig, slice_config,
 };
-pub use types::{Action, Side, Staging};
+pub use types::{Action, Side, Sides, Staging};

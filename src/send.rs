@@ -10,11 +10,11 @@ use crate::backend::{
     first_null,
 };
 use crate::error::{Error, Result};
-use crate::plan::{Plan, Walk, check_staging_capacity};
+use crate::plan::{SlicePlan, Walk, check_staging_capacity};
 use crate::slice::IntoValid;
 use crate::types::Side;
 
-/// Copies every rect of `plan` (a section-4 [`crate::Plan`] or a [`crate::PairPlan`] of
+/// Copies every rect of `plan` (a uniform [`crate::SlicePlan`] or a [`crate::PairPlan`] of
 /// [`crate::Staging::None`]) for every buffer pair with `engine`, after validating `buffers`.
 ///
 /// A plan whose pair does not send still validates its buffers, then moves nothing.
@@ -236,12 +236,12 @@ pub unsafe fn pack(
     staging_capacity: u64,
     engine: &mut dyn CopyEngine,
 ) -> Result<SendReport> {
-    let plan = Plan::pack(config, src_pages)?;
+    let plan = SlicePlan::pack(config, src_pages)?;
     // SAFETY: forwarded from the caller.
     unsafe { pack_into(&plan, src, src_capacity, staging, staging_capacity, engine) }
 }
 
-/// [`pack`] of any pack plan (a section-4 [`Plan::pack`] or a [`crate::PairPlan::pack`]).
+/// [`pack`] of any pack plan (a uniform [`SlicePlan::pack`] or a [`crate::PairPlan::pack`]).
 ///
 /// # Safety
 /// As for [`pack`].
@@ -279,12 +279,12 @@ pub unsafe fn unpack(
     dst_pages: &[i32],
     engine: &mut dyn CopyEngine,
 ) -> Result<SendReport> {
-    let plan = Plan::unpack(config, dst_pages)?;
+    let plan = SlicePlan::unpack(config, dst_pages)?;
     // SAFETY: forwarded from the caller.
     unsafe { unpack_from(&plan, staging, staging_capacity, dst, dst_capacity, engine) }
 }
 
-/// [`unpack`] of any unpack plan (a section-4 [`Plan::unpack`] or a
+/// [`unpack`] of any unpack plan (a uniform [`SlicePlan::unpack`] or a
 /// [`crate::PairPlan::unpack`]).
 ///
 /// # Safety
@@ -326,7 +326,7 @@ pub fn pack_host_with(
     staging: &mut [u8],
     engine: &mut dyn HostCopies,
 ) -> Result<SendReport> {
-    let plan = Plan::pack(config, src_pages)?;
+    let plan = SlicePlan::pack(config, src_pages)?;
     pack_into_host(&plan, src, staging, engine)
 }
 
@@ -370,7 +370,7 @@ pub fn unpack_host_with(
     dst_pages: &[i32],
     engine: &mut dyn HostCopies,
 ) -> Result<SendReport> {
-    let plan = Plan::unpack(config, dst_pages)?;
+    let plan = SlicePlan::unpack(config, dst_pages)?;
     unpack_from_host(&plan, staging, dst, engine)
 }
 

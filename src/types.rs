@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 use std::fmt;
+use std::ops::{Index, IndexMut};
 
 /// Which engine of the disaggregated pair a value belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -15,6 +16,9 @@ pub enum Side {
 }
 
 impl Side {
+    /// Both engines, prefill first.
+    pub const BOTH: [Side; 2] = [Side::Prefill, Side::Decode];
+
     /// The other engine.
     pub fn other(self) -> Side {
         match self {
@@ -33,34 +37,49 @@ impl Side {
 
     /// The C config's name for this side's item length.
     pub(crate) fn item_len_field(self) -> &'static str {
-        self.pick("src_item_len", "dst_item_len")
+        match self {
+            Side::Prefill => "src_item_len",
+            Side::Decode => "dst_item_len",
+        }
     }
 
     /// The C config's name for this side's bytes per token.
     pub(crate) fn bytes_per_token_field(self) -> &'static str {
-        self.pick("bytes_per_token_src", "bytes_per_token_dst")
+        match self {
+            Side::Prefill => "bytes_per_token_src",
+            Side::Decode => "bytes_per_token_dst",
+        }
     }
 
     /// The C config's name for this side's head slice offset.
     pub(crate) fn slice_offset_field(self) -> &'static str {
-        self.pick("src_head_slice_offset", "dst_head_slice_offset")
+        match self {
+            Side::Prefill => "src_head_slice_offset",
+            Side::Decode => "dst_head_slice_offset",
+        }
     }
 
     /// The name of this side's buffer capacity.
     pub(crate) fn capacity_field(self) -> &'static str {
-        self.pick("src_capacity", "dst_capacity")
+        match self {
+            Side::Prefill => "src_capacity",
+            Side::Decode => "dst_capacity",
+        }
     }
 
     /// The name of this side's buffer array.
     pub(crate) fn buffers_field(self) -> &'static str {
-        self.pick("src", "dst")
+        match self {
+            Side::Prefill => "src",
+            Side::Decode => "dst",
+        }
     }
 
-    /// `prefill` on the prefill side, `decode` on the decode side.
-    pub(crate) fn pick<T>(self, prefill: T, decode: T) -> T {
+    /// What this side's buffers are to a copy: `"source"` or `"destination"`.
+    pub(crate) fn buffer_role(self) -> &'static str {
         match self {
-            Side::Prefill => prefill,
-            Side::Decode => decode,
+            Side::Prefill => "source",
+            Side::Decode => "destination",
         }
     }
 }
@@ -68,6 +87,78 @@ impl Side {
 impl fmt::Display for Side {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} side", self.as_str())
+    }
+}
+
+/// One value per engine, indexed by [`Side`]: what each side of a pair or a request has, in
+/// place of paired `src_`/`dst_` fields.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Sides<T> {
+    /// The prefill side's.
+    pub prefill: T,
+    /// The decode side's.
+    pub decode: T,
+}
+
+impl<T> Sides<T> {
+    /// The prefill side's value and the decode side's.
+    pub fn new(prefill: T, decode: T) -> Sides<T> {
+        Sides { prefill, decode }
+    }
+
+    /// Each side's value of `f`, prefill first.
+    pub fn from_fn(mut f: impl FnMut(Side) -> T) -> Sides<T> {
+        let prefill = f(Side::Prefill);
+        Sides {
+            prefill,
+            decode: f(Side::Decode),
+        }
+    }
+
+    /// Each side's value of a fallible `f`, prefill first; the first error.
+    pub fn try_from_fn<E>(mut f: impl FnMut(Side) -> Result<T, E>) -> Result<Sides<T>, E> {
+        let prefill = f(Side::Prefill)?;
+        Ok(Sides {
+            prefill,
+            decode: f(Side::Decode)?,
+        })
+    }
+
+    /// `f` of each side and its value.
+    pub fn map<U>(self, mut f: impl FnMut(Side, T) -> U) -> Sides<U> {
+        let prefill = f(Side::Prefill, self.prefill);
+        Sides {
+            prefill,
+            decode: f(Side::Decode, self.decode),
+        }
+    }
+
+    /// References to both values.
+    pub fn as_ref(&self) -> Sides<&T> {
+        Sides {
+            prefill: &self.prefill,
+            decode: &self.decode,
+        }
+    }
+}
+
+impl<T> Index<Side> for Sides<T> {
+    type Output = T;
+
+    fn index(&self, side: Side) -> &T {
+        match side {
+            Side::Prefill => &self.prefill,
+            Side::Decode => &self.decode,
+        }
+    }
+}
+
+impl<T> IndexMut<Side> for Sides<T> {
+    fn index_mut(&mut self, side: Side) -> &mut T {
+        match side {
+            Side::Prefill => &mut self.prefill,
+            Side::Decode => &mut self.decode,
+        }
     }
 }
 
@@ -174,6 +265,18 @@ mod tests {
         unique.dedup();
         // "none" is only a staging name; the action names never collide with it.
         assert_eq!(unique.len(), names.len());
+    }
+
+    #[test]
+    fn sides_are_indexed_by_engine() {
+        let mut sides = Sides::from_fn(|side| side.as_str().len());
+        assert_eq!((sides[Side::Prefill], sides[Side::Decode]), (7, 6));
+        sides[Side::Decode] += 1;
+        assert_eq!(sides.map(|side, n| (side, n)).decode, (Side::Decode, 7));
+        assert_eq!(
+            Side::BOTH.map(|side| side.other()),
+            [Side::Decode, Side::Prefill]
+        );
     }
 
     #[test]

@@ -379,7 +379,7 @@ fn a_shared_object_that_links_the_archive_exports_none_of_its_symbols() {
     };
     let leaky = exported(&build("leaky", false));
     assert!(
-        leaky.iter().any(|s| s == "mori_send_kvcache") && leaky.iter().any(|s| is_rust(s)),
+        leaky.iter().any(|s| s == "mori_tp_kvcache_send") && leaky.iter().any(|s| is_rust(s)),
         "without --exclude-libs the plugin re-exports the library (the case this test guards)"
     );
     let plugin = build("hygienic", true);

@@ -27,7 +27,7 @@ const BUFFERS: usize = 2;
 
 fn last_error() -> String {
     // SAFETY: the library returns a valid NUL-terminated string, never NULL.
-    unsafe { CStr::from_ptr(mori_last_error_message()) }
+    unsafe { CStr::from_ptr(mori_tp_last_error_message()) }
         .to_string_lossy()
         .into_owned()
 }
@@ -106,7 +106,7 @@ impl Fixture {
         // SAFETY: every pointer is valid for the capacities passed (tests that lie about a
         // capacity only ever make it smaller than the real buffer).
         unsafe {
-            mori_send_kvcache(
+            mori_tp_kvcache_send(
                 config,
                 &buffers,
                 src_pages.as_ptr(),
@@ -238,10 +238,10 @@ fn null_pointers_are_refused_by_every_function() {
 
         let mut f = Fixture::new();
         assert_eq!(
-            mori_send_kvcache(null(), null(), null(), null(), 0, null()),
+            mori_tp_kvcache_send(null(), null(), null(), null(), 0, null()),
             MORI_ERR_NULL_POINTER
         );
-        assert_message(&["mori_send_kvcache", "is NULL"]);
+        assert_message(&["mori_tp_kvcache_send", "is NULL"]);
         let buffers = MoriKvBuffers {
             src: null(),
             dst: null(),
@@ -250,12 +250,12 @@ fn null_pointers_are_refused_by_every_function() {
             dst_capacity: 1 << 20,
         };
         assert_eq!(
-            mori_send_kvcache(&c, &buffers, pages.as_ptr(), pages.as_ptr(), 2, null()),
+            mori_tp_kvcache_send(&c, &buffers, pages.as_ptr(), pages.as_ptr(), 2, null()),
             MORI_ERR_NULL_POINTER
         );
         assert_message(&["buffers.src is NULL but its length is 2"]);
         assert_eq!(
-            mori_send_kvcache(&c, null(), pages.as_ptr(), pages.as_ptr(), 2, null()),
+            mori_tp_kvcache_send(&c, null(), pages.as_ptr(), pages.as_ptr(), 2, null()),
             MORI_ERR_NULL_POINTER
         );
         assert_message(&["buffers is NULL"]);
@@ -272,7 +272,7 @@ fn null_pointers_are_refused_by_every_function() {
             dst_capacity,
         };
         assert_eq!(
-            mori_send_kvcache(&c, &buffers, pages.as_ptr(), pages.as_ptr(), 2, null()),
+            mori_tp_kvcache_send(&c, &buffers, pages.as_ptr(), pages.as_ptr(), 2, null()),
             MORI_ERR_NULL_POINTER
         );
         assert_message(&["buffers.src[1] is NULL"]);
@@ -299,7 +299,7 @@ fn null_arrays_of_length_zero_are_empty_arrays() {
             dst_capacity: 0,
         };
         assert_eq!(
-            mori_send_kvcache(&c, &empty, null(), null(), 0, null()),
+            mori_tp_kvcache_send(&c, &empty, null(), null(), 0, null()),
             MORI_OK
         );
     }
@@ -640,7 +640,7 @@ fn sizes_computed_from_valid_looking_input_never_wrap() {
     let mut len = 0usize;
     // SAFETY: valid arrays; no buffers.
     unsafe {
-        let status = mori_send_kvcache(
+        let status = mori_tp_kvcache_send(
             &c,
             &empty,
             pages.as_ptr(),
@@ -875,14 +875,18 @@ fn a_size_query_leaves_the_last_message_and_a_pointer_to_it_alone() {
             ..params()
         };
         assert_eq!(mori_tp_slice_config(&bad, &mut refused), MORI_ERR_TOPOLOGY);
-        let kept = mori_last_error_message();
+        let kept = mori_tp_last_error_message();
         let before = CStr::from_ptr(kept).to_owned();
         assert_eq!(
             mori_tp_plan(&c, src.as_ptr(), dst.as_ptr(), 2, null_mut(), 0, &mut len),
             MORI_ERR_BUFFER_TOO_SMALL
         );
         assert_eq!(len, 1);
-        assert_eq!(mori_last_error_message(), kept, "the message was replaced");
+        assert_eq!(
+            mori_tp_last_error_message(),
+            kept,
+            "the message was replaced"
+        );
         assert_eq!(CStr::from_ptr(kept), before.as_c_str());
         assert_message(&["mori_tp_slice_config: invalid topology"]);
         // An array of capacity 0 that is not NULL is a failure, not a size query.
@@ -911,7 +915,7 @@ fn misaligned_page_arrays_are_refused() {
 #[test]
 fn status_names_versions_and_abi() {
     let name = |s| {
-        unsafe { CStr::from_ptr(mori_status_str(s)) }
+        unsafe { CStr::from_ptr(mori_tp_status_name(s)) }
             .to_str()
             .unwrap()
             .to_owned()
@@ -923,9 +927,11 @@ fn status_names_versions_and_abi() {
     assert_eq!(name(12), "MORI_ERR_UNKNOWN");
     assert_eq!(name(-1), "MORI_ERR_UNKNOWN");
     // SAFETY: a static NUL-terminated string.
-    let version = unsafe { CStr::from_ptr(mori_version()) }.to_str().unwrap();
+    let version = unsafe { CStr::from_ptr(mori_tp_version()) }
+        .to_str()
+        .unwrap();
     assert_eq!(version, env!("CARGO_PKG_VERSION"));
-    assert_eq!(mori_abi_version(), MORI_TP_ABI_VERSION);
+    assert_eq!(mori_tp_abi_version(), MORI_TP_ABI_VERSION);
     assert_eq!(MORI_TP_ABI_VERSION, 1);
     let [major, minor, patch] =
         [0, 1, 2].map(|i| version.split('.').nth(i).unwrap().parse::<u32>().unwrap());
@@ -966,7 +972,7 @@ fn action_staging_and_backend_values_have_static_names() {
         (MORI_BACKEND_CUDA, "MORI_BACKEND_CUDA"),
         (4, "MORI_BACKEND_UNKNOWN"),
     ] {
-        assert_eq!(text(mori_backend_name(value)), expected);
+        assert_eq!(text(mori_tp_backend_name(value)), expected);
     }
     // The same pointer each time: static strings, nothing to free.
     assert_eq!(mori_tp_action_name(1), mori_tp_action_name(1));
@@ -1060,4 +1066,259 @@ fn each_path_flag_alone_is_accepted_and_the_host_backend_ignores_it() {
             "flags {flags:#x}: the bytes of a plain host send"
         );
     }
+}
+
+/// The names before the mori_tp_ prefix are aliases: each, called with the same arguments as its
+/// new name, returns the same status, writes the same bytes and fails with the same message but
+/// for the name, on a good call and on refused ones.
+#[test]
+fn every_name_before_the_prefix_behaves_as_its_mori_tp_name() {
+    let c = config();
+    let p = params();
+    let pages: Vec<i32> = vec![0, 2, 1];
+    let staging_len = 3 * u64::from(p.page_size) * c.heads_bytes_per_token_to_send;
+    let capacity = staging_len * BUFFERS as u64;
+    // A pair config of the same ranks and a request of the same pages.
+    let (mut prefill, mut decode) = (MoriTpLayout::default(), MoriTpLayout::default());
+    let mut pair = MoriTpPairConfig::default();
+    // SAFETY (every block below): valid pointers, buffers as long as the capacities passed.
+    unsafe {
+        assert_eq!(mori_tp_layout_nhd(8, 2, 1, 4, 16, &mut prefill), MORI_OK);
+        assert_eq!(mori_tp_layout_nhd(8, 4, 3, 4, 16, &mut decode), MORI_OK);
+        assert_eq!(mori_tp_pair_config(&prefill, &decode, &mut pair), MORI_OK);
+    }
+    let request = MoriTpRequest {
+        src_pages: pages.as_ptr(),
+        num_src_pages: pages.len(),
+        dst_pages: pages.as_ptr(),
+        num_dst_pages: pages.len(),
+        num_tokens: 3 * u64::from(p.page_size),
+    };
+    let host = MoriSendOptions {
+        backend: MORI_BACKEND_HOST,
+        flags: 0,
+        stream: null_mut(),
+    };
+    let bad_backend = MoriSendOptions {
+        backend: 77,
+        ..host
+    };
+    for options in [&host, &bad_backend] {
+        for short in [0, 1] {
+            // One fixture per name: each call starts from the same bytes.
+            let run = |name: &str, which: usize| {
+                let mut f = Fixture::new();
+                // The highest page, 2, ends at 3 pages: `short` takes a byte off the last.
+                let src_cap = f.capacities().0;
+                let dst_cap = 3 * p.dst_item_len - short;
+                let src: Vec<*const c_void> = f.src.iter().map(|b| b.as_ptr().cast()).collect();
+                let dst: Vec<*mut c_void> =
+                    f.dst.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+                let buffers = MoriKvBuffers {
+                    src: src.as_ptr(),
+                    dst: dst.as_ptr(),
+                    num_buffers: BUFFERS,
+                    src_capacity: src_cap,
+                    dst_capacity: dst_cap,
+                };
+                let mut region: Vec<u8> = (0..capacity).map(|i| (i * 3) as u8).collect();
+                let region_cap = capacity - short;
+                let (r, r_const) = (region.as_mut_ptr().cast(), region.as_ptr().cast());
+                let group = MoriTpGroup {
+                    config: pair,
+                    staging: MORI_TP_STAGING_BOTH,
+                    reserved: 0,
+                    first_token: 0,
+                    request,
+                    buffers,
+                };
+                let n = pages.len();
+                let pg = pages.as_ptr();
+                let status = unsafe {
+                    match (name, which) {
+                        ("old", 0) => mori_send_kvcache(&c, &buffers, pg, pg, n, options),
+                        ("new", 0) => mori_tp_kvcache_send(&c, &buffers, pg, pg, n, options),
+                        ("old", 1) => mori_pack_kvcache(
+                            &c,
+                            src.as_ptr(),
+                            BUFFERS,
+                            src_cap,
+                            pg,
+                            n,
+                            r,
+                            region_cap,
+                            options,
+                        ),
+                        ("new", 1) => mori_tp_kvcache_pack(
+                            &c,
+                            src.as_ptr(),
+                            BUFFERS,
+                            src_cap,
+                            pg,
+                            n,
+                            r,
+                            region_cap,
+                            options,
+                        ),
+                        ("old", 2) => mori_unpack_kvcache(
+                            &c,
+                            r_const,
+                            region_cap,
+                            dst.as_ptr(),
+                            BUFFERS,
+                            dst_cap,
+                            pg,
+                            n,
+                            options,
+                        ),
+                        ("new", 2) => mori_tp_kvcache_unpack(
+                            &c,
+                            r_const,
+                            region_cap,
+                            dst.as_ptr(),
+                            BUFFERS,
+                            dst_cap,
+                            pg,
+                            n,
+                            options,
+                        ),
+                        ("old", 3) => mori_send_kvcache_pair(&pair, &buffers, &request, options),
+                        ("new", 3) => mori_tp_pair_send(&pair, &buffers, &request, options),
+                        ("old", 4) => mori_pack_kvcache_pair(
+                            &pair,
+                            MORI_TP_STAGING_BOTH,
+                            src.as_ptr(),
+                            BUFFERS,
+                            src_cap,
+                            &request,
+                            r,
+                            region_cap,
+                            options,
+                        ),
+                        ("new", 4) => mori_tp_pair_pack(
+                            &pair,
+                            MORI_TP_STAGING_BOTH,
+                            src.as_ptr(),
+                            BUFFERS,
+                            src_cap,
+                            &request,
+                            r,
+                            region_cap,
+                            options,
+                        ),
+                        ("old", 5) => mori_unpack_kvcache_pair(
+                            &pair,
+                            MORI_TP_STAGING_BOTH,
+                            r_const,
+                            region_cap,
+                            dst.as_ptr(),
+                            BUFFERS,
+                            dst_cap,
+                            &request,
+                            options,
+                        ),
+                        ("new", 5) => mori_tp_pair_unpack(
+                            &pair,
+                            MORI_TP_STAGING_BOTH,
+                            r_const,
+                            region_cap,
+                            dst.as_ptr(),
+                            BUFFERS,
+                            dst_cap,
+                            &request,
+                            options,
+                        ),
+                        ("old", 6) => mori_send_kvcache_groups(&group, 1, options),
+                        ("new", 6) => mori_tp_groups_send(&group, 1, options),
+                        ("old", 7) => mori_pack_kvcache_groups(&group, 1, r, region_cap, options),
+                        ("new", 7) => mori_tp_groups_pack(&group, 1, r, region_cap, options),
+                        ("old", 8) => {
+                            mori_unpack_kvcache_groups(&group, 1, r_const, region_cap, options)
+                        }
+                        ("new", 8) => {
+                            mori_tp_groups_unpack(&group, 1, r_const, region_cap, options)
+                        }
+                        // A NULL argument, through both names.
+                        ("old", _) => mori_send_kvcache_pair(null(), &buffers, &request, options),
+                        (_, _) => mori_tp_pair_send(null(), &buffers, &request, options),
+                    }
+                };
+                let dst_bytes: Vec<&[u8]> = f.dst.iter().map(Vec::as_slice).collect();
+                (
+                    status,
+                    last_error(),
+                    [dst_bytes, vec![region.as_slice()]].concat().concat(),
+                )
+            };
+            let names = [
+                ("mori_send_kvcache", "mori_tp_kvcache_send"),
+                ("mori_pack_kvcache", "mori_tp_kvcache_pack"),
+                ("mori_unpack_kvcache", "mori_tp_kvcache_unpack"),
+                ("mori_send_kvcache_pair", "mori_tp_pair_send"),
+                ("mori_pack_kvcache_pair", "mori_tp_pair_pack"),
+                ("mori_unpack_kvcache_pair", "mori_tp_pair_unpack"),
+                ("mori_send_kvcache_groups", "mori_tp_groups_send"),
+                ("mori_pack_kvcache_groups", "mori_tp_groups_pack"),
+                ("mori_unpack_kvcache_groups", "mori_tp_groups_unpack"),
+                ("mori_send_kvcache_pair", "mori_tp_pair_send"),
+            ];
+            for (which, (old, new)) in names.into_iter().enumerate() {
+                let (old_status, old_message, old_bytes) = run("old", which);
+                let (new_status, new_message, new_bytes) = run("new", which);
+                assert_eq!(old_status, new_status, "{new}: status");
+                assert_eq!(old_bytes, new_bytes, "{new}: bytes written");
+                if new_status != MORI_OK {
+                    // The same message, each naming the function it was called by.
+                    assert!(
+                        old_message.starts_with(&format!("{old}: ")),
+                        "{old_message}"
+                    );
+                    assert_eq!(
+                        old_message.replacen(old, new, 1),
+                        new_message,
+                        "{new}: message"
+                    );
+                }
+                let expected_ok = options.backend == MORI_BACKEND_HOST && short == 0 && which < 9;
+                assert_eq!(
+                    new_status == MORI_OK,
+                    expected_ok,
+                    "{new}: {}",
+                    last_error()
+                );
+            }
+        }
+    }
+    for status in -2..14 {
+        // SAFETY: static strings, never NULL.
+        let (old, new) = unsafe {
+            (
+                CStr::from_ptr(mori_status_str(status)),
+                CStr::from_ptr(mori_tp_status_name(status)),
+            )
+        };
+        assert_eq!(old, new);
+    }
+    for backend in 0..6 {
+        // SAFETY: static strings, never NULL.
+        let (old, new) = unsafe {
+            (
+                CStr::from_ptr(mori_backend_name(backend)),
+                CStr::from_ptr(mori_tp_backend_name(backend)),
+            )
+        };
+        assert_eq!(old, new);
+    }
+    // SAFETY: static strings, never NULL; the last error is this thread's, unchanged between.
+    unsafe {
+        assert_eq!(
+            CStr::from_ptr(mori_version()),
+            CStr::from_ptr(mori_tp_version())
+        );
+        assert_eq!(
+            CStr::from_ptr(mori_last_error_message()),
+            CStr::from_ptr(mori_tp_last_error_message())
+        );
+    }
+    assert_eq!(mori_abi_version(), mori_tp_abi_version());
 }

@@ -28,7 +28,7 @@ const HOST: MoriSendOptions = MoriSendOptions {
 
 fn last_error() -> String {
     // SAFETY: the library returns a valid NUL-terminated string, never NULL.
-    unsafe { CStr::from_ptr(mori_last_error_message()) }
+    unsafe { CStr::from_ptr(mori_tp_last_error_message()) }
         .to_string_lossy()
         .into_owned()
 }
@@ -449,7 +449,7 @@ fn check_request(
     let mut dst = case.dst_sets.clone();
     let c = CGroups::new(case, &case.src_sets, &mut dst, staging);
     // SAFETY: every group's buffers are live vectors of the stated capacities.
-    let status = unsafe { mori_send_kvcache_groups(c.groups.as_ptr(), c.groups.len(), &HOST) };
+    let status = unsafe { mori_tp_groups_send(c.groups.as_ptr(), c.groups.len(), &HOST) };
     assert_eq!(status, MORI_OK, "{what}: {}", last_error());
     assert!(
         dst == want,
@@ -524,7 +524,7 @@ fn check_request(
     let mut dst_region = vec![0u8; dst_off as usize];
     // SAFETY: the region holds total.src_staging_bytes; the buffers are live.
     let status = unsafe {
-        mori_pack_kvcache_groups(
+        mori_tp_groups_pack(
             c.groups.as_ptr(),
             c.groups.len(),
             src_region.as_mut_ptr().cast(),
@@ -561,7 +561,7 @@ fn check_request(
     }
     // SAFETY: as for the pack.
     let status = unsafe {
-        mori_unpack_kvcache_groups(
+        mori_tp_groups_unpack(
             c.groups.as_ptr(),
             c.groups.len(),
             dst_region.as_ptr().cast(),
@@ -1026,21 +1026,18 @@ fn refused(fixture: &Fixture, groups: &[MoriTpGroup], status: MoriStatus, parts:
                 "mori_tp_groups_segments",
                 mori_tp_groups_segments(ptr, n, segments.as_mut_ptr(), 4096, &mut len),
             ),
+            ("mori_tp_groups_send", mori_tp_groups_send(ptr, n, &HOST)),
             (
-                "mori_send_kvcache_groups",
-                mori_send_kvcache_groups(ptr, n, &HOST),
+                "mori_tp_groups_pack",
+                mori_tp_groups_pack(ptr, n, region.as_mut_ptr().cast(), 4096, &HOST),
             ),
             (
-                "mori_pack_kvcache_groups",
-                mori_pack_kvcache_groups(ptr, n, region.as_mut_ptr().cast(), 4096, &HOST),
-            ),
-            (
-                "mori_unpack_kvcache_groups",
-                mori_unpack_kvcache_groups(ptr, n, region.as_ptr().cast(), 4096, &HOST),
+                "mori_tp_groups_unpack",
+                mori_tp_groups_unpack(ptr, n, region.as_ptr().cast(), 4096, &HOST),
             ),
         ]
     };
-    // The messages are checked call by call: the last one is what mori_last_error_message
+    // The messages are checked call by call: the last one is what mori_tp_last_error_message
     // holds now, so each call is repeated alone below.
     for (function, got) in calls {
         assert_eq!(got, status, "{function}: {}", last_error());
@@ -1051,9 +1048,9 @@ fn refused(fixture: &Fixture, groups: &[MoriTpGroup], status: MoriStatus, parts:
             match function {
                 0 => mori_tp_groups_info(ptr, n, out.as_mut_ptr(), &mut total),
                 1 => mori_tp_groups_segments(ptr, n, segments.as_mut_ptr(), 4096, &mut len),
-                2 => mori_send_kvcache_groups(ptr, n, &HOST),
-                3 => mori_pack_kvcache_groups(ptr, n, region.as_mut_ptr().cast(), 4096, &HOST),
-                _ => mori_unpack_kvcache_groups(ptr, n, region.as_ptr().cast(), 4096, &HOST),
+                2 => mori_tp_groups_send(ptr, n, &HOST),
+                3 => mori_tp_groups_pack(ptr, n, region.as_mut_ptr().cast(), 4096, &HOST),
+                _ => mori_tp_groups_unpack(ptr, n, region.as_ptr().cast(), 4096, &HOST),
             }
         };
         let message = last_error();
@@ -1201,12 +1198,12 @@ fn a_bad_group_after_good_ones_stops_the_whole_request_before_any_byte_moves() {
     let (ptr, n) = (groups.as_ptr(), groups.len());
     // SAFETY: the fixture's buffers, of BUFFER bytes (the capacity stated is smaller).
     let sent = message(
-        &|| unsafe { mori_send_kvcache_groups(ptr, n, &HOST) },
+        &|| unsafe { mori_tp_groups_send(ptr, n, &HOST) },
         MORI_ERR_OUT_OF_BOUNDS,
     );
     assert!(
         sent.starts_with(
-            "mori_send_kvcache_groups: out of bounds: group 1: decode side: page 2 at \
+            "mori_tp_groups_send: out of bounds: group 1: decode side: page 2 at \
                           position 0 ends at byte 1536, past dst_capacity 1000"
         ),
         "{sent}"
@@ -1214,7 +1211,7 @@ fn a_bad_group_after_good_ones_stops_the_whole_request_before_any_byte_moves() {
     let mut region = vec![0u8; 1920];
     // SAFETY: as above; the region holds the request's 1920 decode staging bytes.
     let unpacked = message(
-        &|| unsafe { mori_unpack_kvcache_groups(ptr, n, region.as_ptr().cast(), 1920, &HOST) },
+        &|| unsafe { mori_tp_groups_unpack(ptr, n, region.as_ptr().cast(), 1920, &HOST) },
         MORI_ERR_OUT_OF_BOUNDS,
     );
     assert!(
@@ -1232,8 +1229,7 @@ fn a_bad_group_after_good_ones_stops_the_whole_request_before_any_byte_moves() {
     );
     // A pack reads only the prefill side: group 1 stages nothing there, so it packs group 0.
     // SAFETY: as above.
-    let packed =
-        unsafe { mori_pack_kvcache_groups(ptr, n, region.as_mut_ptr().cast(), 1280, &HOST) };
+    let packed = unsafe { mori_tp_groups_pack(ptr, n, region.as_mut_ptr().cast(), 1280, &HOST) };
     assert_eq!(packed, MORI_OK, "{}", last_error());
     assert!(fixture.untouched());
     assert!(region[..1280].iter().any(|&b| b != 0));
@@ -1245,7 +1241,7 @@ fn a_bad_group_after_good_ones_stops_the_whole_request_before_any_byte_moves() {
     let (ptr, n) = (groups.as_ptr(), groups.len());
     // SAFETY: as above.
     let sent = message(
-        &|| unsafe { mori_send_kvcache_groups(ptr, n, &HOST) },
+        &|| unsafe { mori_tp_groups_send(ptr, n, &HOST) },
         MORI_ERR_NULL_POINTER,
     );
     assert!(
@@ -1262,7 +1258,7 @@ fn a_bad_group_after_good_ones_stops_the_whole_request_before_any_byte_moves() {
     let base = region.as_mut_ptr();
     // SAFETY: as above.
     let packed = message(
-        &|| unsafe { mori_pack_kvcache_groups(ptr, n, base.cast(), 1280, &HOST) },
+        &|| unsafe { mori_tp_groups_pack(ptr, n, base.cast(), 1280, &HOST) },
         MORI_ERR_NULL_POINTER,
     );
     assert!(
@@ -1289,12 +1285,12 @@ fn staging_regions_too_small_null_or_overlapping_are_refused() {
     unsafe {
         expect(
             MORI_ERR_BUFFER_TOO_SMALL,
-            mori_pack_kvcache_groups(ptr, n, region.as_mut_ptr().cast(), 1279, &HOST),
+            mori_tp_groups_pack(ptr, n, region.as_mut_ptr().cast(), 1279, &HOST),
             "buffer too small: prefill side: staging_capacity 1279 is below the 1280 bytes",
         );
         expect(
             MORI_ERR_BUFFER_TOO_SMALL,
-            mori_unpack_kvcache_groups(ptr, n, region.as_ptr().cast(), 1919, &HOST),
+            mori_tp_groups_unpack(ptr, n, region.as_ptr().cast(), 1919, &HOST),
             "buffer too small: decode side: staging_capacity 1919 is below the 1920 bytes",
         );
         expect(
@@ -1304,14 +1300,14 @@ fn staging_regions_too_small_null_or_overlapping_are_refused() {
         );
         expect(
             MORI_ERR_NULL_POINTER,
-            mori_unpack_kvcache_groups(ptr, n, null(), 1920, &HOST),
+            mori_tp_groups_unpack(ptr, n, null(), 1920, &HOST),
             "staging is NULL but staging_capacity is 1920",
         );
         // The region starts inside group 0's second source buffer.
         let inside = fixture.src[1].as_ptr().cast_mut().add(100).cast();
         expect(
             MORI_ERR_INVALID_ARGUMENT,
-            mori_pack_kvcache_groups(ptr, n, inside, 1280, &HOST),
+            mori_tp_groups_pack(ptr, n, inside, 1280, &HOST),
             "invalid argument: group 0: the staging region",
         );
         assert!(fixture.untouched());
@@ -1323,7 +1319,7 @@ fn staging_regions_too_small_null_or_overlapping_are_refused() {
         };
         expect(
             MORI_ERR_INVALID_ARGUMENT,
-            mori_send_kvcache_groups(ptr, n, &bad),
+            mori_tp_groups_send(ptr, n, &bad),
             "options.flags 0x80 has unknown bits 0x80",
         );
     }
@@ -1381,9 +1377,9 @@ fn the_arrays_of_the_group_functions_follow_the_abi_conventions() {
             MORI_OK
         );
         assert_eq!(len, 0);
-        assert_eq!(mori_send_kvcache_groups(null(), 0, &HOST), MORI_OK);
+        assert_eq!(mori_tp_groups_send(null(), 0, &HOST), MORI_OK);
         assert_eq!(
-            mori_pack_kvcache_groups(null(), 0, null_mut(), 0, &HOST),
+            mori_tp_groups_pack(null(), 0, null_mut(), 0, &HOST),
             MORI_OK
         );
         assert_eq!(mori_tp_check_groups_transfer(null(), 0, 0, 0), MORI_OK);

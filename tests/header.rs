@@ -133,3 +133,73 @@ fn the_header_has_no_cpp_comments() {
         }
     }
 }
+
+/// Every function is `mori_tp_<noun>_<verb>`, but the names from before the prefix (`mori_`
+/// alone is MORI's own, as in `mori_shmem_*`): each of those is documented as the alias of a
+/// `mori_tp_` function the header also declares, with the same parameters and result.
+#[test]
+fn every_function_has_the_mori_tp_prefix_or_is_a_documented_alias() {
+    let header =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("include/mori_tp.h"))
+            .expect("read include/mori_tp.h");
+    // (doc comment, return type, name, parameters) of each declaration.
+    let mut functions = Vec::new();
+    let mut doc = String::new();
+    let mut lines = header.lines();
+    while let Some(line) = lines.next() {
+        if line.starts_with("/**") {
+            doc.clear();
+        }
+        if line.starts_with(" *") || line.starts_with("/**") {
+            doc.push_str(line.trim_start_matches(['/', '*', ' ']));
+            doc.push(' ');
+            continue;
+        }
+        let Some(open) = line.find("mori_").filter(|_| line.contains('(')) else {
+            continue;
+        };
+        let mut declaration = line.to_string();
+        while !declaration.trim_end().ends_with(");") {
+            declaration.push_str(lines.next().expect("a declaration ends"));
+        }
+        let (returns, rest) = declaration.split_at(open);
+        let (name, params) = rest.split_once('(').expect("a parameter list");
+        let params: String = params.split_whitespace().collect::<Vec<_>>().join(" ");
+        functions.push((
+            doc.clone(),
+            returns.trim().to_string(),
+            name.to_string(),
+            params,
+        ));
+    }
+    assert!(
+        functions.len() > 40,
+        "only {} functions found",
+        functions.len()
+    );
+    let mut aliases = 0;
+    for (doc, returns, name, params) in &functions {
+        if name.starts_with("mori_tp_") {
+            continue;
+        }
+        let target = doc
+            .trim_start()
+            .strip_prefix("Alias of ")
+            .and_then(|rest| rest.split([' ', ',']).next())
+            .unwrap_or_else(|| panic!("{name} is neither mori_tp_* nor documented as an alias"));
+        let new = functions
+            .iter()
+            .find(|(_, _, n, _)| n == target)
+            .unwrap_or_else(|| panic!("{name} is an alias of {target}, which is not declared"));
+        assert_eq!(
+            (&new.1, &new.3),
+            (returns, params),
+            "{name} and {target} differ"
+        );
+        aliases += 1;
+    }
+    assert_eq!(
+        aliases, 14,
+        "the 14 names from before the prefix, each an alias"
+    );
+}

@@ -16,7 +16,7 @@ const HOST: MoriSendOptions = MoriSendOptions {
 
 fn last_error() -> String {
     // SAFETY: the library returns a valid NUL-terminated string, never NULL.
-    unsafe { CStr::from_ptr(mori_last_error_message()) }
+    unsafe { CStr::from_ptr(mori_tp_last_error_message()) }
         .to_string_lossy()
         .into_owned()
 }
@@ -30,7 +30,7 @@ fn refused(status: MoriStatus, code: MoriStatus, parts: &[&str]) {
         code,
         "got {:?}: {message}",
         // SAFETY: a static string.
-        unsafe { CStr::from_ptr(mori_status_str(status)) }
+        unsafe { CStr::from_ptr(mori_tp_status_name(status)) }
     );
     for part in parts {
         assert!(message.contains(part), "{message:?} lacks {part:?}");
@@ -266,7 +266,7 @@ impl Fixture {
             .collect()
     }
 
-    /// As [`Fixture::statuses`], with each call's message (mori_last_error_message right after
+    /// As [`Fixture::statuses`], with each call's message (mori_tp_last_error_message right after
     /// it).
     fn outcomes(
         &self,
@@ -326,13 +326,13 @@ impl Fixture {
             dst_capacity: dst.len() as u64,
         };
         // SAFETY: buffers of the stated capacities.
-        let status = unsafe { mori_send_kvcache_pair(config, &buffers, r, &HOST) };
-        results.push(("mori_send_kvcache_pair", status, last_error()));
+        let status = unsafe { mori_tp_pair_send(config, &buffers, r, &HOST) };
+        results.push(("mori_tp_pair_send", status, last_error()));
         // One moved head of 32 bytes per token.
         let mut region = vec![0x3Cu8; r.num_tokens as usize * 32];
         // SAFETY: as above.
         let status = unsafe {
-            mori_pack_kvcache_pair(
+            mori_tp_pair_pack(
                 config,
                 MORI_TP_STAGING_SRC,
                 src_ptrs.as_ptr(),
@@ -350,10 +350,10 @@ impl Fixture {
                 "a refused pack wrote the region"
             );
         }
-        results.push(("mori_pack_kvcache_pair", status, last_error()));
+        results.push(("mori_tp_pair_pack", status, last_error()));
         // SAFETY: as above.
         let status = unsafe {
-            mori_unpack_kvcache_pair(
+            mori_tp_pair_unpack(
                 config,
                 MORI_TP_STAGING_BOTH,
                 region.as_ptr().cast(),
@@ -365,7 +365,7 @@ impl Fixture {
                 &HOST,
             )
         };
-        results.push(("mori_unpack_kvcache_pair", status, last_error()));
+        results.push(("mori_tp_pair_unpack", status, last_error()));
         if results.iter().any(|&(_, s, _)| s != MORI_OK) {
             assert!(
                 dst == before,
@@ -502,9 +502,9 @@ fn an_edited_pair_config_or_a_reserved_field_is_refused_by_every_function() {
             "mori_tp_pair_plan",
             "mori_tp_pair_staging_for",
             "mori_tp_pair_staging_len",
-            "mori_send_kvcache_pair",
-            "mori_pack_kvcache_pair",
-            "mori_unpack_kvcache_pair",
+            "mori_tp_pair_send",
+            "mori_tp_pair_pack",
+            "mori_tp_pair_unpack",
         ] {
             assert!(functions.contains(&function), "{function} not called");
         }
@@ -603,7 +603,7 @@ fn negative_pages_pages_past_capacity_and_null_page_arrays_write_nothing() {
     for (function, status) in statuses {
         match function {
             // Capacities are known only where buffers are.
-            "mori_tp_pair_segments" | "mori_tp_pair_plan" | "mori_pack_kvcache_pair" => {
+            "mori_tp_pair_segments" | "mori_tp_pair_plan" | "mori_tp_pair_pack" => {
                 assert_eq!(status, MORI_OK)
             }
             "mori_tp_check_pair_transfer" => assert_eq!(status, MORI_OK),
@@ -680,7 +680,7 @@ fn pack_and_unpack_take_only_their_staging_modes_and_check_the_region() {
         // SAFETY: every pointer is NULL or spans the stated bytes: src_len per source buffer,
         // `capacity` for the staging region (or less, to be refused).
         unsafe {
-            mori_pack_kvcache_pair(
+            mori_tp_pair_pack(
                 &f.config,
                 mode,
                 srcs.as_ptr(),
@@ -717,7 +717,7 @@ fn pack_and_unpack_take_only_their_staging_modes_and_check_the_region() {
         status,
         MORI_ERR_NULL_POINTER,
         &[
-            "mori_pack_kvcache_pair: ",
+            "mori_tp_pair_pack: ",
             "staging is NULL but staging_capacity is 1280",
         ],
     );
@@ -726,7 +726,7 @@ fn pack_and_unpack_take_only_their_staging_modes_and_check_the_region() {
     refused(
         status,
         MORI_ERR_NULL_POINTER,
-        &["mori_pack_kvcache_pair: ", "src[0] is NULL"],
+        &["mori_tp_pair_pack: ", "src[0] is NULL"],
     );
     assert!(region.iter().all(|&b| b == 0x77), "a refused pack wrote");
     // A region that overlaps the source buffer: 1000 bytes into the same allocation.
@@ -749,7 +749,7 @@ fn pack_and_unpack_take_only_their_staging_modes_and_check_the_region() {
     let dst_ptrs = [base.cast::<c_void>()];
     // SAFETY: the region and a destination buffer of at least the stated sizes.
     let status = unsafe {
-        mori_unpack_kvcache_pair(
+        mori_tp_pair_unpack(
             &f.config,
             MORI_TP_STAGING_SRC,
             region.as_ptr().cast(),
@@ -1072,7 +1072,7 @@ fn pack_and_unpack_refuse_a_region_overlapping_a_page_buffer_and_write_nothing()
         // SAFETY: the region lies inside the same allocation, `at` bytes in.
         let (staging, status) = unsafe {
             let staging = base.add(at);
-            let status = mori_pack_kvcache_pair(
+            let status = mori_tp_pair_pack(
                 &f.config,
                 MORI_TP_STAGING_SRC,
                 src_ptrs.as_ptr(),
@@ -1089,7 +1089,7 @@ fn pack_and_unpack_refuse_a_region_overlapping_a_page_buffer_and_write_nothing()
             status,
             MORI_ERR_INVALID_ARGUMENT,
             &[
-                "mori_pack_kvcache_pair: ",
+                "mori_tp_pair_pack: ",
                 &format!(
                     "the staging region [{:#x}, +{region_len}) overlaps source buffer 0 [{:#x}, +{src_len})",
                     staging as usize, base as usize
@@ -1101,7 +1101,7 @@ fn pack_and_unpack_refuse_a_region_overlapping_a_page_buffer_and_write_nothing()
     // Right after the buffer: no overlap, and the pack runs.
     // SAFETY: the region is the allocation's last region_len bytes.
     let status = unsafe {
-        mori_pack_kvcache_pair(
+        mori_tp_pair_pack(
             &f.config,
             MORI_TP_STAGING_SRC,
             src_ptrs.as_ptr(),
@@ -1128,7 +1128,7 @@ fn pack_and_unpack_refuse_a_region_overlapping_a_page_buffer_and_write_nothing()
             // SAFETY: the region lies inside the same allocation, `at` bytes in.
             let (staging, status) = unsafe {
                 let staging = base.add(at).cast_const();
-                let status = mori_unpack_kvcache_pair(
+                let status = mori_tp_pair_unpack(
                     &f.config,
                     mode,
                     staging.cast(),
@@ -1145,7 +1145,7 @@ fn pack_and_unpack_refuse_a_region_overlapping_a_page_buffer_and_write_nothing()
                 status,
                 MORI_ERR_INVALID_ARGUMENT,
                 &[
-                    "mori_unpack_kvcache_pair: ",
+                    "mori_tp_pair_unpack: ",
                     &format!(
                         "the staging region [{:#x}, +{region_len}) overlaps destination buffer 0 [{:#x}, +{dst_len})",
                         staging as usize, base as usize
@@ -1168,7 +1168,7 @@ fn unpack_refuses_modes_it_does_not_take_a_short_region_and_a_null_one() {
     let unpack = |mode: u32, staging: *const c_void, capacity: u64| {
         // SAFETY: a region of at least `capacity` bytes (or NULL) and a buffer of 4096.
         unsafe {
-            mori_unpack_kvcache_pair(
+            mori_tp_pair_unpack(
                 &f.config,
                 mode,
                 staging,
@@ -1200,7 +1200,7 @@ fn unpack_refuses_modes_it_does_not_take_a_short_region_and_a_null_one() {
             unpack(mode, at, 1279),
             MORI_ERR_BUFFER_TOO_SMALL,
             &[
-                "mori_unpack_kvcache_pair: ",
+                "mori_tp_pair_unpack: ",
                 "staging_capacity 1279 is below the 1280 bytes the request needs (1 buffers * staging_len 1280)",
             ],
         );

@@ -38,7 +38,7 @@ const PAGE_SIZES: [u32; 4] = [1, 3, 16, 64];
 
 fn last_error() -> String {
     // SAFETY: the library returns a valid NUL-terminated string, never NULL.
-    unsafe { CStr::from_ptr(mori_last_error_message()) }
+    unsafe { CStr::from_ptr(mori_tp_last_error_message()) }
         .to_string_lossy()
         .into_owned()
 }
@@ -545,7 +545,7 @@ fn send(config: &MoriTpPairConfig, case: &Case, src: &[Vec<u8>], dst: &mut [Vec<
     };
     let r = request(case);
     // SAFETY: buffers of the stated capacities.
-    let status = unsafe { mori_send_kvcache_pair(config, &buffers, &r, &HOST) };
+    let status = unsafe { mori_tp_pair_send(config, &buffers, &r, &HOST) };
     assert_eq!(status, MORI_OK, "{}", last_error());
 }
 
@@ -637,7 +637,7 @@ fn check_pair(case: &Case, what: &str) -> usize {
     send(&config, case, &src, &mut got);
     assert!(
         got == want,
-        "{what}: mori_send_kvcache_pair differs from the oracle"
+        "{what}: mori_tp_pair_send differs from the oracle"
     );
 
     // Segments and rects.
@@ -704,7 +704,7 @@ fn check_pair(case: &Case, what: &str) -> usize {
             let ptrs: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
             // SAFETY: buffers and a region of the stated sizes.
             let status = unsafe {
-                mori_pack_kvcache_pair(
+                mori_tp_pair_pack(
                     &config,
                     mode,
                     ptrs.as_ptr(),
@@ -752,7 +752,7 @@ fn check_pair(case: &Case, what: &str) -> usize {
                 dst.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
             // SAFETY: buffers and a region of the stated sizes.
             let status = unsafe {
-                mori_unpack_kvcache_pair(
+                mori_tp_pair_unpack(
                     &config,
                     mode,
                     dst_region.as_ptr().cast(),
@@ -1135,7 +1135,7 @@ fn on_section_4_layouts_the_pair_functions_agree_with_sections_4_and_5() {
                     let rects = library_rects(&config, &r);
                     assert!(
                         rects.len() <= needed,
-                        "{what}: {} pair rects, {needed} section-4 rects",
+                        "{what}: {} pair rects, {needed} uniform rects",
                         rects.len()
                     );
                     // The same bytes move: the pair send equals the slice-config send's.
@@ -1158,7 +1158,7 @@ fn on_section_4_layouts_the_pair_functions_agree_with_sections_4_and_5() {
                     };
                     // SAFETY: buffers of the stated capacities.
                     let status = unsafe {
-                        mori_send_kvcache(
+                        mori_tp_kvcache_send(
                             &c4,
                             &buffers,
                             src_pages.as_ptr(),
@@ -1179,8 +1179,8 @@ fn on_section_4_layouts_the_pair_functions_agree_with_sections_4_and_5() {
     }
 }
 
-/// On a section-4 layout, the pair pack writes the region `mori_pack_kvcache` writes (SRC and
-/// BOTH), and the pair unpack of one region leaves the destination as `mori_unpack_kvcache`
+/// On a uniform layout, the pair pack writes the region `mori_tp_kvcache_pack` writes (SRC and
+/// BOTH), and the pair unpack of one region leaves the destination as `mori_tp_kvcache_unpack`
 /// leaves it (DST and BOTH): the region contents agree, bytes past the region included.
 fn check_region_agreement(
     config: &MoriTpPairConfig,
@@ -1200,7 +1200,7 @@ fn check_region_agreement(
         let (mut region7, mut region4) = (fill.clone(), fill.clone());
         // SAFETY: buffers and regions of the stated sizes.
         let status = unsafe {
-            mori_pack_kvcache_pair(
+            mori_tp_pair_pack(
                 config,
                 mode,
                 src_ptrs.as_ptr(),
@@ -1215,7 +1215,7 @@ fn check_region_agreement(
         assert_eq!(status, MORI_OK, "{what} pair pack {mode}: {}", last_error());
         // SAFETY: as above.
         let status = unsafe {
-            mori_pack_kvcache(
+            mori_tp_kvcache_pack(
                 c4,
                 src_ptrs.as_ptr(),
                 buffers,
@@ -1230,7 +1230,7 @@ fn check_region_agreement(
         assert_eq!(status, MORI_OK, "{what} pack: {}", last_error());
         assert!(
             region7 == region4,
-            "{what} mode {mode}: the pair pack's region differs from mori_pack_kvcache's"
+            "{what} mode {mode}: the pair pack's region differs from mori_tp_kvcache_pack's"
         );
         if config.action == MORI_TP_ACTION_SEND && region_len > 0 {
             assert_ne!(
@@ -1247,7 +1247,7 @@ fn check_region_agreement(
         let ptrs4: Vec<*mut c_void> = dst4.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
         // SAFETY: buffers and a region of the stated sizes.
         let status = unsafe {
-            mori_unpack_kvcache_pair(
+            mori_tp_pair_unpack(
                 config,
                 mode,
                 region.as_ptr().cast(),
@@ -1267,7 +1267,7 @@ fn check_region_agreement(
         );
         // SAFETY: as above.
         let status = unsafe {
-            mori_unpack_kvcache(
+            mori_tp_kvcache_unpack(
                 c4,
                 region.as_ptr().cast(),
                 region_len as u64,
@@ -1282,7 +1282,7 @@ fn check_region_agreement(
         assert_eq!(status, MORI_OK, "{what} unpack: {}", last_error());
         assert!(
             dst7 == dst4,
-            "{what} mode {mode}: the pair unpack differs from mori_unpack_kvcache"
+            "{what} mode {mode}: the pair unpack differs from mori_tp_kvcache_unpack"
         );
         if config.action == MORI_TP_ACTION_SEND && region_len > 0 {
             assert!(dst7 != initial, "{what}: unpacked nothing");

@@ -1,5 +1,5 @@
 //! What a packager relies on: the shared library's SONAME is its ABI version, and the header's
-//! version macros are the crate's version, the one mori_version() reports. And what a new user
+//! version macros are the crate's version, the one mori_tp_version() reports. And what a new user
 //! relies on: running the README's example compiles no dev-dependency.
 
 mod common;
@@ -10,7 +10,7 @@ use std::process::Command;
 
 use mori_tp::ffi::{
     MORI_TP_ABI_VERSION, MORI_TP_VERSION_MAJOR, MORI_TP_VERSION_MINOR, MORI_TP_VERSION_PATCH,
-    mori_abi_version, mori_version,
+    mori_tp_abi_version, mori_tp_version,
 };
 
 /// The libmori_tp.so of this test run: beside the test binary in target/<profile>/deps, or one
@@ -51,9 +51,9 @@ fn the_shared_library_is_named_by_its_abi_version() {
         "{} must have one SONAME:\n{dynamic}",
         library.display()
     );
-    let expected = format!("Library soname: [libmori_tp.so.{}]", mori_abi_version());
+    let expected = format!("Library soname: [libmori_tp.so.{}]", mori_tp_abi_version());
     assert!(sonames[0].ends_with(&expected), "{}", sonames[0]);
-    assert_eq!(mori_abi_version(), MORI_TP_ABI_VERSION);
+    assert_eq!(mori_tp_abi_version(), MORI_TP_ABI_VERSION);
 }
 
 #[test]
@@ -73,8 +73,8 @@ fn the_header_version_macros_are_the_crate_version_that_mori_version_reports() {
         "update MORI_TP_VERSION_* in src/ffi/types.rs to Cargo.toml's version, then regenerate the \
          header (MORI_TP_UPDATE_HEADER=1 cargo test --test header)"
     );
-    // SAFETY: mori_version returns a static NUL-terminated string.
-    let reported = unsafe { CStr::from_ptr(mori_version()) };
+    // SAFETY: mori_tp_version returns a static NUL-terminated string.
+    let reported = unsafe { CStr::from_ptr(mori_tp_version()) };
     assert_eq!(
         reported.to_str().unwrap(),
         format!("{MORI_TP_VERSION_MAJOR}.{MORI_TP_VERSION_MINOR}.{MORI_TP_VERSION_PATCH}")

@@ -13,7 +13,7 @@ use mori_tp::ffi::*;
 
 fn last_error() -> String {
     // SAFETY: the library returns a valid NUL-terminated string, never NULL.
-    unsafe { CStr::from_ptr(mori_last_error_message()) }
+    unsafe { CStr::from_ptr(mori_tp_last_error_message()) }
         .to_string_lossy()
         .into_owned()
 }
@@ -167,7 +167,7 @@ fn a_host_pool_hands_out_disjoint_writable_slots_inside_its_region() {
 fn a_full_pool_answers_pool_full_at_once_or_after_the_timeout() {
     assert_eq!(MORI_ERR_POOL_FULL, 11, "the next free status value");
     // SAFETY: a static string.
-    let name = unsafe { CStr::from_ptr(mori_status_str(MORI_ERR_POOL_FULL)) };
+    let name = unsafe { CStr::from_ptr(mori_tp_status_name(MORI_ERR_POOL_FULL)) };
     assert_eq!(name, c"MORI_ERR_POOL_FULL");
     let pool = create(1 << 20, 64 << 10);
     let whole = try_alloc(pool, 1 << 20).unwrap();

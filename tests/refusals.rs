@@ -1,7 +1,7 @@
 //! Every refusal of the core: the variant carries the numbers that explain it (what a Rust caller
 //! matches on), its class is the C status class, and the message names the same values.
 
-use mori_tp::{Action, Error, ErrorClass, Plan, Side, SliceParams, slice_config};
+use mori_tp::{Action, Error, ErrorClass, Side, SliceParams, SlicePlan, slice_config};
 
 /// Llama-3.1-8B-like: 8 KV heads, head_dim 128, bf16, page size 16, prefill TP 2, decode TP 4.
 fn good() -> SliceParams {
@@ -297,7 +297,7 @@ fn hand_edited_configs_whose_slice_leaves_the_token_are_slice_overflows() {
             ][..],
         ),
     ] {
-        let error = Plan::new(&config, &[0], &[0]).map(|_| ()).unwrap_err();
+        let error = SlicePlan::new(&config, &[0], &[0]).map(|_| ()).unwrap_err();
         let expected = Error::SliceOverflow {
             side,
             offset,
@@ -312,7 +312,7 @@ fn hand_edited_configs_whose_slice_leaves_the_token_are_slice_overflows() {
 fn negative_pages_pages_past_capacity_and_overflowing_offsets_are_out_of_bounds() {
     let c = slice_config(&good()).unwrap();
     assert_refusal(
-        Plan::new(&c, &[0, 1, -3], &[0, 1, 2])
+        SlicePlan::new(&c, &[0, 1, -3], &[0, 1, 2])
             .map(|_| ())
             .unwrap_err(),
         ErrorClass::OutOfBounds,
@@ -323,7 +323,7 @@ fn negative_pages_pages_past_capacity_and_overflowing_offsets_are_out_of_bounds(
         },
         &["prefill side", "-3", "position 2"],
     );
-    let plan = Plan::new(&c, &[0, 1, 2], &[4, 9, 5]).unwrap();
+    let plan = SlicePlan::new(&c, &[0, 1, 2], &[4, 9, 5]).unwrap();
     // Ten destination pages end at 10 * 8192 bytes; one byte less cuts page 9 short.
     assert_eq!(plan.check_capacity(3 * 16384, 10 * 8192), Ok(()));
     assert_refusal(
@@ -342,7 +342,9 @@ fn negative_pages_pages_past_capacity_and_overflowing_offsets_are_out_of_bounds(
     huge.src_item_len = 1 << 40;
     huge.bytes_per_token_src = huge.src_item_len / 16;
     assert_refusal(
-        Plan::new(&huge, &[i32::MAX], &[0]).map(|_| ()).unwrap_err(),
+        SlicePlan::new(&huge, &[i32::MAX], &[0])
+            .map(|_| ())
+            .unwrap_err(),
         ErrorClass::OutOfBounds,
         &Error::PageOffsetOverflow {
             side: Side::Prefill,

@@ -81,7 +81,6 @@ fn every_document_the_repository_names_is_in_it_and_nothing_points_outside() {
 /// Where a source file cites a numbered section, the section is REFERENCE.md's: the repository
 /// ships no other numbered document, so a bare number (once the seventh section of a contract
 /// users never see, for what REFERENCE.md numbers 11) sends a reader to the wrong place.
-/// "section-4" is REFERENCE.md's own name for the one-page-size, token-major configs.
 #[test]
 fn every_section_a_source_file_cites_is_one_of_reference_md() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

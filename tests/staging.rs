@@ -1,5 +1,5 @@
 //! Staged transfers through the C ABI: the composition law (pack, then every transport segment
-//! for every buffer, then unpack, leaves every decode byte exactly as one mori_send_kvcache
+//! for every buffer, then unpack, leaves every decode byte exactly as one mori_tp_kvcache_send
 //! does), the segment counts of each staging mode, and the refusals of the new functions.
 
 mod common;
@@ -25,7 +25,7 @@ const HOST: MoriSendOptions = MoriSendOptions {
 
 fn last_error() -> String {
     // SAFETY: the library returns a valid NUL-terminated string, never NULL.
-    unsafe { CStr::from_ptr(mori_last_error_message()) }
+    unsafe { CStr::from_ptr(mori_tp_last_error_message()) }
         .to_string_lossy()
         .into_owned()
 }
@@ -180,7 +180,7 @@ fn send(config: &MoriTpSliceConfig, r: &Request, src: &[Vec<u8>], dst: &mut [Vec
     };
     // SAFETY: valid buffers of the stated capacities.
     let status = unsafe {
-        mori_send_kvcache(
+        mori_tp_kvcache_send(
             config,
             &buffers,
             r.src_pages.as_ptr(),
@@ -201,7 +201,7 @@ fn pack(
     let srcs: Vec<*const c_void> = src.iter().map(|b| b.as_ptr().cast()).collect();
     // SAFETY: valid buffers of the stated capacities.
     unsafe {
-        mori_pack_kvcache(
+        mori_tp_kvcache_pack(
             config,
             srcs.as_ptr(),
             srcs.len(),
@@ -225,7 +225,7 @@ fn unpack(
     let dsts: Vec<*mut c_void> = dst.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
     // SAFETY: valid buffers of the stated capacities.
     unsafe {
-        mori_unpack_kvcache(
+        mori_tp_kvcache_unpack(
             config,
             staging.as_ptr().cast(),
             staging.len() as u64,
@@ -346,7 +346,7 @@ fn composition_law(h: u32, p_tp: u32, d_tp: u32, page_size: u32, r: &Request) ->
                 assert!(
                     dst == direct,
                     "H={h} P={p_tp} D={d_tp} pair ({p}, {d}) page_size {page_size} staging \
-                     {mode}: the staged transfer differs from mori_send_kvcache ({r:?})"
+                     {mode}: the staged transfer differs from mori_tp_kvcache_send ({r:?})"
                 );
                 checked += usize::from(c.action == MORI_TP_ACTION_SEND);
             }
@@ -650,7 +650,7 @@ fn null_pointers_are_refused_by_the_staging_functions() {
         assert_eq!(plan(null(), &mut len), MORI_ERR_NULL_POINTER);
         assert_eq!(plan(pages.as_ptr(), null_mut()), MORI_ERR_NULL_POINTER);
         // NULL staging with a non-zero capacity.
-        let status = mori_pack_kvcache(
+        let status = mori_tp_kvcache_pack(
             &c,
             srcs.as_ptr(),
             2,
@@ -663,11 +663,12 @@ fn null_pointers_are_refused_by_the_staging_functions() {
         );
         assert_eq!(status, MORI_ERR_NULL_POINTER);
         assert!(last_error().contains("staging is NULL but staging_capacity is 512"));
-        let status = mori_unpack_kvcache(&c, null(), 512, null(), 0, 0, pages.as_ptr(), 2, &HOST);
+        let status =
+            mori_tp_kvcache_unpack(&c, null(), 512, null(), 0, 0, pages.as_ptr(), 2, &HOST);
         assert_eq!(status, MORI_ERR_NULL_POINTER);
         // NULL source array with buffers, NULL pages with pages.
         let mut staging = vec![0u8; 1024];
-        let status = mori_pack_kvcache(
+        let status = mori_tp_kvcache_pack(
             &c,
             null(),
             2,
@@ -679,7 +680,7 @@ fn null_pointers_are_refused_by_the_staging_functions() {
             &HOST,
         );
         assert_eq!(status, MORI_ERR_NULL_POINTER);
-        let status = mori_pack_kvcache(
+        let status = mori_tp_kvcache_pack(
             &c,
             srcs.as_ptr(),
             2,
@@ -694,7 +695,7 @@ fn null_pointers_are_refused_by_the_staging_functions() {
         assert!(last_error().contains("src_pages is NULL but its length is 2"));
         // A NULL entry among the buffers.
         let with_null = [srcs[0], null()];
-        let status = mori_pack_kvcache(
+        let status = mori_tp_kvcache_pack(
             &c,
             with_null.as_ptr(),
             2,
@@ -822,7 +823,7 @@ fn pairs_that_do_not_send_validate_move_nothing_and_succeed() {
     let capacity = src[0].len() as u64;
     // SAFETY: valid buffers; the staging region is empty.
     let status = unsafe {
-        mori_pack_kvcache(
+        mori_tp_kvcache_pack(
             &c,
             srcs.as_ptr(),
             2,
@@ -839,7 +840,7 @@ fn pairs_that_do_not_send_validate_move_nothing_and_succeed() {
     let capacity = dst[0].len() as u64;
     // SAFETY: as above.
     let status = unsafe {
-        mori_unpack_kvcache(
+        mori_tp_kvcache_unpack(
             &c,
             null(),
             0,
@@ -865,7 +866,7 @@ fn a_staging_region_that_overlaps_a_page_buffer_is_refused() {
     let tail = src[1].len() as u64 - needed;
     // SAFETY: the region lies inside src[1]; the call must refuse before writing.
     let status = unsafe {
-        mori_pack_kvcache(
+        mori_tp_kvcache_pack(
             &c,
             srcs.as_ptr(),
             2,
@@ -898,7 +899,7 @@ fn the_staging_functions_refuse_the_hip_backend_only_after_validating_the_reques
         stream: null_mut(),
     };
     let call = |pages: &[i32], staging: &mut [u8]| unsafe {
-        mori_pack_kvcache(
+        mori_tp_kvcache_pack(
             &c,
             srcs.as_ptr(),
             2,

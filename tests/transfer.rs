@@ -4,9 +4,14 @@
 mod common;
 
 use common::{MODELS, Request, every_model_deployment, odd_deployments, transfer};
-use mori_tp::{Plan, SendReport, send_host};
+use mori_tp::{SendReport, SlicePlan, send_host};
 
-fn host(plan: &Plan<'_>, _: &Request, src: &[&[u8]], dst: &mut [&mut [u8]]) -> Option<SendReport> {
+fn host(
+    plan: &SlicePlan<'_>,
+    _: &Request,
+    src: &[&[u8]],
+    dst: &mut [&mut [u8]],
+) -> Option<SendReport> {
     Some(send_host(plan, src, dst).unwrap())
 }
 

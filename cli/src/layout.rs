@@ -329,7 +329,7 @@ impl Layout {
         )
     }
 
-    /// The library's section-4 inputs for the pair (prefill rank `p`, decode rank `d`): the real
+    /// The library's uniform inputs for the pair (prefill rank `p`, decode rank `d`): the real
     /// pages for the classic layout, else one token per page (the per-token view: heads, offsets
     /// and widths inside a token-major slot, which do not depend on the page size).
     pub fn slice_params(&self, p: u32, d: u32) -> SliceParams {
@@ -359,7 +359,7 @@ impl Layout {
         }
     }
 
-    /// The library's section-4 slice for the pair (prefill rank `p`, decode rank `d`): which heads
+    /// The library's uniform slice for the pair (prefill rank `p`, decode rank `d`): which heads
     /// move and where they sit inside a token-major slot (see [`Layout::slice_params`]).
     pub fn slice_config(&self, p: u32, d: u32) -> mori_tp::Result<SliceConfig> {
         slice_config(&self.slice_params(p, d))

@@ -27,7 +27,7 @@ pub const MAX_COUNTED_PAGES: u64 = 1 << 22;
 pub struct Pair {
     pub prefill_rank: u32,
     pub decode_rank: u32,
-    /// The library's section-4 slice: heads, and offsets and widths inside a token-major slot
+    /// The library's uniform slice: heads, and offsets and widths inside a token-major slot
     /// (see [`Layout::slice_config`]).
     pub config: SliceConfig,
     /// The global heads both ranks own.

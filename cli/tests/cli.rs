@@ -175,7 +175,7 @@ fn every_preset_plans_exactly_the_tp_sizes_the_divisibility_rule_allows() {
 
 /// Checks a `plan --json` output pair by pair against the library's slice_config, and against
 /// the sender rule.
-/// The library's section-4 slice of pair (p, d) of a model with `heads` KV heads of
+/// The library's uniform slice of pair (p, d) of a model with `heads` KV heads of
 /// `bytes_per_head` bytes, token-major pages of `page_size` tokens on both sides.
 fn section4_config(
     heads: u32,

@@ -19,7 +19,7 @@ and request kept head-major (HND) or token-major (NHD) by both engines, for tp2t
 tp2to8 with prefill pages of 16 tokens and decode pages of 64, 4096 tokens: per-token lists (NHD,
 one segment per token per buffer, as connectors build them), HND pages to pages without staging
 (``hnd-direct``), and NHD with pair_staging_for's staging (``nhd-staged``), interleaved in rounds
-the same way, each verified byte for byte against mori_send_kvcache_pair of its own layout.
+the same way, each verified byte for byte against mori_tp_pair_send of its own layout.
 
 The staged suite (``--suites staged``) also moves each request in the mode and chunk count the
 streamer's cost model chooses (``Streamer.choose``, the decode process expecting it with

@@ -295,7 +295,7 @@ SIGNATURES = {
             ctypes.POINTER(ctypes.c_size_t),  # out_len
         ],
     ),
-    "mori_send_kvcache": (
+    "mori_tp_kvcache_send": (
         _STATUS,
         [
             _CONFIG_P,
@@ -339,7 +339,7 @@ SIGNATURES = {
             ctypes.POINTER(MoriTpMemory),  # decode
         ],
     ),
-    "mori_pack_kvcache": (
+    "mori_tp_kvcache_pack": (
         _STATUS,
         [
             _CONFIG_P,
@@ -353,7 +353,7 @@ SIGNATURES = {
             ctypes.POINTER(MoriSendOptions),
         ],
     ),
-    "mori_unpack_kvcache": (
+    "mori_tp_kvcache_unpack": (
         _STATUS,
         [
             _CONFIG_P,
@@ -426,11 +426,11 @@ SIGNATURES = {
             _MEMORY_P,  # decode
         ],
     ),
-    "mori_send_kvcache_pair": (
+    "mori_tp_pair_send": (
         _STATUS,
         [_PAIR_P, ctypes.POINTER(MoriKvBuffers), _REQUEST_P, ctypes.POINTER(MoriSendOptions)],
     ),
-    "mori_pack_kvcache_pair": (
+    "mori_tp_pair_pack": (
         _STATUS,
         [
             _PAIR_P,
@@ -444,7 +444,7 @@ SIGNATURES = {
             ctypes.POINTER(MoriSendOptions),
         ],
     ),
-    "mori_unpack_kvcache_pair": (
+    "mori_tp_pair_unpack": (
         _STATUS,
         [
             _PAIR_P,
@@ -481,8 +481,8 @@ SIGNATURES = {
         _STATUS,
         [_GROUP_P, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64],
     ),
-    "mori_send_kvcache_groups": (_STATUS, [_GROUP_P, ctypes.c_size_t, _OPTIONS_P]),
-    "mori_pack_kvcache_groups": (
+    "mori_tp_groups_send": (_STATUS, [_GROUP_P, ctypes.c_size_t, _OPTIONS_P]),
+    "mori_tp_groups_pack": (
         _STATUS,
         [
             _GROUP_P,
@@ -492,7 +492,7 @@ SIGNATURES = {
             _OPTIONS_P,
         ],
     ),
-    "mori_unpack_kvcache_groups": (
+    "mori_tp_groups_unpack": (
         _STATUS,
         [
             _GROUP_P,
@@ -529,14 +529,36 @@ SIGNATURES = {
     "mori_tp_pool_free": (_STATUS, [ctypes.c_uint64, ctypes.c_uint64]),
     "mori_tp_pool_info": (_STATUS, [ctypes.c_uint64, ctypes.POINTER(MoriTpPoolInfo)]),
     "mori_tp_pool_destroy": (_STATUS, [ctypes.c_uint64]),
-    "mori_status_str": (ctypes.c_char_p, [_STATUS]),
-    "mori_last_error_message": (ctypes.c_char_p, []),
-    "mori_version": (ctypes.c_char_p, []),
-    "mori_abi_version": (ctypes.c_uint32, []),
+    "mori_tp_status_name": (ctypes.c_char_p, [_STATUS]),
+    "mori_tp_last_error_message": (ctypes.c_char_p, []),
+    "mori_tp_version": (ctypes.c_char_p, []),
+    "mori_tp_abi_version": (ctypes.c_uint32, []),
     "mori_tp_action_name": (ctypes.c_char_p, [ctypes.c_uint32]),
     "mori_tp_staging_name": (ctypes.c_char_p, [ctypes.c_uint32]),
-    "mori_backend_name": (ctypes.c_char_p, [ctypes.c_uint32]),
+    "mori_tp_backend_name": (ctypes.c_char_p, [ctypes.c_uint32]),
 }
+
+
+#: The names the library's functions had before the ``mori_tp_`` prefix, each an alias of its
+#: new name (include/mori_tp.h documents them). They are declared, so that loading checks the
+#: library exports both; the package itself calls the new names.
+ALIASES = {
+    "mori_send_kvcache": "mori_tp_kvcache_send",
+    "mori_pack_kvcache": "mori_tp_kvcache_pack",
+    "mori_unpack_kvcache": "mori_tp_kvcache_unpack",
+    "mori_send_kvcache_pair": "mori_tp_pair_send",
+    "mori_pack_kvcache_pair": "mori_tp_pair_pack",
+    "mori_unpack_kvcache_pair": "mori_tp_pair_unpack",
+    "mori_send_kvcache_groups": "mori_tp_groups_send",
+    "mori_pack_kvcache_groups": "mori_tp_groups_pack",
+    "mori_unpack_kvcache_groups": "mori_tp_groups_unpack",
+    "mori_status_str": "mori_tp_status_name",
+    "mori_last_error_message": "mori_tp_last_error_message",
+    "mori_version": "mori_tp_version",
+    "mori_abi_version": "mori_tp_abi_version",
+    "mori_backend_name": "mori_tp_backend_name",
+}
+SIGNATURES.update({old: SIGNATURES[new] for old, new in ALIASES.items()})
 
 
 def library_file_name() -> str:
@@ -622,7 +644,7 @@ def load() -> Tuple[ctypes.CDLL, Path]:
             ) from None
         function.restype = restype
         function.argtypes = argtypes
-    problem = check_layout(lib.mori_abi_version(), ctypes.sizeof(ctypes.c_void_p))
+    problem = check_layout(lib.mori_tp_abi_version(), ctypes.sizeof(ctypes.c_void_p))
     if problem is not None:
         raise ImportError(f"mori_tp: {path}: {problem}")
     return lib, path

@@ -10,7 +10,7 @@ two layouts, a :class:`Request` of its own pages (for a state slot: the slot ind
 mode and its buffers. A list of groups is one request: one segment list, one staging region per
 side, one send, pack or unpack.
 
-``mori_tp`` imports this module last and re-exports every public name; use them from
+Built on ``_core`` and ``_pair``; ``mori_tp`` re-exports every public name: use them from
 ``mori_tp``. The library checks everything and names the group in every refusal; Python checks
 only what ctypes would otherwise get wrong silently (an int that does not fit its C type, a
 pointer list whose length is not the group's buffer count).
@@ -23,7 +23,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from . import (
+from ._core import (
     BufferLike,
     InvalidArgumentError,
     Staging,
@@ -312,7 +312,7 @@ def send_kvcache_groups(groups: Sequence[Group], *, backend: str = "auto",
     array, _keep = _c_groups(groups, where)
     _, options = _copy_call(where, backend, stream, synchronize, copy_kernel, max_blocks, [],
                             _tensors_of(groups))
-    status = _lib.mori_send_kvcache_groups(array, len(groups), ctypes.byref(options))
+    status = _lib.mori_tp_groups_send(array, len(groups), ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)
 
@@ -338,7 +338,7 @@ def pack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                                        max_blocks, [("staging", staging, True, True)],
                                        _tensors_of(groups))
     region, capacity = _region(region_op, staging_capacity, where)
-    status = _lib.mori_pack_kvcache_groups(array, len(groups), region, capacity,
+    status = _lib.mori_tp_groups_pack(array, len(groups), region, capacity,
                                            ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)
@@ -363,7 +363,7 @@ def unpack_kvcache_groups(groups: Sequence[Group], staging: StagingRegion, *,
                                        max_blocks, [("staging", staging, False, True)],
                                        _tensors_of(groups))
     region, capacity = _region(region_op, staging_capacity, where)
-    status = _lib.mori_unpack_kvcache_groups(array, len(groups), region, capacity,
+    status = _lib.mori_tp_groups_unpack(array, len(groups), region, capacity,
                                              ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)

@@ -1,9 +1,9 @@
 """Any page layout, page sizes that differ, partial pages: :class:`Layout`, :class:`PairConfig`,
 :class:`Request` and the functions over them (``mori_tp_layout_*``, ``mori_tp_pair_*``,
-``mori_tp_check_pair_transfer`` and ``mori_*_kvcache_pair`` in ``include/mori_tp.h``).
+``mori_tp_check_pair_transfer`` in ``include/mori_tp.h``).
 
-``mori_tp`` imports this module once its own helpers exist and re-exports every public name;
-use them from ``mori_tp``. Everything the library checks is left to it, so that each refusal
+Built on the helpers of ``_core``; ``mori_tp`` re-exports every public name: use them from
+``mori_tp``. Everything the library checks is left to it, so that each refusal
 carries the library's message; Python checks only what ctypes would otherwise get wrong
 silently (an int that does not fit its C type, a page index outside int32).
 """
@@ -14,7 +14,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
-from . import (
+from ._core import (
     Action,
     BufferLike,
     CopyRect,
@@ -458,7 +458,7 @@ def send_kvcache_pair(
         where, backend, stream, synchronize, copy_kernel, max_blocks,
         [("src_ptrs", src_ptrs, False, False), ("dst_ptrs", dst_ptrs, True, False)])
     buffers, _arrays = _kv_buffers(src_op, dst_op, src_capacity, dst_capacity, where)
-    status = _lib.mori_send_kvcache_pair(ctypes.byref(c_config), ctypes.byref(buffers),
+    status = _lib.mori_tp_pair_send(ctypes.byref(c_config), ctypes.byref(buffers),
                                          ctypes.byref(c_request), ctypes.byref(options))
     if status != _ffi.MORI_OK:
         _raise_last(status)
@@ -513,7 +513,7 @@ def pack_kvcache_pair(
         [("src_ptrs", src_ptrs, False, False), ("staging", staging, True, True)])
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(src_op)
-    status = _lib.mori_pack_kvcache_pair(
+    status = _lib.mori_tp_pair_pack(
         ctypes.byref(c_config), mode,
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)), len(pointers),
         _capacity(src_op, src_capacity, "src_capacity", where), ctypes.byref(c_request),
@@ -566,7 +566,7 @@ def unpack_kvcache_pair(
         [("staging", staging, False, True), ("dst_ptrs", dst_ptrs, True, False)])
     region, capacity = _region(region_op, staging_capacity, where)
     pointers = _address_array(dst_op)
-    status = _lib.mori_unpack_kvcache_pair(
+    status = _lib.mori_tp_pair_unpack(
         ctypes.byref(c_config), mode, region, capacity,
         ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)), len(pointers),
         _capacity(dst_op, dst_capacity, "dst_capacity", where), ctypes.byref(c_request),

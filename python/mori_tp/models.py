@@ -50,7 +50,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import Action, Layout, pair_config
+from ._core import Action
+from ._pair import Layout, pair_config
 
 __all__ = [
     "DTYPE_BYTES",

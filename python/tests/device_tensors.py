@@ -444,7 +444,7 @@ class Cases:
             ("capacity over a tensor", mori_tp.InvalidArgumentError,
              f"src_capacity {len(srcs[0]) + 1} exceeds src_ptrs[0]'s {len(srcs[0])} bytes",
              lambda: self._send(d_srcs, d_dsts, src_capacity=len(srcs[0]) + 1)),
-            ("staging too small", mori_tp.BufferTooSmallError, "mori_pack_kvcache",
+            ("staging too small", mori_tp.BufferTooSmallError, "mori_tp_kvcache_pack",
              lambda: mori_tp.pack_kvcache(CONFIG, d_srcs, self.fw.zeros(region_len - 1),
                                           src_pages=SRC_PAGES, backend=self.backend)),
         ]

@@ -4,13 +4,13 @@ rank of a layout and writes (the initiator), a child holds every decode rank (th
 Slice configs: for each layout (tp2to8, tp8to2, tp4to8 and the non-integer H=12 P6->D4; page
 size 16; fragmented pages; three layers, K and V) and each staging choice (staging_for's, NONE,
 SRC, DST, BOTH), every sending pair moves its request through the engine, the child unpacks the
-staged ones, and every byte of every decode buffer must equal what mori_send_kvcache (host
+staged ones, and every byte of every decode buffer must equal what mori_tp_kvcache_send (host
 backend) leaves in a copy of the same sentinel-filled buffers, bytes outside the slices
 included. A negative control drops one segment and requires the check to fail, at that segment.
 
 Pair configs (any page layout): HND to HND with 4 and 8 KV heads (TP 2->8, 8->2), NHD to HND,
 page size 16 -> 64 and 64 -> 16, and a partial last page, each with pair_staging_for's choice
-and NONE (the partial page in every mode), checked against mori_send_kvcache_pair the same way;
+and NONE (the partial page in every mode), checked against mori_tp_pair_send the same way;
 each case has a negative control (one dropped segment, or a plan made for a decode layout the
 decode rank does not have) that must fail the check.
 
@@ -66,7 +66,7 @@ class Failure(AssertionError):
 
 
 class SliceCase:
-    """A layout of section-4 slice configs: whole token-major pages of one size (REQUEST)."""
+    """A layout of uniform slice configs: whole token-major pages of one size (REQUEST)."""
 
     stagings = STAGINGS
 
@@ -159,7 +159,7 @@ CASES: List[SliceCase] = [
              STAGINGS),
 ]
 
-#: The section-4 cases by name (the pipelined and streamed tests take theirs from here).
+#: The uniform cases by name (the pipelined and streamed tests take theirs from here).
 LAYOUTS = {case.name: case for case in CASES if not isinstance(case, PairCase)}
 
 

@@ -215,7 +215,7 @@ class SendRefusalsTest(ErrorTestCase):
         # Pages 0 and 1 would fit: nothing may be written before the last page is checked.
         self.assertRefusedUnchanged(
             mori_tp.OutOfBoundsError,
-            ["mori_send_kvcache", "decode side", "page 6 at position 2", "dst_capacity"],
+            ["mori_tp_kvcache_send", "decode side", "page 6 at position 2", "dst_capacity"],
             dst_pages=[0, 1, 6],
         )
 
@@ -260,7 +260,7 @@ class StatusTableTest(unittest.TestCase):
     def test_every_status_code_maps_to_the_class_the_library_names(self):
         for code in range(1, 12):
             cls = _errors.ERROR_CLASSES[code]
-            name = mori_tp._lib.mori_status_str(code).decode()
+            name = mori_tp._lib.mori_tp_status_name(code).decode()
             self.assertEqual(cls.status, name)
             error = _errors.error_for(code, f"message {code}")
             self.assertIs(type(error), cls)
@@ -271,8 +271,8 @@ class StatusTableTest(unittest.TestCase):
         self.assertEqual(mori_tp.InternalError.status, "MORI_ERR_PANIC")
 
     def test_an_unknown_code_is_a_plain_mori_error_with_that_code(self):
-        self.assertEqual(mori_tp._lib.mori_status_str(12), b"MORI_ERR_UNKNOWN")
-        self.assertEqual(mori_tp._lib.mori_status_str(99), b"MORI_ERR_UNKNOWN")
+        self.assertEqual(mori_tp._lib.mori_tp_status_name(12), b"MORI_ERR_UNKNOWN")
+        self.assertEqual(mori_tp._lib.mori_tp_status_name(99), b"MORI_ERR_UNKNOWN")
         error = _errors.error_for(99, "from a newer library")
         self.assertIs(type(error), mori_tp.MoriError)
         self.assertEqual((error.code, error.message), (99, "from a newer library"))

@@ -214,7 +214,7 @@ class GroupsTest(unittest.TestCase):
         edited = list(groups)
         edited[window] = off
         refused(edited, mori_tp.InvalidArgumentError,
-                f"mori_send_kvcache_groups: invalid argument: group {window}: first_token "
+                f"mori_tp_groups_send: invalid argument: group {window}: first_token "
                 f"{off.first_token} is not a multiple of both page sizes (prefill page_size 16, "
                 f"decode page_size 32): a window starts on a page of each side; round it down "
                 f"to {off.first_token // 32 * 32}, a multiple of 32")

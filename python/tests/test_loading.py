@@ -148,7 +148,7 @@ class LoadingTest(unittest.TestCase):
         else:
             first = next(p for p in _ffi.candidate_paths() if p.is_file())
             self.assertEqual(mori_tp.library_path, str(first))
-        self.assertEqual(mori_tp._lib.mori_abi_version(), mori_tp.ABI_VERSION)
+        self.assertEqual(mori_tp._lib.mori_tp_abi_version(), mori_tp.ABI_VERSION)
         self.assertRegex(mori_tp.library_version(), r"^\d+\.\d+\.\d+")
         self.assertEqual(mori_tp.__version__, mori_tp.library_version())
 

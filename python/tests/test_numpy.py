@@ -173,7 +173,7 @@ class WithoutNumpyTest(unittest.TestCase):
 
     def test_lists_and_arrays_work_and_array_output_says_numpy_is_needed(self):
         config = LAYOUT.config(1, 5)
-        with mock.patch.object(mori_tp, "_np", None):
+        with mock.patch.object(mori_tp._core, "_np", None):
             got = mori_tp.plan_segments(config, array.array("i", REQUEST.src_pages),
                                         REQUEST.dst_pages)
             self.assertEqual(len(got[0]), len(REQUEST.src_pages) * LAYOUT.page_size)

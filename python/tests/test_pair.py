@@ -438,7 +438,7 @@ class RefusalsTest(unittest.TestCase):
         src_pages[2] = pair.request.src_capacity_pages + 4
         self.assertRefused(
             mori_tp.OutOfBoundsError,
-            f"^mori_send_kvcache_pair: .*prefill side: page {src_pages[2]} at position 2 .*"
+            f"^mori_tp_pair_send: .*prefill side: page {src_pages[2]} at position 2 .*"
             f"past src_capacity {pair.src_len}",
             mori_tp.send_kvcache_pair, pair.config, pair.src_ptrs(),
             [ctypes.addressof(x) for x in dst], src_capacity=pair.src_len,
@@ -458,7 +458,7 @@ class RefusalsTest(unittest.TestCase):
         region = (ctypes.c_ubyte * self.needed)(*([0x5A] * self.needed))
         self.assertRefused(
             mori_tp.BufferTooSmallError,
-            f"^mori_pack_kvcache_pair: .*staging_capacity {short}.*{self.needed} bytes",
+            f"^mori_tp_pair_pack: .*staging_capacity {short}.*{self.needed} bytes",
             mori_tp.pack_kvcache_pair, pair.config, Staging.SRC, pair.src_ptrs(),
             ctypes.addressof(region), staging_capacity=short, src_capacity=pair.src_len,
             request=pair.api, backend="host")
@@ -466,7 +466,7 @@ class RefusalsTest(unittest.TestCase):
         dst = pair.fresh()
         self.assertRefused(
             mori_tp.BufferTooSmallError,
-            f"^mori_unpack_kvcache_pair: .*staging_capacity {short}.*{self.needed} bytes",
+            f"^mori_tp_pair_unpack: .*staging_capacity {short}.*{self.needed} bytes",
             mori_tp.unpack_kvcache_pair, pair.config, Staging.BOTH, ctypes.addressof(region),
             [ctypes.addressof(x) for x in dst], staging_capacity=short,
             dst_capacity=pair.dst_len, request=pair.api, backend="host")
@@ -477,14 +477,14 @@ class RefusalsTest(unittest.TestCase):
         region = (ctypes.c_ubyte * self.needed)()
         for mode in (Staging.NONE, Staging.DST, 7):
             self.assertRefused(
-                mori_tp.InvalidArgumentError, "^mori_pack_kvcache_pair: .*staging.mode",
+                mori_tp.InvalidArgumentError, "^mori_tp_pair_pack: .*staging.mode",
                 mori_tp.pack_kvcache_pair, pair.config, mode, pair.src_ptrs(),
                 ctypes.addressof(region), staging_capacity=self.needed,
                 src_capacity=pair.src_len, request=pair.api, backend="host")
         dst = pair.fresh()
         for mode in (Staging.NONE, Staging.SRC):
             self.assertRefused(
-                mori_tp.InvalidArgumentError, "^mori_unpack_kvcache_pair: .*staging.mode",
+                mori_tp.InvalidArgumentError, "^mori_tp_pair_unpack: .*staging.mode",
                 mori_tp.unpack_kvcache_pair, pair.config, mode, ctypes.addressof(region),
                 [ctypes.addressof(x) for x in dst], staging_capacity=self.needed,
                 dst_capacity=pair.dst_len, request=pair.api, backend="host")
@@ -527,7 +527,7 @@ class RefusalsTest(unittest.TestCase):
             mori_tp.send_kvcache_pair, pair.config, pair.src_ptrs(), [64], src_capacity=1,
             dst_capacity=1, request=pair.api, backend="host")
         self.assertRefused(
-            mori_tp.NullPointerError, "^mori_send_kvcache_pair: .*NULL",
+            mori_tp.NullPointerError, "^mori_tp_pair_send: .*NULL",
             mori_tp.send_kvcache_pair, pair.config, pair.src_ptrs(), [0, 0],
             src_capacity=pair.src_len, dst_capacity=pair.dst_len, request=pair.api,
             backend="host")
@@ -555,7 +555,7 @@ class RefusalsTest(unittest.TestCase):
         self.assertEqual(pair.sent(), pair.initial)
         bad = mori_tp.Request([pair.request.src_capacity_pages] + pair.request.src_pages[1:],
                               pair.request.dst_pages, 90)
-        self.assertRefused(mori_tp.OutOfBoundsError, "^mori_pack_kvcache_pair: .*page",
+        self.assertRefused(mori_tp.OutOfBoundsError, "^mori_tp_pair_pack: .*page",
                            mori_tp.pack_kvcache_pair, pair.config, Staging.BOTH,
                            pair.src_ptrs(), ctypes.addressof(region), staging_capacity=64,
                            src_capacity=pair.src_len, request=bad, backend="host")

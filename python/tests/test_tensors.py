@@ -286,7 +286,7 @@ def capture(function: str, call: Callable[[], None]) -> List[Tuple[Any, ...]]:
     fake_lib = mock.Mock(wraps=mori_tp._lib)
     setattr(fake_lib, function, fake)
     # The pair and group modules hold their own reference to the library.
-    with mock.patch.object(mori_tp, "_lib", fake_lib), \
+    with mock.patch.object(mori_tp._core, "_lib", fake_lib), \
             mock.patch.object(mori_tp._pair, "_lib", fake_lib), \
             mock.patch.object(mori_tp._groups, "_lib", fake_lib):
         call()
@@ -565,14 +565,14 @@ class RefusalsTest(unittest.TestCase):
         short = self.dsts[2][:end - 1]
         self.assertRefused(
             mori_tp.OutOfBoundsError,
-            rf"^mori_send_kvcache: .*dst_capacity {end - 1}",
+            rf"^mori_tp_kvcache_send: .*dst_capacity {end - 1}",
             lambda: self.send(dst=self.dsts[:2] + [CaiArray(short)]))
         # A staging tensor smaller than the request: the library names both sizes.
         small = np.zeros(BUFFERS * STAGING_LEN - 1, dtype=np.uint8)
         self.assertRefused(
             mori_tp.BufferTooSmallError,
-            rf"^mori_pack_kvcache: .*{BUFFERS * STAGING_LEN - 1}.*{BUFFERS * STAGING_LEN}|"
-            rf"^mori_pack_kvcache: .*{BUFFERS * STAGING_LEN}.*{BUFFERS * STAGING_LEN - 1}",
+            rf"^mori_tp_kvcache_pack: .*{BUFFERS * STAGING_LEN - 1}.*{BUFFERS * STAGING_LEN}|"
+            rf"^mori_tp_kvcache_pack: .*{BUFFERS * STAGING_LEN}.*{BUFFERS * STAGING_LEN - 1}",
             lambda: mori_tp.pack_kvcache(CONFIG, self.srcs, DLPackOnly(small),
                                          src_pages=REQUEST.src_pages, backend="host"))
         self.assertEqual(int(np.count_nonzero(small)), 0)
@@ -673,7 +673,7 @@ class WhatReachesTheCallTest(unittest.TestCase):
     asked to order its work before."""
 
     def send(self, src: List[Any], dst: List[Any], **options: Any) -> Tuple[Any, ...]:
-        calls = capture("mori_send_kvcache", lambda: mori_tp.send_kvcache(
+        calls = capture("mori_tp_kvcache_send", lambda: mori_tp.send_kvcache(
             CONFIG, src, dst, src_pages=[0], dst_pages=[0], **options))
         self.assertEqual(len(calls), 1)
         config, buffers, src_pages, dst_pages, num_pages, c_options = calls[0]
@@ -774,7 +774,7 @@ class WhatReachesTheCallTest(unittest.TestCase):
         a = np.zeros(256, np.uint8)
         group = mori_tp.Group(pair, request, src_ptrs=[CaiArray(a, stream=0x6000)],
                               dst_ptrs=[FakeDLPack(a, device=(CUDA, 0))])
-        calls = capture("mori_send_kvcache_groups",
+        calls = capture("mori_tp_groups_send",
                         lambda: mori_tp.send_kvcache_groups([group], backend="cuda"))
         self.assertEqual(calls[0][-1], (mori_tp._BACKENDS.get("cuda", 3), 0, 0x6000))
         with self.assertRaisesRegex(

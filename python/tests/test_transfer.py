@@ -134,9 +134,9 @@ class SendArgumentsTest(unittest.TestCase):
             return 0
 
         fake_lib = mock.Mock(wraps=mori_tp._lib)
-        fake_lib.mori_send_kvcache = fake_send
+        fake_lib.mori_tp_kvcache_send = fake_send
         layout = Layout(heads=8, p_tp=2, d_tp=4, page_size=4, bytes_per_head=8)
-        with mock.patch.object(mori_tp, "_lib", fake_lib):
+        with mock.patch.object(mori_tp._core, "_lib", fake_lib):
             mori_tp.send_kvcache(
                 layout.config(1, 2), [0x1000, 0x2000], [0x3000, 0x4000],
                 src_capacity=4096, dst_capacity=2048, src_pages=[3, 4], dst_pages=[5, 6],

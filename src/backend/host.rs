@@ -464,7 +464,7 @@ mod tests {
     /// byte for byte against a per-row reference.
     #[test]
     fn sends_just_under_and_at_the_streaming_threshold_land_byte_exact() {
-        use crate::{Plan, SliceParams, send_host, slice_config};
+        use crate::{SliceParams, SlicePlan, send_host, slice_config};
         let (heads, page, buffers) = (8u32, 16usize, 2usize);
         for (p_tp, d_tp) in [(8u32, 4u32), (4, 8), (4, 4)] {
             for head in [64usize, 200] {
@@ -518,7 +518,7 @@ mod tests {
                     let mut dst: Vec<Lined> = (0..buffers)
                         .map(|_| Lined::new(dst_len, line_offset))
                         .collect();
-                    let plan = Plan::new(&config, &src_pages, &dst_pages).unwrap();
+                    let plan = SlicePlan::new(&config, &src_pages, &dst_pages).unwrap();
                     let src_refs: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
                     let mut dst_refs: Vec<&mut [u8]> = dst.iter_mut().map(Lined::slice).collect();
                     send_host(&plan, &src_refs, &mut dst_refs).unwrap();

@@ -96,7 +96,7 @@ pub fn open_host_copies(backend: Backend) -> Result<Box<dyn HostCopies>> {
     Ok(Box::new(Synchronized(open_gpu(resolved, &options)?)))
 }
 
-/// Which engine `mori_send_kvcache` should use.
+/// Which engine `mori_tp_kvcache_send` should use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
     /// HIP when built with it and an AMD GPU is present, else CUDA when built with it and an

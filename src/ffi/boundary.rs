@@ -1,7 +1,7 @@
 //! The panic and error boundary every exported function runs inside: no panic unwinds into C,
 //! every failure becomes its status code and this thread's last error message.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::CString;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -209,6 +209,12 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// and nothing here can abort: a call made while its thread is being torn down still returns its
 /// status.
 pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> MoriStatus {
+    // An alias (src/ffi/aliases.rs) named the call: its messages use the name the caller used.
+    let function = CALLED_AS
+        .try_with(Cell::take)
+        .ok()
+        .flatten()
+        .unwrap_or(function);
     let run = AssertUnwindSafe(|| {
         init_logging();
         let failure = match body() {
@@ -244,6 +250,22 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> Mor
             MORI_ERR_PANIC
         }
     }
+}
+
+thread_local! {
+    /// The name an alias was called by, for the export it forwards to (no destructor: readable
+    /// while the thread exits).
+    static CALLED_AS: Cell<Option<&'static str>> = const { Cell::new(None) };
+}
+
+/// Runs `call`, an export, so that the messages of its boundary name `alias`: the name the
+/// caller used. A call that fails the same way through either name gets the same message but
+/// for that name.
+pub(crate) fn called_as<R>(alias: &'static str, call: impl FnOnce() -> R) -> R {
+    let _ = CALLED_AS.try_with(|name| name.set(Some(alias)));
+    let result = call();
+    let _ = CALLED_AS.try_with(|name| name.set(None));
+    result
 }
 
 /// The name of the function this expands in (`mori_tp_plan`), for messages: each export names

@@ -160,7 +160,7 @@ pub(crate) unsafe fn write_rects(
 }
 
 /// Validates `raw` against `plan`, then opens the backend `options` asks for and runs every
-/// rect on every buffer pair: the body of mori_send_kvcache and mori_send_kvcache_pair.
+/// rect on every buffer pair: the body of mori_tp_kvcache_send and mori_tp_pair_send.
 ///
 /// # Safety
 /// `raw`'s arrays NULL or valid for `num_buffers` entries, each buffer valid for its capacity in

@@ -265,10 +265,10 @@ pub unsafe extern "C" fn mori_tp_check_groups_transfer(
 }
 
 /// Copies every group of a request page to page, whatever its staging mode: for each group,
-/// what mori_send_kvcache_pair moves for its config, buffers and request. Every group (config,
+/// what mori_tp_pair_send moves for its config, buffers and request. Every group (config,
 /// request, first_token, buffers against pages, NULLs, options) is checked before the first
 /// byte moves, so a refused call writes nothing; then the groups are copied in order, each as
-/// mori_send_kvcache_pair copies a pair (one kernel launch per group that moves bytes, or per
+/// mori_tp_pair_send copies a pair (one kernel launch per group that moves bytes, or per
 /// (buffer, rect) hipMemcpy2DAsync, as the flags and each group choose; MORI_SEND_SYNCHRONIZE
 /// waits before the call returns).
 ///
@@ -278,12 +278,12 @@ pub unsafe extern "C" fn mori_tp_check_groups_transfer(
 /// @param[in] num_groups  Groups in the request.
 /// @param[in] options     Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
 ///
-/// @return MORI_OK; the codes of mori_tp_groups_info and of mori_send_kvcache_pair (a
+/// @return MORI_OK; the codes of mori_tp_groups_info and of mori_tp_pair_send (a
 ///   group's buffer array NULL with num_buffers > 0 or an entry NULL: MORI_ERR_NULL_POINTER;
 ///   a page past its capacity: MORI_ERR_OUT_OF_BOUNDS; MORI_ERR_BACKEND_UNAVAILABLE;
 ///   MORI_ERR_GPU), each naming the group.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_send_kvcache_groups(
+pub unsafe extern "C" fn mori_tp_groups_send(
     groups: *const MoriTpGroup,
     num_groups: usize,
     options: *const MoriSendOptions,
@@ -314,14 +314,14 @@ fn run_group_jobs(
 /// Prefill side of a staged request of several groups: packs every group whose staging is
 /// SRC or BOTH into its part of the request's staging region (group g's buffer b at
 /// src_staging_offset + b * staging_len, see mori_tp_groups_info), in the region order of the
-/// group's mode, as mori_pack_kvcache_pair packs a pair. Groups that stage nothing on this side
+/// group's mode, as mori_tp_pair_pack packs a pair. Groups that stage nothing on this side
 /// are validated and skipped; their pointer arrays are not read. Call it before the transport
 /// writes the segments of mori_tp_groups_segments.
 ///
 /// Everything is checked before the first byte moves: every group; staging_capacity >=
 /// total->src_staging_bytes (MORI_ERR_BUFFER_TOO_SMALL naming both); the region's used bytes
 /// overlap no packed group's source buffer; backends, stream and flags as for
-/// mori_pack_kvcache_pair (with the kernel, one launch per packed group).
+/// mori_tp_pair_pack (with the kernel, one launch per packed group).
 ///
 /// @param[in]  groups            num_groups groups; buffers.src of each packed group holds
 ///                               buffers.num_buffers non-NULL pointers. NULL only if
@@ -332,10 +332,10 @@ fn run_group_jobs(
 /// @param[in]  staging_capacity  Bytes of the region.
 /// @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
 ///
-/// @return MORI_OK; the codes of mori_tp_groups_info and of mori_pack_kvcache_pair, each
+/// @return MORI_OK; the codes of mori_tp_groups_info and of mori_tp_pair_pack, each
 ///   naming the group it concerns.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_pack_kvcache_groups(
+pub unsafe extern "C" fn mori_tp_groups_pack(
     groups: *const MoriTpGroup,
     num_groups: usize,
     staging: *mut c_void,
@@ -356,10 +356,10 @@ pub unsafe extern "C" fn mori_pack_kvcache_groups(
 /// Decode side of a staged request of several groups: once the transport has written every
 /// segment of mori_tp_groups_segments, unpacks every group whose staging is DST or BOTH from
 /// its part of the request's staging region (group g's buffer b at dst_staging_offset + b *
-/// staging_len) onto its pages, as mori_unpack_kvcache_pair unpacks a pair. Groups that stage
+/// staging_len) onto its pages, as mori_tp_pair_unpack unpacks a pair. Groups that stage
 /// nothing on this side are validated and skipped; their pointer arrays are not read.
 ///
-/// Checks, backends and flags as for mori_pack_kvcache_groups with the roles swapped:
+/// Checks, backends and flags as for mori_tp_groups_pack with the roles swapped:
 /// staging_capacity >= total->dst_staging_bytes, no overlap with an unpacked group's
 /// destination buffer.
 ///
@@ -372,9 +372,9 @@ pub unsafe extern "C" fn mori_pack_kvcache_groups(
 /// @param[in] staging_capacity  Bytes of the region.
 /// @param[in] options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
 ///
-/// @return the codes of mori_pack_kvcache_groups, with dst in place of src.
+/// @return the codes of mori_tp_groups_pack, with dst in place of src.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_unpack_kvcache_groups(
+pub unsafe extern "C" fn mori_tp_groups_unpack(
     groups: *const MoriTpGroup,
     num_groups: usize,
     staging: *const c_void,

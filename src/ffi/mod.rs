@@ -18,7 +18,7 @@ use std::ffi::{c_char, c_void};
 use std::panic::catch_unwind;
 use std::sync::Mutex;
 
-use crate::plan::{Plan, check_transfer, staging_for, staging_len};
+use crate::plan::{SlicePlan, check_transfer, staging_for, staging_len};
 use crate::send::{with_pack_job, with_unpack_job};
 use crate::slice::slice_config;
 use crate::types::Staging;
@@ -40,8 +40,8 @@ fn log_first_config_of_layout(params: &MoriTpSliceParams, config: &MoriTpSliceCo
         return;
     }
     /// (total_kv_heads, prefill_tp, decode_tp, page_size, src_item_len, dst_item_len)
-    type Layout = (u32, u32, u32, u32, u64, u64);
-    static SEEN: Mutex<BTreeSet<Layout>> = Mutex::new(BTreeSet::new());
+    type ParamsKey = (u32, u32, u32, u32, u64, u64);
+    static SEEN: Mutex<BTreeSet<ParamsKey>> = Mutex::new(BTreeSet::new());
     let layout = (
         params.total_kv_heads,
         params.prefill_tp_size,
@@ -99,7 +99,7 @@ fn log_first_config_of_layout(params: &MoriTpSliceParams, config: &MoriTpSliceCo
 ///   is not a multiple of the heads per rank, or the two sides' bytes per head differ (dtype or
 ///   head_dim mismatch);
 ///   MORI_ERR_PANIC on an internal error.
-///   On failure mori_last_error_message() names the offending values.
+///   On failure mori_tp_last_error_message() names the offending values.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_slice_config(
     params: *const MoriTpSliceParams,
@@ -147,7 +147,7 @@ pub unsafe extern "C" fn mori_tp_slice_config(
 ///   MORI_ERR_OUT_OF_BOUNDS for a negative page index, or one whose byte offset overflows 64 bits;
 ///   MORI_ERR_BUFFER_TOO_SMALL if capacity < *out_len (nothing written to out; with out = NULL
 ///   and capacity = 0 this is the answer to a size query, which is not a failure: it leaves
-///   mori_last_error_message() as it was);
+///   mori_tp_last_error_message() as it was);
 ///   MORI_ERR_PANIC on an internal error.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mori_tp_plan(
@@ -164,7 +164,7 @@ pub unsafe extern "C" fn mori_tp_plan(
         // SAFETY: the caller's pointers, as documented above.
         let config = unsafe { config_from_raw(config) }?;
         let (src, dst) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
-        let plan = Plan::new(&config, src, dst)?;
+        let plan = SlicePlan::new(&config, src, dst)?;
         // SAFETY: as above; out_len checked.
         unsafe { write_rects(&plan, out, capacity, out_len) }
     }
@@ -190,7 +190,7 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
         // SAFETY: the caller's pointers, as documented above.
         let config = unsafe { config_from_raw(config) }?;
         let (src, dst) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
-        let plan = Plan::new(&config, src, dst)?;
+        let plan = SlicePlan::new(&config, src, dst)?;
         // SAFETY: as above; out_len checked.
         unsafe { write_segments(&plan, out, capacity, out_len) }
     }
@@ -258,7 +258,7 @@ pub unsafe extern "C" fn mori_tp_plan_segments(
 ///   before the call returns);
 ///   MORI_ERR_PANIC on an internal error.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_send_kvcache(
+pub unsafe extern "C" fn mori_tp_kvcache_send(
     config: *const MoriTpSliceConfig,
     buffers: *const MoriKvBuffers,
     src_pages: *const i32,
@@ -273,7 +273,7 @@ pub unsafe extern "C" fn mori_send_kvcache(
         let raw = unsafe { try_ref(buffers, "buffers") }?;
         let options = unsafe { options_from_raw(options) }?;
         let (src_pages, dst_pages) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
-        let plan = Plan::new(&config, src_pages, dst_pages)?;
+        let plan = SlicePlan::new(&config, src_pages, dst_pages)?;
         // SAFETY: the caller vouches for the buffers, as documented above.
         unsafe { send_raw(&plan, raw, &options) }
     }
@@ -360,9 +360,9 @@ pub unsafe extern "C" fn mori_tp_staging_len(
 /// per maximal run of the other side's pages when that side's token slot equals the slice (else
 /// one per token); BOTH one segment of staging_len.
 ///
-/// The full sequence, which leaves every decode byte exactly as one mori_send_kvcache does:
-/// the prefill rank calls mori_pack_kvcache if the prefill side is staged (SRC, BOTH); the
-/// transport copies every segment for every buffer; the decode rank calls mori_unpack_kvcache if
+/// The full sequence, which leaves every decode byte exactly as one mori_tp_kvcache_send does:
+/// the prefill rank calls mori_tp_kvcache_pack if the prefill side is staged (SRC, BOTH); the
+/// transport copies every segment for every buffer; the decode rank calls mori_tp_kvcache_unpack if
 /// the decode side is staged (DST, BOTH) once the transfer has completed.
 ///
 /// @param[in]  config     A config from mori_tp_slice_config (re-validated). Must not be NULL.
@@ -400,7 +400,7 @@ pub unsafe extern "C" fn mori_tp_plan_transfer(
         // SAFETY: the caller's pointers, as documented above.
         let config = unsafe { config_from_raw(config) }?;
         let (src, dst) = unsafe { pages_from_raw(src_pages, dst_pages, num_pages) }?;
-        let plan = Plan::transfer(&config, staging, src, dst)?;
+        let plan = SlicePlan::transfer(&config, staging, src, dst)?;
         // SAFETY: as above; out_len checked.
         unsafe { write_segments(&plan, out, capacity, out_len) }
     }
@@ -467,7 +467,7 @@ pub unsafe extern "C" fn mori_tp_check_transfer(
 /// overflow, NULL pointers, overlap of the staging region with a source buffer) is validated
 /// before a backend is opened and before the first byte moves: a refused call writes nothing.
 /// A config that is not SEND passes the same checks, then moves nothing and returns MORI_OK.
-/// Backends, stream and flags as for mori_send_kvcache (the HIP backend: one copy-kernel launch,
+/// Backends, stream and flags as for mori_tp_kvcache_send (the HIP backend: one copy-kernel launch,
 /// or one hipMemcpy2DAsync per (buffer, rect), as the flags and the call choose).
 ///
 /// @param[in]  config            A config from mori_tp_slice_config (re-validated). Must not be
@@ -496,9 +496,9 @@ pub unsafe extern "C" fn mori_tp_check_transfer(
 ///   MORI_ERR_OUT_OF_BOUNDS for a negative page index or a page that ends past src_capacity;
 ///   MORI_ERR_BUFFER_TOO_SMALL if staging_capacity < num_buffers * staging_len (the message
 ///   names both);
-///   MORI_ERR_BACKEND_UNAVAILABLE, MORI_ERR_GPU, MORI_ERR_PANIC as for mori_send_kvcache.
+///   MORI_ERR_BACKEND_UNAVAILABLE, MORI_ERR_GPU, MORI_ERR_PANIC as for mori_tp_kvcache_send.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_pack_kvcache(
+pub unsafe extern "C" fn mori_tp_kvcache_pack(
     config: *const MoriTpSliceConfig,
     src: *const *const c_void,
     num_buffers: usize,
@@ -516,7 +516,7 @@ pub unsafe extern "C" fn mori_pack_kvcache(
         let src = unsafe { try_slice(src, num_buffers, "src") }?;
         let pages = unsafe { try_slice(src_pages, num_pages, "src_pages") }?;
         let src = as_byte_pointers(src);
-        let plan = Plan::pack(&config, pages)?;
+        let plan = SlicePlan::pack(&config, pages)?;
         with_pack_job(
             &plan,
             src,
@@ -535,7 +535,7 @@ pub unsafe extern "C" fn mori_pack_kvcache(
 /// mori_tp_plan_transfer with MORI_TP_STAGING_DST or MORI_TP_STAGING_BOTH). Buffer b's slices
 /// are read from staging + b * staging_len, token by token in request order.
 ///
-/// Validation, refusals, backends, stream and flags as for mori_pack_kvcache, with the roles
+/// Validation, refusals, backends, stream and flags as for mori_tp_kvcache_pack, with the roles
 /// swapped: dst_pages are checked against dst_capacity, and the staging region must not overlap
 /// a dst buffer.
 ///
@@ -553,9 +553,9 @@ pub unsafe extern "C" fn mori_pack_kvcache(
 /// @param[in]  num_pages         Number of pages (the request's page pairs).
 /// @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
 ///
-/// @return the codes of mori_pack_kvcache, with dst in place of src.
+/// @return the codes of mori_tp_kvcache_pack, with dst in place of src.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_unpack_kvcache(
+pub unsafe extern "C" fn mori_tp_kvcache_unpack(
     config: *const MoriTpSliceConfig,
     staging: *const c_void,
     staging_capacity: u64,
@@ -572,7 +572,7 @@ pub unsafe extern "C" fn mori_unpack_kvcache(
         let options = unsafe { options_from_raw(options) }?;
         let dst = unsafe { try_slice(dst, num_buffers, "dst") }?;
         let pages = unsafe { try_slice(dst_pages, num_pages, "dst_pages") }?;
-        let plan = Plan::unpack(&config, pages)?;
+        let plan = SlicePlan::unpack(&config, pages)?;
         with_unpack_job(
             &plan,
             staging.cast(),
@@ -588,7 +588,7 @@ pub unsafe extern "C" fn mori_unpack_kvcache(
 /// A static, NUL-terminated name for a status code ("MORI_OK", "MORI_ERR_TOPOLOGY", ...);
 /// unknown codes get "MORI_ERR_UNKNOWN". Never NULL; do not free.
 #[unsafe(no_mangle)]
-pub extern "C" fn mori_status_str(status: MoriStatus) -> *const c_char {
+pub extern "C" fn mori_tp_status_name(status: MoriStatus) -> *const c_char {
     let name = match status {
         MORI_OK => c"MORI_OK",
         MORI_ERR_NULL_POINTER => c"MORI_ERR_NULL_POINTER",
@@ -640,7 +640,7 @@ pub extern "C" fn mori_tp_staging_name(staging: u32) -> *const c_char {
 /// "MORI_BACKEND_HOST", "MORI_BACKEND_HIP", "MORI_BACKEND_CUDA"); other values get "MORI_BACKEND_UNKNOWN". The name
 /// says nothing of whether the backend is built in or has a device. Never NULL; do not free.
 #[unsafe(no_mangle)]
-pub extern "C" fn mori_backend_name(backend: u32) -> *const c_char {
+pub extern "C" fn mori_tp_backend_name(backend: u32) -> *const c_char {
     let name = match backend {
         MORI_BACKEND_AUTO => c"MORI_BACKEND_AUTO",
         MORI_BACKEND_HOST => c"MORI_BACKEND_HOST",
@@ -660,7 +660,7 @@ pub extern "C" fn mori_backend_name(backend: u32) -> *const c_char {
 /// exiting (from a thread_local destructor that runs after mori-tp's own) the message may be
 /// lost, and this returns "".
 #[unsafe(no_mangle)]
-pub extern "C" fn mori_last_error_message() -> *const c_char {
+pub extern "C" fn mori_tp_last_error_message() -> *const c_char {
     catch_unwind(last_error_ptr)
         .ok()
         .flatten()
@@ -669,14 +669,14 @@ pub extern "C" fn mori_last_error_message() -> *const c_char {
 
 /// The library version ("0.1.0"), a static NUL-terminated string. Never NULL; do not free.
 #[unsafe(no_mangle)]
-pub extern "C" fn mori_version() -> *const c_char {
+pub extern "C" fn mori_tp_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
 /// MORI_TP_ABI_VERSION of the library actually loaded; a program should refuse to run if it
 /// differs from the MORI_TP_ABI_VERSION it was compiled against.
 #[unsafe(no_mangle)]
-pub extern "C" fn mori_abi_version() -> u32 {
+pub extern "C" fn mori_tp_abi_version() -> u32 {
     MORI_TP_ABI_VERSION
 }
 
@@ -688,3 +688,7 @@ pub use pair::*;
 // on).
 mod groups;
 pub use groups::*;
+
+// The names before the mori_tp_ prefix, forwarding to the functions above; last in the header.
+mod aliases;
+pub use aliases::*;

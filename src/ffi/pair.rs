@@ -182,7 +182,7 @@ pub unsafe extern "C" fn mori_tp_pair_segments(
 /// rects are fewer hipMemcpy2DAsync calls and a smaller copy-kernel table. HND pages of 16 into
 /// NHD pages of 16 at one TP size with 2 heads per rank: 512 rects for 4096 tokens, where
 /// token-major order would give 4096.) So a plan never has more rects than the request has
-/// segments, and on section-4 layouts never more than mori_tp_plan (it may join runs of pages
+/// segments, and on uniform layouts never more than mori_tp_plan (it may join runs of pages
 /// whose offsets advance evenly). Building it costs time in the request's pages and the rects
 /// it returns, not in its tokens.
 ///
@@ -214,7 +214,7 @@ pub unsafe extern "C" fn mori_tp_pair_plan(
 /// token_stride == head_bytes, and n == 1 or head_stride == page_size * head_bytes.
 /// Not SEND: NONE. Both sides full token-major, or both full head-major with one page size:
 /// NONE. Otherwise the prefill side full in some order: DST; else the decode side full in some
-/// order: SRC; else BOTH. On section-4 layouts this is mori_tp_staging_for's answer.
+/// order: SRC; else BOTH. On uniform layouts this is mori_tp_staging_for's answer.
 ///
 /// @param[in]  config       A pair config (derived again from its layouts). Must not be NULL.
 /// @param[out] out_staging  Receives a MoriTpStaging; written only on MORI_OK. Must not be NULL.
@@ -276,7 +276,7 @@ pub unsafe extern "C" fn mori_tp_pair_staging_len(
 }
 
 /// Checks one pair transfer against the memory both ranks registered, before a transfer engine
-/// gets its segments, as mori_tp_check_transfer does for section-4 configs: the config and
+/// gets its segments, as mori_tp_check_transfer does for uniform configs: the config and
 /// request as mori_tp_pair_segments checks them; both ranks have the same number of buffers;
 /// every page (staged side or not) ends within its side's capacity (p * page_stride + extent);
 /// each staged side's staging_capacity holds num_buffers * staging_len bytes.
@@ -318,7 +318,7 @@ pub unsafe extern "C" fn mori_tp_check_pair_transfer(
 /// token k land on decode local head dst_first_local + j of token k; no other destination byte
 /// changes (in particular not the slots after num_tokens in a partial last page).
 ///
-/// Validation, backends, stream and flags are those of mori_send_kvcache: everything (config,
+/// Validation, backends, stream and flags are those of mori_tp_kvcache_send: everything (config,
 /// request, every page against its capacity, overflow, NULLs, options) is checked before a
 /// backend is opened and before the first byte moves, so a refused call writes nothing; the
 /// HIP backend launches the copy kernel once for the whole call, or issues one hipMemcpy2DAsync
@@ -332,12 +332,12 @@ pub unsafe extern "C" fn mori_tp_check_pair_transfer(
 /// @param[in] options   Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
 ///
 /// @return MORI_OK; the codes of mori_tp_pair_segments (but MORI_ERR_BUFFER_TOO_SMALL) and of
-///   mori_send_kvcache (an entry of buffers->src / dst NULL, a capacity beyond the address
+///   mori_tp_kvcache_send (an entry of buffers->src / dst NULL, a capacity beyond the address
 ///   space, an unknown backend or flag, a stream with the host backend,
 ///   MORI_ERR_OUT_OF_BOUNDS for a page past its capacity, MORI_ERR_BACKEND_UNAVAILABLE,
 ///   MORI_ERR_GPU).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_send_kvcache_pair(
+pub unsafe extern "C" fn mori_tp_pair_send(
     config: *const MoriTpPairConfig,
     buffers: *const MoriKvBuffers,
     request: *const MoriTpRequest,
@@ -361,7 +361,7 @@ pub unsafe extern "C" fn mori_send_kvcache_pair(
 /// copies the segments of mori_tp_pair_segments with the same mode.
 ///
 /// staging_mode fixes the region's order, so both ranks pass the mode of the request: SRC or
-/// BOTH (any other value is MORI_ERR_INVALID_ARGUMENT). Everything else as mori_pack_kvcache:
+/// BOTH (any other value is MORI_ERR_INVALID_ARGUMENT). Everything else as mori_tp_kvcache_pack:
 /// validation before the first byte moves, staging_capacity >= num_buffers * staging_len
 /// (MORI_ERR_BUFFER_TOO_SMALL naming both), no overlap between the region and a src buffer,
 /// backends, stream and flags.
@@ -378,11 +378,11 @@ pub unsafe extern "C" fn mori_send_kvcache_pair(
 /// @param[in]  staging_capacity  Bytes in the staging region.
 /// @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
 ///
-/// @return the codes of mori_pack_kvcache and of mori_tp_pair_segments (but its
+/// @return the codes of mori_tp_kvcache_pack and of mori_tp_pair_segments (but its
 ///   MORI_ERR_BUFFER_TOO_SMALL for an output array), and MORI_ERR_INVALID_ARGUMENT for a
 ///   staging_mode other than SRC or BOTH.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_pack_kvcache_pair(
+pub unsafe extern "C" fn mori_tp_pair_pack(
     config: *const MoriTpPairConfig,
     staging_mode: u32,
     src: *const *const c_void,
@@ -421,7 +421,7 @@ pub unsafe extern "C" fn mori_pack_kvcache_pair(
 ///
 /// staging_mode: MORI_TP_STAGING_DST or MORI_TP_STAGING_BOTH (any other value is
 /// MORI_ERR_INVALID_ARGUMENT). Validation, refusals, backends, stream and flags as for
-/// mori_pack_kvcache_pair with the roles swapped: decode pages are checked against
+/// mori_tp_pair_pack with the roles swapped: decode pages are checked against
 /// dst_capacity, and the region must not overlap a dst buffer.
 ///
 /// @param[in]  config            A pair config (derived again from its layouts). Must not be
@@ -436,9 +436,9 @@ pub unsafe extern "C" fn mori_pack_kvcache_pair(
 /// @param[in]  request           The request (both page lists are checked). Must not be NULL.
 /// @param[in]  options           Backend, flags and stream; NULL = AUTO, no flags, NULL stream.
 ///
-/// @return the codes of mori_pack_kvcache_pair, with dst in place of src.
+/// @return the codes of mori_tp_pair_pack, with dst in place of src.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn mori_unpack_kvcache_pair(
+pub unsafe extern "C" fn mori_tp_pair_unpack(
     config: *const MoriTpPairConfig,
     staging_mode: u32,
     staging: *const c_void,

@@ -60,7 +60,7 @@ pub const MORI_TP_ACTION_SEND: MoriTpAction = 1u32;
 /// The ranks share heads, but another prefill rank (a replica) is their sender: nothing to move.
 pub const MORI_TP_ACTION_SKIP_REPLICA: MoriTpAction = 2u32;
 
-/// Which copy engine mori_send_kvcache uses; the type of MoriSendOptions.backend.
+/// Which copy engine mori_tp_kvcache_send uses; the type of MoriSendOptions.backend.
 pub type MoriBackend = u32;
 /// HIP when the library is built with it and an AMD GPU is present, else CUDA when it is built
 /// with it and an NVIDIA GPU is present, the host otherwise.
@@ -156,11 +156,11 @@ pub const MORI_SEND_MAX_BLOCKS_LIMIT: u32 = 65535u32;
 pub type MoriTpStaging = u32;
 /// Pages to pages: the transport copies straight between the page buffers.
 pub const MORI_TP_STAGING_NONE: MoriTpStaging = 0u32;
-/// The prefill rank packs into its staging region (mori_pack_kvcache); the transport copies
+/// The prefill rank packs into its staging region (mori_tp_kvcache_pack); the transport copies
 /// from it into the decode pages.
 pub const MORI_TP_STAGING_SRC: MoriTpStaging = 1u32;
 /// The transport copies from the prefill pages into a staging region on the decode rank, which
-/// unpacks it (mori_unpack_kvcache).
+/// unpacks it (mori_tp_kvcache_unpack).
 pub const MORI_TP_STAGING_DST: MoriTpStaging = 2u32;
 /// Both ranks stage: one transport segment per buffer.
 pub const MORI_TP_STAGING_BOTH: MoriTpStaging = 3u32;
@@ -185,10 +185,10 @@ pub const MORI_TP_POOL_LOCKED: u32 = 1u32;
 /// MoriTpPoolInfo.flags bit: the kernel accepted madvise(MADV_HUGEPAGE) for the region.
 pub const MORI_TP_POOL_HUGE_PAGES: u32 = 2u32;
 
-/// The ABI version this header describes; compare with mori_abi_version() at start-up.
+/// The ABI version this header describes; compare with mori_tp_abi_version() at start-up.
 pub const MORI_TP_ABI_VERSION: u32 = 1;
 
-/// The library version this header comes from, MAJOR.MINOR.PATCH as mori_version() spells it:
+/// The library version this header comes from, MAJOR.MINOR.PATCH as mori_tp_version() spells it:
 /// for compile-time checks (`#if MORI_TP_VERSION_MINOR >= 2`). The ABI version, not this one,
 /// names the shared library (libmori_tp.so.1). The version macros are plain decimal numbers
 /// (int), so that they can be stringized; the enum and flag values are unsigned (`1u`),
@@ -267,7 +267,7 @@ pub struct MoriKvBuffers {
     pub dst_capacity: u64,
 }
 
-/// How mori_send_kvcache, mori_pack_kvcache and mori_unpack_kvcache run. Pass NULL for the
+/// How mori_tp_kvcache_send, mori_tp_kvcache_pack and mori_tp_kvcache_unpack run. Pass NULL for the
 /// defaults: AUTO backend, no flags, NULL stream.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -412,8 +412,8 @@ pub type MoriTpLayerRange = LayerRange;
 /// One group of a request of several groups: one kind of state a sequence carries between a
 /// prefill rank and a decode rank (the full-attention KV of some layers, the sliding-window KV
 /// of others, a per-token record, a scale buffer, one part of a per-request state slot), with
-/// its own pair config, pages, staging mode and buffers. The mori_tp_groups_* and
-/// *_kvcache_groups functions take an array of them and treat it as one request.
+/// its own pair config, pages, staging mode and buffers. The mori_tp_groups_*
+/// functions take an array of them and treat it as one request.
 ///
 /// A state slot is a group of one page per side: request.src_pages and request.dst_pages are
 /// the slot index, the layouts' page_stride is the slot stride and their offset is where this
@@ -444,9 +444,9 @@ pub struct MoriTpGroup {
     /// The group's tokens and page lists, as for mori_tp_pair_segments.
     pub request: MoriTpRequest,
     /// The group's num_buffers buffers on each rank and their capacities. The pointer arrays
-    /// are read only by the functions that copy through them: mori_send_kvcache_groups reads
-    /// src and dst; mori_pack_kvcache_groups reads src of each group whose staging is SRC or
-    /// BOTH; mori_unpack_kvcache_groups reads dst of each group whose staging is DST or BOTH.
+    /// are read only by the functions that copy through them: mori_tp_groups_send reads
+    /// src and dst; mori_tp_groups_pack reads src of each group whose staging is SRC or
+    /// BOTH; mori_tp_groups_unpack reads dst of each group whose staging is DST or BOTH.
     /// Elsewhere they may be NULL. Groups may share buffers (the parts of one state slot, or
     /// a KV page and its scales): each group writes only its own elements.
     pub buffers: MoriKvBuffers,

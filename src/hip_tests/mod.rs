@@ -38,8 +38,8 @@ use crate::backend::gpu::{
 };
 use crate::pool::{DeviceMemory, POOL_TAIL_BYTES, PoolMemory, PoolMemoryKind, StagingPool};
 use crate::{
-    Backend, CopyEngine, CopyPath, Error, KvBuffers, Plan, SendOptions, SendReport, SliceConfig,
-    SliceParams, Walk, pack, pack_host, send, slice_config, unpack, unpack_host,
+    Backend, CopyEngine, CopyPath, Error, KvBuffers, SendOptions, SendReport, SliceConfig,
+    SliceParams, SlicePlan, Walk, pack, pack_host, send, slice_config, unpack, unpack_host,
 };
 
 /// `MORI_SEND_MEMCPY2D`: one hipMemcpy2DAsync per (buffer, rect).
@@ -243,7 +243,7 @@ impl Fixture {
             page_size: 1,
         };
         let config = slice_config(&f.params(1)).unwrap();
-        let plan = Plan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
+        let plan = SlicePlan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
         let bases = [(0x1000u64, 0x2000u64); 4];
         let table = KernelTable::build(plan.rects(), &bases).expect("a table");
         assert!(!table.is_inline(), "the fixture's table is uploaded");
@@ -271,7 +271,7 @@ impl Fixture {
         make: impl FnOnce(Recorder) -> Recorder,
     ) -> (crate::Result<SendReport>, Vec<Call>) {
         let config = slice_config(&self.params(p)).unwrap();
-        let plan = Plan::new(&config, &self.src_pages, &self.dst_pages).unwrap();
+        let plan = SlicePlan::new(&config, &self.src_pages, &self.dst_pages).unwrap();
         let src: Vec<&[u8]> = self.src.ranks[p as usize]
             .iter()
             .map(Vec::as_slice)
@@ -1125,7 +1125,7 @@ fn fixture_sends_with(
     mut before: impl FnMut(usize, &Recorder),
 ) -> Vec<(crate::Result<SendReport>, Vec<Call>)> {
     let config = slice_config(&f.params(1)).unwrap();
-    let plan = Plan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
+    let plan = SlicePlan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
     let src: Vec<&[u8]> = f.src.ranks[1].iter().map(Vec::as_slice).collect();
     let mut dst: Vec<&mut [u8]> = f.dst.ranks[3].iter_mut().map(Vec::as_mut_slice).collect();
     let runtime = make(Recorder::new(&src, &mut dst));
@@ -1182,7 +1182,7 @@ fn fixture_sent_by_host() -> Vec<Vec<u8>> {
 /// What `f`'s decode rank 3 holds after one host send of pair (1, 3).
 fn fixture_sent_by_host_of(mut f: Fixture) -> Vec<Vec<u8>> {
     let config = slice_config(&f.params(1)).unwrap();
-    let plan = Plan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
+    let plan = SlicePlan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
     let src: Vec<&[u8]> = f.src.ranks[1].iter().map(Vec::as_slice).collect();
     let mut dst: Vec<&mut [u8]> = f.dst.ranks[3].iter_mut().map(Vec::as_mut_slice).collect();
     crate::send_host(&plan, &src, &mut dst).expect("host send");
@@ -1729,7 +1729,7 @@ fn an_uploaded_table_is_one_upload_one_launch_and_the_fence() {
     let options = kernel_options(true, stream);
     let config = slice_config(&f.params(1)).unwrap();
     let (src_pages, dst_pages) = (f.src_pages.clone(), f.dst_pages.clone());
-    let plan = Plan::new(&config, &src_pages, &dst_pages).unwrap();
+    let plan = SlicePlan::new(&config, &src_pages, &dst_pages).unwrap();
     let src: Vec<*const u8> = f.src.ranks[1].iter().map(|b| b.as_ptr()).collect();
     let dst: Vec<*mut u8> = f.dst.ranks[3].iter_mut().map(|b| b.as_mut_ptr()).collect();
     let (result, calls) = kernel_fixture_run(&mut f, &options, |r| r);
@@ -2402,7 +2402,7 @@ fn a_table_that_outgrows_every_pair_gets_a_bigger_one_and_nothing_is_freed() {
     runtime.block_stream(0x0b10_c000);
     let mut engine = GpuEngine::new(runtime, &kernel_options(false, null_mut())).expect("a device");
     let send_pages = |engine: &mut GpuEngine<Recorder>, pages: &[i32]| {
-        let plan = Plan::new(&config, pages, pages).unwrap();
+        let plan = SlicePlan::new(&config, pages, pages).unwrap();
         let buffers = KvBuffers {
             src: &[src_ptr],
             dst: &[dst_ptr],
@@ -2721,7 +2721,7 @@ fn one_row_rects_keep_every_lane_of_the_kernel_busy() {
     let mut utilisation = Vec::new();
     let mut sender = checked_kernel_sender();
     let mut measuring =
-        |plan: &Plan<'_>, request: &Request, src: &[&[u8]], dst: &mut [&mut [u8]]| {
+        |plan: &SlicePlan<'_>, request: &Request, src: &[&[u8]], dst: &mut [&mut [u8]]| {
             let report = sender(plan, request, src, dst);
             if plan.sends() {
                 assert_eq!(plan.num_rects(), 64, "one rect per page");

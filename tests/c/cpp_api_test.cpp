@@ -96,7 +96,7 @@ void versions_and_names() {
     CHECK(modes == 5);
 }
 
-// ---- one pair of section-4 layouts: H = 4, prefill TP 2, decode TP 8; prefill rank 0 sends
+// ---- one pair of uniform layouts: H = 4, prefill TP 2, decode TP 8; prefill rank 0 sends
 // head 0 to decode rank 1.
 constexpr std::uint32_t kHeads = 4, kPage = 4, kHeadBytes = 16, kBuffers = 2, kPages = 8;
 constexpr std::uint64_t kSrcItem = std::uint64_t{kPage} * 2 * kHeadBytes;  // two heads per rank

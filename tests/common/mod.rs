@@ -9,7 +9,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use mori_tp::{Action, Plan, SendReport, SliceParams, slice_config};
+use mori_tp::{Action, SendReport, SliceParams, SlicePlan, slice_config};
 
 /// The checkout.
 pub fn root() -> &'static Path {
@@ -382,7 +382,7 @@ pub const ODD_DEPLOYMENTS: [(u32, u32, u32); 6] = [
 /// `dst[i]`: host copies, the HIP engine on a recording runtime, or the C ABI. It checks what it
 /// can about its own path and returns the report, or None where the path gives none (the C ABI).
 pub type Sender<'a> =
-    dyn FnMut(&Plan<'_>, &Request, &[&[u8]], &mut [&mut [u8]]) -> Option<SendReport> + 'a;
+    dyn FnMut(&SlicePlan<'_>, &Request, &[&[u8]], &mut [&mut [u8]]) -> Option<SendReport> + 'a;
 
 pub struct Outcome {
     /// Copies the sender reported (0 from a sender that reports none).
@@ -434,7 +434,7 @@ pub fn transfer(
                 dst_item_len: initial.item_len() as u64,
             })
             .unwrap();
-            let plan = Plan::new(&config, &request.src_pages, &request.dst_pages).unwrap();
+            let plan = SlicePlan::new(&config, &request.src_pages, &request.dst_pages).unwrap();
             let src_bufs: Vec<&[u8]> = src.ranks[p as usize].iter().map(Vec::as_slice).collect();
             let mut dst_bufs: Vec<&mut [u8]> =
                 dst[d as usize].iter_mut().map(Vec::as_mut_slice).collect();
