@@ -65,7 +65,6 @@ unsafe extern "C" {
     fn hipHostMalloc(pointer: *mut *mut c_void, size: usize, flags: c_uint) -> GpuStatus;
     fn hipEventCreateWithFlags(event: *mut *mut c_void, flags: c_uint) -> GpuStatus;
     fn hipEventRecord(event: *mut c_void, stream: *mut c_void) -> GpuStatus;
-    fn hipEventSynchronize(event: *mut c_void) -> GpuStatus;
     fn hipPointerGetAttributes(
         attributes: *mut PointerAttributes,
         pointer: *const c_void,
@@ -347,12 +346,7 @@ impl GpuRuntime for LibHip {
         }
     }
 
-    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), GpuStatus> {
-        // SAFETY: forwarded from the caller, as the trait documents.
-        unsafe { hipEventSynchronize(event) }.result()
-    }
-
-    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, GpuStatus> {
+    fn pointer_info(&self, pointer: *const c_void, _device: i32) -> Result<PointerInfo, GpuStatus> {
         let mut attributes = PointerAttributes {
             memory_type: 0,
             device: 0,
