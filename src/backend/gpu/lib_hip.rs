@@ -30,6 +30,10 @@ struct PointerAttributes {
 // integers and every handle as an opaque pointer. All are exported by HIP 5.2 and later
 // (hipThreadExchangeStreamCaptureMode since HIP 5.0); what only newer runtimes have is looked up
 // at run time (`optional`).
+/// `HIP_POINTER_ATTRIBUTE_BUFFER_ID` (hipPointer_attribute, hip/driver_types.h): a process-unique
+/// identity of an allocation.
+const HIP_POINTER_ATTRIBUTE_BUFFER_ID: c_int = 7;
+
 unsafe extern "C" {
     fn hipGetDeviceCount(count: *mut c_int) -> GpuStatus;
     fn hipRuntimeGetVersion(version: *mut c_int) -> GpuStatus;
@@ -68,6 +72,12 @@ unsafe extern "C" {
     fn hipPointerGetAttributes(
         attributes: *mut PointerAttributes,
         pointer: *const c_void,
+    ) -> GpuStatus;
+    // HIP 5.0 and later (hip_runtime_api.h).
+    fn hipPointerGetAttribute(
+        data: *mut c_void,
+        attribute: c_int,
+        pointer: *mut c_void,
     ) -> GpuStatus;
     fn hipMemGetAddressRange(
         base: *mut *mut c_void,
@@ -344,6 +354,24 @@ impl GpuRuntime for LibHip {
             GpuStatus::ERROR_NOT_READY => Ok(false),
             status => status.result().map(|()| true),
         }
+    }
+
+    fn allocation_id(
+        &self,
+        pointer: *const c_void,
+        _device: i32,
+    ) -> Result<Option<u64>, GpuStatus> {
+        // A u64 zeroed first: whether the runtime writes 4 or 8 bytes, the value reads right.
+        let mut id: u64 = 0;
+        // SAFETY: a valid out-pointer of 8 bytes; the runtime only looks the address up.
+        let status = unsafe {
+            hipPointerGetAttribute(
+                (&raw mut id).cast(),
+                HIP_POINTER_ATTRIBUTE_BUFFER_ID,
+                pointer.cast_mut(),
+            )
+        };
+        out(status, ()).map(|()| (id != 0).then_some(id))
     }
 
     fn pointer_info(&self, pointer: *const c_void, _device: i32) -> Result<PointerInfo, GpuStatus> {
