@@ -57,7 +57,7 @@ fn without_the_feature_or_a_driver_cuda_is_refused_and_auto_copies_on_the_host()
         assert!(unchanged, "a refused call writes nothing");
         let why = if cfg!(feature = "cuda") {
             "backend unavailable: the CUDA backend needs the CUDA driver: the CUDA driver library \
-             was not found (tried libcuda.so, "
+             was not found (tried libcuda.so.1, libcuda.so)"
         } else {
             "backend unavailable: the CUDA backend is not built in: this libmori_tp was compiled \
              without the `cuda` cargo feature (rebuild with `cargo build --release --features \

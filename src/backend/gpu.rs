@@ -2332,6 +2332,23 @@ fn not_built(api: &Api) -> Error {
     }
 }
 
+/// The counters of `backend`'s engines (its runtime's [`KernelCache`]).
+pub(super) fn gpu_counters(backend: super::Backend) -> Result<GpuCounters> {
+    match backend {
+        #[cfg(feature = "cuda")]
+        super::Backend::Cuda => Ok(lib_cuda::counters()),
+        #[cfg(not(feature = "cuda"))]
+        super::Backend::Cuda => Err(not_built(&CUDA_API)),
+        #[cfg(feature = "hip")]
+        super::Backend::Hip => Ok(lib_hip::counters()),
+        #[cfg(not(feature = "hip"))]
+        super::Backend::Hip => Err(not_built(&HIP_API)),
+        other => Err(Error::BackendUnavailable {
+            reason: format!("GPU counters are kept for the HIP and CUDA backends, not {other:?}"),
+        }),
+    }
+}
+
 /// Ok when the HIP engine can run: built in, and the runtime reports a device.
 pub(super) fn hip_device_present() -> Result<()> {
     refuse_forked_child(&HIP_API)?;

@@ -242,6 +242,11 @@ fn out<T>(status: GpuStatus, value: T) -> std::result::Result<T, GpuStatus> {
 /// The copy kernel's state per device, for the whole process.
 static KERNELS: KernelCache = KernelCache::new();
 
+/// The counters of this runtime's engines.
+pub(super) fn counters() -> super::GpuCounters {
+    KERNELS.counters()
+}
+
 /// Each device's primary context, retained once for the life of the process (address as an
 /// integer, so that the list is `Send`).
 static PRIMARY: Mutex<Vec<(i32, usize)>> = Mutex::new(Vec::new());

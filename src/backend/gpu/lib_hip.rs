@@ -126,6 +126,11 @@ type StreamGetDevice = unsafe extern "C" fn(*mut c_void, *mut c_int) -> GpuStatu
 /// The copy kernel's state per device, for the whole process.
 static KERNELS: KernelCache = KernelCache::new();
 
+/// The counters of this runtime's engines.
+pub(super) fn counters() -> super::GpuCounters {
+    KERNELS.counters()
+}
+
 /// The function `name` of the library this one's HIP calls go to (libamdhip64, or a stand-in
 /// preloaded in its place), found at run time; None where that library lacks it.
 fn optional(name: &CStr) -> Option<*mut c_void> {
