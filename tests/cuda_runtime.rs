@@ -216,7 +216,11 @@ fn the_cuda_backend_runs_over_a_stand_in_driver() {
         ("reused_address", &driver, &[][..]),
         ("null_stream_contexts", &driver, &[][..]),
         ("max_pitch", &driver, &[("FAKE_CUDA_MAX_PITCH", "48")][..]),
-        ("fork", &driver, &[("FAKE_CUDA_LAUNCH_SLEEP_MS", "1500")][..]),
+        (
+            "fork",
+            &driver,
+            &[("FAKE_CUDA_LAUNCH_SLEEP_MS", "1500")][..],
+        ),
     ] {
         let (passed, text) = run_child(runtime, scenario, env);
         assert!(passed, "{scenario}:\n{text}");
@@ -1306,7 +1310,10 @@ mod driver {
     fn counters() -> MoriGpuCounters {
         let mut out = MoriGpuCounters::default();
         // SAFETY: a valid out-pointer.
-        assert_eq!(unsafe { mori_gpu_counters(MORI_BACKEND_CUDA, &mut out) }, MORI_OK);
+        assert_eq!(
+            unsafe { mori_gpu_counters(MORI_BACKEND_CUDA, &mut out) },
+            MORI_OK
+        );
         out
     }
 
@@ -1386,7 +1393,11 @@ mod driver {
         assert_eq!(dst.read(), small_send_result(7));
         let (status, message) = send(MORI_SEND_COPY_KERNEL);
         assert_eq!(status, MORI_OK, "{message}");
-        assert_eq!(stat(c"kernel_launches"), launches + 1, "loaded and launched");
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches + 1,
+            "loaded and launched"
+        );
         let c = counters();
         assert_eq!(
             (c.load_failures, c.fallbacks_unloadable, c.kernel_launches),
@@ -1416,7 +1427,11 @@ mod driver {
         };
         let launches = stat(c"kernel_launches");
         assert_eq!(send(src.ptr().cast_const()).0, MORI_OK);
-        assert_eq!(stat(c"kernel_launches"), launches + 1, "the kernel, on device memory");
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches + 1,
+            "the kernel, on device memory"
+        );
         let address = src.pointer;
         drop(src);
         // SAFETY: maps fresh anonymous memory at the freed allocation's address (the stand-in
@@ -1437,7 +1452,11 @@ mod driver {
         let copies = stat(c"memcpy2d_calls");
         let (status, message) = send(host.cast_const());
         assert_eq!(status, MORI_OK, "{message}");
-        assert_eq!(stat(c"kernel_launches"), launches + 1, "no launch on host memory");
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches + 1,
+            "no launch on host memory"
+        );
         assert!(stat(c"memcpy2d_calls") > copies, "the per-rect copies");
         assert_eq!(dst.read(), small_send_result(5));
         assert_eq!(counters().fallbacks_memory, 1);
@@ -1481,7 +1500,11 @@ mod driver {
                 assert!(message.contains(part), "{message:?} lacks {part:?}");
             }
         }
-        assert_eq!(stat(c"kernel_launches"), launches, "no launch in the foreign context");
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches,
+            "no launch in the foreign context"
+        );
         assert_eq!(dst.read(), common::uploaded_result(7));
         assert_eq!(counters().fallbacks_context, 66);
         assert_eq!(current_context(), own, "the caller's context stays current");
@@ -1562,7 +1585,25 @@ mod driver {
             }
         };
         assert_eq!(send().0, MORI_OK, "the parent's first send");
-        let inside = std::thread::spawn(move || send());
+        // An uploaded table: the device's state stays locked across the launch.
+        let big_src = DeviceBuffer::from_host(&vec![7u8; 2 * common::UPLOADED_PAGES * 64]);
+        let big_dst = DeviceBuffer::from_host(&vec![9u8; 2 * common::UPLOADED_PAGES * 32]);
+        let (bs, bd) = (big_src.pointer, big_dst.pointer);
+        let inside = std::thread::spawn(move || {
+            let kernel = options(
+                MORI_BACKEND_CUDA,
+                MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+                null_mut(),
+            );
+            // SAFETY: device buffers of the sizes send_uploaded needs; it synchronizes.
+            unsafe {
+                common::send_uploaded(
+                    bs as usize as *const c_void,
+                    bd as usize as *mut c_void,
+                    &kernel,
+                )
+            }
+        });
         std::thread::sleep(std::time::Duration::from_millis(500));
         // SAFETY: the child only calls the library and async-signal-safe functions, and exits
         // with _exit.
@@ -1587,6 +1628,7 @@ mod driver {
              signal 14 is its alarm, a deadlock)"
         );
         assert_eq!(inside.join().expect("the parent's thread").0, MORI_OK);
+        assert_eq!(big_dst.read(), common::uploaded_result(7));
         assert_eq!(dst.read(), small_send_result(7));
     }
 
