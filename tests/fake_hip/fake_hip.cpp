@@ -907,8 +907,8 @@ hipError_t hipPointerGetAttributes(hipPointerAttribute_t *attributes, const void
 // hipPointerGetAttribute: HIP_POINTER_ATTRIBUTE_BUFFER_ID (7, as hipPointer_attribute numbers it)
 // of hipMalloc'd memory only (clr answers from the allocation's memory object); anything else
 // is hipErrorInvalidValue here.
-hipError_t hipPointerGetAttribute(void *data, int attribute, hipDeviceptr_t ptr) {
-    if (data == nullptr || attribute != 7) return hipErrorInvalidValue;
+hipError_t hipPointerGetAttribute(void *data, hipPointer_attribute attribute, hipDeviceptr_t ptr) {
+    if (data == nullptr || attribute != HIP_POINTER_ATTRIBUTE_BUFFER_ID) return hipErrorInvalidValue;
     Guard guard(lock);
     auto it = holding(device_memory, reinterpret_cast<uintptr_t>(ptr), 1);
     if (it == device_memory.end()) return hipErrorInvalidValue;
