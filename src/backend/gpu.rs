@@ -1003,15 +1003,13 @@ const PERMANENT_LOAD_FAILURES: [i32; 4] = [200, 209, 218, 222];
 impl KernelCache {
     /// An empty cache.
     pub const fn new() -> Self {
-        const ZERO: AtomicU64 = AtomicU64::new(0);
-        const NO: AtomicBool = AtomicBool::new(false);
         KernelCache {
             devices: Mutex::new(Vec::new()),
             counters: Counters {
-                launches: ZERO,
-                fallbacks: [ZERO; 5],
-                logged: [NO; 5],
-                load_failures: ZERO,
+                launches: AtomicU64::new(0),
+                fallbacks: [const { AtomicU64::new(0) }; 5],
+                logged: [const { AtomicBool::new(false) }; 5],
+                load_failures: AtomicU64::new(0),
             },
         }
     }

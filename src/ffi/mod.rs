@@ -701,7 +701,7 @@ pub unsafe extern "C" fn mori_gpu_counters(backend: u32, out: *mut MoriGpuCounte
                         "the GPU backends ({MORI_BACKEND_HIP} HIP, {MORI_BACKEND_CUDA} CUDA)"
                     ),
                 }
-                .into())
+                )
             }
         };
         let c = crate::backend::gpu_counters(backend)?;
