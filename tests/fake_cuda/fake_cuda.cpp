@@ -712,6 +712,15 @@ CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned, CUdevice device) {
     return CUDA_SUCCESS;
 }
 
+// Leaves the context's memory and streams to the model (nothing is reused); pops it where it is
+// current.
+CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    NEED_INIT;
+    if (ctx == nullptr || ctx->primary) return CUDA_ERROR_INVALID_CONTEXT;
+    ctx_stack.erase(std::remove(ctx_stack.begin(), ctx_stack.end(), ctx), ctx_stack.end());
+    return CUDA_SUCCESS;
+}
+
 CUresult cuCtxGetCurrent(CUcontext *ctx) {
     NEED_INIT;
     if (ctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
