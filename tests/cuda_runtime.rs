@@ -227,6 +227,95 @@ fn the_cuda_backend_runs_over_a_stand_in_driver() {
     }
 }
 
+/// hip/driver_cases.cpp (the device check's driver_cases step: a held stream, a second thread,
+/// graph capture with another thread sending, a cuCtxCreate context, CU_STREAM_PER_THREAD) built
+/// with the host compiler against this build's libmori_tp.so and run over the stand-in driver.
+#[test]
+fn the_device_checks_driver_cases_pass_over_the_stand_in_driver() {
+    let test = "the_device_checks_driver_cases_pass_over_the_stand_in_driver";
+    if std::env::var_os(SCENARIO).is_some() {
+        return;
+    }
+    if !cfg!(feature = "cuda") {
+        common::skip_missing(
+            test,
+            "MORI_TP_REQUIRE_CUDA",
+            "built without the `cuda` feature",
+        );
+        return;
+    }
+    let driver = match build_fake_cuda("driver_for_cases", &[]) {
+        Ok(driver) => driver,
+        Err(why) => {
+            common::skip_missing(test, "MORI_TP_REQUIRE_CUDA", &why);
+            return;
+        }
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = std::env::current_exe().expect("test executable path");
+    let library = exe
+        .parent()
+        .expect("target/<profile>/deps")
+        .join("libmori_tp.so");
+    assert!(
+        library.is_file(),
+        "cargo did not build {}",
+        library.display()
+    );
+    let out = common::scratch(&["driver_cases"]);
+    std::fs::create_dir_all(&out).expect("scratch");
+    // The library's SONAME (libmori_tp.so.<ABI>) is what the program's loader asks for.
+    let soname = out.join(format!("libmori_tp.so.{MORI_TP_ABI_VERSION}"));
+    let _ = std::fs::remove_file(&soname);
+    std::os::unix::fs::symlink(&library, &soname).expect("symlink the library");
+    let program = out.join(format!("driver_cases.{}", std::process::id()));
+    let built = Command::new("c++")
+        .args(["-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror"])
+        .arg(format!("-I{}", root.join("include").display()))
+        .arg(root.join("hip/driver_cases.cpp"))
+        .arg(&library)
+        .args(["-ldl", "-pthread", "-o"])
+        .arg(&program)
+        .output()
+        .expect("run c++");
+    assert!(
+        built.status.success(),
+        "c++ hip/driver_cases.cpp:
+{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let path = format!("{}:{}", driver.display(), out.display());
+    let run = Command::new(&program)
+        .env("LD_LIBRARY_PATH", path)
+        .env("FAKE_CUDA_HANG_MS", "2000")
+        .output()
+        .expect("run driver_cases");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let _ = std::fs::remove_file(&program);
+    assert!(
+        run.status.success(),
+        "driver_cases over the stand-in:
+{text}"
+    );
+    for case in [
+        "held_stream",
+        "second_thread",
+        "graph_capture",
+        "non_primary_context",
+        "per_thread_stream",
+    ] {
+        assert!(
+            text.contains(&format!("PASS {case}:")),
+            "{case}:
+{text}"
+        );
+    }
+}
+
 #[test]
 #[ignore = "run by the_cuda_backend_runs_over_a_stand_in_driver"]
 fn fake_cuda_scenario() {
