@@ -807,7 +807,12 @@ impl GpuRuntime for LibCuda {
     }
 
     fn max_pitch(&self) -> std::result::Result<Option<usize>, GpuStatus> {
+        // Asked once per device (a device attribute does not change).
+        static PITCHES: Mutex<Vec<(i32, Option<usize>)>> = Mutex::new(Vec::new());
         let device = self.current_device()?;
+        if let Some(&(_, pitch)) = lock(&PITCHES).iter().find(|(d, _)| *d == device) {
+            return Ok(pitch);
+        }
         let (mut handle, mut pitch): (c_int, c_int) = (0, 0);
         // SAFETY: valid out-pointers; a bad ordinal or attribute is refused with a status.
         unsafe {
@@ -817,7 +822,9 @@ impl GpuRuntime for LibCuda {
                 (),
             )?;
         }
-        Ok(usize::try_from(pitch).ok().filter(|&p| p > 0))
+        let pitch = usize::try_from(pitch).ok().filter(|&p| p > 0);
+        lock(&PITCHES).push((device, pitch));
+        Ok(pitch)
     }
 
     fn address_range(
