@@ -1582,16 +1582,26 @@ fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there(
     let want = fixture_sent_by_host_of(Fixture::uploaded());
     let mut f = Fixture::uploaded();
     let stream = without_provenance_mut(0xde71_0000);
+    let asked = std::cell::RefCell::new(Vec::new());
     let runs = kernel_fixture_sends(
         &mut f,
         &kernel_options(true, stream),
         stream_on_device_1,
         3,
-        |_, _| {},
+        |_, r| {
+            // Issue 45.6: the buffers are asked about for the launch device (1), not the
+            // current one (0), on every send so far.
+            asked.replace(r.pointer_info_devices.borrow().clone());
+        },
     );
     for (result, _) in &runs {
         assert!(result.is_ok(), "{result:?}");
     }
+    let asked = asked.into_inner();
+    assert!(
+        !asked.is_empty() && asked.iter().all(|&d| d == 1),
+        "{asked:?}"
+    );
     // Loaded, and its sentinel, lane (event, relay stream), table buffer pair and event made,
     // with device 1 current; then back to 0.
     let first = &runs[0].1;

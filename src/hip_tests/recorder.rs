@@ -398,6 +398,9 @@ pub struct Recorder {
     /// hipPointerGetAttribute(BUFFER_ID) calls (not in `calls`: a lookup that every kernel call
     /// makes per base, which would lengthen every recorded call list).
     pub allocation_id_asks: Cell<usize>,
+    /// The device each hipPointerGetAttributes was asked for (where a kernel would use the
+    /// memory; CUDA asks in that device's primary context).
+    pub pointer_info_devices: RefCell<Vec<i32>>,
 }
 
 impl Recorder {
@@ -439,6 +442,7 @@ impl Recorder {
             modules: RefCell::new(Vec::new()),
             memory_generation: Cell::new(0),
             allocation_id_asks: Cell::new(0),
+            pointer_info_devices: RefCell::new(Vec::new()),
         }
     }
 
@@ -982,7 +986,8 @@ impl GpuRuntime for Recorder {
         Ok(())
     }
 
-    fn pointer_info(&self, pointer: *const c_void, _device: i32) -> Result<PointerInfo, GpuStatus> {
+    fn pointer_info(&self, pointer: *const c_void, device: i32) -> Result<PointerInfo, GpuStatus> {
+        self.pointer_info_devices.borrow_mut().push(device);
         self.record(Call::PointerInfo { pointer })?;
         let at = pointer as usize;
         let device_memory = |device| PointerInfo {
