@@ -6,26 +6,37 @@
 #   (GPU machine)   OUT=/some/dir hip/device-check.sh
 #
 # from a checkout of the repository that holds target/release/libmori_tp.so. In order, each step
-# timed and bounded so that the whole check ends within MORI_TP_CHECK_BUDGET_S seconds (default
-# 360):
-#   1. environment: the GPU, driver and nvcc (nvidia-smi, nvcc --version), and that the library
-#      was built with the CUDA backend;
-#   2. build: hip/device_test.cpp and hip/bench.cpp with nvcc through hip/cuda/hip/hip_runtime.h
+# timed and bounded (its own cap below, in seconds) so that the whole check ends within
+# MORI_TP_CHECK_BUDGET_S seconds (default 420: 7 minutes, so that a rerun fits a 15-minute device
+# lease):
+#   1. environment (20): glibc 2.34 or later (the library's own GLIBC_ symbol versions, and the
+#      prebuilt library's floor), the GPU, driver and nvcc (nvidia-smi, nvcc --version), that the
+#      library was built with the CUDA backend, and where compute-sanitizer is;
+#   2. build (90): hip/device_test.cpp and hip/bench.cpp with nvcc through hip/cuda/hip/hip_runtime.h
 #      (the HIP names as CUDA's), linked against the library; hip/lane_count.cpp (the kernel's
 #      source on the CPU shim, for bench's lane column) with the host C++ compiler. This step
 #      was compile-checked, without a GPU, on 2026-12-04 with Debian bookworm's nvcc 11.8.89
 #      (nvidia-cuda-toolkit, host compiler gcc 11), as was hip/copy_kernel.hip as CUDA for
-#      sm_90 and the library's embedded PTX with that toolkit's ptxas -arch=sm_90;
-#   3. device_test: every path byte-exact on the GPU (send per rect and with the kernel, pack and
+#      sm_90 and the library's embedded PTX with that toolkit's ptxas -arch=sm_90; and
+#      hip/driver_cases.cpp with the host compiler (it finds the driver's functions itself);
+#   3. device_test (60): every path byte-exact on the GPU (send per rect and with the kernel, pack and
 #      unpack, the pair functions NHD <-> HND with pages of 16 and 64 and a partial last page,
 #      groups, a device staging pool, two streams, pinned and registered host memory, two GPUs
 #      when there are);
-#   4. python/tests/device_tensors.py with torch and CuPy tensors (--backend cuda);
-#   5. bench: the kernel against the per-rect copies against one memcpy, on issue 31's shapes
+#   4. driver_cases (40): what the stand-in driver models, on the real one: a stream held by
+#      cuStreamWaitValue32 (no send may wait for it), a second thread, graph capture with another
+#      thread sending, a cuCtxCreate context, CU_STREAM_PER_THREAD (tests/cuda_runtime.rs runs
+#      the same program over tests/fake_cuda);
+#   5. python/tests/device_tensors.py (60) with torch and CuPy tensors (--backend cuda);
+#   6. bench (90): the kernel against the per-rect copies against one memcpy, on issue 31's shapes
 #      (at 4096 tokens with the per-rect rows, at 32768 tokens without them: seconds per call);
-#   6. compute-sanitizer --tool memcheck on the quick set (bench --quick): 0 errors.
+#   7. sanitizer (60): compute-sanitizer --tool memcheck on the quick set (bench --quick): 0
+#      errors. compute-sanitizer is looked for on PATH, beside nvcc (bin/ and the toolkit's
+#      compute-sanitizer/), under CUDA_HOME and CONDA_PREFIX, and in the pip wheels' tree (the
+#      `nvidia` package PYTHON imports: nvidia/*/compute-sanitizer/, nvidia/*/bin/).
 # Each step's output goes to the terminal and, when OUT is set, to $OUT/<step>.txt; $OUT/summary.txt
-# has one line per step (PASS, FAIL, SKIP, with seconds). Exit status: 0 when no step failed,
+# has one line per step (PASS, FAIL, SKIP, with seconds; a step that exits 77 is a SKIP, and a
+# FAIL under --require). Exit status: 0 when no step failed,
 # 1 otherwise (a mismatch, a sanitizer error, a step out of time, a missing tool), 2 for a usage
 # error.
 #
@@ -33,12 +44,16 @@
 #   --dry-run         run the script's own logic here, without nvcc, a GPU or a sanitizer: the
 #                     build and the GPU programs are stand-ins that print what would run (set
 #                     MORI_TP_DRY_RUN_FAIL=<step> to make one fail), the Python step runs the
-#                     same script with numpy on the host backend. tests/device_check.rs runs it.
-#   --skip-python     leave out step 4;  --skip-bench: step 5;  --skip-sanitizer: step 6.
+#                     same script with numpy on the host backend. tests/device_check.rs runs it
+#                     (MORI_TP_DRY_RUN_SKIP=<step> makes one exit 77; MORI_TP_DRY_RUN_GLIBC=<x.y>
+#                     stands for the system's glibc version).
+#   --require         a step that skips (exit 77: no torch or CuPy, no device) fails instead.
+#   --skip-python     leave out step 5;  --skip-bench: step 6;  --skip-sanitizer: step 7.
 #   -h, --help        this text.
 # Environment: OUT (where the tables go), MORI_TP_LIB (default target/release/libmori_tp.so),
 # NVCC (default nvcc; CUDA_HOME/bin/nvcc or /usr/local/cuda/bin/nvcc when not on PATH), CXX (host
-# compiler, default c++), PYTHON (default python3), MORI_TP_CHECK_BUDGET_S (default 360).
+# compiler, default c++), PYTHON (default python3), MORI_TP_CHECK_BUDGET_S (default 420),
+# COMPUTE_SANITIZER (the sanitizer's path, instead of the search).
 set -uo pipefail
 
 self="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
@@ -49,7 +64,7 @@ dry_run=0
 # nvcc. Their settings come from the MORI_DC_* variables the main run exports.
 internal=""
 case "${1:-}" in
-  --run-step | --fake-nvcc)
+  --run-step | --fake-nvcc | --find-sanitizer)
     internal="$1"
     shift
     ;;
@@ -58,9 +73,11 @@ if [ -z "$internal" ]; then
 skip_python=0
 skip_bench=0
 skip_sanitizer=0
+require=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
+    --require) require=1 ;;
     --skip-python) skip_python=1 ;;
     --skip-bench) skip_bench=1 ;;
     --skip-sanitizer) skip_sanitizer=1 ;;
@@ -75,7 +92,7 @@ for arg in "$@"; do
   esac
 done
 
-  budget="${MORI_TP_CHECK_BUDGET_S:-360}"
+  budget="${MORI_TP_CHECK_BUDGET_S:-420}"
   case "$budget" in
     '' | *[!0-9]*)
       echo "device-check.sh: MORI_TP_CHECK_BUDGET_S='$budget' is not a number of seconds" >&2
@@ -143,7 +160,13 @@ step() {
   local took=$(($(date +%s) - begin))
   case $rc in
     0) record "$name" PASS "$took" ;;
-    77) record "$name" SKIP "$took" "exit 77: see its output for why" ;;
+    77)
+      if [ "$require" = 1 ]; then
+        record "$name" FAIL "$took" "exit 77 (skipped) under --require: see its output for why"
+      else
+        record "$name" SKIP "$took" "exit 77: see its output for why"
+      fi
+      ;;
     124 | 137) record "$name" FAIL "$took" "out of time after ${limit}s" ;;
     *) record "$name" FAIL "$took" "exit $rc" ;;
   esac
@@ -164,12 +187,58 @@ if [ -z "$internal" ]; then
       done
     fi
     MORI_DC_NVCC="${nvcc_bin:-nvcc}"
-    MORI_DC_SANITIZER=$(command -v compute-sanitizer ||
-      echo "$(dirname "$(command -v "$MORI_DC_NVCC" || echo /usr/local/cuda/bin/nvcc)")/compute-sanitizer")
+    MORI_DC_SANITIZER=$(NVCC_FOUND="$MORI_DC_NVCC" PYTHON="$python" "$self" --find-sanitizer)
   fi
   export MORI_DC_DRY_RUN="$dry_run" MORI_DC_NVCC MORI_DC_SANITIZER MORI_DC_LIB="$lib" \
     MORI_DC_BUILD="$build" MORI_DC_PYTHON="$python" MORI_DC_CXX="$cxx"
 fi
+
+# compute-sanitizer: COMPUTE_SANITIZER, else the first found on PATH, beside nvcc (a toolkit's
+# bin/ and compute-sanitizer/; a pip wheel's nvidia/cuNN/bin next to it), under CUDA_HOME and
+# CONDA_PREFIX, or in the pip wheels' tree (the `nvidia` namespace package PYTHON imports); prints
+# its path, or the toolkit's usual path when none is found (the sanitizer step then fails).
+find_sanitizer() {
+  if [ -n "${COMPUTE_SANITIZER:-}" ]; then
+    echo "$COMPUTE_SANITIZER"
+    return 0
+  fi
+  local found nvcc_dir="" candidate
+  found=$(command -v compute-sanitizer 2>/dev/null) && { echo "$found"; return 0; }
+  if found=$(command -v "${NVCC_FOUND:-nvcc}" 2>/dev/null); then nvcc_dir=$(dirname "$found"); fi
+  local candidates=()
+  if [ -n "$nvcc_dir" ]; then
+    candidates+=("$nvcc_dir/compute-sanitizer" "$nvcc_dir/../compute-sanitizer/compute-sanitizer")
+  fi
+  for prefix in "${CUDA_HOME:-}" "${CUDA_PATH:-}" "${CONDA_PREFIX:-}" /usr/local/cuda; do
+    [ -n "$prefix" ] || continue
+    candidates+=("$prefix/bin/compute-sanitizer" "$prefix/compute-sanitizer/compute-sanitizer")
+  done
+  local roots
+  roots=$("${PYTHON:-python3}" -c 'import nvidia; print("\n".join(nvidia.__path__))' 2>/dev/null)
+  while IFS= read -r root_dir; do
+    [ -n "$root_dir" ] || continue
+    for candidate in "$root_dir"/*/compute-sanitizer/compute-sanitizer "$root_dir"/*/bin/compute-sanitizer; do
+      candidates+=("$candidate")
+    done
+  done <<<"$roots"
+  for candidate in "${candidates[@]}"; do
+    if [ -f "$candidate" ] && [ -x "$candidate" ]; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  echo "${nvcc_dir:-/usr/local/cuda/bin}/compute-sanitizer"
+  return 1
+}
+
+# "major.minor" versions: true when $1 >= $2.
+# shellcheck disable=SC2329 # called by the environment step
+version_at_least() {
+  local a_major=${1%%.*} a_minor=${1#*.} b_major=${2%%.*} b_minor=${2#*.}
+  a_minor=${a_minor%%.*}
+  b_minor=${b_minor%%.*}
+  [ "$a_major" -gt "$b_major" ] || { [ "$a_major" -eq "$b_major" ] && [ "$a_minor" -ge "$b_minor" ]; }
+}
 
 # The dry run's nvcc: writes an executable that says what it stands for, and fails when
 # MORI_TP_DRY_RUN_FAIL names its program.
@@ -210,6 +279,27 @@ environment() {
     echo "FAIL: $lib has no CUDA backend (built without --features cuda)"
     return 1
   fi
+  # glibc: the prebuilt library needs 2.34 or later (its pthread and dl symbols are libc's
+  # GLIBC_2.34 ones), and at least the highest GLIBC_ version the library's symbols name.
+  local need=2.34 own have
+  own=$(objdump -T "$lib" 2>/dev/null | grep -o 'GLIBC_[0-9]*\.[0-9]*' | sed 's/GLIBC_//' | sort -t. -k1,1n -k2,2n | tail -1)
+  if [ -n "$own" ] && ! version_at_least "$need" "$own"; then need=$own; fi
+  if [ "$MORI_DC_DRY_RUN" = 1 ] && [ -n "${MORI_TP_DRY_RUN_GLIBC:-}" ]; then
+    have=$MORI_TP_DRY_RUN_GLIBC
+  else
+    have=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
+    [ -n "$have" ] || have=$(ldd --version 2>/dev/null | head -1 | grep -o '[0-9]*\.[0-9]*$')
+  fi
+  if [ -z "$have" ]; then
+    echo "FAIL: cannot tell this system's glibc version (getconf GNU_LIBC_VERSION, ldd --version)"
+    return 1
+  fi
+  if ! version_at_least "$have" "$need"; then
+    echo "FAIL: glibc $have is older than $need, which $lib needs${own:+ (its symbols name GLIBC_$own)}:" \
+      "use a system with glibc $need or later, or build the library there"
+    return 1
+  fi
+  echo "glibc: $have (the library needs $need or later)"
   if [ "$MORI_DC_DRY_RUN" = 1 ]; then
     echo "GPU, driver, nvcc: not asked (dry run)"
     return 0
@@ -222,8 +312,12 @@ environment() {
     echo "FAIL: nvcc not found (set NVCC, or put the CUDA toolkit's bin on PATH)"
     return 1
   }
-  command -v "$MORI_DC_SANITIZER" >/dev/null 2>&1 ||
-    echo "note: compute-sanitizer not found at $MORI_DC_SANITIZER: step sanitizer will fail"
+  if [ -x "$MORI_DC_SANITIZER" ]; then
+    echo "compute-sanitizer: $MORI_DC_SANITIZER"
+  else
+    echo "note: compute-sanitizer not found (looked on PATH, beside nvcc, under CUDA_HOME and" \
+      "CONDA_PREFIX, in the pip wheels): step sanitizer will fail; set COMPUTE_SANITIZER"
+  fi
 }
 
 # 2. Build.
@@ -255,6 +349,14 @@ build_programs() {
   # the object as well; nvcc has no `-x none`).
   "${nvcc[@]}" "${common[@]}" -c "$root/hip/bench.cpp" -o "$build/bench.o" || return 1
   "${nvcc[@]}" "$build/bench.o" "$build/lane_count.o" "${link[@]}" -o "$build/bench" || return 1
+  # driver_cases needs no toolkit (it looks the driver's functions up itself): the host compiler
+  # builds it, except in a dry run, where it is a stand-in like the nvcc programs.
+  if [ "$MORI_DC_DRY_RUN" = 1 ]; then
+    "${nvcc[@]}" "$root/hip/driver_cases.cpp" -o "$build/driver_cases" || return 1
+  else
+    "$cxx" -std=c++17 -O2 -Wall -I"$root/include" "$root/hip/driver_cases.cpp" -L"$build/lib" -lmori_tp \
+      -ldl -pthread -Wl,-rpath,"$build/lib" -o "$build/driver_cases" || return 1
+  fi
 }
 
 # A GPU program: exit 77 (no CUDA device) is a failure here, since this check is for a GPU.
@@ -284,6 +386,10 @@ python_tensors() {
   local run=(--frameworks torch,cupy --backend cuda --timeout 150)
   if [ "$MORI_DC_DRY_RUN" = 1 ]; then
     run=(--frameworks numpy --backend host --timeout 120)
+  fi
+  if [ "$MORI_DC_DRY_RUN" = 1 ] && [ "${MORI_TP_DRY_RUN_SKIP:-}" = device_tensors ]; then
+    echo "SKIP: device_tensors (dry run: MORI_TP_DRY_RUN_SKIP)"
+    return 77
   fi
   MORI_TP_LIBRARY="$MORI_DC_LIB" PYTHONPATH="$root/python" "$MORI_DC_PYTHON" \
     "$root/python/tests/device_tensors.py" "${run[@]}"
@@ -322,26 +428,31 @@ case "$internal" in
     fake_nvcc "$@"
     exit $?
     ;;
+  --find-sanitizer)
+    find_sanitizer
+    exit $?
+    ;;
 esac
 
-step environment 60 environment
+step environment 20 environment
 if [ "$failed" = 0 ]; then
-  step build 120 build_programs
+  step build 90 build_programs
 fi
 if [ "$failed" = 0 ] || [ -x "$build/device_test" ]; then
-  step device_test 150 gpu_program "$build/device_test"
+  step device_test 60 gpu_program "$build/device_test"
+  step driver_cases 40 gpu_program "$build/driver_cases"
   if [ "$skip_python" = 0 ]; then
-    step device_tensors 180 python_tensors
+    step device_tensors 60 python_tensors
   else
     record device_tensors SKIP 0 "--skip-python"
   fi
   if [ "$skip_bench" = 0 ]; then
-    step bench 180 bench_tables
+    step bench 90 bench_tables
   else
     record bench SKIP 0 "--skip-bench"
   fi
   if [ "$skip_sanitizer" = 0 ]; then
-    step sanitizer 120 sanitizer
+    step sanitizer 60 sanitizer
   else
     record sanitizer SKIP 0 "--skip-sanitizer"
   fi

@@ -284,6 +284,52 @@ typedef struct MoriSendOptions {
 } MoriSendOptions;
 
 /**
+ * What one GPU backend's engines did in this process (mori_tp_gpu_counters_get): copy-kernel
+ * launches, and the calls that chose or asked for the kernel but took the per-rect copies
+ * (cuMemcpy2DAsync / hipMemcpy2DAsync per rect, far slower for many small rects), in all and
+ * per reason. Each reason is also logged once (a warning) when it first happens.
+ */
+typedef struct MoriTpGpuCounters {
+  /**
+   * Copy-kernel launches the runtime accepted.
+   */
+  uint64_t kernel_launches;
+  /**
+   * Calls that took the per-rect copies instead of the kernel: the sum of the five below.
+   */
+  uint64_t fallbacks;
+  /**
+   * ... because the kernel could not be loaded on the device (the error says why; a
+   * transient failure such as out of memory is retried on the next call).
+   */
+  uint64_t fallbacks_unloadable;
+  /**
+   * ... because every lane or table buffer of the device was busy (the host ran that many
+   * calls ahead of the GPU; no call waits for the GPU instead).
+   */
+  uint64_t fallbacks_busy;
+  /**
+   * ... because the stream belongs to a context other than its device's primary one (a
+   * cuCtxCreate context, or the NULL stream while one is current).
+   */
+  uint64_t fallbacks_context;
+  /**
+   * ... because the stream was capturing a graph and the table did not fit in the kernel's
+   * argument (or the runtime does not capture launches).
+   */
+  uint64_t fallbacks_capture;
+  /**
+   * ... because a buffer was memory the kernel may not reach (pageable host memory, a peer
+   * without MORI_SEND_COPY_KERNEL), or the stream's device could not be confirmed.
+   */
+  uint64_t fallbacks_memory;
+  /**
+   * Failed loads of the copy kernel (each retry that failed counts).
+   */
+  uint64_t load_failures;
+} MoriTpGpuCounters;
+
+/**
  * How mori_tp_pool_create makes a staging pool.
  */
 typedef struct MoriTpPoolOptions {
@@ -1365,6 +1411,25 @@ const char *mori_tp_last_error_message(void);
  * The library version ("0.1.0"), a static NUL-terminated string. Never NULL; do not free.
  */
 const char *mori_tp_version(void);
+
+/**
+ * What the GPU backend `backend` (MORI_BACKEND_CUDA or MORI_BACKEND_HIP) did in this process:
+ * its copy-kernel launches, and how many calls took the per-rect copies instead of the kernel,
+ * in all and per reason (MoriTpGpuCounters). Reading them loads no driver and needs no device: a
+ * backend built in but never used reads all zeros.
+ *
+ * @param[in]  backend  MORI_BACKEND_CUDA or MORI_BACKEND_HIP.
+ * @param[out] out      Receives the counters; written only on MORI_OK. Must not be NULL.
+ *
+ * @return MORI_OK;
+ *   MORI_ERR_NULL_POINTER if out is NULL;
+ *   MORI_ERR_INVALID_ARGUMENT if backend is not MORI_BACKEND_CUDA or MORI_BACKEND_HIP, or out
+ *   is misaligned;
+ *   MORI_ERR_BACKEND_UNAVAILABLE if that backend is not built into this library;
+ *   MORI_ERR_PANIC on an internal error.
+ */
+MoriStatus mori_tp_gpu_counters_get(uint32_t backend,
+                                    struct MoriTpGpuCounters *out);
 
 /**
  * MORI_TP_ABI_VERSION of the library actually loaded; a program should refuse to run if it

@@ -1,7 +1,7 @@
 //! The CUDA backend through the C ABI, on every machine: over tests/fake_cuda (a host-memory
 //! libcuda.so.1 with the driver's context, stream, event and capture rules), which this test
 //! builds and puts first on the loader's path of child processes, so that the library's real CUDA
-//! runtime (cudarc's loader, the symbol look-ups, the context handling, the argument
+//! runtime (the loader, the symbol look-ups, the context handling, the argument
 //! marshalling) runs end to end; and without any driver, where requesting CUDA must be refused
 //! and AUTO must copy on the host.
 //!
@@ -57,7 +57,7 @@ fn without_the_feature_or_a_driver_cuda_is_refused_and_auto_copies_on_the_host()
         assert!(unchanged, "a refused call writes nothing");
         let why = if cfg!(feature = "cuda") {
             "backend unavailable: the CUDA backend needs the CUDA driver: the CUDA driver library \
-             was not found (tried libcuda.so, "
+             was not found (tried libcuda.so.1, libcuda.so)"
         } else {
             "backend unavailable: the CUDA backend is not built in: this libmori_tp was compiled \
              without the `cuda` cargo feature (rebuild with `cargo build --release --features \
@@ -136,6 +136,10 @@ fn run_child(driver: &Path, scenario: &str, env: &[(&str, &str)]) -> (bool, Stri
         "FAKE_CUDA_LAUNCH_STATUS",
         "FAKE_CUDA_NO_PEER",
         "FAKE_CUDA_HANG_MS",
+        "FAKE_CUDA_MODULE_LOAD_STATUS",
+        "FAKE_CUDA_MODULE_LOAD_FAILS",
+        "FAKE_CUDA_MAX_PITCH",
+        "FAKE_CUDA_LAUNCH_SLEEP_MS",
     ] {
         child.env_remove(var);
     }
@@ -200,9 +204,115 @@ fn the_cuda_backend_runs_over_a_stand_in_driver() {
             &driver,
             &[("FAKE_CUDA_LAUNCH_STATUS", "999")][..],
         ),
+        ("held_stream", &driver, &[("FAKE_CUDA_HANG_MS", "2000")][..]),
+        (
+            "load_failure",
+            &driver,
+            &[
+                ("FAKE_CUDA_MODULE_LOAD_STATUS", "2"),
+                ("FAKE_CUDA_MODULE_LOAD_FAILS", "2"),
+            ][..],
+        ),
+        ("reused_address", &driver, &[][..]),
+        ("null_stream_contexts", &driver, &[][..]),
+        ("max_pitch", &driver, &[("FAKE_CUDA_MAX_PITCH", "48")][..]),
+        (
+            "fork",
+            &driver,
+            &[("FAKE_CUDA_LAUNCH_SLEEP_MS", "1500")][..],
+        ),
     ] {
         let (passed, text) = run_child(runtime, scenario, env);
         assert!(passed, "{scenario}:\n{text}");
+    }
+}
+
+/// hip/driver_cases.cpp (the device check's driver_cases step: a held stream, a second thread,
+/// graph capture with another thread sending, a cuCtxCreate context, CU_STREAM_PER_THREAD) built
+/// with the host compiler against this build's libmori_tp.so and run over the stand-in driver.
+#[test]
+fn the_device_checks_driver_cases_pass_over_the_stand_in_driver() {
+    let test = "the_device_checks_driver_cases_pass_over_the_stand_in_driver";
+    if std::env::var_os(SCENARIO).is_some() {
+        return;
+    }
+    if !cfg!(feature = "cuda") {
+        common::skip_missing(
+            test,
+            "MORI_TP_REQUIRE_CUDA",
+            "built without the `cuda` feature",
+        );
+        return;
+    }
+    let driver = match build_fake_cuda("driver_for_cases", &[]) {
+        Ok(driver) => driver,
+        Err(why) => {
+            common::skip_missing(test, "MORI_TP_REQUIRE_CUDA", &why);
+            return;
+        }
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = std::env::current_exe().expect("test executable path");
+    let library = exe
+        .parent()
+        .expect("target/<profile>/deps")
+        .join("libmori_tp.so");
+    assert!(
+        library.is_file(),
+        "cargo did not build {}",
+        library.display()
+    );
+    let out = common::scratch(&["driver_cases"]);
+    std::fs::create_dir_all(&out).expect("scratch");
+    // The library's SONAME (libmori_tp.so.<ABI>) is what the program's loader asks for.
+    let soname = out.join(format!("libmori_tp.so.{MORI_TP_ABI_VERSION}"));
+    let _ = std::fs::remove_file(&soname);
+    std::os::unix::fs::symlink(&library, &soname).expect("symlink the library");
+    let program = out.join(format!("driver_cases.{}", std::process::id()));
+    let built = Command::new("c++")
+        .args(["-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror"])
+        .arg(format!("-I{}", root.join("include").display()))
+        .arg(root.join("hip/driver_cases.cpp"))
+        .arg(&library)
+        .args(["-ldl", "-pthread", "-o"])
+        .arg(&program)
+        .output()
+        .expect("run c++");
+    assert!(
+        built.status.success(),
+        "c++ hip/driver_cases.cpp:
+{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let path = format!("{}:{}", driver.display(), out.display());
+    let run = Command::new(&program)
+        .env("LD_LIBRARY_PATH", path)
+        .env("FAKE_CUDA_HANG_MS", "2000")
+        .output()
+        .expect("run driver_cases");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let _ = std::fs::remove_file(&program);
+    assert!(
+        run.status.success(),
+        "driver_cases over the stand-in:
+{text}"
+    );
+    for case in [
+        "held_stream",
+        "second_thread",
+        "graph_capture",
+        "non_primary_context",
+        "per_thread_stream",
+    ] {
+        assert!(
+            text.contains(&format!("PASS {case}:")),
+            "{case}:
+{text}"
+        );
     }
 }
 
@@ -250,6 +360,7 @@ mod driver {
         end_capture: unsafe extern "C" fn(Stream, *mut *mut c_void) -> c_int,
         instantiate: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, u64) -> c_int,
         graph_launch: unsafe extern "C" fn(*mut c_void, Stream) -> c_int,
+        stream_wait_value: unsafe extern "C" fn(Stream, u64, u32, c_uint) -> c_int,
         stat: unsafe extern "C" fn(*const c_char) -> i64,
     }
 
@@ -304,6 +415,7 @@ mod driver {
                     end_capture: f!(c"cuStreamEndCapture"),
                     instantiate: f!(c"cuGraphInstantiateWithFlags"),
                     graph_launch: f!(c"cuGraphLaunch"),
+                    stream_wait_value: f!(c"cuStreamWaitValue32"),
                     stat: f!(c"fake_cuda_stat"),
                 }
             }
@@ -559,6 +671,12 @@ mod driver {
             "host_memory" => host_memory(),
             "failing_copy" => failing_copy(),
             "failing_launch" => failing_launch(),
+            "held_stream" => held_stream(),
+            "load_failure" => load_failure(),
+            "reused_address" => reused_address(),
+            "null_stream_contexts" => null_stream_contexts(),
+            "max_pitch" => max_pitch(),
+            "fork" => fork(),
             other => panic!("unknown scenario {other}"),
         }
     }
@@ -1274,6 +1392,332 @@ mod driver {
         };
         assert_eq!(status, MORI_OK, "{message}");
         assert_eq!(current_context(), own, "the caller's context stays current");
+        assert_eq!(dst.read(), small_send_result(7));
+    }
+
+    /// mori_tp_gpu_counters_get(MORI_BACKEND_CUDA).
+    fn counters() -> MoriTpGpuCounters {
+        let mut out = MoriTpGpuCounters::default();
+        // SAFETY: a valid out-pointer.
+        assert_eq!(
+            unsafe { mori_tp_gpu_counters_get(MORI_BACKEND_CUDA, &mut out) },
+            MORI_OK
+        );
+        out
+    }
+
+    /// Issue 45.1 (R1): a stream held by cuStreamWaitValue32 on a flag this thread raises later
+    /// gets 40 uploaded-table sends with MORI_SEND_COPY_KERNEL. None waits (on a GPU a wait for
+    /// the stream would never end; the stand-in counts it as a hang): the first 32 take a table
+    /// buffer pair each, the rest the per-rect copies, counted; every byte lands once the flag
+    /// is raised.
+    fn held_stream() {
+        use_device(0);
+        let source: Vec<u8> = (0..2 * common::UPLOADED_PAGES * 64).map(|_| 7u8).collect();
+        let src = DeviceBuffer::from_host(&source);
+        let dst = DeviceBuffer::from_host(&vec![9u8; 2 * common::UPLOADED_PAGES * 32]);
+        let stream = new_stream();
+        let flag: Box<std::sync::atomic::AtomicU32> = Box::new(0.into());
+        // SAFETY: the flag outlives the stream's wait (raised and waited for below).
+        assert_eq!(
+            unsafe { (cu().stream_wait_value)(stream, flag.as_ptr() as u64, 1, 0) },
+            0
+        );
+        let kernel = options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, stream);
+        let copies = stat(c"memcpy2d_calls");
+        for i in 0..40 {
+            // SAFETY: device buffers of the sizes send_uploaded needs, alive until the stream
+            // ran (synchronized below).
+            let (status, message) =
+                unsafe { common::send_uploaded(src.ptr().cast_const(), dst.ptr(), &kernel) };
+            assert_eq!(status, MORI_OK, "send {i}: {message}");
+        }
+        assert_eq!(stat(c"hangs"), 0, "no call waited for the held stream");
+        assert_eq!(
+            stat(c"memcpy2d_calls") - copies,
+            8 * common::UPLOADED_PAGES as i64,
+            "sends 33 to 40 took the per-rect copies"
+        );
+        let c = counters();
+        assert_eq!((c.fallbacks, c.fallbacks_busy), (8, 8), "{c:?}");
+        flag.store(1, std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: the caller's stream.
+        assert_eq!(unsafe { (cu().stream_synchronize)(stream) }, 0);
+        assert_eq!(dst.read(), common::uploaded_result(7));
+    }
+
+    /// Issue 45.2 (R2): the first two loads of the kernel fail with CUDA_ERROR_OUT_OF_MEMORY. The
+    /// error names the cause with its hint and the JIT's log; flags 0 then take the per-rect
+    /// copies (counted); the next call loads the kernel and launches it.
+    fn load_failure() {
+        use_device(0);
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let send = |flags| {
+            // SAFETY: device buffers of the sizes send_pages_0_1_3 needs; the send synchronizes.
+            unsafe {
+                common::send_pages_0_1_3(
+                    &[src.ptr().cast_const()],
+                    &[dst.ptr()],
+                    &options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE | flags, null_mut()),
+                )
+            }
+        };
+        let (status, message) = send(MORI_SEND_COPY_KERNEL);
+        assert_eq!(status, MORI_ERR_GPU, "{message}");
+        for part in [
+            "cuModuleLoadDataEx(copy kernel",
+            "CUDA_ERROR_OUT_OF_MEMORY (2)",
+            "memory is full",
+            "the driver's log: fake_cuda: load failure 2",
+            "again on the next call",
+        ] {
+            assert!(message.contains(part), "{message:?} lacks {part:?}");
+        }
+        assert!(!message.contains("update the NVIDIA driver"), "{message}");
+        let launches = stat(c"kernel_launches");
+        let (status, message) = send(0);
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(stat(c"kernel_launches"), launches, "per-rect copies");
+        assert_eq!(dst.read(), small_send_result(7));
+        let (status, message) = send(MORI_SEND_COPY_KERNEL);
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches + 1,
+            "loaded and launched"
+        );
+        let c = counters();
+        assert_eq!(
+            (c.load_failures, c.fallbacks_unloadable, c.kernel_launches),
+            (2, 1, 1),
+            "{c:?}"
+        );
+        assert_eq!(stat(c"module_load_failures"), 2);
+    }
+
+    /// Issue 45.3 (R3): a device buffer is sent from, freed, and its address mapped as pageable
+    /// host memory (an address reused): flags 0 classify the base again by its allocation's
+    /// identity (CU_POINTER_ATTRIBUTE_BUFFER_ID) and take the per-rect copies, where a stale
+    /// entry would launch the kernel on memory it cannot reach.
+    fn reused_address() {
+        use_device(0);
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let send = |src: *const c_void| {
+            // SAFETY: buffers of the sizes send_pages_0_1_3 needs; the send synchronizes.
+            unsafe {
+                common::send_pages_0_1_3(
+                    &[src],
+                    &[dst.ptr()],
+                    &options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE, null_mut()),
+                )
+            }
+        };
+        let launches = stat(c"kernel_launches");
+        assert_eq!(send(src.ptr().cast_const()).0, MORI_OK);
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches + 1,
+            "the kernel, on device memory"
+        );
+        let address = src.pointer;
+        drop(src);
+        // SAFETY: maps fresh anonymous memory at the freed allocation's address (the stand-in
+        // never hands it out again; it left the range reserved without access).
+        let host = unsafe {
+            libc::mmap(
+                address as usize as *mut c_void,
+                4 * 64,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(host as usize as u64, address, "mapped at the old address");
+        // SAFETY: 256 bytes just mapped.
+        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 5, 4 * 64) };
+        let copies = stat(c"memcpy2d_calls");
+        let (status, message) = send(host.cast_const());
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches + 1,
+            "no launch on host memory"
+        );
+        assert!(stat(c"memcpy2d_calls") > copies, "the per-rect copies");
+        assert_eq!(dst.read(), small_send_result(5));
+        assert_eq!(counters().fallbacks_memory, 1);
+    }
+
+    /// Issue 45.4 (R4) and 45.6: the NULL stream with a cuCtxCreate context current, and that
+    /// context's own stream, are checked before anything is enqueued: flags 0 take the
+    /// per-rect copies (counted), MORI_SEND_COPY_KERNEL is refused naming the context. After 33
+    /// such sends the kernel path of uploaded tables is intact for the primary context.
+    fn null_stream_contexts() {
+        let primary = use_device(0);
+        let src = DeviceBuffer::from_host(&vec![7u8; 2 * common::UPLOADED_PAGES * 64]);
+        let dst = DeviceBuffer::from_host(&vec![9u8; 2 * common::UPLOADED_PAGES * 32]);
+        let mut own = null_mut();
+        // SAFETY: a valid out-pointer; cuCtxCreate makes the new context current.
+        assert_eq!(unsafe { (cu().ctx_create)(&mut own, 0, 0) }, 0);
+        let own_stream = new_stream();
+        let launches = stat(c"kernel_launches");
+        for stream in [null_mut(), own_stream] {
+            for i in 0..33 {
+                let flags0 = options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE, stream);
+                // SAFETY: device buffers of the sizes send_uploaded needs; it synchronizes.
+                let (status, message) =
+                    unsafe { common::send_uploaded(src.ptr().cast_const(), dst.ptr(), &flags0) };
+                assert_eq!(status, MORI_OK, "stream {stream:p}, send {i}: {message}");
+            }
+            let kernel = options(
+                MORI_BACKEND_CUDA,
+                MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+                stream,
+            );
+            // SAFETY: as above.
+            let (status, message) =
+                unsafe { common::send_uploaded(src.ptr().cast_const(), dst.ptr(), &kernel) };
+            assert_eq!(status, MORI_ERR_GPU, "{message}");
+            for part in [
+                "CUDA_ERROR_INVALID_CONTEXT (201)",
+                "cuCtxCreate",
+                "before anything was enqueued",
+            ] {
+                assert!(message.contains(part), "{message:?} lacks {part:?}");
+            }
+        }
+        assert_eq!(
+            stat(c"kernel_launches"),
+            launches,
+            "no launch in the foreign context"
+        );
+        assert_eq!(dst.read(), common::uploaded_result(7));
+        assert_eq!(counters().fallbacks_context, 66);
+        assert_eq!(current_context(), own, "the caller's context stays current");
+        // SAFETY: the primary context, retained by use_device.
+        assert_eq!(unsafe { (cu().ctx_set_current)(primary) }, 0);
+        let stream = new_stream();
+        let kernel = options(
+            MORI_BACKEND_CUDA,
+            MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+            stream,
+        );
+        let copies = stat(c"memcpy2d_calls");
+        // SAFETY: as above.
+        let (status, message) =
+            unsafe { common::send_uploaded(src.ptr().cast_const(), dst.ptr(), &kernel) };
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(stat(c"kernel_launches"), launches + 1, "the kernel ran");
+        assert_eq!(stat(c"memcpy2d_calls"), copies, "no per-rect copy");
+    }
+
+    /// Issue 45.6: the per-rect path checks the device's maximum pitch
+    /// (CU_DEVICE_ATTRIBUTE_MAX_PITCH, 48 here) before anything is enqueued: a pitch of 64 is
+    /// refused naming the rect, its pitches and the limit, and nothing is written; the kernel
+    /// has no such limit.
+    fn max_pitch() {
+        use_device(0);
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let send = |flags| {
+            // SAFETY: device buffers of the sizes send_pages_0_1_3 needs; the send synchronizes.
+            unsafe {
+                common::send_pages_0_1_3(
+                    &[src.ptr().cast_const()],
+                    &[dst.ptr()],
+                    &options(MORI_BACKEND_CUDA, MORI_SEND_SYNCHRONIZE | flags, null_mut()),
+                )
+            }
+        };
+        let copies = stat(c"memcpy2d_calls");
+        let (status, message) = send(MORI_SEND_MEMCPY2D);
+        assert_eq!(status, MORI_ERR_GPU, "{message}");
+        for part in [
+            "cuMemcpy2DAsync(dpitch 32, spitch 64,",
+            "largest 2D-copy pitch, 48 bytes",
+            "before anything was enqueued",
+            "MORI_SEND_COPY_KERNEL",
+        ] {
+            assert!(message.contains(part), "{message:?} lacks {part:?}");
+        }
+        assert_eq!(stat(c"memcpy2d_calls"), copies, "nothing enqueued");
+        assert_eq!(dst.read(), vec![9u8; 4 * 32], "nothing written");
+        let (status, message) = send(MORI_SEND_COPY_KERNEL);
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(dst.read(), small_send_result(7));
+    }
+
+    /// Issue 45.5 (R5): a child forked while another thread of the parent is inside a send (the
+    /// stand-in holds its cuLaunchKernel for 1.5 s, with the device's state locked) gets
+    /// MORI_ERR_BACKEND_UNAVAILABLE naming the fork at once, instead of waiting for good on
+    /// the parent's lock.
+    fn fork() {
+        use_device(0);
+        let src = DeviceBuffer::from_host(&[7u8; 4 * 64]);
+        let dst = DeviceBuffer::from_host(&[9u8; 4 * 32]);
+        let (s, d) = (src.pointer, dst.pointer);
+        let send = move || {
+            // SAFETY: device buffers of the sizes send_pages_0_1_3 needs; the send synchronizes.
+            unsafe {
+                common::send_pages_0_1_3(
+                    &[s as usize as *const c_void],
+                    &[d as usize as *mut c_void],
+                    &options(
+                        MORI_BACKEND_CUDA,
+                        MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+                        null_mut(),
+                    ),
+                )
+            }
+        };
+        assert_eq!(send().0, MORI_OK, "the parent's first send");
+        // An uploaded table: the device's state stays locked across the launch.
+        let big_src = DeviceBuffer::from_host(&vec![7u8; 2 * common::UPLOADED_PAGES * 64]);
+        let big_dst = DeviceBuffer::from_host(&vec![9u8; 2 * common::UPLOADED_PAGES * 32]);
+        let (bs, bd) = (big_src.pointer, big_dst.pointer);
+        let inside = std::thread::spawn(move || {
+            let kernel = options(
+                MORI_BACKEND_CUDA,
+                MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+                null_mut(),
+            );
+            // SAFETY: device buffers of the sizes send_uploaded needs; it synchronizes.
+            unsafe {
+                common::send_uploaded(
+                    bs as usize as *const c_void,
+                    bd as usize as *mut c_void,
+                    &kernel,
+                )
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        // SAFETY: the child only calls the library and async-signal-safe functions, and exits
+        // with _exit.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork failed");
+        if child == 0 {
+            // SAFETY: alarm and _exit are async-signal-safe.
+            unsafe { libc::alarm(5) };
+            let (status, message) = send();
+            let ok = status == MORI_ERR_BACKEND_UNAVAILABLE
+                && message.contains("forked")
+                && message.contains("spawn");
+            // SAFETY: ends the child without running the parent's destructors.
+            unsafe { libc::_exit(if ok { 0 } else { 3 }) };
+        }
+        let mut status = 0;
+        // SAFETY: the child just forked.
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child's send must fail at once with the fork named (status {status:#x}: a \
+             signal 14 is its alarm, a deadlock)"
+        );
+        assert_eq!(inside.join().expect("the parent's thread").0, MORI_OK);
+        assert_eq!(big_dst.read(), common::uploaded_result(7));
         assert_eq!(dst.read(), small_send_result(7));
     }
 

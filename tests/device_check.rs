@@ -28,11 +28,19 @@ fn built_library() -> PathBuf {
 
 /// Runs the dry run with `env`: exit status, combined output, and the OUT folder.
 fn dry_run(name: &str, env: &[(&str, &str)]) -> (i32, String, PathBuf) {
+    dry_run_with(name, &[], env)
+}
+
+/// As [`dry_run`], with more arguments after `--dry-run`.
+fn dry_run_with(name: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, String, PathBuf) {
     let out = common::scratch(&["device_check", name]);
     let _ = std::fs::remove_dir_all(&out);
     let output = Command::new("bash")
         .arg(script())
         .arg("--dry-run")
+        .args(args)
+        .env_remove("MORI_TP_DRY_RUN_SKIP")
+        .env_remove("MORI_TP_DRY_RUN_GLIBC")
         .env("OUT", &out)
         .env("MORI_TP_LIB", built_library())
         .env_remove("MORI_TP_DRY_RUN_FAIL")
@@ -88,6 +96,7 @@ fn the_device_check_dry_run_runs_every_step_and_writes_its_tables() {
         "environment",
         "build",
         "device_test",
+        "driver_cases",
         "device_tensors",
         "bench",
         "sanitizer",
@@ -133,6 +142,113 @@ fn the_device_check_fails_when_a_step_fails() {
 }
 
 /// The code of a C or C++ source: comments, string and character literals blanked out.
+/// Issue 45.7: glibc older than 2.34 fails the environment step, naming both versions.
+#[test]
+fn the_device_check_refuses_a_glibc_older_than_2_34() {
+    let (status, text, out) = dry_run("glibc", &[("MORI_TP_DRY_RUN_GLIBC", "2.31")]);
+    assert_eq!(status, 1, "{text}");
+    if !cfg!(feature = "cuda") {
+        return; // the library check fails first
+    }
+    assert!(
+        text.contains("FAIL: glibc 2.31 is older than 2.34"),
+        "{text}"
+    );
+    let summary = std::fs::read_to_string(out.join("summary.txt")).expect("summary.txt");
+    assert!(
+        summary
+            .lines()
+            .any(|l| l.starts_with("environment") && l.contains("FAIL")),
+        "{summary}"
+    );
+    let (status, text, _) = dry_run("glibc_new", &[("MORI_TP_DRY_RUN_GLIBC", "2.36")]);
+    assert_eq!(status, 0, "{text}");
+    assert!(
+        text.contains("glibc: 2.36 (the library needs 2.34 or later)"),
+        "{text}"
+    );
+}
+
+/// Issue 45.7: a step that exits 77 (the Python step without torch or CuPy) is a SKIP, and a
+/// FAIL under --require.
+#[test]
+fn under_require_a_skipped_python_step_fails() {
+    if !cfg!(feature = "cuda") {
+        return; // the library check fails first
+    }
+    let skip = [("MORI_TP_DRY_RUN_SKIP", "device_tensors")];
+    let (status, text, out) = dry_run("skip", &skip);
+    assert_eq!(status, 0, "{text}");
+    let summary = std::fs::read_to_string(out.join("summary.txt")).expect("summary.txt");
+    assert!(
+        summary
+            .lines()
+            .any(|l| l.starts_with("device_tensors") && l.contains("SKIP")),
+        "{summary}"
+    );
+    let (status, text, out) = dry_run_with("require", &["--require"], &skip);
+    assert_eq!(status, 1, "{text}");
+    let summary = std::fs::read_to_string(out.join("summary.txt")).expect("summary.txt");
+    assert!(
+        summary.lines().any(|l| l.starts_with("device_tensors")
+            && l.contains("FAIL")
+            && l.contains("under --require")),
+        "{summary}"
+    );
+}
+
+/// Issue 45.7: compute-sanitizer is found in a pip wheel's tree (the `nvidia` namespace package)
+/// and under CONDA_PREFIX, not only on PATH or beside nvcc.
+#[test]
+fn the_device_check_finds_compute_sanitizer_in_pip_and_conda_trees() {
+    let scratch = common::scratch(&["device_check", "sanitizer_trees"]);
+    let _ = std::fs::remove_dir_all(&scratch);
+    let place = |path: PathBuf| {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, "#!/bin/sh\nexit 0\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    };
+    let pip = place(scratch.join("site/nvidia/cu13/compute-sanitizer/compute-sanitizer"));
+    let conda = place(scratch.join("conda/bin/compute-sanitizer"));
+    let find = |env: &[(&str, &std::ffi::OsStr)]| {
+        let output = Command::new("bash")
+            .arg(script())
+            .arg("--find-sanitizer")
+            .env("PATH", "/usr/bin:/bin")
+            .env("NVCC_FOUND", "/nonexistent/nvcc")
+            .env_remove("COMPUTE_SANITIZER")
+            .env_remove("CUDA_HOME")
+            .env_remove("CUDA_PATH")
+            .env_remove("CONDA_PREFIX")
+            .env_remove("PYTHONPATH")
+            .envs(env.iter().copied())
+            .output()
+            .expect("run bash");
+        String::from_utf8_lossy(&output.stdout).trim().to_string()
+    };
+    if Path::new("/usr/bin/compute-sanitizer").exists()
+        || Path::new("/usr/local/cuda/bin/compute-sanitizer").exists()
+    {
+        common::skip(
+            "the_device_check_finds_compute_sanitizer_in_pip_and_conda_trees",
+            "a compute-sanitizer is installed system-wide here",
+        );
+        return;
+    }
+    let site = scratch.join("site");
+    assert_eq!(
+        find(&[("PYTHONPATH", site.as_os_str())]),
+        pip.display().to_string()
+    );
+    let prefix = scratch.join("conda");
+    assert_eq!(
+        find(&[("CONDA_PREFIX", prefix.as_os_str())]),
+        conda.display().to_string()
+    );
+}
+
 fn code_of(source: &str) -> String {
     let bytes = source.as_bytes();
     let mut out = String::with_capacity(source.len());

@@ -15,6 +15,7 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
+    Dict,
     List,
     NamedTuple,
     NoReturn,
@@ -531,6 +532,24 @@ _BACKENDS = {
     "hip": _ffi.MORI_BACKEND_HIP,
     "cuda": _ffi.MORI_BACKEND_CUDA,
 }
+
+
+def gpu_counters(backend: str) -> Dict[str, int]:
+    """What the GPU backend ``"cuda"`` or ``"hip"`` did in this process
+    (``mori_tp_gpu_counters_get``): ``kernel_launches``, and ``fallbacks``, the calls that chose or
+    asked for the copy kernel but took the per-rect copies, with the same count per reason
+    (``fallbacks_unloadable``, ``fallbacks_busy``, ``fallbacks_context``, ``fallbacks_capture``,
+    ``fallbacks_memory``) and ``load_failures`` of the kernel. Loads no driver; all zeros before
+    the backend's first use. Raises BackendUnavailableError when the backend is not built in,
+    InvalidArgumentError for another backend."""
+    where = "gpu_counters"
+    if backend not in ("cuda", "hip"):
+        raise InvalidArgumentError(f"{where}: backend {backend!r} is not 'cuda' or 'hip'")
+    out = _ffi.MoriTpGpuCounters()
+    status = _lib.mori_tp_gpu_counters_get(_BACKENDS[backend], ctypes.byref(out))
+    if status != 0:
+        _raise_last(status)
+    return {name: int(getattr(out, name)) for name, _ in _ffi.MoriTpGpuCounters._fields_}
 
 
 def _pointer_array(pointers: Sequence[int], name: str, where: str) -> Any:

@@ -227,6 +227,19 @@ class MoriTpPoolInfo(ctypes.Structure):
     ]
 
 
+class MoriTpGpuCounters(ctypes.Structure):
+    _fields_ = [
+        ("kernel_launches", ctypes.c_uint64),
+        ("fallbacks", ctypes.c_uint64),
+        ("fallbacks_unloadable", ctypes.c_uint64),
+        ("fallbacks_busy", ctypes.c_uint64),
+        ("fallbacks_context", ctypes.c_uint64),
+        ("fallbacks_capture", ctypes.c_uint64),
+        ("fallbacks_memory", ctypes.c_uint64),
+        ("load_failures", ctypes.c_uint64),
+    ]
+
+
 # MoriTpPoolMemory values and MoriTpPoolInfo.flags bits.
 MORI_TP_POOL_HOST = 0
 MORI_TP_POOL_DEVICE = 1
@@ -248,6 +261,7 @@ EXPECTED_SIZES = {
     MoriTpPoolOptions: 24,
     MoriTpSlot: 24,
     MoriTpPoolInfo: 80,
+    MoriTpGpuCounters: 64,
     MoriTpGroup: 232,
     MoriTpGroupInfo: 40,
     MoriTpGroupsTotal: 40,
@@ -528,6 +542,7 @@ SIGNATURES = {
     ),
     "mori_tp_pool_free": (_STATUS, [ctypes.c_uint64, ctypes.c_uint64]),
     "mori_tp_pool_info": (_STATUS, [ctypes.c_uint64, ctypes.POINTER(MoriTpPoolInfo)]),
+    "mori_tp_gpu_counters_get": (_STATUS, [ctypes.c_uint32, ctypes.POINTER(MoriTpGpuCounters)]),
     "mori_tp_pool_destroy": (_STATUS, [ctypes.c_uint64]),
     "mori_tp_status_name": (ctypes.c_char_p, [_STATUS]),
     "mori_tp_last_error_message": (ctypes.c_char_p, []),

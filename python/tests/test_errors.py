@@ -256,6 +256,27 @@ class SendRefusalsTest(ErrorTestCase):
         self.assertRefusedUnchanged(mori_tp.BackendUnavailableError, ["HIP"], backend="hip")
 
 
+class GpuCountersTest(ErrorTestCase):
+    def test_gpu_counters_are_zero_before_use_and_refuse_other_backends(self):
+        # Read without loading a driver: this process sends on no GPU backend.
+        names = [name for name, _ in _ffi.MoriTpGpuCounters._fields_]
+        self.assertEqual(ctypes.sizeof(_ffi.MoriTpGpuCounters), 8 * len(names))
+        for backend in ("cuda", "hip"):
+            try:
+                counters = mori_tp.gpu_counters(backend)
+            except mori_tp.BackendUnavailableError as error:
+                self.assertIn("not built in", error.message)
+                continue
+            self.assertEqual(counters, dict.fromkeys(names, 0))
+        self.assertRaisesNaming(
+            mori_tp.InvalidArgumentError, ["'host'", "'cuda' or 'hip'"], mori_tp.gpu_counters, "host"
+        )
+        out = _ffi.MoriTpGpuCounters()
+        status = mori_tp._lib.mori_tp_gpu_counters_get(_ffi.MORI_BACKEND_HOST, ctypes.byref(out))
+        self.assertEqual(status, mori_tp.InvalidArgumentError.code)
+        self.assertIn("GPU backends", mori_tp._lib.mori_last_error_message().decode())
+
+
 class StatusTableTest(unittest.TestCase):
     def test_every_status_code_maps_to_the_class_the_library_names(self):
         for code in range(1, 12):

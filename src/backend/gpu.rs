@@ -78,6 +78,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::copy_kernel::{BLOCK_THREADS, KERNEL_NAME, KernelArgs, KernelTable, block_limit};
@@ -224,7 +225,6 @@ pub struct Api {
     pub event_disable_timing: &'static str,
     pub event_record: &'static str,
     pub event_query: &'static str,
-    pub event_synchronize: &'static str,
     /// What an address is asked about with.
     pub pointer_attributes: &'static str,
     /// The allocation around an address is asked for with.
@@ -282,7 +282,6 @@ pub const HIP_API: Api = Api {
     event_disable_timing: "hipEventDisableTiming",
     event_record: "hipEventRecord",
     event_query: "hipEventQuery",
-    event_synchronize: "hipEventSynchronize",
     pointer_attributes: "hipPointerGetAttributes",
     address_range: "hipMemGetAddressRange",
     memcpy_htod_async: "hipMemcpyAsync",
@@ -323,7 +322,7 @@ pub const CUDA_API: Api = Api {
     stream_create: "cuStreamCreate",
     stream_non_blocking: "CU_STREAM_NON_BLOCKING",
     stream_wait_event: "cuStreamWaitEvent",
-    module_load_data: "cuModuleLoadData",
+    module_load_data: "cuModuleLoadDataEx",
     module_get_function: "cuModuleGetFunction",
     module_unload: "cuModuleUnload",
     launch_kernel: "cuLaunchKernel",
@@ -338,7 +337,6 @@ pub const CUDA_API: Api = Api {
     event_disable_timing: "CU_EVENT_DISABLE_TIMING",
     event_record: "cuEventRecord",
     event_query: "cuEventQuery",
-    event_synchronize: "cuEventSynchronize",
     pointer_attributes: "cuPointerGetAttributes",
     address_range: "cuMemGetAddressRange",
     memcpy_htod_async: "cuMemcpyHtoDAsync",
@@ -564,14 +562,49 @@ pub trait GpuRuntime {
     /// `event` must be a live event.
     unsafe fn event_query(&self, event: *mut c_void) -> Result<bool, GpuStatus>;
 
-    /// `hipEventSynchronize(event)`: waits for the work before its last record.
+    /// `hipPointerGetAttributes(&attributes, pointer)`, asked where a kernel on `device` would
+    /// use the memory (CUDA: in `device`'s primary context, since
+    /// `CU_POINTER_ATTRIBUTE_DEVICE_POINTER` is the address "through which ptr may be accessed by
+    /// kernels running in the current CUcontext", Driver API reference, cuPointerGetAttribute).
+    fn pointer_info(&self, pointer: *const c_void, device: i32) -> Result<PointerInfo, GpuStatus>;
+
+    /// The identity of the allocation that holds `pointer`, unique within the process for the
+    /// allocation's life (CUDA: `CU_POINTER_ATTRIBUTE_BUFFER_ID`, asked as for
+    /// [`GpuRuntime::pointer_info`]), so that an address freed and reused for other memory is
+    /// told apart from the allocation the engine classified. `Ok(None)` where the runtime has
+    /// none or does not know the memory: the engine then asks [`GpuRuntime::pointer_info`]
+    /// about the base on every call (the HIP runtime does this).
+    fn allocation_id(&self, pointer: *const c_void, device: i32) -> Result<Option<u64>, GpuStatus> {
+        let _ = (pointer, device);
+        Ok(None)
+    }
+
+    /// What the runtime's compiler wrote about this thread's last failed
+    /// [`GpuRuntime::module_load_data`] (CUDA: the JIT's error and info logs,
+    /// `CU_JIT_ERROR_LOG_BUFFER` and `CU_JIT_INFO_LOG_BUFFER` of `cuModuleLoadDataEx`); empty when
+    /// it wrote nothing.
+    fn module_load_log(&self) -> String {
+        String::new()
+    }
+
+    /// True when the library's copy kernel cannot run on `stream` (NULL: the thread's default
+    /// stream) because the stream belongs to a context other than its device's primary one,
+    /// where the kernel is loaded (CUDA: a context made with `cuCtxCreate`, or the NULL stream
+    /// while such a context is current). HIP has no such contexts.
     ///
     /// # Safety
-    /// `event` must be a live event.
-    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), GpuStatus>;
+    /// `stream` must be NULL or a live stream.
+    unsafe fn foreign_context(&self, stream: *mut c_void) -> Result<bool, GpuStatus> {
+        let _ = stream;
+        Ok(false)
+    }
 
-    /// `hipPointerGetAttributes(&attributes, pointer)`.
-    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, GpuStatus>;
+    /// The largest pitch a 2D copy takes on the current device (CUDA:
+    /// `CU_DEVICE_ATTRIBUTE_MAX_PITCH`; "cuMemcpy2D() returns an error if any pitch is greater
+    /// than the maximum allowed"), or `Ok(None)` where the runtime states none.
+    fn max_pitch(&self) -> Result<Option<usize>, GpuStatus> {
+        Ok(None)
+    }
 
     /// `hipMemGetAddressRange(&base, &size, pointer)` (`cuMemGetAddressRange`): the device
     /// allocation that holds `pointer`, as its base address and size.
@@ -699,6 +732,26 @@ impl<T> GpuResult<T> for Result<T, GpuStatus> {
     }
 }
 
+/// What a failed load of the copy kernel with `status` most likely means, and what to do.
+fn load_hint(api: &Api, status: GpuStatus) -> String {
+    match status.0 {
+        2 => "the device's memory is full (the driver needs room to load the module: a KV cache \
+              or pool may hold all of it); free some, and mori-tp loads the kernel on a later \
+              call"
+            .to_string(),
+        221 if api.backend == "CUDA" => "the driver's PTX JIT compiler \
+              (libnvidia-ptxjitcompiler.so.1) is missing: it ships with the NVIDIA driver, and a \
+              container needs the driver's compute libraries mounted (NVIDIA_DRIVER_CAPABILITIES \
+              with compute)"
+            .to_string(),
+        s if PERMANENT_LOAD_FAILURES.contains(&s) => api.kernel_load_note.to_string(),
+        _ => format!(
+            "an unexpected failure of {}; mori-tp tries again on a later call",
+            api.module_load_data
+        ),
+    }
+}
+
 /// Ok with the device count when the runtime has at least one device, else why not.
 pub(crate) fn require_device<R: GpuRuntime>(runtime: &R) -> Result<i32> {
     let api = runtime.api();
@@ -790,11 +843,6 @@ struct Slot {
     stream: Option<usize>,
     /// When the pair was last used (the device's call counter).
     used: u64,
-    /// A call waits for `done` with the state unlocked: nobody else takes the pair meanwhile.
-    reserved: bool,
-    /// Its fence could not be recorded: nobody can tell when it is idle, so it is never used
-    /// again.
-    broken: bool,
 }
 
 /// A caller's stream with table buffers in flight on one device: its relay, a non-blocking
@@ -807,8 +855,6 @@ struct Lane {
     relay: usize,
     mark: usize,
     used: u64,
-    /// Calls waiting for one of this stream's pairs, with the state unlocked.
-    waiters: u32,
 }
 
 /// How the kernel reaches a buffer base found to be device memory.
@@ -850,11 +896,19 @@ pub struct DeviceKernel {
     /// The reset sentinel's address and the size the runtime reported for it.
     sentinel: Option<(usize, usize)>,
     slots: Vec<Slot>,
+    /// Pairs whose fence could not be recorded, with the stream of that call: nobody can tell
+    /// when they are idle, so they are out of the ring (and do not count against
+    /// [`MAX_TABLE_SLOTS`]) until a later call on the same stream records its fence: a stream
+    /// runs its work in order, so a fence recorded after that call's passes after the broken
+    /// call too, and the pair comes back with it.
+    broken: Vec<Slot>,
     lanes: Vec<Lane>,
     spares: Spares,
     /// Calls that took a pair (orders the pairs and lanes by last use).
     calls: u64,
-    known: HashMap<usize, Reach>,
+    /// Bases found to be device memory, with the identity of the allocation they were found in
+    /// ([`GpuRuntime::allocation_id`]): a base whose allocation changed is classified again.
+    known: HashMap<usize, (u64, Reach)>,
     /// An event of this device, recorded on a caller's stream to check that the stream belongs
     /// to the device where the runtime cannot say (no `hipStreamGetDevice`); made on first use.
     probe: Option<usize>,
@@ -870,13 +924,12 @@ const MAX_REMEMBERED_BASES: usize = 1 << 16;
 #[derive(Debug)]
 enum Entry {
     Ready(Arc<Mutex<DeviceKernel>>),
-    /// The load failed; the error is returned again without retrying (the kernel bundle does
-    /// not change while the process runs).
+    /// The load failed for a reason that does not change while the process runs (the image has
+    /// no code for the device, or no kernel): the error is returned again without retrying.
     Failed(Error),
 }
 
-/// The kernel of a device: its state, or why it cannot be loaded there (no code object for the
-/// device, or a module without the kernel), which does not change while the process runs.
+/// The kernel of a device: its state, or why it cannot be loaded there now.
 #[derive(Debug)]
 enum Kernel {
     Ready(Arc<Mutex<DeviceKernel>>),
@@ -892,18 +945,130 @@ impl Entry {
     }
 }
 
-/// The copy kernel's state per device, for the life of the process.
+/// Why a kernel call took the per-rect copies instead ([`GpuCounters`] counts each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fallback {
+    /// The kernel could not be loaded on the device (now, or for the process).
+    Unloadable,
+    /// Every lane or table buffer of the device was busy.
+    Busy,
+    /// The stream belongs to a context other than its device's primary one (CUDA).
+    Context,
+    /// The stream is capturing a graph, and the launch could not be captured safely.
+    Capture,
+    /// A buffer is memory the kernel may not reach, or the stream's device is not known.
+    Memory,
+}
+
+impl Fallback {
+    const ALL: [Fallback; 5] = [
+        Fallback::Unloadable,
+        Fallback::Busy,
+        Fallback::Context,
+        Fallback::Capture,
+        Fallback::Memory,
+    ];
+}
+
+/// What one runtime's engines did in this process ([`KernelCache::counters`]): the copy
+/// kernel's launches, the calls that took the per-rect copies instead of it (in all and per
+/// [`Fallback`]), and the failed loads of the kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuCounters {
+    /// Copy-kernel launches that the runtime accepted.
+    pub kernel_launches: u64,
+    /// Calls that chose or asked for the kernel and took the per-rect copies: the sum of the
+    /// five below.
+    pub fallbacks: u64,
+    /// ... because the kernel could not be loaded.
+    pub fallbacks_unloadable: u64,
+    /// ... because every lane or table buffer of the device was busy.
+    pub fallbacks_busy: u64,
+    /// ... because the stream is of a context other than its device's primary one.
+    pub fallbacks_context: u64,
+    /// ... because the stream was capturing a graph.
+    pub fallbacks_capture: u64,
+    /// ... because a buffer was memory the kernel may not reach (or the stream's device unknown).
+    pub fallbacks_memory: u64,
+    /// Failed loads of the copy kernel (each retried one counts).
+    pub load_failures: u64,
+}
+
+/// The counters behind [`GpuCounters`], and whether each fallback was logged yet.
+#[derive(Debug, Default)]
+struct Counters {
+    launches: AtomicU64,
+    fallbacks: [AtomicU64; 5],
+    logged: [AtomicBool; 5],
+    load_failures: AtomicU64,
+}
+
+/// The copy kernel's state per device, for the life of the process, and its counters.
 #[derive(Debug, Default)]
 pub struct KernelCache {
     devices: Mutex<Vec<(i32, Entry)>>,
+    counters: Counters,
 }
+
+/// Statuses of a load that no retry changes: the image itself does not suit the device
+/// (`hipErrorInvalidImage` / `CUDA_ERROR_INVALID_IMAGE` 200, `..NoBinaryForGpu` 209,
+/// `..InvalidKernelFile` / `CUDA_ERROR_INVALID_PTX` 218, `CUDA_ERROR_UNSUPPORTED_PTX_VERSION`
+/// 222; HIP and CUDA share these numbers). Every other failure (out of memory above all) is
+/// tried again on a later call.
+const PERMANENT_LOAD_FAILURES: [i32; 4] = [200, 209, 218, 222];
 
 impl KernelCache {
     /// An empty cache.
     pub const fn new() -> Self {
         KernelCache {
             devices: Mutex::new(Vec::new()),
+            counters: Counters {
+                launches: AtomicU64::new(0),
+                fallbacks: [const { AtomicU64::new(0) }; 5],
+                logged: [const { AtomicBool::new(false) }; 5],
+                load_failures: AtomicU64::new(0),
+            },
         }
+    }
+
+    /// The counters now.
+    pub fn counters(&self) -> GpuCounters {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let per = |f: Fallback| get(&c.fallbacks[f as usize]);
+        GpuCounters {
+            kernel_launches: get(&c.launches),
+            fallbacks: c.fallbacks.iter().map(get).sum(),
+            fallbacks_unloadable: per(Fallback::Unloadable),
+            fallbacks_busy: per(Fallback::Busy),
+            fallbacks_context: per(Fallback::Context),
+            fallbacks_capture: per(Fallback::Capture),
+            fallbacks_memory: per(Fallback::Memory),
+            load_failures: get(&c.load_failures),
+        }
+    }
+
+    /// Counts one fallback for `why`, and logs the first of each kind as a warning (later ones
+    /// at the debug level), so that no path change is silent.
+    fn fall_back(&self, kind: Fallback, api: &Api, stream: *mut c_void, why: &str) {
+        debug_assert!(Fallback::ALL.contains(&kind));
+        let c = &self.counters;
+        c.fallbacks[kind as usize].fetch_add(1, Ordering::Relaxed);
+        if !c.logged[kind as usize].swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "mori-tp ({}): stream {stream:p} takes the per-rect copies instead of the copy \
+                 kernel: {why} (logged once per reason; mori_tp_gpu_counters_get counts every \
+                 such call)",
+                api.backend
+            );
+        } else {
+            log::debug!("stream {stream:p}: per-rect copies instead of the copy kernel: {why}");
+        }
+    }
+
+    /// Counts a launch the runtime accepted.
+    fn launched(&self) {
+        self.counters.launches.fetch_add(1, Ordering::Relaxed);
     }
 
     /// What is cached for `device`, if anything.
@@ -914,12 +1079,18 @@ impl KernelCache {
             .map(|(_, entry)| entry.kernel())
     }
 
-    /// The kernel cached for `device`, or the one `load` returns, which is cached; so is a
-    /// failure, which later calls get again. `load` is the load itself (`hipModuleLoadData`,
-    /// `hipModuleGetFunction`), whose failure does not change while the process runs; what
-    /// surrounds it (making the device current) stays outside, so that a failure there is not
-    /// cached. Loads are serialised: they are rare.
-    fn get_or_load(&self, device: i32, load: impl FnOnce() -> Result<DeviceKernel>) -> Kernel {
+    /// The kernel cached for `device`, or the one `load` returns, which is cached. A failure
+    /// is cached only when no retry can change it ([`PERMANENT_LOAD_FAILURES`], or a module
+    /// without the kernel); any other (out of memory, a missing JIT library) is returned and
+    /// the next call loads again. `load` is the load itself (`hipModuleLoadData`,
+    /// `hipModuleGetFunction`); what surrounds it (making the device current) stays outside.
+    /// Loads are serialised: they are rare.
+    fn get_or_load(
+        &self,
+        device: i32,
+        api: &Api,
+        load: impl FnOnce() -> Result<DeviceKernel>,
+    ) -> Kernel {
         let mut devices = lock(&self.devices);
         if let Some((_, entry)) = devices.iter().find(|(d, _)| *d == device) {
             return entry.kernel();
@@ -927,11 +1098,24 @@ impl KernelCache {
         let entry = match load() {
             Ok(kernel) => Entry::Ready(Arc::new(Mutex::new(kernel))),
             Err(mut error) => {
+                self.counters.load_failures.fetch_add(1, Ordering::Relaxed);
+                let permanent = match &error {
+                    Error::Gpu { call, status, .. } => {
+                        *call == api.module_get_function || PERMANENT_LOAD_FAILURES.contains(status)
+                    }
+                    _ => false,
+                };
                 if let Error::Gpu { message, .. } = &mut error {
-                    message.push_str(
-                        " (mori-tp loads the copy kernel once per device per process and does \
-                         not retry)",
-                    );
+                    message.push_str(if permanent {
+                        " (no retry can change this: mori-tp does not load the copy kernel on \
+                         this device again in this process)"
+                    } else {
+                        " (mori-tp tries to load the copy kernel again on the next call)"
+                    });
+                }
+                log::warn!("mori-tp: {error}");
+                if !permanent {
+                    return Kernel::Unloadable(error);
                 }
                 Entry::Failed(error)
             }
@@ -968,8 +1152,8 @@ enum Plan {
     /// Launch on the lane at this index with the pair at that index, idle now (the state stays
     /// locked until the fence is recorded).
     Launch { lane: usize, slot: usize },
-    /// [`CopyPath::Auto`] only: the per-rect copies, for this reason.
-    PerRect(String),
+    /// The per-rect copies, for this reason.
+    PerRect(Fallback, String),
 }
 
 /// Issues one copy-kernel launch per call or one `hipMemcpy2DAsync` per (buffer, rect), on one
@@ -988,7 +1172,9 @@ impl<R: GpuRuntime> GpuEngine<R> {
     /// refuses with [`Error::BackendUnavailable`] when the runtime has no device.
     /// `options.backend` is not consulted: choosing the backend is [`super::open_engine`]'s job.
     pub fn new(runtime: R, options: &SendOptions) -> Result<Self> {
+        refuse_forked_child(runtime.api())?;
         require_device(&runtime)?;
+        arm_fork_guard();
         Ok(GpuEngine {
             runtime,
             stream: options.stream,
@@ -1036,6 +1222,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
     /// As for [`CopyEngine::run`].
     unsafe fn run_rects(&self, job: &CopyJob<'_>) -> Result<()> {
         let (buffers, rects) = (job.num_buffers(), job.num_rects());
+        self.check_pitches(job)?;
         for (buffer, (src, dst)) in job.buffers().enumerate() {
             for (index, rect) in job.rects().enumerate() {
                 // wrapping_add: the bases are usually device addresses, which Rust knows nothing
@@ -1076,6 +1263,43 @@ impl<R: GpuRuntime> GpuEngine<R> {
             }
         }
         self.finish()
+    }
+
+    /// Refuses, before anything is enqueued, a job with a rect whose pitch the runtime's 2D
+    /// copy does not take (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`), naming the rect, its pitches and
+    /// the limit.
+    fn check_pitches(&self, job: &CopyJob<'_>) -> Result<()> {
+        let Some(max) =
+            self.runtime
+                .max_pitch()
+                .or_gpu(&self.runtime, self.api().memcpy_2d_async, || {
+                    Context::default().note(" (asking the device's largest 2D-copy pitch)")
+                })?
+        else {
+            return Ok(());
+        };
+        let over = job
+            .rects()
+            .enumerate()
+            .find(|(_, rect)| size(rect.src_pitch) > max || size(rect.dst_pitch) > max);
+        let Some((index, rect)) = over else {
+            return Ok(());
+        };
+        let refused = GpuStatus::ERROR_INVALID_VALUE;
+        Err(Context::args(format!(
+            "(dpitch {}, spitch {}, width {}, height {})",
+            rect.dst_pitch, rect.src_pitch, rect.width, rect.height
+        ))
+        .note(format!(
+            ": rect {index} of {} has a pitch above the device's largest 2D-copy pitch, {max} \
+             bytes (the driver's maximum pitch attribute), which the per-rect copies cannot \
+             take; refused as {} before anything was enqueued: send with \
+             MORI_SEND_COPY_KERNEL (the kernel has no such limit)",
+            job.num_rects(),
+            describe(&self.runtime, refused)
+        ))
+        .at(0, Some(index))
+        .error(self.api().memcpy_2d_async, refused, self.api().success))
     }
 
     /// Waits for the stream when the caller asked to synchronize.
@@ -1208,22 +1432,30 @@ impl<R: GpuRuntime> GpuEngine<R> {
     fn load_here(&self, device: i32) -> Result<DeviceKernel> {
         let image = self.runtime.kernel_image();
         // SAFETY: the image is the kernel bundle build.rs embedded (or the test runtime's).
-        let module = unsafe { self.runtime.module_load_data(image.bytes) }.or_gpu(
-            &self.runtime,
-            self.api().module_load_data,
-            || {
-                Context::args(format!(
-                    "(copy kernel, {} bytes) on device {device}",
-                    image.bytes.len()
-                ))
-                .note(format!(
-                    " (this libmori_tp's copy kernel holds {} {}; {})",
-                    self.api().kernel_image_what,
-                    image.targets,
-                    self.api().kernel_load_note
-                ))
-            },
-        )?;
+        let module = unsafe { self.runtime.module_load_data(image.bytes) }.map_err(|status| {
+            let log = self.runtime.module_load_log();
+            let log = log.trim();
+            let log = if log.is_empty() {
+                String::new()
+            } else {
+                format!("; the driver's log: {log}")
+            };
+            Context::args(format!(
+                "(copy kernel, {} bytes) on device {device}",
+                image.bytes.len()
+            ))
+            .note(format!(
+                " (this libmori_tp's copy kernel holds {} {}; {}{log})",
+                self.api().kernel_image_what,
+                image.targets,
+                load_hint(self.api(), status)
+            ))
+            .error(
+                self.api().module_load_data,
+                status,
+                &describe(&self.runtime, status),
+            )
+        })?;
         // SAFETY: `module` was just loaded, on the current device.
         let function = unsafe { self.runtime.module_get_function(module, KERNEL_NAME) };
         let function = function.or_gpu(&self.runtime, self.api().module_get_function, || {
@@ -1236,6 +1468,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
                 resident: unsafe { self.runtime.resident_blocks(function) },
                 sentinel: None,
                 slots: Vec::new(),
+                broken: Vec::new(),
                 lanes: Vec::new(),
                 spares: Spares::default(),
                 calls: 0,
@@ -1269,7 +1502,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
         let load = || match cache.cached(at.device) {
             Some(cached) => Ok(cached),
             None => self.on_device(at, || {
-                Ok(cache.get_or_load(at.device, || self.load_here(at.device)))
+                Ok(cache.get_or_load(at.device, self.api(), || self.load_here(at.device)))
             }),
         };
         for _ in 0..2 {
@@ -1372,8 +1605,9 @@ impl<R: GpuRuntime> GpuEngine<R> {
     /// Whether the kernel can reach every buffer of `job`: `Ok(true)` when it can, `Ok(false)`
     /// when [`CopyPath::Auto`] should take the per-rect copies instead, and with
     /// `MORI_SEND_COPY_KERNEL` an error naming the buffer. A base found to be device memory is
-    /// not asked about again (a device address is not reused for host memory); host memory is
-    /// asked about on every call, since its address may come back as pageable memory.
+    /// remembered with its allocation's identity ([`GpuRuntime::allocation_id`]) and classified
+    /// again when that identity changed (the address was freed and reused, for host memory or
+    /// another device's) or cannot be told; host memory is asked about on every call.
     fn check_reachable(
         &self,
         state: &mut DeviceKernel,
@@ -1382,15 +1616,33 @@ impl<R: GpuRuntime> GpuEngine<R> {
     ) -> Result<bool> {
         for (buffer, (src, dst)) in job.buffers().enumerate() {
             for (side, base) in [("source", src as usize), ("destination", dst as usize)] {
-                let reach = match state.known.get(&base) {
-                    Some(&reach) => Some(reach),
+                // A failure to tell the identity only costs the full check.
+                let id = self
+                    .runtime
+                    .allocation_id(base as *const c_void, at.device)
+                    .ok()
+                    .flatten();
+                let known = id.and_then(|id| {
+                    state
+                        .known
+                        .get(&base)
+                        .filter(|(known, _)| *known == id)
+                        .map(|&(_, reach)| reach)
+                });
+                let reach = match known {
+                    Some(reach) => Some(reach),
                     None => match self.check_base(at, side, buffer, base) {
                         Ok(reach) => {
-                            if let Some(reach) = reach {
-                                if state.known.len() >= MAX_REMEMBERED_BASES {
-                                    state.known.clear();
+                            match (reach, id) {
+                                (Some(reach), Some(id)) => {
+                                    if state.known.len() >= MAX_REMEMBERED_BASES {
+                                        state.known.clear();
+                                    }
+                                    state.known.insert(base, (id, reach));
                                 }
-                                state.known.insert(base, reach);
+                                _ => {
+                                    state.known.remove(&base);
+                                }
                             }
                             reach
                         }
@@ -1429,10 +1681,10 @@ impl<R: GpuRuntime> GpuEngine<R> {
              MORI_SEND_COPY_KERNEL",
             api.host_malloc, api.host_get_device_pointer
         );
-        let info = self.runtime.pointer_info(base as *const c_void).or_gpu(
-            &self.runtime,
-            self.api().pointer_attributes,
-            || {
+        let info = self
+            .runtime
+            .pointer_info(base as *const c_void, at.device)
+            .or_gpu(&self.runtime, self.api().pointer_attributes, || {
                 Context::args(args())
                     .note(format!(
                         ": the {} runtime does not know this memory (pageable host memory?); \
@@ -1440,8 +1692,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
                         api.backend
                     ))
                     .at(buffer, None)
-            },
-        )?;
+            })?;
         let why = if info.device_pointer.is_null() {
             "host memory that no device can address (not pinned)".to_string()
         } else if info.host_pointer as usize == base && info.device_pointer as usize != base {
@@ -1523,13 +1774,10 @@ impl<R: GpuRuntime> GpuEngine<R> {
                 relay,
                 mark,
                 used: 0,
-                waiters: 0,
             });
             return Ok(Some(state.lanes.len() - 1));
         }
-        let mut order: Vec<usize> = (0..state.lanes.len())
-            .filter(|&l| state.lanes[l].waiters == 0)
-            .collect();
+        let mut order: Vec<usize> = (0..state.lanes.len()).collect();
         order.sort_by_key(|&l| state.lanes[l].used);
         for lane in order {
             let old = state.lanes[lane].stream;
@@ -1547,7 +1795,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
     /// True when every pair last used by `stream` is idle.
     fn stream_idle(&self, state: &DeviceKernel, stream: usize) -> Result<bool> {
         for slot in state.slots.iter().filter(|s| s.stream == Some(stream)) {
-            if slot.reserved || !self.slot_idle(slot)? {
+            if !self.slot_idle(slot)? {
                 return Ok(false);
             }
         }
@@ -1582,34 +1830,32 @@ impl<R: GpuRuntime> GpuEngine<R> {
     /// Where the call can launch: the stream's lane and an idle pair of at least `bytes`, or
     /// why not. In order: an idle pair that is big enough, the least recently used first; a new
     /// pair while the device has fewer than [`MAX_TABLE_SLOTS`]; an idle pair that is too small,
-    /// replaced by a bigger one (the small one kept as a spare); a wait, with the state unlocked,
-    /// for the least recently used pair of the caller's own stream that is big enough. Returns
-    /// the state locked again.
-    fn plan_launch<'k>(
+    /// replaced by a bigger one (the small one kept as a spare). When every pair is busy, the
+    /// per-rect copies: the call never waits, least of all for its own stream, whose progress
+    /// may depend on what the caller does after this call returns (a `cuStreamWaitValue32` on a
+    /// flag the calling thread raises later would make such a wait a deadlock). Idleness is only
+    /// asked (`hipEventQuery`), never waited for.
+    fn plan_launch(
         &self,
-        kernel: &'k Mutex<DeviceKernel>,
-        mut state: MutexGuard<'k, DeviceKernel>,
+        state: &mut DeviceKernel,
         at: LaunchDevice,
         bytes: usize,
-    ) -> Result<(MutexGuard<'k, DeviceKernel>, Plan)> {
-        let Some(lane) = self.lane_for(&mut state, at)? else {
+    ) -> Result<Plan> {
+        let Some(lane) = self.lane_for(state, at)? else {
             let why = format!(
                 "all {MAX_LANES} lanes of device {} have copies in flight",
                 at.device
             );
-            return Ok((state, Plan::PerRect(why)));
+            return Ok(Plan::PerRect(Fallback::Busy, why));
         };
-        let key = self.stream_key();
-        let mut usable: Vec<usize> = (0..state.slots.len())
-            .filter(|&i| !state.slots[i].reserved && !state.slots[i].broken)
-            .collect();
+        let mut usable: Vec<usize> = (0..state.slots.len()).collect();
         usable.sort_by_key(|&i| state.slots[i].used);
-        let (big, small): (Vec<usize>, Vec<usize>) = usable
+        let (big, mut small): (Vec<usize>, Vec<usize>) = usable
             .into_iter()
             .partition(|&i| state.slots[i].capacity >= bytes);
         for &slot in &big {
             if self.slot_idle(&state.slots[slot])? {
-                return Ok((state, Plan::Launch { lane, slot }));
+                return Ok(Plan::Launch { lane, slot });
             }
         }
         let capacity = bytes.max(MIN_TABLE_BYTES).next_power_of_two();
@@ -1636,12 +1882,9 @@ impl<R: GpuRuntime> GpuEngine<R> {
                 done,
                 stream: None,
                 used: 0,
-                reserved: false,
-                broken: false,
             });
-            return Ok((state, Plan::Launch { lane, slot }));
+            return Ok(Plan::Launch { lane, slot });
         }
-        let mut small = small;
         small.sort_by_key(|&i| state.slots[i].capacity);
         for &slot in &small {
             if self.slot_idle(&state.slots[slot])? {
@@ -1656,43 +1899,21 @@ impl<R: GpuRuntime> GpuEngine<R> {
                     capacity,
                     ..old
                 };
-                return Ok((state, Plan::Launch { lane, slot }));
+                return Ok(Plan::Launch { lane, slot });
             }
         }
-        // Every pair is busy: wait for the caller's own stream, never another.
-        let Some(&slot) = big.iter().find(|&&i| state.slots[i].stream == Some(key)) else {
-            let why = format!(
-                "all {MAX_TABLE_SLOTS} table buffers of device {} are busy with other streams' \
-                 copies",
-                at.device
-            );
-            return Ok((state, Plan::PerRect(why)));
-        };
-        state.slots[slot].reserved = true;
-        state.lanes[lane].waiters += 1;
-        let done = state.slots[slot].done;
-        drop(state);
-        // SAFETY: the pair's event, never destroyed; recorded on this stream's relay, which only
-        // waits for this stream.
-        let waited = unsafe { self.runtime.event_synchronize(done as *mut c_void) }.or_gpu(
-            &self.runtime,
-            self.api().event_synchronize,
-            || {
-                Context::args(format!(
-                    "(a copy-kernel table buffer of stream {:p} on device {})",
-                    self.stream, at.device
-                ))
-                .note(format!(
-                    " (all {MAX_TABLE_SLOTS} table buffers were busy; waiting for this stream's \
-                     oldest call)"
-                ))
-            },
+        let own = state
+            .slots
+            .iter()
+            .filter(|s| s.stream == Some(self.stream_key()))
+            .count();
+        let why = format!(
+            "all {MAX_TABLE_SLOTS} table buffers of device {} are busy ({own} with this stream's \
+             earlier calls, which it has not run yet); mori-tp never waits for a stream's \
+             progress inside a call",
+            at.device
         );
-        let mut state = lock(kernel);
-        state.slots[slot].reserved = false;
-        state.lanes[lane].waiters -= 1;
-        waited?;
-        Ok((state, Plan::Launch { lane, slot }))
+        Ok(Plan::PerRect(Fallback::Busy, why))
     }
 
     /// A table buffer pair of at least `capacity` bytes on the current device `at.device`, from
@@ -1743,7 +1964,8 @@ impl<R: GpuRuntime> GpuEngine<R> {
 
     /// After the launch on the caller's stream: the lane's mark recorded there, the relay made
     /// to wait for it, and the pair's `done` recorded on the relay. Without its fence nobody can
-    /// tell when the pair is idle: it is never used again.
+    /// tell when the pair is idle: it leaves the ring until a later call on the same stream is
+    /// fenced (see [`DeviceKernel::broken`]).
     fn fence(&self, state: &mut DeviceKernel, lane: usize, slot: usize) -> Result<()> {
         let Lane { relay, mark, .. } = state.lanes[lane];
         let done = state.slots[slot].done;
@@ -1780,11 +2002,37 @@ impl<R: GpuRuntime> GpuEngine<R> {
         state.calls += 1;
         let calls = state.calls;
         state.lanes[lane].used = calls;
+        let key = self.stream_key();
         let pair = &mut state.slots[slot];
         pair.used = calls;
-        match fenced {
-            Ok(()) => pair.stream = Some(self.stream_key()),
-            Err(_) => pair.broken = true,
+        pair.stream = Some(key);
+        if fenced.is_err() {
+            // Out of the ring until a later fence on this stream passes after it.
+            let pair = state.slots.swap_remove(slot);
+            state.broken.push(pair);
+            return fenced;
+        }
+        // Pairs broken by an earlier call on this stream: their events recorded on the relay
+        // now, behind this call's mark, pass when the stream has run the broken calls too.
+        let mut at = 0;
+        while at < state.broken.len() {
+            let pair = state.broken[at];
+            if pair.stream != Some(key) {
+                at += 1;
+                continue;
+            }
+            // SAFETY: the pair's event and the lane's relay, as above.
+            let recorded = unsafe {
+                self.runtime
+                    .event_record(pair.done as *mut c_void, relay as *mut c_void)
+            };
+            if recorded.is_err() {
+                at += 1;
+                continue;
+            }
+            let mut pair = state.broken.swap_remove(at);
+            pair.used = calls;
+            state.slots.push(pair);
         }
         fenced
     }
@@ -1809,11 +2057,10 @@ impl<R: GpuRuntime> GpuEngine<R> {
             Some(capturing) => capturing,
             None => self.stream_is_capturing()?,
         };
-        let per_rect = |why: &str| {
-            log::debug!(
-                "stream {:p}: per-rect copies instead of the copy kernel: {why}",
-                self.stream
-            );
+        let per_rect = |kind: Fallback, why: &str| {
+            self.runtime
+                .kernel_cache()
+                .fall_back(kind, self.api(), self.stream, why);
             // SAFETY: as the caller guarantees.
             unsafe { self.run_rects(job) }
         };
@@ -1823,18 +2070,49 @@ impl<R: GpuRuntime> GpuEngine<R> {
             // inside its argument keeps nothing of the library's either, where the runtime copies
             // the argument into the graph's node.
             if !table.is_inline() {
-                return per_rect(&format!(
-                    "the stream is capturing a graph, and the table ({} bytes) does not fit in \
+                return per_rect(
+                    Fallback::Capture,
+                    &format!(
+                        "the stream is capturing a graph, and the table ({} bytes) does not fit in \
                      the kernel's argument",
-                    table.table_len()
-                ));
+                        table.table_len()
+                    ),
+                );
             }
             if !self.runtime.captures_kernel_launches() {
                 return per_rect(
+                    Fallback::Capture,
                     "the stream is capturing a graph, and this runtime does not capture kernel \
                      launches (HIP before 5.3)",
                 );
             }
+        }
+        // SAFETY: the caller's stream, as documented on MoriSendOptions.
+        let foreign = unsafe { self.runtime.foreign_context(self.stream) }.or_gpu(
+            &self.runtime,
+            self.api().stream_get_device,
+            || Context::args(format!("(stream {:p})", self.stream)),
+        )?;
+        if foreign {
+            let why = format!(
+                "stream {:p} belongs to a context made with cuCtxCreate (or is the NULL stream \
+                 while such a context is current), not to its device's primary context, where \
+                 the copy kernel is loaded",
+                self.stream
+            );
+            if !self.kernel_required() {
+                return per_rect(Fallback::Context, &why);
+            }
+            let refused = GpuStatus(201);
+            return Err(Context::args(format!("(stream {:p})", self.stream))
+                .note(format!(
+                    ": {why}; MORI_SEND_COPY_KERNEL refused as {} before anything was enqueued: \
+                     send with flags 0 or MORI_SEND_MEMCPY2D (the per-rect copies), or on a \
+                     stream of the primary context (as the CUDA runtime, PyTorch and CuPy make \
+                     them)",
+                    describe(&self.runtime, refused)
+                ))
+                .error(self.api().stream_get_device, refused, self.api().success));
         }
         let at = self.launch_device()?;
         if capturing && at.assumed {
@@ -1842,6 +2120,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
             // is captured before the runtime's check of its device (hipEventRecord_common,
             // hipamd src/hip_event.cpp), so the probe would pass for any stream.
             return per_rect(
+                Fallback::Capture,
                 "the stream is capturing a graph, and this runtime cannot say which device the \
                  stream belongs to",
             );
@@ -1849,7 +2128,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
         let kernel = match self.device_kernel(at)? {
             Kernel::Ready(kernel) => kernel,
             Kernel::Unloadable(error) if !self.kernel_required() => {
-                return per_rect(&error.to_string());
+                return per_rect(Fallback::Unloadable, &error.to_string());
             }
             Kernel::Unloadable(error) => return Err(error),
         };
@@ -1859,14 +2138,17 @@ impl<R: GpuRuntime> GpuEngine<R> {
                 Ok(()) => {}
                 Err(error) if !self.kernel_required() => {
                     drop(state);
-                    return per_rect(&error.to_string());
+                    return per_rect(Fallback::Memory, &error.to_string());
                 }
                 Err(error) => return Err(error),
             }
         }
         if !self.check_reachable(&mut state, at, job)? {
             drop(state);
-            return per_rect("a buffer is memory the kernel may not reach");
+            return per_rect(
+                Fallback::Memory,
+                "a buffer is memory the kernel may not reach",
+            );
         }
         let limit = block_limit(self.max_blocks, state.resident);
         if table.is_inline() {
@@ -1876,12 +2158,12 @@ impl<R: GpuRuntime> GpuEngine<R> {
             return unsafe { self.launch_inline(&table, function, limit, at, capturing) };
         }
         let bytes = table.byte_len();
-        let (mut state, plan) = self.plan_launch(&kernel, state, at, bytes)?;
+        let plan = self.plan_launch(&mut state, at, bytes)?;
         let (lane, slot) = match plan {
             Plan::Launch { lane, slot } => (lane, slot),
-            Plan::PerRect(why) => {
+            Plan::PerRect(kind, why) => {
                 drop(state);
-                return per_rect(&why);
+                return per_rect(kind, &why);
             }
         };
         let pair = state.slots[slot];
@@ -1981,6 +2263,9 @@ impl<R: GpuRuntime> GpuEngine<R> {
         table: &KernelTable,
         at: LaunchDevice,
     ) -> Result<()> {
+        if launched.is_ok() {
+            self.runtime.kernel_cache().launched();
+        }
         launched.or_gpu(&self.runtime, self.api().launch_kernel, || {
             let note = format!(
                 " ({} buffers x {} rects, {} rows per buffer)",
@@ -2003,6 +2288,7 @@ impl<R: GpuRuntime> CopyEngine for GpuEngine<R> {
     }
 
     unsafe fn run(&mut self, job: &CopyJob<'_>) -> Result<()> {
+        refuse_forked_child(self.api())?;
         let _relaxed = Relaxed::enter(&self.runtime)?;
         let capturing = self.refuse_synchronize_while_capturing()?;
         let kernel = match self.path {
@@ -2022,6 +2308,51 @@ impl<R: GpuRuntime> CopyEngine for GpuEngine<R> {
     }
 }
 
+/// Set in the child of a `fork` made after this process first made a GPU engine
+/// ([`arm_fork_guard`]).
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+/// The `pthread_atfork` child handler: only an atomic store, which is async-signal-safe.
+extern "C" fn forked_child() {
+    FORKED.store(true, Ordering::SeqCst);
+}
+
+/// Registers [`forked_child`] once per process, when the first GPU engine is made: a child
+/// forked later may inherit the engine's locks held by a parent thread that is inside a call
+/// (the device state stays locked across the upload, launch and fence), and the GPU driver's
+/// state, which neither CUDA nor HIP supports in a forked child.
+fn arm_fork_guard() {
+    static ARMED: std::sync::Once = std::sync::Once::new();
+    ARMED.call_once(|| {
+        // SAFETY: a handler that only stores an atomic; no prepare or parent handler.
+        let status = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        if status != 0 {
+            log::warn!("mori-tp: pthread_atfork returned {status}: a forked child is not refused");
+        }
+    });
+}
+
+/// [`Error::BackendUnavailable`] in a child forked after the parent used a GPU engine, before
+/// any lock or runtime call (which could block for good on what a parent thread held at the
+/// fork).
+pub(crate) fn refuse_forked_child(api: &Api) -> Result<()> {
+    if !FORKED.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    // SAFETY: getpid and getppid always succeed.
+    let (pid, parent) = unsafe { (libc::getpid(), libc::getppid()) };
+    Err(Error::BackendUnavailable {
+        reason: format!(
+            "the {0} backend cannot be used in this process (pid {pid}): it was forked (parent \
+             pid {parent}) after the parent had used the {0} backend, and neither the {0} \
+             driver nor mori-tp's GPU state (whose locks a parent thread may have held at the \
+             fork) is usable in a forked child; send from the parent, or start workers with \
+             spawn or fork+exec before any GPU use",
+            api.backend
+        ),
+    })
+}
+
 /// Without its cargo feature a GPU backend is a clear refusal, never a silent host fallback.
 #[cfg_attr(all(feature = "hip", feature = "cuda"), allow(dead_code))]
 fn not_built(api: &Api) -> Error {
@@ -2034,8 +2365,26 @@ fn not_built(api: &Api) -> Error {
     }
 }
 
+/// The counters of `backend`'s engines (its runtime's [`KernelCache`]).
+pub(super) fn gpu_counters(backend: super::Backend) -> Result<GpuCounters> {
+    match backend {
+        #[cfg(feature = "cuda")]
+        super::Backend::Cuda => Ok(lib_cuda::counters()),
+        #[cfg(not(feature = "cuda"))]
+        super::Backend::Cuda => Err(not_built(&CUDA_API)),
+        #[cfg(feature = "hip")]
+        super::Backend::Hip => Ok(lib_hip::counters()),
+        #[cfg(not(feature = "hip"))]
+        super::Backend::Hip => Err(not_built(&HIP_API)),
+        other => Err(Error::BackendUnavailable {
+            reason: format!("GPU counters are kept for the HIP and CUDA backends, not {other:?}"),
+        }),
+    }
+}
+
 /// Ok when the HIP engine can run: built in, and the runtime reports a device.
 pub(super) fn hip_device_present() -> Result<()> {
+    refuse_forked_child(&HIP_API)?;
     #[cfg(feature = "hip")]
     return require_device(&LibHip).map(|_| ());
     #[cfg(not(feature = "hip"))]
@@ -2056,6 +2405,7 @@ pub(super) fn open_hip(options: &SendOptions) -> Result<Box<dyn CopyEngine>> {
 /// Ok when the CUDA engine can run: built in, libcuda.so.1 loads with every function the
 /// engine uses, and the driver reports a device.
 pub(super) fn cuda_device_present() -> Result<()> {
+    refuse_forked_child(&CUDA_API)?;
     #[cfg(feature = "cuda")]
     return LibCuda::load().and_then(|cuda| require_device(&cuda).map(|_| ()));
     #[cfg(not(feature = "cuda"))]

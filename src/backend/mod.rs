@@ -162,6 +162,12 @@ impl Default for SendOptions {
     }
 }
 
+/// The counters of `backend`'s GPU engines in this process (zeros before its first use), or
+/// [`crate::Error::BackendUnavailable`] when it is not built in or not a GPU backend.
+pub fn gpu_counters(backend: Backend) -> crate::Result<gpu::GpuCounters> {
+    gpu::gpu_counters(backend)
+}
+
 /// True when the HIP engine is compiled in and the runtime reports at least one device.
 pub fn hip_device_present() -> bool {
     gpu::hip_device_present().is_ok()

@@ -673,6 +673,58 @@ pub extern "C" fn mori_tp_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
+/// What the GPU backend `backend` (MORI_BACKEND_CUDA or MORI_BACKEND_HIP) did in this process:
+/// its copy-kernel launches, and how many calls took the per-rect copies instead of the kernel,
+/// in all and per reason (MoriTpGpuCounters). Reading them loads no driver and needs no device: a
+/// backend built in but never used reads all zeros.
+///
+/// @param[in]  backend  MORI_BACKEND_CUDA or MORI_BACKEND_HIP.
+/// @param[out] out      Receives the counters; written only on MORI_OK. Must not be NULL.
+///
+/// @return MORI_OK;
+///   MORI_ERR_NULL_POINTER if out is NULL;
+///   MORI_ERR_INVALID_ARGUMENT if backend is not MORI_BACKEND_CUDA or MORI_BACKEND_HIP, or out
+///   is misaligned;
+///   MORI_ERR_BACKEND_UNAVAILABLE if that backend is not built into this library;
+///   MORI_ERR_PANIC on an internal error.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_tp_gpu_counters_get(
+    backend: u32,
+    out: *mut MoriTpGpuCounters,
+) -> MoriStatus {
+    ffi_boundary! {
+        check_out(out, "out")?;
+        let backend = match backend {
+            MORI_BACKEND_CUDA => crate::backend::Backend::Cuda,
+            MORI_BACKEND_HIP => crate::backend::Backend::Hip,
+            value => {
+                return Err(boundary::Failure::UnknownValue {
+                    field: "backend",
+                    value,
+                    allowed: format!(
+                        "the GPU backends ({MORI_BACKEND_HIP} HIP, {MORI_BACKEND_CUDA} CUDA)"
+                    ),
+                }
+                )
+            }
+        };
+        let c = crate::backend::gpu_counters(backend)?;
+        let counters = MoriTpGpuCounters {
+            kernel_launches: c.kernel_launches,
+            fallbacks: c.fallbacks,
+            fallbacks_unloadable: c.fallbacks_unloadable,
+            fallbacks_busy: c.fallbacks_busy,
+            fallbacks_context: c.fallbacks_context,
+            fallbacks_capture: c.fallbacks_capture,
+            fallbacks_memory: c.fallbacks_memory,
+            load_failures: c.load_failures,
+        };
+        // SAFETY: checked non-NULL and aligned; valid per the caller.
+        unsafe { out.write(counters) };
+        Ok(())
+    }
+}
+
 /// MORI_TP_ABI_VERSION of the library actually loaded; a program should refuse to run if it
 /// differs from the MORI_TP_ABI_VERSION it was compiled against.
 #[unsafe(no_mangle)]

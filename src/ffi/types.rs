@@ -397,6 +397,36 @@ pub struct MoriTpPoolInfo {
     pub waiters: u32,
 }
 
+/// What one GPU backend's engines did in this process (mori_tp_gpu_counters_get): copy-kernel
+/// launches, and the calls that chose or asked for the kernel but took the per-rect copies
+/// (cuMemcpy2DAsync / hipMemcpy2DAsync per rect, far slower for many small rects), in all and
+/// per reason. Each reason is also logged once (a warning) when it first happens.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoriTpGpuCounters {
+    /// Copy-kernel launches the runtime accepted.
+    pub kernel_launches: u64,
+    /// Calls that took the per-rect copies instead of the kernel: the sum of the five below.
+    pub fallbacks: u64,
+    /// ... because the kernel could not be loaded on the device (the error says why; a
+    /// transient failure such as out of memory is retried on the next call).
+    pub fallbacks_unloadable: u64,
+    /// ... because every lane or table buffer of the device was busy (the host ran that many
+    /// calls ahead of the GPU; no call waits for the GPU instead).
+    pub fallbacks_busy: u64,
+    /// ... because the stream belongs to a context other than its device's primary one (a
+    /// cuCtxCreate context, or the NULL stream while one is current).
+    pub fallbacks_context: u64,
+    /// ... because the stream was capturing a graph and the table did not fit in the kernel's
+    /// argument (or the runtime does not capture launches).
+    pub fallbacks_capture: u64,
+    /// ... because a buffer was memory the kernel may not reach (pageable host memory, a peer
+    /// without MORI_SEND_COPY_KERNEL), or the stream's device could not be confirmed.
+    pub fallbacks_memory: u64,
+    /// Failed loads of the copy kernel (each retry that failed counts).
+    pub load_failures: u64,
+}
+
 /// Where one group sits in its request (the Rust type is [`GroupInfo`]).
 /// cbindgen:ignore
 pub type MoriTpGroupInfo = GroupInfo;

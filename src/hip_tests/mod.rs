@@ -1437,7 +1437,9 @@ fn a_failed_load_is_cached_and_reported_again_without_a_retry() {
         let (call, status, message, _) = gpu_error(result);
         assert_eq!((call, status), ("hipModuleLoadData", 209), "send {i}");
         assert!(
-            message.contains("hipErrorNoBinaryForGpu (209)") && message.contains("does not retry"),
+            message.contains("hipErrorNoBinaryForGpu (209)")
+                && message.contains("MORI_TP_HIP_ARCHS")
+                && message.contains("does not load the copy kernel on this device again"),
             "{message}"
         );
         assert_eq!(
@@ -1448,6 +1450,62 @@ fn a_failed_load_is_cached_and_reported_again_without_a_retry() {
         messages.push(message);
     }
     assert_eq!(messages[0], messages[1]);
+}
+
+/// Issue 45.2 (R2): a load that failed for a reason a retry can change (out of memory) is not
+/// cached: the error names the cause with its own hint, the next call loads again and
+/// launches, and the counters show the failure and the per-rect fallback of flags 0.
+#[test]
+fn a_transient_load_failure_is_retried_on_the_next_call() {
+    if cpu_kernel_or_skip("a_transient_load_failure_is_retried_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let cache = std::cell::RefCell::new(None);
+    let mut sends = vec![kernel_options(false, null_mut()); 2];
+    sends.insert(1, auto_options(false, null_mut()));
+    let runs = fixture_sends_with(
+        &mut f,
+        &sends,
+        |r| r,
+        |i, r| {
+            *cache.borrow_mut() = Some(r.cache.clone());
+            r.fail_call
+                .set((i < 2).then_some(("hipModuleLoadData", GpuStatus(2))));
+        },
+    );
+    let (call, status, message, _) = gpu_error(runs[0].0.clone());
+    assert_eq!((call, status), ("hipModuleLoadData", 2));
+    assert!(
+        message.contains("memory is full") && message.contains("again on the next call"),
+        "{message}"
+    );
+    // Flags 0 while the load still fails: loaded again, then the per-rect copies.
+    let (result, calls) = &runs[1];
+    assert!(result.is_ok(), "{result:?}");
+    let n = names(calls);
+    assert!(
+        n.contains(&"hipModuleLoadData") && !n.contains(&"hipModuleLaunchKernel"),
+        "{n:?}"
+    );
+    // The driver loads now: the kernel runs.
+    let (result, calls) = &runs[2];
+    assert!(result.is_ok(), "{result:?}");
+    let n = names(calls);
+    assert!(
+        n.contains(&"hipModuleLoadData") && n.contains(&"hipModuleLaunchKernel"),
+        "{n:?}"
+    );
+    let counters = cache.borrow().as_ref().expect("the cache").counters();
+    assert_eq!(
+        (
+            counters.load_failures,
+            counters.fallbacks_unloadable,
+            counters.kernel_launches
+        ),
+        (2, 1, 1),
+        "{counters:?}"
+    );
 }
 
 #[test]
@@ -1525,16 +1583,26 @@ fn a_stream_on_another_device_than_the_current_one_gets_the_kernel_loaded_there(
     let want = fixture_sent_by_host_of(Fixture::uploaded());
     let mut f = Fixture::uploaded();
     let stream = without_provenance_mut(0xde71_0000);
+    let asked = std::cell::RefCell::new(Vec::new());
     let runs = kernel_fixture_sends(
         &mut f,
         &kernel_options(true, stream),
         stream_on_device_1,
         3,
-        |_, _| {},
+        |_, r| {
+            // Issue 45.6: the buffers are asked about for the launch device (1), not the
+            // current one (0), on every send so far.
+            asked.replace(r.pointer_info_devices.borrow().clone());
+        },
     );
     for (result, _) in &runs {
         assert!(result.is_ok(), "{result:?}");
     }
+    let asked = asked.into_inner();
+    assert!(
+        !asked.is_empty() && asked.iter().all(|&d| d == 1),
+        "{asked:?}"
+    );
     // Loaded, and its sentinel, lane (event, relay stream), table buffer pair and event made,
     // with device 1 current; then back to 0.
     let first = &runs[0].1;
@@ -2299,19 +2367,20 @@ fn a_new_stream_takes_over_an_idle_lane_or_gets_the_per_rect_copies() {
     assert_eq!(f.dst.ranks[3], want);
 }
 
-/// The host runs at most MAX_TABLE_SLOTS kernel calls ahead of a stream: past them, a call on a
-/// stream that is behind waits, and only for its own stream's oldest call (which, with the
-/// stream blocked for good, the recorder reports as a wait that would never end). Another stream
-/// then gets the per-rect copies, without a wait.
+/// Issue 45.1 (R1): the host runs at most MAX_TABLE_SLOTS uploaded-table kernel calls ahead of
+/// the GPU on a device; past them a call never waits, not even for its own stream (whose progress
+/// may hang on what the caller does next): it takes the per-rect copies, counted and logged, and
+/// so does a call on another stream.
 #[test]
-fn past_every_pair_a_call_waits_only_for_its_own_stream() {
-    if cpu_kernel_or_skip("past_every_pair_a_call_waits_...").is_none() {
+fn past_every_pair_a_call_takes_the_per_rect_copies_without_a_wait() {
+    if cpu_kernel_or_skip("past_every_pair_a_call_takes_...").is_none() {
         return;
     }
     let mut f = Fixture::uploaded();
     let (s, t) = (0x5100_0000usize, 0x7100_0000usize);
     let mut sends = vec![kernel_options(false, without_provenance_mut(s)); MAX_TABLE_SLOTS + 1];
     sends.push(kernel_options(false, without_provenance_mut(t)));
+    let cache = std::cell::RefCell::new(None);
     let runs = fixture_sends_with(
         &mut f,
         &sends,
@@ -2319,6 +2388,7 @@ fn past_every_pair_a_call_waits_only_for_its_own_stream() {
         |i, r| {
             if i == 0 {
                 r.block_stream(s);
+                *cache.borrow_mut() = Some(r.cache.clone());
             }
         },
     );
@@ -2331,39 +2401,99 @@ fn past_every_pair_a_call_waits_only_for_its_own_stream() {
     for (i, (result, calls)) in runs.iter().take(MAX_TABLE_SLOTS).enumerate() {
         assert!(result.is_ok(), "send {i}: {result:?}");
         assert_eq!(allocations(calls), 1, "send {i}: a pair of its own");
-        assert!(!names(calls).contains(&"hipEventSynchronize"));
     }
-    let (result, calls) = &runs[MAX_TABLE_SLOTS];
-    let (call, status, message, _) = gpu_error(result.clone());
-    assert_eq!((call, status), ("hipEventSynchronize", 77_777), "{message}");
-    assert!(
-        message.contains("waiting for this stream's oldest call"),
-        "{message}"
-    );
-    let first_done = handed(&runs[0].1).done;
-    assert!(
-        calls.contains(&Call::EventSynchronize {
-            event: without_provenance_mut(first_done)
-        }),
-        "it waits for the first call's pair: {calls:?}"
-    );
-    assert_eq!(
-        calls.last(),
-        Some(&RESTORED),
-        "the caller's mode comes back"
-    );
-    let (result, calls) = &runs[MAX_TABLE_SLOTS + 1];
     let copies = 4 * UPLOADED_PAGES;
-    assert_eq!(result.as_ref().map(|r| r.copies), Ok(copies), "{result:?}");
-    let n = names(calls);
-    assert!(
-        !n.contains(&"hipEventSynchronize") && !n.contains(&"hipModuleLaunchKernel"),
-        "{n:?}"
-    );
+    for (i, (result, calls)) in runs.iter().enumerate().skip(MAX_TABLE_SLOTS) {
+        assert_eq!(
+            result.as_ref().map(|r| r.copies),
+            Ok(copies),
+            "send {i}: {result:?}"
+        );
+        let n = names(calls);
+        assert!(
+            !n.contains(&"hipEventSynchronize") && !n.contains(&"hipModuleLaunchKernel"),
+            "send {i}: {n:?}"
+        );
+        assert_eq!(
+            n.iter().filter(|c| **c == "hipMemcpy2DAsync").count(),
+            copies,
+            "send {i}: {n:?}"
+        );
+        assert_eq!(
+            allocations(calls),
+            0,
+            "send {i}: nothing allocated past the limit"
+        );
+        assert_eq!(
+            calls.last(),
+            Some(&RESTORED),
+            "the caller's mode comes back"
+        );
+    }
+    let counters = cache
+        .borrow()
+        .as_ref()
+        .expect("the recorder's cache")
+        .counters();
     assert_eq!(
-        n.iter().filter(|c| **c == "hipMemcpy2DAsync").count(),
-        copies,
-        "{n:?}"
+        (
+            counters.kernel_launches,
+            counters.fallbacks,
+            counters.fallbacks_busy
+        ),
+        (MAX_TABLE_SLOTS as u64, 2, 2),
+        "{counters:?}"
+    );
+}
+
+/// Issue 45.4 (R4): a pair whose fence failed leaves the ring (so it does not count against
+/// MAX_TABLE_SLOTS), and comes back when the next call on the same stream is fenced: its event
+/// is recorded on the relay behind that call's mark.
+#[test]
+fn a_pair_whose_fence_failed_comes_back_with_the_streams_next_fence() {
+    if cpu_kernel_or_skip("a_pair_whose_fence_failed_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::uploaded();
+    let stream = without_provenance_mut(0x6b0b_0000);
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(false, stream),
+        |r| r,
+        3,
+        |i, r| {
+            r.fail_call
+                .set((i == 0).then_some(("hipStreamWaitEvent", GpuStatus(719))));
+        },
+    );
+    let (call, status, message, _) = gpu_error(runs[0].0.clone());
+    assert_eq!((call, status), ("hipStreamWaitEvent", 719), "{message}");
+    let first = handed(&runs[0].1);
+    // Send 1: the broken pair is out of the ring, so a new pair is made; after its fence the
+    // broken pair's event is recorded on the relay, behind the mark.
+    let (result, calls) = &runs[1];
+    assert!(result.is_ok(), "{result:?}");
+    let second = handed(calls);
+    assert!(
+        second.host != 0 && second.host != first.host,
+        "a new pair: {calls:?}"
+    );
+    // The one event this send makes is its new pair's (handed() reads it as a mark).
+    let mut fence = fence_calls(stream, first.mark, first.relay, second.mark).to_vec();
+    fence.push(Call::EventRecord {
+        event: without_provenance_mut(first.done),
+        stream: without_provenance_mut(first.relay),
+    });
+    fence.push(RESTORED);
+    assert_eq!(calls[calls.len() - fence.len()..], fence[..], "{calls:?}");
+    // Send 2: both pairs are idle, nothing is allocated.
+    let (result, calls) = &runs[2];
+    assert!(result.is_ok(), "{result:?}");
+    assert!(
+        !calls
+            .iter()
+            .any(|c| matches!(c, Call::HostMalloc { .. } | Call::Malloc { .. })),
+        "{calls:?}"
     );
 }
 
@@ -2575,6 +2705,35 @@ fn each_buffer_base_is_checked_once() {
     };
     // Four buffer pairs: eight bases, then none (the reset check asks hipMemGetAddressRange).
     assert_eq!((checks(&runs[0].1), checks(&runs[1].1)), (8, 0));
+}
+
+/// Issue 45.3 (R3): a remembered base is classified again once its allocation's identity
+/// (HIP_POINTER_ATTRIBUTE_BUFFER_ID) changed: the address was freed and reused.
+#[test]
+fn a_base_whose_allocation_changed_is_checked_again() {
+    if cpu_kernel_or_skip("a_base_whose_allocation_changed_...").is_none() {
+        return;
+    }
+    let mut f = Fixture::new();
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(false, null_mut()),
+        |r| r,
+        3,
+        |i, r| {
+            if i == 2 {
+                r.memory_generation.set(1);
+            }
+        },
+    );
+    let checks = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter(|c| matches!(c, Call::PointerInfo { .. }))
+            .count()
+    };
+    let counts: Vec<usize> = runs.iter().map(|(_, calls)| checks(calls)).collect();
+    assert_eq!(counts, [8, 0, 8]);
 }
 
 #[test]

@@ -394,6 +394,16 @@ pub struct Recorder {
     /// Events by handle (index + 1): the device each was created on.
     pub events: RefCell<Vec<i32>>,
     pub modules: RefCell<Vec<Module>>,
+    /// The generation of the caller's device memory (`device_memory`): a test raises it to
+    /// model the buffers freed and their addresses reused by new allocations, which
+    /// hipPointerGetAttribute(HIP_POINTER_ATTRIBUTE_BUFFER_ID) then tells apart.
+    pub memory_generation: Cell<u64>,
+    /// hipPointerGetAttribute(BUFFER_ID) calls (not in `calls`: a lookup that every kernel call
+    /// makes per base, which would lengthen every recorded call list).
+    pub allocation_id_asks: Cell<usize>,
+    /// The device each hipPointerGetAttributes was asked for (where a kernel would use the
+    /// memory; CUDA asks in that device's primary context).
+    pub pointer_info_devices: RefCell<Vec<i32>>,
 }
 
 impl Recorder {
@@ -434,7 +444,26 @@ impl Recorder {
             host_allocations: RefCell::new(Vec::new()),
             events: RefCell::new(Vec::new()),
             modules: RefCell::new(Vec::new()),
+            memory_generation: Cell::new(0),
+            allocation_id_asks: Cell::new(0),
+            pointer_info_devices: RefCell::new(Vec::new()),
         }
+    }
+
+    /// `hipEventSynchronize(event)` as clr answers it (the engine never waits for an event: a
+    /// test checks what the runtime would refuse).
+    ///
+    /// # Safety
+    /// None: the recorder only looks the event up.
+    pub unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), GpuStatus> {
+        self.record(Call::EventSynchronize { event })?;
+        self.check_event(event)?;
+        self.event_outside_capture(event)?;
+        self.capture_allows()?;
+        if !self.event_passed(event) {
+            return Err(WOULD_HANG);
+        }
+        Ok(())
     }
 
     /// Records `call`; the injected status when `call` is the one to fail.
@@ -961,18 +990,8 @@ impl GpuRuntime for Recorder {
         Ok(())
     }
 
-    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), GpuStatus> {
-        self.record(Call::EventSynchronize { event })?;
-        self.check_event(event)?;
-        self.event_outside_capture(event)?;
-        self.capture_allows()?;
-        if !self.event_passed(event) {
-            return Err(WOULD_HANG);
-        }
-        Ok(())
-    }
-
-    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, GpuStatus> {
+    fn pointer_info(&self, pointer: *const c_void, device: i32) -> Result<PointerInfo, GpuStatus> {
+        self.pointer_info_devices.borrow_mut().push(device);
         self.record(Call::PointerInfo { pointer })?;
         let at = pointer as usize;
         let device_memory = |device| PointerInfo {
@@ -1014,6 +1033,30 @@ impl GpuRuntime for Recorder {
         }
         // Unknown to the runtime: pageable host memory.
         Err(GpuStatus::ERROR_INVALID_VALUE)
+    }
+
+    fn allocation_id(
+        &self,
+        pointer: *const c_void,
+        _device: i32,
+    ) -> Result<Option<u64>, GpuStatus> {
+        self.allocation_id_asks
+            .set(self.allocation_id_asks.get() + 1);
+        let at = pointer as usize;
+        if let Some(a) = self
+            .device_allocations
+            .borrow()
+            .iter()
+            .find(|a| a.holds(at, 1))
+        {
+            return Ok(Some(a.base() as u64));
+        }
+        // The caller's device memory: one id per region and generation.
+        match (0..self.device_memory.len()).find(|&i| inside(&self.device_memory[i..=i], at, 1)) {
+            Some(i) => Ok(Some((self.memory_generation.get() << 32) | (i as u64 + 1))),
+            // clr answers hipErrorInvalidValue for memory without a memory object.
+            None => Err(GpuStatus::ERROR_INVALID_VALUE),
+        }
     }
 
     fn address_range(&self, pointer: *mut c_void) -> Result<(usize, usize), GpuStatus> {

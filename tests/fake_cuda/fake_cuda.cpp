@@ -100,6 +100,7 @@
 // FAKE_CUDA_LAUNCH_STATUS=<n> every cuLaunchKernel, FAKE_CUDA_HANG_MS. fake_cuda_stat(name)
 // counts what happened (see there).
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -111,6 +112,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <new>
 #include <set>
 #include <string>
 #include <thread>
@@ -171,6 +173,7 @@ enum : int {
     ATTR_MEMORY_TYPE = 2,
     ATTR_DEVICE_POINTER = 3,
     ATTR_HOST_POINTER = 4,
+    ATTR_BUFFER_ID = 7,
     ATTR_DEVICE_ORDINAL = 9,
 };
 constexpr unsigned STREAM_NON_BLOCKING = 0x1;
@@ -255,7 +258,10 @@ using Guard = std::lock_guard<std::recursive_mutex>;
 struct Allocation {
     size_t size;
     Ctx *ctx;
+    unsigned long long id;  // CU_POINTER_ATTRIBUTE_BUFFER_ID: unique for the process
 };
+unsigned long long next_buffer_id = 1;
+std::map<uintptr_t, unsigned long long> pinned_ids;     // cuMemHostAlloc'd memory's ids
 
 std::map<uintptr_t, Allocation> device_memory;          // cuMemAlloc
 std::map<uintptr_t, size_t> pinned_memory;              // cuMemHostAlloc
@@ -279,6 +285,10 @@ int device_count() {
 void count(const char *what) {
     Guard guard(lock);
     stats[what]++;
+}
+
+void count_load_failure() {
+    count("module_load_failures");
 }
 
 CUresult status_from_env(const char *name) {
@@ -584,7 +594,7 @@ extern "C" {
 // "mem_allocs", "host_allocs", "events_created", "streams_created" (calls of
 // cuMemcpyHtoDAsync, cuMemAlloc, cuMemHostAlloc, cuEventCreate and cuStreamCreate that
 // succeeded, 0-byte copies included); "captured_launches" (cuLaunchKernel calls recorded into a
-// graph); -1 for an unknown name.
+// graph); "module_load_failures" (cuModuleLoadDataEx calls that failed); -1 for an unknown name.
 long fake_cuda_stat(const char *name) {
     Guard guard(lock);
     auto it = stats.find(name);
@@ -592,7 +602,7 @@ long fake_cuda_stat(const char *name) {
     for (const char *known :
          {"module_loads", "kernel_launches", "memcpy2d_calls", "graph_launches", "invalidated_captures", "hangs",
           "primary_retains", "context_pushes", "htod_copies", "mem_allocs", "host_allocs", "events_created",
-          "streams_created", "captured_launches"}) {
+          "streams_created", "captured_launches", "module_load_failures"}) {
         if (std::strcmp(known, name) == 0) return 0;
     }
     return -1;
@@ -601,6 +611,15 @@ long fake_cuda_stat(const char *name) {
 CUresult cuInit(unsigned flags) {
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
     if (device_count() <= 0) return CUDA_ERROR_NO_DEVICE;
+    // fork: the stand-in's own lock is taken before a fork and released on both sides, so that
+    // a child forked while another thread is inside the stand-in finds it unlocked (what the
+    // child then meets is the caller's own state: mori-tp's, which it must refuse).
+    static std::once_flag at_fork;
+    std::call_once(at_fork, [] {
+        // The child made afresh: a recursive mutex remembers its owner's thread id, which the
+        // child's thread does not have, so it could not unlock it.
+        pthread_atfork([] { lock.lock(); }, [] { lock.unlock(); }, [] { new (&lock) std::recursive_mutex(); });
+    });
     Guard guard(lock);
     initialized = true;
     primaries.resize(static_cast<size_t>(device_count()), nullptr);
@@ -690,6 +709,15 @@ CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned, CUdevice device) {
     if (device < 0 || device >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
     *ctx = new_context(device, false);
     ctx_stack.push_back(*ctx);
+    return CUDA_SUCCESS;
+}
+
+// Leaves the context's memory and streams to the model (nothing is reused); pops it where it is
+// current.
+CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    NEED_INIT;
+    if (ctx == nullptr || ctx->primary) return CUDA_ERROR_INVALID_CONTEXT;
+    ctx_stack.erase(std::remove(ctx_stack.begin(), ctx_stack.end(), ctx), ctx_stack.end());
     return CUDA_SUCCESS;
 }
 
@@ -1012,7 +1040,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *pointer, size_t size) {
     void *p = reserve(size);
     if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
     Guard guard(lock);
-    device_memory[reinterpret_cast<uintptr_t>(p)] = Allocation{size, current()};
+    device_memory[reinterpret_cast<uintptr_t>(p)] = Allocation{size, current(), next_buffer_id++};
     *pointer = reinterpret_cast<CUdeviceptr>(p);
     stats["mem_allocs"]++;
     return CUDA_SUCCESS;
@@ -1048,6 +1076,7 @@ CUresult cuMemHostAlloc(void **pointer, size_t size, unsigned) {
     if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
     Guard guard(lock);
     pinned_memory[reinterpret_cast<uintptr_t>(p)] = size;
+    pinned_ids[reinterpret_cast<uintptr_t>(p)] = next_buffer_id++;
     *pointer = p;
     stats["host_allocs"]++;
     return CUDA_SUCCESS;
@@ -1113,6 +1142,18 @@ CUresult cuPointerGetAttributes(unsigned count, int *attributes, void **data, CU
         case ATTR_CONTEXT:
             *static_cast<CUcontext *>(data[i]) = a != nullptr ? a->ctx : nullptr;
             break;
+        case ATTR_BUFFER_ID: {
+            // The allocation's id (device memory and cuMemHostAlloc'd memory; 0, the default,
+            // for memory the driver does not know or only registered).
+            unsigned long long id = a != nullptr ? a->id : 0;
+            if (a == nullptr) {
+                Guard guard(lock);
+                auto it = holding(pinned_memory, p, 1);
+                if (it != pinned_memory.end()) id = pinned_ids[it->first];
+            }
+            *static_cast<unsigned long long *>(data[i]) = id;
+            break;
+        }
         default:
             return CUDA_ERROR_INVALID_VALUE;
         }
@@ -1204,6 +1245,52 @@ CUresult cuModuleLoadData(CUmodule *module, const void *image) {
     return CUDA_SUCCESS;
 }
 
+// cuModuleLoadData with JIT options: the logs the library asks for (CU_JIT_INFO_LOG_BUFFER 3,
+// CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES 4, CU_JIT_ERROR_LOG_BUFFER 5,
+// CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES 6; a size travels in the pointer's place, as cuda.h says);
+// other options are CUDA_ERROR_INVALID_VALUE here. The load itself is cuModuleLoadData's; on
+// failure the error log names the status. FAKE_CUDA_MODULE_LOAD_STATUS=<n> with
+// FAKE_CUDA_MODULE_LOAD_FAILS=<count> (default 1) makes the first <count> loads of the process
+// fail with n (e.g. 2, CUDA_ERROR_OUT_OF_MEMORY, as a JIT on a full GPU can) and write
+// "fake_cuda: injected load failure <n>" into the error log.
+CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned count, int *options, void **values) {
+    NEED_CONTEXT;
+    if (count > 0 && (options == nullptr || values == nullptr)) return CUDA_ERROR_INVALID_VALUE;
+    char *logs[2] = {nullptr, nullptr};
+    size_t sizes[2] = {0, 0};
+    for (unsigned i = 0; i < count; i++) {
+        switch (options[i]) {
+        case 3: logs[0] = static_cast<char *>(values[i]); break;
+        case 4: sizes[0] = reinterpret_cast<uintptr_t>(values[i]); break;
+        case 5: logs[1] = static_cast<char *>(values[i]); break;
+        case 6: sizes[1] = reinterpret_cast<uintptr_t>(values[i]); break;
+        default: return CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    for (int k = 0; k < 2; k++) {
+        if (logs[k] != nullptr && sizes[k] > 0) logs[k][0] = 0;
+    }
+    CUresult status = CUDA_SUCCESS;
+    {
+        static int failed = 0;
+        const CUresult injected = status_from_env("FAKE_CUDA_MODULE_LOAD_STATUS");
+        const char *fails = std::getenv("FAKE_CUDA_MODULE_LOAD_FAILS");
+        Guard guard(lock);
+        if (injected != CUDA_SUCCESS && failed < (fails == nullptr ? 1 : std::atoi(fails))) {
+            failed++;
+            status = injected;
+        }
+    }
+    if (status == CUDA_SUCCESS) status = cuModuleLoadData(module, image);
+    if (status != CUDA_SUCCESS) {
+        count_load_failure();
+        if (logs[1] != nullptr && sizes[1] > 0) {
+            std::snprintf(logs[1], sizes[1], "fake_cuda: load failure %d (ptxas fatal: a stand-in's log)", status);
+        }
+    }
+    return status;
+}
+
 CUresult cuModuleUnload(CUmodule module) {
     NEED_CONTEXT;
     if (module == nullptr || !module->live) return CUDA_ERROR_INVALID_HANDLE;
@@ -1218,6 +1305,17 @@ CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const char *
     if (!module->live) return CUDA_ERROR_INVALID_HANDLE;
     if (std::strcmp(name, MORI_COPY_KERNEL_NAME) != 0) return CUDA_ERROR_NOT_FOUND;
     *function = &module->function;
+    return CUDA_SUCCESS;
+}
+
+// CU_DEVICE_ATTRIBUTE_MAX_PITCH (11): FAKE_CUDA_MAX_PITCH, else 2147483647 (what NVIDIA GPUs
+// report); other attributes are CUDA_ERROR_INVALID_VALUE here.
+CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
+    NEED_INIT;
+    if (value == nullptr || attribute != 11) return CUDA_ERROR_INVALID_VALUE;
+    if (device < 0 || device >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
+    const char *pitch = std::getenv("FAKE_CUDA_MAX_PITCH");
+    *value = pitch == nullptr ? 2147483647 : std::atoi(pitch);
     return CUDA_SUCCESS;
 }
 
@@ -1244,6 +1342,11 @@ CUresult cuLaunchKernel(CUfunction f, unsigned grid_x, unsigned grid_y, unsigned
     const int device = s->ctx->device;
     const MoriDim3 grid{grid_x, grid_y, grid_z}, block{block_x, block_y, block_z};
     if (s->capture != nullptr) count("captured_launches");
+    // FAKE_CUDA_LAUNCH_SLEEP_MS=<n>: the call takes n ms more, holding none of the stand-in's
+    // locks (a test forks while another thread is inside a send).
+    if (const char *ms = std::getenv("FAKE_CUDA_LAUNCH_SLEEP_MS")) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
+    }
     // `args` is a copy made now: a captured launch keeps it in the graph's node.
     return run_or_capture(s, [=] {
         if (!table_reachable(args, device)) return CUDA_ERROR_ILLEGAL_ADDRESS;

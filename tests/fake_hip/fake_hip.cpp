@@ -162,7 +162,9 @@ using Guard = std::lock_guard<std::recursive_mutex>;
 struct Allocation {
     size_t size;
     int device;
+    unsigned long long id;  // HIP_POINTER_ATTRIBUTE_BUFFER_ID: unique for the process
 };
+unsigned long long next_buffer_id = 1;
 
 // hipMalloc'd memory (start -> size, device) and hipHostMalloc'd memory.
 std::map<uintptr_t, Allocation> device_memory;
@@ -749,7 +751,7 @@ hipError_t hipMalloc(void **ptr, size_t size) {
         return hipErrorOutOfMemory;
     }
     Guard guard(lock);
-    device_memory[reinterpret_cast<uintptr_t>(*ptr)] = Allocation{size, current_device};
+    device_memory[reinterpret_cast<uintptr_t>(*ptr)] = Allocation{size, current_device, next_buffer_id++};
     stats["device_mallocs"]++;
     return hipSuccess;
 }
@@ -900,6 +902,18 @@ hipError_t hipPointerGetAttributes(hipPointerAttribute_t *attributes, const void
         return hipSuccess;
     }
     return hipErrorInvalidValue;
+}
+
+// hipPointerGetAttribute: HIP_POINTER_ATTRIBUTE_BUFFER_ID (7, as hipPointer_attribute numbers it)
+// of hipMalloc'd memory only (clr answers from the allocation's memory object); anything else
+// is hipErrorInvalidValue here.
+hipError_t hipPointerGetAttribute(void *data, hipPointer_attribute attribute, hipDeviceptr_t ptr) {
+    if (data == nullptr || attribute != HIP_POINTER_ATTRIBUTE_BUFFER_ID) return hipErrorInvalidValue;
+    Guard guard(lock);
+    auto it = holding(device_memory, reinterpret_cast<uintptr_t>(ptr), 1);
+    if (it == device_memory.end()) return hipErrorInvalidValue;
+    *static_cast<unsigned long long *>(data) = it->second.id;
+    return hipSuccess;
 }
 
 hipError_t hipMemGetAddressRange(hipDeviceptr_t *base, size_t *size, hipDeviceptr_t ptr) {

@@ -2,8 +2,9 @@
 //! used, so that building needs no CUDA toolkit and a machine without an NVIDIA driver runs
 //! everything else.
 //!
-//! cudarc finds and loads the library (`is_culib_present`, `culib`) and gives the layout of
-//! `CUDA_MEMCPY2D` and the values of the constants. Its function wrappers are not used: they
+//! The library is opened with `dlopen`, `libcuda.so.1` first (the name the driver installs;
+//! `libcuda.so` is the development link, often a toolkit's stub that fails every call), then
+//! `libcuda.so`. cudarc gives the layout of `CUDA_MEMCPY2D` and the values of the constants. Its function wrappers are not used: they
 //! return `CUresult` as a Rust enum, and a driver newer than the bindings may return a code the
 //! enum lacks, which would be undefined behaviour (the HIP runtime's functions are declared with
 //! integer statuses for the same reason, REFERENCE.md section 10). Every function is looked up
@@ -86,6 +87,19 @@ const POINTER_ATTRIBUTES: [c_int; 4] = [
     cu::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_HOST_POINTER as c_int,
 ];
 
+/// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: a process-unique identity of an allocation.
+const POINTER_BUFFER_ID: c_int =
+    cu::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_BUFFER_ID as c_int;
+/// `CU_DEVICE_ATTRIBUTE_MAX_PITCH`: the largest pitch of a 2D copy.
+const DEVICE_MAX_PITCH: c_int = cu::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_PITCH as c_int;
+// CUjit_option (cuda.h): the logs of cuModuleLoadDataEx.
+const JIT_INFO_LOG_BUFFER: c_int = 3;
+const JIT_INFO_LOG_BUFFER_SIZE_BYTES: c_int = 4;
+const JIT_ERROR_LOG_BUFFER: c_int = 5;
+const JIT_ERROR_LOG_BUFFER_SIZE_BYTES: c_int = 6;
+/// Bytes of each JIT log kept.
+const JIT_LOG_BYTES: usize = 4096;
+
 /// Declares the driver functions the runtime uses, with integer statuses and opaque handles
 /// (signatures from cuda.h, as cudarc's bindings give them), and [`Driver::load`], which looks
 /// each up under its exported symbol (the `_v2` one where cuda.h maps the name to it).
@@ -151,7 +165,10 @@ driver! {
     memcpy_2d_async = "cuMemcpy2DAsync_v2": fn(*const cu::CUDA_MEMCPY2D, Stream);
     memcpy_htod_async = "cuMemcpyHtoDAsync_v2": fn(DevicePtr, *const c_void, usize, Stream);
     get_error_name = "cuGetErrorName": fn(c_int, *mut *const c_char);
-    module_load_data = "cuModuleLoadData": fn(*mut *mut c_void, *const c_void);
+    module_load_data_ex = "cuModuleLoadDataEx": fn(
+        *mut *mut c_void, *const c_void, c_uint, *mut c_int, *mut *mut c_void
+    );
+    device_get_attribute = "cuDeviceGetAttribute": fn(*mut c_int, c_int, c_int);
     module_get_function = "cuModuleGetFunction": fn(*mut *mut c_void, *mut c_void, *const c_char);
     module_unload = "cuModuleUnload": fn(*mut c_void);
     mem_alloc = "cuMemAlloc_v2": fn(*mut DevicePtr, usize);
@@ -160,7 +177,6 @@ driver! {
     event_create = "cuEventCreate": fn(*mut *mut c_void, c_uint);
     event_record = "cuEventRecord": fn(*mut c_void, Stream);
     event_query = "cuEventQuery": fn(*mut c_void);
-    event_synchronize = "cuEventSynchronize": fn(*mut c_void);
     pointer_get_attributes = "cuPointerGetAttributes": fn(c_uint, *mut c_int, *mut *mut c_void, DevicePtr);
     mem_get_address_range = "cuMemGetAddressRange_v2": fn(*mut DevicePtr, *mut usize, DevicePtr);
     launch_kernel = "cuLaunchKernel": fn(
@@ -209,20 +225,18 @@ fn loaded() -> std::result::Result<&'static Loaded, String> {
     static LOADED: OnceLock<std::result::Result<Loaded, String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            // SAFETY: cudarc's loader only dlopens the candidates (libcuda.so, ..., libcuda.so.1);
-            // culib() is called only once one of them loaded, so it does not panic.
-            let library = unsafe {
-                if !cu::is_culib_present() {
-                    return Err(format!(
-                        "the CUDA driver library was not found (tried {}): no NVIDIA driver is \
-                         installed, or its libcuda.so.1 is not on the loader's path",
-                        cudarc::get_lib_name_candidates("cuda").join(", ")
-                    ));
-                }
-                cu::culib()
+            let Some(library) = open_driver() else {
+                return Err(format!(
+                    "the CUDA driver library was not found (tried {}): no NVIDIA driver is \
+                     installed, or its libcuda.so.1 is not on the loader's path",
+                    DRIVER_NAMES.join(", ")
+                ));
             };
-            // SAFETY: the library cudarc loaded as the CUDA driver; only addresses are read.
-            let symbol = |name: &[u8]| unsafe { library.get::<*mut c_void>(name) }.ok().map(|s| *s);
+            let symbol = |name: &[u8]| {
+                // SAFETY: a handle dlopen returned, never closed; `name` is NUL-terminated.
+                let address = unsafe { libc::dlsym(library, name.as_ptr().cast()) };
+                (!address.is_null()).then_some(address)
+            };
             // SAFETY: the driver's symbols, whose signatures `driver!` declares.
             let driver = unsafe { Driver::load(symbol) }.map_err(|missing| {
                 format!(
@@ -244,6 +258,19 @@ fn loaded() -> std::result::Result<&'static Loaded, String> {
         .map_err(Clone::clone)
 }
 
+/// The names the driver is opened under, in order.
+const DRIVER_NAMES: [&str; 2] = ["libcuda.so.1", "libcuda.so"];
+
+/// The first of [`DRIVER_NAMES`] that `dlopen` opens (kept open for the process), if any.
+fn open_driver() -> Option<*mut c_void> {
+    DRIVER_NAMES.iter().find_map(|name| {
+        let name = std::ffi::CString::new(*name).expect("no NUL inside");
+        // SAFETY: a NUL-terminated name; the handle is never closed.
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        (!handle.is_null()).then_some(handle)
+    })
+}
+
 /// An out-pointer call's result: the value on success, else the status.
 fn out<T>(status: GpuStatus, value: T) -> std::result::Result<T, GpuStatus> {
     status.result().map(|()| value)
@@ -252,11 +279,18 @@ fn out<T>(status: GpuStatus, value: T) -> std::result::Result<T, GpuStatus> {
 /// The copy kernel's state per device, for the whole process.
 static KERNELS: KernelCache = KernelCache::new();
 
+/// The counters of this runtime's engines.
+pub(super) fn counters() -> super::GpuCounters {
+    KERNELS.counters()
+}
+
 /// Each device's primary context, retained once for the life of the process (address as an
 /// integer, so that the list is `Send`).
 static PRIMARY: Mutex<Vec<(i32, usize)>> = Mutex::new(Vec::new());
 
 thread_local! {
+    /// The JIT's logs of this thread's last failed `cuModuleLoadDataEx`.
+    static LOAD_LOG: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
     /// The context a thread had when [`LibCuda::set_device`] switched it away to another
     /// device's primary context, and that context's device: switching back to that device
     /// restores exactly it.
@@ -277,8 +311,8 @@ impl std::fmt::Debug for LibCuda {
 }
 
 impl LibCuda {
-    /// The driver, loaded (once per process) from the first of cudarc's candidate names that
-    /// loads (`libcuda.so`, ..., `libcuda.so.1`) with every function the engine uses; else
+    /// The driver, loaded (once per process) from the first of `libcuda.so.1` and `libcuda.so`
+    /// that loads, with every function the engine uses; else
     /// [`Error::BackendUnavailable`] saying what is missing. A driver that loaded but failed
     /// `cuInit` (no device, or a driver too old for the GPU) loads: its device count says why.
     pub fn load() -> Result<LibCuda> {
@@ -659,9 +693,46 @@ impl GpuRuntime for LibCuda {
         };
         let loaded = self.in_context(self.here()?, || {
             let mut module = null_mut();
-            // SAFETY: a valid out-pointer; NUL-terminated PTX, or a cubin.
-            let status =
-                unsafe { (self.driver().module_load_data)(&mut module, image.as_ptr().cast()) };
+            let mut info = vec![0u8; JIT_LOG_BYTES];
+            let mut error = vec![0u8; JIT_LOG_BYTES];
+            let mut options = [
+                JIT_INFO_LOG_BUFFER,
+                JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+                JIT_ERROR_LOG_BUFFER,
+                JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+            ];
+            // Buffers by pointer, sizes by value in the pointer's place (cuda.h's convention).
+            let mut values: [*mut c_void; 4] = [
+                info.as_mut_ptr().cast(),
+                std::ptr::without_provenance_mut(JIT_LOG_BYTES),
+                error.as_mut_ptr().cast(),
+                std::ptr::without_provenance_mut(JIT_LOG_BYTES),
+            ];
+            // SAFETY: a valid out-pointer; NUL-terminated PTX, or a cubin; four options with their values,
+            // the buffers JIT_LOG_BYTES long and alive for the call.
+            let status = unsafe {
+                (self.driver().module_load_data_ex)(
+                    &mut module,
+                    image.as_ptr().cast(),
+                    options.len() as c_uint,
+                    options.as_mut_ptr(),
+                    values.as_mut_ptr(),
+                )
+            };
+            if status.result().is_err() {
+                let text = |log: &[u8]| {
+                    let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+                    String::from_utf8_lossy(&log[..end]).trim().to_string()
+                };
+                let (error, info) = (text(&error), text(&info));
+                let log = match (error.is_empty(), info.is_empty()) {
+                    (true, true) => String::new(),
+                    (false, true) => error,
+                    (true, false) => info,
+                    (false, false) => format!("{error}; {info}"),
+                };
+                LOAD_LOG.with(|l| *l.borrow_mut() = log);
+            }
             out(status, module)
         });
         match loaded {
@@ -677,6 +748,10 @@ impl GpuRuntime for LibCuda {
             }
             loaded => loaded,
         }
+    }
+
+    fn module_load_log(&self) -> String {
+        LOAD_LOG.with(|l| l.borrow().clone())
     }
 
     unsafe fn module_get_function(
@@ -763,12 +838,11 @@ impl GpuRuntime for LibCuda {
         }
     }
 
-    unsafe fn event_synchronize(&self, event: *mut c_void) -> std::result::Result<(), GpuStatus> {
-        // SAFETY: forwarded from the caller, as the trait documents.
-        unsafe { (self.driver().event_synchronize)(event) }.result()
-    }
-
-    fn pointer_info(&self, pointer: *const c_void) -> std::result::Result<PointerInfo, GpuStatus> {
+    fn pointer_info(
+        &self,
+        pointer: *const c_void,
+        device: i32,
+    ) -> std::result::Result<PointerInfo, GpuStatus> {
         // cuPointerGetAttributes does not fail for memory the driver does not know: it leaves
         // the defaults (memory type 0, NULL pointers), which read as pageable host memory.
         let mut memory_type: c_uint = 0;
@@ -782,7 +856,7 @@ impl GpuRuntime for LibCuda {
             (&raw mut device_pointer).cast(),
             (&raw mut host_pointer).cast(),
         ];
-        self.in_context(self.here()?, || {
+        self.in_context(self.primary(device)?, || {
             // SAFETY: four attributes, each with an out-pointer of its type.
             unsafe {
                 (self.driver().pointer_get_attributes)(
@@ -799,6 +873,57 @@ impl GpuRuntime for LibCuda {
             device_pointer,
             host_pointer,
         })
+    }
+
+    fn allocation_id(
+        &self,
+        pointer: *const c_void,
+        device: i32,
+    ) -> std::result::Result<Option<u64>, GpuStatus> {
+        // 0 (the default left for memory the driver does not know) is no identity.
+        let mut id: u64 = 0;
+        let mut attribute = POINTER_BUFFER_ID;
+        let mut data: *mut c_void = (&raw mut id).cast();
+        self.in_context(self.primary(device)?, || {
+            // SAFETY: one attribute with an out-pointer of its type (unsigned long long).
+            unsafe {
+                (self.driver().pointer_get_attributes)(
+                    1,
+                    &mut attribute,
+                    &mut data,
+                    pointer as DevicePtr,
+                )
+            }
+            .result()
+        })?;
+        Ok((id != 0).then_some(id))
+    }
+
+    unsafe fn foreign_context(&self, stream: Stream) -> std::result::Result<bool, GpuStatus> {
+        let ctx = self.stream_context(stream)?;
+        let device = self.context_device(ctx)?;
+        Ok(ctx != self.primary(device)?)
+    }
+
+    fn max_pitch(&self) -> std::result::Result<Option<usize>, GpuStatus> {
+        // Asked once per device (a device attribute does not change).
+        static PITCHES: Mutex<Vec<(i32, Option<usize>)>> = Mutex::new(Vec::new());
+        let device = self.current_device()?;
+        if let Some(&(_, pitch)) = lock(&PITCHES).iter().find(|(d, _)| *d == device) {
+            return Ok(pitch);
+        }
+        let (mut handle, mut pitch): (c_int, c_int) = (0, 0);
+        // SAFETY: valid out-pointers; a bad ordinal or attribute is refused with a status.
+        unsafe {
+            out((self.driver().device_get)(&mut handle, device), ())?;
+            out(
+                (self.driver().device_get_attribute)(&mut pitch, DEVICE_MAX_PITCH, handle),
+                (),
+            )?;
+        }
+        let pitch = usize::try_from(pitch).ok().filter(|&p| p > 0);
+        lock(&PITCHES).push((device, pitch));
+        Ok(pitch)
     }
 
     fn address_range(

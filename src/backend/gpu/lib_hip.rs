@@ -30,6 +30,10 @@ struct PointerAttributes {
 // integers and every handle as an opaque pointer. All are exported by HIP 5.2 and later
 // (hipThreadExchangeStreamCaptureMode since HIP 5.0); what only newer runtimes have is looked up
 // at run time (`optional`).
+/// `HIP_POINTER_ATTRIBUTE_BUFFER_ID` (hipPointer_attribute, hip/driver_types.h): a process-unique
+/// identity of an allocation.
+const HIP_POINTER_ATTRIBUTE_BUFFER_ID: c_int = 7;
+
 unsafe extern "C" {
     fn hipGetDeviceCount(count: *mut c_int) -> GpuStatus;
     fn hipRuntimeGetVersion(version: *mut c_int) -> GpuStatus;
@@ -65,10 +69,15 @@ unsafe extern "C" {
     fn hipHostMalloc(pointer: *mut *mut c_void, size: usize, flags: c_uint) -> GpuStatus;
     fn hipEventCreateWithFlags(event: *mut *mut c_void, flags: c_uint) -> GpuStatus;
     fn hipEventRecord(event: *mut c_void, stream: *mut c_void) -> GpuStatus;
-    fn hipEventSynchronize(event: *mut c_void) -> GpuStatus;
     fn hipPointerGetAttributes(
         attributes: *mut PointerAttributes,
         pointer: *const c_void,
+    ) -> GpuStatus;
+    // HIP 5.0 and later (hip_runtime_api.h).
+    fn hipPointerGetAttribute(
+        data: *mut c_void,
+        attribute: c_int,
+        pointer: *mut c_void,
     ) -> GpuStatus;
     fn hipMemGetAddressRange(
         base: *mut *mut c_void,
@@ -116,6 +125,11 @@ type StreamGetDevice = unsafe extern "C" fn(*mut c_void, *mut c_int) -> GpuStatu
 
 /// The copy kernel's state per device, for the whole process.
 static KERNELS: KernelCache = KernelCache::new();
+
+/// The counters of this runtime's engines.
+pub(super) fn counters() -> super::GpuCounters {
+    KERNELS.counters()
+}
 
 /// The function `name` of the library this one's HIP calls go to (libamdhip64, or a stand-in
 /// preloaded in its place), found at run time; None where that library lacks it.
@@ -391,12 +405,25 @@ impl GpuRuntime for LibHip {
         }
     }
 
-    unsafe fn event_synchronize(&self, event: *mut c_void) -> Result<(), GpuStatus> {
-        // SAFETY: forwarded from the caller, as the trait documents.
-        unsafe { hipEventSynchronize(event) }.result()
+    fn allocation_id(
+        &self,
+        pointer: *const c_void,
+        _device: i32,
+    ) -> Result<Option<u64>, GpuStatus> {
+        // A u64 zeroed first: whether the runtime writes 4 or 8 bytes, the value reads right.
+        let mut id: u64 = 0;
+        // SAFETY: a valid out-pointer of 8 bytes; the runtime only looks the address up.
+        let status = unsafe {
+            hipPointerGetAttribute(
+                (&raw mut id).cast(),
+                HIP_POINTER_ATTRIBUTE_BUFFER_ID,
+                pointer.cast_mut(),
+            )
+        };
+        out(status, ()).map(|()| (id != 0).then_some(id))
     }
 
-    fn pointer_info(&self, pointer: *const c_void) -> Result<PointerInfo, GpuStatus> {
+    fn pointer_info(&self, pointer: *const c_void, _device: i32) -> Result<PointerInfo, GpuStatus> {
         let mut attributes = PointerAttributes {
             memory_type: 0,
             device: 0,
