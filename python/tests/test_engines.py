@@ -675,6 +675,28 @@ class MoriIoTransportTest(EveryPairStagingMixin, unittest.TestCase):
             sender.send("decode-engine", sides.plan(), timeout=LONG_WAIT)
         self.assertLess(time.monotonic() - started, LONG_WAIT / 2)
 
+    def test_long_entries_are_split_within_one_call(self):
+        """An entry of more segments than MORI-IO's TCP backend takes in one control message
+        becomes several entries of one batch_write, and the request lands whole."""
+        sides = Sides(LAYOUTS[Staging.SRC], 0, 0)
+        sender, _ = self.transports(sides)
+        sender.max_segments_per_entry = 3
+        plan = sides.plan(Staging.NONE)
+        result = sender.send("decode-engine", plan)
+        batch = [args for name, args in sender.engine.calls if name == "batch_write"]
+        self.assertEqual(len(batch), 1)
+        per_buffer = -(-len(plan.lengths) // 3)
+        self.assertGreater(per_buffer, 1)
+        self.assertEqual([len(n) for n in batch[0][4]],
+                         ([3] * (per_buffer - 1) + [len(plan.lengths) - 3 * (per_buffer - 1)])
+                         * BUFFERS)
+        self.assertEqual(len(result.transfer_ids), per_buffer * BUFFERS)
+        sides.receive(result.staging)
+        sides.assert_delivered(self, "mori-io entries split")
+        with self.assertRaisesRegex(ValueError, "max_segments_per_entry must be at least 1, "
+                                                "not 0"):
+            MoriIoTransport(FakeMoriIo("x"), max_segments_per_entry=0)
+
     def test_a_peer_of_another_mori_version_is_refused(self):
         """Packed descriptors are opaque but for their field count: a peer whose EngineDesc
         packs 7 fields (MORI's nightly) where this one packs 6 (its main) is refused, naming

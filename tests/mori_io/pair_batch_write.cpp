@@ -18,6 +18,7 @@
 
 #include <msgpack.hpp>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
@@ -282,7 +283,11 @@ void decode(int in, int out) {
     const size_t dropped_buffer = pairs[0].d * kBuffers + 0;
     for (int round = 0; round < 2; ++round) {
         for (uint32_t d = 0; d < kDecodeTp; ++d)
-            for (uint32_t b = 0; b < kBuffers; ++b) buffers[d * kBuffers + b] = sentinel(d, b);
+            for (uint32_t b = 0; b < kBuffers; ++b) {
+                // In place: the engine registered these bytes (a move would free them).
+                const std::vector<uint8_t> fill = sentinel(d, b);
+                std::copy(fill.begin(), fill.end(), buffers[d * kBuffers + b].begin());
+            }
         put(out, "go");
         const auto ids = unpack<std::vector<uint64_t>>(get(in));
         for (uint64_t id : ids) {
@@ -325,16 +330,21 @@ void decode(int in, int out) {
 }  // namespace
 
 int main() {
-    alarm(120);  // nothing here may hang a test run
+    alarm(120);  // nothing here may hang a test run (the child sets its own)
     int to_prefill[2], to_decode[2];
     if (pipe(to_prefill) != 0 || pipe(to_decode) != 0) fail("pipe");
     const pid_t child = fork();
     if (child < 0) fail("fork");
     if (child == 0) {
+        alarm(120);
+        close(to_prefill[1]);
+        close(to_decode[0]);
         prefill(to_prefill[0], to_decode[1]);
         std::fflush(stdout);
         _exit(0);
     }
+    close(to_prefill[0]);
+    close(to_decode[1]);
     decode(to_decode[0], to_prefill[1]);
     int status = 0;
     if (waitpid(child, &status, 0) != child || !WIFEXITED(status) || WEXITSTATUS(status) != 0)

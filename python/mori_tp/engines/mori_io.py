@@ -81,6 +81,13 @@ __all__ = ["COMPLETIONS", "MoriIoTransport", "MoriVersionError", "SideChannel"]
 COMPLETIONS = ("side-channel", "inbound")
 #: Seconds a write or notification waits by default.
 DEFAULT_TIMEOUT = 60.0
+#: Segments one batch_write entry carries at most, by default. MORI-IO's TCP backend sends an
+#: entry's offsets and sizes in one control message (``BuildBatchReq``: 16 bytes a segment and
+#: 17 more) and its peer drops a connection whose control message exceeds 1 MiB
+#: (``kMaxControlMessageBytes``, src/io/tcp/protocol.hpp of ROCm/mori 1e3ce4e1): a write of
+#: 100000 segments in one entry failed here with "TCP: connection lost". Larger entries are
+#: split into entries of at most this many segments, in the same call.
+MAX_SEGMENTS_PER_ENTRY = ((1 << 20) - 17) // 16
 #: What :meth:`MoriIoTransport.address` returns holds this key and version.
 ADDRESS_FORMAT = ("mori-tp mori-io address", 1)
 
@@ -249,17 +256,25 @@ class MoriIoTransport:
         poll_interval: seconds between status polls.
         completion: ``"side-channel"`` (default) or ``"inbound"`` (see the module docs).
         hostname: the address the side channel listens on (made when first needed).
+        max_segments_per_entry: the most segments of one batch entry (default
+            :data:`MAX_SEGMENTS_PER_ENTRY`); a longer entry is split, in the same call.
 
     Raises:
-        ValueError: ``completion`` is not one of :data:`COMPLETIONS`.
+        ValueError: ``completion`` is not one of :data:`COMPLETIONS`, or
+            ``max_segments_per_entry`` is below 1.
     """
 
     def __init__(self, engine: Any, *, device_id: int = -1, location: Any = None,
                  poll_interval: float = 0.0, completion: str = "side-channel",
-                 hostname: str = "127.0.0.1") -> None:
+                 hostname: str = "127.0.0.1",
+                 max_segments_per_entry: int = MAX_SEGMENTS_PER_ENTRY) -> None:
         if completion not in COMPLETIONS:
             raise ValueError(f"completion must be one of {', '.join(COMPLETIONS)}, not "
                              f"{completion!r}")
+        if max_segments_per_entry < 1:
+            raise ValueError(f"max_segments_per_entry must be at least 1, not "
+                             f"{max_segments_per_entry}")
+        self.max_segments_per_entry = max_segments_per_entry
         self.engine = engine
         self.device_id = device_id
         self._location = location
@@ -449,9 +464,24 @@ class MoriIoTransport:
                remote_descs: List[Any], remote_offsets: List[List[int]],
                sizes: List[List[int]], labels: List[str], peer: str, timeout: float,
                request_id: Optional[str]) -> Tuple[int, ...]:
-        """One ``batch_write`` of these entries (none: no call), waited for; its uids."""
+        """One ``batch_write`` of these entries (none: no call), each split into entries of at
+        most ``max_segments_per_entry`` segments, waited for; its uids."""
         if not sizes:
             return ()
+        limit = self.max_segments_per_entry
+        if any(len(n) > limit for n in sizes):
+            split: Tuple[List[Any], ...] = ([], [], [], [], [], [])
+            for entry in zip(local_descs, local_offsets, remote_descs, remote_offsets, sizes,
+                             labels):
+                count = len(entry[4])
+                for at in range(0, max(count, 1), limit):
+                    part = (entry[0], entry[1][at:at + limit], entry[2],
+                            entry[3][at:at + limit], entry[4][at:at + limit],
+                            entry[5] if count <= limit else
+                            f"{entry[5]}, segments {at}..{min(at + limit, count) - 1}")
+                    for into, value in zip(split, part):
+                        into.append(value)
+            local_descs, local_offsets, remote_descs, remote_offsets, sizes, labels = split
         uids = [self.engine.allocate_transfer_uid() for _ in sizes]
         statuses = self.engine.batch_write(local_descs, local_offsets, remote_descs,
                                            remote_offsets, sizes, uids)
