@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Single quotes hold what the chroot's or mmdebstrap's shell expands (SC2016); the compiler flags
+# and file lists are word lists (SC2046, SC2086).
+# shellcheck disable=SC2016,SC2046,SC2086
 # Builds AMD's MORI-IO (the IO library of ROCm/mori and its pybind11 module, the IO part alone)
 # from a checkout of ROCm/mori at commit 1e3ce4e1 (branch feature/tcp-backend, whose TCP
 # backend moves host memory over sockets with no GPU and no RDMA device), in a Debian
@@ -25,8 +28,9 @@
 # the build takes a few minutes on 2 cores.
 #
 # Environment:
-#   MORI_TP_MORI_SRC        the ROCm/mori checkout (default ../shared/third_party/mori-tcp-backend
-#                           beside the checkout); its 3rdparty/spdlog submodule must be present
+#   MORI_TP_MORI_SRC        the ROCm/mori checkout; its 3rdparty/spdlog submodule must be present
+#                           (default: shared/third_party/mori-tcp-backend in the folder that
+#                           holds this checkout, where CI puts it)
 #   MORI_TP_MORI_CHROOT     where the chroot lives (default /var/tmp/mori-tp/sid-hip7)
 #   MORI_TP_DEBIAN_MIRROR   the Debian mirror (default: this machine's, from /etc/apt/sources*)
 #   MORI_TP_JOBS            parallel compiles (default: the number of cores)
@@ -34,7 +38,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd -P)
 SCRIPT=$ROOT/hip/mori-io-build.sh
-SRC=${MORI_TP_MORI_SRC:-$ROOT/../shared/third_party/mori-tcp-backend}
+SRC=${MORI_TP_MORI_SRC:-$(dirname "$ROOT")/shared/third_party/mori-tcp-backend}
 [ -d "$SRC" ] && SRC=$(cd "$SRC" && pwd -P)
 export SRC
 CHROOT=${MORI_TP_MORI_CHROOT:-/var/tmp/mori-tp/sid-hip7}
@@ -97,7 +101,6 @@ if [ "${1:-}" = --inside-build ]; then
 #include "src/pybind/mori.hpp"
 PYBIND11_MODULE(libmori_pybinds, m) { mori::RegisterMoriIo(m); }
 EOF
-  # shellcheck disable=SC2046
   g++ $CXXFLAGS -shared $(python3-config --includes) src/pybind/pybind_io.cpp \
     "$OUT/pybind_io_module.cpp" -o "$OUT/python/mori/libmori_pybinds.so" \
     -L"$OUT/python/mori" -lmori_io -Wl,-rpath,'$ORIGIN' -lamdhip64
