@@ -15,7 +15,10 @@ fn mori_io_batch_write_moves_the_pair_plan_byte_exact_between_two_processes() {
     if cfg!(any(feature = "hip", feature = "cuda")) {
         // libmori_tp.a would need the host's GPU runtimes inside the chroot; the program
         // uses only the host backend, which the default build tests.
-        common::skip(test, "runs in the default-feature build (its libmori_tp.a is host-only)");
+        common::skip(
+            test,
+            "runs in the default-feature build (its libmori_tp.a is host-only)",
+        );
         return;
     }
     if let Some(why) = common::mori_io_missing() {

@@ -725,6 +725,52 @@ class MoriIoTransportTest(EveryPairStagingMixin, unittest.TestCase):
             sender.add_peer(b"\x96")
         self.assertEqual(sender._remote, {})
 
+    def test_inbound_completion_holds_a_message_until_every_transfer_has_landed(self):
+        """completion="inbound": a notification names its write's transfer ids and comes out
+        only once MORI-IO's inbound status of each has succeeded; one that failed drops it and
+        says why; side-channel completion delivers at once."""
+        from engine_fakes import FakeStatus
+
+        class Desc:
+            def __init__(self, key):
+                self.key = key
+
+            def pack(self):
+                return b"\x96"
+
+        statuses = {}
+
+        def engine(key):
+            fake = FakeMoriIo(key)
+            fake.get_engine_desc = lambda: Desc(key)
+            fake.pop_inbound_transfer_status = lambda sender, uid: statuses.pop((sender, uid),
+                                                                                None)
+            return fake
+
+        for completion in ("inbound", "side-channel"):
+            sender = MoriIoTransport(engine("prefill-engine"), completion=completion)
+            receiver = MoriIoTransport(engine("decode-engine"), completion=completion)
+            try:
+                sender._peer_channels["decode-engine"] = receiver.address()["side_channel"]
+                sender._notify("decode-engine", b"done", (5, 6), LONG_WAIT, None)
+                if completion == "side-channel":
+                    receiver.wait_notification("prefill-engine", b"done", timeout=LONG_WAIT)
+                    continue
+                statuses[("prefill-engine", 5)] = FakeStatus(True)
+                with self.assertRaisesRegex(TransferTimeoutError, "no notification"):
+                    receiver.wait_notification("prefill-engine", b"done", timeout=0.2)
+                statuses[("prefill-engine", 6)] = FakeStatus(True)
+                receiver.wait_notification("prefill-engine", b"done", timeout=LONG_WAIT)
+                sender._notify("decode-engine", b"lost", (7,), LONG_WAIT, None)
+                statuses[("prefill-engine", 7)] = FakeStatus(False, "TCP: connection lost")
+                with self.assertRaisesRegex(TransferTimeoutError, "transfer 7 from "
+                                            "prefill-engine: code ERR_RDMA_OP, TCP: connection "
+                                            "lost; its message b'lost' dropped"):
+                    receiver.wait_notification("prefill-engine", b"lost", timeout=0.5)
+            finally:
+                sender.close()
+                receiver.close()
+
     def test_the_side_channel_carries_messages_with_their_sender(self):
         from mori_tp.engines.mori_io import SideChannel
 
