@@ -4,7 +4,7 @@
 //! engines (`python/tests/engine_loopback.py` and, pipelined and streamed with staging pools,
 //! `python/tests/engine_streaming.py`; requests of several groups of a hybrid model with
 //! pipeline stages that differ, `python/tests/engine_groups.py`; Mooncake and NIXL over
-//! 127.0.0.1), with faults (`python/tests/engine_faults.py`: a peer killed, a notification
+//! 127.0.0.1, and MORI-IO's TCP backend in `hip/mori-io-build.sh`'s chroot), with faults (`python/tests/engine_faults.py`: a peer killed, a notification
 //! lost, a peer restarted, more segments than an engine call takes), under load
 //! (`python/tests/engine_load.py`) and between two network namespaces
 //! (`python/tests/engine_two_hosts.py`).
@@ -136,6 +136,107 @@ fn run_or_skip(test: &str, args: &[&str], limit: Duration) -> Option<(Output, St
         return None;
     }
     Some((output, report))
+}
+
+/// MORI-IO's run of a two-process script (`python/tests/<script> mori_io ...`): in the chroot
+/// of `hip/mori-io-build.sh`, whose build of ROCm/mori 1e3ce4e1 (TCP backend) it uses, with
+/// `env` set there; skips (under MORI_TP_REQUIRE_TOOLS fails) without that build or root.
+fn mori_io_run(test: &str, env: &[&str], args: &[&str]) -> Option<(Output, String)> {
+    if let Some(why) = common::mori_io_missing() {
+        common::skip_missing(test, "MORI_TP_REQUIRE_TOOLS", &why);
+        return None;
+    }
+    let mut inner = vec!["env"];
+    inner.extend_from_slice(env);
+    inner.push("python3");
+    inner.extend_from_slice(args);
+    let mut command = common::mori_io_command(&inner);
+    command
+        .env("MORI_TP_LIBRARY", built_library())
+        .env("PYTHONDONTWRITEBYTECODE", "1");
+    let (output, report) = run_bounded(command, Duration::from_secs(300));
+    assert_ne!(
+        output.status.code(),
+        Some(SKIPPED),
+        "{test}: the MORI-IO build is there, but the script skipped:\n{report}"
+    );
+    assert!(
+        output.status.success(),
+        "{test} failed ({}):\n{report}",
+        output.status
+    );
+    Some((output, report))
+}
+
+/// `python/tests/<script> mori_io [case]` through MORI-IO, side-channel completion (as SGLang
+/// and vLLM use it) or MORI-IO's inbound status as well.
+fn mori_io_script(test: &str, completion: &str, args: &[&str]) {
+    let env = format!("MORI_TP_MORI_IO_COMPLETION={completion}");
+    if let Some((output, _)) = mori_io_run(test, &[&env], args) {
+        println!("{}", String::from_utf8_lossy(&output.stdout));
+    }
+}
+
+#[test]
+fn mori_io_moves_every_pair_byte_exact_between_two_processes() {
+    mori_io_script(
+        "mori_io_moves_every_pair_byte_exact_between_two_processes",
+        "side-channel",
+        &["python/tests/engine_loopback.py", "mori_io"],
+    );
+}
+
+#[test]
+fn mori_io_with_inbound_status_completion_moves_every_pair_byte_exact() {
+    mori_io_script(
+        "mori_io_with_inbound_status_completion_moves_every_pair_byte_exact",
+        "inbound",
+        &["python/tests/engine_loopback.py", "mori_io"],
+    );
+}
+
+#[test]
+fn mori_io_pipelines_and_streams_requests_byte_exact_between_two_processes() {
+    mori_io_script(
+        "mori_io_pipelines_and_streams_requests_byte_exact_between_two_processes",
+        "side-channel",
+        &["python/tests/engine_streaming.py", "mori_io"],
+    );
+}
+
+#[test]
+fn mori_io_with_inbound_status_completion_pipelines_and_streams_requests() {
+    mori_io_script(
+        "mori_io_with_inbound_status_completion_pipelines_and_streams_requests",
+        "inbound",
+        &["python/tests/engine_streaming.py", "mori_io"],
+    );
+}
+
+#[test]
+fn mori_io_moves_hybrid_requests_of_several_groups_between_two_processes() {
+    mori_io_script(
+        "mori_io_moves_hybrid_requests_of_several_groups_between_two_processes",
+        "side-channel",
+        &["python/tests/engine_groups.py", "mori_io"],
+    );
+}
+
+#[test]
+fn mori_io_faults_decode_killed_prefill_killed_lost_notification_restart_and_segments() {
+    for case in [
+        "decode-killed",
+        "prefill-killed",
+        "lost-notification",
+        "restart",
+        "segments",
+    ] {
+        mori_io_script(
+            &format!("mori_io_fault_{}", case.replace('-', "_")),
+            "side-channel",
+            &["python/tests/engine_faults.py", "mori_io", case],
+        );
+    }
 }
 
 fn engine_moves_every_pair_between_two_processes(engine: &str) {

@@ -22,7 +22,7 @@ into a copy of the decode buffers, bytes outside the slice included.
   from four threads at once to the same peer; a setting above the queue is refused with the
   numbers. NIXL takes the same request in one call, and a write of 100000 segments.
 
-    python3 python/tests/engine_faults.py mooncake|nixl CASE
+    python3 python/tests/engine_faults.py mooncake|nixl|mori_io CASE
 
 Exit status: 0 passed, 1 failed, 77 skipped (the engine is not installed; with
 MORI_TP_REQUIRE_TOOLS=1 that is a failure instead). tests/python.rs runs every case under cargo
@@ -595,8 +595,9 @@ def segments(engine: str) -> None:
                   "every byte; max_segments_per_call=4096 refused with the queue of 1024")
             concurrent(setup, plan.segments)
         else:
-            require(result.calls == 1, f"nixl: {plan.segments} segments in {result.calls} calls")
-            print(f"  {plan.segments} segments in one NIXL transfer, every byte")
+            require(result.calls == 1, f"{engine}: {plan.segments} segments in {result.calls} "
+                                       "calls")
+            print(f"  {plan.segments} segments in one {engine} transfer, every byte")
             large = Setup(engine, LARGE, 200, pool_requests=1)
             try:
                 many_writes(large)
@@ -660,7 +661,7 @@ def together(setup: Setup, transport: Any, label: str, check: bool = True
 
 
 def many_writes(setup: Setup) -> None:
-    """One NIXL write of 100000 64-byte segments into decode rank 0's buffers, checked."""
+    """One NIXL or MORI-IO write of 100000 64-byte segments into decode rank 0's buffers, checked."""
     n, step = 100_000, 80
     dst_memory = setup.peer.memories[1]
     src = setup.src[0][0]
@@ -675,8 +676,8 @@ def many_writes(setup: Setup) -> None:
     for at in offsets.astype(np.int64):
         want[at:at + 64] = src[at:at + 64]
     require(setup.peer.digests()[1][0] == digest(want),
-            f"nixl: a write of {count} segments did not land byte for byte")
-    print(f"  one NIXL write of {count} segments of 64 bytes, every byte")
+            f"{setup.engine}: a write of {count} segments did not land byte for byte")
+    print(f"  one {setup.engine} write of {count} segments of 64 bytes, every byte")
 
 
 CASES: Dict[str, Callable[[str], None]] = {

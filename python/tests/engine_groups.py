@@ -10,7 +10,7 @@ sentinel-filled buffers, untouched bytes included, with the library's staging mo
 random mode per group. A negative control drops one group's segments of one request and
 requires the check to fail in that group's buffers.
 
-    python3 python/tests/engine_groups.py mooncake|nixl
+    python3 python/tests/engine_groups.py mooncake|nixl|mori_io
 
 Exit status: 0 passed, 1 failed, 77 skipped (the engine is not installed; with
 MORI_TP_REQUIRE_TOOLS=1 that is a failure instead). tests/python.rs runs it under cargo test.

@@ -14,7 +14,7 @@ and NONE (the partial page in every mode), checked against mori_tp_pair_send the
 each case has a negative control (one dropped segment, or a plan made for a decode layout the
 decode rank does not have) that must fail the check.
 
-    python3 python/tests/engine_loopback.py mooncake|nixl
+    python3 python/tests/engine_loopback.py mooncake|nixl|mori_io
 
 Exit status: 0 passed, 1 failed, 77 skipped (the engine is not installed; with
 MORI_TP_REQUIRE_TOOLS=1 that is a failure instead). tests/python.rs runs it under cargo test.

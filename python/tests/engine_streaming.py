@@ -21,7 +21,7 @@ outside the slices included:
   costs set so that each of the four modes is the cheapest, then costs the streamer learns
   from this engine's own writes.
 
-    python3 python/tests/engine_streaming.py mooncake|nixl
+    python3 python/tests/engine_streaming.py mooncake|nixl|mori_io
 
 Exit status: 0 passed, 1 failed, 77 skipped (the engine is not installed; with
 MORI_TP_REQUIRE_TOOLS=1 that is a failure instead). tests/python.rs runs it under cargo test.
@@ -346,6 +346,13 @@ class Run:
     def forge(self, message: bytes) -> None:
         """Sends ``message`` to the decode child as a stranger that never handshook with it,
         under this process's own name on the engine (agent name, session id)."""
+        if self.engine == "mori_io":
+            # A side channel of its own, sending to the child's under this process's key.
+            from mori_tp.engines.mori_io import SideChannel
+
+            self._mallory = SideChannel(self.driver.hostname)
+            self._mallory.send(self.peer.address["side_channel"], self.transport.key, message)
+            return
         if self.engine == "nixl":
             from mori_tp.engines.nixl import NixlTransport
 

@@ -12,9 +12,10 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from pathlib import Path
-from typing import List
+from typing import Any, List
 from unittest import mock
 
 import mori_tp
@@ -530,8 +531,8 @@ class MoriIoTransportTest(EveryPairStagingMixin, unittest.TestCase):
     def transports(self, sides: Sides):
         sender = MoriIoTransport(FakeMoriIo("prefill-engine"), location="CPU")
         receiver = MoriIoTransport(FakeMoriIo("decode-engine"), location="CPU")
-        self.local_descs = sender.register(sides.local_registered)
-        remote_descs = receiver.register(sides.remote_registered)
+        self.local_descs = sender.register_descs(sides.local_registered)
+        remote_descs = receiver.register_descs(sides.remote_registered)
         sender.add_remote_memory("decode-engine", remote_descs)
         return sender, receiver
 
@@ -621,6 +622,9 @@ class MoriIoTransportTest(EveryPairStagingMixin, unittest.TestCase):
             def Failed(self):  # noqa: N802
                 return not self.ok and self._ended()
 
+            def InProgress(self):  # noqa: N802
+                return self.ok and self.left is not None and self.left > 0
+
         real = sender.engine.batch_write
 
         def batch_write(*args):
@@ -642,6 +646,150 @@ class MoriIoTransportTest(EveryPairStagingMixin, unittest.TestCase):
         self.assertFalse(caught.exception.engine_busy)
         self.assertEqual(len(ended), sides.buffers - 1,
                          "raised while other entries were still in progress")
+
+    def test_entries_left_in_init_after_a_failure_do_not_hold_the_error(self):
+        """MORI-IO's batch_write leaves the entries after a backend failure in INIT for good:
+        the failure is raised at once, naming them, not after the timeout."""
+        sides = Sides(LAYOUTS[Staging.BOTH], 0, 0)
+        sender, _ = self.transports(sides)
+
+        class Init(FakeStatus):
+            def Succeeded(self):  # noqa: N802
+                return False
+
+            def Failed(self):  # noqa: N802
+                return False
+
+        real = sender.engine.batch_write
+
+        def batch_write(*args):
+            statuses = real(*args)
+            return statuses[:2] + [FakeStatus(False, "backend failed")] + [
+                Init(True) for _ in statuses[3:]]
+
+        sender.engine.batch_write = batch_write
+        started = time.monotonic()
+        with self.assertRaisesRegex(TransferError, "entry 2 \\(buffer 2\\) to decode-engine "
+                                                   "failed: code ERR_RDMA_OP, backend failed; "
+                                                   "entries \\[3\\] never started \\(INIT\\)"):
+            sender.send("decode-engine", sides.plan(), timeout=LONG_WAIT)
+        self.assertLess(time.monotonic() - started, LONG_WAIT / 2)
+
+    def test_long_entries_are_split_within_one_call(self):
+        """An entry of more segments than MORI-IO's TCP backend takes in one control message
+        becomes several entries of one batch_write, and the request lands whole."""
+        sides = Sides(LAYOUTS[Staging.SRC], 0, 0)
+        sender, _ = self.transports(sides)
+        sender.max_segments_per_entry = 3
+        plan = sides.plan(Staging.NONE)
+        result = sender.send("decode-engine", plan)
+        batch = [args for name, args in sender.engine.calls if name == "batch_write"]
+        self.assertEqual(len(batch), 1)
+        per_buffer = -(-len(plan.lengths) // 3)
+        self.assertGreater(per_buffer, 1)
+        self.assertEqual([len(n) for n in batch[0][4]],
+                         ([3] * (per_buffer - 1) + [len(plan.lengths) - 3 * (per_buffer - 1)])
+                         * BUFFERS)
+        self.assertEqual(len(result.transfer_ids), per_buffer * BUFFERS)
+        sides.receive(result.staging)
+        sides.assert_delivered(self, "mori-io entries split")
+        with self.assertRaisesRegex(ValueError, "max_segments_per_entry must be at least 1, "
+                                                "not 0"):
+            MoriIoTransport(FakeMoriIo("x"), max_segments_per_entry=0)
+
+    def test_a_peer_of_another_mori_version_is_refused(self):
+        """Packed descriptors are opaque but for their field count: a peer whose EngineDesc
+        packs 7 fields (MORI's nightly) where this one packs 6 (its main) is refused, naming
+        both, before anything is registered."""
+        from mori_tp.engines.mori_io import ADDRESS_FORMAT, MoriVersionError, packed_fields
+
+        self.assertEqual([packed_fields(b) for b in (b"\x96\xa1k", b"\x97", b"\xdc\x00\x11",
+                                                     b"\xa3abc", b"")], [6, 7, 17, None, None])
+
+        class Desc:
+            def __init__(self, packed):
+                self.packed = packed
+
+            def pack(self):
+                return self.packed
+
+        engine = FakeMoriIo("prefill-engine")
+        engine.get_engine_desc = lambda: Desc(b"\x96" + b"\xa1x" * 6)
+        sender = MoriIoTransport(engine, location="CPU")
+        nightly = {"format": ADDRESS_FORMAT, "engine": b"\x97" + b"\xa1x" * 7, "memory": [],
+                   "side_channel": ("127.0.0.1", 1)}
+        with self.assertRaisesRegex(MoriVersionError, "the peer's engine descriptor has 7 "
+                                                      "fields, this process's 6"):
+            sender.add_peer(nightly)
+        with self.assertRaisesRegex(MoriVersionError, "not a mori-tp MORI-IO address"):
+            sender.add_peer(b"\x96")
+        self.assertEqual(sender._remote, {})
+
+    def test_inbound_completion_holds_a_message_until_every_transfer_has_landed(self):
+        """completion="inbound": a notification names its write's transfer ids and comes out
+        only once MORI-IO's inbound status of each has succeeded; one that failed drops it and
+        says why; side-channel completion delivers at once."""
+        from engine_fakes import FakeStatus
+
+        class Desc:
+            def __init__(self, key):
+                self.key = key
+
+            def pack(self):
+                return b"\x96"
+
+        statuses = {}
+
+        def engine(key):
+            fake = FakeMoriIo(key)
+            fake.get_engine_desc = lambda: Desc(key)
+            fake.pop_inbound_transfer_status = lambda sender, uid: statuses.pop((sender, uid),
+                                                                                None)
+            return fake
+
+        for completion in ("inbound", "side-channel"):
+            sender = MoriIoTransport(engine("prefill-engine"), completion=completion)
+            receiver = MoriIoTransport(engine("decode-engine"), completion=completion)
+            try:
+                sender._peer_channels["decode-engine"] = receiver.address()["side_channel"]
+                sender._notify("decode-engine", b"done", (5, 6), LONG_WAIT, None)
+                if completion == "side-channel":
+                    receiver.wait_notification("prefill-engine", b"done", timeout=LONG_WAIT)
+                    continue
+                statuses[("prefill-engine", 5)] = FakeStatus(True)
+                with self.assertRaisesRegex(TransferTimeoutError, "no notification"):
+                    receiver.wait_notification("prefill-engine", b"done", timeout=0.2)
+                statuses[("prefill-engine", 6)] = FakeStatus(True)
+                receiver.wait_notification("prefill-engine", b"done", timeout=LONG_WAIT)
+                sender._notify("decode-engine", b"lost", (7,), LONG_WAIT, None)
+                statuses[("prefill-engine", 7)] = FakeStatus(False, "TCP: connection lost")
+                with self.assertRaisesRegex(TransferTimeoutError, "transfer 7 from "
+                                            "prefill-engine: code ERR_RDMA_OP, TCP: connection "
+                                            "lost; its message b'lost' dropped"):
+                    receiver.wait_notification("prefill-engine", b"lost", timeout=0.5)
+            finally:
+                sender.close()
+                receiver.close()
+
+    def test_the_side_channel_carries_messages_with_their_sender(self):
+        from mori_tp.engines.mori_io import SideChannel
+
+        a, b = SideChannel(), SideChannel()
+        try:
+            a.send(b.address, "prefill-engine", b"done-1", uids=(7, 2**63))
+            a.send(b.address, "prefill-engine", b"")
+            deadline = time.monotonic() + LONG_WAIT
+            got: List[Any] = []
+            while len(got) < 2 and time.monotonic() < deadline:
+                got += b.take()
+                time.sleep(0.001)
+            self.assertEqual(got, [("prefill-engine", (7, 2**63), b"done-1"),
+                                   ("prefill-engine", (), b"")])
+            with self.assertRaisesRegex(TransferError, "the side channel to 127.0.0.1:1 failed"):
+                a.send(("127.0.0.1", 1), "x", b"lost", timeout=1.0)
+        finally:
+            a.close()
+            b.close()
 
 
 class OptionalEnginesTest(unittest.TestCase):

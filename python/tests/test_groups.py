@@ -290,10 +290,10 @@ class GroupsTest(unittest.TestCase):
             remote_descs = []
             for memory, region, transport in ((src, src_region, sender),
                                               (dst, dst_region, receiver)):
-                descs = transport.register(KvMemory((), 0, ctypes.addressof(region),
-                                                    len(region)))
+                descs = transport.register_descs(KvMemory((), 0, ctypes.addressof(region),
+                                                          len(region)))
                 for name, buffers in memory.sets.items():
-                    descs += transport.register(KvMemory(
+                    descs += transport.register_descs(KvMemory(
                         tuple(ctypes.addressof(x) for x in buffers), memory.capacity[name]))
                 remote_descs = descs
             sender.add_remote_memory("decode-engine", remote_descs)

@@ -836,4 +836,30 @@ pub fn runnable_snippets() -> Vec<(Fenced, Option<String>)> {
         }
     }
     out
+
+/// Why MORI-IO's two-process tests cannot run here, or None when they can: they run in the
+/// chroot of `hip/mori-io-build.sh` (root, and a build of ROCm/mori 1e3ce4e1 that the script
+/// made in target/mori-io/current: `.ci/run` makes it before `cargo test`).
+pub fn mori_io_missing() -> Option<String> {
+    let ok = root().join("target/mori-io/current/ok");
+    if !ok.is_file() {
+        return Some(format!(
+            "no MORI-IO build ({} is missing): run hip/mori-io-build.sh (as root) with a \
+             checkout of ROCm/mori at commit 1e3ce4e1 (branch feature/tcp-backend) in \
+             MORI_TP_MORI_SRC",
+            ok.display()
+        ));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("MORI-IO's build runs in a chroot, which needs root".into());
+    }
+    None
+}
+
+/// `hip/mori-io-build.sh --run args...`: `args` in MORI-IO's chroot, in the checkout.
+pub fn mori_io_command(args: &[&str]) -> Command {
+    let mut command = Command::new(root().join("hip/mori-io-build.sh"));
+    command.arg("--run").args(args).current_dir(root());
+    command
 }

@@ -32,8 +32,9 @@ import mori_tp
 
 from . import KvMemory, RequestPlan, SendResult, unpack_groups, unpack_request
 
-#: The engines this harness drives (their adapters are mori_tp.engines.mooncake and .nixl).
-ENGINES = ("mooncake", "nixl")
+#: The engines this harness drives (their adapters are mori_tp.engines.mooncake, .nixl and
+#: .mori_io).
+ENGINES = ("mooncake", "nixl", "mori_io")
 
 
 def sentinel(rank: int, buffer: int, nbytes: int) -> "np.ndarray":
@@ -169,9 +170,42 @@ class NixlDriver(Driver):
         transport.wait_notification(peer, tag, timeout=timeout)
 
 
+class MoriIoDriver(Driver):
+    """MORI-IO with its TCP backend. Completion goes over the transport's side channel
+    (``completion="side-channel"``, as SGLang's and vLLM's connectors do), or with
+    ``MORI_TP_MORI_IO_COMPLETION=inbound`` also through MORI-IO's inbound transfer status."""
+
+    name = "mori_io"
+
+    def start(self, role: str, polled: bool = False) -> Any:
+        from .mori_io import MoriIoTransport
+
+        completion = os.environ.get("MORI_TP_MORI_IO_COMPLETION", "side-channel")
+        return MoriIoTransport.start(f"mori-tp-{role}-{os.getpid()}", self.hostname,
+                                     completion=completion)
+
+    def address(self, transport: Any) -> Any:
+        return transport.address()
+
+    def sender(self, transport: Any) -> str:
+        return transport.key
+
+    def _connect(self, transport: Any, address: Any) -> Any:
+        return transport.add_peer(address)
+
+    def write(self, transport, peer, src, dst, lengths, tag, timeout):
+        return transport.write(peer, src, dst, lengths, notification=tag, timeout=timeout)
+
+    def send(self, transport, peer, plan, tag, timeout):
+        return transport.send(peer, plan, notification=tag, timeout=timeout)
+
+    def wait(self, transport, peer, tag, timeout):
+        transport.wait_notification(peer, tag, timeout=timeout)
+
+
 def driver(engine: str, hostname: str = "127.0.0.1", engine_timeout: float = 30.0) -> Driver:
     """The :class:`Driver` of ``engine`` (one of :data:`ENGINES`)."""
-    drivers = {"mooncake": MooncakeDriver, "nixl": NixlDriver}
+    drivers = {"mooncake": MooncakeDriver, "nixl": NixlDriver, "mori_io": MoriIoDriver}
     if engine not in drivers:
         raise ValueError(f"unknown engine {engine!r}: one of {', '.join(drivers)}")
     return drivers[engine](hostname, engine_timeout)
@@ -186,6 +220,8 @@ def engine_available(engine: str) -> Optional[str]:
             from .nixl import _import_agent
 
             _import_agent()
+        elif engine == "mori_io":
+            importlib.import_module("mori.io")
         else:
             return f"unknown engine {engine!r}"
     except (ImportError, OSError) as error:
@@ -801,6 +837,10 @@ def _try_read(engine: str, transport: Any, sender: Optional[str], address: int,
     named ``sender`` one-sided, through its engine: "read" or "refused: why". The trust model
     (REFERENCE.md section 18): a NIXL agent reads only agents whose metadata it loaded, which
     the decode child never does; a Mooncake engine lets any peer read registered memory."""
+    if engine == "mori_io":
+        # MORI-IO addresses memory by the owner's MemoryDesc (engine key, region id), which
+        # the decode child never receives: there is nothing it could name to read.
+        return "refused: not tried (this process holds none of the sender's memory descriptors)"
     scratch = np.zeros(max(length, 1), dtype=np.uint8)
     local = int(scratch.ctypes.data)
     try:
