@@ -836,6 +836,7 @@ pub fn runnable_snippets() -> Vec<(Fenced, Option<String>)> {
         }
     }
     out
+}
 
 /// Why MORI-IO's two-process tests cannot run here, or None when they can: they run in the
 /// chroot of `hip/mori-io-build.sh` (root, and a build of ROCm/mori 1e3ce4e1 that the script
