@@ -156,6 +156,8 @@ class MoriTpConnector(KVConnectorBase_V1, SupportsHMA):
       ``kv_transfer_params["remote_port"]``);
     - ``staging_bytes``: each worker's staging pool (default 64 MiB);
     - ``timeout``: seconds a transfer may go without progress (default 60);
+    - ``nixl_progress_thread``: start NIXL's own progress thread (default False: the
+      connector's threads poll);
     - ``tp_rank``: this worker's TP rank, when vLLM's TP group is not initialized (one process
       driving several ranks, as the tests do); otherwise vLLM's own.
 
@@ -386,6 +388,7 @@ class _WorkerSide:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         extra = _extra(vllm_config)
+        self.extra = extra
         self.engine = str(extra.get("engine", "mooncake"))
         if self.engine not in ENGINES:
             raise InvalidArgumentError(f"mori_tp.vllm: engine {self.engine!r} is not one of "
@@ -510,7 +513,12 @@ class _WorkerSide:
             return MooncakeTransport.start(self.host)
         from mori_tp.engines.nixl import NixlTransport
 
-        return NixlTransport.start(f"mori-tp-{self.engine_id}-{self.tp_rank}-{os.getpid()}")
+        # NIXL's own progress thread polls without pause (about a third of a core each,
+        # mori_tp.engines.loopback); here the receiver's thread polls, and a writer polls its
+        # writes, so the agent needs none unless asked (``nixl_progress_thread``).
+        progress = bool(self.extra.get("nixl_progress_thread", False))
+        return NixlTransport.start(f"mori-tp-{self.engine_id}-{self.tp_rank}-{os.getpid()}",
+                                   progress_thread=progress)
 
     @property
     def side_address(self) -> Tuple[str, int]:

@@ -54,9 +54,12 @@ def model_dir(num_kv_heads: int = 4, num_layers: int = 2, head_dim: int = 32) ->
 def vllm_config(role: str, *, engine: str = "mooncake", tp_size: int = 1,
                 tp_rank: Optional[int] = None, block_size: int = 16, layout: str = "LBNHC",
                 side_port: int = 0, model: Optional[str] = None, hybrid: bool = True,
-                timeout: float = 30.0, staging_bytes: int = 8 << 20) -> Any:
+                timeout: float = 30.0, staging_bytes: int = 8 << 20,
+                engine_id: Optional[str] = None) -> Any:
     """A VllmConfig for one engine with MoriTpConnector (``role``: kv_producer or kv_consumer)
-    and the hybrid KV cache manager on unless ``hybrid`` is False."""
+    and the hybrid KV cache manager on unless ``hybrid`` is False. ``tp_rank``: this worker's
+    rank, passed to the connector (``kv_connector_extra_config["tp_rank"]``) since one process
+    holds several ranks here, without vLLM's TP group."""
     import torch  # noqa: F401 - vllm.config needs it imported first on some paths
     from vllm.config import (
         CacheConfig,
@@ -84,11 +87,16 @@ def vllm_config(role: str, *, engine: str = "mooncake", tp_size: int = 1,
     cc.kv_cache_layout = layout
     kt = KVTransferConfig(kv_connector="MoriTpConnector",
                           kv_connector_module_path="mori_tp.vllm.connector", kv_role=role,
-                          kv_connector_extra_config=extra)
+                          kv_connector_extra_config=extra, engine_id=engine_id)
     pc = ParallelConfig(tensor_parallel_size=tp_size)
-    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
-                      kv_transfer_config=kt, parallel_config=pc,
-                      device_config=DeviceConfig("cpu"))
+    config = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                        kv_transfer_config=kt, parallel_config=pc,
+                        device_config=DeviceConfig("cpu"))
+    if hybrid:
+        # vLLM turns the hybrid manager off on CPU (no platform support); a GPU platform
+        # keeps it on, which is what these tests exercise: the factory's SupportsHMA check.
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
 
 
 def kv_cache_config(config: Any, num_blocks: int) -> Any:

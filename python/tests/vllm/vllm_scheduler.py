@@ -60,11 +60,8 @@ def check(condition: bool, what: str) -> None:
 
 
 def make_scheduler(role: str) -> Scheduler:
+    # The hybrid manager on (vllm_config): the scheduler calls request_finished_all_groups.
     config = vllm_config(role, side_port=47000)
-    # vLLM turns the hybrid manager off on CPU (no platform support); a GPU platform keeps
-    # it on, which is what this test exercises: the factory's SupportsHMA check and
-    # request_finished_all_groups.
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=32,
                              dtype=torch.bfloat16)
     kv_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
@@ -106,7 +103,7 @@ def output(scheduled, sampled=None, finished_sending=(), finished_recving=(),
 
 def test_factory_needs_hma() -> None:
     config = vllm_config("kv_consumer")
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    check(config.scheduler_config.disable_hybrid_kv_cache_manager is False, "HMA is off")
     connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None)
     check(isinstance(connector, MoriTpConnector), f"the factory made {type(connector)}")
     # The same config naming a connector that is not SupportsHMA is refused.
