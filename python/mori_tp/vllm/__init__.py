@@ -13,7 +13,7 @@ class named ``kv_connector`` from it)::
                                                          "host": "10.0.0.5",
                                                          "side_port": 47000}}'
 
-REFERENCE.md ("mori-tp in vLLM") describes the request's path, the side channel and the limits.
+REFERENCE.md section 19 describes the request's path, the side channel and the limits.
 This package imports vLLM only in :mod:`mori_tp.vllm.connector`: ``import mori_tp`` and
 ``import mori_tp.vllm`` work without vLLM, and :func:`view_layout` (the layout of a registered
 KV view) and :func:`pair_actions` need no vLLM either.

@@ -6,7 +6,7 @@ library.
 
 The side channel carries no KV bytes, only addresses, layouts and page lists, and it does not
 authenticate its peers: run it on the network that joins the two engines' hosts, as those
-connectors' channels are (REFERENCE.md, "mori-tp in vLLM").
+connectors' channels are (REFERENCE.md section 19).
 """
 
 from __future__ import annotations
