@@ -54,7 +54,10 @@ fn run_script(test: &str, args: &[&str], limit: Duration) {
     if cfg!(any(feature = "hip", feature = "cuda")) {
         // The connector moves host memory with the host backend: a GPU feature changes nothing
         // these tests reach, and .ci/run's feature passes would only run them again.
-        common::skip(test, "runs in the pass without GPU features (.ci/run's cargo test)");
+        common::skip(
+            test,
+            "runs in the pass without GPU features (.ci/run's cargo test)",
+        );
         return;
     }
     let Some(python) = venv_python(test) else {
