@@ -785,15 +785,25 @@ class _WorkerSide:
         return sending, recving, failed
 
     def shutdown(self) -> None:
+        """Stops the side channel, the receiver and the streamer (waiting for its writes), and
+        deregisters Mooncake's memory, so that the engine no longer reaches it."""
         if self._server is not None:
             self._server.close()
+            self._server = None
         if self.receiver is not None:
             self.receiver.close()
+            self.receiver = None
         if self.streamer is not None:
             self.streamer.close()
+            self.streamer = None
         for peer in self._peers.values():
             if peer.client is not None:
                 peer.client.close()
+        if self.transport is not None and self.memory is not None and self.engine == "mooncake":
+            self.transport.unregister(self.memory)
+            self.memory = None
+        # NIXL's registration stays until the process exits: deregister_memory after a peer
+        # loaded this agent's metadata hung here (nixl-cu12, host memory, no progress thread).
 
 
 def _skip_tokens(prefill: Layout, decode: Layout, num_computed_tokens: int) -> int:

@@ -49,6 +49,8 @@ CASES = [
     ("deferred-tp1", 4, 1, 1, "LBHNC", "LBHNC", 16, 16, True),
 ]
 NUM_TOKENS = 40
+#: Connectors of finished cases, kept alive until the process exits.
+RETIRED: List[Any] = []
 
 
 def owned(heads: int, tp: int, rank: int) -> List[int]:
@@ -92,6 +94,7 @@ def decode_main(parent: int) -> None:
     _die_with_parent(parent)
     signal.alarm(TOTAL_TIMEOUT)
     workers: List[Tuple[Any, Dict[str, Any]]] = []
+    retired: List[Tuple[Any, Dict[str, Any]]] = []
     args: Dict[str, Any] = {}
     say({"started": True})
     for line in sys.stdin:
@@ -99,6 +102,9 @@ def decode_main(parent: int) -> None:
         if command["do"] == "setup":
             for connector, _ in workers:
                 connector.shutdown()
+            # Kept until the process exits: a Mooncake engine destroyed by the garbage
+            # collector while another starts can hang the new one.
+            retired.extend(workers)
             workers = []
             args = command["args"]
             model = model_dir(num_kv_heads=args["heads"])
@@ -330,6 +336,8 @@ def run_case(engine: str, case: Tuple[Any, ...], child: "Child") -> None:
     finally:
         for connector, _ in prefill:
             connector.shutdown()
+        # Kept until the process exits (see decode_main).
+        RETIRED.extend(prefill)
 
 
 def main() -> int:
