@@ -407,6 +407,7 @@ class _WorkerSide:
         self.total_kv_heads = 1 if model.use_mla else int(model.get_total_num_kv_heads())
         self.layout: Optional[Layout] = None
         self.layers: List[str] = []
+        self._layer_index: Dict[str, int] = {}
         self.memory: Any = None
         self.transport: Any = None
         self.pool: Optional[StagingPool] = None
@@ -493,6 +494,7 @@ class _WorkerSide:
                     "with blocks outside layers interleaves them, and each layer is registered "
                     "as one region; use a layer-compact KV cache layout")
         self.layout = layouts[0]
+        self._layer_index = {name: i for i, name in enumerate(self.layers)}
         from mori_tp.engines import KvMemory, Receiver, Streamer
 
         self.pool = StagingPool(self.staging_bytes)
@@ -591,9 +593,11 @@ class _WorkerSide:
                 self._step.append(outgoing)
 
     def save_layer(self, layer_name: str, kv_layer: Any) -> None:
-        if not self._step:
+        layer = self._layer_index.get(layer_name)
+        if not self._step or layer is None:
+            # Nothing to send this step, or a layer this connector did not register (a draft
+            # model's): nothing of it moves.
             return
-        layer = self.layers.index(layer_name)
         ready = None
         if getattr(kv_layer, "is_cuda", False):
             import torch

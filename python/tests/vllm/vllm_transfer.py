@@ -20,6 +20,7 @@ Exit status: 0 passed, 1 failed, 77 skipped (no vLLM or no engine here).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import select
@@ -86,13 +87,15 @@ def blocks_of(tokens: int, block: int, first: int, step: int, total: int) -> Lis
 
 
 def decode_main(parent: int) -> None:
-    """The decode engine: one process for every case, its connectors made anew per case."""
+    """The decode engine of one case (``setup`` makes its connectors)."""
     from mori_tp.engines.loopback import _die_with_parent
     from mori_tp.vllm.connector import MoriTpMetadata, RecvSpec
     from vllm_common import worker
 
     _die_with_parent(parent)
     signal.alarm(TOTAL_TIMEOUT)
+    # A hang shows its threads' stacks in the parent's report before the parent gives up.
+    faulthandler.dump_traceback_later(STEP_TIMEOUT - 5, repeat=True)
     workers: List[Tuple[Any, Dict[str, Any]]] = []
     retired: List[Tuple[Any, Dict[str, Any]]] = []
     args: Dict[str, Any] = {}
@@ -251,7 +254,7 @@ def free_port_base(count: int) -> int:
     raise RuntimeError("no free ports")
 
 
-def run_case(engine: str, case: Tuple[Any, ...], child: "Child") -> None:
+def run_case(engine: str, case: Tuple[Any, ...]) -> None:
     from mori_tp import Action
     from mori_tp.vllm.connector import MoriTpMetadata, SendSpec
     from vllm_common import worker
@@ -280,10 +283,15 @@ def run_case(engine: str, case: Tuple[Any, ...], child: "Child") -> None:
                 for j, head in enumerate(owned(heads, P, rank)):
                     data[b, j, slot, :] = pattern(layer, head, token, data.shape[3])
         prefill.append((connector, caches))
-    child.send({"do": "setup", "args": {"engine": engine, "heads": heads, "P": P, "D": D,
-                                        "layout": d_layout, "block": d_block,
-                                        "num_blocks": num_blocks, "case": name}})
+    # A decode process per case: one that made Mooncake engines for an earlier case hung,
+    # now and then, making the next case's (faulthandler then shows where).
+    child = Child(engine)
     try:
+        # Importing vLLM and torch takes a while on a busy host.
+        child.read("started", timeout=STEP_TIMEOUT * 3)
+        child.send({"do": "setup", "args": {"engine": engine, "heads": heads, "P": P, "D": D,
+                                            "layout": d_layout, "block": d_block,
+                                            "num_blocks": num_blocks, "case": name}})
         child.read("ready")
         expect = {"do": "expect", "transfer_id": f"{name}-1", "blocks": dst_blocks, "port": base}
         if not deferred:
@@ -334,9 +342,11 @@ def run_case(engine: str, case: Tuple[Any, ...], child: "Child") -> None:
               f"ranks {[r for r in range(P) if r not in replicas]}"
               + (f", replicas {replicas} sent nothing" if replicas else ""))
     finally:
+        child.close()
         for connector, _ in prefill:
             connector.shutdown()
-        # Kept until the process exits (see decode_main).
+        # Kept until the process exits: a Mooncake engine destroyed by the garbage collector
+        # while another starts could hang the new one.
         RETIRED.extend(prefill)
 
 
@@ -358,19 +368,13 @@ def main() -> int:
         return SKIPPED
     signal.alarm(TOTAL_TIMEOUT)
     failed = 0
-    child = Child(engine)
-    try:
-        # Importing vLLM and torch takes a while on a busy host.
-        child.read("started", timeout=TOTAL_TIMEOUT / 2)
-        for case in CASES:
-            try:
-                run_case(engine, case, child)
-            except Exception:  # noqa: BLE001 - reported, the next case runs
-                failed += 1
-                print(f"FAIL: {engine} {case[0]}")
-                traceback.print_exc()
-    finally:
-        child.close()
+    for case in CASES:
+        try:
+            run_case(engine, case)
+        except Exception:  # noqa: BLE001 - reported, the next case runs
+            failed += 1
+            print(f"FAIL: {engine} {case[0]}")
+            traceback.print_exc()
     print(f"{len(CASES) - failed} passed, {failed} failed")
     return finish(engine, 1 if failed else 0)
 
