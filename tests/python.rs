@@ -11,33 +11,13 @@
 
 mod common;
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::thread;
-use std::time::{Duration, Instant};
-
-/// The shared library this `cargo test` built. The test binary is
-/// `target/<profile>/deps/<name>-<hash>`; cargo test writes the cdylib beside it in `deps/` and
-/// copies it up to `target/<profile>/` only on `cargo build`, so `deps/` comes first.
-fn built_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary knows its own path");
-    let deps_dir = exe.parent().expect("the test binary lives in a folder");
-    let name = format!(
-        "{}mori_tp{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    );
-    let in_deps = deps_dir.join(&name);
-    match deps_dir.parent() {
-        Some(profile_dir) if !in_deps.is_file() => profile_dir.join(&name),
-        _ => in_deps,
-    }
-}
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
 
 /// `python3 args...` in the crate directory, with the package and the built library.
 fn python3(args: &[&str]) -> Command {
-    let library = built_library();
+    let library = common::built_library();
     assert!(
         library.is_file(),
         "{} is missing: cargo builds the cdylib with the library target (crate-type \
@@ -55,66 +35,15 @@ fn python3(args: &[&str]) -> Command {
     command
 }
 
-/// Runs `command` to completion, killing it after `limit`; stdout and stderr together.
-fn run_bounded(mut command: Command, limit: Duration) -> (Output, String) {
-    let mut child = match command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
-        Ok(child) => child,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => panic!(
-            "python3 is not installed, and the Python package tests need it \
-             (Debian: apt-get install python3)"
-        ),
-        Err(error) => panic!("cannot run python3: {error}"),
-    };
-    // Drained on threads: an engine that logs a lot must not block on a full pipe.
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        thread::spawn(move || {
-            let mut bytes = Vec::new();
-            let _ = pipe.read_to_end(&mut bytes);
-            bytes
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().expect("piped stdout")));
-    let stderr = drain(Box::new(child.stderr.take().expect("piped stderr")));
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for python3") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            // Its decode child dies with it (PR_SET_PDEATHSIG).
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{command:?} ran past {limit:?} and was killed");
-        }
-        thread::sleep(Duration::from_millis(50));
-    };
-    let output = Output {
-        status,
-        stdout: stdout.join().expect("stdout reader"),
-        stderr: stderr.join().expect("stderr reader"),
-    };
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    (output, report)
-}
-
 #[test]
 fn python_package_tests_pass_against_the_library_cargo_built() {
     let command = python3(&["-m", "unittest", "discover", "-s", "python/tests", "-v"]);
-    let (output, report) = run_bounded(command, Duration::from_secs(600));
+    let (output, report) = common::run_bounded(command, Duration::from_secs(600));
     assert!(
         output.status.success(),
         "the Python tests failed ({}) against {}:\n{report}",
         output.status,
-        built_library().display()
+        common::built_library().display()
     );
     // unittest's per-test report, including skips (numpy), with `cargo test -- --nocapture`.
     println!("{report}");
@@ -126,7 +55,7 @@ const SKIPPED: i32 = 77;
 /// Runs `python3 args...`; None after skipping `test` (the script exited [`SKIPPED`], saying
 /// why; under MORI_TP_REQUIRE_TOOLS that fails the test instead).
 fn run_or_skip(test: &str, args: &[&str], limit: Duration) -> Option<(Output, String)> {
-    let (output, report) = run_bounded(python3(args), limit);
+    let (output, report) = common::run_bounded(python3(args), limit);
     if output.status.code() == Some(SKIPPED) {
         common::skip_missing(
             test,
@@ -496,7 +425,7 @@ fn nixl_with_system_rdma_core(test: &str) -> bool {
 fn nixl_exit_script_ends_with(args: &[&str], status: i32) -> String {
     let mut all = vec!["python/tests/nixl_exit.py"];
     all.extend(args);
-    let (output, report) = run_bounded(python3(&all), Duration::from_secs(120));
+    let (output, report) = common::run_bounded(python3(&all), Duration::from_secs(120));
     assert_eq!(
         output.status.code(),
         Some(status),
@@ -517,7 +446,7 @@ fn nixl_agent_made_by_the_adapter_exits_zero_with_the_system_rdma_core_loaded() 
     let report = nixl_exit_script_ends_with(&["adapter"], 0);
     // Without that preload the same agent ends the process by a signal (nixl-cu12 1.5.1): shown
     // to say whether this machine reproduces the upstream crash, not checked (upstream may fix it).
-    let (unprotected, _) = run_bounded(
+    let (unprotected, _) = common::run_bounded(
         python3(&["python/tests/nixl_exit.py", "unprotected"]),
         Duration::from_secs(120),
     );
@@ -549,7 +478,7 @@ fn nixl_demo_exits_zero_after_success_and_one_after_a_failure() {
         let mut args = vec!["-m", "mori_tp.demo", "--engine", "nixl", "--tokens", "256"];
         args.extend(["--layers", "2"]);
         args.extend(extra);
-        run_bounded(python3(&args), Duration::from_secs(300))
+        common::run_bounded(python3(&args), Duration::from_secs(300))
     };
     let (output, report) = demo(&[]);
     assert_eq!(

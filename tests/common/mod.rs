@@ -3,17 +3,89 @@
 //! hold.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
 
 use mori_tp::{Action, SendReport, SliceParams, SlicePlan, slice_config};
 
 /// The checkout.
 pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The shared library this `cargo test` built. The test binary is
+/// `target/<profile>/deps/<name>-<hash>`; cargo test writes the cdylib beside it in `deps/` and
+/// copies it up to `target/<profile>/` only on `cargo build`, so `deps/` comes first.
+pub fn built_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary knows its own path");
+    let deps_dir = exe.parent().expect("the test binary lives in a folder");
+    let name = format!(
+        "{}mori_tp{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    );
+    let in_deps = deps_dir.join(&name);
+    match deps_dir.parent() {
+        Some(profile_dir) if !in_deps.is_file() => profile_dir.join(&name),
+        _ => in_deps,
+    }
+}
+
+/// Runs `command` to completion, killing it after `limit`; stdout and stderr together.
+pub fn run_bounded(mut command: Command, limit: Duration) -> (Output, String) {
+    let mut child = match command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => panic!(
+            "{:?} is not installed, and these tests need it (python3: Debian's apt-get \
+             install python3)",
+            command.get_program()
+        ),
+        Err(error) => panic!("cannot run {:?}: {error}", command.get_program()),
+    };
+    // Drained on threads: an engine that logs a lot must not block on a full pipe.
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().expect("piped stdout")));
+    let stderr = drain(Box::new(child.stderr.take().expect("piped stderr")));
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the child") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            // Its decode child dies with it (PR_SET_PDEATHSIG).
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{command:?} ran past {limit:?} and was killed");
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    let output = Output {
+        status,
+        stdout: stdout.join().expect("stdout reader"),
+        stderr: stderr.join().expect("stderr reader"),
+    };
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output, report)
 }
 
 /// Runs `command` to completion and returns its stdout and stderr; fails the test, with both,
