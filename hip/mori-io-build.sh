@@ -16,8 +16,10 @@
 # HIP_VERSION below; the MORI sources must hash to MORI_DIGEST (their src/, include/,
 # 3rdparty/spdlog/include and the Python files used), and a git checkout must be at 1e3ce4e1.
 # Cached: the chroot is made once (a stamp names its suites, packages and pins); the build's
-# outputs live in target/mori-io/<key>/, keyed by the sources' digest and this script's hash,
-# and a rerun with both unchanged reuses them. target/mori-io/current names the last good one.
+# outputs live outside the checkout in $MORI_TP_MORI_CACHE/<key>/ (default
+# /var/cache/mori-tp/mori-io), keyed by the sources' digest and this script's hash, so that a
+# rerun with both unchanged reuses them, from any clone on the machine. target/mori-io/current
+# links the checkout to the build it uses.
 #
 # The outputs (glibc and libstdc++ of sid) run inside the chroot only: the tests that use them
 # (tests/python.rs, tests/mori_io.rs) run there through --run. libmori_tp itself is built on the
@@ -32,6 +34,7 @@
 #                           (default: shared/third_party/mori-tcp-backend in the folder that
 #                           holds this checkout, where CI puts it)
 #   MORI_TP_MORI_CHROOT     where the chroot lives (default /var/tmp/mori-tp/sid-hip7)
+#   MORI_TP_MORI_CACHE      where the builds live (default /var/cache/mori-tp/mori-io)
 #   MORI_TP_DEBIAN_MIRROR   the Debian mirror (default: this machine's, from /etc/apt/sources*)
 #   MORI_TP_JOBS            parallel compiles (default: the number of cores)
 set -euo pipefail
@@ -42,6 +45,7 @@ SRC=${MORI_TP_MORI_SRC:-$(dirname "$ROOT")/shared/third_party/mori-tcp-backend}
 [ -d "$SRC" ] && SRC=$(cd "$SRC" && pwd -P)
 export SRC
 CHROOT=${MORI_TP_MORI_CHROOT:-/var/tmp/mori-tp/sid-hip7}
+CACHE=${MORI_TP_MORI_CACHE:-/var/cache/mori-tp/mori-io}
 MORI_COMMIT=1e3ce4e1
 MORI_DIGEST=b0503e69489f7dbe
 # Debian experimental's HIP: the version the build was made with and is tested against.
@@ -171,6 +175,7 @@ in_chroot() {
   local target=${CARGO_TARGET_DIR:-$ROOT/target}
   MOUNTS="$ROOT"
   [ -d "$SRC" ] && MOUNTS="$MOUNTS $SRC"
+  [ -d "$CACHE" ] && MOUNTS="$MOUNTS $(cd "$CACHE" && pwd -P)"
   if [ -d "$target" ]; then
     target=$(cd "$target" && pwd -P)
     case $target/ in "$ROOT"/*) ;; *) MOUNTS="$MOUNTS $target" ;; esac
@@ -218,9 +223,11 @@ digest=$(sources_digest)
 [ "$digest" = "$MORI_DIGEST" ] ||
   die "$SRC's sources hash to $digest, not $MORI_DIGEST (ROCm/mori $MORI_COMMIT's): another revision, or changed files"
 key=$digest-$(sha256sum "$SCRIPT" | cut -c1-12)
-OUT=$ROOT/target/mori-io/$key
+mkdir -p "$CACHE" "$ROOT/target/mori-io"
+CACHE=$(cd "$CACHE" && pwd -P)
+OUT=$CACHE/$key
 if [ -f "$OUT/ok" ]; then
-  ln -sfn "$key" "$ROOT/target/mori-io/current"
+  ln -sfn "$OUT" "$ROOT/target/mori-io/current"
   echo "mori-io-build: reusing $OUT (MORI $MORI_COMMIT, sources $digest, HIP $HIP_VERSION)"
   exit 0
 fi
@@ -256,5 +263,5 @@ echo "mori-io-build: building MORI $MORI_COMMIT (sources $digest) with HIP $hip 
 mkdir -p "$OUT"
 in_chroot bash "$SCRIPT" --inside-build "$OUT"
 echo "MORI $MORI_COMMIT sources $digest HIP $hip" >"$OUT/ok"
-ln -sfn "$key" "$ROOT/target/mori-io/current"
+ln -sfn "$OUT" "$ROOT/target/mori-io/current"
 echo "mori-io-build: built $OUT"
