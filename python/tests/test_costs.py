@@ -494,7 +494,7 @@ class SenderChoosesTest(unittest.TestCase):
                 layout = self.LAYOUT[want]
                 sides = Sides(LAYOUTS[layout], *pair_staged(layout), buffers=BUFFERS)
                 sender, receiver_transport, peer = PAIRS[engine](sides)
-                receiver = Receiver(receiver_transport)
+                receiver = Receiver(receiver_transport).start()
                 incoming = receiver.expect("r", sides.config, sides.request.dst_pages,
                                            memory=sides.remote, staging=BY_SENDER,
                                            backend="host", token=sides.token)
@@ -513,7 +513,7 @@ class SenderChoosesTest(unittest.TestCase):
     def test_a_streamer_learns_the_transport_from_its_own_writes(self):
         sides = Sides(LAYOUTS[Staging.SRC], *pair_staged(Staging.SRC), buffers=BUFFERS)
         sender, receiver_transport, peer = nixl_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         with Streamer(sender, timeout=LONG) as streamer:
             self.assertIsNone(streamer.costs.transport_costs(peer))
             seen = []
@@ -538,7 +538,7 @@ class SenderChoosesTest(unittest.TestCase):
     def test_send_takes_the_models_chunk_count_once_it_knows_the_transport(self):
         sides = Sides(LAYOUTS[Staging.SRC], *pair_staged(Staging.SRC), buffers=BUFFERS)
         sender, receiver_transport, peer = mooncake_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         model = CostModel(TransportCosts(0.0, 1e3, host_cores=0),
                           CopyCosts(1e3, on_host=False), chunk_overhead=0.0, tolerance=0.0)
         with Streamer(sender, timeout=LONG, costs=model) as streamer:
@@ -558,7 +558,7 @@ class SenderChoosesTest(unittest.TestCase):
         kept their old bytes with the request reported complete."""
         sides = Sides(LAYOUTS[Staging.SRC], *pair_staged(Staging.SRC), buffers=BUFFERS)
         sender, receiver_transport, peer = mooncake_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
 
         def run(rid: str, expected: Any, sent: Staging, memory: Any = None) -> str:
             incoming = receiver.expect(rid, sides.config, sides.request.dst_pages,

@@ -53,6 +53,7 @@ def mooncake_pair(sides: "Sides", **kwargs: Any):
     peers: dict = {}
     prefill, decode = FakeMooncake(15001, peers), FakeMooncake(15002, peers)
     peers["127.0.0.1:15002"] = decode
+    peers["127.0.0.1:15001"] = prefill  # the decode rank answers (done, cancel)
     sender, receiver = MooncakeTransport(prefill, **kwargs), MooncakeTransport(decode)
     sender.register(sides.local_registered)
     remote = receiver.register(sides.remote_registered)
@@ -572,7 +573,7 @@ class ReceiverBoundsTest(unittest.TestCase):
     def test_no_progress_is_a_timeout_naming_peer_request_and_what_was_unpacked(self):
         sides = Sides(LAYOUTS[Staging.BOTH], *pair_staged(Staging.BOTH))
         sender, receiver_transport, peer, _ = mooncake_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         incoming = receiver.expect("half-1", sides.config, sides.request.dst_pages,
                                    memory=sides.remote, staging=Staging.BOTH, backend="host",
                                    timeout=SHORT)

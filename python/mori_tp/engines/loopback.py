@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -83,9 +83,9 @@ class Driver:
         raise NotImplementedError
 
     def sender(self, transport: Any) -> str:
-        """What this transport's notifications are attributed to on the peer: all a receiving
-        peer needs of it (NIXL: the agent name; loading its metadata would give the peer
-        access to this transport's registered memory)."""
+        """What this transport's notifications are attributed to on the peer (NIXL: the agent
+        name). A receiving peer answers it (``done``, ``cancel``: REFERENCE.md section 13),
+        for which a NIXL peer also loads its metadata (:func:`answer_address`)."""
         raise NotImplementedError
 
     def connect(self, transport: Any, address: Any, epoch: int = 0) -> Any:
@@ -147,8 +147,10 @@ class NixlDriver(Driver):
 
         # NIXL's progress thread polls without pause (about a third of a core here); a process
         # that polls anyway does without it.
-        return NixlTransport.start(f"mori-tp-{role}-{os.getpid()}",
-                                   progress_thread=False if polled else None)
+        transport = NixlTransport.start(f"mori-tp-{role}-{os.getpid()}",
+                                        progress_thread=False if polled else None)
+        _STARTED[transport.name] = transport
+        return transport
 
     def address(self, transport: Any) -> Any:
         return transport.metadata()
@@ -167,6 +169,20 @@ class NixlDriver(Driver):
 
     def wait(self, transport, peer, tag, timeout):
         transport.wait_notification(peer, tag, timeout=timeout)
+
+
+#: NIXL transports this process started, by agent name: a decode child that answers one of
+#: them (done, cancel) loads its metadata (answer_address).
+_STARTED: Dict[str, Any] = {}
+
+
+def answer_address(sender: str) -> Any:
+    """What a decode peer needs to answer ``sender``, a transport of this process: a NIXL
+    agent's metadata (NIXL sends a notification only to an agent whose metadata it loaded;
+    as a connector exchanges metadata both ways), None for Mooncake (the answer reads the
+    carrier each chunk names)."""
+    transport = _STARTED.get(sender)
+    return transport.metadata() if transport is not None else None
 
 
 def driver(engine: str, hostname: str = "127.0.0.1", engine_timeout: float = 30.0) -> Driver:
@@ -614,8 +630,9 @@ class StreamPeer:
 
     def connect(self, sender: str) -> None:
         """Tells the child the name the parent's notifications carry (``Driver.sender``); its
-        requests are bound to that sender. It never loads the parent's address."""
-        self.call("connect", sender)
+        requests are bound to that sender. A NIXL child also loads the parent's metadata, to
+        answer it (``done``, ``cancel``)."""
+        self.call("connect", sender, answer_address(sender))
 
     def expect(self, request_id: str, rank: int, config: mori_tp.SliceConfig,
                dst_pages: Sequence[int], staging: Union[int, str], slot_bytes: int,
@@ -763,10 +780,11 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
         answer: Any = None
         try:
             if kind == "connect":
-                # The name only: loading the parent's address (NIXL metadata) would give this
-                # process access to the parent's registered memory, and is not needed to
-                # receive.
+                # The name, and for NIXL the metadata: the receiver answers the sender (done,
+                # cancel), which NIXL sends only to an agent whose metadata it loaded.
                 sender = args[0]
+                if len(args) > 1 and args[1] is not None:
+                    drive.connect(transport, args[1])
                 receiver.start()
             elif kind == "expect":
                 answer = expect(*args)

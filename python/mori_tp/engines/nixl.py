@@ -60,6 +60,7 @@ from .faults import (
     new_epoch,
     planned_epoch,
 )
+from .inbox import SetAside
 from .streaming import DEFAULT_TIMEOUT
 
 __all__ = ["NixlTransport", "exit_process", "preload_system_libnl"]
@@ -187,6 +188,10 @@ class NixlTransport:
         #: Held while notifications are taken (poll_notifications, wait_notification): from
         #: several threads, each notification goes to exactly one caller.
         self._notify_lock = threading.Lock()
+        #: Notifications wait_notification did not match (taken out of the agent's own
+        #: dictionary, which keeps everything): bounded in entries and bytes (names counted),
+        #: each for at most a minute.
+        self._set_aside = SetAside()
 
     @classmethod
     def start(cls, name: str, *, backends: Sequence[str] = ("UCX",), mem_type: str = "DRAM",
@@ -368,13 +373,17 @@ class NixlTransport:
         first per peer. Thread-safe with :meth:`wait_notification`: each notification goes to
         exactly one of them (so a message this takes is not there for a later
         ``wait_notification``)."""
-        out = []
         with self._notify_lock:
-            notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
-            for peer, messages in notifs.items():
-                taken = list(messages)
-                del messages[:len(taken)]
-                out.extend((_text(peer), bytes(m)) for m in taken)
+            return self._set_aside.drain() + self._take_new()
+
+    def _take_new(self) -> List[Tuple[str, bytes]]:
+        """What the agent received since the last call, taken out of its dictionary."""
+        out = []
+        notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
+        for peer, messages in notifs.items():
+            taken = list(messages)
+            del messages[:len(taken)]
+            out.extend((_text(peer), bytes(m)) for m in taken)
         return out
 
     def wait_notification(self, peer: str, message: bytes, *,
@@ -394,13 +403,9 @@ class NixlTransport:
     def _take_notification(self, peer: str, message: bytes) -> bool:
         # Exact match: check_remote_xfer_done matches prefixes, so b"req-1" would take b"req-10".
         with self._notify_lock:
-            notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
-            for key in (peer, peer.encode()):
-                messages = notifs.get(key)
-                if messages and message in messages:
-                    messages.remove(message)
-                    return True
-        return False
+            for sender, received in self._take_new():
+                self._set_aside.add(sender, received)
+            return self._set_aside.take(_text(peer), message)
 
 
 def _wrapped(what: str, error: BaseException, peer: Any,
