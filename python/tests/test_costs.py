@@ -565,7 +565,9 @@ class SenderChoosesTest(unittest.TestCase):
                                        memory=memory or sides.remote, staging=expected,
                                        backend="host", token=sides.token)
             with Streamer(sender, timeout=LONG) as streamer:
-                streamer.send(peer, sides.plan(sent), rid, chunks=2)
+                # The decode rank failed it: the sender's wait does not report success.
+                with self.assertRaisesRegex(TransferError, "the decode rank gave up"):
+                    streamer.send(peer, sides.plan(sent), rid, chunks=2)
             with self.assertRaises(TransferError) as caught:
                 receiver.wait(incoming, LONG)
             self.assertEqual(incoming.buffers_ready, set(), rid)

@@ -78,6 +78,16 @@ def engine_calls(transport: Any) -> int:
     return len(engine.calls) if engine is not None else len(transport.agent.transfers)
 
 
+def decode(receiver_transport: Any, sides: "Sides", *rids: str) -> "Receiver":
+    """A decode rank that expects ``rids`` (SRC, the sides' token) and answers them: a
+    sender's wait reports success only after the decode rank's ``done``."""
+    receiver = Receiver(receiver_transport).start()
+    for rid in rids:
+        receiver.expect(rid, sides.config, sides.request.dst_pages, memory=sides.remote,
+                        staging=Staging.SRC, backend="host", token=sides.token)
+    return receiver
+
+
 def src_sides() -> "Sides":
     return Sides(LAYOUTS[Staging.SRC], *pair_staged(Staging.SRC))
 
@@ -343,7 +353,8 @@ class ReleaseTest(unittest.TestCase):
     def test_the_slot_is_released_once_after_success(self):
         for engine, make in PAIRS.items():
             sides = src_sides()
-            sender, _, peer, _ = make(sides)
+            sender, receiver_transport, peer, _ = make(sides)
+            receiver = decode(receiver_transport, sides, "ok-1")
             calls: List[int] = []
             with Streamer(sender, timeout=LONG) as streamer:
                 stream = streamer.open(peer, sides.plan(Staging.SRC), "ok-1",
@@ -352,7 +363,9 @@ class ReleaseTest(unittest.TestCase):
                 stream.submit(buffers=[(2, 4)])
                 stream.seal()
                 stream.wait()
+                self.assertTrue(stream.confirmed, engine)
                 self.assertTrue(stream.released(LONG), engine)
+            receiver.close()
             self.assertEqual(calls, [1], engine)
 
     def test_a_failed_stream_releases_its_slot_only_after_the_write_in_progress_returns(self):
@@ -384,7 +397,8 @@ class ReleaseTest(unittest.TestCase):
     def test_a_write_error_releases_the_slot_and_names_the_request(self):
         for engine, make in PAIRS.items():
             sides = src_sides()
-            sender, _, peer, _ = make(sides)
+            sender, receiver_transport, peer, _ = make(sides)
+            receiver = decode(receiver_transport, sides, "gone-1", "next-1")
             gate = Gate(sender, error=TransferError("the peer went away", peer=peer))
             calls: List[int] = []
             with Streamer(gate, timeout=LONG) as streamer:
@@ -396,6 +410,7 @@ class ReleaseTest(unittest.TestCase):
                 # The streamer goes on serving other requests.
                 gate.index = -1
                 streamer.send(peer, sides.plan(Staging.SRC), "next-1", chunks=2)
+            receiver.close()
             self.assertEqual(calls, [1], engine)
 
     def test_an_engine_that_may_still_read_keeps_the_slot(self):
@@ -601,7 +616,7 @@ class ReceiverBoundsTest(unittest.TestCase):
         sides = src_sides()
         sender, receiver_transport, peer, _ = nixl_pair(sides)
         receiver = Receiver(receiver_transport, early_timeout=SHORT)
-        sender.notify(peer, b"mori-tp/3 ghost " + new_token().encode() +
+        sender.notify(peer, b"mori-tp/4 ghost " + new_token().encode() +
                       b" abort ended the sender gave up")
         receiver.poll()
         self.assertIn("ghost", receiver._early)

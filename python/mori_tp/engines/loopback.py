@@ -529,6 +529,9 @@ class Expected:
     unpack_seconds: float
     #: The ranges of each chunk, in the order they landed.
     chunks: Tuple[Tuple[Tuple[int, int], ...], ...]
+    #: How a failed request's memory was let go without its sender's answer ("": it answered,
+    #: or the request completed): ``Incoming.released``.
+    released: str = ""
 
 
 class StreamPeer:
@@ -755,7 +758,8 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
             error = None if incoming.error is None else str(incoming.error)
             send(("ended", Expected(incoming.request_id,
                                     incoming.finished_at or time.monotonic(), error,
-                                    incoming.unpack_seconds, tuple(landed))))
+                                    incoming.unpack_seconds, tuple(landed),
+                                    incoming.released)))
 
         try:
             incoming = receiver.expect(
