@@ -178,11 +178,12 @@ _STARTED: Dict[str, Any] = {}
 
 def answer_address(sender: str) -> Any:
     """What a decode peer needs to answer ``sender``, a transport of this process: a NIXL
-    agent's metadata (NIXL sends a notification only to an agent whose metadata it loaded;
-    as a connector exchanges metadata both ways), None for Mooncake (the answer reads the
-    carrier each chunk names)."""
+    agent's connection info without memory (``NixlTransport.answer_metadata``: NIXL sends a
+    notification only to an agent it loaded metadata of, and this gives the decode peer no
+    access to the prefill's memory), None for Mooncake (the answer reads the carrier each
+    chunk names)."""
     transport = _STARTED.get(sender)
-    return transport.metadata() if transport is not None else None
+    return transport.answer_metadata() if transport is not None else None
 
 
 def driver(engine: str, hostname: str = "127.0.0.1", engine_timeout: float = 30.0) -> Driver:
@@ -660,6 +661,11 @@ class StreamPeer:
         with self._changed:
             return self._ended.pop(request_id)
 
+    def release(self, request_id: str) -> bool:
+        """Has the child let go of a failed request it holds (``Receiver.release``: the
+        connector knows its sender is gone or never got the request); whether it was held."""
+        return self.call("release", request_id)
+
     def reset(self) -> None:
         self.call("reset")
 
@@ -733,6 +739,8 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
     receiver = Receiver(transport, linger=linger)
     #: The parent's name on the engine: every request is bound to it (connect).
     sender: Optional[str] = None
+    #: The requests expected, by id (the latest of each id), for "release".
+    expected: dict = {}
 
     def expect(rid: str, rank: int, config: Any, dst_pages: Sequence[int],
                staging: Union[int, str], slot_bytes: int, wait: float,
@@ -770,6 +778,9 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
             if slot is not None:
                 pool.free(slot)
             raise
+        expected[rid] = incoming
+        if len(expected) > 4096:
+            del expected[next(iter(expected))]
         return (slot.address if slot is not None else 0), incoming.token
 
     while True:
@@ -794,6 +805,9 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
                 answer = expect(*args)
             elif kind == "reset":
                 reset()
+            elif kind == "release":
+                held = expected.get(args[0])
+                answer = held is not None and receiver.release(held, "the parent says so")
             elif kind == "digests":
                 answer = [[digest(data) for data in rank_buffers] for rank_buffers in buffers]
             elif kind == "fetch":

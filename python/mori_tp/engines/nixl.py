@@ -224,6 +224,19 @@ class NixlTransport:
         :meth:`register`, so that it describes the registered memory)."""
         return self.agent.get_agent_metadata()
 
+    def answer_metadata(self) -> bytes:
+        """This agent's connection info without any memory (NIXL's partial metadata with no
+        descriptors): what a decode rank loads to answer this agent's streams (``done``,
+        ``cancel``: REFERENCE.md section 13). An agent that loads it can send this one
+        notifications but can neither read nor write its memory (NIXL refuses a transfer to
+        memory the loaded metadata does not describe: NIXL_ERR_NOT_FOUND, measured here)."""
+        partial = getattr(self.agent, "get_partial_agent_metadata", None)
+        module = sys.modules.get(type(self.agent).__module__)
+        bind = getattr(module, "nixlBind", None)
+        if partial is None or bind is None:
+            return self.metadata()  # an agent without partial metadata (a stand-in)
+        return partial(bind.nixlRegDList(bind.DRAM_SEG), True, list(self.agent.backends))
+
     def add_peer(self, metadata: bytes) -> str:
         """Loads a peer's metadata; returns the peer's name, which :meth:`send` and
         :meth:`wait_notification` take."""

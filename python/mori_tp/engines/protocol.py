@@ -11,14 +11,14 @@ Format, version 4, ASCII words separated by one space. The prefill rank sends::
 and the decode rank answers (REFERENCE.md section 17)::
 
     mori-tp/4 <request> <token> done
-    mori-tp/4 <request> <token> cancel <reason>
+    mori-tp/4 <request> <token> cancel <carrier> <reason>
 
 ``done``: every chunk landed and was unpacked; the sender's ``wait()`` reports success only
 after it. ``cancel``: the decode rank gave up on the request (a timeout, a protocol violation,
 its caller); the sender writes nothing more of it and answers with ``abort ended`` once every
 write of it has returned, and only then does the decode rank reuse the request's memory.
-``<carrier>``: a decimal address of the sender's registered memory that the decode rank's
-answer may read one byte of (Mooncake sends a notification only with a transfer), 0 where the
+``<carrier>``: a decimal address of the other rank's registered memory that an answer to the
+message may read one byte of (Mooncake sends a notification only with a transfer), 0 where the
 engine needs none (NIXL).
 
 ``<request>`` is the request id (1-200 printable ASCII characters, no space); ``<token>`` is the
@@ -156,11 +156,13 @@ def done_message(request_id: str, token: str) -> bytes:
     return _bounded(f"{PROTOCOL} {request_id} {token} done", f"request {request_id}")
 
 
-def cancel_message(request_id: str, token: str, reason: str) -> bytes:
-    """The decode rank gave up on the request: write nothing more, answer ``abort ended``."""
+def cancel_message(request_id: str, token: str, reason: str, reply: int = 0) -> bytes:
+    """The decode rank gave up on the request: write nothing more, answer ``abort ended``
+    (``reply``: the decode rank's carrier for that answer)."""
     reason = " ".join(str(reason).split())[:MAX_REASON]
     reason = reason.encode("ascii", "replace").decode("ascii") or "-"
-    return _bounded(f"{PROTOCOL} {request_id} {token} cancel {reason}", f"request {request_id}")
+    return _bounded(f"{PROTOCOL} {request_id} {token} cancel {_carrier(reply)} {reason}",
+                    f"request {request_id}")
 
 
 def abort_message(request_id: str, token: str, reason: str, busy: bool = False) -> bytes:
@@ -277,8 +279,9 @@ def parse_message(message: bytes) -> Optional[Message]:
         return Message(request_id, token, kind, sealed=int(words[4]), reply=reply)
     elif kind == "done" and len(words) == 4:
         return Message(request_id, token, kind)
-    elif kind == "cancel" and len(words) >= 5:
-        return Message(request_id, token, kind, reason=" ".join(words[4:])[:MAX_REASON])
+    elif kind == "cancel" and len(words) >= 6 and _ADDRESS.fullmatch(words[4]):
+        return Message(request_id, token, kind, reason=" ".join(words[5:])[:MAX_REASON],
+                       reply=int(words[4]))
     elif kind == "abort" and len(words) >= 5 and words[4] in ("ended", "busy"):
         return Message(request_id, token, kind, reason=" ".join(words[5:])[:MAX_REASON],
                        busy=words[4] == "busy")

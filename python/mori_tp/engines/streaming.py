@@ -857,6 +857,14 @@ class Streamer:
         self._answers = threading.Condition(self._lock)
         #: Answers that matched no stream this streamer knows (a stranger's, or too late).
         self.stray_answers = 0
+        #: Peers this streamer opened streams to (the newest MAX_ROUTES): a cancel from one of
+        #: them for a request no stream holds is answered.
+        self._peers: "OrderedDict[Any, None]" = OrderedDict()
+        #: Tokens of requests a decode rank cancelled before any stream of them was opened
+        #: here (the newest MAX_KNOWN): open() refuses them, the answer said none would come.
+        self._refused: "OrderedDict[str, str]" = OrderedDict()
+        self._strays: "queue.Queue[Any]" = queue.Queue(maxsize=64)
+        self._stray_thread: Optional[threading.Thread] = None
         self._threads = [
             threading.Thread(target=self._pack_loop, name="mori-tp-pack", daemon=True),
             threading.Thread(target=self._write_loop, name="mori-tp-write", daemon=True),
@@ -916,8 +924,18 @@ class Streamer:
             with self._lock:
                 if self._closing:
                     raise self._closed_error("open", request)
+                if token in self._refused:
+                    raise TransferError(
+                        f"{where}: request {request_id}: the decode rank gave up on it before "
+                        "it was opened here, and was told that nothing of it would be written",
+                        peer=peer, request_id=request_id)
                 self._streams.add(request)
                 self._know(request)
+                if isinstance(peer, (str, bytes)) and len(peer) <= 4 * MAX_NAME:
+                    self._peers.pop(peer, None)
+                    self._peers[peer] = None
+                    while len(self._peers) > MAX_ROUTES:
+                        self._peers.popitem(last=False)
         except BaseException as error:
             _run_release(release, error)
             raise
@@ -1016,8 +1034,13 @@ class Streamer:
                 aborts = list(self._aborts)
             for thread in aborts:
                 thread.join(max(0.0, deadline - time.monotonic()))
+            stray = self._stray_thread
+            if stray is not None:
+                stray.join(max(0.0, deadline - time.monotonic()))
             held = ([t.name for t in self._threads if t.is_alive()]
-                    + [t.name for t in aborts if t.is_alive()])
+                    + [t.name for t in aborts if t.is_alive()]
+                    + ([stray.name] if stray is not None and stray.is_alive() else []))
+            self._inbox.detach_streamer()
         running = held
         if running:
             raise TransferTimeoutError(
@@ -1054,22 +1077,21 @@ class Streamer:
         self._answers.notify_all()
 
     def _answer_loop(self) -> None:
-        """Takes the decode ranks' answers while any stream may get one."""
+        """Takes the decode ranks' answers: backing off to 1 ms while a stream waits for one,
+        to 5 ms while none does (a cancel for a request no stream holds is answered too)."""
         interval = 0.0001
         while True:
-            with self._answers:
-                while not self._stopped and not any(not s._over.is_set()
-                                                    for s in self._known.values()):
-                    self._answers.wait(0.05)
+            with self._lock:
                 if self._stopped:
                     return
+                waiting = any(not s._over.is_set() for s in self._known.values())
             try:
                 batch = self._inbox.take("streamer")
             except Exception:  # noqa: BLE001 - the receiver's poll reports the transport
                 batch = []
             for sender, raw in batch:
                 self._answer(sender, raw)
-            interval = 0.0001 if batch else min(2 * interval, 0.001)
+            interval = 0.0001 if batch else min(2 * interval, 0.001 if waiting else 0.005)
             time.sleep(interval)
 
     def _answer(self, sender: Any, raw: bytes) -> None:
@@ -1079,6 +1101,20 @@ class Streamer:
             return
         with self._lock:
             stream = self._known.get(message.token)
+            unknown = stream is None
+            if unknown and message.kind == "cancel" and sender in self._peers:
+                # No stream of this streamer holds the request: none ever will (open refuses
+                # the token from now on), so the answer the decode rank waits for is true.
+                self._refused.pop(message.token, None)
+                self._refused[message.token] = message.request_id
+                while len(self._refused) > MAX_KNOWN:
+                    self._refused.popitem(last=False)
+                answer = True
+            else:
+                answer = False
+        if answer:
+            self._answer_stray(sender, message)
+            return
         if stream is None or stream.request_id != message.request_id \
                 or not hmac.compare_digest(stream.token.encode("ascii"),
                                            message.token.encode("ascii", "replace")):
@@ -1088,6 +1124,40 @@ class Streamer:
             stream._confirm()
         else:
             stream._cancelled(message.reason)
+
+    def _answer_stray(self, sender: Any, message: Message) -> None:
+        """Queues ``abort ended`` for a request no stream of this streamer holds (sent by a
+        thread of its own: a Mooncake notification waits for its read)."""
+        try:
+            self._strays.put_nowait((sender, message))
+        except queue.Full:
+            self.stray_answers += 1
+            return
+        with self._lock:
+            if self._stray_thread is None or not self._stray_thread.is_alive():
+                self._stray_thread = threading.Thread(target=self._stray_loop, daemon=True,
+                                                      name="mori-tp-stray-answers")
+                self._stray_thread.start()
+
+    def _stray_loop(self) -> None:
+        while True:
+            try:
+                sender, message = self._strays.get(timeout=1.0)
+            except queue.Empty:
+                with self._lock:
+                    if self._strays.empty():
+                        self._stray_thread = None
+                        return
+                continue
+            try:
+                self.transport.notify(
+                    sender, abort_message(message.request_id, message.token,
+                                          "no stream of the sender holds this request; none "
+                                          "will be opened"),
+                    carrier=message.reply or None, timeout=self.timeout,
+                    request_id=message.request_id)
+            except Exception:  # noqa: BLE001 - best effort; the decode rank keeps holding
+                self.stray_answers += 1
 
     def _forget(self, request: RequestStream) -> None:
         with self._lock:
@@ -1494,7 +1564,9 @@ class Receiver:
                 incoming.cancel_state = "no route"
                 return
             incoming.cancel_state = "sending"
-            raw = cancel_message(incoming.request_id, incoming.token, reason)
+            memory = incoming.memory
+            own = memory.buffers[0] if memory.buffers else (memory.staging or 0)
+            raw = cancel_message(incoming.request_id, incoming.token, reason, int(own))
         else:
             if peer is None:
                 return
