@@ -54,6 +54,8 @@ class Inbox:
         self._lock = threading.Lock()
         self._receiver: Optional["weakref.ref[Any]"] = None
         self._streamers = 0
+        #: The streamers of this transport: an answer goes to the one that knows its token.
+        self._streamer_refs: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._for: dict = {"receiver": deque(), "streamer": deque()}
         self._bytes = {"receiver": 0, "streamer": 0}
         #: Notifications dropped because the role they were for kept too many.
@@ -77,13 +79,27 @@ class Inbox:
                 self._for["receiver"].clear()
                 self._bytes["receiver"] = 0
 
-    def attach_streamer(self) -> None:
+    def attach_streamer(self, streamer: Any = None) -> None:
         with self._lock:
             self._streamers += 1
+            if streamer is not None:
+                self._streamer_refs.add(streamer)
 
-    def detach_streamer(self) -> None:
+    def detach_streamer(self, streamer: Any = None) -> None:
         with self._lock:
-            self._streamers = max(0, self._streamers - 1)
+            if streamer is None or streamer in self._streamer_refs:
+                self._streamers = max(0, self._streamers - 1)
+            if streamer is not None:
+                self._streamer_refs.discard(streamer)
+
+    def owner(self, token: str) -> Any:
+        """The streamer of this transport that knows a stream with ``token``, or None."""
+        with self._lock:
+            streamers = list(self._streamer_refs)
+        for streamer in streamers:
+            if token in streamer._known:
+                return streamer
+        return None
 
     def take(self, role: str) -> List[Tuple[Any, bytes]]:
         """Polls the transport and returns what is for ``role`` ("receiver" or "streamer"),

@@ -848,7 +848,7 @@ class Streamer:
         self._writing: "queue.Queue[Any]" = queue.Queue()
         #: The decode ranks' answers (done, cancel) come through the transport's Inbox.
         self._inbox = inbox_of(transport)
-        self._inbox.attach_streamer()
+        self._inbox.attach_streamer(self)
         #: The carrier the decode rank's answers read one byte of (Mooncake), or 0.
         carrier = getattr(transport, "reply_carrier", None)
         self._reply = int(carrier()) if callable(carrier) else 0
@@ -1040,7 +1040,7 @@ class Streamer:
             held = ([t.name for t in self._threads if t.is_alive()]
                     + [t.name for t in aborts if t.is_alive()]
                     + ([stray.name] if stray is not None and stray.is_alive() else []))
-            self._inbox.detach_streamer()
+            self._inbox.detach_streamer(self)
         running = held
         if running:
             raise TransferTimeoutError(
@@ -1099,6 +1099,13 @@ class Streamer:
         if message is None or message.kind not in ("done", "cancel"):
             self.stray_answers += 1
             return
+        owner = self._inbox.owner(message.token)
+        if owner is not None and owner is not self:
+            owner._take_answer(sender, message)
+            return
+        self._take_answer(sender, message)
+
+    def _take_answer(self, sender: Any, message: Message) -> None:
         with self._lock:
             stream = self._known.get(message.token)
             unknown = stream is None
