@@ -399,6 +399,8 @@ class RequestStream:
         self._engine_busy: Optional[BaseException] = None
         #: Chunks whose ``ready`` has not returned: not packed, memory not touched yet.
         self._waiting = 0
+        #: (what, since) of the engine call of this stream in progress, for a timeout's words.
+        self._in_call: Optional[Tuple[str, float]] = None
         #: Chunks past their ``ready`` that the writing thread has not finished with, the seal
         #: sent alone, and the abort being sent: while any is, the local memory may be read.
         self._busy = 0
@@ -604,8 +606,18 @@ class RequestStream:
     def _progress(self) -> str:
         with self._lock:
             sealed = "not sealed" if self._sealed is None else f"sealed with {self._sealed}"
-            return (f"{self._chunks} chunks submitted, {self._written} written, {sealed}, "
+            text = (f"{self._chunks} chunks submitted, {self._written} written, {sealed}, "
                     f"seal sent: {self._seal == 'sent'}")
+            call = self._in_call
+        if call is not None:
+            what, since = call
+            text += (f"; {what} has been in the engine for {time.monotonic() - since:.1f} s "
+                     "(the engine has not returned: a slow or stalled connection to the peer; "
+                     "Mooncake delays a notification while silent TCP connections are held "
+                     "to the peer's session port, REFERENCE.md section 18)")
+        elif self._waiting:
+            text += f"; {self._waiting} chunks wait for their ready"
+        return text
 
     def _carrier(self) -> Optional[int]:
         """A byte of the decode rank's registered memory that a notification without data can
@@ -1284,6 +1296,7 @@ class Streamer:
         cpu = time.process_time()
         start = time.perf_counter()
         calls = 0
+        request._in_call = (f"the write of chunk {index}", time.monotonic())
         try:
             if len(lengths):
                 calls = self.transport.write(request.peer, src, dst, lengths,
@@ -1295,6 +1308,7 @@ class Streamer:
                 # Nothing to move (a pair that is not SEND): the notification goes alone.
                 self._notify(request, message)
         finally:
+            request._in_call = None
             seconds = time.perf_counter() - start
             cpu = time.process_time() - cpu
             alone = self._activity.end(token)
@@ -1320,8 +1334,12 @@ class Streamer:
             request._finish()
 
     def _send_seal(self, request: RequestStream) -> None:
-        self._notify(request, seal_message(request.request_id, request.token,
-                                           request._sealed or 0, self._reply))
+        request._in_call = ("the seal's notification", time.monotonic())
+        try:
+            self._notify(request, seal_message(request.request_id, request.token,
+                                               request._sealed or 0, self._reply))
+        finally:
+            request._in_call = None
         with request._lock:
             request._seal = "sent"
 
@@ -1810,7 +1828,7 @@ class Receiver:
                 with self._lock:
                     self._fail(incoming, TransferTimeoutError(
                         f"request {incoming.request_id}"
-                        + (f" from {incoming.peer}" if incoming.peer is not None else "")
+                        + (f" from {_name(incoming.peer)}" if incoming.peer is not None else "")
                         + f": not complete after {limit} s: {incoming.missing()}; "
                         f"{incoming.unpacked()}", peer=incoming.peer,
                         request_id=incoming.request_id))
@@ -2117,7 +2135,7 @@ class Receiver:
             if now - incoming.last_progress > incoming.timeout:
                 self._fail(incoming, TransferTimeoutError(
                     f"request {incoming.request_id}"
-                    + (f" from {incoming.peer}" if incoming.peer is not None else "")
+                    + (f" from {_name(incoming.peer)}" if incoming.peer is not None else "")
                     + f": no progress for {incoming.timeout} s: {incoming.missing()}; "
                     f"{incoming.unpacked()}; {self._heard_from(incoming.peer)}",
                     peer=incoming.peer,
