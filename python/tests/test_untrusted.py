@@ -198,7 +198,8 @@ class BoundsWithNamesTest(unittest.TestCase):
         with self.assertRaises(TransferTimeoutError) as caught:
             receiver.wait(incoming, SHORT)
         self.assertLess(len(str(caught.exception)), 1500)
-        self.assertIn("(900002 characters)", str(caught.exception))
+        self.assertIn("characters)", str(caught.exception))
+        self.assertNotIn("n" * 300, str(caught.exception))
 
     def test_wait_notification_keeps_a_bounded_expiring_set_aside(self):
         clock = [0.0]

@@ -131,7 +131,12 @@ _inboxes_lock = threading.Lock()
 
 
 def inbox_of(transport: Any) -> Inbox:
-    """The transport's Inbox (made on first use, kept on the transport)."""
+    """The transport's Inbox (made on first use, kept on the transport). A wrapper that keeps
+    the transport it wraps in its ``inner`` attribute shares that transport's Inbox (one
+    engine, one set of notifications), which polls the wrapped transport."""
+    while isinstance(getattr(transport, "__dict__", None), dict) \
+            and "inner" in transport.__dict__:
+        transport = transport.__dict__["inner"]
     with _inboxes_lock:
         inbox = getattr(transport, "_mori_tp_inbox", None)
         if not isinstance(inbox, Inbox) or inbox.transport is not transport:

@@ -250,6 +250,14 @@ def _name(sender: Any) -> str:
     return text[:MAX_NAME] + f"... ({len(text)} characters)"
 
 
+def _cut(sender: Any) -> str:
+    """A sender's name as text, cut like :func:`_name`."""
+    text = str(sender)
+    if len(text) <= MAX_NAME:
+        return text
+    return text[:MAX_NAME] + f"... ({len(text)} characters)"
+
+
 def _a(word: str) -> str:
     """``word`` with its indefinite article."""
     return ("an " if word[:1] in "aeiou" else "a ") + word
@@ -1828,7 +1836,7 @@ class Receiver:
                 with self._lock:
                     self._fail(incoming, TransferTimeoutError(
                         f"request {incoming.request_id}"
-                        + (f" from {_name(incoming.peer)}" if incoming.peer is not None else "")
+                        + (f" from {_cut(incoming.peer)}" if incoming.peer is not None else "")
                         + f": not complete after {limit} s: {incoming.missing()}; "
                         f"{incoming.unpacked()}", peer=incoming.peer,
                         request_id=incoming.request_id))
@@ -2135,7 +2143,7 @@ class Receiver:
             if now - incoming.last_progress > incoming.timeout:
                 self._fail(incoming, TransferTimeoutError(
                     f"request {incoming.request_id}"
-                    + (f" from {_name(incoming.peer)}" if incoming.peer is not None else "")
+                    + (f" from {_cut(incoming.peer)}" if incoming.peer is not None else "")
                     + f": no progress for {incoming.timeout} s: {incoming.missing()}; "
                     f"{incoming.unpacked()}; {self._heard_from(incoming.peer)}",
                     peer=incoming.peer,
