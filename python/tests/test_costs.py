@@ -43,6 +43,16 @@ if np is not None:
     from test_engines import LAYOUTS, PAIR_CASES, PairSides, Sides, pair_staged
     from test_streaming import BUFFERS, LONG, PAIRS, mooncake_pair, nixl_pair
 
+
+def fresh(sides: Any) -> str:
+    """A new token for the next request of ``sides`` (its plans carry it from now on): a
+    receiver refuses a token an earlier request used (issue 44 F04)."""
+    from mori_tp.engines import new_token as _new
+
+    sides.token = _new()
+    return sides.token
+
+
 needs_numpy = unittest.skipIf(np is None, "numpy is not installed")
 
 GB = 1e9
@@ -541,7 +551,7 @@ class SenderChoosesTest(unittest.TestCase):
                 receiver = Receiver(receiver_transport).start()
                 incoming = receiver.expect("r", sides.config, sides.request.dst_pages,
                                            memory=sides.remote, staging=BY_SENDER,
-                                           backend="host", token=sides.token)
+                                           backend="host", token=fresh(sides))
                 self.assertIsNone(incoming.staging)
                 with Streamer(sender, timeout=LONG, costs=CostModel(transport, copy)) as streamer:
                     choice = streamer.choose(peer, sides.config, sides.request.src_pages,
@@ -565,7 +575,7 @@ class SenderChoosesTest(unittest.TestCase):
                 rid = f"learn-{n}"
                 incoming = receiver.expect(rid, sides.config, sides.request.dst_pages,
                                            memory=sides.remote, staging=BY_SENDER,
-                                           backend="host", token=sides.token)
+                                           backend="host", token=fresh(sides))
                 choice = streamer.choose(peer, sides.config, sides.request.src_pages,
                                          sides.request.dst_pages, remote=sides.remote)
                 seen.append(choice.reason)
@@ -586,10 +596,10 @@ class SenderChoosesTest(unittest.TestCase):
         model = CostModel(TransportCosts(0.0, 1e3, host_cores=0),
                           CopyCosts(1e3, on_host=False), chunk_overhead=0.0, tolerance=0.0)
         with Streamer(sender, timeout=LONG, costs=model) as streamer:
-            plan = sides.plan(Staging.BOTH)
             incoming = receiver.expect("c", sides.config, sides.request.dst_pages,
                                        memory=sides.remote, staging=Staging.BOTH,
-                                       backend="host", token=sides.token)
+                                       backend="host", token=fresh(sides))
+            plan = sides.plan(Staging.BOTH)
             result = streamer.send(peer, plan, "c")
             receiver.wait(incoming, LONG)
         # Free chunks and three equal stages: as many chunks as buffers (at most MAX_CHUNKS).
@@ -607,7 +617,7 @@ class SenderChoosesTest(unittest.TestCase):
         def run(rid: str, expected: Any, sent: Staging, memory: Any = None) -> str:
             incoming = receiver.expect(rid, sides.config, sides.request.dst_pages,
                                        memory=memory or sides.remote, staging=expected,
-                                       backend="host", token=sides.token)
+                                       backend="host", token=fresh(sides))
             with Streamer(sender, timeout=LONG) as streamer:
                 # The decode rank failed it: the sender's wait does not report success.
                 with self.assertRaisesRegex(TransferError, "the decode rank gave up"):
@@ -646,7 +656,7 @@ class SenderChoosesTest(unittest.TestCase):
         receiver = Receiver(Inbox())
         incoming = receiver.expect("mixed", sides.config, sides.request.dst_pages,
                                    memory=sides.remote, staging=BY_SENDER, backend="host",
-                                   token=sides.token)
+                                   token=fresh(sides))
         inbox_messages.append(("p", chunk_message("mixed", sides.token, 0, [(0, 1)],
                                                   staging=Staging.SRC)))
         receiver.poll()

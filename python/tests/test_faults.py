@@ -43,6 +43,16 @@ if np is not None:
     from mori_tp.engines.streaming import chunk_message
     from test_engines import LAYOUTS, LONG_REQUEST, Sides, pair_staged
 
+
+def fresh(sides: Any) -> str:
+    """A new token for the next request of ``sides`` (its plans carry it from now on): a
+    receiver refuses a token an earlier request used (issue 44 F04)."""
+    from mori_tp.engines import new_token as _new
+
+    sides.token = _new()
+    return sides.token
+
+
 needs_numpy = unittest.skipIf(np is None, "numpy is not installed")
 
 SHORT = 0.3
@@ -84,7 +94,7 @@ def decode(receiver_transport: Any, sides: "Sides", *rids: str) -> "Receiver":
     receiver = Receiver(receiver_transport).start()
     for rid in rids:
         receiver.expect(rid, sides.config, sides.request.dst_pages, memory=sides.remote,
-                        staging=Staging.SRC, backend="host", token=sides.token)
+                        staging=Staging.SRC, backend="host", token=fresh(sides))
     return receiver
 
 

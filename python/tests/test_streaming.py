@@ -35,12 +35,23 @@ if np is not None:
         TransferError,
         chunk_ranges,
         layer_buffers,
+        new_token,
     )
     from mori_tp.engines import TransferTimeoutError
     from mori_tp.engines.mooncake import MooncakeTransport
     from mori_tp.engines.nixl import NixlTransport
     from mori_tp.engines.streaming import parse_message
     from test_engines import LAYOUTS, Sides, pair_staged
+
+
+def fresh(sides: Any) -> str:
+    """A new token for the next request of ``sides`` (its plans carry it from now on): a
+    receiver refuses a token an earlier request used (issue 44 F04)."""
+    from mori_tp.engines import new_token as _new
+
+    sides.token = _new()
+    return sides.token
+
 
 needs_numpy = unittest.skipIf(np is None, "numpy is not installed")
 
@@ -96,7 +107,11 @@ def expect(receiver: "Receiver", sides: "Sides", rid: str, staging: Staging,
            **kwargs: Any) -> Any:
     """The decode rank expects the request, with the token its plans carry (a connector sends
     the token the Receiver drew; here both sides take the Sides' own)."""
-    kwargs.setdefault("token", sides.token)
+    if "token" not in kwargs:
+        # A receiver refuses a token an earlier request used (issue 44 F04): each request
+        # gets one of its own, which the sides' plans carry from now on.
+        sides.token = new_token()
+        kwargs["token"] = sides.token
     return receiver.expect(rid, sides.config, sides.request.dst_pages, memory=sides.remote,
                            staging=staging, backend="host", **kwargs)
 
@@ -461,7 +476,7 @@ class ReceiverTest(unittest.TestCase):
         with Streamer(sender, timeout=LONG) as streamer:
             stream = post(streamer, peer, sides.plan(Staging.DST), "early")
             self.assertEqual(receiver.poll(), [])
-            incoming = expect(receiver, sides, "early", Staging.DST)
+            incoming = expect(receiver, sides, "early", Staging.DST, token=sides.token)
             receiver.wait(incoming, LONG)
             # Success only once the decode rank confirmed it.
             self.assertTrue(stream.wait(LONG) and stream.confirmed)
@@ -973,7 +988,7 @@ class ReceiverLifeTest(unittest.TestCase):
         sender, receiver_transport, peer = mooncake_pair(sides)
         receiver = Receiver(receiver_transport).start()
         incoming = receiver.expect("pr", sides.config, sides.request, memory=sides.remote,
-                                   backend="host", token=sides.token)
+                                   backend="host", token=fresh(sides))
         self.assertIs(incoming.staging, mori_tp.pair_staging_for(sides.config))
         with Streamer(sender, timeout=LONG) as streamer:
             streamer.send(peer, sides.plan(), "pr", chunks=2)
@@ -991,7 +1006,7 @@ class ReceiverLifeTest(unittest.TestCase):
         receiver.poll()
         done: List[str] = []
         expecting = [True]
-        incoming = expect(receiver, sides, "early", Staging.DST,
+        incoming = expect(receiver, sides, "early", Staging.DST, token=sides.token,
                           on_done=lambda _: done.append("inside expect" if expecting[0]
                                                         else "later"))
         expecting[0] = False

@@ -1758,8 +1758,12 @@ class Receiver:
             if live is not None:
                 raise InvalidArgumentError(f"{where}: request {request_id} is already "
                                            "expected")
-            # Issue 44 F04 (unfinished): a token used before should be refused here; the
-            # tests' fixtures reuse one token per layout, so the refusal is not on yet.
+            if used in self._used:
+                raise InvalidArgumentError(
+                    f"{where}: request {request_id}: the token was used by an earlier request "
+                    f"(this receiver remembers the last {MAX_USED_TOKENS}): a replay of that "
+                    "request's messages would complete this one; draw a new token "
+                    "(mori_tp.engines.new_token(), or leave token= out)")
             self._used[used] = None
             while len(self._used) > MAX_USED_TOKENS:
                 self._used.popitem(last=False)
