@@ -31,10 +31,13 @@ Prefill rank (:class:`Streamer`, one per transport)::
     result = stream.wait()
 
 Protocol (:mod:`mori_tp.engines.protocol`, REFERENCE.md section 13): after each chunk's data a
-notification ``mori-tp/3 <request> <token> chunk <index> <ranges> staging <mode>``, with
-`` sealed <count>`` appended to the last one when the sender has sealed by then, else a separate
-``... sealed <count>``; ``... abort ended|busy <reason>`` when the sender fails, sent only once every write
-of the stream has returned. The receiver takes a message only from the request's token holder
+notification ``mori-tp/4 <request> <token> chunk <index> <ranges> staging <mode> reply
+<carrier>``, with `` sealed <count>`` before the reply when the sender has sealed by then, else a
+separate ``... sealed <count> reply <carrier>``; ``... abort ended|busy <reason>`` when the
+sender fails, sent only once every write of the stream has returned. The decode rank answers
+``done`` (the sender's ``wait()`` succeeds only then) or ``cancel`` (it gave up: the sender
+writes nothing more, answers ``abort ended`` once its writes have returned, and only then is the
+request's memory released: ``on_done``; REFERENCE.md section 17). The receiver takes a message only from the request's token holder
 (and the bound peer, when given), unpacks each chunk as it arrives (staging DST or BOTH), and
 completes the request once it is sealed, every chunk below the count has arrived and every
 buffer has arrived exactly once. Anything else (a chunk or buffer twice, a count out of range,
@@ -1496,14 +1499,14 @@ class Receiver:
     ``update_notifs`` polled back to back takes about 40% of a core here), and on a host with
     few cores that time comes out of the copies.
 
-    ``linger``: seconds a failed request waits before ``on_done`` (which frees its memory) when
-    a write of its sender may still be in flight (a request that timed out, or whose sender
-    broke the protocol): at least the longest a sender's write may take. Default (None): each
-    request's own ``timeout``, the time its sender may go without progress (60 s, as a
-    Streamer's write timeout, unless told otherwise); a deployment whose senders' writes may
-    take longer than that gives a longer linger. The request's ``done`` is set, and
-    :meth:`wait` raises, at once. A request that completes, or whose sender aborted after
-    every write of it returned, settles at once.
+    A request this rank gives up on (it timed out, or its sender broke the protocol) fails at
+    once (``done`` set, :meth:`wait` raises) and its memory is held (``incoming.quarantined``,
+    :attr:`quarantined`) until its sender answers the ``cancel`` sent to it with ``abort
+    ended``, every write of it returned; then ``on_done`` runs. :meth:`release` lets a held
+    request go when the connector knows its sender is gone. ``linger``: seconds after which a
+    held request whose cancel could not be delivered (no route, or the engine refused it) is
+    released, the sender taken to be gone; default None: never on time alone. A request that
+    completes, or whose sender aborted after every write of it returned, settles at once.
     """
 
     def __init__(self, transport: Any, *, poll_interval: float = 0.0001,
