@@ -1413,9 +1413,10 @@ class Incoming:
     #: Messages of the request's sender that came after it had finished, in words.
     late: List[str] = field(default_factory=list)
     #: Set once no write of the request can land in its memory any more (then ``on_done``
-    #: runs): at once when it completes or its sender aborts after every write returned,
-    #: ``linger`` seconds (default its ``timeout``) after another failure, never while the
-    #: sender's engine may write.
+    #: runs): at once when it completes or its sender aborts after every write returned; after
+    #: another failure once its sender answers the cancel (or :meth:`Receiver.release`, or
+    #: ``linger`` when the cancel could not be delivered); never while the sender's engine may
+    #: write.
     settled: threading.Event = field(default_factory=threading.Event)
     #: Why the request never settles: the sender's engine may still write into its memory.
     kept: Optional[str] = None
@@ -1725,8 +1726,11 @@ class Receiver:
         (per-layer readiness). ``on_done(incoming)`` runs once the request has ended and no
         write of it can land in ``memory`` any more, so free the request's slot there: at
         once when it completes, or when its sender aborts after every write of the stream
-        returned; ``linger`` seconds after any other failure (a timeout, a protocol
-        violation), while ``incoming.done`` is set and :meth:`wait` raises at once; never
+        returned; after any other failure (a timeout, a protocol violation) only once the
+        sender has answered the receiver's ``cancel`` (every write of it returned), or the
+        connector calls :meth:`release`, while ``incoming.done`` is set, :meth:`wait` raises
+        at once and ``incoming.quarantined`` says the memory is held: keep the slot out of the
+        pool and do not let the serving engine reuse the pages until then; never
         when the sender's engine may still write (an ``abort busy``: ``incoming.kept`` says
         so, and the slot must be kept). Both run on the thread that polls (the receiver's,
         or a caller of :meth:`poll` or :meth:`wait`), never inside ``expect``. ``timeout``
@@ -1834,8 +1838,8 @@ class Receiver:
         """Waits until ``incoming`` completes; raises its error. After ``timeout`` seconds
         (default: the request's own timeout) the request fails with TransferTimeoutError, as a
         stream's wait does: nothing of it is unpacked any more, later messages are violations,
-        and it settles ``linger`` seconds later (then ``on_done`` runs). Polls itself when no
-        thread polls."""
+        and its memory is held until its sender answers the cancel (then ``on_done`` runs).
+        Polls itself when no thread polls."""
         limit = incoming.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not incoming.done.is_set():
