@@ -355,6 +355,17 @@ class MooncakeTransport:
         with self._notify_lock:
             return self._take_all()
 
+    @property
+    def _notifications(self) -> Dict[Any, List[bytes]]:
+        """What :meth:`wait_notification` keeps set aside, per sender (a copy, to inspect)."""
+        with self._notify_lock:
+            kept = self._set_aside.drain()
+            out: Dict[Any, List[bytes]] = {}
+            for sender, message in kept:
+                self._set_aside.add(sender, message)
+                out.setdefault(sender, []).append(message)
+            return out
+
     def reply_carrier(self) -> int:
         """A byte of this transport's registered memory that a peer's notification to it may
         read (a decode rank's answers to a Streamer: REFERENCE.md section 13)."""
