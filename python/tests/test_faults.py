@@ -542,17 +542,19 @@ class NotificationsTest(unittest.TestCase):
             except TransferTimeoutError:
                 waited.append("none")
 
-        class Racing(dict):
-            def items(self):
-                copy = list(super().items())
-                if hooked[0]:
-                    hooked[0] = False
-                    thread = threading.Thread(target=other_thread)
-                    thread.start()
-                    thread.join(0.5)
-                return copy
+        drain = receiver._set_aside.drain
 
-        receiver._notifications = Racing()
+        def racing() -> Any:
+            # Another thread's wait_notification while this poll takes the set-aside ones.
+            copy = drain()
+            if hooked[0]:
+                hooked[0] = False
+                thread = threading.Thread(target=other_thread)
+                thread.start()
+                thread.join(0.5)
+            return copy
+
+        receiver._set_aside.drain = racing
         receiver.engine.inbox.extend([TransferNotify("prefill", "x"),
                                       TransferNotify("prefill", "y")])
         polled = [m for _, m in receiver.poll_notifications()]
