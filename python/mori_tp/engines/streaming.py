@@ -946,7 +946,11 @@ class Streamer:
                                     stream, limit, release)
             with self._lock:
                 if self._closing:
-                    raise self._closed_error("open", request)
+                    error = self._closed_error("open", request)
+                    # Nothing of it was or will be written: the decode rank, which holds the
+                    # request's memory until its sender answers, is told so.
+                    self._refuse(request, error)
+                    raise error
                 if token in self._refused:
                     raise TransferError(
                         f"{where}: request {request_id}: the decode rank gave up on it before "
@@ -1154,6 +1158,22 @@ class Streamer:
             stream._confirm()
         else:
             stream._cancelled(message.reason)
+
+    def _refuse(self, request: RequestStream, error: BaseException) -> None:
+        """Sends ``abort ended`` for a stream refused at open (nothing of it written), from a
+        thread of its own, best effort: the decode rank holds the request's memory until its
+        sender answers."""
+        message = abort_message(request.request_id, request.token,
+                                f"the stream was refused before anything was written: {error}")
+
+        def send() -> None:
+            try:
+                self.transport.notify(request.peer, message, carrier=request._carrier(),
+                                      timeout=request.timeout, request_id=request.request_id)
+            except Exception:  # noqa: BLE001 - best effort; the decode rank keeps holding
+                self.stray_answers += 1
+
+        threading.Thread(target=send, daemon=True, name="mori-tp-refused").start()
 
     def _answer_stray(self, sender: Any, message: Message) -> None:
         """Queues ``abort ended`` for a request no stream of this streamer holds (sent by a
