@@ -715,6 +715,8 @@ class RequestStream:
                 self.confirmed = True
                 self._over.set()
                 self._ended_at = time.monotonic()
+        if self.confirmed:
+            self._streamer._done_with(self)
 
     def _cancelled(self, reason: str) -> None:
         """The decode rank's ``cancel``: it gave up on the request. The stream fails (nothing
@@ -802,6 +804,9 @@ class RequestStream:
             with self._lock:
                 self._abort = "sent"
                 self._busy -= 1
+            # Every write of it returned and the decode rank was told: a later cancel of it is
+            # answered as one for a request no stream holds (abort ended).
+            self._streamer._done_with(self)
             self._settle()
             self._streamer._untrack(threading.current_thread(), self._streamer._aborts)
 
@@ -1087,6 +1092,13 @@ class Streamer:
         return InvalidArgumentError(
             f"{what}: request {request.request_id} {about(request.peer, None)}: the streamer is "
             "closed")
+
+    def _done_with(self, request: RequestStream) -> None:
+        """Forgets a stream that is over and needs no answer any more (confirmed, or its abort
+        sent): a streamer keeps no stream (and no plan) beyond its life."""
+        with self._lock:
+            if self._known.get(request.token) is request:
+                del self._known[request.token]
 
     def _know(self, request: RequestStream) -> None:
         """Records a stream that may get answers (under the lock): the newest MAX_KNOWN, and
