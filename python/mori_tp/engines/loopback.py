@@ -739,7 +739,7 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
     receiver = Receiver(transport, linger=linger)
     #: The parent's name on the engine: every request is bound to it (connect).
     sender: Optional[str] = None
-    #: The requests expected, by id (the latest of each id), for "release".
+    #: The requests expected and not ended, by id (the latest of each), for "release".
     expected: dict = {}
 
     def expect(rid: str, rank: int, config: Any, dst_pages: Sequence[int],
@@ -761,6 +761,8 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
 
         def ended(incoming: Any) -> None:
             # No write of the request can land any more: its slot goes back.
+            if expected.get(incoming.request_id) is incoming:
+                del expected[incoming.request_id]
             if slot is not None:
                 pool.free(slot)
             error = None if incoming.error is None else str(incoming.error)

@@ -188,6 +188,11 @@ class NixlTransport:
         #: Held while notifications are taken (poll_notifications, wait_notification): from
         #: several threads, each notification goes to exactly one caller.
         self._notify_lock = threading.Lock()
+        #: Held around every agent call of a transfer or a notification: a process's Streamer
+        #: takes the decode ranks' answers (update_notifs) while its writing thread posts and
+        #: polls transfers, and a Receiver answers (send_notif) while its thread polls; one
+        #: agent call at a time (an engine_load soak crashed in UCX without it).
+        self._agent_lock = threading.RLock()
         #: Notifications wait_notification did not match (taken out of the agent's own
         #: dictionary, which keeps everything): bounded in entries and bytes (names counted),
         #: each for at most a minute.
@@ -330,7 +335,8 @@ class NixlTransport:
         finally:
             try:
                 # Cancels a transfer still in progress (after a timeout or an error).
-                self.agent.release_xfer_handle(handle)
+                with self._agent_lock:
+                    self.agent.release_xfer_handle(handle)
             except Exception as error:  # noqa: BLE001 - NIXL's own exception types
                 if failure is None:
                     raise _wrapped(what, error, peer, request_id) from error
@@ -346,7 +352,8 @@ class NixlTransport:
         """``function(*args)``, with NIXL's exceptions as TransferError (PeerLostError for a
         disconnected peer)."""
         try:
-            return function(*args)
+            with self._agent_lock:
+                return function(*args)
         except Exception as error:  # noqa: BLE001 - NIXL's own exception types
             if type(error).__module__.split(".")[0] not in ("nixl", "nixl_cu12", "nixl_cu13") \
                     and not type(error).__name__.startswith("nixl"):
@@ -392,11 +399,12 @@ class NixlTransport:
     def _take_new(self) -> List[Tuple[str, bytes]]:
         """What the agent received since the last call, taken out of its dictionary."""
         out = []
-        notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
-        for peer, messages in notifs.items():
-            taken = list(messages)
-            del messages[:len(taken)]
-            out.extend((_text(peer), bytes(m)) for m in taken)
+        with self._agent_lock:
+            notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
+            for peer, messages in notifs.items():
+                taken = list(messages)
+                del messages[:len(taken)]
+                out.extend((_text(peer), bytes(m)) for m in taken)
         return out
 
     def wait_notification(self, peer: str, message: bytes, *,
