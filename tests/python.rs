@@ -256,6 +256,34 @@ fn engine_survives_a_fault(engine: &str, case: &str) {
     println!("{}", String::from_utf8_lossy(&output.stdout));
 }
 
+/// `python/tests/engine_late_writes.py <engine>`: a prefill rank stalled past the decode
+/// rank's timeout at every stage (before its first chunk, between chunks, inside a write,
+/// before and after the seal) writes nothing into memory the decode rank reused, and its
+/// stream never reports success (issue 44 F01).
+fn engine_late_writes_never_land_in_reused_memory(engine: &str) {
+    let test = format!("{engine}_late_writes");
+    let args = ["python/tests/engine_late_writes.py", engine];
+    let Some((output, report)) = run_or_skip(&test, &args, Duration::from_secs(300)) else {
+        return;
+    };
+    assert!(
+        output.status.success(),
+        "{engine} late writes failed ({}):\n{report}",
+        output.status
+    );
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn mooncake_a_stalled_sender_never_writes_into_reused_pages_nor_reports_success() {
+    engine_late_writes_never_land_in_reused_memory("mooncake");
+}
+
+#[test]
+fn nixl_a_stalled_sender_never_writes_into_reused_pages_nor_reports_success() {
+    engine_late_writes_never_land_in_reused_memory("nixl");
+}
+
 #[test]
 fn mooncake_decode_killed_mid_transfer_fails_the_request_in_bounded_time_and_frees_its_slot() {
     engine_survives_a_fault("mooncake", "decode-killed");

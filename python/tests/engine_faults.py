@@ -473,10 +473,19 @@ def lost_notification(engine: str) -> None:
                     while stream._busy > 0:
                         time.sleep(0.001)
                 stream.seal()
-                stream.wait()
+                waiting = stream.wait
             else:
-                streamer.send(setup.remote, plan, rid, chunks=3, release=release,
-                              token=setup.tokens[rid])
+                def waiting() -> Any:
+                    return streamer.send(setup.remote, plan, rid, chunks=3, release=release,
+                                         token=setup.tokens[rid])
+            # The decode rank gives up, and the sender's wait must not report success (its
+            # answer, done, never comes: issue 44 F01).
+            try:
+                waiting()
+                raise Failure(f"{engine}: with {label} lost the sender reported success")
+            except TransferError as error:
+                require("the decode rank gave up" in str(error),
+                        f"{engine}: with {label} lost the sender failed with {error}")
             require(len(hooked.dropped) == 1, f"{engine}: {len(hooked.dropped)} notifications "
                                               f"dropped, not one ({label})")
             report = setup.peer.ended(rid, timeout=DECODE_TIMEOUT + SLACK)
@@ -495,7 +504,12 @@ def lost_notification(engine: str) -> None:
         start = time.monotonic()
         setup.peer.expect(rid, d, config, setup.request.dst_pages, int(Staging.NONE), 0,
                           timeout=DECODE_TIMEOUT)
-        report = setup.peer.ended(rid, timeout=DECODE_TIMEOUT + SLACK)
+        # Its sender never answers the decode rank's cancel (no stream of it was opened):
+        # the pages are held until the connector, which knows the request was never handed
+        # to a prefill rank, lets them go.
+        time.sleep(DECODE_TIMEOUT + 0.5)
+        require(setup.peer.release(rid), f"{engine}: the request never sent was not held")
+        report = setup.peer.ended(rid, timeout=SLACK)
         elapsed = time.monotonic() - start
         require(report.error is not None and "not sealed; 0 chunks arrived" in report.error,
                 f"{engine}: a request never sent was reported as {report}")

@@ -61,7 +61,7 @@ from mori_tp.engines import (
     plan_request,
 )
 from mori_tp.engines.loopback import PeerError, Placement, StreamPeer, driver, run_program
-from mori_tp.engines.streaming import chunk_message
+from mori_tp.engines.streaming import abort_message, chunk_message
 
 LAYERS = BUFFERS // 2
 STAGINGS: Tuple[Optional[Staging], ...] = (None, Staging.NONE, Staging.SRC, Staging.DST,
@@ -288,6 +288,10 @@ class Run:
         self.transport.notify(self.remote, chunk_message(rid, token, 0, [(0, 1)],
                                                          staging=Staging.NONE),
                               carrier=carrier)
+        # The decode rank holds the failed request's pages until its sender answers that
+        # every write of it returned (protocol v4): this raw sender answers as a Streamer does.
+        self.transport.notify(self.remote, abort_message(rid, token, "every write returned"),
+                              carrier=carrier)
         report = self.peer.ended(rid)
         if not report.error or "chunk 0 arrived twice" not in report.error:
             raise Failure(f"a chunk notified twice was not reported: {report}")
@@ -301,6 +305,9 @@ class Run:
                               carrier=carrier)
         self.transport.notify(self.remote, chunk_message(rid, token, 0, [(0, 1)], sealed=2,
                                                          staging=Staging.NONE),
+                              carrier=carrier)
+        time.sleep(2.5)  # the decode rank's 2 s timeout fails it; then the sender answers
+        self.transport.notify(self.remote, abort_message(rid, token, "every write returned"),
                               carrier=carrier)
         report = self.peer.ended(rid)
         if not report.error or "chunks [1]" not in report.error:

@@ -400,6 +400,7 @@ class MooncakeTransportTest(EveryPairStagingMixin, unittest.TestCase):
         peers = {}
         prefill, decode = FakeMooncake(15001, peers), FakeMooncake(15002, peers)
         peers["127.0.0.1:15002"] = decode
+        peers["127.0.0.1:15001"] = prefill  # the decode rank answers (done, cancel)
         sender = MooncakeTransport(prefill)
         receiver = MooncakeTransport(decode)
         sender.register(sides.local_registered)

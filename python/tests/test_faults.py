@@ -43,6 +43,16 @@ if np is not None:
     from mori_tp.engines.streaming import chunk_message
     from test_engines import LAYOUTS, LONG_REQUEST, Sides, pair_staged
 
+
+def fresh(sides: Any) -> str:
+    """A new token for the next request of ``sides`` (its plans carry it from now on): a
+    receiver refuses a token an earlier request used (issue 44 F04)."""
+    from mori_tp.engines import new_token as _new
+
+    sides.token = _new()
+    return sides.token
+
+
 needs_numpy = unittest.skipIf(np is None, "numpy is not installed")
 
 SHORT = 0.3
@@ -53,6 +63,7 @@ def mooncake_pair(sides: "Sides", **kwargs: Any):
     peers: dict = {}
     prefill, decode = FakeMooncake(15001, peers), FakeMooncake(15002, peers)
     peers["127.0.0.1:15002"] = decode
+    peers["127.0.0.1:15001"] = prefill  # the decode rank answers (done, cancel)
     sender, receiver = MooncakeTransport(prefill, **kwargs), MooncakeTransport(decode)
     sender.register(sides.local_registered)
     remote = receiver.register(sides.remote_registered)
@@ -75,6 +86,16 @@ PAIRS = {"mooncake": mooncake_pair, "nixl": nixl_pair}
 def engine_calls(transport: Any) -> int:
     engine = getattr(transport, "engine", None)
     return len(engine.calls) if engine is not None else len(transport.agent.transfers)
+
+
+def decode(receiver_transport: Any, sides: "Sides", *rids: str) -> "Receiver":
+    """A decode rank that expects ``rids`` (SRC, the sides' token) and answers them: a
+    sender's wait reports success only after the decode rank's ``done``."""
+    receiver = Receiver(receiver_transport).start()
+    for rid in rids:
+        receiver.expect(rid, sides.config, sides.request.dst_pages, memory=sides.remote,
+                        staging=Staging.SRC, backend="host", token=fresh(sides))
+    return receiver
 
 
 def src_sides() -> "Sides":
@@ -342,7 +363,8 @@ class ReleaseTest(unittest.TestCase):
     def test_the_slot_is_released_once_after_success(self):
         for engine, make in PAIRS.items():
             sides = src_sides()
-            sender, _, peer, _ = make(sides)
+            sender, receiver_transport, peer, _ = make(sides)
+            receiver = decode(receiver_transport, sides, "ok-1")
             calls: List[int] = []
             with Streamer(sender, timeout=LONG) as streamer:
                 stream = streamer.open(peer, sides.plan(Staging.SRC), "ok-1",
@@ -351,7 +373,9 @@ class ReleaseTest(unittest.TestCase):
                 stream.submit(buffers=[(2, 4)])
                 stream.seal()
                 stream.wait()
+                self.assertTrue(stream.confirmed, engine)
                 self.assertTrue(stream.released(LONG), engine)
+            receiver.close()
             self.assertEqual(calls, [1], engine)
 
     def test_a_failed_stream_releases_its_slot_only_after_the_write_in_progress_returns(self):
@@ -383,7 +407,8 @@ class ReleaseTest(unittest.TestCase):
     def test_a_write_error_releases_the_slot_and_names_the_request(self):
         for engine, make in PAIRS.items():
             sides = src_sides()
-            sender, _, peer, _ = make(sides)
+            sender, receiver_transport, peer, _ = make(sides)
+            receiver = decode(receiver_transport, sides, "gone-1", "next-1")
             gate = Gate(sender, error=TransferError("the peer went away", peer=peer))
             calls: List[int] = []
             with Streamer(gate, timeout=LONG) as streamer:
@@ -395,6 +420,7 @@ class ReleaseTest(unittest.TestCase):
                 # The streamer goes on serving other requests.
                 gate.index = -1
                 streamer.send(peer, sides.plan(Staging.SRC), "next-1", chunks=2)
+            receiver.close()
             self.assertEqual(calls, [1], engine)
 
     def test_an_engine_that_may_still_read_keeps_the_slot(self):
@@ -516,17 +542,19 @@ class NotificationsTest(unittest.TestCase):
             except TransferTimeoutError:
                 waited.append("none")
 
-        class Racing(dict):
-            def items(self):
-                copy = list(super().items())
-                if hooked[0]:
-                    hooked[0] = False
-                    thread = threading.Thread(target=other_thread)
-                    thread.start()
-                    thread.join(0.5)
-                return copy
+        drain = receiver._set_aside.drain
 
-        receiver._notifications = Racing()
+        def racing() -> Any:
+            # Another thread's wait_notification while this poll takes the set-aside ones.
+            copy = drain()
+            if hooked[0]:
+                hooked[0] = False
+                thread = threading.Thread(target=other_thread)
+                thread.start()
+                thread.join(0.5)
+            return copy
+
+        receiver._set_aside.drain = racing
         receiver.engine.inbox.extend([TransferNotify("prefill", "x"),
                                       TransferNotify("prefill", "y")])
         polled = [m for _, m in receiver.poll_notifications()]
@@ -572,7 +600,7 @@ class ReceiverBoundsTest(unittest.TestCase):
     def test_no_progress_is_a_timeout_naming_peer_request_and_what_was_unpacked(self):
         sides = Sides(LAYOUTS[Staging.BOTH], *pair_staged(Staging.BOTH))
         sender, receiver_transport, peer, _ = mooncake_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         incoming = receiver.expect("half-1", sides.config, sides.request.dst_pages,
                                    memory=sides.remote, staging=Staging.BOTH, backend="host",
                                    timeout=SHORT)
@@ -600,7 +628,7 @@ class ReceiverBoundsTest(unittest.TestCase):
         sides = src_sides()
         sender, receiver_transport, peer, _ = nixl_pair(sides)
         receiver = Receiver(receiver_transport, early_timeout=SHORT)
-        sender.notify(peer, b"mori-tp/3 ghost " + new_token().encode() +
+        sender.notify(peer, b"mori-tp/4 ghost " + new_token().encode() +
                       b" abort ended the sender gave up")
         receiver.poll()
         self.assertIn("ghost", receiver._early)

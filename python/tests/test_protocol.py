@@ -44,9 +44,10 @@ LONG = 30.0
 
 def forged(rid: str, rest: str, token: str = "f" * 32) -> List[bytes]:
     """A stranger's message for ``rid``: as version 1 had it (no token), as version 2 (no
-    staging mode) and as version 3, both with a guessed token."""
+    staging mode), as version 3 (no answers) and as version 4, with a guessed token."""
     return [f"mori-tp/1 {rid} {rest}".encode(), f"mori-tp/2 {rid} {token} {rest}".encode(),
-            f"mori-tp/3 {rid} {token} {rest}".encode()]
+            f"mori-tp/3 {rid} {token} {rest}".encode(),
+            f"mori-tp/4 {rid} {token} {rest} reply 0".encode()]
 
 
 @needs_numpy
@@ -56,7 +57,7 @@ class FormatTest(unittest.TestCase):
         self.assertRegex(token, "^[0-9a-f]{32}$")
         self.assertEqual(len({new_token() for _ in range(1000)}), 1000)
         raw = chunk_message("r-1", token, 3, [(0, 2), (4, 6)], sealed=4, staging=Staging.DST)
-        self.assertEqual(raw, f"mori-tp/3 r-1 {token} chunk 3 0-2,4-6 staging DST sealed 4"
+        self.assertEqual(raw, f"mori-tp/4 r-1 {token} chunk 3 0-2,4-6 staging DST sealed 4 reply 0"
                          .encode())
         message = parse_message(raw)
         self.assertEqual((message.request_id, message.token, message.kind, message.index,
@@ -72,10 +73,10 @@ class FormatTest(unittest.TestCase):
                          "version")
         for bad in ("chunk 0 0-1", "chunk 0 0-1 staging both", "chunk 0 0-1 staging ALL",
                     "chunk 0 0-1 sealed 1 staging SRC", "chunk 0 0-1 staging"):
-            self.assertEqual(parse_message(f"mori-tp/3 r {token} {bad}".encode()).kind,
+            self.assertEqual(parse_message(f"mori-tp/4 r {token} {bad}".encode()).kind,
                              "malformed", bad)
         self.assertEqual(seal_message("r-1", token, 4),
-                         f"mori-tp/3 r-1 {token} sealed 4".encode())
+                         f"mori-tp/4 r-1 {token} sealed 4 reply 0".encode())
         aborted = parse_message(abort_message("r-1", token, "pack\nfailed: é", busy=True))
         self.assertEqual((aborted.kind, aborted.busy, aborted.reason),
                          ("abort", True, "pack failed: ?"))
@@ -88,7 +89,7 @@ class FormatTest(unittest.TestCase):
         for another user's notification; now both ends refuse it before anything moves."""
         sides = sides_for(Staging.SRC)
         sender, receiver_transport, peer = mooncake_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         streamer = Streamer(sender, timeout=LONG)
         for bad in ("req-\u00e9t\u00e9", "a b", "", "x" * 201, "tab\there", "del\x7f"):
             with self.assertRaisesRegex(InvalidArgumentError, "printable ASCII"):
@@ -121,16 +122,16 @@ class FormatTest(unittest.TestCase):
                                  "99999999999", "0x1", "1--2", "staging", "BOTH", "NONE",
                                  "none"])
                      for _ in range(rng.randint(0, 8))]
-            raw = f"mori-tp/3 r {token} {' '.join(words)}".encode("utf-8", "replace")
+            raw = f"mori-tp/4 r {token} {' '.join(words)}".encode("utf-8", "replace")
             message = parse_message(raw)
             self.assertIsNotNone(message)
             if message.kind == "chunk":
                 self.assertGreaterEqual(message.index, 0)
                 self.assertTrue(all(a >= 0 and b >= 0 for a, b in message.ranges))
                 self.assertIsInstance(message.staging, Staging)
-        self.assertEqual(parse_message(b"mori-tp/3 r t chunk -1 0-4 staging SRC sealed 1").kind,
+        self.assertEqual(parse_message(b"mori-tp/4 r t chunk -1 0-4 staging SRC sealed 1").kind,
                          "malformed")
-        huge = b"mori-tp/3 r " + token.encode() + b" chunk 0 " + b"0-1," * MAX_MESSAGE_BYTES
+        huge = b"mori-tp/4 r " + token.encode() + b" chunk 0 " + b"0-1," * MAX_MESSAGE_BYTES
         message = parse_message(huge)
         self.assertEqual((message.kind, message.request_id, message.token),
                          ("oversized", "r", token))
@@ -150,7 +151,7 @@ class BindingTest(unittest.TestCase):
         message after A completed would end requests they do not own."""
         sides = sides_for(Staging.DST)
         sender, receiver_transport, peer = nixl_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         mallory = receiver_transport.agent.notifs
 
         def stranger(messages: List[bytes]) -> None:
@@ -303,7 +304,8 @@ class BoundsTest(unittest.TestCase):
             return real(raw)
 
         inbox.queue.extend([("attacker", b"mori-tp/1 attacker chunk 0 0-1"),
-                            ("attacker", b"mori-tp/3 attacker x chunk 0 0-1 staging SRC"),
+                            ("attacker", f"mori-tp/4 bystander {sides.token} chunk 0 0-1 "
+                                         "staging SRC reply 0 attacker".encode()),
                             ("prefill", chunk_message("bystander", sides.token, 0,
                                                       [(0, BUFFERS)], sealed=1,
                                                       staging=Staging.SRC))])

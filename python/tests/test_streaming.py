@@ -35,12 +35,23 @@ if np is not None:
         TransferError,
         chunk_ranges,
         layer_buffers,
+        new_token,
     )
     from mori_tp.engines import TransferTimeoutError
     from mori_tp.engines.mooncake import MooncakeTransport
     from mori_tp.engines.nixl import NixlTransport
     from mori_tp.engines.streaming import parse_message
     from test_engines import LAYOUTS, Sides, pair_staged
+
+
+def fresh(sides: Any) -> str:
+    """A new token for the next request of ``sides`` (its plans carry it from now on): a
+    receiver refuses a token an earlier request used (issue 44 F04)."""
+    from mori_tp.engines import new_token as _new
+
+    sides.token = _new()
+    return sides.token
+
 
 needs_numpy = unittest.skipIf(np is None, "numpy is not installed")
 
@@ -55,6 +66,7 @@ def mooncake_pair(*sides: "Sides") -> Tuple[Any, Any, Any]:
     peers: dict = {}
     prefill, decode = FakeMooncake(15001, peers), FakeMooncake(15002, peers)
     peers["127.0.0.1:15002"] = decode
+    peers["127.0.0.1:15001"] = prefill  # the decode rank answers (done, cancel)
     sender, receiver = MooncakeTransport(prefill), MooncakeTransport(decode)
     for s in sides:
         sender.register(s.local_registered)
@@ -81,11 +93,25 @@ def sides_for(staging: Staging, seed: int = 0) -> "Sides":
     return Sides(layout, *pair_staged(staging), buffers=BUFFERS)
 
 
+def post(streamer: "Streamer", peer: Any, plan: Any, rid: str, **kwargs: Any) -> Any:
+    """Writes a whole request (one chunk) and seals it without waiting for the decode rank's
+    answer: for a test whose receiver takes the messages later (``stream.wait()`` then)."""
+    stream = streamer.open(peer, plan, rid, **kwargs)
+    stream.submit(buffers=[(0, plan.num_buffers)])
+    stream.seal()
+    until(lambda: stream._seal == "sent" or stream._error is not None, f"{rid} written")
+    return stream
+
+
 def expect(receiver: "Receiver", sides: "Sides", rid: str, staging: Staging,
            **kwargs: Any) -> Any:
     """The decode rank expects the request, with the token its plans carry (a connector sends
     the token the Receiver drew; here both sides take the Sides' own)."""
-    kwargs.setdefault("token", sides.token)
+    if "token" not in kwargs:
+        # A receiver refuses a token an earlier request used (issue 44 F04): each request
+        # gets one of its own, which the sides' plans carry from now on.
+        sides.token = new_token()
+        kwargs["token"] = sides.token
     return receiver.expect(rid, sides.config, sides.request.dst_pages, memory=sides.remote,
                            staging=staging, backend="host", **kwargs)
 
@@ -122,7 +148,7 @@ class PipelinedTest(unittest.TestCase):
                     for chunks in (1, 3, None, BUFFERS):
                         sides = sides_for(chosen)
                         sender, receiver_transport, peer = make(sides)
-                        receiver = Receiver(receiver_transport)
+                        receiver = Receiver(receiver_transport).start()
                         rid = f"r-{staging.name}-{chunks}"
                         incoming = expect(receiver, sides, rid, staging)
                         with Streamer(sender, timeout=LONG) as streamer:
@@ -141,7 +167,7 @@ class PipelinedTest(unittest.TestCase):
     def test_a_request_aborted_by_its_sender_fails_on_the_receiver(self):
         sides = sides_for(Staging.SRC)
         sender, receiver_transport, peer = nixl_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         incoming = expect(receiver, sides, "doomed", Staging.SRC)
         with Streamer(sender, timeout=LONG) as streamer:
             stream = streamer.open(peer, sides.plan(Staging.SRC), "doomed", layers=LAYERS,
@@ -332,7 +358,7 @@ class StreamingTest(unittest.TestCase):
     def test_a_layer_submitted_twice_or_never_is_refused_and_changes_nothing(self):
         sides = sides_for(Staging.SRC)
         sender, receiver_transport, peer = mooncake_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         incoming = expect(receiver, sides, "strict", Staging.SRC)
         with Streamer(sender, timeout=LONG) as streamer:
             stream = streamer.open(peer, sides.plan(Staging.SRC), "strict", layers=LAYERS,
@@ -360,7 +386,7 @@ class StreamingTest(unittest.TestCase):
         for engine, make in PAIRS.items():
             sides = sides_for(Staging.BOTH)
             sender, receiver_transport, peer = make(sides)
-            receiver = Receiver(receiver_transport)
+            receiver = Receiver(receiver_transport).start()
             incoming = expect(receiver, sides, "late-seal", Staging.BOTH)
             with Streamer(sender, timeout=LONG) as streamer:
                 stream = streamer.open(peer, sides.plan(Staging.BOTH), "late-seal",
@@ -380,7 +406,7 @@ class ReceiverTest(unittest.TestCase):
     def test_requests_complete_out_of_order_each_byte_exact(self):
         a, b = sides_for(Staging.SRC), sides_for(Staging.DST)
         sender, receiver_transport, peer = nixl_pair(a, b)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         first = expect(receiver, a, "A", Staging.SRC)
         second = expect(receiver, b, "B", Staging.DST)
         with Streamer(sender, timeout=LONG) as streamer:
@@ -409,12 +435,13 @@ class ReceiverTest(unittest.TestCase):
         from mori_tp.engines.streaming import chunk_message, seal_message
 
         def run(rid: str, messages: List[Any], timeout: float = LONG) -> str:
-            receiver = Receiver(receiver_transport)
+            receiver = Receiver(receiver_transport).start()
             incoming = expect(receiver, sides, rid, Staging.NONE, timeout=timeout)
             for message in messages:
                 sender.notify(peer, message(incoming.token), carrier=carrier)
             with self.assertRaises(TransferError) as caught:
                 receiver.wait(incoming, LONG)
+            receiver.detach()  # one Receiver per transport: the next run makes its own
             return str(caught.exception)
 
         def chunk(rid, index, ranges, sealed=None):
@@ -443,14 +470,16 @@ class ReceiverTest(unittest.TestCase):
     def test_notifications_before_expect_are_kept_and_others_set_aside(self):
         sides = sides_for(Staging.DST)
         sender, receiver_transport, peer = nixl_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         sender.notify(peer, b"someone else's message")
         # The connector's token (sides.token, in the plan) reached the prefill rank first.
         with Streamer(sender, timeout=LONG) as streamer:
-            streamer.send(peer, sides.plan(Staging.DST), "early")
-        self.assertEqual(receiver.poll(), [])
-        incoming = expect(receiver, sides, "early", Staging.DST)
-        receiver.wait(incoming, LONG)
+            stream = post(streamer, peer, sides.plan(Staging.DST), "early")
+            self.assertEqual(receiver.poll(), [])
+            incoming = expect(receiver, sides, "early", Staging.DST, token=sides.token)
+            receiver.wait(incoming, LONG)
+            # Success only once the decode rank confirmed it.
+            self.assertTrue(stream.wait(LONG) and stream.confirmed)
         sides.assert_delivered(self, "expected after it landed")
         self.assertEqual(list(receiver.others), [("prefill", b"someone else's message")])
         self.assertEqual(incoming.peer, "prefill")
@@ -520,7 +549,7 @@ class AbortOrderTest(unittest.TestCase):
             sides = sides_for(Staging.DST)
             sender, receiver_transport, peer = make(sides)
             held = Held(sender, index=0)  # chunk 0's write is slow; chunk 1 queues behind
-            receiver = Receiver(receiver_transport)
+            receiver = Receiver(receiver_transport).start()
             incoming = expect(receiver, sides, "old", Staging.DST)
             with Streamer(held, timeout=LONG) as streamer:
                 stream = streamer.open(peer, sides.plan(Staging.DST), "old", layers=LAYERS)
@@ -646,7 +675,7 @@ class StreamEndTest(unittest.TestCase):
         for engine, make in PAIRS.items():
             sides = sides_for(Staging.SRC)
             sender, receiver_transport, peer = make(sides)
-            receiver = Receiver(receiver_transport)
+            receiver = Receiver(receiver_transport).start()
             incoming = expect(receiver, sides, "A", Staging.SRC)
             gate = threading.Event()
 
@@ -695,7 +724,7 @@ class StreamEndTest(unittest.TestCase):
         for engine, make in PAIRS.items():
             sides = sides_for(Staging.SRC)
             sender, receiver_transport, peer = make(sides)
-            receiver = Receiver(receiver_transport)
+            receiver = Receiver(receiver_transport).start()
             incoming = expect(receiver, sides, "e", Staging.SRC)
             with Streamer(sender, timeout=LONG) as streamer:
                 stream = streamer.open(peer, sides.plan(Staging.SRC), "e", layers=LAYERS)
@@ -717,7 +746,7 @@ class StreamEndTest(unittest.TestCase):
         for engine, make in PAIRS.items():
             sides = Sides(layout, p, d, buffers=BUFFERS)
             sender, receiver_transport, peer = make(sides)
-            receiver = Receiver(receiver_transport)
+            receiver = Receiver(receiver_transport).start()
             incoming = expect(receiver, sides, "ns", mori_tp.staging_for(sides.config))
             with Streamer(sender, timeout=LONG) as streamer:
                 result = streamer.send(peer, sides.plan(), "ns")
@@ -739,7 +768,7 @@ class StreamEndTest(unittest.TestCase):
                               release=lambda chunks=chunks: calls.append(f"chunks={chunks}"))
         self.assertEqual(calls, ["chunks=0", f"chunks={BUFFERS + 1}"])
         # Aborted by the caller: the decode rank hears of it, the slot goes back.
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         incoming = expect(receiver, sides, "cancelled", Staging.SRC)
         stream = streamer.open(peer, sides.plan(Staging.SRC), "cancelled", layers=LAYERS,
                                release=lambda: calls.append("aborted"))
@@ -887,14 +916,19 @@ class ReceiverLifeTest(unittest.TestCase):
                 receiver.wait(incoming, SHORT)
             self.assertTrue(incoming.done.is_set())
             self.assertIsInstance(incoming.error, TransferTimeoutError)
-            receiver.poll()
-            self.assertEqual(done, [incoming])
-            for layer in range(1, LAYERS):
-                stream.submit(layer)
-            stream.seal()
-            stream.wait(LONG)
-        until(lambda: receiver.poll() is not None and len(incoming.late) == LAYERS - 1,
-              "the late chunks recorded")
+            # Issue 44 F01: the memory is held until the sender answers the cancel (its
+            # abort, once every write of it returned); then on_done runs.
+            self.assertTrue(incoming.quarantined)
+            self.assertEqual(done, [])
+            until(lambda: receiver.poll() is not None and done == [incoming],
+                  "the sender's answer released the memory")
+            self.assertEqual(incoming.released, "")
+            # The sender learnt of the give-up: nothing more of the request is written, and
+            # its wait does not report success.
+            with self.assertRaisesRegex(TransferError, "the decode rank gave up"):
+                stream.submit(1)
+            with self.assertRaisesRegex(TransferError, "the decode rank gave up"):
+                stream.wait(LONG)
         self.assertFalse(incoming.complete)
         self.assertEqual(incoming.buffers_ready, {0, LAYERS})
         for b in range(BUFFERS):
@@ -934,8 +968,9 @@ class ReceiverLifeTest(unittest.TestCase):
         receiver.close()
         incoming = expect(receiver, sides, "z", Staging.SRC)
         with Streamer(sender, timeout=LONG) as streamer:
-            streamer.send(peer, sides.plan(Staging.SRC), "z")
-        self.assertTrue(receiver.wait(incoming, LONG).complete)
+            stream = post(streamer, peer, sides.plan(Staging.SRC), "z")
+            self.assertTrue(receiver.wait(incoming, LONG).complete)
+            stream.wait(LONG)
         receiver.start()
         self.assertTrue(receiver._thread.is_alive())
         incoming = expect(receiver, sides, "z2", Staging.SRC)
@@ -951,9 +986,9 @@ class ReceiverLifeTest(unittest.TestCase):
         deployment, p, d, tokens = PAIR_CASES[Staging.DST]
         sides = PairSides(deployment, p, d, tokens, seed=2)
         sender, receiver_transport, peer = mooncake_pair(sides)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         incoming = receiver.expect("pr", sides.config, sides.request, memory=sides.remote,
-                                   backend="host", token=sides.token)
+                                   backend="host", token=fresh(sides))
         self.assertIs(incoming.staging, mori_tp.pair_staging_for(sides.config))
         with Streamer(sender, timeout=LONG) as streamer:
             streamer.send(peer, sides.plan(), "pr", chunks=2)
@@ -966,12 +1001,12 @@ class ReceiverLifeTest(unittest.TestCase):
         sides = sides_for(Staging.DST)
         sender, receiver_transport, peer = nixl_pair(sides)
         receiver = Receiver(receiver_transport)
-        with Streamer(sender, timeout=LONG) as streamer:
-            streamer.send(peer, sides.plan(Staging.DST), "early")
+        streamer = Streamer(sender, timeout=LONG)
+        stream = post(streamer, peer, sides.plan(Staging.DST), "early")
         receiver.poll()
         done: List[str] = []
         expecting = [True]
-        incoming = expect(receiver, sides, "early", Staging.DST,
+        incoming = expect(receiver, sides, "early", Staging.DST, token=sides.token,
                           on_done=lambda _: done.append("inside expect" if expecting[0]
                                                         else "later"))
         expecting[0] = False
@@ -982,13 +1017,15 @@ class ReceiverLifeTest(unittest.TestCase):
         self.assertTrue(incoming.complete)
         self.assertEqual(incoming.peer, "prefill")
         sides.assert_delivered(self, "applied after expect")
+        self.assertTrue(stream.wait(LONG) and stream.confirmed)
+        streamer.close()
 
     def test_a_ready_that_never_returns_holds_back_only_its_own_request(self):
         """33.19: request A waits for a layer that never becomes ready; B, sent after it
         through the same streamer, lands."""
         a, b = sides_for(Staging.SRC), sides_for(Staging.SRC)
         sender, receiver_transport, peer = mooncake_pair(a, b)
-        receiver = Receiver(receiver_transport)
+        receiver = Receiver(receiver_transport).start()
         incoming = expect(receiver, b, "B", Staging.SRC)
         gate = threading.Event()
         with Streamer(sender, timeout=LONG) as streamer:

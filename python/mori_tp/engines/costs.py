@@ -108,9 +108,15 @@ COPY_WINDOW = 64
 #: no fit succeeded).
 REFIT_WRITES = 16
 #: The fit needs at least this many writes, whose segments per byte differ by at least
-#: DENSITY_SPREAD between the sparsest and the densest.
-MIN_WRITES = 4
+#: DENSITY_SPREAD between the sparsest and the densest, and that spread must hold without any
+#: one of them: one write (a TCP retransmit, a peer paused for a moment, an exploring write
+#: timed slow) must not be able to decide the fit alone (issue 44 F05).
+MIN_WRITES = 6
 DENSITY_SPREAD = 2.0
+#: Writes of one density the fit needs before it uses that density, and how far (a factor) a
+#: write's seconds per byte may lie from its density's median before it is left out.
+GROUP_WRITES = 3
+OUTLIER = 2.0
 
 
 def _positive(value: Any, name: str, where: str, *, zero: bool = False,
@@ -336,8 +342,11 @@ def _fit(writes: Sequence[Tuple[int, int, int, float]]) -> Optional[Tuple[float,
     if len(writes) < MIN_WRITES:
         return None
     data = np.asarray(writes, dtype=np.float64)
-    data = data[(data[:, 3] > 0) & (data[:, 2] > 0)]
+    data = data[(data[:, 3] > 0) & (data[:, 2] > 0) & (data[:, 1] > 0)]
     if len(data) < MIN_WRITES:
+        return None
+    data = _confirmed(data)
+    if data is None:
         return None
     density = data[:, 1] / data[:, 2]
     if density.min() <= 0 or density.max() / density.min() < DENSITY_SPREAD:
@@ -367,11 +376,41 @@ def _fit(writes: Sequence[Tuple[int, int, int, float]]) -> Optional[Tuple[float,
     x, _ = solve(design)
     residual = np.abs(design @ x - 1.0)
     keep = residual <= 3 * max(float(np.median(residual)), 0.02)
-    if keep.sum() >= MIN_WRITES and not keep.all():
-        kept = density[keep]
-        if kept.max() / kept.min() >= DENSITY_SPREAD:
-            x, _ = solve(design[keep])
+    if keep.sum() >= MIN_WRITES and not keep.all() and _spread(density[keep]):
+        x, _ = solve(design[keep])
     return float(x[0]), float(x[1]), float(x[2])
+
+
+def _confirmed(data: "np.ndarray") -> Optional["np.ndarray"]:
+    """The writes a fit may use: grouped by density (segments per byte, in powers of two),
+    only groups of at least GROUP_WRITES writes, and in each only the writes whose seconds per
+    byte lie within OUTLIER times the group's median (one slow write cannot move a median of
+    three); None unless two such groups differ by DENSITY_SPREAD (the fit is refused rather
+    than led by a lone write: issue 44 F05)."""
+    density = data[:, 1] / data[:, 2]
+    bucket = np.round(np.log2(density))
+    rows = []
+    for value in np.unique(bucket):
+        group = data[bucket == value]
+        if len(group) < GROUP_WRITES:
+            continue
+        speed = group[:, 3] / group[:, 2]
+        median = float(np.median(speed))
+        kept = group[(speed <= OUTLIER * median) & (speed >= median / OUTLIER)]
+        if len(kept) >= GROUP_WRITES - 1:
+            rows.append(kept)
+    if len(rows) < 2:
+        return None
+    kept = np.concatenate(rows)
+    if len(kept) < MIN_WRITES or not _spread(kept[:, 1] / kept[:, 2]):
+        return None
+    return kept
+
+
+def _spread(density: "np.ndarray") -> bool:
+    """Whether writes of these densities can tell the per-segment cost from the bandwidth."""
+    return len(density) > 0 and density.min() > 0 and \
+        density.max() / density.min() >= DENSITY_SPREAD
 
 
 class CostModel:

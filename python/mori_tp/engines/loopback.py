@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -84,9 +84,9 @@ class Driver:
         raise NotImplementedError
 
     def sender(self, transport: Any) -> str:
-        """What this transport's notifications are attributed to on the peer: all a receiving
-        peer needs of it (NIXL: the agent name; loading its metadata would give the peer
-        access to this transport's registered memory)."""
+        """What this transport's notifications are attributed to on the peer (NIXL: the agent
+        name). A receiving peer answers it (``done``, ``cancel``: REFERENCE.md section 13),
+        for which a NIXL peer also loads its metadata (:func:`answer_address`)."""
         raise NotImplementedError
 
     def connect(self, transport: Any, address: Any, epoch: int = 0) -> Any:
@@ -148,8 +148,10 @@ class NixlDriver(Driver):
 
         # NIXL's progress thread polls without pause (about a third of a core here); a process
         # that polls anyway does without it.
-        return NixlTransport.start(f"mori-tp-{role}-{os.getpid()}",
-                                   progress_thread=False if polled else None)
+        transport = NixlTransport.start(f"mori-tp-{role}-{os.getpid()}",
+                                        progress_thread=False if polled else None)
+        _STARTED[transport.name] = transport
+        return transport
 
     def address(self, transport: Any) -> Any:
         return transport.metadata()
@@ -201,6 +203,21 @@ class MoriIoDriver(Driver):
 
     def wait(self, transport, peer, tag, timeout):
         transport.wait_notification(peer, tag, timeout=timeout)
+
+
+#: NIXL transports this process started, by agent name: a decode child that answers one of
+#: them (done, cancel) loads its metadata (answer_address).
+_STARTED: Dict[str, Any] = {}
+
+
+def answer_address(sender: str) -> Any:
+    """What a decode peer needs to answer ``sender``, a transport of this process: a NIXL
+    agent's connection info without memory (``NixlTransport.answer_metadata``: NIXL sends a
+    notification only to an agent it loaded metadata of, and this gives the decode peer no
+    access to the prefill's memory), None for Mooncake (the answer reads the carrier each
+    chunk names)."""
+    transport = _STARTED.get(sender)
+    return transport.answer_metadata() if transport is not None else None
 
 
 def driver(engine: str, hostname: str = "127.0.0.1", engine_timeout: float = 30.0) -> Driver:
@@ -549,6 +566,9 @@ class Expected:
     unpack_seconds: float
     #: The ranges of each chunk, in the order they landed.
     chunks: Tuple[Tuple[Tuple[int, int], ...], ...]
+    #: How a failed request's memory was let go without its sender's answer ("": it answered,
+    #: or the request completed): ``Incoming.released``.
+    released: str = ""
 
 
 class StreamPeer:
@@ -650,8 +670,9 @@ class StreamPeer:
 
     def connect(self, sender: str) -> None:
         """Tells the child the name the parent's notifications carry (``Driver.sender``); its
-        requests are bound to that sender. It never loads the parent's address."""
-        self.call("connect", sender)
+        requests are bound to that sender. A NIXL child also loads the parent's metadata, to
+        answer it (``done``, ``cancel``)."""
+        self.call("connect", sender, answer_address(sender))
 
     def expect(self, request_id: str, rank: int, config: mori_tp.SliceConfig,
                dst_pages: Sequence[int], staging: Union[int, str], slot_bytes: int,
@@ -675,6 +696,11 @@ class StreamPeer:
                        self.timeout if timeout is None else timeout)
         with self._changed:
             return self._ended.pop(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Has the child let go of a failed request it holds (``Receiver.release``: the
+        connector knows its sender is gone or never got the request); whether it was held."""
+        return self.call("release", request_id)
 
     def reset(self) -> None:
         self.call("reset")
@@ -749,6 +775,8 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
     receiver = Receiver(transport, linger=linger)
     #: The parent's name on the engine: every request is bound to it (connect).
     sender: Optional[str] = None
+    #: The requests expected and not ended, by id (the latest of each), for "release".
+    expected: dict = {}
 
     def expect(rid: str, rank: int, config: Any, dst_pages: Sequence[int],
                staging: Union[int, str], slot_bytes: int, wait: float,
@@ -769,12 +797,15 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
 
         def ended(incoming: Any) -> None:
             # No write of the request can land any more: its slot goes back.
+            if expected.get(incoming.request_id) is incoming:
+                del expected[incoming.request_id]
             if slot is not None:
                 pool.free(slot)
             error = None if incoming.error is None else str(incoming.error)
             send(("ended", Expected(incoming.request_id,
                                     incoming.finished_at or time.monotonic(), error,
-                                    incoming.unpack_seconds, tuple(landed))))
+                                    incoming.unpack_seconds, tuple(landed),
+                                    incoming.released)))
 
         try:
             incoming = receiver.expect(
@@ -785,6 +816,9 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
             if slot is not None:
                 pool.free(slot)
             raise
+        expected[rid] = incoming
+        if len(expected) > 4096:
+            del expected[next(iter(expected))]
         return (slot.address if slot is not None else 0), incoming.token
 
     while True:
@@ -799,15 +833,19 @@ def _stream_serve(conn: Any, placement: Placement, engine: str, ranks: List[Tupl
         answer: Any = None
         try:
             if kind == "connect":
-                # The name only: loading the parent's address (NIXL metadata) would give this
-                # process access to the parent's registered memory, and is not needed to
-                # receive.
+                # The name, and for NIXL the metadata: the receiver answers the sender (done,
+                # cancel), which NIXL sends only to an agent whose metadata it loaded.
                 sender = args[0]
+                if len(args) > 1 and args[1] is not None:
+                    drive.connect(transport, args[1])
                 receiver.start()
             elif kind == "expect":
                 answer = expect(*args)
             elif kind == "reset":
                 reset()
+            elif kind == "release":
+                held = expected.get(args[0])
+                answer = held is not None and receiver.release(held, "the parent says so")
             elif kind == "digests":
                 answer = [[digest(data) for data in rank_buffers] for rank_buffers in buffers]
             elif kind == "fetch":

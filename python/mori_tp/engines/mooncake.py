@@ -82,6 +82,7 @@ from .faults import (
     new_epoch,
     planned_epoch,
 )
+from .inbox import SetAside
 from .streaming import DEFAULT_TIMEOUT
 
 __all__ = [
@@ -145,8 +146,9 @@ class MooncakeTransport:
         self.epoch = new_epoch()
         #: The epoch each peer announced at its latest handshake (set_peer_epoch).
         self.peer_epochs = PeerEpochs()
-        #: Notifications received and not yet taken, per sender.
-        self._notifications: Dict[str, List[bytes]] = {}
+        #: Notifications wait_notification did not match, kept for later calls: bounded in
+        #: entries and bytes (names counted), each for at most a minute.
+        self._set_aside = SetAside()
         #: Held while notifications are taken (poll_notifications, wait_notification): from
         #: several threads, each notification goes to exactly one caller.
         self._notify_lock = threading.Lock()
@@ -353,10 +355,24 @@ class MooncakeTransport:
         with self._notify_lock:
             return self._take_all()
 
+    @property
+    def _notifications(self) -> Dict[Any, List[bytes]]:
+        """What :meth:`wait_notification` keeps set aside, per sender (a copy, to inspect)."""
+        with self._notify_lock:
+            kept = self._set_aside.drain()
+            out: Dict[Any, List[bytes]] = {}
+            for sender, message in kept:
+                self._set_aside.add(sender, message)
+                out.setdefault(sender, []).append(message)
+            return out
+
+    def reply_carrier(self) -> int:
+        """A byte of this transport's registered memory that a peer's notification to it may
+        read (a decode rank's answers to a Streamer: REFERENCE.md section 13)."""
+        return self._scratch_address()
+
     def _take_all(self) -> List[Tuple[str, bytes]]:
-        out = [(peer, message) for peer, messages in self._notifications.items()
-               for message in messages]
-        self._notifications.clear()
+        out = self._set_aside.drain()
         for notify in self.engine.get_notifies():
             out.append(_notification(notify))
         return out
@@ -370,10 +386,8 @@ class MooncakeTransport:
         while True:
             with self._notify_lock:
                 for peer, received in self._take_all():
-                    self._notifications.setdefault(peer, []).append(received)
-                waiting = self._notifications.get(session_id, [])
-                if message in waiting:
-                    waiting.remove(message)
+                    self._set_aside.add(peer, received)
+                if self._set_aside.take(session_id, message):
                     return
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(

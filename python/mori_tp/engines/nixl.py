@@ -60,6 +60,7 @@ from .faults import (
     new_epoch,
     planned_epoch,
 )
+from .inbox import SetAside
 from .streaming import DEFAULT_TIMEOUT
 
 __all__ = ["NixlTransport", "exit_process", "preload_system_libnl"]
@@ -187,6 +188,15 @@ class NixlTransport:
         #: Held while notifications are taken (poll_notifications, wait_notification): from
         #: several threads, each notification goes to exactly one caller.
         self._notify_lock = threading.Lock()
+        #: Held around every agent call of a transfer or a notification: a process's Streamer
+        #: takes the decode ranks' answers (update_notifs) while its writing thread posts and
+        #: polls transfers, and a Receiver answers (send_notif) while its thread polls; one
+        #: agent call at a time (an engine_load soak crashed in UCX without it).
+        self._agent_lock = threading.RLock()
+        #: Notifications wait_notification did not match (taken out of the agent's own
+        #: dictionary, which keeps everything): bounded in entries and bytes (names counted),
+        #: each for at most a minute.
+        self._set_aside = SetAside()
 
     @classmethod
     def start(cls, name: str, *, backends: Sequence[str] = ("UCX",), mem_type: str = "DRAM",
@@ -218,6 +228,19 @@ class NixlTransport:
         """This agent's metadata, for the peer's :meth:`add_peer` (send it after
         :meth:`register`, so that it describes the registered memory)."""
         return self.agent.get_agent_metadata()
+
+    def answer_metadata(self) -> bytes:
+        """This agent's connection info without any memory (NIXL's partial metadata with no
+        descriptors): what a decode rank loads to answer this agent's streams (``done``,
+        ``cancel``: REFERENCE.md section 13). An agent that loads it can send this one
+        notifications but can neither read nor write its memory (NIXL refuses a transfer to
+        memory the loaded metadata does not describe: NIXL_ERR_NOT_FOUND, measured here)."""
+        partial = getattr(self.agent, "get_partial_agent_metadata", None)
+        module = sys.modules.get(type(self.agent).__module__)
+        bind = getattr(module, "nixlBind", None)
+        if partial is None or bind is None:
+            return self.metadata()  # an agent without partial metadata (a stand-in)
+        return partial(bind.nixlRegDList(bind.DRAM_SEG), True, list(self.agent.backends))
 
     def add_peer(self, metadata: bytes) -> str:
         """Loads a peer's metadata; returns the peer's name, which :meth:`send` and
@@ -312,7 +335,8 @@ class NixlTransport:
         finally:
             try:
                 # Cancels a transfer still in progress (after a timeout or an error).
-                self.agent.release_xfer_handle(handle)
+                with self._agent_lock:
+                    self.agent.release_xfer_handle(handle)
             except Exception as error:  # noqa: BLE001 - NIXL's own exception types
                 if failure is None:
                     raise _wrapped(what, error, peer, request_id) from error
@@ -328,7 +352,8 @@ class NixlTransport:
         """``function(*args)``, with NIXL's exceptions as TransferError (PeerLostError for a
         disconnected peer)."""
         try:
-            return function(*args)
+            with self._agent_lock:
+                return function(*args)
         except Exception as error:  # noqa: BLE001 - NIXL's own exception types
             if type(error).__module__.split(".")[0] not in ("nixl", "nixl_cu12", "nixl_cu13") \
                     and not type(error).__name__.startswith("nixl"):
@@ -368,8 +393,13 @@ class NixlTransport:
         first per peer. Thread-safe with :meth:`wait_notification`: each notification goes to
         exactly one of them (so a message this takes is not there for a later
         ``wait_notification``)."""
-        out = []
         with self._notify_lock:
+            return self._set_aside.drain() + self._take_new()
+
+    def _take_new(self) -> List[Tuple[str, bytes]]:
+        """What the agent received since the last call, taken out of its dictionary."""
+        out = []
+        with self._agent_lock:
             notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
             for peer, messages in notifs.items():
                 taken = list(messages)
@@ -394,13 +424,9 @@ class NixlTransport:
     def _take_notification(self, peer: str, message: bytes) -> bool:
         # Exact match: check_remote_xfer_done matches prefixes, so b"req-1" would take b"req-10".
         with self._notify_lock:
-            notifs: Dict[Any, List[bytes]] = self.agent.update_notifs()
-            for key in (peer, peer.encode()):
-                messages = notifs.get(key)
-                if messages and message in messages:
-                    messages.remove(message)
-                    return True
-        return False
+            for sender, received in self._take_new():
+                self._set_aside.add(sender, received)
+            return self._set_aside.take(_text(peer), message)
 
 
 def _wrapped(what: str, error: BaseException, peer: Any,

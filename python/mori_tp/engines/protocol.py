@@ -2,11 +2,24 @@
 :class:`~mori_tp.engines.Receiver` reads (REFERENCE.md section 13): their text, their bounds,
 and the per-request token that binds every message to the request it was written for.
 
-Format, version 3, ASCII words separated by one space::
+Format, version 4, ASCII words separated by one space. The prefill rank sends::
 
-    mori-tp/3 <request> <token> chunk <index> <b0>-<b1>[,...] staging <mode> [sealed <count>]
-    mori-tp/3 <request> <token> sealed <count>
-    mori-tp/3 <request> <token> abort <ended|busy> <reason>
+    mori-tp/4 <request> <token> chunk <index> <b0>-<b1>[,...] staging <mode> [sealed <count>] reply <carrier>
+    mori-tp/4 <request> <token> sealed <count> reply <carrier>
+    mori-tp/4 <request> <token> abort <ended|busy> <reason>
+
+and the decode rank answers (REFERENCE.md section 17)::
+
+    mori-tp/4 <request> <token> done
+    mori-tp/4 <request> <token> cancel <carrier> <reason>
+
+``done``: every chunk landed and was unpacked; the sender's ``wait()`` reports success only
+after it. ``cancel``: the decode rank gave up on the request (a timeout, a protocol violation,
+its caller); the sender writes nothing more of it and answers with ``abort ended`` once every
+write of it has returned, and only then does the decode rank reuse the request's memory.
+``<carrier>``: a decimal address of the other rank's registered memory that an answer to the
+message may read one byte of (Mooncake sends a notification only with a transfer), 0 where the
+engine needs none (NIXL).
 
 ``<request>`` is the request id (1-200 printable ASCII characters, no space); ``<token>`` is the
 request's token: an unguessable string (default 32 hex digits, 128 random bits from
@@ -22,8 +35,9 @@ still move bytes of it (a transfer it could not cancel), so the decode rank keep
 the sender may choose it per request (:mod:`mori_tp.engines.costs`), and the decode rank checks it
 against what it allowed.
 
-Versions 1 (no token) and 2 (no staging mode) are refused by a version-3 receiver, which
-records them as violations.
+Versions 1 (no token), 2 (no staging mode) and 3 (no answers: a sender reported success
+without the decode rank's confirmation) are refused by a version-4 receiver, which records them
+as violations.
 """
 
 from __future__ import annotations
@@ -40,15 +54,18 @@ __all__ = [
     "PROTOCOL",
     "Message",
     "abort_message",
+    "cancel_message",
     "check_request_id",
     "check_token",
     "chunk_message",
+    "done_message",
     "new_token",
+    "parse_head",
     "parse_message",
     "seal_message",
 ]
 
-PROTOCOL = "mori-tp/3"
+PROTOCOL = "mori-tp/4"
 #: The longest notification of this protocol, in bytes: a sender refuses to build a longer one
 #: (a chunk of more buffer ranges than fit), and a receiver refuses a longer one unparsed.
 #: 64 KiB holds a chunk of about 5000 separate ranges.
@@ -59,6 +76,7 @@ MAX_REASON = 300
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
 _NUMBER = re.compile(r"0|[1-9][0-9]{0,9}")
+_ADDRESS = re.compile(r"0|[1-9][0-9]{0,19}")
 _RANGE = re.compile(r"(0|[1-9][0-9]{0,9})-(0|[1-9][0-9]{0,9})")
 _MODES = {mode.name: mode for mode in Staging}
 
@@ -105,9 +123,10 @@ def _bounded(text: str, where: str) -> bytes:
 
 
 def chunk_message(request_id: str, token: str, index: int, ranges: Sequence[Tuple[int, int]],
-                  sealed: Optional[int] = None, *, staging: Any) -> bytes:
+                  sealed: Optional[int] = None, *, staging: Any, reply: int = 0) -> bytes:
     """Chunk ``index`` of the request, holding buffer ``ranges``, staged as ``staging`` (a
-    :class:`~mori_tp.Staging` or its value); with the chunk count when ``sealed``."""
+    :class:`~mori_tp.Staging` or its value); with the chunk count when ``sealed``; ``reply``:
+    the sender's carrier for the decode rank's answers (0: none needed)."""
     try:
         mode = Staging(staging)
     except ValueError:
@@ -117,11 +136,33 @@ def chunk_message(request_id: str, token: str, index: int, ranges: Sequence[Tupl
             + ",".join(f"{a}-{b}" for a, b in ranges) + f" staging {mode.name}")
     if sealed is not None:
         text += f" sealed {sealed}"
+    text += f" reply {_carrier(reply)}"
     return _bounded(text, f"request {request_id}, chunk {index}")
 
 
-def seal_message(request_id: str, token: str, count: int) -> bytes:
-    return _bounded(f"{PROTOCOL} {request_id} {token} sealed {count}", f"request {request_id}")
+def _carrier(reply: Any) -> int:
+    if isinstance(reply, bool) or not isinstance(reply, int) or not 0 <= reply < 1 << 64:
+        raise InvalidArgumentError(f"reply carrier {reply!r} must be an address (0 to 2**64-1)")
+    return reply
+
+
+def seal_message(request_id: str, token: str, count: int, reply: int = 0) -> bytes:
+    return _bounded(f"{PROTOCOL} {request_id} {token} sealed {count} reply {_carrier(reply)}",
+                    f"request {request_id}")
+
+
+def done_message(request_id: str, token: str) -> bytes:
+    """The decode rank's confirmation: every chunk of the request landed and was unpacked."""
+    return _bounded(f"{PROTOCOL} {request_id} {token} done", f"request {request_id}")
+
+
+def cancel_message(request_id: str, token: str, reason: str, reply: int = 0) -> bytes:
+    """The decode rank gave up on the request: write nothing more, answer ``abort ended``
+    (``reply``: the decode rank's carrier for that answer)."""
+    reason = " ".join(str(reason).split())[:MAX_REASON]
+    reason = reason.encode("ascii", "replace").decode("ascii") or "-"
+    return _bounded(f"{PROTOCOL} {request_id} {token} cancel {_carrier(reply)} {reason}",
+                    f"request {request_id}")
 
 
 def abort_message(request_id: str, token: str, reason: str, busy: bool = False) -> bytes:
@@ -141,7 +182,7 @@ class Message:
 
     request_id: str
     token: str
-    #: "chunk", "sealed", "abort", "malformed" (this protocol, but not a valid message: the
+    #: "chunk", "sealed", "abort", "done", "cancel", "malformed" (this protocol, but not a valid message: the
     #: reason says why), "oversized" (longer than MAX_MESSAGE_BYTES) or "version" (another
     #: version of the protocol).
     kind: str
@@ -153,6 +194,30 @@ class Message:
     staging: Optional[Staging] = None
     #: An abort whose sender's engine may still move bytes of the request.
     busy: bool = False
+    #: The sender's carrier for answers (chunk and sealed messages), 0 for none.
+    reply: int = 0
+
+
+#: The most bytes :func:`parse_head` looks at: version, request id (200), token (128), kind.
+HEAD_BYTES = 400
+
+
+def parse_head(message: bytes) -> Optional[Tuple[bytes, str, str, str]]:
+    """``(version, request id, token, kind)`` of a message of this protocol family, from its
+    first :data:`HEAD_BYTES` bytes only (constant time whatever its length), or None when it is
+    not one. A receiver checks the token with this before it parses the rest."""
+    if not message.startswith(b"mori-tp/"):
+        return None
+    head = message[:HEAD_BYTES].split(b" ", 4)
+    words = []
+    for word in head[1:4]:
+        try:
+            words.append(word.decode("ascii"))
+        except UnicodeDecodeError:
+            words.append("")
+    while len(words) < 3:
+        words.append("")
+    return head[0], words[0], words[1], words[2]
 
 
 def _preview(message: bytes) -> str:
@@ -186,6 +251,13 @@ def parse_message(message: bytes) -> Optional[Message]:
     if len(words) < 4:
         return Message(request_id, token, "malformed", reason=_preview(message))
     kind = words[3]
+    reply = 0
+    if kind in ("chunk", "sealed"):
+        # Every chunk and seal ends with "reply <carrier>".
+        if len(words) < 6 or words[-2] != "reply" or not _ADDRESS.fullmatch(words[-1]):
+            return Message(request_id, token, "malformed", reason=_preview(message))
+        reply = int(words[-1])
+        words = words[:-2]
     if kind == "chunk" and len(words) in (8, 10) and _NUMBER.fullmatch(words[4]) \
             and words[6] == "staging" and words[7] in _MODES:
         parts = words[5].split(",")
@@ -199,12 +271,17 @@ def parse_message(message: bytes) -> Optional[Message]:
             mode = _MODES[words[7]]
             if len(words) == 8:
                 return Message(request_id, token, kind, int(words[4]), tuple(ranges),
-                               staging=mode)
+                               staging=mode, reply=reply)
             if words[8] == "sealed" and _NUMBER.fullmatch(words[9]):
                 return Message(request_id, token, kind, int(words[4]), tuple(ranges),
-                               int(words[9]), staging=mode)
+                               int(words[9]), staging=mode, reply=reply)
     elif kind == "sealed" and len(words) == 5 and _NUMBER.fullmatch(words[4]):
-        return Message(request_id, token, kind, sealed=int(words[4]))
+        return Message(request_id, token, kind, sealed=int(words[4]), reply=reply)
+    elif kind == "done" and len(words) == 4:
+        return Message(request_id, token, kind)
+    elif kind == "cancel" and len(words) >= 6 and _ADDRESS.fullmatch(words[4]):
+        return Message(request_id, token, kind, reason=" ".join(words[5:])[:MAX_REASON],
+                       reply=int(words[4]))
     elif kind == "abort" and len(words) >= 5 and words[4] in ("ended", "busy"):
         return Message(request_id, token, kind, reason=" ".join(words[5:])[:MAX_REASON],
                        busy=words[4] == "busy")

@@ -31,10 +31,13 @@ Prefill rank (:class:`Streamer`, one per transport)::
     result = stream.wait()
 
 Protocol (:mod:`mori_tp.engines.protocol`, REFERENCE.md section 13): after each chunk's data a
-notification ``mori-tp/3 <request> <token> chunk <index> <ranges> staging <mode>``, with
-`` sealed <count>`` appended to the last one when the sender has sealed by then, else a separate
-``... sealed <count>``; ``... abort ended|busy <reason>`` when the sender fails, sent only once every write
-of the stream has returned. The receiver takes a message only from the request's token holder
+notification ``mori-tp/4 <request> <token> chunk <index> <ranges> staging <mode> reply
+<carrier>``, with `` sealed <count>`` before the reply when the sender has sealed by then, else a
+separate ``... sealed <count> reply <carrier>``; ``... abort ended|busy <reason>`` when the
+sender fails, sent only once every write of the stream has returned. The decode rank answers
+``done`` (the sender's ``wait()`` succeeds only then) or ``cancel`` (it gave up: the sender
+writes nothing more, answers ``abort ended`` once its writes have returned, and only then is the
+request's memory released: ``on_done``; REFERENCE.md section 17). The receiver takes a message only from the request's token holder
 (and the bound peer, when given), unpacks each chunk as it arrives (staging DST or BOTH), and
 completes the request once it is sealed, every chunk below the count has arrived and every
 buffer has arrived exactly once. Anything else (a chunk or buffer twice, a count out of range,
@@ -65,6 +68,7 @@ from __future__ import annotations
 
 import ctypes
 import heapq
+import hashlib
 import hmac
 import math
 import os
@@ -107,14 +111,18 @@ from . import (
 )
 from .costs import Choice, CostModel
 from .faults import TransferTimeoutError, about, planned_epoch
+from .inbox import inbox_of, name_bytes
 from .protocol import (  # noqa: F401 - chunk_message, seal_message: also from here
     PROTOCOL,
     Message,
     abort_message,
+    cancel_message,
     check_request_id,
     check_token,
     chunk_message,
+    done_message,
     new_token,
+    parse_head,
     parse_message,
     seal_message,
 )
@@ -160,6 +168,23 @@ MAX_OTHERS_BYTES = 16 << 20
 MAX_EARLY = 1024
 MAX_EARLY_BYTES = 4 << 20
 MAX_RECENT = 4096
+#: Streams a Streamer remembers to match the decode ranks' answers (the newest).
+MAX_KNOWN = 4096
+#: Tokens a Receiver remembers to refuse a connector-supplied token used before (the newest).
+MAX_USED_TOKENS = 65536
+#: Characters of a sender's name kept in an error or violation (the rest is cut, with its
+#: length): names are the sender's choice (Mooncake delivers names up to about 1 MB).
+MAX_NAME = 200
+#: Senders whose answer route a Receiver remembers (the newest), and the longest name kept.
+MAX_ROUTES = 1024
+#: Characters of one violation kept.
+MAX_VIOLATION = 600
+
+
+def _same(expected: str, got: str) -> bool:
+    """Whether a message's token is the request's (in constant time)."""
+    return hmac.compare_digest(expected.encode("ascii", "replace"),
+                               got.encode("ascii", "replace"))
 
 
 def chunk_ranges(num_buffers: int, bytes_per_buffer: int,
@@ -217,6 +242,23 @@ def _listed(items: Sequence[Any], most: int = 32) -> str:
     if len(items) <= most:
         return str(items)
     return str(items[:most])[:-1] + f", ... ({len(items)} in all)]"
+
+
+def _name(sender: Any) -> str:
+    """A sender's name for an error or a violation: its repr, cut to :data:`MAX_NAME`
+    characters with its length (names are the sender's choice)."""
+    text = repr(sender)
+    if len(text) <= MAX_NAME:
+        return text
+    return text[:MAX_NAME] + f"... ({len(text)} characters)"
+
+
+def _cut(sender: Any) -> str:
+    """A sender's name as text, cut like :func:`_name`."""
+    text = str(sender)
+    if len(text) <= MAX_NAME:
+        return text
+    return text[:MAX_NAME] + f"... ({len(text)} characters)"
 
 
 def _a(word: str) -> str:
@@ -356,12 +398,20 @@ class RequestStream:
         #: written, the last one), "queued" (alone, queued or being sent), "sent".
         self._seal: Optional[str] = None
         self._done = threading.Event()
+        #: Set once the stream is over: the decode rank confirmed it (``done``) or it failed.
+        self._over = threading.Event()
+        #: The decode rank's ``done`` arrived: every chunk landed and was unpacked there.
+        self.confirmed = False
+        #: time.monotonic() when the stream was over (confirmed or failed), else None.
+        self._ended_at: Optional[float] = None
         self._error: Optional[BaseException] = None
         #: An error of this stream that says an engine may still move its bytes, if any (not
         #: only the first error: a write that fails after a timeout failed the stream counts).
         self._engine_busy: Optional[BaseException] = None
         #: Chunks whose ``ready`` has not returned: not packed, memory not touched yet.
         self._waiting = 0
+        #: (what, since) of the engine call of this stream in progress, for a timeout's words.
+        self._in_call: Optional[Tuple[str, float]] = None
         #: Chunks past their ``ready`` that the writing thread has not finished with, the seal
         #: sent alone, and the abort being sent: while any is, the local memory may be read.
         self._busy = 0
@@ -427,7 +477,7 @@ class RequestStream:
         # The longest this chunk's notification can be: refused here, not by the receiver.
         width = self.plan.num_buffers
         chunk_message(self.request_id, self.token, width, ranges, sealed=width,
-                      staging=self.plan.staging)
+                      staging=self.plan.staging, reply=self._streamer._reply)
         with self._lock:
             if self._error is not None:
                 raise TransferError(f"request {self.request_id} failed: {self._error}") \
@@ -496,15 +546,26 @@ class RequestStream:
         return self._chunks
 
     def wait(self, timeout: Optional[float] = None) -> SendResult:
-        """Waits until every chunk and the seal are written (``timeout``: default the
-        stream's); returns what moved. Raises the stream's first error, or
-        TransferTimeoutError after the timeout: the stream then fails (later chunks are not
-        written, the decode rank is told once the write in progress has returned)."""
+        """Waits until every chunk and the seal are written and the decode rank has confirmed
+        that every chunk landed (its ``done`` answer; ``timeout``: default the stream's, for
+        both together); returns what moved. Success is reported only after that confirmation:
+        a request the decode rank failed (its ``cancel``) raises here. Raises the stream's
+        first error, or TransferTimeoutError after the timeout: the stream then fails (later
+        chunks are not written, the decode rank is told once the write in progress has
+        returned)."""
         limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         if not self._done.wait(limit):
             self._fail(TransferTimeoutError(
                 f"request {self.request_id} {about(self.peer, None)}: not written after "
                 f"{limit} s: {self._progress()}", peer=self.peer, request_id=self.request_id))
+        elif not self._over.wait(max(0.0, deadline - time.monotonic())):
+            self._fail(TransferTimeoutError(
+                f"request {self.request_id} {about(self.peer, None)}: written, but the decode "
+                f"rank did not confirm it (no 'done' answer) within {limit} s: it may have "
+                "failed the request, or its answers cannot reach this process (NIXL: the "
+                "decode agent needs this agent's metadata; Mooncake: this transport's reply "
+                "carrier)", peer=self.peer, request_id=self.request_id))
         if self._error is not None:
             raise self._error
         return SendResult(self.plan.staging, self.segments, self.bytes, self.calls,
@@ -556,8 +617,18 @@ class RequestStream:
     def _progress(self) -> str:
         with self._lock:
             sealed = "not sealed" if self._sealed is None else f"sealed with {self._sealed}"
-            return (f"{self._chunks} chunks submitted, {self._written} written, {sealed}, "
+            text = (f"{self._chunks} chunks submitted, {self._written} written, {sealed}, "
                     f"seal sent: {self._seal == 'sent'}")
+            call = self._in_call
+        if call is not None:
+            what, since = call
+            text += (f"; {what} has been in the engine for {time.monotonic() - since:.1f} s "
+                     "(the engine has not returned: a slow or stalled connection to the peer; "
+                     "Mooncake delays a notification while silent TCP connections are held "
+                     "to the peer's session port, REFERENCE.md section 18)")
+        elif self._waiting:
+            text += f"; {self._waiting} chunks wait for their ready"
+        return text
 
     def _carrier(self) -> Optional[int]:
         """A byte of the decode rank's registered memory that a notification without data can
@@ -624,18 +695,48 @@ class RequestStream:
             if isinstance(error, TransferError) and error.engine_busy \
                     and self._engine_busy is None:
                 self._engine_busy = error
-            first = not self._done.is_set()
+            first = self._error is None and not self.confirmed
             if first:
                 self._error = error
                 self._abort = "pending"
                 self._done.set()
+                self._over.set()
+                self._ended_at = time.monotonic()
         if first:
             self._streamer._forget(self)
         self._settle()
         return first
 
+    def _confirm(self) -> None:
+        """The decode rank's ``done``: the request succeeded (if it had not failed here)."""
+        with self._lock:
+            # Authentic (the token): it may come before this side saw its last write return.
+            if self._error is None:
+                self.confirmed = True
+                self._over.set()
+                self._ended_at = time.monotonic()
+        if self.confirmed:
+            self._streamer._done_with(self)
+
+    def _cancelled(self, reason: str) -> None:
+        """The decode rank's ``cancel``: it gave up on the request. The stream fails (nothing
+        more is written) and answers ``abort ended`` once every write of it has returned; an
+        abort already sent is sent again (the answer the decode rank waits for)."""
+        error = TransferError(f"request {self.request_id} {about(self.peer, None)}: the decode "
+                              f"rank gave up on it: {reason}", peer=self.peer,
+                              request_id=self.request_id)
+        if self._fail(error):
+            return
+        with self._lock:
+            again = self._abort == "sent" and self._engine_busy is None
+            if again:
+                self._abort = "pending"
+        if again:
+            self._settle()
+
     def _finish(self) -> None:
-        """Every chunk and the count were delivered."""
+        """Every chunk and the count were delivered; success waits for the decode rank's
+        ``done``."""
         with self._lock:
             if self._done.is_set():
                 return
@@ -703,6 +804,9 @@ class RequestStream:
             with self._lock:
                 self._abort = "sent"
                 self._busy -= 1
+            # Every write of it returned and the decode rank was told: a later cancel of it is
+            # answered as one for a request no stream holds (abort ended).
+            self._streamer._done_with(self)
             self._settle()
             self._streamer._untrack(threading.current_thread(), self._streamer._aborts)
 
@@ -770,9 +874,29 @@ class Streamer:
         self._aborts: Set[threading.Thread] = set()
         self._packing: "queue.Queue[Any]" = queue.Queue()
         self._writing: "queue.Queue[Any]" = queue.Queue()
+        #: The decode ranks' answers (done, cancel) come through the transport's Inbox.
+        self._inbox = inbox_of(transport)
+        self._inbox.attach_streamer(self)
+        #: The carrier the decode rank's answers read one byte of (Mooncake), or 0.
+        carrier = getattr(transport, "reply_carrier", None)
+        self._reply = int(carrier()) if callable(carrier) else 0
+        #: Streams that may still get an answer, by token, oldest first: (stream, since).
+        self._known: "OrderedDict[str, RequestStream]" = OrderedDict()
+        self._answers = threading.Condition(self._lock)
+        #: Answers that matched no stream this streamer knows (a stranger's, or too late).
+        self.stray_answers = 0
+        #: Peers this streamer opened streams to (the newest MAX_ROUTES): a cancel from one of
+        #: them for a request no stream holds is answered.
+        self._peers: "OrderedDict[Any, None]" = OrderedDict()
+        #: Tokens of requests a decode rank cancelled before any stream of them was opened
+        #: here (the newest MAX_KNOWN): open() refuses them, the answer said none would come.
+        self._refused: "OrderedDict[str, str]" = OrderedDict()
+        self._strays: "queue.Queue[Any]" = queue.Queue(maxsize=64)
+        self._stray_thread: Optional[threading.Thread] = None
         self._threads = [
             threading.Thread(target=self._pack_loop, name="mori-tp-pack", daemon=True),
             threading.Thread(target=self._write_loop, name="mori-tp-write", daemon=True),
+            threading.Thread(target=self._answer_loop, name="mori-tp-answers", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -827,8 +951,23 @@ class Streamer:
                                     stream, limit, release)
             with self._lock:
                 if self._closing:
-                    raise self._closed_error("open", request)
+                    error = self._closed_error("open", request)
+                    # Nothing of it was or will be written: the decode rank, which holds the
+                    # request's memory until its sender answers, is told so.
+                    self._refuse(request, error)
+                    raise error
+                if token in self._refused:
+                    raise TransferError(
+                        f"{where}: request {request_id}: the decode rank gave up on it before "
+                        "it was opened here, and was told that nothing of it would be written",
+                        peer=peer, request_id=request_id)
                 self._streams.add(request)
+                self._know(request)
+                if isinstance(peer, (str, bytes)) and len(peer) <= 4 * MAX_NAME:
+                    self._peers.pop(peer, None)
+                    self._peers[peer] = None
+                    while len(self._peers) > MAX_ROUTES:
+                        self._peers.popitem(last=False)
         except BaseException as error:
             _run_release(release, error)
             raise
@@ -918,6 +1057,8 @@ class Streamer:
                 self._stopped = True
             if stop:
                 self._packing.put(None)
+                with self._answers:
+                    self._answers.notify_all()
             for thread in self._threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
             # The writing thread has ended: no abort starts after this.
@@ -925,8 +1066,13 @@ class Streamer:
                 aborts = list(self._aborts)
             for thread in aborts:
                 thread.join(max(0.0, deadline - time.monotonic()))
+            stray = self._stray_thread
+            if stray is not None:
+                stray.join(max(0.0, deadline - time.monotonic()))
             held = ([t.name for t in self._threads if t.is_alive()]
-                    + [t.name for t in aborts if t.is_alive()])
+                    + [t.name for t in aborts if t.is_alive()]
+                    + ([stray.name] if stray is not None and stray.is_alive() else []))
+            self._inbox.detach_streamer(self)
         running = held
         if running:
             raise TransferTimeoutError(
@@ -946,6 +1092,134 @@ class Streamer:
         return InvalidArgumentError(
             f"{what}: request {request.request_id} {about(request.peer, None)}: the streamer is "
             "closed")
+
+    def _done_with(self, request: RequestStream) -> None:
+        """Forgets a stream that is over and needs no answer any more (confirmed, or its abort
+        sent): a streamer keeps no stream (and no plan) beyond its life."""
+        with self._lock:
+            if self._known.get(request.token) is request:
+                del self._known[request.token]
+
+    def _know(self, request: RequestStream) -> None:
+        """Records a stream that may get answers (under the lock): the newest MAX_KNOWN, and
+        those over for more than their timeout are forgotten."""
+        self._known.pop(request.token, None)
+        self._known[request.token] = request
+        now = time.monotonic()
+        while self._known:
+            token, oldest = next(iter(self._known.items()))
+            ended = oldest._ended_at
+            if len(self._known) <= MAX_KNOWN and (ended is None
+                                                  or now - ended <= oldest.timeout):
+                break
+            del self._known[token]
+        self._answers.notify_all()
+
+    def _answer_loop(self) -> None:
+        """Takes the decode ranks' answers: backing off to 1 ms while a stream waits for one,
+        to 5 ms while none does (a cancel for a request no stream holds is answered too)."""
+        interval = 0.0001
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                waiting = any(not s._over.is_set() for s in self._known.values())
+            try:
+                batch = self._inbox.take("streamer")
+            except Exception:  # noqa: BLE001 - the receiver's poll reports the transport
+                batch = []
+            for sender, raw in batch:
+                self._answer(sender, raw)
+            interval = 0.0001 if batch else min(2 * interval, 0.001 if waiting else 0.005)
+            time.sleep(interval)
+
+    def _answer(self, sender: Any, raw: bytes) -> None:
+        message = parse_message(raw)
+        if message is None or message.kind not in ("done", "cancel"):
+            self.stray_answers += 1
+            return
+        owner = self._inbox.owner(message.token)
+        if owner is not None and owner is not self:
+            owner._take_answer(sender, message)
+            return
+        self._take_answer(sender, message)
+
+    def _take_answer(self, sender: Any, message: Message) -> None:
+        with self._lock:
+            stream = self._known.get(message.token)
+            unknown = stream is None
+            if unknown and message.kind == "cancel" and sender in self._peers:
+                # No stream of this streamer holds the request: none ever will (open refuses
+                # the token from now on), so the answer the decode rank waits for is true.
+                self._refused.pop(message.token, None)
+                self._refused[message.token] = message.request_id
+                while len(self._refused) > MAX_KNOWN:
+                    self._refused.popitem(last=False)
+                answer = True
+            else:
+                answer = False
+        if answer:
+            self._answer_stray(sender, message)
+            return
+        if stream is None or stream.request_id != message.request_id \
+                or not hmac.compare_digest(stream.token.encode("ascii"),
+                                           message.token.encode("ascii", "replace")):
+            self.stray_answers += 1
+            return
+        if message.kind == "done":
+            stream._confirm()
+        else:
+            stream._cancelled(message.reason)
+
+    def _refuse(self, request: RequestStream, error: BaseException) -> None:
+        """Sends ``abort ended`` for a stream refused at open (nothing of it written), from a
+        thread of its own, best effort: the decode rank holds the request's memory until its
+        sender answers."""
+        message = abort_message(request.request_id, request.token,
+                                f"the stream was refused before anything was written: {error}")
+
+        def send() -> None:
+            try:
+                self.transport.notify(request.peer, message, carrier=request._carrier(),
+                                      timeout=request.timeout, request_id=request.request_id)
+            except Exception:  # noqa: BLE001 - best effort; the decode rank keeps holding
+                self.stray_answers += 1
+
+        threading.Thread(target=send, daemon=True, name="mori-tp-refused").start()
+
+    def _answer_stray(self, sender: Any, message: Message) -> None:
+        """Queues ``abort ended`` for a request no stream of this streamer holds (sent by a
+        thread of its own: a Mooncake notification waits for its read)."""
+        try:
+            self._strays.put_nowait((sender, message))
+        except queue.Full:
+            self.stray_answers += 1
+            return
+        with self._lock:
+            if self._stray_thread is None or not self._stray_thread.is_alive():
+                self._stray_thread = threading.Thread(target=self._stray_loop, daemon=True,
+                                                      name="mori-tp-stray-answers")
+                self._stray_thread.start()
+
+    def _stray_loop(self) -> None:
+        while True:
+            try:
+                sender, message = self._strays.get(timeout=1.0)
+            except queue.Empty:
+                with self._lock:
+                    if self._strays.empty():
+                        self._stray_thread = None
+                        return
+                continue
+            try:
+                self.transport.notify(
+                    sender, abort_message(message.request_id, message.token,
+                                          "no stream of the sender holds this request; none "
+                                          "will be opened"),
+                    carrier=message.reply or None, timeout=self.timeout,
+                    request_id=message.request_id)
+            except Exception:  # noqa: BLE001 - best effort; the decode rank keeps holding
+                self.stray_answers += 1
 
     def _forget(self, request: RequestStream) -> None:
         with self._lock:
@@ -1059,12 +1333,13 @@ class Streamer:
                 request._seal = "riding"
         message = chunk_message(request.request_id, request.token, index, ranges,
                                 request._sealed if last else None,
-                                staging=request.plan.staging)
+                                staging=request.plan.staging, reply=self._reply)
         src, dst, lengths = request.plan.addresses(ranges)
         token = self._activity.begin()
         cpu = time.process_time()
         start = time.perf_counter()
         calls = 0
+        request._in_call = (f"the write of chunk {index}", time.monotonic())
         try:
             if len(lengths):
                 calls = self.transport.write(request.peer, src, dst, lengths,
@@ -1076,6 +1351,7 @@ class Streamer:
                 # Nothing to move (a pair that is not SEND): the notification goes alone.
                 self._notify(request, message)
         finally:
+            request._in_call = None
             seconds = time.perf_counter() - start
             cpu = time.process_time() - cpu
             alone = self._activity.end(token)
@@ -1101,8 +1377,12 @@ class Streamer:
             request._finish()
 
     def _send_seal(self, request: RequestStream) -> None:
-        self._notify(request, seal_message(request.request_id, request.token,
-                                           request._sealed or 0))
+        request._in_call = ("the seal's notification", time.monotonic())
+        try:
+            self._notify(request, seal_message(request.request_id, request.token,
+                                               request._sealed or 0, self._reply))
+        finally:
+            request._in_call = None
         with request._lock:
             request._seal = "sent"
 
@@ -1165,9 +1445,10 @@ class Incoming:
     #: Messages of the request's sender that came after it had finished, in words.
     late: List[str] = field(default_factory=list)
     #: Set once no write of the request can land in its memory any more (then ``on_done``
-    #: runs): at once when it completes or its sender aborts after every write returned,
-    #: ``linger`` seconds (default its ``timeout``) after another failure, never while the
-    #: sender's engine may write.
+    #: runs): at once when it completes or its sender aborts after every write returned; after
+    #: another failure once its sender answers the cancel (or :meth:`Receiver.release`, or
+    #: ``linger`` when the cancel could not be delivered); never while the sender's engine may
+    #: write.
     settled: threading.Event = field(default_factory=threading.Event)
     #: Why the request never settles: the sender's engine may still write into its memory.
     kept: Optional[str] = None
@@ -1176,6 +1457,18 @@ class Incoming:
     #: Bytes of staging slot a mode that unpacks needs on this rank: ``num_buffers *
     #: staging_len``.
     staging_need: int = 0
+    #: The sender's carrier for this rank's answers (from its chunks), 0 while unknown.
+    reply: int = 0
+    #: The request failed here and its memory is held until its sender answers the ``cancel``
+    #: (or :meth:`Receiver.release`): a late write of the sender may still land in it.
+    quarantined: bool = False
+    #: Where the ``cancel`` to the sender stands: "" (none), "sending", "delivered",
+    #: "no route" (the sender is unknown) or "failed: <why>".
+    cancel_state: str = ""
+    cancel_sent_at: float = 0.0
+    #: How a held request's memory was let go without its sender's answer, in words ("" when
+    #: the sender answered, or the request was never held).
+    released: str = ""
 
     @property
     def complete(self) -> bool:
@@ -1239,14 +1532,14 @@ class Receiver:
     ``update_notifs`` polled back to back takes about 40% of a core here), and on a host with
     few cores that time comes out of the copies.
 
-    ``linger``: seconds a failed request waits before ``on_done`` (which frees its memory) when
-    a write of its sender may still be in flight (a request that timed out, or whose sender
-    broke the protocol): at least the longest a sender's write may take. Default (None): each
-    request's own ``timeout``, the time its sender may go without progress (60 s, as a
-    Streamer's write timeout, unless told otherwise); a deployment whose senders' writes may
-    take longer than that gives a longer linger. The request's ``done`` is set, and
-    :meth:`wait` raises, at once. A request that completes, or whose sender aborted after
-    every write of it returned, settles at once.
+    A request this rank gives up on (it timed out, or its sender broke the protocol) fails at
+    once (``done`` set, :meth:`wait` raises) and its memory is held (``incoming.quarantined``,
+    :attr:`quarantined`) until its sender answers the ``cancel`` sent to it with ``abort
+    ended``, every write of it returned; then ``on_done`` runs. :meth:`release` lets a held
+    request go when the connector knows its sender is gone. ``linger``: seconds after which a
+    held request whose cancel could not be delivered (no route, or the engine refused it) is
+    released, the sender taken to be gone; default None: never on time alone. A request that
+    completes, or whose sender aborted after every write of it returned, settles at once.
     """
 
     def __init__(self, transport: Any, *, poll_interval: float = 0.0001,
@@ -1265,6 +1558,20 @@ class Receiver:
                                        "seconds, at least 0, or None (each request's timeout)")
         self.linger = linger
         self._lock = threading.RLock()
+        #: The transport's notifications; one Receiver per transport (a second is refused).
+        self._inbox = inbox_of(transport)
+        self._inbox.attach_receiver(self)
+        #: Failed requests whose memory is held until their sender answers, by token.
+        self._quarantined: Dict[str, Incoming] = {}
+        #: Digests of the tokens of requests expected so far (the newest MAX_USED_TOKENS).
+        self._used: "OrderedDict[bytes, None]" = OrderedDict()
+        #: The answer carrier of each sender that sent a chunk (the newest MAX_ROUTES).
+        self._routes: "OrderedDict[Any, int]" = OrderedDict()
+        #: When each sender's last notification came (the newest MAX_ROUTES, names cut).
+        self._heard: "OrderedDict[str, float]" = OrderedDict()
+        #: Answers (done, cancel) waiting for the answering thread.
+        self._answers: "queue.Queue[Any]" = queue.Queue()
+        self._answer_thread: Optional[threading.Thread] = None
         self._incoming: Dict[str, Incoming] = {}
         #: Finished requests, oldest first, kept early_timeout seconds (at most MAX_RECENT).
         self._recent: "OrderedDict[str, _Finished]" = OrderedDict()
@@ -1296,6 +1603,133 @@ class Receiver:
         #: Polls whose transport call raised (the thread records each new error once).
         self.poll_errors = 0
         self._last_poll_error = ""
+        #: Answers (done, cancel) that could not be sent, and the last one's error in words.
+        self.answer_errors = 0
+        self.last_answer_error = ""
+
+    # -- the decode rank's answers --
+
+    def route(self, peer: Any, carrier: int) -> None:
+        """Tells the receiver where its answers to ``peer`` go before that sender's first
+        chunk arrives (the sender's ``reply`` carrier: ``Streamer.reply_carrier``); chunks
+        carry it too."""
+        with self._lock:
+            self._remember_route(peer, int(carrier))
+
+    def _remember_route(self, peer: Any, carrier: int) -> None:
+        if peer is None or name_bytes(peer) > 4 * MAX_NAME:
+            return
+        self._routes.pop(peer, None)
+        self._routes[peer] = carrier
+        while len(self._routes) > MAX_ROUTES:
+            self._routes.popitem(last=False)
+
+    def _answer(self, incoming: Incoming, kind: str, reason: str = "") -> None:
+        """Queues ``done`` or ``cancel`` for the request's sender (under the lock)."""
+        peer = incoming.peer
+        if kind == "cancel":
+            incoming.cancel_sent_at = time.monotonic()
+            if peer is None:
+                incoming.cancel_state = "no route"
+                return
+            incoming.cancel_state = "sending"
+            memory = incoming.memory
+            own = memory.buffers[0] if memory.buffers else (memory.staging or 0)
+            raw = cancel_message(incoming.request_id, incoming.token, reason, int(own))
+        else:
+            if peer is None:
+                return
+            raw = done_message(incoming.request_id, incoming.token)
+        carrier = incoming.reply or self._routes.get(peer, 0)
+        if self._answers.qsize() > MAX_ROUTES:
+            self.answer_errors += 1
+            if kind == "cancel":
+                incoming.cancel_state = "failed: too many answers queued"
+            return
+        self._answers.put((incoming, kind, peer, raw, carrier))
+        if self._answer_thread is None or not self._answer_thread.is_alive():
+            self._answer_thread = threading.Thread(target=self._answer_loop, daemon=True,
+                                                   name="mori-tp-answer")
+            self._answer_thread.start()
+
+    def _answer_loop(self) -> None:
+        """Sends the queued answers, one at a time, off the polling thread (a Mooncake
+        notification waits for its one-byte read: up to the engine's timeout for a sender
+        that does not answer)."""
+        while True:
+            try:
+                item = self._answers.get(timeout=1.0)
+            except queue.Empty:
+                with self._lock:
+                    if self._answers.empty():
+                        self._answer_thread = None
+                        return
+                continue
+            incoming, kind, peer, raw, carrier = item
+            failure: Optional[BaseException] = None
+            try:
+                self.transport.notify(peer, raw, carrier=carrier or None,
+                                      timeout=incoming.timeout,
+                                      request_id=incoming.request_id)
+            except Exception as error:  # noqa: BLE001 - recorded; the request stays held
+                failure = error
+            with self._lock:
+                if failure is not None:
+                    self.answer_errors += 1
+                    self.last_answer_error = (f"request {incoming.request_id}: the '{kind}' "
+                                              f"answer to {_name(peer)} could not be sent: "
+                                              f"{failure!r}")[:MAX_VIOLATION]
+                if kind == "cancel" and incoming.quarantined:
+                    incoming.cancel_state = ("delivered" if failure is None
+                                             else f"failed: {failure!r}"[:300])
+
+    def cancel(self, incoming: Incoming, reason: str = "cancelled by the decode rank") -> bool:
+        """Gives up on a request now (the connector's decision): it fails with
+        TransferError naming ``reason``, its memory is held (``incoming.quarantined``) and its
+        sender is told; ``on_done`` runs once the sender has answered that nothing more of it
+        will land. Returns False when the request had already ended."""
+        with self._lock:
+            if incoming.done.is_set():
+                return False
+            self._fail(incoming, TransferError(f"request {incoming.request_id}: {reason}",
+                                               peer=incoming.peer,
+                                               request_id=incoming.request_id))
+            return True
+
+    def release(self, incoming: Incoming, reason: str = "released by the caller") -> bool:
+        """Ends a quarantined request's hold on its memory now and runs its ``on_done``:
+        call it only when the sender's process is known to be gone (the connector's own
+        liveness check), since a sender that is only stalled may still write. Returns whether
+        the request was held."""
+        with self._lock:
+            if not incoming.quarantined:
+                return False
+            incoming.released = f"released by the caller without its sender's answer: {reason}"
+            self._unquarantine(incoming)
+            return True
+
+    @property
+    def quarantined(self) -> List[Incoming]:
+        """Failed requests whose memory is held until their sender answers (or
+        :meth:`release`): keep their staging slots and pages out of use."""
+        with self._lock:
+            return list(self._quarantined.values())
+
+    def _unquarantine(self, incoming: Incoming) -> None:
+        if self._quarantined.get(incoming.token) is incoming:
+            del self._quarantined[incoming.token]
+        incoming.quarantined = False
+        self._settle(incoming)
+
+    def _heard_from(self, peer: Any) -> str:
+        """When ``peer``'s last notification came, in words (for a timeout's message)."""
+        if peer is None:
+            return "no sender known yet"
+        when = self._heard.get(_name(peer))
+        if when is None:
+            return f"no notification from {_name(peer)} has arrived"
+        return (f"the last notification from {_name(peer)} came {time.monotonic() - when:.1f} "
+                "s ago")
 
     def expect(self, request_id: str, config: Union[SliceConfig, PairConfig],
                dst_pages: Any, *, memory: KvMemory, num_buffers: Optional[int] = None,
@@ -1324,8 +1758,11 @@ class Receiver:
         (per-layer readiness). ``on_done(incoming)`` runs once the request has ended and no
         write of it can land in ``memory`` any more, so free the request's slot there: at
         once when it completes, or when its sender aborts after every write of the stream
-        returned; ``linger`` seconds after any other failure (a timeout, a protocol
-        violation), while ``incoming.done`` is set and :meth:`wait` raises at once; never
+        returned; after any other failure (a timeout, a protocol violation) only once the
+        sender has answered the receiver's ``cancel`` (every write of it returned), or the
+        connector calls :meth:`release`, while ``incoming.done`` is set, :meth:`wait` raises
+        at once and ``incoming.quarantined`` says the memory is held: keep the slot out of the
+        pool and do not let the serving engine reuse the pages until then; never
         when the sender's engine may still write (an ``abort busy``: ``incoming.kept`` says
         so, and the slot must be kept). Both run on the thread that polls (the receiver's,
         or a caller of :meth:`poll` or :meth:`wait`), never inside ``expect``. ``timeout``
@@ -1354,11 +1791,21 @@ class Receiver:
         incoming = Incoming(request_id, config, dst_pages, memory, mode, count, backend,
                             timeout, chosen, on_chunk, on_done, sender=peer, peer=peer,
                             by_sender=by_sender, staging_need=count * length)
+        used = hashlib.blake2b(chosen.encode("ascii"), digest_size=16).digest()
         with self._lock:
             live = self._incoming.get(request_id)
             if live is not None:
                 raise InvalidArgumentError(f"{where}: request {request_id} is already "
                                            "expected")
+            if used in self._used:
+                raise InvalidArgumentError(
+                    f"{where}: request {request_id}: the token was used by an earlier request "
+                    f"(this receiver remembers the last {MAX_USED_TOKENS}): a replay of that "
+                    "request's messages would complete this one; draw a new token "
+                    "(mori_tp.engines.new_token(), or leave token= out)")
+            self._used[used] = None
+            while len(self._used) > MAX_USED_TOKENS:
+                self._used.popitem(last=False)
             self._recent.pop(request_id, None)
             self._incoming[request_id] = incoming
             # Messages that came first are checked and applied by the next poll.
@@ -1388,18 +1835,30 @@ class Receiver:
             TransferError: the transport's ``poll_notifications`` raised (its exception is the
                 cause); the timeouts and settling were still handled.
         """
+        failure: Optional[BaseException] = None
+        try:
+            batch = self._inbox.take("receiver")
+        except Exception as error:  # noqa: BLE001 - timeouts must still fire
+            batch, failure = [], error
+        # Outside the lock expect() takes: the header and token first, and the body parsed only
+        # for a message that carries a live request's token.
+        screened = [(sender, raw, self._screened(raw)) for sender, raw in batch]
         with self._lock:
-            failure: Optional[BaseException] = None
-            try:
-                batch = list(self.transport.poll_notifications())
-            except Exception as error:  # noqa: BLE001 - timeouts must still fire
-                batch, failure = [], error
             queued, self._queued = self._queued, []
-            for incoming, sender, raw in queued:
-                self._guarded(sender, raw, incoming)
-            for sender, raw in batch:
+        early = [(incoming, sender, raw, self._screened(raw))
+                 for incoming, sender, raw in queued]
+        with self._lock:
+            for incoming, sender, raw, parsed in early:
+                self._guarded(sender, raw, incoming, parsed)
+            now = time.monotonic()
+            for sender, raw, parsed in screened:
                 self._received += 1
-                self._guarded(sender, raw, None)
+                key = _name(sender)
+                self._heard.pop(key, None)
+                self._heard[key] = now
+                if len(self._heard) > MAX_ROUTES:
+                    self._heard.popitem(last=False)
+                self._guarded(sender, raw, None, parsed)
             self._sweep(time.monotonic())
             if failure is not None:
                 raise TransferError(f"Receiver.poll: the transport's poll_notifications raised "
@@ -1411,8 +1870,8 @@ class Receiver:
         """Waits until ``incoming`` completes; raises its error. After ``timeout`` seconds
         (default: the request's own timeout) the request fails with TransferTimeoutError, as a
         stream's wait does: nothing of it is unpacked any more, later messages are violations,
-        and it settles ``linger`` seconds later (then ``on_done`` runs). Polls itself when no
-        thread polls."""
+        and its memory is held until its sender answers the cancel (then ``on_done`` runs).
+        Polls itself when no thread polls."""
         limit = incoming.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not incoming.done.is_set():
@@ -1420,7 +1879,7 @@ class Receiver:
                 with self._lock:
                     self._fail(incoming, TransferTimeoutError(
                         f"request {incoming.request_id}"
-                        + (f" from {incoming.peer}" if incoming.peer is not None else "")
+                        + (f" from {_cut(incoming.peer)}" if incoming.peer is not None else "")
                         + f": not complete after {limit} s: {incoming.missing()}; "
                         f"{incoming.unpacked()}", peer=incoming.peer,
                         request_id=incoming.request_id))
@@ -1445,6 +1904,12 @@ class Receiver:
                                                 daemon=True)
                 self._thread.start()
         return self
+
+    def detach(self) -> None:
+        """Gives the transport's notifications up, so that another Receiver may take them
+        (one per transport); this one takes none from then on."""
+        self.close()
+        self._inbox.detach_receiver(self)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the polling thread, waiting for it at most ``timeout`` seconds; :meth:`wait`
@@ -1485,57 +1950,88 @@ class Receiver:
 
     def _violation(self, text: str) -> None:
         self.violation_count += 1
-        self.violations.append(text)
+        self.violations.append(text[:MAX_VIOLATION])
         if len(self.violations) > MAX_VIOLATIONS:
             del self.violations[:len(self.violations) - MAX_VIOLATIONS]
 
-    def _guarded(self, sender: Any, raw: bytes, queued: Optional[Incoming]) -> None:
+    def _screened(self, raw: bytes) -> Optional[Message]:
+        """:meth:`_screen`, or None when it raises (the message is then taken, and what it
+        raises recorded, under the lock like any other)."""
+        try:
+            return self._screen(raw)
+        except Exception:  # noqa: BLE001 - recorded when the message is taken
+            return None
+
+    def _screen(self, raw: bytes) -> Optional[Message]:
+        """The parsed message when its header names a live or held request and carries its
+        token (checked first, on the header alone), else None: the body of a message that
+        cannot be taken is never parsed. Runs without the lock (a snapshot look-up; the
+        token is checked again under the lock)."""
+        head = parse_head(raw)
+        if head is None or head[0] != PROTOCOL.encode():
+            return None
+        _, rid, token, _ = head
+        live = self._incoming.get(rid) or self._quarantined.get(token)
+        if live is None or live.request_id != rid or not _same(live.token, token):
+            return None
+        return parse_message(raw)
+
+    def _guarded(self, sender: Any, raw: bytes, queued: Optional[Incoming],
+                 parsed: Optional[Message] = None) -> None:
         """Takes one message; whatever it raises is recorded, and the batch goes on."""
         try:
             if queued is None:
-                self._take(sender, raw)
+                self._take(sender, raw, parsed)
             elif self._incoming.get(queued.request_id) is queued:
-                self._take_for(queued, sender, raw, early=True)
+                self._take_for(queued, sender, raw, parsed, early=True)
             else:
-                self._take(sender, raw)
+                self._take(sender, raw, parsed)
         except Exception as error:  # noqa: BLE001 - one message must not cost the others
-            self._violation(f"a notification from {sender!r} ({len(raw)} bytes) could not be "
+            self._violation(f"a notification from {_name(sender)} ({len(raw)} bytes) could not be "
                             f"processed: {error!r}"[:400])
 
     def _other(self, sender: Any, raw: bytes) -> None:
-        if len(raw) > MAX_OTHERS_BYTES:
+        size = len(raw) + name_bytes(sender)
+        if size > MAX_OTHERS_BYTES:
             self.others_dropped += 1
             return
         self.others.append((sender, raw))
-        self._others_bytes += len(raw)
+        self._others_bytes += size
         drop = 0
         while len(self.others) - drop > MAX_OTHERS or self._others_bytes > MAX_OTHERS_BYTES:
-            self._others_bytes -= len(self.others[drop][1])
+            self._others_bytes -= len(self.others[drop][1]) + name_bytes(self.others[drop][0])
             drop += 1
         if drop:
             del self.others[:drop]
             self.others_dropped += drop
 
-    def _take(self, sender: Any, raw: bytes) -> None:
-        if not raw.startswith(b"mori-tp/"):
+    def _take(self, sender: Any, raw: bytes, parsed: Optional[Message] = None) -> None:
+        head = parse_head(raw)
+        if head is None:
             self._other(sender, raw)
             return
-        message = parse_message(raw)
-        assert message is not None
-        if message.kind == "version":
-            self._violation(f"a notification from {sender!r} in another protocol version "
-                            f"({message.reason}), ignored")
+        version, rid, token, kind = head
+        if version != PROTOCOL.encode():
+            self._violation(f"a notification from {_name(sender)} in another protocol version "
+                            f"({version[:20].decode('ascii', 'replace')!r}, this receiver "
+                            f"speaks {PROTOCOL}), ignored")
             return
-        rid = message.request_id
+        held = self._quarantined.get(token)
+        if held is not None and held.request_id == rid and _same(held.token, token):
+            self._take_held(held, sender, raw, parsed)
+            return
         incoming = self._incoming.get(rid)
         if incoming is not None:
-            self._take_for(incoming, sender, raw, message=message)
+            self._take_for(incoming, sender, raw, parsed)
             return
         finished = self._recent.get(rid)
         if finished is not None:
-            if self._authentic(finished, sender, message):
-                late = (f"request {rid}: {_a(message.kind)} message (chunk {message.index}) "
-                        f"from {sender!r} arrived after the request had finished")
+            if not _same(finished.token, token):
+                self._violation(f"request {rid}: {_a(kind[:20] or '?')} message from "
+                                f"{_name(sender)} without the request's token, ignored")
+            elif finished.sender is None or finished.sender == sender:
+                late = (f"request {rid}: {_a(kind[:20] or '?')} message from {_name(sender)} "
+                        "arrived after the request had finished")
                 finished.late.append(late)
                 del finished.late[:-16]
                 self._violation(late)
@@ -1543,28 +2039,81 @@ class Receiver:
         try:
             check_request_id(rid)
         except InvalidArgumentError:
-            self._violation(f"a notification from {sender!r} names no valid request: "
+            self._violation(f"a notification from {_name(sender)} names no valid request: "
                             f"{raw[:80]!r}, ignored")
             return
-        if self._early_count >= MAX_EARLY or self._early_bytes + len(raw) > MAX_EARLY_BYTES:
-            self._violation(f"request {rid}: a message from {sender!r} for a request not "
+        size = len(raw) + name_bytes(sender)
+        if self._early_count >= MAX_EARLY or self._early_bytes + size > MAX_EARLY_BYTES:
+            self._violation(f"request {rid}: a message from {_name(sender)} for a request not "
                             f"expected, dropped: {self._early_count} such messages "
                             f"({self._early_bytes} bytes) are kept already")
             return
         self._early.setdefault(rid, []).append((sender, raw))
         self._early_since.setdefault(rid, time.monotonic())
         self._early_count += 1
-        self._early_bytes += len(raw)
+        self._early_bytes += size
 
-    def _take_for(self, incoming: Incoming, sender: Any, raw: bytes, *,
-                  message: Optional[Message] = None, early: bool = False) -> None:
+    def _take_for(self, incoming: Incoming, sender: Any, raw: bytes,
+                  parsed: Optional[Message] = None, *, early: bool = False) -> None:
+        """A message for a live request: the token and the sender first (from the header),
+        then the body."""
+        head = parse_head(raw)
+        if head is None or head[0] != PROTOCOL.encode() or head[1] != incoming.request_id:
+            return
+        kind = head[3][:20] or "?"
+        when = " (kept from before the request was expected)" if early else ""
+        if not _same(incoming.token, head[2]):
+            self._violation(f"request {incoming.request_id}: {_a(kind)} message from "
+                            f"{_name(sender)}{when} without the request's token, ignored")
+            return
+        if incoming.sender is not None and sender != incoming.sender:
+            self._violation(f"request {incoming.request_id}: {_a(kind)} message from "
+                            f"{_name(sender)}{when}, but the request is bound to "
+                            f"{_name(incoming.sender)}, ignored")
+            return
+        message = parsed if parsed is not None and parsed.token == incoming.token \
+            else parse_message(raw)
         if message is None:
-            message = parse_message(raw)
-            if message is None or message.kind == "version" \
-                    or message.request_id != incoming.request_id:
+            return
+        self._apply(incoming, sender, message)
+
+    def _take_held(self, incoming: Incoming, sender: Any, raw: bytes,
+                   parsed: Optional[Message]) -> None:
+        """A message of the sender of a request held after it failed here: its ``abort
+        ended`` (every write of it returned) releases the memory; anything else is late (the
+        sender has not seen the cancel yet), is recorded, and the cancel goes again."""
+        if incoming.sender is not None and sender != incoming.sender:
+            self._violation(f"request {incoming.request_id}: a message from {_name(sender)} "
+                            f"for a held request bound to {_name(incoming.sender)}, ignored")
+            return
+        message = parsed if parsed is not None else parse_message(raw)
+        if message is None:
+            return
+        if incoming.peer is None:
+            incoming.peer = sender
+        if message.reply:
+            incoming.reply = message.reply
+            self._remember_route(sender, message.reply)
+        if message.kind == "abort":
+            if message.busy:
+                incoming.kept = (f"request {incoming.request_id}: the sender's engine may "
+                                 f"still write into its memory ({message.reason}); on_done "
+                                 "does not run, keep its slot")
+                self._violation(incoming.kept)
+                if self._quarantined.get(incoming.token) is incoming:
+                    del self._quarantined[incoming.token]
                 return
-        if self._authentic(incoming, sender, message, early):
-            self._apply(incoming, sender, message)
+            self._unquarantine(incoming)
+            return
+        late = (f"request {incoming.request_id}: {_a(message.kind)} message (chunk "
+                f"{message.index}) from {_name(sender)} arrived after the request had failed; "
+                "its memory is held until the sender answers the cancel")
+        incoming.late.append(late)
+        del incoming.late[:-16]
+        self._violation(late)
+        now = time.monotonic()
+        if incoming.cancel_state != "sending" and now - incoming.cancel_sent_at > 0.2:
+            self._answer(incoming, "cancel", str(incoming.error))
 
     def _authentic(self, incoming: Incoming, sender: Any, message: Message,
                    early: bool = False) -> bool:
@@ -1574,12 +2123,12 @@ class Receiver:
         when = " (kept from before the request was expected)" if early else ""
         if not hmac.compare_digest(message.token.encode("ascii", "replace"),
                                    incoming.token.encode("ascii")):
-            self._violation(f"request {rid}: {_a(message.kind)} message from {sender!r}{when} "
+            self._violation(f"request {rid}: {_a(message.kind)} message from {_name(sender)}{when} "
                             "without the request's token, ignored")
             return False
         if incoming.sender is not None and sender != incoming.sender:
-            self._violation(f"request {rid}: {_a(message.kind)} message from {sender!r}{when}, "
-                            f"but the request is bound to {incoming.sender!r}, ignored")
+            self._violation(f"request {rid}: {_a(message.kind)} message from {_name(sender)}{when}, "
+                            f"but the request is bound to {_name(incoming.sender)}, ignored")
             return False
         return True
 
@@ -1613,9 +2162,14 @@ class Receiver:
                              "keep its slot")
             self._violation(incoming.kept)
         else:
-            delay = incoming.timeout if self.linger is None else self.linger
-            self._lingered += 1
-            heapq.heappush(self._lingering, (now + delay, self._lingered, incoming))
+            # Given up here while the sender may still write: hold the memory, tell the
+            # sender, and release once it answers that every write of it has returned.
+            incoming.quarantined = True
+            self._quarantined[incoming.token] = incoming
+            self._answer(incoming, "cancel", str(incoming.error))
+            if self.linger is not None:
+                self._lingered += 1
+                heapq.heappush(self._lingering, (now + self.linger, self._lingered, incoming))
 
     def _settle(self, incoming: Incoming) -> None:
         """No write of the request can land any more: ``on_done`` (which frees its slot)."""
@@ -1632,20 +2186,34 @@ class Receiver:
             if now - incoming.last_progress > incoming.timeout:
                 self._fail(incoming, TransferTimeoutError(
                     f"request {incoming.request_id}"
-                    + (f" from {incoming.peer}" if incoming.peer is not None else "")
+                    + (f" from {_cut(incoming.peer)}" if incoming.peer is not None else "")
                     + f": no progress for {incoming.timeout} s: {incoming.missing()}; "
-                    f"{incoming.unpacked()}", peer=incoming.peer,
+                    f"{incoming.unpacked()}; {self._heard_from(incoming.peer)}",
+                    peer=incoming.peer,
                     request_id=incoming.request_id))
         while self._lingering and self._lingering[0][0] <= now:
-            self._settle(heapq.heappop(self._lingering)[2])
+            held = heapq.heappop(self._lingering)[2]
+            if not held.quarantined:
+                continue
+            if held.cancel_state in ("sending", "delivered"):
+                # The sender is reachable (or being reached): its answer comes once its
+                # writes have returned; look again a linger later.
+                self._lingered += 1
+                heapq.heappush(self._lingering, (now + (self.linger or 0.0) + 0.05,
+                                                 self._lingered, held))
+                continue
+            held.released = (f"released {self.linger} s after it failed without its sender's "
+                             f"answer (the cancel: {held.cancel_state or 'not sent'}): the "
+                             "sender is taken to be gone (Receiver(linger=))")
+            self._unquarantine(held)
         for rid, since in list(self._early_since.items()):
             if now - since > self.early_timeout:
                 dropped = self._early.pop(rid, [])
                 del self._early_since[rid]
                 self._early_count -= len(dropped)
                 self._early_bytes -= sum(len(raw) for _, raw in dropped)
-                kinds = ", ".join(sorted({(parse_message(raw) or Message("", "", "?")).kind
-                                          for _, raw in dropped}))
+                kinds = ", ".join(sorted({((parse_head(raw) or (b"", "", "", "?"))[3][:20]
+                                           or "?") for _, raw in dropped}))
                 self._violation(
                     f"request {rid}: {len(dropped)} messages ({kinds}) for a request never "
                     f"expected, dropped after {self.early_timeout} s")
@@ -1661,10 +2229,18 @@ class Receiver:
         rid = incoming.request_id
         if incoming.peer is None:
             incoming.peer = sender
+        if message.reply:
+            incoming.reply = message.reply
+            self._remember_route(sender, message.reply)
         kind = message.kind
+        if kind in ("done", "cancel"):
+            self._fail(incoming, TransferError(f"request {rid}: {_a(kind)} answer from "
+                                               f"{_name(sender)}, which only a decode rank "
+                                               "sends"))
+            return
         if kind in ("malformed", "oversized"):
             self._fail(incoming, TransferError(f"request {rid}: {kind} notification from "
-                                               f"{sender!r}: {message.reason}"))
+                                               f"{_name(sender)}: {message.reason}"))
             return
         if kind == "abort":
             self._fail(incoming, TransferError(
@@ -1725,6 +2301,7 @@ class Receiver:
                     f"{incoming.missing()}"))
                 return
             self._end(incoming, "now")
+            self._answer(incoming, "done")
 
     def _check_chunk(self, incoming: Incoming, message: Message) -> Optional[str]:
         """What is wrong with a chunk message, or None: its index, its count of ranges, each
