@@ -85,7 +85,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from . import layout_from_wire, layout_to_wire, request_id_for, view_extent, view_layout
+from .layout import layout_from_wire, layout_to_wire, request_id_for, view_extent, view_layout
 from .side import SideClient, SideServer
 
 if TYPE_CHECKING:  # pragma: no cover
