@@ -43,9 +43,11 @@ use cudarc::driver::sys as cu;
 use super::super::copy_kernel::{
     BLOCK_THREADS, COPY_KERNEL_CUBINS, COPY_KERNEL_PTX, KernelArgs, PTX_ARCH, pick_cubin,
 };
-use super::{
-    Api, CUDA_API, CaptureMode, GpuRuntime, GpuStatus, KernelCache, KernelImage, KernelLaunch,
-    Memcpy2dAsync, PointerInfo, lock,
+use super::call::lock;
+use super::device::KernelCache;
+use super::runtime::{
+    Api, CUDA_API, CaptureMode, GpuRuntime, GpuStatus, KernelImage, KernelLaunch, Memcpy2dAsync,
+    PointerInfo,
 };
 use crate::error::{Error, Result};
 

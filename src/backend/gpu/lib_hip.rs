@@ -9,9 +9,10 @@ use std::sync::OnceLock;
 use hip_sys as _;
 
 use super::super::copy_kernel::{ARCHS, BLOCK_THREADS, IMAGE, KernelArgs};
-use super::{
-    Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_HOST_TO_DEVICE, KernelCache,
-    KernelImage, KernelLaunch, Memcpy2dAsync, PointerInfo,
+use super::device::KernelCache;
+use super::runtime::{
+    Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_HOST_TO_DEVICE, KernelImage,
+    KernelLaunch, Memcpy2dAsync, PointerInfo,
 };
 
 /// `hipPointerAttribute_t` (hip/hip_runtime_api.h): the same layout in HIP 5 and 6, whose first
