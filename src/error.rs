@@ -76,6 +76,30 @@ pub enum Error {
         /// The side's TP size.
         tp_size: u32,
     },
+    /// A head is not below the model's KV heads.
+    #[error("invalid argument: head {head} is out of range for total_kv_heads {total_kv_heads} (heads are 0..{})", .total_kv_heads.saturating_sub(1))]
+    HeadOutOfRange {
+        /// The head given.
+        head: u32,
+        /// The model's KV heads.
+        total_kv_heads: u32,
+    },
+    /// A rank does not hold the head it was asked about.
+    #[error(
+        "invalid argument: {side}: tp_rank {rank} holds heads {first}..{last}, not head {head}"
+    )]
+    HeadNotHeld {
+        /// Which engine.
+        side: Side,
+        /// The rank given.
+        rank: u32,
+        /// The head given.
+        head: u32,
+        /// The first head the rank holds.
+        first: u32,
+        /// The last head the rank holds.
+        last: u32,
+    },
     /// `page_size` is 0.
     #[error("invalid argument: page_size is 0")]
     ZeroPageSize,
@@ -410,8 +434,8 @@ pub enum Error {
         allowed: &'static str,
     },
 
-    /// The arguments of a layout constructor (`Layout::nhd`, `Layout::hnd`), which belong to
-    /// no side yet: `error` is the refusal, its message without a side.
+    /// The arguments of a layout constructor (`Layout::nhd`, `Layout::hnd`) or of
+    /// `rank_heads`, which belong to no side: `error` is the refusal, its message without a side.
     #[error("{}", without_side(.error))]
     LayoutArguments {
         /// The refusal, as it reads for a prefill layout.
@@ -827,6 +851,8 @@ impl Error {
             LayoutArguments { error } | InGroup { error, .. } => error.class(),
             ZeroTpSize { .. }
             | RankOutOfRange { .. }
+            | HeadOutOfRange { .. }
+            | HeadNotHeld { .. }
             | ZeroPageSize
             | ZeroItemLen { .. }
             | InconsistentBytesPerToken { .. }

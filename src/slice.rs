@@ -243,6 +243,48 @@ impl Topology {
     }
 }
 
+/// The heads rank `tp_rank` of a side of TP size `tp_size` holds: what mori_tp_rank_heads
+/// answers. The arguments belong to no side, so its refusals name none.
+pub fn rank_heads(total_kv_heads: u32, tp_size: u32, tp_rank: u32) -> Result<Range<u32>> {
+    let in_call = |error| Error::LayoutArguments {
+        error: Box::new(error),
+    };
+    let side = TpSide::new(Side::Prefill, tp_size, total_kv_heads).map_err(in_call)?;
+    side.check_rank(tp_rank).map_err(in_call)?;
+    Ok(side.heads_of(tp_rank))
+}
+
+/// The prefill rank that sends `head` to decode rank `decode_tp_rank`: what mori_tp_head_sender
+/// answers. Refused when the sizes do not fit `total_kv_heads`, the rank is not below `D`, `head`
+/// is not below `H` or the decode rank does not hold `head`.
+pub fn head_sender(
+    total_kv_heads: u32,
+    prefill_tp_size: u32,
+    decode_tp_size: u32,
+    decode_tp_rank: u32,
+    head: u32,
+) -> Result<u32> {
+    let topology = Topology::new(total_kv_heads, prefill_tp_size, decode_tp_size)?;
+    topology.decode.check_rank(decode_tp_rank)?;
+    if head >= total_kv_heads {
+        return Err(Error::HeadOutOfRange {
+            head,
+            total_kv_heads,
+        });
+    }
+    let held = topology.decode.heads_of(decode_tp_rank);
+    if !held.contains(&head) {
+        return Err(Error::HeadNotHeld {
+            side: Side::Decode,
+            rank: decode_tp_rank,
+            head,
+            first: held.start,
+            last: held.end - 1,
+        });
+    }
+    Ok(topology.sender_of(decode_tp_rank, head))
+}
+
 /// Inputs of mori_tp_slice_config: one (prefill rank, decode rank) pair of a deployment.
 ///
 /// Per layer there is one K and one V buffer (MLA: one latent buffer); a buffer is an array of

@@ -213,6 +213,55 @@ class CopyRect(NamedTuple):
     height: int
 
 
+def rank_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> Tuple[int, int]:
+    """The heads rank ``tp_rank`` of an engine of TP size ``tp_size`` holds, as ``(first, end)``
+    (REFERENCE.md section 3; ``mori_tp_rank_heads``).
+
+    Raises:
+        InvalidArgumentError: ``tp_size`` 0, ``tp_rank`` not below it, a value that does not fit
+            ``uint32_t``.
+        TopologyError: ``total_kv_heads`` 0, or it and ``tp_size`` divide neither way.
+    """
+    where = "rank_heads"
+    first, count = ctypes.c_uint32(), ctypes.c_uint32()
+    status = _lib.mori_tp_rank_heads(
+        _unsigned(total_kv_heads, "total_kv_heads", 32, where),
+        _unsigned(tp_size, "tp_size", 32, where),
+        _unsigned(tp_rank, "tp_rank", 32, where),
+        ctypes.byref(first),
+        ctypes.byref(count),
+    )
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+    return first.value, first.value + count.value
+
+
+def head_sender(total_kv_heads: int, prefill_tp_size: int, decode_tp_size: int,
+                decode_tp_rank: int, head: int) -> int:
+    """The prefill rank that sends ``head`` to decode rank ``decode_tp_rank``, which holds it
+    (REFERENCE.md section 3; ``mori_tp_head_sender``): the rank whose :func:`slice_config` with
+    that decode rank is ``Action.SEND`` for the head.
+
+    Raises:
+        InvalidArgumentError: a zero TP size, a rank or head out of range, a head the decode
+            rank does not hold, a value that does not fit ``uint32_t``.
+        TopologyError: ``total_kv_heads`` 0, or it and a TP size divide neither way.
+    """
+    where = "head_sender"
+    sender = ctypes.c_uint32()
+    status = _lib.mori_tp_head_sender(
+        _unsigned(total_kv_heads, "total_kv_heads", 32, where),
+        _unsigned(prefill_tp_size, "prefill_tp_size", 32, where),
+        _unsigned(decode_tp_size, "decode_tp_size", 32, where),
+        _unsigned(decode_tp_rank, "decode_tp_rank", 32, where),
+        _unsigned(head, "head", 32, where),
+        ctypes.byref(sender),
+    )
+    if status != _ffi.MORI_OK:
+        _raise_last(status)
+    return sender.value
+
+
 def slice_config(
     *,
     prefill_tp_size: int,

@@ -285,6 +285,27 @@ SIGNATURES = {
         _STATUS,
         [ctypes.POINTER(MoriTpSliceParams), _CONFIG_P],
     ),
+    "mori_tp_rank_heads": (
+        _STATUS,
+        [
+            ctypes.c_uint32,  # total_kv_heads
+            ctypes.c_uint32,  # tp_size
+            ctypes.c_uint32,  # tp_rank
+            ctypes.POINTER(ctypes.c_uint32),  # first_head
+            ctypes.POINTER(ctypes.c_uint32),  # num_heads
+        ],
+    ),
+    "mori_tp_head_sender": (
+        _STATUS,
+        [
+            ctypes.c_uint32,  # total_kv_heads
+            ctypes.c_uint32,  # prefill_tp_size
+            ctypes.c_uint32,  # decode_tp_size
+            ctypes.c_uint32,  # decode_tp_rank
+            ctypes.c_uint32,  # head
+            ctypes.POINTER(ctypes.c_uint32),  # prefill_tp_rank
+        ],
+    ),
     "mori_tp_plan": (
         _STATUS,
         [

@@ -50,7 +50,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ._core import Action
+from ._core import Action, head_sender, rank_heads
 from ._pair import Layout, pair_config
 
 __all__ = [
@@ -551,24 +551,6 @@ def read_config(path: Union[str, "os.PathLike[str]"]) -> ModelFacts:
 # --- ownership (REFERENCE.md section 3), for the units each pair shares -----------------------
 
 
-def _owned(units: int, tp: int, rank: int) -> Tuple[int, int]:
-    if tp <= units:
-        per = units // tp
-        return rank * per, (rank + 1) * per
-    head = rank // (tp // units)
-    return head, head + 1
-
-
-def _first(units: int, tp: int, unit: int) -> int:
-    return unit * (tp // units) if tp > units else unit // (units // tp)
-
-
-def _sender(units: int, p_size: int, d_size: int, d: int, unit: int) -> int:
-    r_src, r_dst = max(1, p_size // units), max(1, d_size // units)
-    j = d - _first(units, d_size, unit)
-    return _first(units, p_size, unit) + (j * r_src) // r_dst
-
-
 def _split_problem(group: Group, part: Part, tp: int) -> Optional[str]:
     """Why the engines cannot split ``part`` over ``tp`` ranks, or None when they can."""
     if part.must_divide and part.units % tp:
@@ -885,6 +867,7 @@ def plan(facts: ModelFacts, prefill_tp: int, decode_tp: int, tokens: int,
                 return paged_layout(g, part, tp, rank, size, order, dtype, ssm_dtype)
             return _slot_layout(part, tp, rank, unit_bytes[i] * (steps or 1))
 
+        prefill_heads: Dict[int, List[Tuple[int, int]]] = {}
         pairs: List[Dict[str, Any]] = []
         replicas: List[Dict[str, Any]] = []
         ranks = []
@@ -892,14 +875,12 @@ def plan(facts: ModelFacts, prefill_tp: int, decode_tp: int, tokens: int,
             by_prefill: Dict[int, List[Dict[str, Any]]] = {}
             owned = {}
             for i, part in enumerate(g.parts):
-                lo, hi = _owned(part.units, decode_tp, d)
+                if i not in prefill_heads:  # the prefill side is checked first, as before
+                    prefill_heads[i] = [rank_heads(part.units, prefill_tp, p)
+                                        for p in range(prefill_tp)]
+                lo, hi = rank_heads(part.units, decode_tp, d)
                 owned[part.name] = [lo, hi]
-                # The prefill ranks owning any of these units are consecutive: from the first
-                # owner of the first to the last replica of the last.
-                first = _first(part.units, prefill_tp, lo)
-                last = _first(part.units, prefill_tp, hi - 1) + max(1, prefill_tp // part.units)
-                for p in range(first, last):
-                    plo, phi = _owned(part.units, prefill_tp, p)
+                for p, (plo, phi) in enumerate(prefill_heads[i]):
                     shared = (max(lo, plo), min(hi, phi))
                     if shared[0] >= shared[1]:
                         continue
@@ -916,7 +897,7 @@ def plan(facts: ModelFacts, prefill_tp: int, decode_tp: int, tokens: int,
                         "action": {Action.SEND: "send", Action.SKIP_REPLICA: "skip_replica",
                                    Action.NOT_PAIRED: "not_paired"}[config.action],
                         "shared_units": list(shared),
-                        "sent_by": _sender(part.units, prefill_tp, decode_tp, d, shared[0]),
+                        "sent_by": head_sender(part.units, prefill_tp, decode_tp, d, shared[0]),
                         "first_unit": config.first_head,
                         "num_units": config.num_heads,
                         "src_first_local": config.src_first_local,

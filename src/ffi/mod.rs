@@ -117,6 +117,97 @@ pub unsafe extern "C" fn mori_tp_slice_config(
     }
 }
 
+/// The heads rank tp_rank of an engine of TP size tp_size holds: *num_heads consecutive global
+/// heads from *first_head, in the order they sit inside a token (REFERENCE.md section 3). With
+/// tp_size <= total_kv_heads each rank holds total_kv_heads / tp_size heads; with tp_size >
+/// total_kv_heads each head is replicated on tp_size / total_kv_heads consecutive ranks and each
+/// rank holds one. Pure. The arguments belong to no side, so the messages name none.
+///
+/// @param[in]  total_kv_heads  H, the model's KV heads (1 for MLA and MQA).
+/// @param[in]  tp_size         T, the engine's TP size.
+/// @param[in]  tp_rank         The rank (< T).
+/// @param[out] first_head      Receives the first head; written only on MORI_OK. Must not be NULL.
+/// @param[out] num_heads       Receives the number of heads; written only on MORI_OK. Must not
+///                             be NULL.
+///
+/// @return MORI_OK;
+///   MORI_ERR_NULL_POINTER if first_head or num_heads is NULL;
+///   MORI_ERR_INVALID_ARGUMENT for tp_size 0, tp_rank >= tp_size, or a misaligned pointer;
+///   MORI_ERR_TOPOLOGY if total_kv_heads is 0 or does not divide (or is not divided by) tp_size;
+///   MORI_ERR_PANIC on an internal error.
+///   On failure mori_tp_last_error_message() names the offending values.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_tp_rank_heads(
+    total_kv_heads: u32,
+    tp_size: u32,
+    tp_rank: u32,
+    first_head: *mut u32,
+    num_heads: *mut u32,
+) -> MoriStatus {
+    ffi_boundary! {
+        check_out(first_head, "first_head")?;
+        check_out(num_heads, "num_heads")?;
+        let heads = crate::slice::rank_heads(total_kv_heads, tp_size, tp_rank)?;
+        // SAFETY: both checked non-NULL and aligned; valid per the caller.
+        unsafe {
+            first_head.write(heads.start);
+            num_heads.write(heads.end - heads.start);
+        }
+        Ok(())
+    }
+}
+
+/// The one prefill rank that sends head to decode rank decode_tp_rank, which holds it:
+/// sender(d, h) = first(P, h) + (j * rS) / rD (see mori_tp_slice_config; REFERENCE.md section 3).
+/// The pair (*prefill_tp_rank, decode_tp_rank) is the one whose mori_tp_slice_config action
+/// is MORI_TP_ACTION_SEND for that head; for a MORI_TP_ACTION_SKIP_REPLICA pair it names the
+/// rank that sends instead. Pure.
+///
+/// Checks run in order: both TP sizes non-zero (MORI_ERR_INVALID_ARGUMENT); total_kv_heads
+/// against the prefill, then the decode TP size (MORI_ERR_TOPOLOGY); decode_tp_rank below the
+/// decode TP size, head below total_kv_heads, the decode rank holding head
+/// (MORI_ERR_INVALID_ARGUMENT).
+///
+/// @param[in]  total_kv_heads   H, the model's KV heads (1 for MLA and MQA).
+/// @param[in]  prefill_tp_size  P.
+/// @param[in]  decode_tp_size   D.
+/// @param[in]  decode_tp_rank   d (< D).
+/// @param[in]  head             A global head d holds (see mori_tp_rank_heads).
+/// @param[out] prefill_tp_rank  Receives the sending prefill rank; written only on MORI_OK.
+///                              Must not be NULL.
+///
+/// @return MORI_OK;
+///   MORI_ERR_NULL_POINTER if prefill_tp_rank is NULL;
+///   MORI_ERR_INVALID_ARGUMENT for a zero TP size, decode_tp_rank >= D, head >= H, a head the
+///   decode rank does not hold, or a misaligned pointer;
+///   MORI_ERR_TOPOLOGY if total_kv_heads is 0 or does not divide (or is not divided by) a TP
+///   size;
+///   MORI_ERR_PANIC on an internal error.
+///   On failure mori_tp_last_error_message() names the offending values and the side.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mori_tp_head_sender(
+    total_kv_heads: u32,
+    prefill_tp_size: u32,
+    decode_tp_size: u32,
+    decode_tp_rank: u32,
+    head: u32,
+    prefill_tp_rank: *mut u32,
+) -> MoriStatus {
+    ffi_boundary! {
+        check_out(prefill_tp_rank, "prefill_tp_rank")?;
+        let sender = crate::slice::head_sender(
+            total_kv_heads,
+            prefill_tp_size,
+            decode_tp_size,
+            decode_tp_rank,
+            head,
+        )?;
+        // SAFETY: checked non-NULL and aligned; valid per the caller.
+        unsafe { prefill_tp_rank.write(sender) };
+        Ok(())
+    }
+}
+
 /// Builds the copy plan of one request: one strided 2D copy (MoriCopyRect) per maximal run of
 /// page pairs.
 ///
