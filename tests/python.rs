@@ -81,9 +81,9 @@ fn mori_io_run(test: &str, env: &[&str], args: &[&str]) -> Option<(Output, Strin
     inner.extend_from_slice(args);
     let mut command = common::mori_io_command(&inner);
     command
-        .env("MORI_TP_LIBRARY", built_library())
+        .env("MORI_TP_LIBRARY", common::built_library())
         .env("PYTHONDONTWRITEBYTECODE", "1");
-    let (output, report) = run_bounded(command, Duration::from_secs(300));
+    let (output, report) = common::run_bounded(command, Duration::from_secs(300));
     assert_ne!(
         output.status.code(),
         Some(SKIPPED),

@@ -555,8 +555,14 @@ class _WorkerSide:
             mori_tp.pair_config(self.layout, peer.layout)  # refuses layouts that cannot pair
             with self._lock:
                 self._peers[(engine_id, rank)] = peer
-            return {"ok": True, "layout": layout_to_wire(self.layout), "tp_size": self.tp_size,
-                    "tp_rank": self.tp_rank, "sender": self._sender()}
+            reply = {"ok": True, "layout": layout_to_wire(self.layout), "tp_size": self.tp_size,
+                     "tp_rank": self.tp_rank, "sender": self._sender()}
+            if self.engine != "mooncake":
+                # The decode rank answers each stream (done, cancel: protocol v4), and NIXL
+                # notifies only an agent whose metadata it loaded: this agent's connection info
+                # without memory, so the decode rank can answer but neither read nor write here.
+                reply["answer"] = self.transport.answer_metadata().hex()
+            return reply
         if kind == "recv":
             with self._lock:
                 peer = self._peers.get((engine_id, rank))
@@ -699,6 +705,8 @@ class _WorkerSide:
                 f"mori_tp.vllm: prefill side channel {spec.remote_host}:{spec.remote_port + rank} "
                 f"is rank {reply['tp_rank']} of {reply['tp_size']}, expected {rank} of "
                 f"{spec.remote_tp_size}")
+        if reply.get("answer"):
+            self.transport.add_peer(bytes.fromhex(reply["answer"]))
         peer = _Peer(layout_from_wire(reply["layout"]), int(reply["tp_size"]),
                      sender=reply["sender"], client=client)
         with self._lock:
@@ -723,6 +731,10 @@ class _WorkerSide:
         except Exception as error:  # noqa: BLE001 - the request fails, vLLM is told
             logger.error("mori_tp.vllm: request %s cannot be received: %s", req_id, error)
             expected.error = f"{type(error).__name__}: {error}"
+            # The ranks already asked may still write: give up on them now (their senders
+            # are told; the memory is held until each answers).
+            for incoming in expected.incomings:
+                self.receiver.cancel(incoming, f"request {req_id} cannot be received")
 
     def _expect_from(self, expected: _Expected, spec: RecvSpec, rank: int, peer: _Peer,
                      pair: Any) -> Dict[str, Any]:
@@ -776,7 +788,11 @@ class _WorkerSide:
         recving: set = set()
         failed: set = set()
         for req_id, expected in list(self._expected.items()):
-            if expected.error is None and not all(i.done.is_set() for i in expected.incomings):
+            # A request is reported (and vLLM frees or reuses its blocks) only once it has
+            # settled: after a failure, the decode rank holds the memory until the sender has
+            # answered the cancel that every write of it returned (protocol v4), so a late write
+            # of a stalled prefill cannot land in blocks vLLM gave to another request.
+            if not all(i.done.is_set() and i.settled.is_set() for i in expected.incomings):
                 continue
             errors = [str(i.error) for i in expected.incomings if i.error is not None]
             if expected.error is not None:
