@@ -66,6 +66,8 @@ import numpy as np
 import mori_tp
 from mori_tp import InvalidArgumentError, PairConfig, Request, SliceConfig, Staging
 
+from .chunks import chunk_ranges
+
 __all__ = [
     "DEFAULT_CHUNK_OVERHEAD",
     "EXPLORE_REQUESTS",
@@ -768,7 +770,6 @@ class CostModel:
 
 
 def _rule_chunks(num_buffers: int, bytes_per_buffer: int) -> int:
-    from .streaming import chunk_ranges
 
     return len(chunk_ranges(num_buffers, bytes_per_buffer)) if num_buffers else 1
 

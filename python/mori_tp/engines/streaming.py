@@ -99,18 +99,18 @@ from mori_tp import (
     Staging,
 )
 
-from . import (
+from ._requests import (
     BufferRanges,
     KvMemory,
     RequestPlan,
     SendResult,
-    TransferError,
     _staging,
     buffer_indices,
     unpack_request,
 )
+from .chunks import MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES, chunk_ranges
 from .costs import Choice, CostModel
-from .faults import TransferTimeoutError, about, planned_epoch
+from .faults import TransferError, TransferTimeoutError, about, planned_epoch
 from .inbox import inbox_of, name_bytes
 from .protocol import (  # noqa: F401 - chunk_message, seal_message: also from here
     PROTOCOL,
@@ -146,15 +146,6 @@ __all__ = [
 #: receiver's wait, one engine write, a request that makes no progress, and how long a failed
 #: request's memory is held before its ``on_done`` (a write of its sender may still land).
 DEFAULT_TIMEOUT = 60.0
-#: No automatic chunk is smaller than this: each chunk costs about 0.3 ms here (an engine call,
-#: a notification, two thread wake-ups), which smaller chunks do not win back (measured on
-#: 2026-12-01; REFERENCE.md section 13).
-MIN_CHUNK_BYTES = 4 << 20
-#: At most this many automatic chunks, and at most half the host's cores: overlapped stages need
-#: cores of their own (on two cores 2 chunks were best in half the cases measured on 2026-12-01,
-#: 4 and 16 in none; REFERENCE.md section 13).
-MAX_AUTO_CHUNKS = 8
-
 #: ``Receiver.expect(..., staging=BY_SENDER)``: the sender chooses the request's staging mode
 #: (:meth:`Streamer.choose`), and each chunk says which it is.
 BY_SENDER = "sender"
@@ -185,24 +176,6 @@ def _same(expected: str, got: str) -> bool:
     """Whether a message's token is the request's (in constant time)."""
     return hmac.compare_digest(expected.encode("ascii", "replace"),
                                got.encode("ascii", "replace"))
-
-
-def chunk_ranges(num_buffers: int, bytes_per_buffer: int,
-                 chunks: Optional[int] = None) -> List[Tuple[int, int]]:
-    """The buffer ranges of a pipelined request: ``chunks`` ranges of whole buffers (default:
-    the rule in the module docs), as even as the buffers allow, in buffer order."""
-    if num_buffers <= 0:
-        return []
-    if chunks is None:
-        total = num_buffers * max(bytes_per_buffer, 0)
-        cap = max(2, min(MAX_AUTO_CHUNKS, (os.cpu_count() or 2) // 2))
-        chunks = min(num_buffers, cap, max(1, total // MIN_CHUNK_BYTES))
-    if not 1 <= chunks <= num_buffers:
-        raise InvalidArgumentError(
-            f"chunk_ranges: {chunks} chunks of {num_buffers} buffers (1 to {num_buffers})"
-        )
-    bounds = [num_buffers * i // chunks for i in range(chunks + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(chunks)]
 
 
 def layer_buffers(num_buffers: int, num_layers: int) -> Callable[[int], List[Tuple[int, int]]]:
@@ -582,7 +555,16 @@ class RequestStream:
 
     @property
     def done(self) -> bool:
+        """Every chunk and the seal are written (or the stream failed); the decode rank may
+        not have confirmed it yet: :attr:`over` says when :meth:`wait` no longer blocks."""
         return self._done.is_set()
+
+    @property
+    def over(self) -> bool:
+        """The stream is over: the decode rank confirmed it (``done``) or it failed, so
+        :meth:`wait` returns or raises at once. Poll this, not :attr:`done`, before a
+        ``wait(0)``: a wait that runs out fails the stream."""
+        return self._over.is_set()
 
     def released(self, timeout: Optional[float] = None) -> bool:
         """Waits until the stream no longer uses its local memory (every chunk it took is

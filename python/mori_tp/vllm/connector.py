@@ -156,8 +156,10 @@ class MoriTpConnector(KVConnectorBase_V1, SupportsHMA):
       ``kv_transfer_params["remote_port"]``);
     - ``staging_bytes``: each worker's staging pool (default 64 MiB);
     - ``timeout``: seconds a transfer may go without progress (default 60);
-    - ``nixl_progress_thread``: start NIXL's own progress thread (default False: the
-      connector's threads poll);
+    - ``nixl_progress_thread``: start NIXL's own progress thread (default True: with protocol
+      v4 a prefill agent must progress while it waits for the decode rank's ``done``, and
+      several agents of one process polled only by the connector's threads stalled writes
+      for 60 s in the tests; False saves its polling, about a third of a core);
     - ``tp_rank``: this worker's TP rank, when vLLM's TP group is not initialized (one process
       driving several ranks, as the tests do); otherwise vLLM's own.
 
@@ -515,10 +517,8 @@ class _WorkerSide:
             return MooncakeTransport.start(self.host)
         from mori_tp.engines.nixl import NixlTransport
 
-        # NIXL's own progress thread polls without pause (about a third of a core each,
-        # mori_tp.engines.loopback); here the receiver's thread polls, and a writer polls its
-        # writes, so the agent needs none unless asked (``nixl_progress_thread``).
-        progress = bool(self.extra.get("nixl_progress_thread", False))
+        # NIXL's own progress thread (``nixl_progress_thread``, above): on unless asked off.
+        progress = bool(self.extra.get("nixl_progress_thread", True))
         return NixlTransport.start(f"mori-tp-{self.engine_id}-{self.tp_rank}-{os.getpid()}",
                                    progress_thread=progress)
 
@@ -776,7 +776,7 @@ class _WorkerSide:
                 continue
             if outgoing in self._step:
                 continue
-            if all(stream.done for stream in outgoing.streams):
+            if all(stream.over for stream in outgoing.streams):
                 for stream in outgoing.streams:
                     try:
                         result = stream.wait(0.001)
