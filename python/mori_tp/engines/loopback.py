@@ -183,8 +183,10 @@ class MoriIoDriver(Driver):
         from .mori_io import MoriIoTransport
 
         completion = os.environ.get("MORI_TP_MORI_IO_COMPLETION", "side-channel")
-        return MoriIoTransport.start(f"mori-tp-{role}-{os.getpid()}", self.hostname,
-                                     completion=completion)
+        transport = MoriIoTransport.start(f"mori-tp-{role}-{os.getpid()}", self.hostname,
+                                          completion=completion)
+        _STARTED[transport.key] = transport
+        return transport
 
     def address(self, transport: Any) -> Any:
         return transport.address()
@@ -205,8 +207,8 @@ class MoriIoDriver(Driver):
         transport.wait_notification(peer, tag, timeout=timeout)
 
 
-#: NIXL transports this process started, by agent name: a decode child that answers one of
-#: them (done, cancel) loads its metadata (answer_address).
+#: NIXL and MORI-IO transports this process started, by sender name: a decode child that
+#: answers one of them (done, cancel) loads its answer-only address (answer_address).
 _STARTED: Dict[str, Any] = {}
 
 
@@ -217,7 +219,11 @@ def answer_address(sender: str) -> Any:
     access to the prefill's memory), None for Mooncake (the answer reads the carrier each
     chunk names)."""
     transport = _STARTED.get(sender)
-    return transport.answer_metadata() if transport is not None else None
+    if transport is None:
+        return None
+    if hasattr(transport, "answer_metadata"):  # NIXL
+        return transport.answer_metadata()
+    return transport.answer_address()  # MORI-IO: its side channel, no memory
 
 
 def driver(engine: str, hostname: str = "127.0.0.1", engine_timeout: float = 30.0) -> Driver:

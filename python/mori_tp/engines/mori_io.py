@@ -376,6 +376,12 @@ class MoriIoTransport:
             "side_channel": self._channel().address,
         }
 
+    def answer_address(self) -> Dict[str, Any]:
+        """What a decode rank loads to answer this transport's streams (``done``, ``cancel``:
+        protocol v4): :meth:`address` without any memory descriptor, so the peer can send this
+        one notifications over the side channel but can neither read nor write its memory."""
+        return dict(self.address(), memory=[])
+
     def add_peer(self, address: Dict[str, Any]) -> str:
         """Registers the peer of ``address`` (:meth:`address`) with the engine and records its
         memory; returns its engine key (the ``peer`` of :meth:`send`).
