@@ -3,12 +3,23 @@
 too) has no cycle, but for the known ones listed below."""
 
 import ast
+import importlib.util
 import tempfile
 import unittest
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
-PACKAGE = Path(__file__).resolve().parents[1] / "mori_tp"
+def package_dir() -> Path:
+    """The directory of the mori_tp that these tests run against: the checkout's python/mori_tp,
+    or an installed wheel's (the wheel test runs this file outside the checkout). Found without
+    importing the package, so the graph needs no built library."""
+    spec = importlib.util.find_spec("mori_tp")
+    if spec is None or not spec.submodule_search_locations:
+        raise unittest.SkipTest("mori_tp is not importable from here")
+    return Path(list(spec.submodule_search_locations)[0]).resolve()
+
+
+PACKAGE = package_dir()
 
 #: Known cycles, each as the import that closes it (importer, imported): none. An entry would be
 #: an expected failure, refused once its cycle is gone; any cycle not listed fails.
