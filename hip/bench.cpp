@@ -19,8 +19,8 @@
 //   memcpy          one hipMemcpyAsync of the call's bytes, contiguous, device to device: the
 //                   ceiling every ratio is taken against;
 //   send/pack/unpack kernel
-//                   mori_send_kvcache(_pair), mori_pack_kvcache(_pair) into a staging region and
-//                   mori_unpack_kvcache(_pair) out of it, with MORI_SEND_COPY_KERNEL: whatever
+//                   mori_tp_kvcache_send(_pair), mori_tp_kvcache_pack(_pair) into a staging region and
+//                   mori_tp_kvcache_unpack(_pair) out of it, with MORI_SEND_COPY_KERNEL: whatever
 //                   the library does per call (building the table, uploading it unless it fits
 //                   in the kernel's argument, the launch) is counted;
 //   send memcpy2d   one hipMemcpy2DAsync per (buffer, rect) of the same plan, issued here (the
@@ -376,26 +376,26 @@ bool run_case(const Shape &s, uint64_t tokens, const Settings &set, const Placem
     const MoriSendOptions kernel = {kBackend, MORI_SEND_COPY_KERNEL, stream};
     const auto send = [&] {
         if (s.pair) {
-            MORI_OK_OR_DIE(mori_send_kvcache_pair(&pair, &kv, &request, &kernel));
+            MORI_OK_OR_DIE(mori_tp_pair_send(&pair, &kv, &request, &kernel));
         } else {
-            MORI_OK_OR_DIE(mori_send_kvcache(&config, &kv, src_side.pages.data(), dst_side.pages.data(), n, &kernel));
+            MORI_OK_OR_DIE(mori_tp_kvcache_send(&config, &kv, src_side.pages.data(), dst_side.pages.data(), n, &kernel));
         }
     };
     const auto pack = [&] {
         if (s.pair) {
-            MORI_OK_OR_DIE(mori_pack_kvcache_pair(&pair, MORI_TP_STAGING_BOTH, src.pointers.data(), nb, src.capacity,
+            MORI_OK_OR_DIE(mori_tp_pair_pack(&pair, MORI_TP_STAGING_BOTH, src.pointers.data(), nb, src.capacity,
                                                   &request, staging.pointers[0], bytes, &kernel));
         } else {
-            MORI_OK_OR_DIE(mori_pack_kvcache(&config, src.pointers.data(), nb, src.capacity, src_side.pages.data(), n,
+            MORI_OK_OR_DIE(mori_tp_kvcache_pack(&config, src.pointers.data(), nb, src.capacity, src_side.pages.data(), n,
                                              staging.pointers[0], bytes, &kernel));
         }
     };
     const auto unpack = [&] {
         if (s.pair) {
-            MORI_OK_OR_DIE(mori_unpack_kvcache_pair(&pair, MORI_TP_STAGING_BOTH, staging.pointers[0], bytes,
+            MORI_OK_OR_DIE(mori_tp_pair_unpack(&pair, MORI_TP_STAGING_BOTH, staging.pointers[0], bytes,
                                                     dst.pointers.data(), nb, dst.capacity, &request, &kernel));
         } else {
-            MORI_OK_OR_DIE(mori_unpack_kvcache(&config, staging.pointers[0], bytes, dst.pointers.data(), nb,
+            MORI_OK_OR_DIE(mori_tp_kvcache_unpack(&config, staging.pointers[0], bytes, dst.pointers.data(), nb,
                                                dst.capacity, dst_side.pages.data(), n, &kernel));
         }
     };
@@ -456,7 +456,7 @@ bool run_case(const Shape &s, uint64_t tokens, const Settings &set, const Placem
     return true;
 }
 
-// The kernel at the memory limit (issue 45, REFERENCE.md section 7): mori_pack_kvcache with
+// The kernel at the memory limit (issue 45, REFERENCE.md section 7): mori_tp_kvcache_pack with
 // MORI_SEND_COPY_KERNEL of rows of 128, 256 and 512 B (one rect of all tokens per buffer: NHD,
 // prefill TP 2 -> decode TP 8, one head of that size out of four, pages of 16, contiguous) and
 // of one-row rects (page size 1, runs of one page), each against one hipMemcpyAsync of the same
@@ -534,7 +534,7 @@ bool limit_suite(const Settings &set, hipStream_t stream, int sms, bool quick) {
             const MoriSendOptions options = {kBackend, MORI_SEND_COPY_KERNEL | (budget << MORI_SEND_MAX_BLOCKS_SHIFT),
                                              stream};
             return [&config, &src, &p, &staging, n, nb, bytes, options] {
-                MORI_OK_OR_DIE(mori_pack_kvcache(&config, src.pointers.data(), nb, src.capacity, p.src.data(), n,
+                MORI_OK_OR_DIE(mori_tp_kvcache_pack(&config, src.pointers.data(), nb, src.capacity, p.src.data(), n,
                                                  staging.pointers[0], bytes, &options));
             };
         };
@@ -554,7 +554,7 @@ bool limit_suite(const Settings &set, hipStream_t stream, int sms, bool quick) {
                              hipMemcpyDeviceToHost));
             const void *one[1] = {host_src.data()};
             const MoriSendOptions host = {MORI_BACKEND_HOST, 0, nullptr};
-            MORI_OK_OR_DIE(mori_pack_kvcache(&config, one, 1, src.capacity, p.src.data(), n, want.data(), staging_len,
+            MORI_OK_OR_DIE(mori_tp_kvcache_pack(&config, one, 1, src.capacity, p.src.data(), n, want.data(), staging_len,
                                              &host));
             if (want != got) {
                 std::fprintf(stderr, "bench: %s: buffer %u of the kernel's pack differs from the host's\n", shape.name, b);

@@ -6,10 +6,10 @@
 //
 // For several heterogeneous-TP layouts it allocates per-layer K and V buffers for every prefill
 // and decode rank with hipMalloc, fills them, moves every (prefill rank, decode rank) pair's
-// slice with mori_send_kvcache (the backend, MORI_SEND_SYNCHRONIZE, on a created stream and
+// slice with mori_tp_kvcache_send (the backend, MORI_SEND_SYNCHRONIZE, on a created stream and
 // on the null stream), copies the decode buffers back and checks them byte for byte against an
 // independent statement of REFERENCE.md. It then does the same transfer through a staging
-// region per pair (mori_pack_kvcache on the prefill side, asynchronous, then mori_unpack_kvcache
+// region per pair (mori_tp_kvcache_pack on the prefill side, asynchronous, then mori_tp_kvcache_unpack
 // on the decode side, on one stream), checking the staging bytes too, and checks that a refused
 // call writes nothing. Each of these runs once per path.
 //
@@ -243,7 +243,7 @@ class Test {
                 // Alternate the created stream and the null stream.
                 const MoriSendOptions options = {kBackend, MORI_SEND_SYNCHRONIZE | path,
                                                  (p + d) % 2 == 0 ? stream_ : nullptr};
-                MORI_OK_OR_DIE(mori_send_kvcache(&c, &kv, pages_.src.data(), pages_.dst.data(), pages_.src.size(),
+                MORI_OK_OR_DIE(mori_tp_kvcache_send(&c, &kv, pages_.src.data(), pages_.dst.data(), pages_.src.size(),
                                                  &options));
                 sends += c.action == MORI_TP_ACTION_SEND;
             }
@@ -278,9 +278,9 @@ class Test {
                 MORI_OK_OR_DIE(mori_tp_staging_len(&c, n, &staging_len));
                 const uint64_t region_bytes = staging_len * buffers_;
                 void *region = allocate(where_.dst_device, region_bytes);
-                MORI_OK_OR_DIE(mori_pack_kvcache(&c, src_.ranks[p].data(), buffers_, src_.capacity, pages_.src.data(),
+                MORI_OK_OR_DIE(mori_tp_kvcache_pack(&c, src_.ranks[p].data(), buffers_, src_.capacity, pages_.src.data(),
                                                  n, region, region_bytes, &async));
-                MORI_OK_OR_DIE(mori_unpack_kvcache(&c, region, region_bytes, staged_.ranks[d].data(), buffers_,
+                MORI_OK_OR_DIE(mori_tp_kvcache_unpack(&c, region, region_bytes, staged_.ranks[d].data(), buffers_,
                                                    staged_.capacity, pages_.dst.data(), n, &sync));
                 verify_staging(region, staging_len, c, p, d);
                 release(where_.dst_device, region);
@@ -364,10 +364,10 @@ class Test {
         const int32_t src_pages[2] = {0, 1};
         const int32_t dst_pages[2] = {0, static_cast<int32_t>(pages_.dst_capacity_pages)};
         const MoriSendOptions options = {kBackend, MORI_SEND_SYNCHRONIZE | path, stream_};
-        const MoriStatus status = mori_send_kvcache(&c, &kv, src_pages, dst_pages, 2, &options);
+        const MoriStatus status = mori_tp_kvcache_send(&c, &kv, src_pages, dst_pages, 2, &options);
         if (status != MORI_ERR_OUT_OF_BOUNDS) {
-            fail(std::string(l_.name) + ": a page past capacity returned " + mori_status_str(status) + ": " +
-                 mori_last_error_message());
+            fail(std::string(l_.name) + ": a page past capacity returned " + mori_tp_status_name(status) + ": " +
+                 mori_tp_last_error_message());
         }
         verify(dst_, "after a refused call");
     }
@@ -450,7 +450,7 @@ void registered_host_memory() {
         const void *srcs[1] = {src_device};
         void *dsts[1] = {dst_device};
         const MoriKvBuffers kv = {srcs, dsts, 1, src.size(), dst.size()};
-        MORI_OK_OR_DIE(mori_send_kvcache(&config, &kv, pages, pages, 3, &kernel));
+        MORI_OK_OR_DIE(mori_tp_kvcache_send(&config, &kv, pages, pages, 3, &kernel));
         expect("copy kernel at the hipHostGetDevicePointer address");
     }
     if (src_device != src.data()) {
@@ -458,14 +458,14 @@ void registered_host_memory() {
         const void *srcs[1] = {src.data()};
         void *dsts[1] = {dst.data()};
         const MoriKvBuffers kv = {srcs, dsts, 1, src.size(), dst.size()};
-        const MoriStatus status = mori_send_kvcache(&config, &kv, pages, pages, 3, &kernel);
-        if (status != MORI_ERR_GPU || std::strstr(mori_last_error_message(), "hipHostRegister") == nullptr ||
+        const MoriStatus status = mori_tp_kvcache_send(&config, &kv, pages, pages, 3, &kernel);
+        if (status != MORI_ERR_GPU || std::strstr(mori_tp_last_error_message(), "hipHostRegister") == nullptr ||
             std::count(dst.begin(), dst.end(), uint8_t{0xEE}) != static_cast<long>(dst.size())) {
             fail(std::string("the copy kernel given registered memory's host address returned ") +
-                 mori_status_str(status) + ": " + mori_last_error_message());
+                 mori_tp_status_name(status) + ": " + mori_tp_last_error_message());
         }
         const MoriSendOptions per_rect = {kBackend, MORI_SEND_SYNCHRONIZE | MORI_SEND_MEMCPY2D, nullptr};
-        MORI_OK_OR_DIE(mori_send_kvcache(&config, &kv, pages, pages, 3, &per_rect));
+        MORI_OK_OR_DIE(mori_tp_kvcache_send(&config, &kv, pages, pages, 3, &per_rect));
         expect("hipMemcpy2DAsync at the host address");
         std::printf("registered host memory (hipHostRegister): the copy kernel takes the device address %p, "
                     "refuses the host address %p; the per-rect path takes both\n",
@@ -525,8 +525,8 @@ void pair_layouts() {
         std::vector<void *> dev_dst = {device_copy(dst[0]), device_copy(dst[1])};
         const MoriKvBuffers host_kv = {host_src.data(), host_dst.data(), 2, src_len, dst_len};
         const MoriKvBuffers dev_kv = {dev_src.data(), dev_dst.data(), 2, src_len, dst_len};
-        MORI_OK_OR_DIE(mori_send_kvcache_pair(&config, &host_kv, &request, &host));
-        MORI_OK_OR_DIE(mori_send_kvcache_pair(&config, &dev_kv, &request, &hip));
+        MORI_OK_OR_DIE(mori_tp_pair_send(&config, &host_kv, &request, &host));
+        MORI_OK_OR_DIE(mori_tp_pair_send(&config, &dev_kv, &request, &hip));
         for (size_t b = 0; b < 2; b++) {
             if (read_back(dev_dst[b], dst_len) != want[b]) fail(std::string("pair send, ") + name + ": bytes differ");
         }
@@ -534,10 +534,10 @@ void pair_layouts() {
         for (const uint32_t mode : {MORI_TP_STAGING_SRC, MORI_TP_STAGING_BOTH}) {
             std::vector<uint8_t> want_region(region_len, 0x5a);
             void *region = device_copy(want_region);
-            MORI_OK_OR_DIE(mori_pack_kvcache_pair(&config, mode, host_src.data(), 2, src_len, &request,
+            MORI_OK_OR_DIE(mori_tp_pair_pack(&config, mode, host_src.data(), 2, src_len, &request,
                                                   want_region.data(), region_len, &host));
             MORI_OK_OR_DIE(
-                mori_pack_kvcache_pair(&config, mode, dev_src.data(), 2, src_len, &request, region, region_len, &hip));
+                mori_tp_pair_pack(&config, mode, dev_src.data(), 2, src_len, &request, region, region_len, &hip));
             if (read_back(region, region_len) != want_region) fail(std::string("pair pack, ") + name + ": bytes differ");
             HIP_OK(hipFree(region));
         }
@@ -546,9 +546,9 @@ void pair_layouts() {
             want = dst;
             host_dst = {want[0].data(), want[1].data()};
             for (size_t b = 0; b < 2; b++) HIP_OK(hipMemcpy(dev_dst[b], dst[b].data(), dst_len, hipMemcpyHostToDevice));
-            MORI_OK_OR_DIE(mori_unpack_kvcache_pair(&config, mode, region_in.data(), region_len, host_dst.data(), 2,
+            MORI_OK_OR_DIE(mori_tp_pair_unpack(&config, mode, region_in.data(), region_len, host_dst.data(), 2,
                                                     dst_len, &request, &host));
-            MORI_OK_OR_DIE(mori_unpack_kvcache_pair(&config, mode, region, region_len, dev_dst.data(), 2, dst_len,
+            MORI_OK_OR_DIE(mori_tp_pair_unpack(&config, mode, region, region_len, dev_dst.data(), 2, dst_len,
                                                     &request, &hip));
             for (size_t b = 0; b < 2; b++) {
                 if (read_back(dev_dst[b], dst_len) != want[b]) {
@@ -613,7 +613,7 @@ Case make_case(uint64_t seed, size_t pages) {
     }
     const MoriKvBuffers kv = {srcs.data(), dsts.data(), 4, c.src_len, c.dst_len};
     const MoriSendOptions host = {MORI_BACKEND_HOST, 0, nullptr};
-    MORI_OK_OR_DIE(mori_send_kvcache(&c.config, &kv, c.pages.src.data(), c.pages.dst.data(), c.pages.src.size(),
+    MORI_OK_OR_DIE(mori_tp_kvcache_send(&c.config, &kv, c.pages.src.data(), c.pages.dst.data(), c.pages.src.size(),
                                      &host));
     return c;
 }
@@ -645,7 +645,7 @@ void two_streams() {
             std::vector<const void *> srcs(src[i].begin(), src[i].end());
             const MoriKvBuffers kv = {srcs.data(), dst[i].data(), 4, c.src_len, c.dst_len};
             const MoriSendOptions options = {kBackend, path, streams[i % 2]};
-            MORI_OK_OR_DIE(mori_send_kvcache(&c.config, &kv, c.pages.src.data(), c.pages.dst.data(),
+            MORI_OK_OR_DIE(mori_tp_kvcache_send(&c.config, &kv, c.pages.src.data(), c.pages.dst.data(),
                                              c.pages.src.size(), &options));
         }
         HIP_OK(hipStreamSynchronize(streams[0]));
@@ -693,9 +693,9 @@ void device_pool() {
         MoriTpSlot slot;
         MORI_OK_OR_DIE(mori_tp_pool_try_alloc(pool, 4 * staging_len, &slot));
         const MoriSendOptions sync = {kBackend, MORI_SEND_SYNCHRONIZE | path, nullptr};
-        MORI_OK_OR_DIE(mori_pack_kvcache(&c.config, srcs.data(), 4, c.src_len, c.pages.src.data(), c.pages.src.size(),
+        MORI_OK_OR_DIE(mori_tp_kvcache_pack(&c.config, srcs.data(), 4, c.src_len, c.pages.src.data(), c.pages.src.size(),
                                          slot.address, slot.size, &sync));
-        MORI_OK_OR_DIE(mori_unpack_kvcache(&c.config, slot.address, slot.size, dst.data(), 4, c.dst_len,
+        MORI_OK_OR_DIE(mori_tp_kvcache_unpack(&c.config, slot.address, slot.size, dst.data(), 4, c.dst_len,
                                            c.pages.dst.data(), c.pages.dst.size(), &sync));
         for (size_t b = 0; b < 4; b++) {
             if (host_copy_of(dst[b], c.dst_len) != c.want[b]) {
@@ -714,7 +714,7 @@ void device_pool() {
                 "with the kernel: every byte checked\n");
 }
 
-// Two groups in one request (mori_send_kvcache_groups): the NHD (pages of 16) -> HND (pages of
+// Two groups in one request (mori_tp_groups_send): the NHD (pages of 16) -> HND (pages of
 // 64) pair of pair_layouts with 173 tokens, and an HND -> NHD pair with pages of 16 and 40
 // tokens, on buffers of their own; per rect and with the kernel, against the host backend.
 void groups() {
@@ -765,7 +765,7 @@ void groups() {
                                     MoriKvBuffers{dev_src[g].data(), dev_dst[g].data(), 2, src_len, dst_len}};
     }
     const MoriSendOptions host = {MORI_BACKEND_HOST, 0, nullptr};
-    MORI_OK_OR_DIE(mori_send_kvcache_groups(host_groups, 2, &host));
+    MORI_OK_OR_DIE(mori_tp_groups_send(host_groups, 2, &host));
     for (const uint32_t path : {static_cast<uint32_t>(MORI_SEND_MEMCPY2D), static_cast<uint32_t>(MORI_SEND_COPY_KERNEL)}) {
         for (int g = 0; g < 2; g++) {
             for (size_t b = 0; b < 2; b++) {
@@ -773,7 +773,7 @@ void groups() {
             }
         }
         const MoriSendOptions sync = {kBackend, MORI_SEND_SYNCHRONIZE | path, nullptr};
-        MORI_OK_OR_DIE(mori_send_kvcache_groups(dev_groups, 2, &sync));
+        MORI_OK_OR_DIE(mori_tp_groups_send(dev_groups, 2, &sync));
         for (int g = 0; g < 2; g++) {
             for (size_t b = 0; b < 2; b++) {
                 if (host_copy_of(dev_dst[g][b], want[g][b].size()) != want[g][b]) {
@@ -790,7 +790,7 @@ void groups() {
         }
     }
     std::printf("groups: two pairs (NHD 16 -> HND 64, 173 tokens; HND 16 -> NHD 16, 40 tokens) in one "
-                "mori_send_kvcache_groups, per rect and with the kernel: every byte checked\n");
+                "mori_tp_groups_send, per rect and with the kernel: every byte checked\n");
 }
 
 // Enables peer access between devices 0 and 1 where the hardware allows it; false otherwise.

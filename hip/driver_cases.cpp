@@ -172,7 +172,7 @@ MoriTpSliceConfig config_2_to_4() {
     MoriTpSliceConfig config;
     std::memset(&config, 0, sizeof config);
     if (mori_tp_slice_config(&params, &config) != MORI_OK) {
-        std::printf("FAIL: mori_tp_slice_config: %s\n", mori_last_error_message());
+        std::printf("FAIL: mori_tp_slice_config: %s\n", mori_tp_last_error_message());
         std::exit(1);
     }
     return config;
@@ -207,8 +207,8 @@ MoriStatus send(const Buffer &src, const Buffer &dst, bool uploaded, uint32_t fl
     options.backend = MORI_BACKEND_CUDA;
     options.flags = flags;
     options.stream = stream;
-    return uploaded ? mori_send_kvcache(&config, &buffers, src_pages.data(), dst_pages.data(), kPages, &options)
-                    : mori_send_kvcache(&config, &buffers, small, small, 3, &options);
+    return uploaded ? mori_tp_kvcache_send(&config, &buffers, src_pages.data(), dst_pages.data(), kPages, &options)
+                    : mori_tp_kvcache_send(&config, &buffers, small, small, 3, &options);
 }
 
 // What the destination (filled with 9) holds after a send from a source filled with `source`.
@@ -241,7 +241,7 @@ void held_stream() {
         const MoriStatus s = send(src, dst, true, MORI_SEND_COPY_KERNEL, stream);
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (s != MORI_OK || dt > 1.0) *flag = 1;  // let the stream go before failing
-        CHECK(s == MORI_OK, "held_stream: send %d: %s", i + 1, mori_last_error_message());
+        CHECK(s == MORI_OK, "held_stream: send %d: %s", i + 1, mori_tp_last_error_message());
         CHECK(dt <= 1.0, "held_stream: send %d took %.2f s: it waited for its own held stream", i + 1, dt);
     }
     *flag = 1;
@@ -264,7 +264,7 @@ void second_thread() {
         for (int i = 0; i < 20; i++) {
             if (send(src, dst, true, MORI_SEND_COPY_KERNEL | MORI_SEND_SYNCHRONIZE, stream) != MORI_OK ||
                 !landed(dst, true, fill)) {
-                std::printf("second_thread (source %d), send %d: %s\n", fill, i, mori_last_error_message());
+                std::printf("second_thread (source %d), send %d: %s\n", fill, i, mori_tp_last_error_message());
                 bad++;
                 return;
             }
@@ -301,7 +301,7 @@ void graph_capture() {
     CHECK(other == MORI_OK, "graph_capture: another thread's send during the capture returned %d", other.load());
     CHECK(landed(other_dst, true, 4), "graph_capture: the other thread's bytes");
     CHECK(inline_status == MORI_OK && uploaded_status == MORI_OK, "graph_capture: captured sends %d %d: %s",
-          inline_status, uploaded_status, mori_last_error_message());
+          inline_status, uploaded_status, mori_tp_last_error_message());
     CHECK(ended == 0 && graph != nullptr, "graph_capture: cuStreamEndCapture returned %d (capture broken)", ended);
     CHECK(landed(small_dst, false, 9) && landed(dst, true, 9), "graph_capture: a captured send ran before the replay");
     CUgraphExec exec = nullptr;
@@ -327,12 +327,12 @@ void non_primary_context() {
         for (CUstream s : {stream, static_cast<CUstream>(nullptr)}) {
             dst.fill(9);
             CHECK(send(src, dst, true, MORI_SEND_SYNCHRONIZE, s) == MORI_OK, "non_primary_context: flags 0: %s",
-                  mori_last_error_message());
+                  mori_tp_last_error_message());
             CHECK(landed(dst, true, 7), "non_primary_context: bytes");
             dst.fill(9);
             const MoriStatus refused = send(src, dst, true, MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL, s);
-            CHECK(refused == MORI_ERR_GPU && std::strstr(mori_last_error_message(), "cuCtxCreate") != nullptr,
-                  "non_primary_context: MORI_SEND_COPY_KERNEL gave %d: %s", refused, mori_last_error_message());
+            CHECK(refused == MORI_ERR_GPU && std::strstr(mori_tp_last_error_message(), "cuCtxCreate") != nullptr,
+                  "non_primary_context: MORI_SEND_COPY_KERNEL gave %d: %s", refused, mori_tp_last_error_message());
             CHECK(landed(dst, true, 9), "non_primary_context: a refused send wrote");
         }
         CU(cu.stream_sync(stream));
@@ -347,9 +347,9 @@ void per_thread_stream() {
     CUstream per_thread = reinterpret_cast<CUstream>(uintptr_t{2});  // CU_STREAM_PER_THREAD
     Buffer small_src(kSmallSrc, 7), small_dst(kSmallDst, 9), src(kUploadedSrc, 8), dst(kUploadedDst, 9);
     CHECK(send(small_src, small_dst, false, MORI_SEND_COPY_KERNEL | MORI_SEND_SYNCHRONIZE, per_thread) == MORI_OK,
-          "per_thread_stream: inline: %s", mori_last_error_message());
+          "per_thread_stream: inline: %s", mori_tp_last_error_message());
     CHECK(send(src, dst, true, MORI_SEND_COPY_KERNEL | MORI_SEND_SYNCHRONIZE, per_thread) == MORI_OK,
-          "per_thread_stream: uploaded: %s", mori_last_error_message());
+          "per_thread_stream: uploaded: %s", mori_tp_last_error_message());
     CHECK(landed(small_dst, false, 7) && landed(dst, true, 8), "per_thread_stream: bytes");
     std::printf("PASS per_thread_stream: the kernel on CU_STREAM_PER_THREAD\n");
 }

@@ -134,14 +134,14 @@ fn the_header_has_no_cpp_comments() {
     }
 }
 
-/// Every function is `mori_tp_<noun>_<verb>`, but the names from before the prefix (`mori_`
-/// alone is MORI's own, as in `mori_shmem_*`): each of those is documented as the alias of a
-/// `mori_tp_` function the header also declares, with the same parameters and result.
-#[test]
-fn every_function_has_the_mori_tp_prefix_or_is_a_documented_alias() {
-    let header =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("include/mori_tp.h"))
-            .expect("read include/mori_tp.h");
+fn read(path: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
+        .unwrap_or_else(|e| panic!("read {path}: {e}"))
+}
+
+/// (doc comment, return type, name, parameters) of each function the header declares.
+fn declarations() -> Vec<(String, String, String, String)> {
+    let header = read("include/mori_tp.h");
     // (doc comment, return type, name, parameters) of each declaration.
     let mut functions = Vec::new();
     let mut doc = String::new();
@@ -172,6 +172,36 @@ fn every_function_has_the_mori_tp_prefix_or_is_a_documented_alias() {
             params,
         ));
     }
+    functions
+}
+
+/// (alias, function) for each name from before the prefix, as the header documents it.
+fn aliases() -> Vec<(String, String)> {
+    declarations()
+        .into_iter()
+        .filter(|(_, _, name, _)| !name.starts_with("mori_tp_"))
+        .filter_map(|(doc, _, name, _)| {
+            let target = doc.trim_start().strip_prefix("Alias of ")?;
+            Some((name, target.split([' ', ',']).next()?.to_string()))
+        })
+        .collect()
+}
+
+/// Whether `text` names `name` as a whole identifier (not as part of a longer one).
+fn names(text: &str, name: &str) -> bool {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    text.match_indices(name).any(|(at, _)| {
+        !text[..at].chars().next_back().is_some_and(ident)
+            && !text[at + name.len()..].chars().next().is_some_and(ident)
+    })
+}
+
+/// Every function is `mori_tp_<noun>_<verb>`, but the names from before the prefix (`mori_`
+/// alone is MORI's own, as in `mori_shmem_*`): each of those is documented as the alias of a
+/// `mori_tp_` function the header also declares, with the same parameters and result.
+#[test]
+fn every_function_has_the_mori_tp_prefix_or_is_a_documented_alias() {
+    let functions = declarations();
     assert!(
         functions.len() > 40,
         "only {} functions found",
@@ -201,5 +231,60 @@ fn every_function_has_the_mori_tp_prefix_or_is_a_documented_alias() {
     assert_eq!(
         aliases, 14,
         "the 14 names from before the prefix, each an alias"
+    );
+}
+
+/// What users read and copy (the documents, the C++ header, the device programs) calls the
+/// `mori_tp_` names; an alias appears only on a line that also names its function (REFERENCE.md's
+/// table of aliases). The C tests keep calling the aliases on purpose: they check that both
+/// names work.
+#[test]
+fn user_documents_and_programs_call_the_new_names() {
+    let aliases = aliases();
+    assert_eq!(aliases.len(), 14, "{aliases:?}");
+    assert!(names("a mori_version() b", "mori_version"));
+    assert!(!names(
+        "mori_tp_version mori_send_kvcache_pair",
+        "mori_send_kvcache"
+    ));
+    let mut files: Vec<String> = [
+        "README.md",
+        "REFERENCE.md",
+        "BENCHMARKS.md",
+        "python/README.md",
+        "include/mori_tp.hpp",
+        "hip/device_test.cpp",
+        "hip/bench.cpp",
+        "hip/driver_cases.cpp",
+    ]
+    .iter()
+    .map(|f| f.to_string())
+    .collect();
+    let mut pages = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/src")];
+    while let Some(dir) = pages.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read docs/src") {
+            let path = entry.expect("an entry").path();
+            if path.is_dir() {
+                pages.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+                files.push(path.strip_prefix(root).unwrap().display().to_string());
+            }
+        }
+    }
+    let mut found = Vec::new();
+    for file in &files {
+        for (number, line) in read(file).lines().enumerate() {
+            for (alias, function) in &aliases {
+                if names(line, alias) && !names(line, function) {
+                    found.push(format!("{file}:{}: {alias} (call {function})", number + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "aliases where users read:\n{}",
+        found.join("\n")
     );
 }
