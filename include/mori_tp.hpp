@@ -400,6 +400,42 @@ inline MoriTpSliceConfig slice_config(const MoriTpSliceParams &params) {
 }
 #endif
 
+/// The heads one rank of an engine holds (mori_tp_rank_heads): `num_heads` consecutive global
+/// heads from `first_head`.
+struct rank_heads_t {
+    std::uint32_t first_head;
+    std::uint32_t num_heads;
+};
+
+/// mori_tp_rank_heads.
+inline result<rank_heads_t> rank_heads(std::nothrow_t, std::uint32_t total_kv_heads, std::uint32_t tp_size,
+                                       std::uint32_t tp_rank) {
+    rank_heads_t out{};
+    const MoriStatus status = mori_tp_rank_heads(total_kv_heads, tp_size, tp_rank, &out.first_head, &out.num_heads);
+    return detail::value_if_ok(status, out);
+}
+#if MORI_TP_HPP_EXCEPTIONS
+inline rank_heads_t rank_heads(std::uint32_t total_kv_heads, std::uint32_t tp_size, std::uint32_t tp_rank) {
+    return rank_heads(std::nothrow, total_kv_heads, tp_size, tp_rank).value();
+}
+#endif
+
+/// mori_tp_head_sender: the one prefill rank that sends `head` to decode rank `decode_tp_rank`.
+inline result<std::uint32_t> head_sender(std::nothrow_t, std::uint32_t total_kv_heads,
+                                         std::uint32_t prefill_tp_size, std::uint32_t decode_tp_size,
+                                         std::uint32_t decode_tp_rank, std::uint32_t head) {
+    std::uint32_t out = 0;
+    const MoriStatus status =
+        mori_tp_head_sender(total_kv_heads, prefill_tp_size, decode_tp_size, decode_tp_rank, head, &out);
+    return detail::value_if_ok(status, out);
+}
+#if MORI_TP_HPP_EXCEPTIONS
+inline std::uint32_t head_sender(std::uint32_t total_kv_heads, std::uint32_t prefill_tp_size,
+                                 std::uint32_t decode_tp_size, std::uint32_t decode_tp_rank, std::uint32_t head) {
+    return head_sender(std::nothrow, total_kv_heads, prefill_tp_size, decode_tp_size, decode_tp_rank, head).value();
+}
+#endif
+
 /// mori_tp_plan: one rect per run of page pairs.
 inline result<std::vector<MoriCopyRect>> plan(std::nothrow_t, const MoriTpSliceConfig &config,
                                               span<const std::int32_t> src_pages,

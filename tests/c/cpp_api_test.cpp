@@ -299,6 +299,38 @@ void any_layout() {
           shared.decode_first_local == 10);
 }
 
+// ---- who holds which head, and who sends it (the same answers as mori_tp_slice_config)
+void ownership() {
+    // 4 heads, prefill TP 2 -> decode TP 8: each decode rank holds one head, replicated twice.
+    for (std::uint32_t d = 0; d < 8; d++) {
+        const mori_tp::rank_heads_t held = mori_tp::rank_heads(std::nothrow, kHeads, 8, d).value();
+        CHECK(held.first_head == d / 2 && held.num_heads == 1);
+        const std::uint32_t sender = mori_tp::head_sender(std::nothrow, kHeads, 2, 8, d, held.first_head).value();
+        for (std::uint32_t p = 0; p < 2; p++) {
+            const MoriTpSliceParams params{2, p, 8, d, kHeads, kPage, kSrcItem, kDstItem};
+            const MoriTpSliceConfig config = mori_tp::slice_config(std::nothrow, params).value();
+            CHECK((config.action == MORI_TP_ACTION_SEND) == (p == sender));
+        }
+    }
+    const mori_tp::rank_heads_t prefill = mori_tp::rank_heads(std::nothrow, kHeads, 2, 1).value();
+    CHECK(prefill.first_head == 2 && prefill.num_heads == 2);
+    const auto wrong_rank = mori_tp::rank_heads(std::nothrow, kHeads, 2, 2);
+    CHECK(!wrong_rank && wrong_rank.status() == MORI_ERR_INVALID_ARGUMENT);
+    const auto not_held = mori_tp::head_sender(std::nothrow, kHeads, 2, 8, 0, 3);
+    CHECK(!not_held && not_held.status() == MORI_ERR_INVALID_ARGUMENT);
+    const auto bad_topology = mori_tp::head_sender(std::nothrow, kHeads, 3, 8, 0, 0);
+    CHECK(!bad_topology && bad_topology.status() == MORI_ERR_TOPOLOGY);
+#if MORI_TP_HPP_EXCEPTIONS
+    CHECK(mori_tp::head_sender(kHeads, 2, 8, 5, 2) == 1);
+    try {
+        (void)mori_tp::rank_heads(3, 2, 0);
+        CHECK(!"rank_heads threw");
+    } catch (const mori_tp::error &e) {
+        CHECK(e.status() == MORI_ERR_TOPOLOGY && contains(e.what(), "mori_tp_rank_heads"));
+    }
+#endif
+}
+
 // ---- refusals, as results and as exceptions
 void refusals() {
     const MoriTpSliceParams bad_topology{3, 0, 8, 1, kHeads, kPage, kSrcItem, kDstItem};
@@ -464,6 +496,7 @@ int main() {
         one_pair(prefill_pool, decode_pool);
     }
     any_layout();
+    ownership();
     refusals();
     size_query_keeps_the_message();
     pools();
