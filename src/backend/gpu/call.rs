@@ -1,9 +1,9 @@
 //! A runtime call's failure made an [`Error`] ([`GpuResult::or_gpu`], in one place), and the
 //! relaxed capture mode that every engine call runs in ([`Relaxed`]).
 
+use super::runtime::{Api, CaptureMode, GpuRuntime, GpuStatus};
 use std::sync::{Mutex, MutexGuard};
 
-use super::runtime::*;
 use crate::error::{Error, Result};
 
 /// "hipErrorNoDevice (100)": the runtime's name for a status and its number, which stays

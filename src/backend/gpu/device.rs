@@ -3,13 +3,13 @@
 //! cache of it ([`KernelCache`]) with its counters, and the device a call runs on with what it
 //! may do there ([`LaunchChoice`]).
 
+use super::call::{PERMANENT_LOAD_FAILURES, lock};
+use super::runtime::Api;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::call::*;
-use super::runtime::*;
 use crate::error::{Error, Result};
 
 /// One table buffer pair of a device: pinned host memory the table is written into, device

@@ -6,10 +6,10 @@ use std::ffi::c_void;
 
 use super::super::copy_kernel::{BLOCK_THREADS, KernelTable, block_limit};
 use super::super::{CopyEngine, CopyJob, CopyPath, SendOptions};
-use super::call::*;
-use super::device::*;
-use super::fork::*;
-use super::runtime::*;
+use super::call::{Context, GpuResult, Relaxed, describe, lock, require_device, size};
+use super::device::{Fallback, Kernel, LaunchChoice, LaunchDevice};
+use super::fork::{arm_fork_guard, refuse_forked_child};
+use super::runtime::{Api, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch, Memcpy2dAsync};
 use crate::error::{Error, Result};
 
 /// Issues one copy-kernel launch per call or one `hipMemcpy2DAsync` per (buffer, rect), on one

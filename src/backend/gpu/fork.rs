@@ -1,8 +1,8 @@
 //! The fork guard: a child forked after the process made a GPU engine refuses every call.
 
+use super::runtime::Api;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::runtime::*;
 use crate::error::{Error, Result};
 
 /// Set in the child of a `fork` made after this process first made a GPU engine

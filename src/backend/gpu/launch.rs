@@ -7,10 +7,15 @@ use std::ffi::c_void;
 
 use super::super::CopyJob;
 use super::super::copy_kernel::KERNEL_NAME;
-use super::call::*;
-use super::device::*;
-use super::engine::*;
-use super::runtime::*;
+use super::call::{Context, GpuResult, describe, load_hint, lock};
+use super::device::{
+    DeviceKernel, Fallback, Kernel, Lane, LaunchChoice, LaunchDevice, MAX_REMEMBERED_BASES, Reach,
+    Spares, TableBuffers,
+};
+use super::engine::GpuEngine;
+use super::runtime::{
+    GpuRuntime, GpuStatus, MAX_LANES, MAX_TABLE_SLOTS, MIN_TABLE_BYTES, RESET_SENTINEL_BYTES,
+};
 use crate::error::Result;
 
 impl<R: GpuRuntime> GpuEngine<R> {

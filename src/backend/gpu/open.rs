@@ -2,16 +2,16 @@
 
 use super::super::{CopyEngine, SendOptions};
 #[cfg(any(feature = "hip", feature = "cuda"))]
-use super::call::*;
-use super::device::*;
+use super::call::require_device;
+use super::device::GpuCounters;
 #[cfg(any(feature = "hip", feature = "cuda"))]
-use super::engine::*;
-use super::fork::*;
+use super::engine::GpuEngine;
+use super::fork::refuse_forked_child;
 #[cfg(feature = "cuda")]
 use super::lib_cuda::{self, LibCuda};
 #[cfg(feature = "hip")]
 use super::lib_hip::{self, LibHip};
-use super::runtime::*;
+use super::runtime::{Api, CUDA_API, HIP_API};
 use crate::error::{Error, Result};
 
 /// Without its cargo feature a GPU backend is a clear refusal, never a silent host fallback.

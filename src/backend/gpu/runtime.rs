@@ -4,7 +4,7 @@
 use std::ffi::{CStr, c_void};
 
 use super::super::copy_kernel::KernelArgs;
-use super::device::*;
+use super::device::KernelCache;
 use crate::error::Result;
 
 /// A `hipError_t` exactly as the runtime returns it, kept as an integer: a newer runtime may
