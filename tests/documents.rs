@@ -1049,7 +1049,12 @@ const PROCESS_WORDS: &[&str] = &[
 #[test]
 fn no_user_document_talks_about_how_the_project_is_run() {
     let mut documents = common::user_documents();
-    for extra in ["python/README.md", "BENCHMARKS.md", "cli/configs/README.md"] {
+    for extra in [
+        "REFERENCE.md",
+        "python/README.md",
+        "BENCHMARKS.md",
+        "cli/configs/README.md",
+    ] {
         documents.push((extra.to_string(), read(extra)));
     }
     let mut problems = Vec::new();
