@@ -30,18 +30,20 @@
 //!   records, scales, state slots), each its own pair config and pages, planned and moved as
 //!   one request.
 //! - [`ffi`]: the C ABI of `include/mori_tp.h`, a thin layer over the above.
+//! - `gpu_runtime` (hidden, not API): the GPU engine's runtime interface re-exported, so that
+//!   integration tests drive the engine on a stand-in runtime.
 //!
 //! `REFERENCE.md` explains the model and the promises (ownership, the sender rule, layouts,
 //! staging, the ABI conventions); the C header is the reference for C and C++ users.
 
-// The HIP engine's unit tests share the integration tests' helpers (tests/common), which name
-// the crate `mori_tp`.
-#[cfg(test)]
-extern crate self as mori_tp;
-
 pub mod backend;
 pub mod error;
 pub mod ffi;
+// Not API: the GPU engine's runtime interface, for the integration tests (tests/gpu_engine.rs)
+// and a downstream runtime model; hidden, outside semver, and not C API.
+#[doc(hidden)]
+/// cbindgen:ignore
+pub mod gpu_runtime;
 pub mod group;
 pub mod layout;
 pub mod pipeline;
@@ -55,11 +57,6 @@ pub mod slice;
 // values are the MoriTp* integer constants in ffi).
 /// cbindgen:ignore
 pub mod types;
-
-// The HIP engine's unit tests on a recording runtime: above backend, pool and send, whose code
-// they run together, so that no module below imports one above it.
-#[cfg(test)]
-mod hip_tests;
 
 pub use backend::{
     AUTO_KERNEL_MIN_COPIES, Backend, CopyEngine, CopyJob, CopyPath, HostCopies, HostEngine,

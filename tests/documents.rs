@@ -1105,6 +1105,7 @@ fn the_test_map_names_every_test_file_and_only_files_that_exist() {
     }
     for dir in [
         "tests",
+        "tests/gpu_engine",
         "tests/c",
         "tests/kernel",
         "tests/fake_hip",

@@ -445,3 +445,126 @@ fn the_library_crate_ships_what_its_build_reads_and_nothing_of_the_checkouts_too
         "the CLI package ships its sources and configs: {cli:?}"
     );
 }
+
+/// What under `src` (a crate's source folder) holds tests other than the `#[cfg(test)] mod
+/// tests` beside the code: a file or folder whose name says test (`src/hip_tests/` once held
+/// the GPU engine's tests), `extern crate self` (which let that code name the crate as the
+/// integration tests do), and a test-only module not named `tests` or one pulled in by
+/// `#[path]`. `//` comments are left out, so that a comment may name the rule.
+fn tests_outside_mod_tests(src: &Path) -> Vec<String> {
+    fn walk(src: &Path, dir: &Path, problems: &mut Vec<String>) {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .expect("a source folder")
+            .map(|entry| entry.expect("an entry").path())
+            .collect();
+        entries.sort();
+        for path in entries {
+            let shown = path
+                .strip_prefix(src)
+                .unwrap_or(&path)
+                .display()
+                .to_string();
+            let name = path.file_name().unwrap().to_string_lossy().to_lowercase();
+            if name.contains("test") {
+                problems.push(format!(
+                    "src/{shown} is named for tests: integration tests belong in tests/"
+                ));
+            }
+            if path.is_dir() {
+                walk(src, &path, problems);
+            } else if name.ends_with(".rs") {
+                let text = std::fs::read_to_string(&path).expect("a source file");
+                let code: Vec<&str> = text
+                    .lines()
+                    .map(|line| line.find("//").map_or(line, |at| &line[..at]).trim())
+                    .collect();
+                for (k, line) in code.iter().enumerate() {
+                    if line.contains("extern crate self") {
+                        problems.push(format!("src/{shown}:{}: extern crate self", k + 1));
+                    }
+                    if !(line.starts_with("#[cfg(") && line.contains("test")) {
+                        continue;
+                    }
+                    // The item the attribute is on, past further attributes and blank lines.
+                    let mut item = code[k + 1..].iter().filter(|l| !l.is_empty());
+                    let mut next = item.next();
+                    while let Some(attribute) = next.filter(|l| l.starts_with("#[")) {
+                        if attribute.starts_with("#[path") {
+                            problems.push(format!(
+                                "src/{shown}:{}: a test-only module from another file (#[path])",
+                                k + 1
+                            ));
+                        }
+                        next = item.next();
+                    }
+                    let module = next.and_then(|l| {
+                        let l = l
+                            .strip_prefix("pub(crate) ")
+                            .or(l.strip_prefix("pub "))
+                            .unwrap_or(l);
+                        l.strip_prefix("mod ")
+                    });
+                    if let Some(module) = module {
+                        let module: String = module
+                            .chars()
+                            .take_while(|c| c.is_alphanumeric() || *c == '_')
+                            .collect();
+                        if module != "tests" {
+                            problems.push(format!(
+                                "src/{shown}:{}: test-only module `{module}`: only `mod tests` \
+                                 beside the code",
+                                k + 1
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let mut problems = Vec::new();
+    walk(src, src, &mut problems);
+    problems
+}
+
+/// The library's tests live in src/ only as `#[cfg(test)] mod tests` beside the code; every
+/// other test is an integration test in tests/ (docs/src/design/test-map.md, "Beside the code"). The check
+/// also runs on a copy of the layout src/ had before the GPU engine's tests moved to
+/// tests/gpu_engine.rs, and must refuse it.
+#[test]
+fn src_holds_no_tests_but_the_mod_tests_beside_the_code() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let problems = tests_outside_mod_tests(&root.join("src"));
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+
+    let old = std::env::temp_dir().join(format!("mori_tp_old_src_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&old);
+    std::fs::create_dir_all(old.join("hip_tests")).unwrap();
+    std::fs::write(
+        old.join("lib.rs"),
+        "// extern crate self in a comment is fine.\n#[cfg(test)]\nextern crate self as \
+         mori_tp;\npub mod send;\n#[cfg(test)]\nmod hip_tests;\n",
+    )
+    .unwrap();
+    std::fs::write(
+        old.join("hip_tests/mod.rs"),
+        "#[path = \"../../tests/common/mod.rs\"]\nmod common;\n#[test]\nfn t() {}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        old.join("send.rs"),
+        "pub fn f() {}\n\n#[cfg(test)]\nmod tests {\n    #[test]\n    fn t() {}\n}\n\
+         #[cfg(test)]\n#[path = \"x.rs\"]\nmod tests;\n",
+    )
+    .unwrap();
+    let problems = tests_outside_mod_tests(&old);
+    std::fs::remove_dir_all(&old).unwrap();
+    assert_eq!(
+        problems,
+        [
+            "src/hip_tests is named for tests: integration tests belong in tests/",
+            "src/lib.rs:3: extern crate self",
+            "src/lib.rs:5: test-only module `hip_tests`: only `mod tests` beside the code",
+            "src/send.rs:8: a test-only module from another file (#[path])",
+        ],
+    );
+}

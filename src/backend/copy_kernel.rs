@@ -536,7 +536,6 @@ impl KernelTable {
     }
 
     /// The whole table as the kernel reads it (inside the argument or uploaded).
-    #[cfg(test)]
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
@@ -582,7 +581,6 @@ impl KernelTable {
 }
 
 /// One (buffer, rect) of a table as the kernel reads it.
-#[cfg(test)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TableRect {
     /// Buffer pair index.
@@ -598,7 +596,6 @@ pub struct TableRect {
 /// Every (buffer, rect) of the table `table` (`args.table_bytes` bytes: the uploaded copy, or
 /// the argument's `inline_table` as bytes) describes, run by run, as the kernel reads them; None
 /// when an entry lies outside `table`. (Tests check launches with it.)
-#[cfg(test)]
 pub fn decode(args: &KernelArgs, table: &[u8]) -> Option<Vec<TableRect>> {
     let u64_at = |at: u64| -> Option<u64> {
         let at = usize::try_from(at).ok()?;
@@ -645,7 +642,6 @@ pub fn decode(args: &KernelArgs, table: &[u8]) -> Option<Vec<TableRect>> {
 }
 
 /// The inline table of `args` as bytes (what [`decode`] reads when `args.table` is 0).
-#[cfg(test)]
 pub fn inline_bytes(args: &KernelArgs) -> Vec<u8> {
     args.inline_table
         .iter()

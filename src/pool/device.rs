@@ -12,12 +12,12 @@ use crate::error::{Error, Result};
 /// Bytes allocated beyond the pool's size, so that the allocation has a size no caller asks for
 /// (a round size and a bit): after a `hipDeviceReset` has freed it, an allocation of the
 /// caller's that takes its address has another size, and the drop does not free it.
-pub(crate) const POOL_TAIL_BYTES: u64 = 192;
+pub const POOL_TAIL_BYTES: u64 = 192;
 
 /// `len` bytes of device memory on the current device of the thread that made it.
 // Without a GPU feature only the tests (on a recording runtime) make one.
 #[derive(Debug)]
-pub(crate) struct DeviceMemory<R: GpuRuntime> {
+pub struct DeviceMemory<R: GpuRuntime> {
     runtime: R,
     base: usize,
     len: u64,
@@ -25,10 +25,9 @@ pub(crate) struct DeviceMemory<R: GpuRuntime> {
     allocated: usize,
 }
 
-#[cfg_attr(not(any(feature = "hip", feature = "cuda", test)), expect(dead_code))]
 impl<R: GpuRuntime> DeviceMemory<R> {
     /// `hipMalloc(len + POOL_TAIL_BYTES)` on `runtime`, after checking that it has a device.
-    pub(crate) fn new(runtime: R, len: u64) -> Result<Self> {
+    pub fn new(runtime: R, len: u64) -> Result<Self> {
         require_device(&runtime)?;
         let too_big = || Error::PoolMemory {
             call: runtime.api().malloc,
@@ -61,12 +60,9 @@ impl<R: GpuRuntime> DeviceMemory<R> {
             allocated,
         })
     }
-}
 
-#[cfg(test)]
-impl<R: GpuRuntime> DeviceMemory<R> {
     /// The runtime the memory came from (a test reads its record here).
-    pub(crate) fn runtime(&self) -> &R {
+    pub fn runtime(&self) -> &R {
         &self.runtime
     }
 }

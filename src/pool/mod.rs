@@ -21,15 +21,12 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-mod device;
+// Visible to the crate so that the hidden `gpu_runtime` module re-exports `DeviceMemory`.
+pub(crate) mod device;
 mod fit;
 mod host;
 pub(crate) mod sanitizer;
 
-#[cfg(test)]
-pub(crate) use device::DeviceMemory;
-#[cfg(test)]
-pub(crate) use device::POOL_TAIL_BYTES;
 use fit::{Fit, Refusal};
 pub use host::HostMemory;
 use sanitizer::Locked;

@@ -1,6 +1,6 @@
 // The copy kernel's own source as a shared library for the CPU, with C entry points that launch
 // it (hip/cpu_shim.hpp: every thread of every block, in an order shuffled by `seed`) and report
-// the launch's lane count. The HIP engine's unit tests (src/hip_tests/mod.rs) build it with
+// the launch's lane count. The HIP engine's tests (tests/gpu_engine.rs) build it with
 // c++ -shared and load it with dlopen, so that their recording HIP runtime runs the real kernel
 // when the engine launches it.
 

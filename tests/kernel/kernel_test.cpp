@@ -103,7 +103,7 @@ const size_t kMisalign[][2] = {{0, 0}, {1, 3}, {2, 6}, {8, 4}, {4, 12}, {16, 8}}
 using mori_testkit::Pages;
 
 // The kernel's table for one call, as hip/copy_table.hpp builds it (the library's Rust builder
-// makes the same bytes; src/hip_tests/table.rs compares them).
+// makes the same bytes; tests/gpu_engine/table.rs compares them).
 struct Table {
     mori_copy_table::Built built;
     std::vector<uint64_t> words;  // a copy of the table in memory, 8-byte aligned

@@ -1,5 +1,5 @@
 // hip/copy_table.hpp's builder as a shared library for the CPU, with one C entry point, so that
-// the library's unit tests (src/hip_tests/table.rs) can build a table from the same rects with
+// the GPU engine's tests (tests/gpu_engine/table.rs) can build a table from the same rects with
 // both builders and compare the bytes: the C++ one (which the C++ tests and hip/bench use) and
 // the Rust one (which the library launches with).
 

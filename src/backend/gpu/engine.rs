@@ -41,15 +41,13 @@ impl<R: GpuRuntime> GpuEngine<R> {
     }
 
     /// The runtime the engine calls (a test reads its record here).
-    #[cfg(test)]
-    pub(crate) fn runtime(&self) -> &R {
+    pub fn runtime(&self) -> &R {
         &self.runtime
     }
 
     /// The engine for another stream, path or wait on the same runtime (a test sends on several
     /// streams through one recorder).
-    #[cfg(test)]
-    pub(crate) fn set_options(&mut self, options: &SendOptions) {
+    pub fn set_options(&mut self, options: &SendOptions) {
         self.stream = options.stream;
         self.synchronize = options.synchronize;
         self.path = options.path;

@@ -86,9 +86,12 @@
 //! their fence), `open` (an engine for a backend), and `lib_hip` / `lib_cuda` (the real
 //! runtimes).
 
+// `device`, `engine` and `runtime` are visible to the crate so that the hidden `gpu_runtime`
+// module can re-export what the engine's tests on a recording runtime (tests/gpu_engine.rs)
+// reach.
 mod call;
-mod device;
-mod engine;
+pub(crate) mod device;
+pub(crate) mod engine;
 mod fork;
 mod launch;
 #[cfg(feature = "cuda")]
@@ -96,7 +99,7 @@ mod lib_cuda;
 #[cfg(feature = "hip")]
 mod lib_hip;
 mod open;
-mod runtime;
+pub(crate) mod runtime;
 
 pub(crate) use call::{Context, GpuResult, Relaxed, describe, require_device};
 pub use device::GpuCounters;
@@ -106,14 +109,3 @@ pub use lib_cuda::LibCuda;
 pub use lib_hip::LibHip;
 pub(super) use open::{cuda_device_present, gpu_counters, hip_device_present, open_cuda, open_hip};
 pub(crate) use runtime::GpuRuntime;
-// What the engine's tests on a recording runtime (src/hip_tests) reach.
-#[cfg(test)]
-pub(crate) use {
-    device::KernelCache,
-    engine::GpuEngine,
-    runtime::{
-        Api, CaptureMode, GpuStatus, HIP_API, HIP_MEMCPY_DEFAULT, KernelImage, KernelLaunch,
-        MAX_LANES, MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, PointerInfo,
-        RESET_SENTINEL_BYTES,
-    },
-};

@@ -28,15 +28,12 @@ impl GpuStatus {
     /// capturing stream is refused as.
     pub const ERROR_STREAM_CAPTURE_UNSUPPORTED: GpuStatus = GpuStatus(900);
     /// `hipErrorNoDevice`: `hipGetDeviceCount` found no device.
-    #[cfg(test)]
     pub const ERROR_NO_DEVICE: GpuStatus = GpuStatus(100);
     /// `hipErrorInvalidDevice`: what other calls return when there is no device, and what a launch
     /// returns when its function is not loaded on the stream's device.
-    #[cfg(test)]
     pub const ERROR_INVALID_DEVICE: GpuStatus = GpuStatus(101);
     /// `hipErrorCapturedEvent`: an event last recorded on a stream that is now capturing was
     /// queried or waited for (and the capture invalidated).
-    #[cfg(test)]
     pub const ERROR_CAPTURED_EVENT: GpuStatus = GpuStatus(907);
 
     /// `Ok(())` for `hipSuccess`, else `Err(self)`: every runtime call's status goes through here.

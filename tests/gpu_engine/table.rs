@@ -9,8 +9,8 @@ use std::ffi::{CString, c_void};
 use std::process::Command;
 
 use super::common;
-use crate::backend::copy_kernel::{KernelArgs, KernelTable};
-use crate::plan::CopyRect;
+use mori_tp::gpu_runtime::{KernelArgs, KernelTable};
+use mori_tp::plan::CopyRect;
 
 type Build = unsafe extern "C" fn(
     *const u64,

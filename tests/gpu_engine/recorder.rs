@@ -30,12 +30,10 @@ use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 
 use super::common;
-use crate::backend::copy_kernel::{
-    BLOCK_THREADS, INLINE_TABLE_BYTES, KernelArgs, decode, inline_bytes,
-};
-use crate::backend::gpu::{
-    Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_DEFAULT, KernelCache, KernelImage,
-    KernelLaunch, Memcpy2dAsync, PointerInfo,
+use mori_tp::gpu_runtime::{
+    Api, BLOCK_THREADS, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_DEFAULT,
+    INLINE_TABLE_BYTES, KernelArgs, KernelCache, KernelImage, KernelLaunch, Memcpy2dAsync,
+    PointerInfo, decode, inline_bytes,
 };
 
 /// `hipErrorInvalidMemcpyDirection` (hip/hip_runtime_api.h).

@@ -10,12 +10,14 @@
 //! tests need a C++ compiler; without one they say so and skip, unless MORI_TP_REQUIRE_TOOLS=1
 //! (CI), which makes a missing compiler a failure.
 //!
-//! These are unit tests, not integration tests, so that the engine's runtime trait stays out of
-//! the crate's API; they share tests/common with the integration tests.
+//! The engine's runtime trait and the internals these tests drive come from
+//! `mori_tp::gpu_runtime`, a hidden module outside the API; tests/common holds the helpers
+//! shared with the other integration tests.
 
-#[path = "../../tests/common/mod.rs"]
 mod common;
+#[path = "gpu_engine/recorder.rs"]
 mod recorder;
+#[path = "gpu_engine/table.rs"]
 mod table;
 
 use std::collections::HashSet;
@@ -26,20 +28,19 @@ use std::rc::Rc;
 use common::{
     MODELS, Request, Sender, SideBuffers, every_model_deployment, odd_deployments, transfer,
 };
+use mori_tp::gpu_runtime::{
+    CaptureMode, DeviceMemory, GpuEngine, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch,
+    KernelTable, MAX_LANES, MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, POOL_TAIL_BYTES,
+    RESET_SENTINEL_BYTES,
+};
+use mori_tp::pool::{PoolMemory, PoolMemoryKind, StagingPool};
+use mori_tp::{
+    Backend, CopyEngine, CopyPath, Error, KvBuffers, SendOptions, SendReport, SliceConfig,
+    SliceParams, SlicePlan, Walk, pack, pack_host, send, slice_config, unpack, unpack_host,
+};
 use recorder::{
     Call, ILLEGAL_ADDRESS, INVALID_MEMCPY_DIRECTION, INVALID_RESOURCE_HANDLE, Recorder, TEST_IMAGE,
     cpu_kernel_or_skip, function_handle, module_handle, names,
-};
-
-use crate::backend::copy_kernel::KernelTable;
-use crate::backend::gpu::{
-    CaptureMode, GpuEngine, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch, MAX_LANES,
-    MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, RESET_SENTINEL_BYTES,
-};
-use crate::pool::{DeviceMemory, POOL_TAIL_BYTES, PoolMemory, PoolMemoryKind, StagingPool};
-use crate::{
-    Backend, CopyEngine, CopyPath, Error, KvBuffers, SendOptions, SendReport, SliceConfig,
-    SliceParams, SlicePlan, Walk, pack, pack_host, send, slice_config, unpack, unpack_host,
 };
 
 /// `MORI_SEND_MEMCPY2D`: one hipMemcpy2DAsync per (buffer, rect).
@@ -80,7 +81,7 @@ fn hip_send(
     dst: &mut [&mut [u8]],
     runtime: Recorder,
     options: &SendOptions,
-) -> (crate::Result<SendReport>, Vec<Call>) {
+) -> (mori_tp::Result<SendReport>, Vec<Call>) {
     let src_ptrs: Vec<*const u8> = src.iter().map(|b| b.as_ptr()).collect();
     let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
     let buffers = KvBuffers {
@@ -269,7 +270,7 @@ impl Fixture {
         p: u32,
         options: &SendOptions,
         make: impl FnOnce(Recorder) -> Recorder,
-    ) -> (crate::Result<SendReport>, Vec<Call>) {
+    ) -> (mori_tp::Result<SendReport>, Vec<Call>) {
         let config = slice_config(&self.params(p)).unwrap();
         let plan = SlicePlan::new(&config, &self.src_pages, &self.dst_pages).unwrap();
         let src: Vec<&[u8]> = self.src.ranks[p as usize]
@@ -285,7 +286,7 @@ impl Fixture {
     }
 }
 
-fn gpu_message(result: crate::Result<SendReport>) -> String {
+fn gpu_message(result: mori_tp::Result<SendReport>) -> String {
     match result {
         Err(Error::Gpu { message, .. }) => message,
         other => panic!("expected Error::Gpu, got {other:?}"),
@@ -667,8 +668,8 @@ fn expected_kernel_calls(
 fn kernel_run(
     runtime: Recorder,
     options: &SendOptions,
-    job: impl FnOnce(&mut GpuEngine<Recorder>) -> crate::Result<SendReport>,
-) -> (crate::Result<SendReport>, Vec<Call>) {
+    job: impl FnOnce(&mut GpuEngine<Recorder>) -> mori_tp::Result<SendReport>,
+) -> (mori_tp::Result<SendReport>, Vec<Call>) {
     let mut engine = GpuEngine::new(runtime, options).expect("the recorder has a device");
     let result = job(&mut engine);
     let runtime = engine.runtime();
@@ -735,7 +736,7 @@ fn checked_auto_sender(kernel_calls: Rc<std::cell::Cell<(usize, usize)>>) -> Box
         });
         let report = result.expect("the recording runtime accepts the call");
         let copies = src.len() * plan.rects().count();
-        let expected = if copies >= crate::AUTO_KERNEL_MIN_COPIES {
+        let expected = if copies >= mori_tp::AUTO_KERNEL_MIN_COPIES {
             expected_kernel_calls(plan, &src_ptrs, &dst_ptrs, &options, handed(&calls))
         } else {
             expected_rect_calls(plan, &src_ptrs, &dst_ptrs, &options)
@@ -1022,7 +1023,7 @@ fn pack_and_unpack_through_one_kernel_launch_match_the_host_engine() {
 
 /// One pair's pack and unpack through the kernel and through the host engine.
 fn pack_unpack_pair(config: &SliceConfig, src: &[Vec<u8>], dst: &[Vec<u8>], request: &Request) {
-    let staging_len = crate::staging_len(config, request.src_pages.len()).unwrap() as usize;
+    let staging_len = mori_tp::staging_len(config, request.src_pages.len()).unwrap() as usize;
     let src_slices: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
     // Host: the reference bytes.
     let mut host_staging = vec![0x5au8; staging_len * src.len()];
@@ -1112,7 +1113,7 @@ fn kernel_fixture_sends(
     make: impl FnOnce(Recorder) -> Recorder,
     sends: usize,
     before: impl FnMut(usize, &Recorder),
-) -> Vec<(crate::Result<SendReport>, Vec<Call>)> {
+) -> Vec<(mori_tp::Result<SendReport>, Vec<Call>)> {
     fixture_sends_with(f, &vec![*options; sends], make, before)
 }
 
@@ -1123,7 +1124,7 @@ fn fixture_sends_with(
     options: &[SendOptions],
     make: impl FnOnce(Recorder) -> Recorder,
     mut before: impl FnMut(usize, &Recorder),
-) -> Vec<(crate::Result<SendReport>, Vec<Call>)> {
+) -> Vec<(mori_tp::Result<SendReport>, Vec<Call>)> {
     let config = slice_config(&f.params(1)).unwrap();
     let plan = SlicePlan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
     let src: Vec<&[u8]> = f.src.ranks[1].iter().map(Vec::as_slice).collect();
@@ -1168,7 +1169,7 @@ fn kernel_fixture_run(
     f: &mut Fixture,
     options: &SendOptions,
     make: impl FnOnce(Recorder) -> Recorder,
-) -> (crate::Result<SendReport>, Vec<Call>) {
+) -> (mori_tp::Result<SendReport>, Vec<Call>) {
     kernel_fixture_sends(f, options, make, 1, |_, _| {})
         .pop()
         .expect("one send")
@@ -1185,11 +1186,11 @@ fn fixture_sent_by_host_of(mut f: Fixture) -> Vec<Vec<u8>> {
     let plan = SlicePlan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
     let src: Vec<&[u8]> = f.src.ranks[1].iter().map(Vec::as_slice).collect();
     let mut dst: Vec<&mut [u8]> = f.dst.ranks[3].iter_mut().map(Vec::as_mut_slice).collect();
-    crate::send_host(&plan, &src, &mut dst).expect("host send");
+    mori_tp::send_host(&plan, &src, &mut dst).expect("host send");
     f.dst.ranks[3].clone()
 }
 
-fn gpu_error(result: crate::Result<SendReport>) -> (&'static str, i32, String, Option<usize>) {
+fn gpu_error(result: mori_tp::Result<SendReport>) -> (&'static str, i32, String, Option<usize>) {
     match result {
         Err(Error::Gpu {
             call,
@@ -3007,14 +3008,14 @@ fn a_device_pool_without_a_device_is_backend_unavailable() {
 /// group whose prefill rank holds nothing of the decode rank's (4 heads, TP 2 rank 1 -> TP 4
 /// rank 1: NOT_PAIRED). Each group has two buffers of its own.
 struct HipGroups {
-    configs: Vec<crate::PairConfig>,
+    configs: Vec<mori_tp::PairConfig>,
     pages: Vec<(Vec<i32>, Vec<i32>, u64)>,
     src: Vec<Vec<u8>>,
     dst: Vec<Vec<u8>>,
 }
 
 fn hip_groups() -> HipGroups {
-    use crate::{Layout, pair_config};
+    use mori_tp::{Layout, pair_config};
     let kv = pair_config(
         &Layout::hnd(8, 2, 0, 4, 16).unwrap(),
         &Layout::hnd(8, 4, 1, 8, 16).unwrap(),
@@ -3030,7 +3031,7 @@ fn hip_groups() -> HipGroups {
         &Layout::nhd(4, 4, 1, 4, 8).unwrap(),
     )
     .unwrap();
-    assert_eq!(none.action(), crate::Action::NotPaired);
+    assert_eq!(none.action(), mori_tp::Action::NotPaired);
     let fill = |seed: u64| {
         (0..2048)
             .map(|i| (i as u64 * 31 + seed) as u8)
@@ -3053,20 +3054,20 @@ fn rust_groups<'a>(
     h: &'a HipGroups,
     src: &'a [*const u8],
     dst: &'a [*mut u8],
-) -> Vec<crate::Group<'a>> {
+) -> Vec<mori_tp::Group<'a>> {
     (0..3)
         .map(|g| {
             let (s, d, tokens) = &h.pages[g];
-            let mut group = crate::Group::new(
+            let mut group = mori_tp::Group::new(
                 &h.configs[g],
-                crate::Request {
+                mori_tp::Request {
                     src_pages: s,
                     dst_pages: d,
                     num_tokens: *tokens,
                 },
                 2,
             );
-            group.staging = crate::Staging::None;
+            group.staging = mori_tp::Staging::None;
             group.buffers.src = &src[2 * g..2 * g + 2];
             group.buffers.dst = &dst[2 * g..2 * g + 2];
             group.buffers.src_capacity = 2048;
@@ -3087,20 +3088,20 @@ fn a_request_of_groups_runs_one_kernel_launch_per_group_that_moves_bytes() {
     let mut want = h.dst.clone();
     let want_ptrs: Vec<*mut u8> = want.iter_mut().map(|b| b.as_mut_ptr()).collect();
     let groups = rust_groups(&h, &src_ptrs, &want_ptrs);
-    let plan = crate::GroupsPlan::new(&groups).unwrap();
+    let plan = mori_tp::GroupsPlan::new(&groups).unwrap();
     // SAFETY: live vectors of 2048 bytes, the capacity stated.
-    unsafe { crate::send_groups(&plan, &mut crate::HostEngine::default()) }.unwrap();
+    unsafe { mori_tp::send_groups(&plan, &mut mori_tp::HostEngine::default()) }.unwrap();
     let mut dst = h.dst.clone();
     let srcs: Vec<&[u8]> = h.src.iter().map(Vec::as_slice).collect();
     let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
     let runtime = Recorder::new(&srcs, &mut dsts);
     let dst_ptrs: Vec<*mut u8> = dst.iter_mut().map(|b| b.as_mut_ptr()).collect();
     let groups = rust_groups(&h, &src_ptrs, &dst_ptrs);
-    let plan = crate::GroupsPlan::new(&groups).unwrap();
+    let plan = mori_tp::GroupsPlan::new(&groups).unwrap();
     let options = kernel_options(true, null_mut());
     // SAFETY: as above; the recorder refuses any row outside the buffers.
     let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
-        crate::send_groups(&plan, engine)
+        mori_tp::send_groups(&plan, engine)
     });
     result.unwrap();
     assert_eq!(
@@ -3133,8 +3134,8 @@ fn a_request_of_groups_runs_one_kernel_launch_per_group_that_moves_bytes() {
 /// side's buffers hold.
 struct LayoutCase {
     name: &'static str,
-    src: crate::Layout,
-    dst: crate::Layout,
+    src: mori_tp::Layout,
+    dst: mori_tp::Layout,
     tokens: u64,
     /// Pages each buffer holds on the prefill and the decode side.
     capacity_pages: [i32; 2],
@@ -3142,19 +3143,26 @@ struct LayoutCase {
 
 /// A prefill layout whose heads hold their own runs of `pages` pages (vLLM's LHBNC): token-major
 /// within a page, each local head `pages` pages further on.
-fn heads_outside_pages(h: u32, tp: u32, rank: u32, ps: u32, hb: u64, pages: u64) -> crate::Layout {
+fn heads_outside_pages(
+    h: u32,
+    tp: u32,
+    rank: u32,
+    ps: u32,
+    hb: u64,
+    pages: u64,
+) -> mori_tp::Layout {
     let page_stride = u64::from(ps) * hb;
-    crate::Layout {
+    mori_tp::Layout {
         token_stride: hb,
         page_stride,
         head_stride: pages * page_stride,
-        ..crate::Layout::nhd(h, tp, rank, ps, hb).unwrap()
+        ..mori_tp::Layout::nhd(h, tp, rank, ps, hb).unwrap()
     }
 }
 
 /// `layout` with its slots `offset` bytes into each page and `pad` spare bytes after them.
-fn padded(layout: crate::Layout, offset: u64, pad: u64) -> crate::Layout {
-    crate::Layout {
+fn padded(layout: mori_tp::Layout, offset: u64, pad: u64) -> mori_tp::Layout {
+    mori_tp::Layout {
         offset,
         page_stride: layout.page_stride + offset + pad,
         ..layout
@@ -3164,7 +3172,7 @@ fn padded(layout: crate::Layout, offset: u64, pad: u64) -> crate::Layout {
 /// Head-major, token-major, mixed, page sizes that differ, partial last pages, padded and
 /// offset pages, heads outside pages, odd head widths, and a pair that does not send.
 fn layout_cases() -> Vec<LayoutCase> {
-    use crate::Layout;
+    use mori_tp::Layout;
     vec![
         LayoutCase {
             name: "HND TP 2 -> 8, pages of 16, a partial last page",
@@ -3221,7 +3229,7 @@ fn rotated_pages(count: u64, capacity: i32) -> Vec<i32> {
 }
 
 /// Bytes a buffer of `pages` pages of `layout` needs (every element of every page inside).
-fn layout_capacity(layout: &crate::Layout, pages: i32) -> usize {
+fn layout_capacity(layout: &mori_tp::Layout, pages: i32) -> usize {
     let local = if layout.tp_size <= layout.total_kv_heads {
         layout.total_kv_heads / layout.tp_size
     } else {
@@ -3248,7 +3256,7 @@ fn any_page_layout_lands_byte_exact_through_both_hip_paths_with_the_planned_call
     let kernel = cpu_kernel_or_skip("any_page_layout_..._through_both_hip_paths").is_some();
     const BUFFERS: usize = 3;
     for case in layout_cases() {
-        let config = crate::pair_config(&case.src, &case.dst).unwrap();
+        let config = mori_tp::pair_config(&case.src, &case.dst).unwrap();
         let src_pages = rotated_pages(
             case.tokens.div_ceil(u64::from(case.src.page_size)),
             case.capacity_pages[0],
@@ -3257,7 +3265,7 @@ fn any_page_layout_lands_byte_exact_through_both_hip_paths_with_the_planned_call
             case.tokens.div_ceil(u64::from(case.dst.page_size)),
             case.capacity_pages[1],
         );
-        let request = crate::Request {
+        let request = mori_tp::Request {
             src_pages: &src_pages,
             dst_pages: &dst_pages,
             num_tokens: case.tokens,
@@ -3269,13 +3277,13 @@ fn any_page_layout_lands_byte_exact_through_both_hip_paths_with_the_planned_call
             .map(|b| patterned(dst_len, 100 + b as u64))
             .collect();
         let src_slices: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
-        let plan = crate::PairPlan::transfer(&config, &request, crate::Staging::None).unwrap();
+        let plan = mori_tp::PairPlan::transfer(&config, &request, mori_tp::Staging::None).unwrap();
 
         // The host engine's bytes are the reference (tests/layouts.rs checks them against an
         // element-by-element oracle).
         let mut want = initial.clone();
         let mut want_slices: Vec<&mut [u8]> = want.iter_mut().map(Vec::as_mut_slice).collect();
-        crate::send_host(&plan, &src_slices, &mut want_slices).unwrap();
+        mori_tp::send_host(&plan, &src_slices, &mut want_slices).unwrap();
         assert_eq!(
             want != initial,
             config.sends(),
@@ -3341,8 +3349,8 @@ fn any_page_layout_lands_byte_exact_through_both_hip_paths_with_the_planned_call
 /// kernel (one launch), against the host engine's region and pages.
 fn layout_pack_unpack_through_hip(
     case: &LayoutCase,
-    config: &crate::PairConfig,
-    request: &crate::Request<'_>,
+    config: &mori_tp::PairConfig,
+    request: &mori_tp::Request<'_>,
     src: &[Vec<u8>],
     initial: &[Vec<u8>],
     kernel: bool,
@@ -3397,13 +3405,13 @@ fn layout_pack_unpack_through_hip(
                 );
             }
         };
-    for mode in [crate::Staging::Src, crate::Staging::Both] {
-        let plan = crate::PairPlan::pack(config, mode, request).unwrap();
+    for mode in [mori_tp::Staging::Src, mori_tp::Staging::Both] {
+        let plan = mori_tp::PairPlan::pack(config, mode, request).unwrap();
         let mut want = vec![0x5au8; region_len.max(1)];
-        let mut host = crate::HostEngine::default();
+        let mut host = mori_tp::HostEngine::default();
         // SAFETY: live buffers of the stated capacities.
         unsafe {
-            crate::pack_into(
+            mori_tp::pack_into(
                 &plan,
                 &src_ptrs,
                 src_capacity,
@@ -3418,7 +3426,7 @@ fn layout_pack_unpack_through_hip(
         let runtime = Recorder::new(&src_slices, &mut [got.as_mut_slice()]);
         // SAFETY: as above; the recorder checks every row the copies or the kernel touch.
         let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
-            crate::pack_into(
+            mori_tp::pack_into(
                 &plan,
                 &src_ptrs,
                 src_capacity,
@@ -3447,15 +3455,15 @@ fn layout_pack_unpack_through_hip(
         .into_iter()
         .map(|b| b.cast_const())
         .collect();
-    for mode in [crate::Staging::Dst, crate::Staging::Both] {
-        let plan = crate::PairPlan::unpack(config, mode, request).unwrap();
+    for mode in [mori_tp::Staging::Dst, mori_tp::Staging::Both] {
+        let plan = mori_tp::PairPlan::unpack(config, mode, request).unwrap();
         let mut want = initial.to_vec();
         let want_ptrs: Vec<*mut u8> = want.iter_mut().map(|b| b.as_mut_ptr()).collect();
         let dst_capacity = initial[0].len() as u64;
-        let mut host = crate::HostEngine::default();
+        let mut host = mori_tp::HostEngine::default();
         // SAFETY: live buffers of the stated capacities.
         unsafe {
-            crate::unpack_from(
+            mori_tp::unpack_from(
                 &plan,
                 region.as_ptr(),
                 region_len as u64,
@@ -3471,7 +3479,7 @@ fn layout_pack_unpack_through_hip(
         let runtime = Recorder::new(&[region.as_slice()], &mut got_slices);
         // SAFETY: as above.
         let (result, calls) = kernel_run(runtime, &options, |engine| unsafe {
-            crate::unpack_from(
+            mori_tp::unpack_from(
                 &plan,
                 region.as_ptr(),
                 region_len as u64,
@@ -3540,7 +3548,7 @@ fn a_block_budget_and_the_persistent_grid_bound_every_launch_and_the_bytes_stay_
                     .collect();
                 assert_eq!(launches.len(), 1, "{what}");
                 let (x, y) = launches[0].grid;
-                let limit = crate::backend::copy_kernel::block_limit(budget, resident);
+                let limit = mori_tp::gpu_runtime::block_limit(budget, resident);
                 if limit != 0 {
                     assert!(
                         u64::from(x) * u64::from(y) <= u64::from(limit),
