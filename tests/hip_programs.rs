@@ -115,7 +115,7 @@ fn the_hip_programs_build_with_hipcc_skip_without_a_device_and_pass_over_a_stand
                 "pair NHD (pages of 16) -> HND (pages of 64), 173 tokens, one copy-kernel launch: send, \
                  pack, unpack checked",
                 "groups: two pairs (NHD 16 -> HND 64, 173 tokens; HND 16 -> NHD 16, 40 tokens) in one \
-                 mori_send_kvcache_groups, per rect and with the kernel: every byte checked",
+                 mori_tp_groups_send, per rect and with the kernel: every byte checked",
                 "device staging pool (MORI_TP_POOL_DEVICE): pack into a slot and unpack from it, per \
                  rect and with the kernel: every byte checked",
                 "two streams, 8 interleaved sends each way (kernel, then per rect), not waited for \
