@@ -526,15 +526,18 @@ fn tests_outside_mod_tests(src: &Path) -> Vec<String> {
     problems
 }
 
-/// The library's tests live in src/ only as `#[cfg(test)] mod tests` beside the code; every
-/// other test is an integration test in tests/ (docs/src/design/test-map.md, "Beside the code"). The check
+/// The library's and the CLI's tests live in src/ and cli/src/ only as `#[cfg(test)] mod tests`
+/// beside the code; every other test is an integration test in tests/
+/// (docs/src/design/test-map.md, "Beside the code"). The check
 /// also runs on a copy of the layout src/ had before the GPU engine's tests moved to
 /// tests/gpu_engine.rs, and must refuse it.
 #[test]
 fn src_holds_no_tests_but_the_mod_tests_beside_the_code() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let problems = tests_outside_mod_tests(&root.join("src"));
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    for src in ["src", "cli/src"] {
+        let problems = tests_outside_mod_tests(&root.join(src));
+        assert!(problems.is_empty(), "{src}: {}", problems.join("\n"));
+    }
 
     let old = std::env::temp_dir().join(format!("mori_tp_old_src_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&old);
