@@ -140,6 +140,8 @@ fn run_child(driver: &Path, scenario: &str, env: &[(&str, &str)]) -> (bool, Stri
         "FAKE_CUDA_MODULE_LOAD_FAILS",
         "FAKE_CUDA_MAX_PITCH",
         "FAKE_CUDA_LAUNCH_SLEEP_MS",
+        "FAKE_CUDA_DRIVER_VERSION",
+        "FAKE_CUDA_WIDE_LOAD_STATUS",
     ] {
         child.env_remove(var);
     }
@@ -220,6 +222,22 @@ fn the_cuda_backend_runs_over_a_stand_in_driver() {
             "fork",
             &driver,
             &[("FAKE_CUDA_LAUNCH_SLEEP_MS", "1500")][..],
+        ),
+        ("wide_table", &driver, &[][..]),
+        (
+            "wide_table",
+            &driver,
+            &[("FAKE_CUDA_DRIVER_VERSION", "12010")][..],
+        ),
+        (
+            "wide_table_old_driver",
+            &driver,
+            &[("FAKE_CUDA_DRIVER_VERSION", "12000")][..],
+        ),
+        (
+            "wide_load_failure",
+            &driver,
+            &[("FAKE_CUDA_WIDE_LOAD_STATUS", "218")][..],
         ),
     ] {
         let (passed, text) = run_child(runtime, scenario, env);
@@ -677,6 +695,9 @@ mod driver {
             "null_stream_contexts" => null_stream_contexts(),
             "max_pitch" => max_pitch(),
             "fork" => fork(),
+            "wide_table" => wide_table(),
+            "wide_table_old_driver" => wide_table_old_driver(),
+            "wide_load_failure" => wide_load_failure(),
             other => panic!("unknown scenario {other}"),
         }
     }
@@ -1393,6 +1414,136 @@ mod driver {
         assert_eq!(status, MORI_OK, "{message}");
         assert_eq!(current_context(), own, "the caller's context stays current");
         assert_eq!(dst.read(), small_send_result(7));
+    }
+
+    /// Pages of a [`common::send_spread`] whose table (about 20 KB) is too big for the kernel's
+    /// 4 KiB argument and fits in the wide entry's 32,696 bytes.
+    const WIDE_PAGES: usize = 2500;
+
+    /// What a send changed: (htod_copies, kernel_launches, wide_launches, module_loads,
+    /// mem_allocs, host_allocs) of the stand-in.
+    fn wide_stats() -> [i64; 6] {
+        stats([
+            c"htod_copies",
+            c"kernel_launches",
+            c"wide_launches",
+            c"module_loads",
+            c"mem_allocs",
+            c"host_allocs",
+        ])
+    }
+
+    /// A [`common::send_spread`] of `pages` pages from device memory of 7s into 9s with the
+    /// kernel, synchronized, on `stream`: the stand-in's [`wide_stats`] it changed. Every byte
+    /// is checked.
+    fn spread_kernel_send(pages: usize, stream: Stream) -> [i64; 6] {
+        let src = DeviceBuffer::from_host(&vec![7u8; 2 * pages * 64]);
+        let dst = DeviceBuffer::from_host(&vec![9u8; 2 * pages * 32]);
+        let kernel = options(
+            MORI_BACKEND_CUDA,
+            MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+            stream,
+        );
+        let before = wide_stats();
+        // SAFETY: device buffers of the sizes send_spread needs; the options synchronize.
+        let (status, message) =
+            unsafe { common::send_spread(src.ptr().cast_const(), dst.ptr(), pages, &kernel) };
+        let after = wide_stats();
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(dst.read(), common::spread_result(7, pages), "{pages} pages");
+        std::array::from_fn(|i| after[i] - before[i])
+    }
+
+    /// Issue 45.8: on a CUDA 12.1+ driver a table too big for the 4 KiB argument but within
+    /// 32,696 bytes travels inside the wide entry's argument: no upload, no table buffer, the
+    /// wide function launched (its module loaded once, on the first such table), every byte
+    /// right; a table beyond the wide room is uploaded as before; small tables keep the main
+    /// entry.
+    fn wide_table() {
+        use_device(0);
+        let stream = new_stream();
+        // (htod, launches, wide launches, module loads, cuMemAlloc, cuMemHostAlloc)
+        let first = spread_kernel_send(WIDE_PAGES, stream);
+        // The main module and the wide one are loaded, the reset sentinel allocated.
+        assert_eq!(first, [0, 1, 1, 2, 1, 0], "the first wide send");
+        for send in 0..3 {
+            assert_eq!(
+                spread_kernel_send(WIDE_PAGES, stream),
+                [0, 1, 1, 0, 0, 0],
+                "wide send {send}: the launch alone"
+            );
+        }
+        // A small table: the main entry, inside its 4 KiB argument.
+        assert_eq!(spread_kernel_send(4, stream), [0, 1, 0, 0, 0, 0]);
+        // Beyond the wide room: one upload (a table buffer pair the first time), the main
+        // entry.
+        let uploaded = spread_kernel_send(common::UPLOADED_PAGES, stream);
+        assert_eq!(
+            [uploaded[0], uploaded[1], uploaded[2], uploaded[3]],
+            [1, 1, 0, 0],
+            "{uploaded:?}"
+        );
+        let c = counters();
+        assert_eq!(
+            (c.kernel_launches, c.load_failures, c.fallbacks),
+            (6, 0, 0),
+            "{c:?}"
+        );
+        assert_eq!(stat(c"module_load_failures"), 0);
+    }
+
+    /// Issue 45.8 on a driver older than CUDA 12.1: the wide entry is never loaded (its PTX ISA
+    /// 8.1 would be refused, and a launch with more than 4 KiB of argument too), and the table
+    /// is uploaded as before, every byte right.
+    fn wide_table_old_driver() {
+        use_device(0);
+        let stream = new_stream();
+        let first = spread_kernel_send(WIDE_PAGES, stream);
+        assert_eq!(
+            [first[0], first[1], first[2], first[3]],
+            [1, 1, 0, 1],
+            "one upload, the main module alone: {first:?}"
+        );
+        assert_eq!(
+            spread_kernel_send(WIDE_PAGES, stream),
+            [1, 1, 0, 0, 0, 0],
+            "uploaded again"
+        );
+        let c = counters();
+        assert_eq!(
+            (c.kernel_launches, c.load_failures, c.fallbacks),
+            (2, 0, 0),
+            "{c:?}"
+        );
+        assert_eq!(
+            stat(c"module_load_failures"),
+            0,
+            "nothing loaded that fails"
+        );
+    }
+
+    /// Issue 45.8: when the wide entry's module does not load (here the stand-in refuses it as
+    /// CUDA_ERROR_INVALID_PTX), its tables are uploaded instead, the failure counted once in
+    /// load_failures (not retried, and not a per-rect fallback), every byte right.
+    fn wide_load_failure() {
+        use_device(0);
+        let stream = new_stream();
+        for send in 0..3 {
+            let made = spread_kernel_send(WIDE_PAGES, stream);
+            assert_eq!(
+                [made[0], made[1], made[2]],
+                [1, 1, 0],
+                "send {send}: uploaded, the main entry: {made:?}"
+            );
+        }
+        let c = counters();
+        assert_eq!(
+            (c.kernel_launches, c.load_failures, c.fallbacks),
+            (3, 1, 0),
+            "{c:?}"
+        );
+        assert_eq!(stat(c"module_load_failures"), 1, "tried once");
+        assert_eq!(stat(c"module_loads"), 1, "the main module only");
     }
 
     /// mori_tp_gpu_counters_get(MORI_BACKEND_CUDA).
