@@ -1490,6 +1490,78 @@ mod driver {
             "{c:?}"
         );
         assert_eq!(stat(c"module_load_failures"), 0);
+        // A capturing stream: such a table is captured as one launch of the wide entry (a
+        // kernel node that owns its 32 KiB argument), not as per-rect copies, and every replay
+        // copies what the sources hold then.
+        let (captured, memcpys) = capture_spread(WIDE_PAGES, stream);
+        assert_eq!((captured, memcpys), (1, 0), "one captured launch");
+        assert_eq!(counters().fallbacks, 0);
+    }
+
+    /// Captures a [`common::send_spread`] of `pages` pages with MORI_SEND_COPY_KERNEL on a
+    /// capturing stream (relaxed mode), then replays the graph on `stream` twice with new source
+    /// bytes, checking every byte and that a replay runs the wide entry once when the capture
+    /// held a launch: (launches captured, per-rect copies captured).
+    fn capture_spread(pages: usize, stream: Stream) -> (i64, i64) {
+        let capturing = new_stream_with(1);
+        let src = DeviceBuffer::from_host(&vec![5u8; 2 * pages * 64]);
+        let dst = DeviceBuffer::from_host(&vec![9u8; 2 * pages * 32]);
+        let counts = || {
+            stats([
+                c"captured_launches",
+                c"memcpy2d_calls",
+                c"htod_copies",
+                c"wide_launches",
+            ])
+        };
+        let before = counts();
+        // SAFETY: a live stream of the current context.
+        assert_eq!(unsafe { (cu().begin_capture)(capturing, 2) }, 0);
+        // SAFETY: device buffers of the sizes send_spread needs, alive until the graph has run.
+        let (status, message) = unsafe {
+            common::send_spread(
+                src.ptr().cast_const(),
+                dst.ptr(),
+                pages,
+                &options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, capturing),
+            )
+        };
+        assert_eq!(status, MORI_OK, "{message}");
+        let after = counts();
+        assert_eq!(dst.read(), vec![9u8; 2 * pages * 32], "captured, not run");
+        assert_eq!(after[2] - before[2], 0, "nothing uploaded while capturing");
+        assert_eq!(after[3] - before[3], 0, "nothing run while capturing");
+        let mut graph = null_mut();
+        let mut exec = null_mut();
+        // SAFETY: the capture begun above; a live stream.
+        unsafe {
+            assert_eq!((cu().end_capture)(capturing, &mut graph), 0);
+            assert_eq!((cu().instantiate)(&mut exec, graph, 0), 0);
+        }
+        let launched = after[0] - before[0];
+        for source in [6u8, 8] {
+            let bytes = vec![source; 2 * pages * 64];
+            // SAFETY: the allocation holds that many bytes.
+            unsafe {
+                assert_eq!(
+                    (cu().memcpy_htod)(src.pointer, bytes.as_ptr().cast(), bytes.len()),
+                    0
+                );
+            }
+            let wide = stat(c"wide_launches");
+            // SAFETY: the instance above; a live stream.
+            unsafe {
+                assert_eq!((cu().graph_launch)(exec, stream), 0);
+                assert_eq!((cu().stream_synchronize)(stream), 0);
+            }
+            assert_eq!(dst.read(), common::spread_result(source, pages), "replayed");
+            assert_eq!(
+                stat(c"wide_launches") - wide,
+                launched,
+                "wide launches per replay"
+            );
+        }
+        (launched, after[1] - before[1])
     }
 
     /// Issue 45.8 on a driver older than CUDA 12.1: the wide entry is never loaded (its PTX ISA
@@ -1520,6 +1592,15 @@ mod driver {
             0,
             "nothing loaded that fails"
         );
+        // A capturing stream: the table does not fit in the 4 KiB argument, so the call takes
+        // the per-rect copies, as any uploaded table does while capturing.
+        assert_eq!(
+            capture_spread(WIDE_PAGES, stream),
+            (0, WIDE_PAGES as i64),
+            "per-rect copies captured"
+        );
+        let c = counters();
+        assert_eq!((c.fallbacks, c.fallbacks_capture), (1, 1), "{c:?}");
     }
 
     /// Issue 45.8: when the wide entry's module does not load (here the stand-in refuses it as
@@ -1544,6 +1625,19 @@ mod driver {
         );
         assert_eq!(stat(c"module_load_failures"), 1, "tried once");
         assert_eq!(stat(c"module_loads"), 1, "the main module only");
+        // A capturing stream: the wide entry is not there and an upload cannot be captured, so
+        // the per-rect copies.
+        assert_eq!(
+            capture_spread(WIDE_PAGES, stream),
+            (0, WIDE_PAGES as i64),
+            "per-rect copies captured"
+        );
+        let c = counters();
+        assert_eq!(
+            (c.fallbacks, c.fallbacks_capture, c.load_failures),
+            (1, 1, 1),
+            "{c:?}"
+        );
     }
 
     /// mori_tp_gpu_counters_get(MORI_BACKEND_CUDA).
