@@ -49,7 +49,8 @@
  * HIP_LAUNCH_PARAM_BUFFER_SIZE, &size, HIP_LAUNCH_PARAM_END}, where args is a MoriCopyKernelArgs
  * and size = sizeof args (MORI_COPY_ARGS_BYTES): the struct is the whole kernel-argument buffer.
  * (`extra` rather than kernelParams because HIP 5.2's header still says kernelParams is not
- * implemented.) Grid x = min(num_tiles, MORI_COPY_MAX_GRID_X), grid y = min(ceil(num_buffers /
+ * implemented.) The wide entry launches the same way (cuLaunchKernel with CUDA's markers) with a
+ * MoriCopyKernelWideArgs and size MORI_COPY_WIDE_ARGS_BYTES. Grid x = min(num_tiles, MORI_COPY_MAX_GRID_X), grid y = min(ceil(num_buffers /
  * buffers_per_block), MORI_COPY_MAX_GRID_Y), then within the launch's block limit
  * (mori_copy_fit, below: the persistent grid and the caller's SM budget); the kernel strides over
  * the rest, and any grid or smaller block copies the same bytes.

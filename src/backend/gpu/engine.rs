@@ -2,10 +2,10 @@
 //! What a kernel call may do on its device is chosen in the `launch` module, a second `impl`
 //! block of the same type.
 
-use std::ffi::c_void;
+use std::ffi::{CStr, c_void};
 
 use super::super::copy_kernel::{
-    BLOCK_THREADS, KERNEL_NAME, KernelArgs, KernelTable, WIDE_KERNEL_NAME, block_limit,
+    BLOCK_THREADS, KERNEL_NAME, KernelTable, WIDE_KERNEL_NAME, block_limit,
 };
 use super::super::{CopyEngine, CopyJob, CopyPath, SendOptions};
 use super::call::{Context, GpuResult, Relaxed, describe, lock, require_device, size};
@@ -472,7 +472,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
         // Fenced even when the launch failed: the upload may still be reading the pair.
         let fenced = self.fence(&mut state, lane, slot);
         drop(state);
-        self.launched(launched, &launch, &table, at)
+        self.launched(launched, KERNEL_NAME, &launch, &table, at)
             .and(fenced)
             .map_err(|error| self.also_finish(error))?;
         self.finish()
@@ -525,7 +525,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
         } else {
             launch_here()
         };
-        self.launched(launched, &launch, table, at)
+        self.launched(launched, KERNEL_NAME, &launch, table, at)
             .map_err(|error| self.also_finish(error))?;
         self.finish()
     }
@@ -573,26 +573,21 @@ impl<R: GpuRuntime> GpuEngine<R> {
         } else {
             launch_here()
         };
-        self.launched(launched, &launch, table, at)
+        self.launched(launched, WIDE_KERNEL_NAME, &launch, table, at)
             .map_err(|error| self.also_finish(error))?;
         self.finish()
     }
 
-    /// A launch's status as the crate's result, naming the entry, grid, stream and table on
-    /// failure.
+    /// A launch of `entry` (the kernel's symbol)'s status as the crate's result, naming the
+    /// entry, grid, stream and table on failure.
     pub(super) fn launched<A>(
         &self,
         launched: Result<(), GpuStatus>,
+        entry: &CStr,
         launch: &KernelLaunch<A>,
         table: &KernelTable,
         at: LaunchDevice,
     ) -> Result<()> {
-        // The entry the launch ran: the wide one's argument is not the 4 KiB struct.
-        let entry = if std::mem::size_of::<A>() == std::mem::size_of::<KernelArgs>() {
-            KERNEL_NAME
-        } else {
-            WIDE_KERNEL_NAME
-        };
         if launched.is_ok() {
             self.runtime.kernel_cache().launched();
         }
