@@ -10,7 +10,8 @@
 
 pub use crate::backend::copy_kernel::{
     BLOCK_THREADS, INLINE_TABLE_BYTES, KernelArgs, KernelArgsOf, KernelTable, TableRect,
-    WIDE_INLINE_TABLE_BYTES, WIDE_KERNEL_NAME, WideKernelArgs, block_limit, decode, inline_bytes,
+    WIDE_ARGS_BYTES, WIDE_INLINE_TABLE_BYTES, WIDE_KERNEL_NAME, WideKernelArgs, block_limit,
+    decode, inline_bytes,
 };
 pub use crate::backend::gpu::device::KernelCache;
 pub use crate::backend::gpu::engine::GpuEngine;

@@ -7,7 +7,9 @@
 //! and each thread works out the offsets of its [`SLOTS_PER_THREAD`] units of a tile once and
 //! copies them for every buffer of its group. The table (buffer bases, runs, the tiles' runs,
 //! rect offsets) travels inside the kernel's argument when it fits in
-//! [`INLINE_TABLE_BYTES`]; otherwise the engine uploads it. Everything here mirrors the C header
+//! [`INLINE_TABLE_BYTES`], or, where the runtime takes the wide entry's 32,760-byte argument
+//! (CUDA 12.1+), in [`WIDE_INLINE_TABLE_BYTES`] ([`KernelTable::launch_wide`]); otherwise the
+//! engine uploads it. Everything here mirrors the C header
 //! and `hip/copy_table.hpp` field for field and step for step (tests compare the constants, the
 //! field offsets and, through the C++ builder, the bytes), so that the engine and the kernel
 //! agree on every byte.
@@ -580,8 +582,9 @@ impl KernelTable {
         self.rows_per_buffer
     }
 
-    /// True when the table travels inside the kernel's argument: nothing to upload, and the
-    /// launch holds everything the kernel reads besides the caller's buffers.
+    /// True when the table travels inside the kernel's 4 KiB argument: nothing to upload, and
+    /// the launch holds everything the kernel reads besides the caller's buffers. (A bigger
+    /// table may still travel inside the wide entry's argument: [`KernelTable::fits_wide`].)
     pub fn is_inline(&self) -> bool {
         self.inline
     }
