@@ -263,7 +263,8 @@ const PTX_ARCH: &str = "sm_70";
 /// Compiles hip/copy_kernel.hip as CUDA device code for NVPTX with clang, without a CUDA
 /// toolkit (`-nocudainc -nocudalib`; hip/cuda_stand_in.h supplies the few CUDA names the kernel
 /// uses), into `$OUT_DIR/copy_kernel.ptx`, NUL-terminated as `cuModuleLoadData` takes PTX text,
-/// and checks that it declares the kernel's entry with its 4 KiB argument. `MORI_TP_CLANG` names
+/// and checks that it declares the kernel's entry with its 4 KiB argument; then the wide entry
+/// as a module of its own ([`build_wide_ptx`]). `MORI_TP_CLANG` names
 /// the compiler (default: the first of `clang`, `clang-21` .. `clang-14` on PATH, clang in
 /// `hipconfig --hipclangpath`, `/usr/lib/llvm-*/bin/clang`: Debian's hipcc package installs
 /// clang-15); `MORI_TP_PTX_ARCH` the architecture (default sm_70).
@@ -288,7 +289,81 @@ fn build_copy_kernel_ptx() {
     });
     let arch = env::var("MORI_TP_PTX_ARCH").unwrap_or_else(|_| PTX_ARCH.into());
     let ptx = out.join("copy_kernel.ptx.text");
-    let output = Command::new(&clang)
+    compile_ptx(&clang, &arch, &[], &ptx);
+    let text = fs::read(&ptx).expect("read the PTX");
+    check_entry(&ptx, &text, "mori_copy_kernel", 4096);
+    write_terminated(&out.join("copy_kernel.ptx"), text);
+    println!("cargo:rustc-env=MORI_TP_PTX_ARCH={arch}");
+    build_cubins(&out, &ptx, "copy_kernel");
+    build_wide_ptx(&out, &clang, &arch);
+}
+
+/// The wide entry, `mori_copy_kernel_wide`, whose argument is 32,760 bytes (a 32,696-byte table
+/// room), as a PTX module of its own: `$OUT_DIR/copy_kernel_wide.ptx` and its cubins
+/// (`copy_kernel_wide.<arch>.cubin`). Kernel parameters beyond 4 KiB need PTX ISA 8.1 and
+/// sm_70 (CUDA C++ Programming Guide, "Function Parameters"; CUDA 12.1 release notes), and
+/// clang-15 writes an older `.version`, so the line is raised to 8.1: PTX is backward compatible
+/// (an ISA version accepts every program of the earlier ones), so the text means the same under
+/// 8.1. Only a CUDA 12.1+ driver loads it, which is why it is not in the main module: an older
+/// driver still loads that one. The target is `MORI_TP_PTX_ARCH` when it is sm_70 or newer, else
+/// sm_70.
+fn build_wide_ptx(out: &Path, clang: &Path, arch: &str) {
+    let number = arch.strip_prefix("sm_").and_then(|n| {
+        n.trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse::<u32>()
+            .ok()
+    });
+    let arch = match number {
+        Some(n) if n >= 70 => arch,
+        _ => "sm_70",
+    };
+    let ptx = out.join("copy_kernel_wide.ptx.text");
+    compile_ptx(
+        clang,
+        arch,
+        &["-DMORI_COPY_NARROW_ENTRY=0", "-DMORI_COPY_WIDE_ENTRY=1"],
+        &ptx,
+    );
+    let text = String::from_utf8(fs::read(&ptx).expect("read the wide PTX"))
+        .expect("the PTX is ASCII text");
+    let mut raised = false;
+    let text: String = text
+        .lines()
+        .map(|line| {
+            let version = line.trim().strip_prefix(".version ").and_then(|v| {
+                let (major, minor) = v.trim().split_once('.')?;
+                Some((major.parse::<u32>().ok()?, minor.parse::<u32>().ok()?))
+            });
+            match version {
+                Some(v) if !raised && v < (8, 1) => {
+                    raised = true;
+                    ".version 8.1".to_string()
+                }
+                Some(_) if !raised => {
+                    raised = true;
+                    line.to_string()
+                }
+                _ => line.to_string(),
+            }
+        })
+        .map(|line| line + "\n")
+        .collect();
+    assert!(raised, "{} has no .version line", ptx.display());
+    check_entry(&ptx, text.as_bytes(), "mori_copy_kernel_wide", 32760);
+    assert!(
+        !text.contains(".entry mori_copy_kernel("),
+        "{} holds the main entry too (the wide module must hold the wide entry alone)",
+        ptx.display()
+    );
+    fs::write(&ptx, &text).expect("write the wide PTX");
+    println!("cargo:rustc-env=MORI_TP_WIDE_PTX_ARCH={arch}");
+    write_terminated(&out.join("copy_kernel_wide.ptx"), text.into_bytes());
+    build_cubins(out, &ptx, "copy_kernel_wide");
+}
+
+/// Compiles hip/copy_kernel.hip with `clang` for NVPTX `arch` with `defines` into PTX at `ptx`.
+fn compile_ptx(clang: &Path, arch: &str, defines: &[&str], ptx: &Path) {
+    let output = Command::new(clang)
         .args([
             "-x",
             "cuda",
@@ -306,31 +381,39 @@ fn build_copy_kernel_ptx() {
             "-Wno-unknown-cuda-version",
             "-S",
         ])
+        .args(defines)
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("hip/copy_kernel.hip"))
         .arg("-o")
-        .arg(&ptx)
+        .arg(ptx)
         .output()
         .unwrap_or_else(|e| panic!("{} did not run: {e}", clang.display()));
     if !output.status.success() {
         panic!(
-            "{} -x cuda --cuda-device-only --cuda-gpu-arch={arch} hip/copy_kernel.hip failed:\n{}",
+            "{} -x cuda --cuda-device-only --cuda-gpu-arch={arch} {defines:?} hip/copy_kernel.hip \
+             failed:\n{}",
             clang.display(),
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let mut text = fs::read(&ptx).expect("read the PTX");
-    let entry = String::from_utf8_lossy(&text);
+}
+
+/// Checks that the PTX `text` (read from `ptx`) declares the entry `name` with one `bytes`-byte
+/// parameter.
+fn check_entry(ptx: &Path, text: &[u8], name: &str, bytes: usize) {
+    let text = String::from_utf8_lossy(text);
     assert!(
-        entry.contains(".entry mori_copy_kernel(")
-            && entry.contains(".b8 mori_copy_kernel_param_0[4096]"),
-        "{} lacks the entry mori_copy_kernel with its 4096-byte argument",
+        text.contains(&format!(".entry {name}("))
+            && text.contains(&format!(".b8 {name}_param_0[{bytes}]")),
+        "{} lacks the entry {name} with its {bytes}-byte argument",
         ptx.display()
     );
+}
+
+/// Writes the PTX `text` NUL-terminated to `path`, as `cuModuleLoadData` takes PTX text.
+fn write_terminated(path: &Path, mut text: Vec<u8>) {
     assert!(!text.contains(&0), "PTX text holds a NUL byte");
     text.push(0);
-    fs::write(out.join("copy_kernel.ptx"), &text).expect("write the PTX");
-    println!("cargo:rustc-env=MORI_TP_PTX_ARCH={arch}");
-    build_cubins(&out, &ptx);
+    fs::write(path, &text).expect("write the PTX");
 }
 
 /// The GPUs the kernel is embedded as SASS for, beside the PTX, when `ptxas` is at hand: H100 /
@@ -338,12 +421,12 @@ fn build_copy_kernel_ptx() {
 const SASS_ARCHS: [&str; 2] = ["sm_90", "sm_100"];
 
 /// Assembles the PTX at `ptx` with `ptxas` for every arch of [`SASS_ARCHS`] into
-/// `$OUT_DIR/copy_kernel.<arch>.cubin`, so that a GPU of that compute capability loads SASS and
+/// `$OUT_DIR/<stem>.<arch>.cubin`, so that a GPU of that compute capability loads SASS and
 /// needs no JIT at first use. `MORI_TP_PTXAS` names ptxas (default: on PATH, in
 /// `$CUDA_HOME/bin`, `/usr/local/cuda/bin`); PyPI's `nvidia-cuda-nvcc-cu12` wheel ships one
 /// (`nvidia/cuda_nvcc/bin/ptxas`). Without ptxas, or for an arch it does not know, the cubin is
 /// empty and the driver JIT-compiles the PTX (a warning says so).
-fn build_cubins(out: &Path, ptx: &Path) {
+fn build_cubins(out: &Path, ptx: &Path, stem: &str) {
     for var in ["MORI_TP_PTXAS", "CUDA_HOME"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -360,7 +443,7 @@ fn build_cubins(out: &Path, ptx: &Path) {
             .find(|p| p.is_file())
     });
     for arch in SASS_ARCHS {
-        let cubin = out.join(format!("copy_kernel.{arch}.cubin"));
+        let cubin = out.join(format!("{stem}.{arch}.cubin"));
         let _ = fs::remove_file(&cubin);
         let built = match &ptxas {
             None => {
@@ -389,8 +472,8 @@ fn build_cubins(out: &Path, ptx: &Path) {
             Ok(_) => panic!("{} is not an ELF cubin", cubin.display()),
             Err(why) => {
                 println!(
-                    "cargo:warning=the copy kernel is embedded without {arch} SASS ({why}); the \
-                     driver JIT-compiles the PTX at first use"
+                    "cargo:warning=the copy kernel ({stem}) is embedded without {arch} SASS \
+                     ({why}); the driver JIT-compiles the PTX at first use"
                 );
                 fs::write(&cubin, b"").expect("write an empty cubin");
             }

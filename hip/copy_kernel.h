@@ -38,7 +38,9 @@
  *                                   (8 bytes), or with MORI_COPY_WIDE_OFFSETS two uint64 each
  *                                   (16 bytes); either way shifted right by offset_shift bits
  * When it fits in MORI_COPY_INLINE_TABLE_BYTES it travels inside the kernel's argument
- * (`inline_table`, `table` = 0), so the call uploads nothing; otherwise the host uploads it
+ * (`inline_table`, `table` = 0), so the call uploads nothing; on a CUDA 12.1+ driver one that fits
+ * in MORI_COPY_WIDE_INLINE_TABLE_BYTES travels inside the wide entry's 32,760-byte argument
+ * (MoriCopyKernelWideArgs, the same header); otherwise the host uploads it
  * (one hipMemcpyAsync into device memory, or any memory the kernel reaches) and `table` is its
  * address.
  *
@@ -47,7 +49,8 @@
  * HIP_LAUNCH_PARAM_BUFFER_SIZE, &size, HIP_LAUNCH_PARAM_END}, where args is a MoriCopyKernelArgs
  * and size = sizeof args (MORI_COPY_ARGS_BYTES): the struct is the whole kernel-argument buffer.
  * (`extra` rather than kernelParams because HIP 5.2's header still says kernelParams is not
- * implemented.) Grid x = min(num_tiles, MORI_COPY_MAX_GRID_X), grid y = min(ceil(num_buffers /
+ * implemented.) The wide entry launches the same way (cuLaunchKernel with CUDA's markers) with a
+ * MoriCopyKernelWideArgs and size MORI_COPY_WIDE_ARGS_BYTES. Grid x = min(num_tiles, MORI_COPY_MAX_GRID_X), grid y = min(ceil(num_buffers /
  * buffers_per_block), MORI_COPY_MAX_GRID_Y), then within the launch's block limit
  * (mori_copy_fit, below: the persistent grid and the caller's SM budget); the kernel strides over
  * the rest, and any grid or smaller block copies the same bytes.
@@ -66,6 +69,9 @@
 
 /* The kernel's symbol in the code object, for hipModuleGetFunction / cuModuleGetFunction. */
 #define MORI_COPY_KERNEL_NAME "mori_copy_kernel"
+/* The wide entry, the same kernel with a MoriCopyKernelWideArgs argument (CUDA 12.1+ drivers;
+ * built into a module of its own, see copy_kernel.hip). */
+#define MORI_COPY_WIDE_KERNEL_NAME "mori_copy_kernel_wide"
 
 /* Threads per block; the kernel is compiled for at most this block size (launch bounds). */
 #define MORI_COPY_BLOCK_THREADS 256u
@@ -96,6 +102,12 @@
 /* Bytes of the kernel's argument and of the table room inside it. */
 #define MORI_COPY_ARGS_BYTES 4096u
 #define MORI_COPY_INLINE_TABLE_BYTES 4032u
+/* The same for the wide entry (MORI_COPY_WIDE_KERNEL_NAME): CUDA 12.1+ drivers take kernel
+ * parameters of up to 32,764 bytes on sm_70 and newer (PTX ISA 8.1; CUDA C++ Programming Guide,
+ * "Function Parameters"), so its table room is the largest multiple of 8 with the 64-byte header
+ * within that: 32,696 bytes, 32,760 in all. HIP keeps 4 KiB. */
+#define MORI_COPY_WIDE_ARGS_BYTES 32760u
+#define MORI_COPY_WIDE_INLINE_TABLE_BYTES 32696u
 /* Bytes of one run entry. */
 #define MORI_COPY_RUN_BYTES 48u
 /* A piece at least this wide whose unit is below 16 bytes, with every buffer base and both
@@ -122,23 +134,34 @@ typedef struct MoriCopyKernelRun {
     uint32_t unit_shift;    /* log2 of the unit: 0 (bytes) to 4 (16 bytes) */
 } MoriCopyKernelRun;
 
+/* The 64-byte header of the kernel's argument, the same in both entries' argument structs. */
+#define MORI_COPY_KERNEL_ARGS_HEADER                                                          \
+    uint64_t table;             /* address of the table, or 0: it is inline_table */         \
+    uint32_t table_bytes;       /* bytes of the table */                                      \
+    uint32_t num_buffers;       /* buffer pairs */                                            \
+    uint32_t buffers_per_block; /* buffers one block copies its tile for, >= 1 */             \
+    uint32_t num_runs;                                                                        \
+    uint32_t num_tiles;         /* tiles of all runs */                                       \
+    uint32_t num_rects;         /* rect offsets in the table */                               \
+    uint32_t runs_at;           /* byte offset of the runs in the table */                    \
+    uint32_t tile_runs_at;      /* byte offset of the tiles' runs (when num_runs > 1) */      \
+    uint32_t rects_at;          /* byte offset of the rect offsets */                         \
+    uint32_t flags;             /* MORI_COPY_WIDE_OFFSETS */                                  \
+    uint32_t offset_shift;      /* rect offsets are stored shifted right by this many bits */ \
+    uint32_t reserved[3];       /* 0 */
+
 /* The kernel's one parameter, passed by value: MORI_COPY_ARGS_BYTES bytes. */
 typedef struct MoriCopyKernelArgs {
-    uint64_t table;             /* address of the table, or 0: it is inline_table */
-    uint32_t table_bytes;       /* bytes of the table */
-    uint32_t num_buffers;       /* buffer pairs */
-    uint32_t buffers_per_block; /* buffers one block copies its tile for, >= 1 */
-    uint32_t num_runs;
-    uint32_t num_tiles;         /* tiles of all runs */
-    uint32_t num_rects;         /* rect offsets in the table */
-    uint32_t runs_at;           /* byte offset of the runs in the table */
-    uint32_t tile_runs_at;      /* byte offset of the tiles' runs (when num_runs > 1) */
-    uint32_t rects_at;          /* byte offset of the rect offsets */
-    uint32_t flags;             /* MORI_COPY_WIDE_OFFSETS */
-    uint32_t offset_shift;      /* rect offsets are stored shifted right by this many bits */
-    uint32_t reserved[3];       /* 0 */
+    MORI_COPY_KERNEL_ARGS_HEADER
     uint64_t inline_table[MORI_COPY_INLINE_TABLE_BYTES / 8]; /* the table when table is 0 */
 } MoriCopyKernelArgs;
+
+/* The wide entry's one parameter: the same header and MORI_COPY_WIDE_INLINE_TABLE_BYTES of table,
+ * MORI_COPY_WIDE_ARGS_BYTES in all. */
+typedef struct MoriCopyKernelWideArgs {
+    MORI_COPY_KERNEL_ARGS_HEADER
+    uint64_t inline_table[MORI_COPY_WIDE_INLINE_TABLE_BYTES / 8]; /* the table when table is 0 */
+} MoriCopyKernelWideArgs;
 
 /* Rows of a tile and tiles per row for rows of `units` units (>= 1). */
 static inline uint32_t mori_copy_rows_per_tile(uint32_t units) {

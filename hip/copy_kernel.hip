@@ -93,9 +93,10 @@ typedef uint32_t MoriU128 __attribute__((vector_size(16)));
 #define MORI_COPY_BUFFERS_IN_FLIGHT 1
 #endif
 
-// The kernel's argument is 4 KiB of table read with per-thread indices. nvcc 11.7+ can leave it
-// in the parameter space instead of copying it per thread when it is __grid_constant__; clang
-// reads a by-value parameter in place anyway (ld.param on NVPTX, the kernarg segment on AMD).
+// The kernel's argument is 4 KiB (the wide entry's 32 KiB) of table read with per-thread
+// indices. nvcc 11.7+ can leave it in the parameter space instead of copying it per thread when
+// it is __grid_constant__; clang reads a by-value parameter in place anyway (ld.param on NVPTX,
+// the kernarg segment on AMD).
 #if defined(__CUDACC__) && !defined(__clang__) && \
     (__CUDACC_VER_MAJOR__ > 11 || (__CUDACC_VER_MAJOR__ == 11 && __CUDACC_VER_MINOR__ >= 7))
 #define MORI_GRID_CONSTANT __grid_constant__
@@ -112,9 +113,11 @@ MORI_DEVICE uint32_t min_u32(uint32_t a, uint32_t b) {
 }
 
 // Reads of the table where it lies: kInline, inside the argument; else at args.table. The kernel
-// body is instantiated for each, so that no read branches on it.
-template <bool kInline>
-MORI_DEVICE uint64_t table_u64(const MoriCopyKernelArgs &a, uint32_t at) {
+// body is instantiated for each, so that no read branches on it, and for each argument struct
+// (Args: MoriCopyKernelArgs, or MoriCopyKernelWideArgs of the wide entry), which differ only in
+// the room of inline_table.
+template <bool kInline, class Args>
+MORI_DEVICE uint64_t table_u64(const Args &a, uint32_t at) {
     // `at` is a multiple of 8.
     if (kInline) {
         return a.inline_table[at / 8];
@@ -122,8 +125,8 @@ MORI_DEVICE uint64_t table_u64(const MoriCopyKernelArgs &a, uint32_t at) {
     return mori_table_load<uint64_t>(a.table + at);
 }
 
-template <bool kInline>
-MORI_DEVICE uint32_t table_u32(const MoriCopyKernelArgs &a, uint32_t at) {
+template <bool kInline, class Args>
+MORI_DEVICE uint32_t table_u32(const Args &a, uint32_t at) {
     // `at` is a multiple of 4; the table is little-endian.
     if (kInline) {
         return static_cast<uint32_t>(a.inline_table[at / 8] >> (8 * (at % 8)));
@@ -136,8 +139,8 @@ struct Run {
     uint32_t first_rect, rows, height, units, rows_per_tile, col_chunks, first_tile, unit_shift;
 };
 
-template <bool kInline>
-MORI_DEVICE Run read_run(const MoriCopyKernelArgs &a, uint32_t index) {
+template <bool kInline, class Args>
+MORI_DEVICE Run read_run(const Args &a, uint32_t index) {
     const uint32_t at = a.runs_at + index * MORI_COPY_RUN_BYTES;
     Run run;
     run.src_pitch = table_u64<kInline>(a, at);
@@ -163,8 +166,8 @@ struct Slots {
 
 // Slot k of this thread is unit first + k * stride of the tile; a tile holds rows
 // [first_row, first_row + rows) of the run, columns [col0, col0 + cols) of each.
-template <bool kInline>
-MORI_DEVICE Slots tile_slots(const MoriCopyKernelArgs &a, const Run &run, uint32_t first_row, uint32_t col0,
+template <bool kInline, class Args>
+MORI_DEVICE Slots tile_slots(const Args &a, const Run &run, uint32_t first_row, uint32_t col0,
                              uint32_t cols, uint32_t units, uint32_t first, uint32_t stride) {
     Slots s;
     s.count = 0;
@@ -194,8 +197,8 @@ MORI_DEVICE Slots tile_slots(const MoriCopyKernelArgs &a, const Run &run, uint32
 }
 
 // The loads of one step: units of buffers [b, b + kBuffers) that lie before `end`.
-template <bool kInline, class T>
-MORI_DEVICE void load_step(const MoriCopyKernelArgs &a, const Slots &s, uint32_t b, uint32_t end,
+template <bool kInline, class T, class Args>
+MORI_DEVICE void load_step(const Args &a, const Slots &s, uint32_t b, uint32_t end,
                            T (&v)[MORI_COPY_BUFFERS_IN_FLIGHT][kSlots]) {
     constexpr uint32_t kBuffers = MORI_COPY_BUFFERS_IN_FLIGHT;
     MORI_UNROLL
@@ -213,8 +216,8 @@ MORI_DEVICE void load_step(const MoriCopyKernelArgs &a, const Slots &s, uint32_t
 }
 
 // The stores of one step.
-template <bool kInline, class T>
-MORI_DEVICE void store_step(const MoriCopyKernelArgs &a, const Slots &s, uint32_t b, uint32_t end,
+template <bool kInline, class T, class Args>
+MORI_DEVICE void store_step(const Args &a, const Slots &s, uint32_t b, uint32_t end,
                             const T (&v)[MORI_COPY_BUFFERS_IN_FLIGHT][kSlots]) {
     constexpr uint32_t kBuffers = MORI_COPY_BUFFERS_IN_FLIGHT;
     MORI_UNROLL
@@ -233,8 +236,8 @@ MORI_DEVICE void store_step(const MoriCopyKernelArgs &a, const Slots &s, uint32_
 
 // Moves the slots' units of buffers [b, end), MORI_COPY_BUFFERS_IN_FLIGHT buffers a step,
 // software-pipelined: the next step's loads go out before this step's stores.
-template <bool kInline, class T>
-MORI_DEVICE void copy_slots(const MoriCopyKernelArgs &a, const Slots &s, uint32_t b, uint32_t end) {
+template <bool kInline, class T, class Args>
+MORI_DEVICE void copy_slots(const Args &a, const Slots &s, uint32_t b, uint32_t end) {
     constexpr uint32_t kBuffers = MORI_COPY_BUFFERS_IN_FLIGHT;
     // Two register sets in turn (no copies between them): a step's loads go into one while the
     // other's stores go out.
@@ -259,8 +262,8 @@ MORI_DEVICE void copy_slots(const MoriCopyKernelArgs &a, const Slots &s, uint32_
 }
 
 // The whole launch for this block, with the table inside the argument (kInline) or in memory.
-template <bool kInline>
-MORI_DEVICE void copy_blocks(const MoriCopyKernelArgs &args) {
+template <bool kInline, class Args>
+MORI_DEVICE void copy_blocks(const Args &args) {
     const uint32_t per = args.buffers_per_block;
     const uint32_t groups = args.num_buffers / per + (args.num_buffers % per != 0);
     const uint32_t stride = blockDim.x;
@@ -319,15 +322,47 @@ MORI_DEVICE void copy_blocks(const MoriCopyKernelArgs &args) {
 #define MORI_COPY_MIN_BLOCKS_PER_SM 2
 #endif
 
-extern "C" __global__ void __launch_bounds__(MORI_COPY_BLOCK_THREADS, MORI_COPY_MIN_BLOCKS_PER_SM)
-    mori_copy_kernel(MORI_GRID_CONSTANT const MoriCopyKernelArgs args) {
+namespace mori_copy {
+
+// An entry's body: the launch for this block, whichever argument struct it takes.
+template <class Args>
+MORI_DEVICE void entry(const Args &args) {
     if (args.num_tiles == 0 || args.num_buffers == 0 || args.buffers_per_block == 0 || threadIdx.y != 0 ||
         threadIdx.z != 0) {
         return;
     }
     if (args.table == 0) {
-        mori_copy::copy_blocks<true>(args);
+        copy_blocks<true>(args);
     } else {
-        mori_copy::copy_blocks<false>(args);
+        copy_blocks<false>(args);
     }
 }
+
+}  // namespace mori_copy
+
+// Which entries this build defines: mori_copy_kernel (MORI_COPY_NARROW_ENTRY, default 1) and
+// mori_copy_kernel_wide (MORI_COPY_WIDE_ENTRY, default 0). build.rs builds the wide one alone into
+// a PTX module of its own, whose `.version` it raises to 8.1 (the first PTX ISA with parameters
+// beyond 4 KiB, which clang-15 does not emit), so that a driver older than CUDA 12.1 still loads
+// the main module; the CPU shim (tests/fake_cuda) builds both. HIP never builds the wide one: its
+// kernel argument stays 4 KiB.
+#ifndef MORI_COPY_NARROW_ENTRY
+#define MORI_COPY_NARROW_ENTRY 1
+#endif
+#ifndef MORI_COPY_WIDE_ENTRY
+#define MORI_COPY_WIDE_ENTRY 0
+#endif
+
+#if MORI_COPY_NARROW_ENTRY
+extern "C" __global__ void __launch_bounds__(MORI_COPY_BLOCK_THREADS, MORI_COPY_MIN_BLOCKS_PER_SM)
+    mori_copy_kernel(MORI_GRID_CONSTANT const MoriCopyKernelArgs args) {
+    mori_copy::entry(args);
+}
+#endif
+
+#if MORI_COPY_WIDE_ENTRY
+extern "C" __global__ void __launch_bounds__(MORI_COPY_BLOCK_THREADS, MORI_COPY_MIN_BLOCKS_PER_SM)
+    mori_copy_kernel_wide(MORI_GRID_CONSTANT const MoriCopyKernelWideArgs args) {
+    mori_copy::entry(args);
+}
+#endif

@@ -178,7 +178,9 @@ MoriTpSliceConfig config_2_to_4() {
     return config;
 }
 
-constexpr int kPages = 600;  // a table too big for the kernel's argument: uploaded
+// A table too big for the kernel's argument, the 32 KiB one of a CUDA 12.1+ driver's wide entry
+// too (8 bytes a rect, about 33.7 KB): uploaded.
+constexpr int kPages = 4200;
 constexpr size_t kUploadedSrc = 2 * kPages * 64, kUploadedDst = 2 * kPages * 32;
 constexpr size_t kSmallSrc = 4 * 64, kSmallDst = 4 * 32;
 

@@ -324,7 +324,9 @@ typedef struct MoriTpGpuCounters {
    */
   uint64_t fallbacks_memory;
   /**
-   * Failed loads of the copy kernel (each retry that failed counts).
+   * Failed loads of the copy kernel (each retry that failed counts), its wide entry's (CUDA
+   * 12.1+: tables of 4 to 32 KiB inside the argument) included: after one, that device's such
+   * tables are uploaded instead.
    */
   uint64_t load_failures;
 } MoriTpGpuCounters;

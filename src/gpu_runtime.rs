@@ -9,14 +9,15 @@
 //! them, and nothing in the library imports through it.
 
 pub use crate::backend::copy_kernel::{
-    BLOCK_THREADS, INLINE_TABLE_BYTES, KernelArgs, KernelTable, TableRect, block_limit, decode,
-    inline_bytes,
+    BLOCK_THREADS, INLINE_TABLE_BYTES, KernelArgs, KernelArgsOf, KernelTable, TableRect,
+    WIDE_ARGS_BYTES, WIDE_INLINE_TABLE_BYTES, WIDE_KERNEL_NAME, WideKernelArgs, block_limit,
+    decode, inline_bytes,
 };
 pub use crate::backend::gpu::device::KernelCache;
 pub use crate::backend::gpu::engine::GpuEngine;
 pub use crate::backend::gpu::runtime::{
     Api, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_DEFAULT, KernelImage,
     KernelLaunch, MAX_LANES, MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, PointerInfo,
-    RESET_SENTINEL_BYTES,
+    RESET_SENTINEL_BYTES, WideKernelLaunch,
 };
 pub use crate::pool::device::{DeviceMemory, POOL_TAIL_BYTES};

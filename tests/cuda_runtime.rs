@@ -140,6 +140,8 @@ fn run_child(driver: &Path, scenario: &str, env: &[(&str, &str)]) -> (bool, Stri
         "FAKE_CUDA_MODULE_LOAD_FAILS",
         "FAKE_CUDA_MAX_PITCH",
         "FAKE_CUDA_LAUNCH_SLEEP_MS",
+        "FAKE_CUDA_DRIVER_VERSION",
+        "FAKE_CUDA_WIDE_LOAD_STATUS",
     ] {
         child.env_remove(var);
     }
@@ -220,6 +222,22 @@ fn the_cuda_backend_runs_over_a_stand_in_driver() {
             "fork",
             &driver,
             &[("FAKE_CUDA_LAUNCH_SLEEP_MS", "1500")][..],
+        ),
+        ("wide_table", &driver, &[][..]),
+        (
+            "wide_table",
+            &driver,
+            &[("FAKE_CUDA_DRIVER_VERSION", "12010")][..],
+        ),
+        (
+            "wide_table_old_driver",
+            &driver,
+            &[("FAKE_CUDA_DRIVER_VERSION", "12000")][..],
+        ),
+        (
+            "wide_load_failure",
+            &driver,
+            &[("FAKE_CUDA_WIDE_LOAD_STATUS", "218")][..],
         ),
     ] {
         let (passed, text) = run_child(runtime, scenario, env);
@@ -677,6 +695,9 @@ mod driver {
             "null_stream_contexts" => null_stream_contexts(),
             "max_pitch" => max_pitch(),
             "fork" => fork(),
+            "wide_table" => wide_table(),
+            "wide_table_old_driver" => wide_table_old_driver(),
+            "wide_load_failure" => wide_load_failure(),
             other => panic!("unknown scenario {other}"),
         }
     }
@@ -1393,6 +1414,230 @@ mod driver {
         assert_eq!(status, MORI_OK, "{message}");
         assert_eq!(current_context(), own, "the caller's context stays current");
         assert_eq!(dst.read(), small_send_result(7));
+    }
+
+    /// Pages of a [`common::send_spread`] whose table (about 20 KB) is too big for the kernel's
+    /// 4 KiB argument and fits in the wide entry's 32,696 bytes.
+    const WIDE_PAGES: usize = 2500;
+
+    /// What a send changed: (htod_copies, kernel_launches, wide_launches, module_loads,
+    /// mem_allocs, host_allocs) of the stand-in.
+    fn wide_stats() -> [i64; 6] {
+        stats([
+            c"htod_copies",
+            c"kernel_launches",
+            c"wide_launches",
+            c"module_loads",
+            c"mem_allocs",
+            c"host_allocs",
+        ])
+    }
+
+    /// A [`common::send_spread`] of `pages` pages from device memory of 7s into 9s with the
+    /// kernel, synchronized, on `stream`: the stand-in's [`wide_stats`] it changed. Every byte
+    /// is checked.
+    fn spread_kernel_send(pages: usize, stream: Stream) -> [i64; 6] {
+        let src = DeviceBuffer::from_host(&vec![7u8; 2 * pages * 64]);
+        let dst = DeviceBuffer::from_host(&vec![9u8; 2 * pages * 32]);
+        let kernel = options(
+            MORI_BACKEND_CUDA,
+            MORI_SEND_SYNCHRONIZE | MORI_SEND_COPY_KERNEL,
+            stream,
+        );
+        let before = wide_stats();
+        // SAFETY: device buffers of the sizes send_spread needs; the options synchronize.
+        let (status, message) =
+            unsafe { common::send_spread(src.ptr().cast_const(), dst.ptr(), pages, &kernel) };
+        let after = wide_stats();
+        assert_eq!(status, MORI_OK, "{message}");
+        assert_eq!(dst.read(), common::spread_result(7, pages), "{pages} pages");
+        std::array::from_fn(|i| after[i] - before[i])
+    }
+
+    /// Issue 45.8: on a CUDA 12.1+ driver a table too big for the 4 KiB argument but within
+    /// 32,696 bytes travels inside the wide entry's argument: no upload, no table buffer, the
+    /// wide function launched (its module loaded once, on the first such table), every byte
+    /// right; a table beyond the wide room is uploaded as before; small tables keep the main
+    /// entry.
+    fn wide_table() {
+        use_device(0);
+        let stream = new_stream();
+        // (htod, launches, wide launches, module loads, cuMemAlloc, cuMemHostAlloc)
+        let first = spread_kernel_send(WIDE_PAGES, stream);
+        // The main module and the wide one are loaded, the reset sentinel allocated.
+        assert_eq!(first, [0, 1, 1, 2, 1, 0], "the first wide send");
+        for send in 0..3 {
+            assert_eq!(
+                spread_kernel_send(WIDE_PAGES, stream),
+                [0, 1, 1, 0, 0, 0],
+                "wide send {send}: the launch alone"
+            );
+        }
+        // A small table: the main entry, inside its 4 KiB argument.
+        assert_eq!(spread_kernel_send(4, stream), [0, 1, 0, 0, 0, 0]);
+        // Beyond the wide room: one upload (a table buffer pair the first time), the main
+        // entry.
+        let uploaded = spread_kernel_send(common::UPLOADED_PAGES, stream);
+        assert_eq!(
+            [uploaded[0], uploaded[1], uploaded[2], uploaded[3]],
+            [1, 1, 0, 0],
+            "{uploaded:?}"
+        );
+        let c = counters();
+        assert_eq!(
+            (c.kernel_launches, c.load_failures, c.fallbacks),
+            (6, 0, 0),
+            "{c:?}"
+        );
+        assert_eq!(stat(c"module_load_failures"), 0);
+        // A capturing stream: such a table is captured as one launch of the wide entry (a
+        // kernel node that owns its 32 KiB argument), not as per-rect copies, and every replay
+        // copies what the sources hold then.
+        let (captured, memcpys) = capture_spread(WIDE_PAGES, stream);
+        assert_eq!((captured, memcpys), (1, 0), "one captured launch");
+        assert_eq!(counters().fallbacks, 0);
+    }
+
+    /// Captures a [`common::send_spread`] of `pages` pages with MORI_SEND_COPY_KERNEL on a
+    /// capturing stream (relaxed mode), then replays the graph on `stream` twice with new source
+    /// bytes, checking every byte and that a replay runs the wide entry once when the capture
+    /// held a launch: (launches captured, per-rect copies captured).
+    fn capture_spread(pages: usize, stream: Stream) -> (i64, i64) {
+        let capturing = new_stream_with(1);
+        let src = DeviceBuffer::from_host(&vec![5u8; 2 * pages * 64]);
+        let dst = DeviceBuffer::from_host(&vec![9u8; 2 * pages * 32]);
+        let counts = || {
+            stats([
+                c"captured_launches",
+                c"memcpy2d_calls",
+                c"htod_copies",
+                c"wide_launches",
+            ])
+        };
+        let before = counts();
+        // SAFETY: a live stream of the current context.
+        assert_eq!(unsafe { (cu().begin_capture)(capturing, 2) }, 0);
+        // SAFETY: device buffers of the sizes send_spread needs, alive until the graph has run.
+        let (status, message) = unsafe {
+            common::send_spread(
+                src.ptr().cast_const(),
+                dst.ptr(),
+                pages,
+                &options(MORI_BACKEND_CUDA, MORI_SEND_COPY_KERNEL, capturing),
+            )
+        };
+        assert_eq!(status, MORI_OK, "{message}");
+        let after = counts();
+        assert_eq!(dst.read(), vec![9u8; 2 * pages * 32], "captured, not run");
+        assert_eq!(after[2] - before[2], 0, "nothing uploaded while capturing");
+        assert_eq!(after[3] - before[3], 0, "nothing run while capturing");
+        let mut graph = null_mut();
+        let mut exec = null_mut();
+        // SAFETY: the capture begun above; a live stream.
+        unsafe {
+            assert_eq!((cu().end_capture)(capturing, &mut graph), 0);
+            assert_eq!((cu().instantiate)(&mut exec, graph, 0), 0);
+        }
+        let launched = after[0] - before[0];
+        for source in [6u8, 8] {
+            let bytes = vec![source; 2 * pages * 64];
+            // SAFETY: the allocation holds that many bytes.
+            unsafe {
+                assert_eq!(
+                    (cu().memcpy_htod)(src.pointer, bytes.as_ptr().cast(), bytes.len()),
+                    0
+                );
+            }
+            let wide = stat(c"wide_launches");
+            // SAFETY: the instance above; a live stream.
+            unsafe {
+                assert_eq!((cu().graph_launch)(exec, stream), 0);
+                assert_eq!((cu().stream_synchronize)(stream), 0);
+            }
+            assert_eq!(dst.read(), common::spread_result(source, pages), "replayed");
+            assert_eq!(
+                stat(c"wide_launches") - wide,
+                launched,
+                "wide launches per replay"
+            );
+        }
+        (launched, after[1] - before[1])
+    }
+
+    /// Issue 45.8 on a driver older than CUDA 12.1: the wide entry is never loaded (its PTX ISA
+    /// 8.1 would be refused, and a launch with more than 4 KiB of argument too), and the table
+    /// is uploaded as before, every byte right.
+    fn wide_table_old_driver() {
+        use_device(0);
+        let stream = new_stream();
+        let first = spread_kernel_send(WIDE_PAGES, stream);
+        assert_eq!(
+            [first[0], first[1], first[2], first[3]],
+            [1, 1, 0, 1],
+            "one upload, the main module alone: {first:?}"
+        );
+        assert_eq!(
+            spread_kernel_send(WIDE_PAGES, stream),
+            [1, 1, 0, 0, 0, 0],
+            "uploaded again"
+        );
+        let c = counters();
+        assert_eq!(
+            (c.kernel_launches, c.load_failures, c.fallbacks),
+            (2, 0, 0),
+            "{c:?}"
+        );
+        assert_eq!(
+            stat(c"module_load_failures"),
+            0,
+            "nothing loaded that fails"
+        );
+        // A capturing stream: the table does not fit in the 4 KiB argument, so the call takes
+        // the per-rect copies, as any uploaded table does while capturing.
+        assert_eq!(
+            capture_spread(WIDE_PAGES, stream),
+            (0, WIDE_PAGES as i64),
+            "per-rect copies captured"
+        );
+        let c = counters();
+        assert_eq!((c.fallbacks, c.fallbacks_capture), (1, 1), "{c:?}");
+    }
+
+    /// Issue 45.8: when the wide entry's module does not load (here the stand-in refuses it as
+    /// CUDA_ERROR_INVALID_PTX), its tables are uploaded instead, the failure counted once in
+    /// load_failures (not retried, and not a per-rect fallback), every byte right.
+    fn wide_load_failure() {
+        use_device(0);
+        let stream = new_stream();
+        for send in 0..3 {
+            let made = spread_kernel_send(WIDE_PAGES, stream);
+            assert_eq!(
+                [made[0], made[1], made[2]],
+                [1, 1, 0],
+                "send {send}: uploaded, the main entry: {made:?}"
+            );
+        }
+        let c = counters();
+        assert_eq!(
+            (c.kernel_launches, c.load_failures, c.fallbacks),
+            (3, 1, 0),
+            "{c:?}"
+        );
+        assert_eq!(stat(c"module_load_failures"), 1, "tried once");
+        assert_eq!(stat(c"module_loads"), 1, "the main module only");
+        // A capturing stream: the wide entry is not there and an upload cannot be captured, so
+        // the per-rect copies.
+        assert_eq!(
+            capture_spread(WIDE_PAGES, stream),
+            (0, WIDE_PAGES as i64),
+            "per-rect copies captured"
+        );
+        let c = counters();
+        assert_eq!(
+            (c.fallbacks, c.fallbacks_capture, c.load_failures),
+            (1, 1, 1),
+            "{c:?}"
+        );
     }
 
     /// mori_tp_gpu_counters_get(MORI_BACKEND_CUDA).

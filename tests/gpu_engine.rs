@@ -31,7 +31,7 @@ use common::{
 use mori_tp::gpu_runtime::{
     CaptureMode, DeviceMemory, GpuEngine, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch,
     KernelTable, MAX_LANES, MAX_TABLE_SLOTS, MIN_TABLE_BYTES, Memcpy2dAsync, POOL_TAIL_BYTES,
-    RESET_SENTINEL_BYTES,
+    RESET_SENTINEL_BYTES, WIDE_INLINE_TABLE_BYTES,
 };
 use mori_tp::pool::{PoolMemory, PoolMemoryKind, StagingPool};
 use mori_tp::{
@@ -40,7 +40,7 @@ use mori_tp::{
 };
 use recorder::{
     Call, ILLEGAL_ADDRESS, INVALID_MEMCPY_DIRECTION, INVALID_RESOURCE_HANDLE, Recorder, TEST_IMAGE,
-    cpu_kernel_or_skip, function_handle, module_handle, names,
+    TEST_WIDE_IMAGE, cpu_kernel_or_skip, function_handle, module_handle, names,
 };
 
 /// `MORI_SEND_MEMCPY2D`: one hipMemcpy2DAsync per (buffer, rect).
@@ -1815,6 +1815,223 @@ fn an_uploaded_table_is_one_upload_one_launch_and_the_fence() {
         |c| matches!(c, Call::MemcpyHostToDevice { size, .. } if *size == launch.args.table_bytes as usize)
     ));
     assert_eq!(f.dst.ranks[3], want);
+}
+
+/// The fixture's uploaded table (4.5 KB: too big for the 4 KiB argument) through the kernel on a
+/// recorder with a wide entry (as CUDA 12.1+), `sends` times on one engine, the recorder's
+/// wide load failing with `wide_load` when given: the calls of each send, the kernel cache
+/// (its counters), and whether the destination holds what the host backend writes.
+fn wide_fixture_sends(
+    sends: usize,
+    capturing: bool,
+    wide_load: Option<GpuStatus>,
+) -> (
+    Vec<Vec<Call>>,
+    std::sync::Arc<mori_tp::gpu_runtime::KernelCache>,
+    bool,
+) {
+    let want = fixture_sent_by_host_of(Fixture::uploaded());
+    let mut f = Fixture::uploaded();
+    let stream = without_provenance_mut(0x3276_0000);
+    let cache = std::sync::Arc::new(mori_tp::gpu_runtime::KernelCache::new());
+    let shared = cache.clone();
+    let runs = kernel_fixture_sends(
+        &mut f,
+        &kernel_options(false, stream),
+        move |mut r| {
+            r.wide_room = WIDE_INLINE_TABLE_BYTES;
+            r.wide_load_status = wide_load;
+            r.capturing.set(capturing);
+            r.cache = shared;
+            r
+        },
+        sends,
+        |_, _| {},
+    );
+    let calls = runs
+        .into_iter()
+        .map(|(result, calls)| {
+            assert_eq!(result.expect("the send").copies, 4 * UPLOADED_PAGES);
+            calls
+        })
+        .collect();
+    (calls, cache, f.dst.ranks[3] == want)
+}
+
+/// The table's bytes of the fixture's uploaded table (its length as the launch must carry it).
+fn uploaded_table_len() -> usize {
+    let f = Fixture::uploaded();
+    let config = slice_config(&f.params(1)).unwrap();
+    let plan = SlicePlan::new(&config, &f.src_pages, &f.dst_pages).unwrap();
+    let bases = [(0x1000u64, 0x2000u64); 4];
+    KernelTable::build(plan.rects(), &bases)
+        .expect("a table")
+        .table_len()
+}
+
+/// Issue 45.8: on a runtime with the wide entry (CUDA 12.1+) a table too big for the 4 KiB
+/// argument travels inside the wide one: the first send loads the wide module beside the main
+/// one and launches it alone (no table buffer, upload, lane or fence), a later send is the
+/// launch alone, and the bytes are the host backend's.
+#[test]
+fn a_table_within_the_wide_room_is_one_wide_launch_with_no_upload() {
+    if cpu_kernel_or_skip("a_table_within_the_wide_room_...").is_none() {
+        return;
+    }
+    let (calls, cache, right) = wide_fixture_sends(2, false, None);
+    let counters = cache.counters();
+    assert!(right, "the bytes of the host backend");
+    let wide_launch = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter_map(|c| match c {
+                Call::LaunchWide {
+                    table, table_bytes, ..
+                } => Some((*table, *table_bytes as usize)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    for (send, calls) in calls.iter().enumerate() {
+        assert_eq!(
+            wide_launch(calls),
+            [(0, uploaded_table_len())],
+            "send {send}: one wide launch with the table inside"
+        );
+        let n = names(calls);
+        for absent in [
+            "hipMemcpyAsync",
+            "hipHostMalloc",
+            "hipStreamCreateWithFlags",
+        ] {
+            assert!(!n.contains(&absent), "send {send}: {absent} in {n:?}");
+        }
+        assert!(!calls.iter().any(|c| matches!(c, Call::Launch(_))), "{n:?}");
+    }
+    let loads = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter(|c| matches!(c, Call::ModuleLoad { .. }))
+            .count()
+    };
+    assert_eq!(loads(&calls[0]), 2, "the main module and the wide one");
+    assert_eq!(loads(&calls[1]), 0, "both stay loaded");
+    assert_eq!(
+        (
+            counters.kernel_launches,
+            counters.load_failures,
+            counters.fallbacks
+        ),
+        (2, 0, 0),
+        "{counters:?}"
+    );
+}
+
+/// Issue 45.8: a capturing stream's table within the wide room is captured as one wide launch
+/// (its node owns the argument), not as per-rect copies.
+#[test]
+fn a_capturing_stream_captures_a_wide_table_as_one_launch() {
+    if cpu_kernel_or_skip("a_capturing_stream_captures_a_wide_table_...").is_none() {
+        return;
+    }
+    let (calls, cache, right) = wide_fixture_sends(1, true, None);
+    let counters = cache.counters();
+    assert!(right);
+    let n = names(&calls[0]);
+    assert!(
+        calls[0]
+            .iter()
+            .any(|c| matches!(c, Call::LaunchWide { table: 0, .. })),
+        "{n:?}"
+    );
+    assert!(
+        !n.contains(&"hipMemcpy2DAsync") && !n.contains(&"hipMemcpyAsync"),
+        "{n:?}"
+    );
+    assert_eq!(counters.fallbacks, 0, "{counters:?}");
+}
+
+/// Issue 45.8: when the wide entry does not load, the failure is counted once (not retried) and
+/// the device's tables are uploaded as on a runtime without it; while capturing, such a table
+/// then takes the per-rect copies (a captured upload could not be replayed).
+#[test]
+fn a_wide_entry_that_does_not_load_leaves_tables_uploaded_and_is_counted_once() {
+    if cpu_kernel_or_skip("a_wide_entry_that_does_not_load_...").is_none() {
+        return;
+    }
+    let (calls, cache, right) = wide_fixture_sends(3, false, Some(GpuStatus(218)));
+    let counters = cache.counters();
+    assert!(right, "the bytes of the host backend");
+    for (send, calls) in calls.iter().enumerate() {
+        let n = names(calls);
+        assert!(
+            n.contains(&"hipMemcpyAsync"),
+            "send {send}: uploaded: {n:?}"
+        );
+        assert!(
+            calls
+                .iter()
+                .any(|c| matches!(c, Call::Launch(l) if l.args.table != 0)),
+            "send {send}: the main entry with the uploaded table: {n:?}"
+        );
+        assert!(
+            !calls.iter().any(|c| matches!(c, Call::LaunchWide { .. })),
+            "{n:?}"
+        );
+    }
+    let wide_loads: usize = calls
+        .iter()
+        .flatten()
+        .filter(
+            |c| matches!(c, Call::ModuleLoad { bytes } if *bytes == TEST_WIDE_IMAGE.bytes.len()),
+        )
+        .count();
+    assert_eq!(wide_loads, 1, "tried once");
+    assert_eq!(
+        (
+            counters.kernel_launches,
+            counters.load_failures,
+            counters.fallbacks
+        ),
+        (3, 1, 0),
+        "{counters:?}"
+    );
+    let (calls, cache, right) = wide_fixture_sends(1, true, Some(GpuStatus(218)));
+    let counters = cache.counters();
+    assert!(right);
+    let n = names(&calls[0]);
+    assert!(
+        n.contains(&"hipMemcpy2DAsync") && !n.contains(&"hipModuleLaunchKernel"),
+        "{n:?}"
+    );
+    assert_eq!(
+        (counters.fallbacks_capture, counters.load_failures),
+        (1, 1),
+        "{counters:?}"
+    );
+}
+
+/// On a runtime without the wide entry (HIP, the recorder's default) the same table is
+/// uploaded, and nothing of a wide entry is asked for or loaded.
+#[test]
+fn without_a_wide_entry_the_table_is_uploaded() {
+    if cpu_kernel_or_skip("without_a_wide_entry_the_table_is_uploaded").is_none() {
+        return;
+    }
+    let mut f = Fixture::uploaded();
+    let stream = without_provenance_mut(0x3277_0000);
+    let (result, calls) = kernel_fixture_run(&mut f, &kernel_options(false, stream), |r| r);
+    assert!(result.is_ok(), "{result:?}");
+    assert!(!calls.iter().any(|c| matches!(c, Call::LaunchWide { .. })));
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|c| matches!(c, Call::ModuleLoad { .. }))
+            .count(),
+        1,
+        "the main module only"
+    );
+    assert!(names(&calls).contains(&"hipMemcpyAsync"));
 }
 
 /// An uploaded table on a capturing stream gets the per-rect copies: a captured upload would

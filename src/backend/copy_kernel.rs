@@ -7,7 +7,9 @@
 //! and each thread works out the offsets of its [`SLOTS_PER_THREAD`] units of a tile once and
 //! copies them for every buffer of its group. The table (buffer bases, runs, the tiles' runs,
 //! rect offsets) travels inside the kernel's argument when it fits in
-//! [`INLINE_TABLE_BYTES`]; otherwise the engine uploads it. Everything here mirrors the C header
+//! [`INLINE_TABLE_BYTES`], or, where the runtime takes the wide entry's 32,760-byte argument
+//! (CUDA 12.1+), in [`WIDE_INLINE_TABLE_BYTES`] ([`KernelTable::launch_wide`]); otherwise the
+//! engine uploads it. Everything here mirrors the C header
 //! and `hip/copy_table.hpp` field for field and step for step (tests compare the constants, the
 //! field offsets and, through the C++ builder, the bytes), so that the engine and the kernel
 //! agree on every byte.
@@ -43,6 +45,14 @@ pub const MAX_RUN_ROWS: u64 = 1 << 30;
 pub const ARGS_BYTES: usize = 4096;
 /// Bytes of the table room inside the argument.
 pub const INLINE_TABLE_BYTES: usize = 4032;
+/// The wide entry's symbol (`MORI_COPY_WIDE_KERNEL_NAME`): the same kernel with a
+/// [`WIDE_ARGS_BYTES`]-byte argument, in a module of its own (CUDA 12.1+ drivers only).
+pub const WIDE_KERNEL_NAME: &std::ffi::CStr = c"mori_copy_kernel_wide";
+/// Bytes of the wide entry's argument ([`WideKernelArgs`]): the largest multiple of 8 within the
+/// 32,764 bytes of kernel parameters CUDA 12.1+ drivers take on sm_70 and newer.
+pub const WIDE_ARGS_BYTES: usize = 32_760;
+/// Bytes of the table room inside the wide argument.
+pub const WIDE_INLINE_TABLE_BYTES: usize = 32_696;
 /// Bytes of one run entry.
 pub const RUN_BYTES: usize = 48;
 /// Narrowest piece cut into a head, a 16-byte-unit body and a tail when its rows are equally
@@ -53,9 +63,17 @@ pub const WIDE_OFFSETS: u32 = 1;
 
 /// The kernel's one argument (`MoriCopyKernelArgs`), passed by value: [`ARGS_BYTES`] bytes, a
 /// 64-byte header and the table room.
+pub type KernelArgs = KernelArgsOf<{ INLINE_TABLE_BYTES / 8 }>;
+
+/// The wide entry's argument (`MoriCopyKernelWideArgs`): the same header and
+/// [`WIDE_INLINE_TABLE_BYTES`] of table room, [`WIDE_ARGS_BYTES`] in all.
+pub type WideKernelArgs = KernelArgsOf<{ WIDE_INLINE_TABLE_BYTES / 8 }>;
+
+/// An argument of the kernel with `WORDS` words of table room: [`KernelArgs`] or
+/// [`WideKernelArgs`] (the C structs share their header the same way).
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct KernelArgs {
+pub struct KernelArgsOf<const WORDS: usize> {
     /// Address of the table, or 0: the table is `inline_table`.
     pub table: u64,
     /// Bytes of the table.
@@ -83,15 +101,17 @@ pub struct KernelArgs {
     /// Zero.
     pub reserved: [u32; 3],
     /// The table when `table` is 0.
-    pub inline_table: [u64; INLINE_TABLE_BYTES / 8],
+    pub inline_table: [u64; WORDS],
 }
 
-// The kernel is compiled for exactly this argument (hip/copy_kernel.h, MORI_COPY_ARGS_BYTES).
+// The kernel is compiled for exactly these arguments (hip/copy_kernel.h, MORI_COPY_ARGS_BYTES
+// and MORI_COPY_WIDE_ARGS_BYTES).
 const _: () = assert!(std::mem::size_of::<KernelArgs>() == ARGS_BYTES);
+const _: () = assert!(std::mem::size_of::<WideKernelArgs>() == WIDE_ARGS_BYTES);
 
-impl Default for KernelArgs {
+impl<const WORDS: usize> Default for KernelArgsOf<WORDS> {
     fn default() -> Self {
-        KernelArgs {
+        KernelArgsOf {
             table: 0,
             table_bytes: 0,
             num_buffers: 0,
@@ -105,14 +125,50 @@ impl Default for KernelArgs {
             flags: 0,
             offset_shift: 0,
             reserved: [0; 3],
-            inline_table: [0; INLINE_TABLE_BYTES / 8],
+            inline_table: [0; WORDS],
         }
     }
 }
 
-impl std::fmt::Debug for KernelArgs {
+impl<const WORDS: usize> KernelArgsOf<WORDS> {
+    /// The same header with the table room of another size, filled with `table` when it fits
+    /// (else left zero and `table` not read).
+    fn with_room<const OTHER: usize>(&self, table: &[u8]) -> KernelArgsOf<OTHER> {
+        let mut args = KernelArgsOf::<OTHER> {
+            table: self.table,
+            table_bytes: self.table_bytes,
+            num_buffers: self.num_buffers,
+            buffers_per_block: self.buffers_per_block,
+            num_runs: self.num_runs,
+            num_tiles: self.num_tiles,
+            num_rects: self.num_rects,
+            runs_at: self.runs_at,
+            tile_runs_at: self.tile_runs_at,
+            rects_at: self.rects_at,
+            flags: self.flags,
+            offset_shift: self.offset_shift,
+            reserved: self.reserved,
+            inline_table: [0; OTHER],
+        };
+        if table.len() <= 8 * OTHER {
+            fill_words(&mut args.inline_table, table);
+        }
+        args
+    }
+}
+
+/// Little-endian words of `bytes` into `words` (the last one zero-padded).
+fn fill_words(words: &mut [u64], bytes: &[u8]) {
+    for (word, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
+        let mut le = [0u8; 8];
+        le[..chunk.len()].copy_from_slice(chunk);
+        *word = u64::from_le_bytes(le);
+    }
+}
+
+impl<const WORDS: usize> std::fmt::Debug for KernelArgsOf<WORDS> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The inline table only as a checksum: 4 KiB of words say nothing in a message.
+        // The inline table only as a checksum: kilobytes of words say nothing in a message.
         let inline = self
             .inline_table
             .iter()
@@ -130,6 +186,7 @@ impl std::fmt::Debug for KernelArgs {
             .field("rects_at", &self.rects_at)
             .field("flags", &self.flags)
             .field("offset_shift", &self.offset_shift)
+            .field("inline_table_bytes", &(8 * WORDS))
             .field("inline_table_hash", &format_args!("{inline:#018x}"))
             .finish()
     }
@@ -499,11 +556,7 @@ impl KernelTable {
             ..KernelArgs::default()
         };
         if inline {
-            for (word, chunk) in args.inline_table.iter_mut().zip(bytes.chunks(8)) {
-                let mut le = [0u8; 8];
-                le[..chunk.len()].copy_from_slice(chunk);
-                *word = u64::from_le_bytes(le);
-            }
+            fill_words(&mut args.inline_table, &bytes);
         }
         Ok(KernelTable {
             args,
@@ -529,8 +582,9 @@ impl KernelTable {
         self.rows_per_buffer
     }
 
-    /// True when the table travels inside the kernel's argument: nothing to upload, and the
-    /// launch holds everything the kernel reads besides the caller's buffers.
+    /// True when the table travels inside the kernel's 4 KiB argument: nothing to upload, and
+    /// the launch holds everything the kernel reads besides the caller's buffers. (A bigger
+    /// table may still travel inside the wide entry's argument: [`KernelTable::fits_wide`].)
     pub fn is_inline(&self) -> bool {
         self.inline
     }
@@ -578,6 +632,27 @@ impl KernelTable {
         let grid = fit(&mut args, max_blocks);
         (args, grid)
     }
+
+    /// True when the table fits inside the wide entry's argument ([`WIDE_INLINE_TABLE_BYTES`]).
+    pub fn fits_wide(&self) -> bool {
+        self.bytes.len() <= WIDE_INLINE_TABLE_BYTES
+    }
+
+    /// The wide entry's argument, with the whole table inside it, and the grid, for a launch of
+    /// at most `max_blocks` blocks (as [`KernelTable::launch`]); None when the table does not fit
+    /// ([`KernelTable::fits_wide`]).
+    pub fn launch_wide(&self, max_blocks: u32) -> Option<(Box<WideKernelArgs>, (u32, u32))> {
+        if !self.fits_wide() {
+            return None;
+        }
+        let mut header = KernelArgs {
+            table: 0,
+            inline_table: [0; INLINE_TABLE_BYTES / 8],
+            ..self.args
+        };
+        let grid = fit(&mut header, max_blocks);
+        Some((Box::new(header.with_room(&self.bytes)), grid))
+    }
 }
 
 /// One (buffer, rect) of a table as the kernel reads it.
@@ -596,7 +671,10 @@ pub struct TableRect {
 /// Every (buffer, rect) of the table `table` (`args.table_bytes` bytes: the uploaded copy, or
 /// the argument's `inline_table` as bytes) describes, run by run, as the kernel reads them; None
 /// when an entry lies outside `table`. (Tests check launches with it.)
-pub fn decode(args: &KernelArgs, table: &[u8]) -> Option<Vec<TableRect>> {
+pub fn decode<const WORDS: usize>(
+    args: &KernelArgsOf<WORDS>,
+    table: &[u8],
+) -> Option<Vec<TableRect>> {
     let u64_at = |at: u64| -> Option<u64> {
         let at = usize::try_from(at).ok()?;
         Some(u64::from_le_bytes(table.get(at..at + 8)?.try_into().ok()?))
@@ -642,7 +720,7 @@ pub fn decode(args: &KernelArgs, table: &[u8]) -> Option<Vec<TableRect>> {
 }
 
 /// The inline table of `args` as bytes (what [`decode`] reads when `args.table` is 0).
-pub fn inline_bytes(args: &KernelArgs) -> Vec<u8> {
+pub fn inline_bytes<const WORDS: usize>(args: &KernelArgsOf<WORDS>) -> Vec<u8> {
     args.inline_table
         .iter()
         .flat_map(|w| w.to_le_bytes())
@@ -691,6 +769,34 @@ pub(crate) static COPY_KERNEL_CUBINS: [(&str, u32, &[u8]); 2] = [
         include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel.sm_100.cubin")),
     ),
 ];
+
+/// The wide entry ([`WIDE_KERNEL_NAME`], one [`WIDE_ARGS_BYTES`]-byte parameter) as PTX of
+/// ISA 8.1, a module of its own that only CUDA 12.1+ drivers load (build.rs,
+/// `build_wide_ptx`): NUL-terminated text for `cuModuleLoadData`.
+#[cfg(feature = "cuda")]
+pub(crate) static COPY_KERNEL_WIDE_PTX: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel_wide.ptx"));
+
+/// The wide entry as SASS, as [`COPY_KERNEL_CUBINS`] holds the main one (empty without ptxas at
+/// build time: the driver JIT-compiles [`COPY_KERNEL_WIDE_PTX`]).
+#[cfg(feature = "cuda")]
+pub(crate) static COPY_KERNEL_WIDE_CUBINS: [(&str, u32, &[u8]); 2] = [
+    (
+        "sm_90 SASS",
+        90,
+        include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel_wide.sm_90.cubin")),
+    ),
+    (
+        "sm_100 SASS",
+        100,
+        include_bytes!(concat!(env!("OUT_DIR"), "/copy_kernel_wide.sm_100.cubin")),
+    ),
+];
+
+/// The virtual architecture [`COPY_KERNEL_WIDE_PTX`] targets (sm_70, or `MORI_TP_PTX_ARCH`
+/// when that is newer).
+#[cfg(feature = "cuda")]
+pub(crate) const WIDE_PTX_ARCH: &str = env!("MORI_TP_WIDE_PTX_ARCH");
 
 /// The cubin of `cubins` (name, compute capability * 10, image) for a device of compute
 /// capability `cc` (* 10): of the device's major version, the highest minor version not above
@@ -747,6 +853,46 @@ mod tests {
         assert!(text.contains("ld.global.v4.u32") && text.contains("st.global.v4.u32"));
     }
 
+    /// The wide module: the wide entry alone, with its one 32,760-byte parameter, PTX ISA 8.1
+    /// (what parameters beyond 4 KiB need), for sm_70 or newer, its argument read in place.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_embedded_wide_ptx_declares_the_wide_entry_alone_with_its_32760_byte_argument() {
+        let ptx = COPY_KERNEL_WIDE_PTX;
+        assert_eq!(ptx.last(), Some(&0), "NUL-terminated");
+        assert_eq!(ptx.iter().filter(|&&b| b == 0).count(), 1, "one NUL");
+        let text = std::str::from_utf8(&ptx[..ptx.len() - 1]).expect("PTX is text");
+        let name = WIDE_KERNEL_NAME.to_str().unwrap();
+        assert!(text.contains(&format!(".visible .entry {name}(")), "{text}");
+        let param = format!(
+            ".b8 {name}_param_0[{}]",
+            std::mem::size_of::<WideKernelArgs>()
+        );
+        assert!(text.contains(&param), "no {param:?} in the entry");
+        assert!(!text.contains(&format!("{name}_param_1")), "one parameter");
+        let main = KERNEL_NAME.to_str().unwrap();
+        assert!(
+            !text.contains(&format!(".entry {main}(")),
+            "the main entry is in the main module only"
+        );
+        let version = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(".version "))
+            .expect("a .version line");
+        assert_eq!(version.trim(), "8.1");
+        assert!(text.contains(&format!(".target {WIDE_PTX_ARCH}")));
+        let sm: u32 = WIDE_PTX_ARCH
+            .trim_start_matches("sm_")
+            .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse()
+            .expect("an sm_NN target");
+        assert!(sm >= 70, "{WIDE_PTX_ARCH}: large parameters need sm_70");
+        assert!(
+            !text.contains("__local_depot"),
+            "the argument went to local memory"
+        );
+    }
+
     /// The cubins build.rs embedded: ELF images of the kernel for their compute capability, or
     /// empty where the build had no ptxas, which MORI_TP_REQUIRE_TOOLS=1 (CI, which installs
     /// PyPI's nvidia-cuda-nvcc-cu12) makes a failure.
@@ -755,7 +901,15 @@ mod tests {
     fn the_embedded_cubins_are_the_kernel_for_sm_90_and_sm_100_when_ptxas_was_present() {
         use std::io::Write;
         let required = std::env::var_os("MORI_TP_REQUIRE_TOOLS").is_some_and(|v| v == "1");
-        for (name, sm, image) in COPY_KERNEL_CUBINS {
+        let cubins = COPY_KERNEL_CUBINS
+            .iter()
+            .map(|&(name, sm, image)| (name, sm, image, KERNEL_NAME))
+            .chain(
+                COPY_KERNEL_WIDE_CUBINS
+                    .iter()
+                    .map(|&(name, sm, image)| (name, sm, image, WIDE_KERNEL_NAME)),
+            );
+        for (name, sm, image, entry) in cubins {
             if image.is_empty() {
                 assert!(
                     !required,
@@ -769,10 +923,11 @@ mod tests {
                 continue;
             }
             assert!(image.starts_with(b"\x7fELF"), "{name}: not an ELF image");
-            let kernel = KERNEL_NAME.to_bytes();
+            // The entry's name with its NUL (the wide name begins with the main one's).
+            let kernel = entry.to_bytes_with_nul();
             assert!(
                 image.windows(kernel.len()).any(|w| w == kernel),
-                "{name}: no {KERNEL_NAME:?} in the cubin"
+                "{name}: no {entry:?} in the cubin"
             );
             // The ELF header's e_flags (offset 48) hold the SM number in their low byte (cubins
             // of CUDA 12.x; from CUDA 12.8, sm_100's too).
@@ -804,9 +959,9 @@ mod tests {
             .find(|p| p.is_file())
     }
 
-    /// Optional (no CUDA toolkit in CI): the embedded PTX assembles with the toolkit's `ptxas`
-    /// for an H200's sm_90 (and for the PTX's own target), with the argument read in place: no
-    /// stack frame and no spills. Without ptxas the test says so on stderr and passes; the
+    /// Optional (no CUDA toolkit in CI): the embedded PTX, the main module's and the wide
+    /// entry's, assembles with the toolkit's `ptxas` for an H200's sm_90 (and for the PTX's own
+    /// target), with the argument read in place: no stack frame and no spills. Without ptxas the test says so on stderr and passes; the
     /// driver's JIT on a GPU does the same assembly at `cuModuleLoadData`.
     #[cfg(feature = "cuda")]
     #[test]
@@ -822,49 +977,55 @@ mod tests {
         };
         let dir = std::env::temp_dir().join(format!("mori-tp-ptxas-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("a scratch directory");
-        let source = dir.join("copy_kernel.ptx");
-        // The text without its NUL (ptxas reads a file).
-        std::fs::write(&source, &COPY_KERNEL_PTX[..COPY_KERNEL_PTX.len() - 1]).expect("write");
-        for arch in ["sm_90", "sm_100", PTX_ARCH] {
-            let cubin = dir.join(format!("copy_kernel.{arch}.cubin"));
-            let output = std::process::Command::new(&ptxas)
-                .args([&format!("-arch={arch}"), "-v", "-o"])
-                .arg(&cubin)
-                .arg(&source)
-                .output()
-                .unwrap_or_else(|e| panic!("cannot run {}: {e}", ptxas.display()));
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-            // sm_100 needs ptxas 12.8 or later: an older one does not know the name.
-            if arch == "sm_100" && !output.status.success() && text.contains("not defined") {
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "skipped sm_100 in the_embedded_ptx_assembles_...: {} predates it",
+        // The main module and the wide one (PTX ISA 8.1, a 32,760-byte parameter).
+        for (ptx, name, own_arch) in [
+            (COPY_KERNEL_PTX, KERNEL_NAME, PTX_ARCH),
+            (COPY_KERNEL_WIDE_PTX, WIDE_KERNEL_NAME, WIDE_PTX_ARCH),
+        ] {
+            let name = name.to_str().unwrap();
+            let source = dir.join(format!("{name}.ptx"));
+            // The text without its NUL (ptxas reads a file).
+            std::fs::write(&source, &ptx[..ptx.len() - 1]).expect("write");
+            for arch in ["sm_90", "sm_100", own_arch] {
+                let cubin = dir.join(format!("{name}.{arch}.cubin"));
+                let output = std::process::Command::new(&ptxas)
+                    .args([&format!("-arch={arch}"), "-v", "-o"])
+                    .arg(&cubin)
+                    .arg(&source)
+                    .output()
+                    .unwrap_or_else(|e| panic!("cannot run {}: {e}", ptxas.display()));
+                let text = format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&output.stdout),
+                    String::from_utf8_lossy(&output.stderr)
+                );
+                // sm_100 needs ptxas 12.8 or later: an older one does not know the name.
+                if arch == "sm_100" && !output.status.success() && text.contains("not defined") {
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "skipped sm_100 in the_embedded_ptx_assembles_...: {} predates it",
+                        ptxas.display()
+                    );
+                    continue;
+                }
+                assert!(
+                    output.status.success(),
+                    "{} -arch={arch} refused the PTX:\n{text}",
                     ptxas.display()
                 );
-                continue;
+                assert!(
+                    text.contains(&format!("Compiling entry function '{name}' for '{arch}'")),
+                    "{text}"
+                );
+                assert!(
+                    text.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
+                    "the argument or registers went to local memory on {arch}:\n{text}"
+                );
+                assert!(
+                    std::fs::metadata(&cubin).is_ok_and(|m| m.len() > 0),
+                    "{arch}: no cubin"
+                );
             }
-            assert!(
-                output.status.success(),
-                "{} -arch={arch} refused the PTX:\n{text}",
-                ptxas.display()
-            );
-            let name = KERNEL_NAME.to_str().unwrap();
-            assert!(
-                text.contains(&format!("Compiling entry function '{name}' for '{arch}'")),
-                "{text}"
-            );
-            assert!(
-                text.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
-                "the argument or registers went to local memory on {arch}:\n{text}"
-            );
-            assert!(
-                std::fs::metadata(&cubin).is_ok_and(|m| m.len() > 0),
-                "{arch}: no cubin"
-            );
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -951,6 +1112,79 @@ mod tests {
         assert_eq!(std::mem::offset_of!(KernelArgs, inline_table), 64);
         assert_eq!(INLINE_TABLE_BYTES, ARGS_BYTES - 64);
         assert_eq!(TILE_UNITS, BLOCK_THREADS * SLOTS_PER_THREAD);
+    }
+
+    /// The wide argument: the same 64-byte header, and the largest multiple of 8 bytes within
+    /// the 32,764 bytes of parameters CUDA 12.1+ takes.
+    #[test]
+    fn the_wide_argument_is_the_largest_multiple_of_8_within_32764_bytes() {
+        assert_eq!(std::mem::size_of::<WideKernelArgs>(), WIDE_ARGS_BYTES);
+        assert_eq!(std::mem::offset_of!(WideKernelArgs, inline_table), 64);
+        assert_eq!(WIDE_INLINE_TABLE_BYTES, WIDE_ARGS_BYTES - 64);
+        // 32,764 bytes of parameters, rounded down to the argument's 8-byte alignment.
+        assert_eq!(WIDE_ARGS_BYTES, 32_764 / 8 * 8);
+    }
+
+    /// A table too big for the 4 KiB argument but within the wide one travels whole inside the
+    /// wide argument (table 0), with the header and grid of the ordinary launch; one entry past
+    /// the wide room has no wide launch.
+    #[test]
+    fn a_table_between_the_two_rooms_travels_inside_the_wide_argument() {
+        // One run of many one-row rects: the table is 16 bytes of bases, a run and 8 bytes a
+        // rect; the rects go backwards so that none joins its neighbour.
+        let table_of = |rects: u64| {
+            let rects: Vec<CopyRect> = (0..rects)
+                .map(|i| rect(64 * (rects - i), 64 * i, 0, 0, 32, 1))
+                .collect();
+            KernelTable::build(rects, &[(0x10_0000, 0x80_0000)]).expect("a table")
+        };
+        let room = (WIDE_INLINE_TABLE_BYTES - 16 - RUN_BYTES) / 8;
+        let table = table_of(2500);
+        assert!(
+            !table.is_inline() && table.fits_wide(),
+            "{}",
+            table.table_len()
+        );
+        let (wide, grid) = table.launch_wide(0).expect("fits");
+        let (narrow, narrow_grid) = table.launch(0xdead_0000, 0);
+        assert_eq!((wide.table, narrow.table), (0, 0xdead_0000));
+        assert_eq!(grid, narrow_grid);
+        assert_eq!(
+            (
+                wide.num_rects,
+                wide.num_tiles,
+                wide.buffers_per_block,
+                wide.table_bytes
+            ),
+            (
+                narrow.num_rects,
+                narrow.num_tiles,
+                narrow.buffers_per_block,
+                narrow.table_bytes
+            )
+        );
+        let bytes = inline_bytes(&*wide);
+        assert_eq!(&bytes[..table.table_len()], table.bytes());
+        assert!(bytes[table.table_len()..].iter().all(|&b| b == 0));
+        assert_eq!(
+            decode(&*wide, &bytes),
+            decode(&narrow, table.bytes()),
+            "the kernel reads the same rects from either"
+        );
+        // A launch limit fits the wide header as it fits the narrow one.
+        let (limited, limited_grid) = table.launch_wide(3).expect("fits");
+        assert_eq!(limited_grid, table.launch(0, 3).1);
+        assert_eq!(
+            limited.buffers_per_block,
+            table.launch(0, 3).0.buffers_per_block
+        );
+        // The last size that fits, and one rect more.
+        let full = table_of(room as u64);
+        assert_eq!(full.table_len(), WIDE_INLINE_TABLE_BYTES);
+        assert!(full.launch_wide(0).is_some());
+        let over = table_of(room as u64 + 1);
+        assert_eq!(over.table_len(), WIDE_INLINE_TABLE_BYTES + 8);
+        assert!(!over.fits_wide() && over.launch_wide(0).is_none());
     }
 
     #[test]
@@ -1374,6 +1608,11 @@ mod tests {
             ("MORI_COPY_MAX_RUN_ROWS", MAX_RUN_ROWS),
             ("MORI_COPY_ARGS_BYTES", ARGS_BYTES as u64),
             ("MORI_COPY_INLINE_TABLE_BYTES", INLINE_TABLE_BYTES as u64),
+            ("MORI_COPY_WIDE_ARGS_BYTES", WIDE_ARGS_BYTES as u64),
+            (
+                "MORI_COPY_WIDE_INLINE_TABLE_BYTES",
+                WIDE_INLINE_TABLE_BYTES as u64,
+            ),
             ("MORI_COPY_RUN_BYTES", RUN_BYTES as u64),
             ("MORI_COPY_SPLIT_MIN_WIDTH", SPLIT_MIN_WIDTH),
             ("MORI_COPY_WIDE_OFFSETS", u64::from(WIDE_OFFSETS)),
@@ -1384,10 +1623,30 @@ mod tests {
             "#define MORI_COPY_KERNEL_NAME \"{}\"",
             KERNEL_NAME.to_str().unwrap()
         )));
+        assert!(header.contains(&format!(
+            "#define MORI_COPY_WIDE_KERNEL_NAME \"{}\"",
+            WIDE_KERNEL_NAME.to_str().unwrap()
+        )));
+        // The shared header of both argument structs, a macro's lines without their `\`.
+        let shared: String = {
+            let start = header
+                .find("#define MORI_COPY_KERNEL_ARGS_HEADER")
+                .expect("the argument header macro");
+            let mut lines = Vec::new();
+            for line in header[start..].lines().skip(1) {
+                let continued = line.trim_end().ends_with('\\');
+                lines.push(line.trim_end().trim_end_matches('\\').to_string());
+                if !continued {
+                    break;
+                }
+            }
+            lines.join("\n")
+        };
         // The struct's fields, in order, with their C offsets (natural alignment).
         let fields = |name: &str| -> Vec<(String, usize)> {
             let start = header.find(&format!("typedef struct {name} {{")).unwrap();
-            let body = &header[start..start + header[start..].find('}').unwrap()];
+            let body = header[start..start + header[start..].find('}').unwrap()]
+                .replace("MORI_COPY_KERNEL_ARGS_HEADER", &shared);
             let mut at = 0usize;
             body.lines()
                 .skip(1)
@@ -1440,6 +1699,14 @@ mod tests {
         let declared = fields("MoriCopyKernelArgs");
         let rust: Vec<(String, usize)> = args.iter().map(|(n, o)| (n.to_string(), *o)).collect();
         assert_eq!(declared, rust);
+        // The wide argument: the same fields at the same offsets (one header), the table room
+        // bigger.
+        assert_eq!(fields("MoriCopyKernelWideArgs"), rust);
+        assert_eq!(offset_of!(WideKernelArgs, inline_table), 64);
+        assert_eq!(
+            offset_of!(WideKernelArgs, offset_shift),
+            offset_of!(KernelArgs, offset_shift)
+        );
         // The run entry the builder writes: these offsets, 48 bytes.
         let run: Vec<(String, usize)> = [
             ("src_pitch", 0),

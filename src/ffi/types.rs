@@ -423,7 +423,9 @@ pub struct MoriTpGpuCounters {
     /// ... because a buffer was memory the kernel may not reach (pageable host memory, a peer
     /// without MORI_SEND_COPY_KERNEL), or the stream's device could not be confirmed.
     pub fallbacks_memory: u64,
-    /// Failed loads of the copy kernel (each retry that failed counts).
+    /// Failed loads of the copy kernel (each retry that failed counts), its wide entry's (CUDA
+    /// 12.1+: tables of 4 to 32 KiB inside the argument) included: after one, that device's such
+    /// tables are uploaded instead.
     pub load_failures: u64,
 }
 

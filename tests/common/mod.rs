@@ -743,18 +743,15 @@ pub fn small_send(options: &MoriSendOptions) -> (MoriStatus, String, bool) {
 }
 
 /// One-token pages of [`config_2_to_4`] that [`send_uploaded`] moves, none next to another on
-/// either side: a rect table too big for the kernel's argument, so a GPU backend uploads it.
-pub const UPLOADED_PAGES: usize = 600;
+/// either side: a rect table too big for the kernel's argument, so a GPU backend uploads it
+/// (8 bytes a rect: about 33.7 KB, beyond the 32,696 bytes of the wide entry's argument on CUDA
+/// 12.1+ drivers, as well as the 4 KiB one).
+pub const UPLOADED_PAGES: usize = 4200;
 
 /// What the destination of a [`send_uploaded`] from source bytes `source` into bytes 9 holds: the
 /// second half (heads 6 and 7) of each source token in its destination page.
 pub fn uploaded_result(source: u8) -> Vec<u8> {
-    let mut want = vec![9u8; 2 * UPLOADED_PAGES * 32];
-    for p in 0..UPLOADED_PAGES {
-        let page = 2 * UPLOADED_PAGES - 1 - 2 * p;
-        want[page * 32..page * 32 + 32].fill(source);
-    }
-    want
+    spread_result(source, UPLOADED_PAGES)
 }
 
 /// Sends the even source pages of `2 * UPLOADED_PAGES` into the odd destination pages, from the
@@ -768,19 +765,47 @@ pub unsafe fn send_uploaded(
     dst: *mut std::ffi::c_void,
     options: &MoriSendOptions,
 ) -> (MoriStatus, String) {
+    // SAFETY: as the caller guarantees.
+    unsafe { send_spread(src, dst, UPLOADED_PAGES, options) }
+}
+
+/// What the destination of a [`send_spread`] of `pages` pages from source bytes `source` into
+/// bytes 9 holds.
+pub fn spread_result(source: u8, pages: usize) -> Vec<u8> {
+    let mut want = vec![9u8; 2 * pages * 32];
+    for p in 0..pages {
+        let page = 2 * pages - 1 - 2 * p;
+        want[page * 32..page * 32 + 32].fill(source);
+    }
+    want
+}
+
+/// [`send_uploaded`] of `pages` pages (a rect each, none next to another: a table of about 8
+/// bytes a page): the even source pages of `2 * pages` into the odd destination pages, from the
+/// last down.
+///
+/// # Safety
+/// `src` and `dst` must hold `2 * pages` pages (64 and 32 bytes each) where the backend of
+/// `options` reaches them, until the copies are complete.
+pub unsafe fn send_spread(
+    src: *const std::ffi::c_void,
+    dst: *mut std::ffi::c_void,
+    pages: usize,
+    options: &MoriSendOptions,
+) -> (MoriStatus, String) {
     let config = config_2_to_4();
-    let pages = 2 * UPLOADED_PAGES;
-    let src_pages: Vec<i32> = (0..UPLOADED_PAGES as i32).map(|p| 2 * p).collect();
-    let dst_pages: Vec<i32> = (0..UPLOADED_PAGES as i32)
-        .map(|p| pages as i32 - 1 - 2 * p)
+    let total = 2 * pages;
+    let src_pages: Vec<i32> = (0..pages as i32).map(|p| 2 * p).collect();
+    let dst_pages: Vec<i32> = (0..pages as i32)
+        .map(|p| total as i32 - 1 - 2 * p)
         .collect();
     let (srcs, dsts) = ([src], [dst]);
     let buffers = MoriKvBuffers {
         src: srcs.as_ptr(),
         dst: dsts.as_ptr(),
         num_buffers: 1,
-        src_capacity: (pages * 64) as u64,
-        dst_capacity: (pages * 32) as u64,
+        src_capacity: (total * 64) as u64,
+        dst_capacity: (total * 32) as u64,
     };
     // SAFETY: valid pointers and lengths; the buffers as the caller guarantees.
     let status = unsafe {
@@ -789,7 +814,7 @@ pub unsafe fn send_uploaded(
             &buffers,
             src_pages.as_ptr(),
             dst_pages.as_ptr(),
-            UPLOADED_PAGES,
+            pages,
             options,
         )
     };

@@ -111,6 +111,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <set>
@@ -119,6 +120,8 @@
 #include <vector>
 
 #define MORI_COPY_KERNEL_CPU
+// Both entries: the main one and the wide one (32,760-byte argument) of the CUDA 12.1+ module.
+#define MORI_COPY_WIDE_ENTRY 1
 #include "../../hip/copy_kernel.hip"
 
 // ---- cuda.h's types and values, as the driver's ABI has them ----------------------------------
@@ -151,6 +154,7 @@ enum : int {
     CUDA_ERROR_INVALID_IMAGE = 200,
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_PTX = 218,
+    CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
@@ -242,12 +246,17 @@ struct Event {
 
 struct Function {
     Module *module;
+    bool wide;  // mori_copy_kernel_wide (a MoriCopyKernelWideArgs argument)
 };
 
+// A loaded module: the entries its PTX declared (mori_copy_kernel, mori_copy_kernel_wide).
 struct Module {
     Ctx *ctx;
     bool live;
     Function function;
+    Function wide_function;
+    bool has_main;
+    bool has_wide;
 };
 
 namespace {
@@ -512,16 +521,43 @@ uint64_t checked_translate(uint64_t address) {
 
 // The table the kernel reads (directly, not through the check pass) must be memory it reaches,
 // unless it travels inside the argument.
-bool table_reachable(const MoriCopyKernelArgs &a, int device) {
-    if (a.table == 0) return a.table_bytes <= MORI_COPY_INLINE_TABLE_BYTES;
+template <class Args>
+bool table_reachable(const Args &a, int device) {
+    if (a.table == 0) return a.table_bytes <= sizeof a.inline_table;
     return kernel_reaches(device, static_cast<uintptr_t>(a.table), a.table_bytes);
 }
 
-bool kernel_args(void **params, void **extra, MoriCopyKernelArgs &args) {
-    if ((params == nullptr) == (extra == nullptr)) return false;
+// The driver's version, as cuDriverGetVersion says it (1000 * major + 10 * minor):
+// FAKE_CUDA_DRIVER_VERSION, default 12080 (CUDA 12.8).
+int driver_version() {
+    const char *version = std::getenv("FAKE_CUDA_DRIVER_VERSION");
+    return version == nullptr ? 12080 : std::atoi(version);
+}
+
+// The first driver that takes kernel parameters beyond 4 KiB (CUDA 12.1, PTX ISA 8.1) and the
+// most bytes it takes then (CUDA C++ Programming Guide, "Function Parameters": 32,764 bytes).
+constexpr int kLargeParamsDriver = 12010;
+constexpr size_t kOldParamBytes = 4096;
+constexpr size_t kLargeParamBytes = 32764;
+
+// The launch's argument buffer: through kernelParams (params[0] points at the struct) or `extra`.
+// Its size must be the function's argument struct's: what a driver before 12.1 refuses beyond
+// 4 KiB (CUDA_ERROR_INVALID_VALUE, as a launch whose parameters exceed the limit is), is refused
+// as the same status here.
+template <class Args>
+CUresult kernel_args(void **params, void **extra, Args &args) {
+    if ((params == nullptr) == (extra == nullptr)) return CUDA_ERROR_INVALID_VALUE;
+    const size_t most = driver_version() >= kLargeParamsDriver ? kLargeParamBytes : kOldParamBytes;
+    if (sizeof args > most) {
+        std::fprintf(stderr,
+                     "fake_cuda: cuLaunchKernel: a %zu-byte kernel argument on driver %d, which takes at most %zu "
+                     "bytes\n",
+                     sizeof args, driver_version(), most);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     if (params != nullptr) {
         std::memcpy(&args, params[0], sizeof args);
-        return true;
+        return CUDA_SUCCESS;
     }
     const void *buffer = nullptr;
     const size_t *size = nullptr;
@@ -534,12 +570,16 @@ bool kernel_args(void **params, void **extra, MoriCopyKernelArgs &args) {
         } else {
             std::fprintf(stderr, "fake_cuda: cuLaunchKernel: unknown marker %#lx in extra (CU_LAUNCH_PARAM_END is 0)\n",
                          static_cast<unsigned long>(marker));
-            return false;
+            return CUDA_ERROR_INVALID_VALUE;
         }
     }
-    if (buffer == nullptr || size == nullptr || *size != sizeof args) return false;
+    if (buffer == nullptr || size == nullptr || *size != sizeof args) {
+        std::fprintf(stderr, "fake_cuda: cuLaunchKernel: an argument buffer of %zu bytes for a %zu-byte argument\n",
+                     size == nullptr ? size_t{0} : *size, sizeof args);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     std::memcpy(&args, buffer, sizeof args);
-    return true;
+    return CUDA_SUCCESS;
 }
 
 const char *error_name(CUresult status) {
@@ -556,6 +596,7 @@ const char *error_name(CUresult status) {
         NAME(CUDA_ERROR_INVALID_IMAGE)
         NAME(CUDA_ERROR_INVALID_CONTEXT)
         NAME(CUDA_ERROR_INVALID_PTX)
+        NAME(CUDA_ERROR_UNSUPPORTED_PTX_VERSION)
         NAME(CUDA_ERROR_INVALID_HANDLE)
         NAME(CUDA_ERROR_NOT_FOUND)
         NAME(CUDA_ERROR_NOT_READY)
@@ -572,6 +613,41 @@ const char *error_name(CUresult status) {
     default:
         return nullptr;
     }
+}
+
+// The rest of a cuLaunchKernel once its argument is read: `kernel` with `args` on stream `s`,
+// run now or captured (counted as `stat` too, when not null).
+template <class Args>
+CUresult launch(Stream *s, MoriDim3 grid, MoriDim3 block, void (*kernel)(Args), std::shared_ptr<Args> args,
+                const char *stat) {
+    if (implicit_capture(s)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    const int device = s->ctx->device;
+    if (s->capture != nullptr) count("captured_launches");
+    // FAKE_CUDA_LAUNCH_SLEEP_MS=<n>: the call takes n ms more, holding none of the stand-in's
+    // locks (a test forks while another thread is inside a send).
+    if (const char *ms = std::getenv("FAKE_CUDA_LAUNCH_SLEEP_MS")) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
+    }
+    // `args` is a copy made now: a captured launch keeps it in the graph's node.
+    return run_or_capture(s, [=] {
+        if (!table_reachable(*args, device)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+        uint64_t seed;
+        {
+            Guard guard(lock);
+            seed = ++launches;
+        }
+        mori_cpu_translate = checked_translate;
+        launch_check.active = true;
+        launch_check.device = device;
+        launch_check.fault = false;
+        mori_cpu_launch(kernel, grid, block, *args, seed);
+        launch_check.active = false;
+        if (launch_check.fault) return CUDA_ERROR_ILLEGAL_ADDRESS;
+        mori_cpu_launch(kernel, grid, block, *args, seed);
+        count("kernel_launches");
+        if (stat != nullptr) count(stat);
+        return CUDA_SUCCESS;
+    });
 }
 
 }  // namespace
@@ -594,7 +670,9 @@ extern "C" {
 // "mem_allocs", "host_allocs", "events_created", "streams_created" (calls of
 // cuMemcpyHtoDAsync, cuMemAlloc, cuMemHostAlloc, cuEventCreate and cuStreamCreate that
 // succeeded, 0-byte copies included); "captured_launches" (cuLaunchKernel calls recorded into a
-// graph); "module_load_failures" (cuModuleLoadDataEx calls that failed); -1 for an unknown name.
+// graph); "module_load_failures" (cuModuleLoadDataEx calls that failed); "wide_launches"
+// (kernels run of the wide entry, mori_copy_kernel_wide, which kernel_launches counts too); -1
+// for an unknown name.
 long fake_cuda_stat(const char *name) {
     Guard guard(lock);
     auto it = stats.find(name);
@@ -602,7 +680,7 @@ long fake_cuda_stat(const char *name) {
     for (const char *known :
          {"module_loads", "kernel_launches", "memcpy2d_calls", "graph_launches", "invalidated_captures", "hangs",
           "primary_retains", "context_pushes", "htod_copies", "mem_allocs", "host_allocs", "events_created",
-          "streams_created", "captured_launches", "module_load_failures"}) {
+          "streams_created", "captured_launches", "module_load_failures", "wide_launches"}) {
         if (std::strcmp(known, name) == 0) return 0;
     }
     return -1;
@@ -628,7 +706,7 @@ CUresult cuInit(unsigned flags) {
 
 CUresult cuDriverGetVersion(int *version) {
     if (version == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    *version = 12080;
+    *version = driver_version();
     return CUDA_SUCCESS;
 }
 
@@ -1234,12 +1312,21 @@ CUresult cuModuleLoadData(CUmodule *module, const void *image) {
     const char *text = static_cast<const char *>(image);
     const size_t len = strnlen(text, 16u << 20);
     const std::string ptx(text, len);
-    if (len == 16u << 20 || ptx.find(".version") == std::string::npos ||
-        ptx.find(".entry " MORI_COPY_KERNEL_NAME "(") == std::string::npos) {
+    const bool has_main = ptx.find(".entry " MORI_COPY_KERNEL_NAME "(") != std::string::npos;
+    const bool has_wide = ptx.find(".entry " MORI_COPY_WIDE_KERNEL_NAME "(") != std::string::npos;
+    const size_t version_at = ptx.find(".version ");
+    if (len == 16u << 20 || version_at == std::string::npos || !(has_main || has_wide)) {
         return CUDA_ERROR_INVALID_PTX;
     }
-    auto *loaded = new Module{current(), true, {nullptr}};
+    // A driver JIT-compiles PTX of the ISA versions it knows: 8.1 from CUDA 12.1 on.
+    unsigned major = 0, minor = 0;
+    if (std::sscanf(ptx.c_str() + version_at, ".version %u.%u", &major, &minor) != 2) return CUDA_ERROR_INVALID_PTX;
+    if ((major > 8 || (major == 8 && minor >= 1)) && driver_version() < kLargeParamsDriver) {
+        return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
+    }
+    auto *loaded = new Module{current(), true, {nullptr, false}, {nullptr, true}, has_main, has_wide};
     loaded->function.module = loaded;
+    loaded->wide_function.module = loaded;
     *module = loaded;
     count("module_loads");
     return CUDA_SUCCESS;
@@ -1281,6 +1368,11 @@ CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned count,
             status = injected;
         }
     }
+    // FAKE_CUDA_WIDE_LOAD_STATUS=<n>: every load of PTX that declares the wide entry fails with n.
+    if (status == CUDA_SUCCESS && image != nullptr &&
+        std::strstr(static_cast<const char *>(image), ".entry " MORI_COPY_WIDE_KERNEL_NAME "(") != nullptr) {
+        status = status_from_env("FAKE_CUDA_WIDE_LOAD_STATUS");
+    }
     if (status == CUDA_SUCCESS) status = cuModuleLoadData(module, image);
     if (status != CUDA_SUCCESS) {
         count_load_failure();
@@ -1303,9 +1395,15 @@ CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const char *
     NEED_CONTEXT;
     if (function == nullptr || module == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (!module->live) return CUDA_ERROR_INVALID_HANDLE;
-    if (std::strcmp(name, MORI_COPY_KERNEL_NAME) != 0) return CUDA_ERROR_NOT_FOUND;
-    *function = &module->function;
-    return CUDA_SUCCESS;
+    if (module->has_main && std::strcmp(name, MORI_COPY_KERNEL_NAME) == 0) {
+        *function = &module->function;
+        return CUDA_SUCCESS;
+    }
+    if (module->has_wide && std::strcmp(name, MORI_COPY_WIDE_KERNEL_NAME) == 0) {
+        *function = &module->wide_function;
+        return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_NOT_FOUND;
 }
 
 // CU_DEVICE_ATTRIBUTE_MAX_PITCH (11): FAKE_CUDA_MAX_PITCH, else 2147483647 (what NVIDIA GPUs
@@ -1336,36 +1434,16 @@ CUresult cuLaunchKernel(CUfunction f, unsigned grid_x, unsigned grid_y, unsigned
         return CUDA_ERROR_INVALID_VALUE;
     }
     if (uint64_t{block_x} * block_y * block_z > MORI_COPY_BLOCK_THREADS) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
-    MoriCopyKernelArgs args;
-    if (!kernel_args(params, extra, args)) return CUDA_ERROR_INVALID_VALUE;
-    if (implicit_capture(s)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
-    const int device = s->ctx->device;
     const MoriDim3 grid{grid_x, grid_y, grid_z}, block{block_x, block_y, block_z};
-    if (s->capture != nullptr) count("captured_launches");
-    // FAKE_CUDA_LAUNCH_SLEEP_MS=<n>: the call takes n ms more, holding none of the stand-in's
-    // locks (a test forks while another thread is inside a send).
-    if (const char *ms = std::getenv("FAKE_CUDA_LAUNCH_SLEEP_MS")) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
+    if (f->wide) {
+        // 32 KiB: on the heap, not the caller's stack.
+        auto args = std::make_shared<MoriCopyKernelWideArgs>();
+        if (const CUresult status = kernel_args(params, extra, *args); status != CUDA_SUCCESS) return status;
+        return launch(s, grid, block, mori_copy_kernel_wide, args, "wide_launches");
     }
-    // `args` is a copy made now: a captured launch keeps it in the graph's node.
-    return run_or_capture(s, [=] {
-        if (!table_reachable(args, device)) return CUDA_ERROR_ILLEGAL_ADDRESS;
-        uint64_t seed;
-        {
-            Guard guard(lock);
-            seed = ++launches;
-        }
-        mori_cpu_translate = checked_translate;
-        launch_check.active = true;
-        launch_check.device = device;
-        launch_check.fault = false;
-        mori_cpu_launch(mori_copy_kernel, grid, block, args, seed);
-        launch_check.active = false;
-        if (launch_check.fault) return CUDA_ERROR_ILLEGAL_ADDRESS;
-        mori_cpu_launch(mori_copy_kernel, grid, block, args, seed);
-        count("kernel_launches");
-        return CUDA_SUCCESS;
-    });
+    auto args = std::make_shared<MoriCopyKernelArgs>();
+    if (const CUresult status = kernel_args(params, extra, *args); status != CUDA_SUCCESS) return status;
+    return launch(s, grid, block, mori_copy_kernel, args, nullptr);
 }
 
 }  // extern "C"

@@ -32,8 +32,9 @@ use std::sync::{Arc, OnceLock};
 use super::common;
 use mori_tp::gpu_runtime::{
     Api, BLOCK_THREADS, CaptureMode, GpuRuntime, GpuStatus, HIP_API, HIP_MEMCPY_DEFAULT,
-    INLINE_TABLE_BYTES, KernelArgs, KernelCache, KernelImage, KernelLaunch, Memcpy2dAsync,
-    PointerInfo, decode, inline_bytes,
+    INLINE_TABLE_BYTES, KernelArgs, KernelArgsOf, KernelCache, KernelImage, KernelLaunch,
+    Memcpy2dAsync, PointerInfo, WIDE_KERNEL_NAME, WideKernelArgs, WideKernelLaunch, decode,
+    inline_bytes,
 };
 
 /// `hipErrorInvalidMemcpyDirection` (hip/hip_runtime_api.h).
@@ -126,6 +127,14 @@ pub enum Call {
         stream: *mut c_void,
     },
     Launch(KernelLaunch),
+    /// A launch of the wide entry: its argument's header fields that tell launches apart.
+    LaunchWide {
+        function: *mut c_void,
+        grid: (u32, u32),
+        stream: *mut c_void,
+        table: u64,
+        table_bytes: u32,
+    },
 }
 
 impl Call {
@@ -156,7 +165,7 @@ impl Call {
             Call::PointerInfo { .. } => "hipPointerGetAttributes",
             Call::AddressRange { .. } => "hipMemGetAddressRange",
             Call::MemcpyHostToDevice { .. } => "hipMemcpyAsync",
-            Call::Launch(_) => "hipModuleLaunchKernel",
+            Call::Launch(_) | Call::LaunchWide { .. } => "hipModuleLaunchKernel",
         }
     }
 }
@@ -196,14 +205,22 @@ pub const TEST_IMAGE: KernelImage = KernelImage {
     targets: "gfx-test",
 };
 
+/// The wide entry's image, for a recorder with a wide argument (`wide_room`).
+pub const TEST_WIDE_IMAGE: KernelImage = KernelImage {
+    bytes: b"(the recorder's wide entry: it runs the CPU build)",
+    targets: "sm-test",
+};
+
 /// `tests/kernel/cpu_launch.cpp`'s entry points.
 type CpuLaunch = unsafe extern "C" fn(u32, u32, u32, u32, u32, u32, *const KernelArgs, u64);
+type CpuLaunchWide = unsafe extern "C" fn(u32, u32, u32, u32, u32, u32, *const WideKernelArgs, u64);
 type CpuLanes = unsafe extern "C" fn(*mut u64, *mut u64);
 
 /// The copy kernel's own source built for the CPU and loaded, once per test process.
 #[derive(Clone, Copy, Debug)]
 pub struct CpuKernel {
     launch: CpuLaunch,
+    launch_wide: CpuLaunchWide,
     lanes: CpuLanes,
 }
 
@@ -219,7 +236,7 @@ impl CpuKernel {
 
 /// The CPU kernel; Err says why it cannot be built or loaded.
 pub fn cpu_kernel() -> Result<CpuKernel, String> {
-    static KERNEL: OnceLock<Result<(usize, usize), String>> = OnceLock::new();
+    static KERNEL: OnceLock<Result<(usize, usize, usize), String>> = OnceLock::new();
     let addresses = KERNEL.get_or_init(|| {
         let library = common::scratch(&["cpu-kernel"])
             .join(format!("libcpu_copy_kernel.{}.so", std::process::id()));
@@ -256,7 +273,8 @@ pub fn cpu_kernel() -> Result<CpuKernel, String> {
         };
         let launch = symbol(c"mori_cpu_copy_kernel_launch");
         let lanes = symbol(c"mori_cpu_copy_kernel_lanes");
-        if launch == 0 || lanes == 0 {
+        let launch_wide = symbol(c"mori_cpu_copy_kernel_wide_launch");
+        if launch == 0 || lanes == 0 || launch_wide == 0 {
             // SAFETY: dlerror returns NULL or a NUL-terminated message.
             let why = unsafe { libc::dlerror() };
             let why = if why.is_null() {
@@ -269,13 +287,14 @@ pub fn cpu_kernel() -> Result<CpuKernel, String> {
             };
             return Err(format!("cannot load {}: {why}", library.display()));
         }
-        Ok((launch, lanes))
+        Ok((launch, lanes, launch_wide))
     });
     match addresses {
-        // SAFETY: the addresses of the two entry points, whose C signatures these are.
-        Ok((launch, lanes)) => Ok(unsafe {
+        // SAFETY: the addresses of the three entry points, whose C signatures these are.
+        Ok((launch, lanes, launch_wide)) => Ok(unsafe {
             CpuKernel {
                 launch: std::mem::transmute::<usize, CpuLaunch>(*launch),
+                launch_wide: std::mem::transmute::<usize, CpuLaunchWide>(*launch_wide),
                 lanes: std::mem::transmute::<usize, CpuLanes>(*lanes),
             }
         }),
@@ -328,6 +347,8 @@ impl Allocation {
 pub struct Module {
     device: i32,
     live: bool,
+    /// Loaded from [`TEST_WIDE_IMAGE`]: its function is the wide entry.
+    wide: bool,
 }
 
 /// Records every call; replays it on host memory, refusing what a GPU would refuse, without
@@ -363,6 +384,11 @@ pub struct Recorder {
     /// What `resident_blocks` answers (the device's SM count times the kernel's occupancy);
     /// None: the runtime cannot say.
     pub resident: Option<u32>,
+    /// What `inline_table_bytes` answers: INLINE_TABLE_BYTES (the default: no wide entry, as
+    /// HIP), or more for a runtime with the wide entry ([`TEST_WIDE_IMAGE`], as CUDA 12.1+).
+    pub wide_room: usize,
+    /// Fail every load of the wide entry's image with this status.
+    pub wide_load_status: Option<GpuStatus>,
     /// Streams capturing a graph, each (besides every stream with `capturing`).
     pub captures: RefCell<Vec<usize>>,
     /// Captures invalidated by a call the runtime refused or answered with
@@ -426,6 +452,8 @@ impl Recorder {
             capturing: Cell::new(false),
             captures_launches: true,
             resident: None,
+            wide_room: INLINE_TABLE_BYTES,
+            wide_load_status: None,
             captures: RefCell::new(Vec::new()),
             invalidated: RefCell::new(Vec::new()),
             global_capture_elsewhere: Cell::new(false),
@@ -644,10 +672,10 @@ impl Recorder {
     /// What a GPU needs before running the kernel on `device`: the table inside that device's
     /// memory (unless it travels inside the argument) and every row of every (buffer, rect) it
     /// describes inside the registered buffers.
-    fn kernel_memory_ok(&self, a: &KernelArgs, device: i32) -> bool {
+    fn kernel_memory_ok<const WORDS: usize>(&self, a: &KernelArgsOf<WORDS>, device: i32) -> bool {
         let len = a.table_bytes as usize;
         let table = if a.table == 0 {
-            if len > INLINE_TABLE_BYTES {
+            if len > 8 * WORDS {
                 return false;
             }
             inline_bytes(a)
@@ -879,10 +907,15 @@ impl GpuRuntime for Recorder {
 
     unsafe fn module_load_data(&self, image: &[u8]) -> Result<*mut c_void, GpuStatus> {
         self.record(Call::ModuleLoad { bytes: image.len() })?;
+        let wide = std::ptr::eq(image.as_ptr(), TEST_WIDE_IMAGE.bytes.as_ptr());
+        if let (true, Some(status)) = (wide, self.wide_load_status) {
+            return Err(status);
+        }
         let mut modules = self.modules.borrow_mut();
         modules.push(Module {
             device: *self.current.borrow(),
             live: true,
+            wide,
         });
         Ok(module_handle(modules.len() - 1))
     }
@@ -904,7 +937,12 @@ impl GpuRuntime for Recorder {
             "hipModuleGetFunction on another device than the module's"
         );
         // hipErrorNotFound for any other name.
-        if name != c"mori_copy_kernel" {
+        let entry = if modules[n].wide {
+            WIDE_KERNEL_NAME
+        } else {
+            c"mori_copy_kernel"
+        };
+        if name != entry {
             return Err(GpuStatus(500));
         }
         Ok(function_handle(n))
@@ -1105,6 +1143,55 @@ impl GpuRuntime for Recorder {
 
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus> {
         self.record(Call::Launch(*launch))?;
+        let device = self.launchable(launch, false)?;
+        if !self.kernel_memory_ok(&launch.args, device) {
+            return Err(ILLEGAL_ADDRESS);
+        }
+        let kernel = cpu_kernel().expect("kernel tests check for the CPU kernel first");
+        let seed = self.calls.borrow().len() as u64;
+        let (x, y) = launch.grid;
+        // SAFETY: every address the kernel touches was checked above.
+        unsafe { (kernel.launch)(x, y, 1, launch.block, 1, 1, &launch.args, seed) };
+        Ok(())
+    }
+
+    fn inline_table_bytes(&self, _device: i32) -> usize {
+        self.wide_room
+    }
+
+    fn wide_kernel_image(&self) -> Option<KernelImage> {
+        (self.wide_room > INLINE_TABLE_BYTES).then_some(TEST_WIDE_IMAGE)
+    }
+
+    unsafe fn launch_kernel_wide(&self, launch: &WideKernelLaunch) -> Result<(), GpuStatus> {
+        self.record(Call::LaunchWide {
+            function: launch.function,
+            grid: launch.grid,
+            stream: launch.stream,
+            table: launch.args.table,
+            table_bytes: launch.args.table_bytes,
+        })?;
+        assert!(
+            self.wide_room > INLINE_TABLE_BYTES,
+            "a wide launch on a runtime without the wide entry"
+        );
+        let device = self.launchable(launch, true)?;
+        if !self.kernel_memory_ok(&*launch.args, device) {
+            return Err(ILLEGAL_ADDRESS);
+        }
+        let kernel = cpu_kernel().expect("kernel tests check for the CPU kernel first");
+        let seed = self.calls.borrow().len() as u64;
+        let (x, y) = launch.grid;
+        // SAFETY: every address the kernel touches was checked above.
+        unsafe { (kernel.launch_wide)(x, y, 1, launch.block, 1, 1, &*launch.args, seed) };
+        Ok(())
+    }
+}
+
+impl Recorder {
+    /// What a launch of `launch.function` (the wide entry when `wide`) needs before it runs:
+    /// the stream's device, or the status the runtime refuses it with.
+    fn launchable<A>(&self, launch: &KernelLaunch<A>, wide: bool) -> Result<i32, GpuStatus> {
         let device = self.stream_device_of(launch.stream);
         let modules = self.modules.borrow();
         let Some(n) = (0..modules.len()).find(|&n| function_handle(n) == launch.function) else {
@@ -1112,6 +1199,10 @@ impl GpuRuntime for Recorder {
         };
         if !modules[n].live {
             return Err(INVALID_RESOURCE_HANDLE);
+        }
+        // The argument must be the entry's: the wide one's 32 KiB to the wide function only.
+        if modules[n].wide != wide {
+            return Err(GpuStatus::ERROR_INVALID_VALUE);
         }
         // clr: the function has no kernel for the stream's device.
         if modules[n].device != device {
@@ -1133,14 +1224,6 @@ impl GpuRuntime for Recorder {
         if launch.grid.0 == 0 || launch.grid.1 == 0 || launch.block > BLOCK_THREADS {
             return Err(GpuStatus(9));
         }
-        if !self.kernel_memory_ok(&launch.args, device) {
-            return Err(ILLEGAL_ADDRESS);
-        }
-        let kernel = cpu_kernel().expect("kernel tests check for the CPU kernel first");
-        let seed = self.calls.borrow().len() as u64;
-        let (x, y) = launch.grid;
-        // SAFETY: every address the kernel touches was checked above.
-        unsafe { (kernel.launch)(x, y, 1, launch.block, 1, 1, &launch.args, seed) };
-        Ok(())
+        Ok(device)
     }
 }

@@ -100,6 +100,22 @@ pub struct DeviceKernel {
     /// The blocks the device runs at once ([`GpuRuntime::resident_blocks`]): the persistent
     /// grid's limit.
     pub(super) resident: Option<u32>,
+    /// The wide entry on this device (CUDA 12.1+), loaded when the first table that needs it
+    /// comes.
+    pub(super) wide: Wide,
+}
+
+/// The wide entry of a device's kernel state ([`GpuRuntime::wide_kernel_image`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Wide {
+    /// Not loaded yet.
+    Untried,
+    /// Loaded: `mori_copy_kernel_wide`'s function.
+    Ready(usize),
+    /// Its load failed (logged and counted in [`GpuCounters::load_failures`]): tables too big for
+    /// the 4 KiB argument are uploaded on this device, as with an older driver, and the load is
+    /// not tried again while this state lives.
+    Failed,
 }
 
 /// Base addresses remembered as reachable per device before the set starts over.
@@ -175,7 +191,7 @@ pub struct GpuCounters {
     pub fallbacks_capture: u64,
     /// ... because a buffer was memory the kernel may not reach (or the stream's device unknown).
     pub fallbacks_memory: u64,
-    /// Failed loads of the copy kernel (each retried one counts).
+    /// Failed loads of the copy kernel (each retried one counts), its wide entry's included.
     pub load_failures: u64,
 }
 
@@ -242,6 +258,20 @@ impl KernelCache {
         } else {
             log::debug!("stream {stream:p}: per-rect copies instead of the copy kernel: {why}");
         }
+    }
+
+    /// Counts a failed load of the wide entry on `device`, and logs it as a warning: the
+    /// device's tables too big for the 4 KiB argument are uploaded instead, so the fallback is
+    /// never silent.
+    pub(super) fn wide_load_failed(&self, device: i32, api: &Api, error: &Error) {
+        self.counters.load_failures.fetch_add(1, Ordering::Relaxed);
+        log::warn!(
+            "mori-tp ({}): the copy kernel's wide entry (a 32 KiB argument) did not load on \
+             device {device}: {error}; tables of 4 to 32 KiB are uploaded on this device instead \
+             (one host-to-device copy and a fence each), as with a driver older than CUDA 12.1 \
+             (counted in mori_tp_gpu_counters_get's load_failures)",
+            api.backend
+        );
     }
 
     /// Counts a launch the runtime accepted.

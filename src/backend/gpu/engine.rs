@@ -2,14 +2,18 @@
 //! What a kernel call may do on its device is chosen in the `launch` module, a second `impl`
 //! block of the same type.
 
-use std::ffi::c_void;
+use std::ffi::{CStr, c_void};
 
-use super::super::copy_kernel::{BLOCK_THREADS, KernelTable, block_limit};
+use super::super::copy_kernel::{
+    BLOCK_THREADS, KERNEL_NAME, KernelTable, WIDE_KERNEL_NAME, block_limit,
+};
 use super::super::{CopyEngine, CopyJob, CopyPath, SendOptions};
 use super::call::{Context, GpuResult, Relaxed, describe, lock, require_device, size};
 use super::device::{Fallback, Kernel, LaunchChoice, LaunchDevice};
 use super::fork::{arm_fork_guard, refuse_forked_child};
-use super::runtime::{Api, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch, Memcpy2dAsync};
+use super::runtime::{
+    Api, GpuRuntime, GpuStatus, HIP_MEMCPY_DEFAULT, KernelLaunch, Memcpy2dAsync, WideKernelLaunch,
+};
 use crate::error::{Error, Result};
 
 /// Issues one copy-kernel launch per call or one `hipMemcpy2DAsync` per (buffer, rect), on one
@@ -320,7 +324,8 @@ impl<R: GpuRuntime> GpuEngine<R> {
             // this call reused it; copy nodes keep nothing of the call. A launch whose table is
             // inside its argument keeps nothing of the library's either, where the runtime copies
             // the argument into the graph's node.
-            if !table.is_inline() {
+            // (A table for the wide entry may fit; whether it loads is known below.)
+            if !table.is_inline() && !self.may_go_wide(&table)? {
                 return per_rect(
                     Fallback::Capture,
                     &format!(
@@ -408,6 +413,25 @@ impl<R: GpuRuntime> GpuEngine<R> {
             // SAFETY: as the caller guarantees.
             return unsafe { self.launch_inline(&table, function, limit, at, capturing) };
         }
+        // A table too big for the 4 KiB argument: inside the wide entry's where the runtime has
+        // one (CUDA 12.1+), else uploaded.
+        if let Some(function) = self.wide_function(&mut state, at, &table)? {
+            drop(state);
+            // SAFETY: as the caller guarantees.
+            return unsafe { self.launch_wide(&table, function, limit, at, capturing) };
+        }
+        if capturing {
+            drop(state);
+            return per_rect(
+                Fallback::Capture,
+                &format!(
+                    "the stream is capturing a graph, the table ({} bytes) does not fit in the \
+                     kernel's 4 KiB argument, and the wide entry did not load on device {}",
+                    table.table_len(),
+                    at.device
+                ),
+            );
+        }
         let bytes = table.byte_len();
         let plan = self.choose_launch(&mut state, at, bytes)?;
         let (lane, slot) = match plan {
@@ -448,7 +472,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
         // Fenced even when the launch failed: the upload may still be reading the pair.
         let fenced = self.fence(&mut state, lane, slot);
         drop(state);
-        self.launched(launched, &launch, &table, at)
+        self.launched(launched, KERNEL_NAME, &launch, &table, at)
             .and(fenced)
             .map_err(|error| self.also_finish(error))?;
         self.finish()
@@ -501,16 +525,66 @@ impl<R: GpuRuntime> GpuEngine<R> {
         } else {
             launch_here()
         };
-        self.launched(launched, &launch, table, at)
+        self.launched(launched, KERNEL_NAME, &launch, table, at)
             .map_err(|error| self.also_finish(error))?;
         self.finish()
     }
 
-    /// A launch's status as the crate's result, naming the grid, stream and table on failure.
-    pub(super) fn launched(
+    /// Whether a capturing stream's table too big for the 4 KiB argument may still travel inside
+    /// the wide entry's (the runtime has one and the stream's device takes it): only then is the
+    /// stream's device asked here.
+    fn may_go_wide(&self, table: &KernelTable) -> Result<bool> {
+        if !table.fits_wide() || self.runtime.wide_kernel_image().is_none() {
+            return Ok(false);
+        }
+        let at = self.launch_device()?;
+        Ok(self.wants_wide(table, at.device))
+    }
+
+    /// A table inside the wide entry's argument (CUDA 12.1+): as [`GpuEngine::launch_inline`],
+    /// the launch alone, of `function`, the wide entry loaded on `at.device`.
+    ///
+    /// # Safety
+    /// As for [`GpuEngine::launch_inline`].
+    pub(super) unsafe fn launch_wide(
+        &self,
+        table: &KernelTable,
+        function: usize,
+        limit: u32,
+        at: LaunchDevice,
+        capturing: bool,
+    ) -> Result<()> {
+        let (args, grid) = table
+            .launch_wide(limit)
+            .expect("wide_function checked that the table fits");
+        let launch: WideKernelLaunch = KernelLaunch {
+            function: function as *mut c_void,
+            grid,
+            block: BLOCK_THREADS,
+            stream: self.stream,
+            args,
+        };
+        // SAFETY: the wide entry was loaded on the stream's device; the argument holds the
+        // whole table, and the caller vouches for the buffers.
+        let launch_here = || unsafe { self.runtime.launch_kernel_wide(&launch) };
+        let launched = if capturing && at.device != at.current {
+            self.on_device(at, || Ok(launch_here()))
+                .map_err(|error| self.also_finish(error))?
+        } else {
+            launch_here()
+        };
+        self.launched(launched, WIDE_KERNEL_NAME, &launch, table, at)
+            .map_err(|error| self.also_finish(error))?;
+        self.finish()
+    }
+
+    /// A launch of `entry` (the kernel's symbol)'s status as the crate's result, naming the
+    /// entry, grid, stream and table on failure.
+    pub(super) fn launched<A>(
         &self,
         launched: Result<(), GpuStatus>,
-        launch: &KernelLaunch,
+        entry: &CStr,
+        launch: &KernelLaunch<A>,
         table: &KernelTable,
         at: LaunchDevice,
     ) -> Result<()> {
@@ -525,8 +599,13 @@ impl<R: GpuRuntime> GpuEngine<R> {
                 table.rows_per_buffer()
             );
             Context::args(format!(
-                "(mori_copy_kernel, grid ({}, {}, 1), block ({}, 1, 1), stream {:p}) on device {}",
-                launch.grid.0, launch.grid.1, launch.block, launch.stream, at.device
+                "({}, grid ({}, {}, 1), block ({}, 1, 1), stream {:p}) on device {}",
+                entry.to_string_lossy(),
+                launch.grid.0,
+                launch.grid.1,
+                launch.block,
+                launch.stream,
+                at.device
             ))
             .note(note)
         })

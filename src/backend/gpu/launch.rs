@@ -6,11 +6,11 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 use super::super::CopyJob;
-use super::super::copy_kernel::KERNEL_NAME;
+use super::super::copy_kernel::{KERNEL_NAME, KernelTable, WIDE_KERNEL_NAME};
 use super::call::{Context, GpuResult, describe, load_hint, lock};
 use super::device::{
     DeviceKernel, Fallback, Kernel, Lane, LaunchChoice, LaunchDevice, MAX_REMEMBERED_BASES, Reach,
-    Spares, TableBuffers,
+    Spares, TableBuffers, Wide,
 };
 use super::engine::GpuEngine;
 use super::runtime::{
@@ -66,7 +66,104 @@ impl<R: GpuRuntime> GpuEngine<R> {
                 calls: 0,
                 known: HashMap::new(),
                 probe: None,
+                wide: Wide::Untried,
             }),
+            Err(error) => {
+                // SAFETY: loaded above, on this device; nothing runs it.
+                if let Err(status) = unsafe { self.runtime.module_unload(module) } {
+                    log::warn!(
+                        "{} after a failed {} returned {}",
+                        self.api().module_unload,
+                        self.api().module_get_function,
+                        describe(&self.runtime, status)
+                    );
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// True when `table` is too big for the 4 KiB argument but the runtime takes it inside the
+    /// wide entry's argument on `device` ([`GpuRuntime::inline_table_bytes`]).
+    pub(super) fn wants_wide(&self, table: &KernelTable, device: i32) -> bool {
+        !table.is_inline()
+            && table.fits_wide()
+            && self.runtime.wide_kernel_image().is_some()
+            && table.table_len() <= self.runtime.inline_table_bytes(device)
+    }
+
+    /// The wide entry's function on `at.device` for `table` when the table travels inside its
+    /// argument ([`GpuEngine::wants_wide`]), loaded now on first use; None when it does not, or
+    /// when the wide entry did not load on the device (logged and counted once: the table is
+    /// uploaded instead).
+    pub(super) fn wide_function(
+        &self,
+        state: &mut DeviceKernel,
+        at: LaunchDevice,
+        table: &KernelTable,
+    ) -> Result<Option<usize>> {
+        if !self.wants_wide(table, at.device) {
+            return Ok(None);
+        }
+        match state.wide {
+            Wide::Ready(function) => return Ok(Some(function)),
+            Wide::Failed => return Ok(None),
+            Wide::Untried => {}
+        }
+        let loaded = self.on_device(at, || Ok(self.load_wide_here(at.device)))?;
+        state.wide = match loaded {
+            Ok(function) => Wide::Ready(function),
+            Err(error) => {
+                self.runtime
+                    .kernel_cache()
+                    .wide_load_failed(at.device, self.api(), &error);
+                Wide::Failed
+            }
+        };
+        Ok(match state.wide {
+            Wide::Ready(function) => Some(function),
+            _ => None,
+        })
+    }
+
+    /// Loads the wide entry's module on the current device, `device`, and looks its function
+    /// up (the module stays loaded for the process, as the main one does).
+    fn load_wide_here(&self, device: i32) -> Result<usize> {
+        let Some(image) = self.runtime.wide_kernel_image() else {
+            return Err(crate::error::Error::BackendUnavailable {
+                reason: "this runtime has no wide copy kernel".into(),
+            });
+        };
+        // SAFETY: the wide image build.rs embedded (or the test runtime's).
+        let module = unsafe { self.runtime.module_load_data(image.bytes) }.map_err(|status| {
+            let log = self.runtime.module_load_log();
+            let log = log.trim();
+            Context::args(format!(
+                "(wide copy kernel, {} bytes) on device {device}",
+                image.bytes.len()
+            ))
+            .note(format!(
+                " (the wide entry holds {} {}{}{log})",
+                self.api().kernel_image_what,
+                image.targets,
+                if log.is_empty() {
+                    ""
+                } else {
+                    "; the driver's log: "
+                }
+            ))
+            .error(
+                self.api().module_load_data,
+                status,
+                &describe(&self.runtime, status),
+            )
+        })?;
+        // SAFETY: `module` was just loaded, on the current device.
+        let function = unsafe { self.runtime.module_get_function(module, WIDE_KERNEL_NAME) };
+        match function.or_gpu(&self.runtime, self.api().module_get_function, || {
+            Context::args(format!("({WIDE_KERNEL_NAME:?}) on device {device}"))
+        }) {
+            Ok(function) => Ok(function as usize),
             Err(error) => {
                 // SAFETY: loaded above, on this device; nothing runs it.
                 if let Err(status) = unsafe { self.runtime.module_unload(module) } {

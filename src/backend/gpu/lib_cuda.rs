@@ -31,7 +31,12 @@
 //! - `hipMemcpyDefault` is `CU_MEMORYTYPE_UNIFIED` on both sides, which takes device, peer and
 //!   host memory (pageable host memory makes the copy synchronous);
 //! - the kernel's argument goes through `cuLaunchKernel`'s `extra` with the driver's markers
-//!   (`CU_LAUNCH_PARAM_END` is 0, where HIP's is 3).
+//!   (`CU_LAUNCH_PARAM_END` is 0, where HIP's is 3);
+//! - on a CUDA 12.1+ driver (`cuDriverGetVersion`, asked once) and a GPU of compute capability
+//!   7.0+, a table of up to 32,696 bytes travels inside the argument of the wide entry
+//!   (`mori_copy_kernel_wide`, a PTX module of ISA 8.1 of its own, loaded when the first such
+//!   table comes), so it is not uploaded; an older driver keeps the 4 KiB argument and uploads
+//!   bigger tables.
 
 use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
@@ -41,13 +46,15 @@ use std::sync::{Mutex, OnceLock};
 use cudarc::driver::sys as cu;
 
 use super::super::copy_kernel::{
-    BLOCK_THREADS, COPY_KERNEL_CUBINS, COPY_KERNEL_PTX, KernelArgs, PTX_ARCH, pick_cubin,
+    BLOCK_THREADS, COPY_KERNEL_CUBINS, COPY_KERNEL_PTX, COPY_KERNEL_WIDE_CUBINS,
+    COPY_KERNEL_WIDE_PTX, INLINE_TABLE_BYTES, KernelArgs, PTX_ARCH, WIDE_INLINE_TABLE_BYTES,
+    WIDE_PTX_ARCH, WideKernelArgs, pick_cubin,
 };
 use super::call::lock;
 use super::device::KernelCache;
 use super::runtime::{
     Api, CUDA_API, CaptureMode, GpuRuntime, GpuStatus, KernelImage, KernelLaunch, Memcpy2dAsync,
-    PointerInfo,
+    PointerInfo, WideKernelLaunch,
 };
 use crate::error::{Error, Result};
 
@@ -191,12 +198,19 @@ driver! {
 type DeviceGetAttribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> GpuStatus;
 /// `cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, function, block, dynamic_shared)`.
 type Occupancy = unsafe extern "C" fn(*mut c_int, *mut c_void, c_int, usize) -> GpuStatus;
+/// `cuDriverGetVersion(&version)` (cudarc's `cuDriverGetVersion`, looked up as the others are).
+type DriverGetVersion = unsafe extern "C" fn(*mut c_int) -> GpuStatus;
+
+/// The first driver version (1000 * major + 10 * minor, as `cuDriverGetVersion` says it) that
+/// takes kernel parameters beyond 4 KiB: CUDA 12.1 (PTX ISA 8.1; on sm_70 and newer).
+const LARGE_PARAMS_DRIVER: i32 = 12010;
 
 /// Driver functions the engine uses when present (for the persistent grid and the choice of a
 /// cubin; without them the grid is the table's and the image the PTX).
 struct Optional {
     device_get_attribute: Option<DeviceGetAttribute>,
     occupancy: Option<Occupancy>,
+    driver_get_version: Option<DriverGetVersion>,
 }
 
 impl Optional {
@@ -211,15 +225,20 @@ impl Optional {
             // SAFETY: as above.
             occupancy: find(b"cuOccupancyMaxActiveBlocksPerMultiprocessor\0")
                 .map(|a| unsafe { std::mem::transmute::<*mut c_void, Occupancy>(a) }),
+            // SAFETY: as above.
+            driver_get_version: find(b"cuDriverGetVersion\0")
+                .map(|a| unsafe { std::mem::transmute::<*mut c_void, DriverGetVersion>(a) }),
         }
     }
 }
 
-/// The loaded driver and what `cuInit(0)` returned.
+/// The loaded driver, what `cuInit(0)` returned, and the driver's version (None where it
+/// cannot say).
 struct Loaded {
     driver: Driver,
     optional: Optional,
     init: std::result::Result<(), GpuStatus>,
+    version: Option<i32>,
 }
 
 /// The driver, loaded and initialized once per process, or why it cannot be.
@@ -250,10 +269,17 @@ fn loaded() -> std::result::Result<&'static Loaded, String> {
             let init = unsafe { (driver.init)(0) }.result();
             // SAFETY: as above.
             let optional = unsafe { Optional::load(symbol) };
+            // Asked once: the driver's version does not change while the process runs.
+            let version = optional.driver_get_version.and_then(|get| {
+                let mut version: c_int = 0;
+                // SAFETY: a valid out-pointer.
+                out(unsafe { get(&mut version) }, version).ok()
+            });
             Ok(Loaded {
                 driver,
                 optional,
                 init,
+                version,
             })
         })
         .as_ref()
@@ -352,6 +378,92 @@ impl LibCuda {
         let major = self.attribute_here(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = self.attribute_here(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         pick_cubin(u32::try_from(major * 10 + minor).ok()?, &COPY_KERNEL_CUBINS)
+    }
+
+    /// `device`'s compute capability * 10 (e.g. 90), asked once per device; None where the
+    /// driver cannot say.
+    fn compute_capability(&self, device: i32) -> Option<u32> {
+        use cu::CUdevice_attribute_enum as A;
+        static CAPABILITIES: Mutex<Vec<(i32, Option<u32>)>> = Mutex::new(Vec::new());
+        if let Some(&(_, cc)) = lock(&CAPABILITIES).iter().find(|(d, _)| *d == device) {
+            return cc;
+        }
+        let get = self.loaded.optional.device_get_attribute?;
+        let mut handle: c_int = 0;
+        // SAFETY: a valid out-pointer; a bad ordinal is refused with a status.
+        let found = out(
+            unsafe { (self.driver().device_get)(&mut handle, device) },
+            (),
+        );
+        let attribute = |attribute: A| {
+            let mut value: c_int = 0;
+            // SAFETY: a valid out-pointer; a bad attribute is refused with a status.
+            out(
+                unsafe { get(&mut value, attribute as c_int, handle) },
+                value,
+            )
+            .ok()
+        };
+        let cc = found.ok().and_then(|()| {
+            let major = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            u32::try_from(major * 10 + minor).ok()
+        });
+        lock(&CAPABILITIES).push((device, cc));
+        cc
+    }
+
+    /// The embedded cubin of the wide entry for the current device, as [`LibCuda::cubin_here`].
+    fn wide_cubin_here(&self) -> Option<(&'static str, &'static [u8])> {
+        use cu::CUdevice_attribute_enum as A;
+        let major = self.attribute_here(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = self.attribute_here(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        pick_cubin(
+            u32::try_from(major * 10 + minor).ok()?,
+            &COPY_KERNEL_WIDE_CUBINS,
+        )
+    }
+
+    /// The kernel-argument buffer `args` (`size` bytes) launched as `launch` says, through
+    /// `extra` with the driver's markers; the driver copies it during the call.
+    ///
+    /// # Safety
+    /// As for [`GpuRuntime::launch_kernel`]; `args` is the whole argument of `launch.function`.
+    unsafe fn launch_buffer<A>(
+        &self,
+        launch: &KernelLaunch<A>,
+        args: *mut c_void,
+        mut size: usize,
+    ) -> std::result::Result<(), GpuStatus> {
+        let mut extra = [
+            std::ptr::without_provenance_mut(LAUNCH_PARAM_BUFFER_POINTER),
+            args,
+            std::ptr::without_provenance_mut(LAUNCH_PARAM_BUFFER_SIZE),
+            (&raw mut size).cast(),
+            std::ptr::without_provenance_mut(LAUNCH_PARAM_END),
+        ];
+        // A launch runs on the stream's context, which must be current, and the function must
+        // be of that context's module (the engine loads it in the stream's device's primary
+        // context, and refuses streams of other contexts).
+        self.on_stream(launch.stream, || {
+            // SAFETY: forwarded from the caller; `extra` and what it points to outlive the call.
+            unsafe {
+                (self.driver().launch_kernel)(
+                    launch.function,
+                    launch.grid.0,
+                    launch.grid.1,
+                    1,
+                    launch.block,
+                    1,
+                    1,
+                    0,
+                    launch.stream,
+                    null_mut(),
+                    extra.as_mut_ptr(),
+                )
+            }
+            .result()
+        })
     }
 
     /// The calling thread's current context (NULL: none).
@@ -738,15 +850,25 @@ impl GpuRuntime for LibCuda {
             out(status, module)
         });
         match loaded {
-            // A cubin the driver refuses: the PTX, which it compiles for the GPU.
+            // A cubin the driver refuses: the PTX, which it compiles for the GPU (the wide
+            // entry's PTX for one of its cubins).
             Err(status) if image.starts_with(b"\x7fELF") => {
+                let wide = COPY_KERNEL_WIDE_CUBINS
+                    .iter()
+                    .any(|(_, _, cubin)| std::ptr::eq(cubin.as_ptr(), image.as_ptr()));
                 log::warn!(
-                    "mori-tp: cuModuleLoadData of the copy kernel's cubin returned {}; loading \
+                    "mori-tp: cuModuleLoadData of the copy kernel's {}cubin returned {}; loading \
                      its PTX instead",
+                    if wide { "wide entry's " } else { "" },
                     self.error_name(status)
                 );
+                let ptx = if wide {
+                    COPY_KERNEL_WIDE_PTX
+                } else {
+                    COPY_KERNEL_PTX
+                };
                 // SAFETY: the embedded PTX, NUL-terminated text.
-                unsafe { self.module_load_data(COPY_KERNEL_PTX) }
+                unsafe { self.module_load_data(ptx) }
             }
             loaded => loaded,
         }
@@ -966,38 +1088,59 @@ impl GpuRuntime for LibCuda {
     }
 
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> std::result::Result<(), GpuStatus> {
-        // The argument struct is the kernel's whole argument buffer, passed through `extra` with
-        // the driver's markers. The driver copies it during the call.
+        // The argument struct is the kernel's whole argument buffer.
         let mut args: KernelArgs = launch.args;
-        let mut size = std::mem::size_of::<KernelArgs>();
-        let mut extra = [
-            std::ptr::without_provenance_mut(LAUNCH_PARAM_BUFFER_POINTER),
-            (&raw mut args).cast(),
-            std::ptr::without_provenance_mut(LAUNCH_PARAM_BUFFER_SIZE),
-            (&raw mut size).cast(),
-            std::ptr::without_provenance_mut(LAUNCH_PARAM_END),
-        ];
-        // A launch runs on the stream's context, which must be current, and the function must
-        // be of that context's module (the engine loads it in the stream's device's primary
-        // context, and refuses streams of other contexts).
-        self.on_stream(launch.stream, || {
-            // SAFETY: forwarded from the caller; `extra` and what it points to outlive the call.
-            unsafe {
-                (self.driver().launch_kernel)(
-                    launch.function,
-                    launch.grid.0,
-                    launch.grid.1,
-                    1,
-                    launch.block,
-                    1,
-                    1,
-                    0,
-                    launch.stream,
-                    null_mut(),
-                    extra.as_mut_ptr(),
-                )
-            }
-            .result()
+        // SAFETY: as the caller guarantees; `args` is the main entry's whole argument.
+        unsafe {
+            self.launch_buffer(
+                launch,
+                (&raw mut args).cast(),
+                std::mem::size_of::<KernelArgs>(),
+            )
+        }
+    }
+
+    fn inline_table_bytes(&self, device: i32) -> usize {
+        // Parameters beyond 4 KiB need a 12.1+ driver and sm_70+. A device whose capability
+        // the driver does not say runs the main module, whose PTX is for sm_70 or newer, so it
+        // is one too.
+        let driver = self
+            .loaded
+            .version
+            .is_some_and(|v| v >= LARGE_PARAMS_DRIVER);
+        let device_takes = self.compute_capability(device).is_none_or(|cc| cc >= 70);
+        if driver && device_takes {
+            WIDE_INLINE_TABLE_BYTES
+        } else {
+            INLINE_TABLE_BYTES
+        }
+    }
+
+    fn wide_kernel_image(&self) -> Option<KernelImage> {
+        // SASS for this GPU when the build embedded one, else the PTX (ISA 8.1).
+        if let Some((targets, bytes)) = self.wide_cubin_here() {
+            return Some(KernelImage { bytes, targets });
+        }
+        Some(KernelImage {
+            bytes: COPY_KERNEL_WIDE_PTX,
+            targets: WIDE_PTX_ARCH,
         })
+    }
+
+    unsafe fn launch_kernel_wide(
+        &self,
+        launch: &WideKernelLaunch,
+    ) -> std::result::Result<(), GpuStatus> {
+        // The boxed 32,760-byte struct is the wide entry's whole argument buffer, which the
+        // driver only reads (and copies during the call).
+        let args: *const WideKernelArgs = &*launch.args;
+        // SAFETY: as the caller guarantees; `args` is the wide entry's whole argument.
+        unsafe {
+            self.launch_buffer(
+                launch,
+                args.cast_mut().cast(),
+                std::mem::size_of::<WideKernelArgs>(),
+            )
+        }
     }
 }

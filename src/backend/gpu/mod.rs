@@ -39,6 +39,12 @@
 //! - a table that fits in the kernel's 4 KiB argument (`KernelTable::is_inline`) travels inside
 //!   it: the launch is the only call on the stream, with no table buffer, upload, lane or fence
 //!   (the runtime copies the argument during the call);
+//! - a table too big for that but within the wide entry's 32,696 bytes travels the same way
+//!   inside the wide entry's 32,760-byte argument (`mori_copy_kernel_wide`) where the runtime has
+//!   one and the device takes it ([`GpuRuntime::inline_table_bytes`]: CUDA 12.1+ drivers on
+//!   sm_70+; HIP stays at 4 KiB). The wide module is loaded on the device when the first such
+//!   table comes; if it does not load, the failure is logged and counted (`load_failures`) and
+//!   the device's tables are uploaded as below;
 //! - a bigger table takes the stream's lane and an idle table buffer pair, then on the stream
 //!   one `hipMemcpyAsync` of the table from the pair's pinned host memory into its device
 //!   buffer, the launch, and the pair's fence (below).

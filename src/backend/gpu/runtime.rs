@@ -3,7 +3,7 @@
 
 use std::ffi::{CStr, c_void};
 
-use super::super::copy_kernel::KernelArgs;
+use super::super::copy_kernel::{INLINE_TABLE_BYTES, KernelArgs, WideKernelArgs};
 use super::device::KernelCache;
 use crate::error::Result;
 
@@ -304,9 +304,10 @@ pub struct Memcpy2dAsync {
 
 /// The arguments of one `hipModuleLaunchKernel` of the copy kernel: `function` on a grid of
 /// `(grid.0, grid.1, 1)` blocks of `(block, 1, 1)` threads, no dynamic shared memory, on
-/// `stream`, with `args` as the kernel's whole argument buffer.
+/// `stream`, with `args` as the kernel's whole argument buffer: a [`KernelArgs`], or for the
+/// wide entry ([`GpuRuntime::launch_kernel_wide`]) a boxed [`WideKernelArgs`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KernelLaunch {
+pub struct KernelLaunch<A = KernelArgs> {
     /// `hipFunction_t` of the copy kernel.
     pub function: *mut c_void,
     /// Blocks in x (tiles of rows) and y (buffers).
@@ -316,8 +317,11 @@ pub struct KernelLaunch {
     /// `hipStream_t`; NULL is the null stream.
     pub stream: *mut c_void,
     /// The kernel's argument.
-    pub args: KernelArgs,
+    pub args: A,
 }
+
+/// A launch of the wide entry: its 32,760-byte argument, boxed.
+pub type WideKernelLaunch = KernelLaunch<Box<WideKernelArgs>>;
 
 /// The code objects a runtime loads for the copy kernel, and the GPU targets they cover (for
 /// messages when the device is not among them).
@@ -540,6 +544,35 @@ pub trait GpuRuntime {
     /// `launch.function` must be the copy kernel on the stream's device, and every address the
     /// table behind `launch.args` names must stay valid until the stream has run the kernel.
     unsafe fn launch_kernel(&self, launch: &KernelLaunch) -> Result<(), GpuStatus>;
+
+    /// The most table bytes a launch on `device` can carry inside its argument: [`INLINE_TABLE_BYTES`]
+    /// (the 4 KiB argument, the default, and HIP's), or more where the runtime has a wide entry
+    /// ([`GpuRuntime::wide_kernel_image`]) and the driver and device take its argument (CUDA:
+    /// [`WIDE_INLINE_TABLE_BYTES`](super::super::copy_kernel::WIDE_INLINE_TABLE_BYTES) on a
+    /// 12.1+ driver and compute capability 7.0+). The engine loads the wide entry when the first
+    /// table too big for the 4 KiB argument but within this comes.
+    fn inline_table_bytes(&self, device: i32) -> usize {
+        let _ = device;
+        INLINE_TABLE_BYTES
+    }
+
+    /// The module of the wide entry (`mori_copy_kernel_wide`, whose argument is a
+    /// [`WideKernelArgs`]), for [`GpuRuntime::module_load_data`] on the current device; None
+    /// where the runtime has none (HIP, whose argument stays 4 KiB).
+    fn wide_kernel_image(&self) -> Option<KernelImage> {
+        None
+    }
+
+    /// `launch_kernel` of the wide entry: `launch.function` is `mori_copy_kernel_wide`, and the
+    /// argument buffer is the whole [`WideKernelArgs`]. A runtime without a wide entry refuses
+    /// with `hipErrorInvalidValue` (the engine never asks it).
+    ///
+    /// # Safety
+    /// As for [`GpuRuntime::launch_kernel`], with the wide entry loaded on the stream's device.
+    unsafe fn launch_kernel_wide(&self, launch: &WideKernelLaunch) -> Result<(), GpuStatus> {
+        let _ = launch;
+        Err(GpuStatus::ERROR_INVALID_VALUE)
+    }
 
     /// Whether [`GpuRuntime::launch_kernel`] on a stream that is capturing a graph adds a kernel
     /// node to that graph which holds its own copy of the launch's argument, so that every
