@@ -8,7 +8,8 @@
 //! libamdhip64. Needs python3 with venv and pip (Debian: python3-venv), readelf, and PyPI (pip
 //! fetches setuptools, setuptools-rust and numpy). Without them this test skips, or fails when
 //! MORI_TP_REQUIRE_TOOLS is set (CI). About a minute the first time (a release build in
-//! target/wheel-test), seconds after.
+//! `wheel-test` of this test's own target directory, so that passes with other features and
+//! target directories, which .ci/run runs side by side, never share one), seconds after.
 
 mod common;
 
@@ -20,6 +21,16 @@ const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `wheel-test` in the target directory this test was built in (`<target>/<profile>/deps` holds
+/// the test executable): pip's release build of the wheel's library.
+fn wheel_target() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.ancestors()
+        .nth(3)
+        .expect("<target>/<profile>/deps/<test>")
+        .join("wheel-test")
 }
 
 /// target/<profile>/deps/python-wheel, emptied: the environment and the wheel of this run only.
@@ -116,7 +127,7 @@ fn pip_install_builds_the_library_into_the_package_and_its_tests_pass_outside_th
         .arg(&dist)
         .arg(root())
         .current_dir(&dir)
-        .env("CARGO_TARGET_DIR", root().join("target/wheel-test"));
+        .env("CARGO_TARGET_DIR", wheel_target());
     if cfg!(feature = "hip") {
         build.env("MORI_TP_FEATURES", "hip");
     } else {
