@@ -518,16 +518,29 @@ impl<R: GpuRuntime> GpuEngine<R> {
         let launch = self.launch_of(table, function, 0, limit);
         // SAFETY: the function was loaded on the stream's device; the argument holds the whole
         // table, and the caller vouches for the buffers.
-        let launch_here = || unsafe { self.runtime.launch_kernel(&launch) };
-        let launched = if capturing && at.device != at.current {
-            self.on_device(at, || Ok(launch_here()))
-                .map_err(|error| self.also_finish(error))?
-        } else {
-            launch_here()
-        };
+        let launched = self.on_launch_device(at, capturing, || unsafe {
+            self.runtime.launch_kernel(&launch)
+        })?;
         self.launched(launched, KERNEL_NAME, &launch, table, at)
             .map_err(|error| self.also_finish(error))?;
         self.finish()
+    }
+
+    /// Runs `launch_here` where a launch of an inline table goes: on the stream's device when a
+    /// capture made elsewhere needs it current, else as things are. Its status is the caller's
+    /// to report; a failure to make the device current is reported (and the call finished) here.
+    fn on_launch_device(
+        &self,
+        at: LaunchDevice,
+        capturing: bool,
+        launch_here: impl FnOnce() -> std::result::Result<(), GpuStatus>,
+    ) -> Result<std::result::Result<(), GpuStatus>> {
+        if capturing && at.device != at.current {
+            self.on_device(at, || Ok(launch_here()))
+                .map_err(|error| self.also_finish(error))
+        } else {
+            Ok(launch_here())
+        }
     }
 
     /// Whether a capturing stream's table too big for the 4 KiB argument may still travel inside
@@ -566,13 +579,9 @@ impl<R: GpuRuntime> GpuEngine<R> {
         };
         // SAFETY: the wide entry was loaded on the stream's device; the argument holds the
         // whole table, and the caller vouches for the buffers.
-        let launch_here = || unsafe { self.runtime.launch_kernel_wide(&launch) };
-        let launched = if capturing && at.device != at.current {
-            self.on_device(at, || Ok(launch_here()))
-                .map_err(|error| self.also_finish(error))?
-        } else {
-            launch_here()
-        };
+        let launched = self.on_launch_device(at, capturing, || unsafe {
+            self.runtime.launch_kernel_wide(&launch)
+        })?;
         self.launched(launched, WIDE_KERNEL_NAME, &launch, table, at)
             .map_err(|error| self.also_finish(error))?;
         self.finish()

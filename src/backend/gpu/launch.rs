@@ -70,16 +70,26 @@ impl<R: GpuRuntime> GpuEngine<R> {
             }),
             Err(error) => {
                 // SAFETY: loaded above, on this device; nothing runs it.
-                if let Err(status) = unsafe { self.runtime.module_unload(module) } {
-                    log::warn!(
-                        "{} after a failed {} returned {}",
-                        self.api().module_unload,
-                        self.api().module_get_function,
-                        describe(&self.runtime, status)
-                    );
-                }
+                unsafe { self.unload_after_failed_lookup(module) };
                 Err(error)
             }
+        }
+    }
+
+    /// Unloads `module`, whose function could not be found, logging (not returning) a failure:
+    /// the lookup's error is the one the caller reports.
+    ///
+    /// # Safety
+    /// `module` was loaded on the current device and nothing runs it.
+    unsafe fn unload_after_failed_lookup(&self, module: *mut c_void) {
+        // SAFETY: as the caller guarantees.
+        if let Err(status) = unsafe { self.runtime.module_unload(module) } {
+            log::warn!(
+                "{} after a failed {} returned {}",
+                self.api().module_unload,
+                self.api().module_get_function,
+                describe(&self.runtime, status)
+            );
         }
     }
 
@@ -166,14 +176,7 @@ impl<R: GpuRuntime> GpuEngine<R> {
             Ok(function) => Ok(function as usize),
             Err(error) => {
                 // SAFETY: loaded above, on this device; nothing runs it.
-                if let Err(status) = unsafe { self.runtime.module_unload(module) } {
-                    log::warn!(
-                        "{} after a failed {} returned {}",
-                        self.api().module_unload,
-                        self.api().module_get_function,
-                        describe(&self.runtime, status)
-                    );
-                }
+                unsafe { self.unload_after_failed_lookup(module) };
                 Err(error)
             }
         }
